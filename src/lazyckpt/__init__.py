@@ -1,0 +1,34 @@
+"""lazyckpt: lazy asynchronous checkpointing for PyTorch.
+
+``save()`` returns at once; tensors are copied to reused host buffers in the background while
+training runs forward and backward; the next optimizer step waits only if those copies are not
+done; writer threads write files that ``torch.load`` / ``safetensors`` read, committed atomically.
+"""
+
+from ._commit import cleanup_temporaries
+from ._handle import SaveHandle, SaveStats
+from .checkpointer import BackpressureWarning, LazyCheckpointer
+from .errors import (
+    CheckpointerClosedError,
+    LazyCkptError,
+    SaveRefusedError,
+    StaleTensorError,
+    VerificationError,
+    WriteError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BackpressureWarning",
+    "CheckpointerClosedError",
+    "LazyCheckpointer",
+    "LazyCkptError",
+    "SaveHandle",
+    "SaveRefusedError",
+    "SaveStats",
+    "StaleTensorError",
+    "VerificationError",
+    "WriteError",
+    "cleanup_temporaries",
+]

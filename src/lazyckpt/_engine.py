@@ -1,0 +1,232 @@
+"""The engine: the staging thread, the writer pool and the committer, and the queues between them.
+
+Ownership: the stager owns the copy streams and takes buffers from the pool; a writer owns a
+piece from the moment it is queued until its buffer is back in the pool; the job's last piece
+queues a finalisation (headers, fsync, close) on a writer; the committer owns the rename, runs jobs
+strictly in save() order (so the last save to a path wins) and is the only one to finish handles.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from typing import Callable
+
+import torch
+
+from . import _commit, _guard
+from ._crc import crc32
+from ._flatten import Source
+from ._job import Job, Piece
+from ._pool import HostBufferPool
+from .errors import WriteError
+
+logger = logging.getLogger(__name__)
+
+_STOP = None
+
+
+def pwrite_all(fd: int, data: memoryview | bytes, offset: int) -> None:
+    """os.pwrite until every byte is written (pwrite may write less than asked)."""
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        if n <= 0:
+            raise OSError(5, f"short write at offset {offset}: wrote {n} of {len(view)} bytes")
+        view = view[n:]
+        offset += n
+
+
+def _write_error(job: Job, what: str, exc: BaseException) -> WriteError:
+    errno = exc.errno if isinstance(exc, OSError) else None
+    err = WriteError(f"{what} {job.path} failed: {exc}", path=job.path, errno=errno)
+    err.__cause__ = exc
+    return err
+
+
+class Engine:
+    def __init__(self, pool: HostBufferPool, writer_threads: int, on_done: Callable[[Job], None]) -> None:
+        self.pool = pool
+        self._on_done = on_done
+        self._stage_q: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._write_q: queue.SimpleQueue[Piece | Job | None] = queue.SimpleQueue()
+        self._commit_q: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._copy_streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._threads = [threading.Thread(target=self._stage_loop, name="lazyckpt-stager", daemon=True)]
+        self._threads += [
+            threading.Thread(target=self._write_loop, name=f"lazyckpt-writer-{i}", daemon=True)
+            for i in range(writer_threads)
+        ]
+        self._threads.append(threading.Thread(target=self._commit_loop, name="lazyckpt-committer", daemon=True))
+        self._writers = writer_threads
+        for t in self._threads:
+            t.start()
+
+    # -- called from save() -----------------------------------------------------------------------
+
+    def submit(self, job: Job) -> None:
+        """Queue a job whose file is open and whose eager sources are staged."""
+        self._commit_q.put(job)
+        self._stage_q.put(job)
+
+    def stage_now(self, job: Job, src: Source) -> None:
+        """Capture a source on the caller's thread (tensors no optimizer guards)."""
+        for piece in self._pieces(job, src):
+            if job.failed:
+                return
+            piece.buffer = self.pool.alloc(piece.nbytes)
+            job.piece_added()
+            view = src.flat[piece.start : piece.start + piece.nbytes]
+            if src.device.type == "cuda":
+                # On the current stream: ordered before any kernel queued after save().
+                piece.buffer.view.copy_(view, non_blocking=True)
+                piece.event = torch.cuda.Event()
+                piece.event.record(torch.cuda.current_stream(src.device))
+            else:
+                piece.buffer.view.copy_(view)
+            self._write_q.put(piece)
+
+    def _pieces(self, job: Job, src: Source) -> list[Piece]:
+        step = self.pool.chunk_bytes
+        return [Piece(job, src, a, min(step, src.nbytes - a)) for a in range(0, src.nbytes, step)]
+
+    # -- staging ----------------------------------------------------------------------------------
+
+    def _stage_loop(self) -> None:
+        while (job := self._stage_q.get()) is not _STOP:
+            self._stage(job)
+
+    def _stage(self, job: Job) -> None:
+        cpu = [s for s in job.lazy if s.device.type != "cuda"]
+        cuda = [s for s in job.lazy if s.device.type == "cuda"]
+        try:
+            for src in cpu:
+                self._copy_source(job, src, stream=None)
+                job.check_stale([src])
+            job.cpu_staged.set()
+            for device, event in job.save_events.items():
+                self._copy_stream(device).wait_event(event)
+            for src in cuda:
+                self._copy_source(job, src, stream=self._copy_stream(src.device))
+            job.enqueued.set()
+            for event in job.last_events.values():
+                event.synchronize()
+            with job.version_lock:
+                if not job.cuda_verified:
+                    job.check_stale(cuda)
+                    job.cuda_verified = True
+        except BaseException as exc:
+            job.fail(_write_error(job, "staging for", exc))
+        finally:
+            job.cpu_staged.set()
+            job.enqueued.set()
+            job.t_staged = time.perf_counter()
+            job.handle._set_staged()
+            _guard.discard(job)
+            if job.all_submitted():
+                self._write_q.put(job)
+
+    def _copy_source(self, job: Job, src: Source, stream: torch.cuda.Stream | None) -> None:
+        for piece in self._pieces(job, src):
+            if job.failed:
+                return
+            piece.buffer = self.pool.alloc(piece.nbytes)
+            job.piece_added()
+            view = src.flat[piece.start : piece.start + piece.nbytes]
+            if stream is None:
+                piece.buffer.view.copy_(view)
+            else:
+                with torch.cuda.stream(stream):
+                    piece.buffer.view.copy_(view, non_blocking=True)
+                    piece.event = torch.cuda.Event()
+                    piece.event.record(stream)
+                job.last_events[src.device] = piece.event
+            self._write_q.put(piece)
+
+    def _copy_stream(self, device: torch.device) -> torch.cuda.Stream:
+        stream = self._copy_streams.get(device)
+        if stream is None:
+            stream = self._copy_streams[device] = torch.cuda.Stream(device)
+        return stream
+
+    # -- writing ----------------------------------------------------------------------------------
+
+    def _write_loop(self) -> None:
+        while (item := self._write_q.get()) is not _STOP:
+            if isinstance(item, Job):
+                self._finalize(item)
+            else:
+                self._write_piece(item)
+
+    def _write_piece(self, piece: Piece) -> None:
+        job = piece.job
+        assert piece.buffer is not None
+        try:
+            if piece.event is not None:
+                piece.event.synchronize()
+            if not job.failed:
+                data = piece.buffer.memoryview()
+                crc = crc32(data) if job.crc and job.layout is not None else 0
+                job.note_write_start()
+                pwrite_all(job.fd, data, piece.file_offset)
+                job.piece_written(piece, crc)
+        except BaseException as exc:
+            job.fail(_write_error(job, "writing", exc))
+        finally:
+            piece.event = None
+            self.pool.release(piece.buffer)
+            piece.buffer = None
+            if job.piece_done():
+                self._write_q.put(job)
+
+    def _finalize(self, job: Job) -> None:
+        try:
+            if not job.failed:
+                for offset, data in job.metadata_writes():
+                    pwrite_all(job.fd, data, offset)
+                if job.fsync:
+                    os.fsync(job.fd)
+        except BaseException as exc:
+            job.fail(_write_error(job, "writing", exc))
+        finally:
+            job.t_written = time.perf_counter()
+            try:
+                os.close(job.fd)
+            except OSError as exc:  # a failed close can mean lost data (NFS): fail the save
+                job.fail(_write_error(job, "closing", exc))
+            job.written.set()
+
+    # -- commit -----------------------------------------------------------------------------------
+
+    def _commit_loop(self) -> None:
+        while (job := self._commit_q.get()) is not _STOP:
+            job.written.wait()
+            if not job.failed:
+                try:
+                    _commit.commit(job.tmp, job.path, job.fsync)
+                except BaseException as exc:
+                    job.fail(_write_error(job, "committing", exc))
+            if job.failed:
+                _commit.discard(job.tmp)
+            done = time.perf_counter()
+            stats = None if job.failed else job.stats(done)
+            self._on_done(job)
+            job.handle._finish(stats, job.error)
+            job.sources.clear()
+            job.lazy.clear()
+
+    # -- shutdown ---------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Stop every thread (after the queues drain) and join them."""
+        self._stage_q.put(_STOP)
+        self._commit_q.put(_STOP)
+        for t in self._threads[:1]:
+            t.join()
+        for _ in range(self._writers):
+            self._write_q.put(_STOP)
+        for t in self._threads[1:]:
+            t.join()

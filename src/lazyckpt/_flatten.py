@@ -1,0 +1,217 @@
+"""Flatten: turn the object passed to ``save()`` into bytes to write now and storages to copy later.
+
+Runs on the caller's thread inside ``save()``. Pickling here is what snapshots every non-tensor
+value (optimizer ``param_groups``, per-parameter state dicts, loop counters): the pickle bytes are
+immutable, whatever the caller changes afterwards. Tensor bytes are not pickled; each storage is
+recorded with every tensor that refers to it and that tensor's ``_version`` at this moment, so a
+later in-place change can be detected.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.serialization import location_tag, normalize_storage_type
+
+from .errors import SaveRefusedError
+
+_PICKLE_PROTOCOL = 2  # torch.serialization.DEFAULT_PROTOCOL
+_PLAIN_TENSOR_TYPES: tuple[type, ...] = (torch.Tensor, torch.nn.Parameter)
+if hasattr(torch.nn.parameter, "Buffer"):
+    _PLAIN_TENSOR_TYPES += (torch.nn.parameter.Buffer,)  # type: ignore[attr-defined]
+
+
+@dataclass
+class Source:
+    """Bytes of one record to stage and write: a whole storage (torch) or one tensor (safetensors)."""
+
+    key: str
+    flat: torch.Tensor  # 1-D uint8 view of exactly the bytes to write
+    nbytes: int
+    checks: list[tuple[str, torch.Tensor, int]] = field(default_factory=list)  # (name, tensor, _version)
+    file_offset: int = 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.flat.device
+
+    def first_stale(self) -> str | None:
+        """Name of a tensor changed in place since save(), or None."""
+        for name, tensor, version in self.checks:
+            if tensor._version != version:
+                return name
+        return None
+
+
+def tensor_names(obj: Any, prefix: str = "", out: dict[int, str] | None = None, depth: int = 0) -> dict[int, str]:
+    """Map id(tensor) -> a readable path like ``optimizer.state.3.exp_avg`` for error messages."""
+    out = {} if out is None else out
+    if depth > 64:
+        return out
+    if isinstance(obj, torch.Tensor):
+        out.setdefault(id(obj), prefix or "<root>")
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            tensor_names(v, f"{prefix}.{k}" if prefix else str(k), out, depth + 1)
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            tensor_names(v, f"{prefix}.{i}" if prefix else str(i), out, depth + 1)
+    return out
+
+
+def refuse_unsupported(t: torch.Tensor, name: str) -> None:
+    """Raise SaveRefusedError for tensors whose bytes lazyckpt cannot stage faithfully."""
+    if type(t) not in _PLAIN_TENSOR_TYPES:
+        raise SaveRefusedError(
+            f"{name}: tensor subclass {type(t).__module__}.{type(t).__qualname__} is not supported; "
+            "convert it to a plain tensor first (e.g. DTensor.full_tensor()), or use torch.save for this object"
+        )
+    if t.layout != torch.strided or t.is_nested:
+        raise SaveRefusedError(f"{name}: {t.layout} tensors are not supported; call .to_dense() before saving")
+    if t.is_meta:
+        raise SaveRefusedError(f"{name}: meta tensors have no data to save; materialize it (e.g. .to_empty()) first")
+    if t.is_quantized:
+        raise SaveRefusedError(f"{name}: quantized tensors are not supported; dequantize() or use torch.save")
+    if t.device.type not in ("cpu", "cuda") and not torch._C._has_storage(t):
+        raise SaveRefusedError(f"{name}: tensors on {t.device.type} have no storage to stage; move them to CPU first")
+
+
+def _flat_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+class _Pickler(pickle.Pickler):
+    """torch.save's pickler: identical persistent ids, plus bookkeeping of tensors per storage."""
+
+    def __init__(self, buf: io.BytesIO, names: dict[int, str]) -> None:
+        super().__init__(buf, protocol=_PICKLE_PROTOCOL)
+        self.names = names
+        self.sources: dict[str, Source] = {}
+        self._keys: dict[int, str] = {}
+        self._dtypes: dict[int, torch.dtype] = {}
+        self._tensors_by_storage: dict[int, list[tuple[str, torch.Tensor, int]]] = {}
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            name = self.names.get(id(obj), f"<tensor inside an object, shape {tuple(obj.shape)}>")
+            refuse_unsupported(obj, name)
+            cdata = obj.untyped_storage()._cdata
+            self._tensors_by_storage.setdefault(cdata, []).append((name, obj, obj._version))
+        return NotImplemented
+
+    def persistent_id(self, obj: Any) -> Any:
+        if not (isinstance(obj, torch.storage.TypedStorage) or torch.is_storage(obj)):
+            return None
+        if isinstance(obj, torch.storage.TypedStorage):
+            storage = obj._untyped_storage
+            dtype = obj.dtype
+            storage_type = getattr(torch, obj._pickle_storage_type())
+            numel = obj._size()
+        else:
+            storage, dtype = obj, torch.uint8
+            storage_type = normalize_storage_type(type(obj))
+            numel = storage.nbytes()
+        if storage.device.type == "meta":
+            raise SaveRefusedError("meta storages have no data to save; materialize them first")
+        ptr = storage.data_ptr()
+        if ptr != 0:
+            if self._dtypes.setdefault(ptr, dtype) != dtype:
+                raise SaveRefusedError(
+                    "Cannot save multiple tensors or storages that view the same data as different types "
+                    "(torch.save refuses this too)"
+                )
+        key = self._keys.setdefault(storage._cdata, str(len(self._keys)))
+        if key not in self.sources:
+            checks = self._tensors_by_storage.get(storage._cdata, [])
+            self.sources[key] = Source(key, _flat_bytes(storage), storage.nbytes(), checks)
+        return ("storage", storage_type, key, location_tag(storage), numel)
+
+
+def flatten_torch(obj: Any) -> tuple[bytes, list[Source]]:
+    """Pickle ``obj`` as torch.save would; return the pickle and the storages in record order."""
+    buf = io.BytesIO()
+    pickler = _Pickler(buf, tensor_names(obj))
+    try:
+        pickler.dump(obj)
+    except SaveRefusedError:
+        raise
+    except Exception as exc:
+        raise SaveRefusedError(
+            f"cannot pickle the object passed to save(): {exc}. Everything except tensors must be picklable "
+            "(as for torch.save); convert or drop the offending value."
+        ) from exc
+    return buf.getvalue(), list(pickler.sources.values())
+
+
+# safetensors ------------------------------------------------------------------------------------
+
+_ST_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.complex64: "C64",
+}  # fmt: skip
+for _name, _code in [
+    ("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"), ("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64"),
+]:  # fmt: skip
+    if hasattr(torch, _name):
+        _ST_DTYPES[getattr(torch, _name)] = _code
+
+
+def flatten_safetensors(tensors: Any, metadata: dict[str, str] | None) -> tuple[bytes, list[Source]]:
+    """Validate a flat dict of tensors; return the safetensors header and one source per tensor."""
+    if not isinstance(tensors, dict):
+        raise SaveRefusedError(f"format='safetensors' takes a flat dict[str, Tensor], got {type(tensors).__name__}")
+    if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise SaveRefusedError("safetensors metadata must be a dict[str, str]")
+    for name, t in tensors.items():
+        if not isinstance(name, str) or not isinstance(t, torch.Tensor):
+            raise SaveRefusedError(
+                f"format='safetensors' takes a flat dict[str, Tensor]; key {name!r} holds {type(t).__name__}. "
+                "Use format='torch' for nested objects."
+            )
+        refuse_unsupported(t, name)
+        if t.dtype not in _ST_DTYPES:
+            raise SaveRefusedError(f"{name}: dtype {t.dtype} has no safetensors equivalent")
+        if not t.is_contiguous():
+            raise SaveRefusedError(f"{name}: safetensors needs contiguous tensors; call .contiguous() first")
+    _refuse_shared(tensors)
+    order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    sources: list[Source] = []
+    offset = 0
+    for name in order:
+        t = tensors[name]
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        flat = t.detach().reshape(-1).view(torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+        sources.append(Source(name, flat, nbytes, [(name, t, t._version)], file_offset=offset))
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * ((-len(blob)) % 8)
+    head = len(blob).to_bytes(8, "little") + blob
+    for src in sources:
+        src.file_offset += len(head)
+    return head, sources
+
+
+def _refuse_shared(tensors: dict[str, torch.Tensor]) -> None:
+    spans: dict[tuple[str, int], list[tuple[int, int, str]]] = {}
+    for name, t in tensors.items():
+        if t.numel() == 0:
+            continue
+        start = t.data_ptr()
+        key = (str(t.device), t.untyped_storage().data_ptr())
+        spans.setdefault(key, []).append((start, start + t.numel() * t.element_size(), name))
+    for group in spans.values():
+        group.sort()
+        for (_, end, a), (start, _, b) in zip(group, group[1:]):
+            if start < end:
+                raise SaveRefusedError(
+                    f"tensors {a!r} and {b!r} share memory; safetensors cannot store shared tensors. "
+                    "Save one of them, or clone() the other (safetensors.torch.save_model drops tied duplicates)."
+                )

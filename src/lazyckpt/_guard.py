@@ -1,0 +1,119 @@
+"""The guard: no optimizer step may change a tensor whose copy is still pending.
+
+One process-wide ``torch.optim`` step pre-hook, installed while at least one checkpointer is
+open. With nothing pending it costs one list check. With saves pending it either waits right away
+(plain loops, Accelerate: backward has already run) or, when the step was given a closure (Lightning
+runs forward and backward inside it), wraps the closure so the wait happens after the closure
+returns and just before the update: the copies then overlap forward and backward.
+
+The hook also learns which optimizers exist. Tensors they own (params, state) change only inside
+``step()``, so ``save()`` may copy them lazily; every other tensor is captured inside ``save()``.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Callable, Protocol
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+
+class Pending(Protocol):
+    wait_in_closure: bool
+
+    def release_guard(self) -> None:
+        """Return once the optimizer may change this save's tensors (or the save failed)."""
+
+
+_lock = threading.Lock()
+_pending: list[Pending] = []
+_tracked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+_hook: Any = None
+_users = 0
+
+
+def acquire() -> None:
+    """Install the step pre-hook (reference counted by open checkpointers)."""
+    global _hook, _users
+    with _lock:
+        _users += 1
+        if _hook is None:
+            _hook = register_optimizer_step_pre_hook(_pre_hook)
+
+
+def release() -> None:
+    global _hook, _users
+    with _lock:
+        _users -= 1
+        if _users <= 0 and _hook is not None:
+            _hook.remove()
+            _hook = None
+            _users = 0
+
+
+def track(optimizer: torch.optim.Optimizer) -> None:
+    inner = getattr(optimizer, "optimizer", None)  # Lightning/Accelerate wrappers
+    _tracked.add(inner if isinstance(inner, torch.optim.Optimizer) else optimizer)
+
+
+def add(job: Pending) -> None:
+    with _lock:
+        _pending.append(job)
+
+
+def discard(job: Pending) -> None:
+    with _lock:
+        try:
+            _pending.remove(job)
+        except ValueError:
+            pass
+
+
+def wait_all() -> None:
+    """Release every pending save from the guard (wait for its copies)."""
+    while _pending:
+        with _lock:
+            jobs = list(_pending)
+        for job in jobs:
+            job.release_guard()
+            discard(job)
+
+
+def guarded_storages() -> set[int]:
+    """data_ptrs of every storage owned by a known optimizer (params and state tensors)."""
+    ptrs: set[int] = set()
+    for opt in list(_tracked):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                ptrs.add(p.untyped_storage().data_ptr())
+        for state in opt.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor):
+                    ptrs.add(v.untyped_storage().data_ptr())
+    ptrs.discard(0)
+    return ptrs
+
+
+def _pre_hook(optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    _tracked.add(optimizer)
+    if not _pending:
+        return None
+    defer = all(job.wait_in_closure for job in list(_pending))
+    if defer and callable(kwargs.get("closure")):
+        kwargs = dict(kwargs, closure=_waiting(kwargs["closure"]))
+        return args, kwargs
+    if defer and args and callable(args[0]):
+        return (_waiting(args[0]), *args[1:]), kwargs
+    wait_all()
+    return None
+
+
+def _waiting(closure: Callable[[], Any]) -> Callable[[], Any]:
+    def closure_then_wait() -> Any:
+        result = closure()
+        wait_all()  # cheap when repeated (LBFGS calls the closure many times)
+        return result
+
+    return closure_then_wait

@@ -1,0 +1,179 @@
+"""Job: one save on its way from staging to commit, and the pieces it is cut into.
+
+A job is created by ``save()`` and then touched by the stager, the writers and the committer; all
+mutable state is behind ``_lock``. The first error wins and turns every later step into cleanup.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import _torchfmt
+from ._crc import crc32_combine
+from ._flatten import Source
+from ._handle import SaveHandle, SaveStats
+from ._pool import Buffer
+from .errors import StaleTensorError
+
+
+@dataclass(eq=False)
+class Piece:
+    """Bytes [start, start + nbytes) of one source, staged in ``buffer``, bound for ``file_offset``."""
+
+    job: Job
+    source: Source
+    start: int
+    nbytes: int
+    buffer: Buffer | None = None
+    event: Any = None  # torch.cuda.Event once the device-to-host copy is queued
+
+    @property
+    def file_offset(self) -> int:
+        return self.source.file_offset + self.start
+
+
+class Job:
+    def __init__(
+        self,
+        *,
+        path: str,
+        tmp: str,
+        fmt: str,
+        sources: list[Source],
+        lazy: list[Source],
+        layout: _torchfmt.TorchLayout | None,
+        head: bytes,
+        file_bytes: int,
+        crc: bool,
+        fsync: bool,
+        wait_in_closure: bool,
+        t0: float,
+    ) -> None:
+        self.handle = SaveHandle(path)
+        self.path, self.tmp, self.fmt = path, tmp, fmt
+        self.sources, self.lazy = sources, lazy
+        self.layout, self.head = layout, head
+        self.nbytes = sum(s.nbytes for s in sources)
+        self.file_bytes = file_bytes
+        self.crc, self.fsync, self.wait_in_closure = crc, fsync, wait_in_closure
+        self.fd = -1
+        self._lock = threading.Lock()
+        self.error: BaseException | None = None
+        self._outstanding = 0
+        self._all_submitted = False
+        self._crcs: dict[str, list[tuple[int, int, int]]] = {}
+        self.written = threading.Event()  # file complete on disk (or failed), fd closed
+        self.cpu_staged = threading.Event()  # lazy CPU sources copied
+        self.enqueued = threading.Event()  # lazy CUDA copies queued on the copy stream
+        self.save_events: dict[torch.device, Any] = {}  # compute-stream events recorded in save()
+        self.last_events: dict[torch.device, Any] = {}  # last copy-stream event per device
+        self.version_lock = threading.Lock()
+        self.cuda_verified = False
+        self.t0 = t0
+        self.t_returned = t0
+        self.t_staged = t0
+        self.t_write_start: float | None = None
+        self.t_written = t0
+        self.guard_wait_s = 0.0
+
+    # -- errors -----------------------------------------------------------------------------------
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+    def fail(self, exc: BaseException) -> None:
+        with self._lock:
+            if self.error is None:
+                self.error = exc
+
+    def check_stale(self, sources: list[Source]) -> None:
+        for src in sources:
+            name = src.first_stale()
+            if name is not None:
+                self.fail(
+                    StaleTensorError(
+                        f"save to {self.path} abandoned: tensor {name!r} was modified in place before its copy "
+                        "was complete, so the file would have mixed two training states. Mutate saved tensors "
+                        "only after handle.wait_staged() (optimizer steps wait automatically).",
+                        path=self.path,
+                        tensor_name=name,
+                    )
+                )
+                return
+
+    # -- pieces -----------------------------------------------------------------------------------
+
+    def piece_added(self) -> None:
+        with self._lock:
+            self._outstanding += 1
+
+    def piece_written(self, piece: Piece, crc: int) -> None:
+        with self._lock:
+            self._crcs.setdefault(piece.source.key, []).append((piece.start, crc, piece.nbytes))
+
+    def piece_done(self) -> bool:
+        """Count a finished piece; True when the job is ready to finalise."""
+        with self._lock:
+            self._outstanding -= 1
+            return self._all_submitted and self._outstanding == 0
+
+    def all_submitted(self) -> bool:
+        with self._lock:
+            self._all_submitted = True
+            return self._outstanding == 0
+
+    def note_write_start(self) -> None:
+        if self.t_write_start is None:
+            self.t_write_start = time.perf_counter()
+
+    # -- the guard --------------------------------------------------------------------------------
+
+    def release_guard(self) -> None:
+        """Called by the optimizer step pre-hook: return once the step may change our tensors."""
+        t = time.perf_counter()
+        self.cpu_staged.wait()
+        if self.save_events:
+            self.enqueued.wait()
+            with self.version_lock:
+                if not self.cuda_verified:
+                    self.check_stale([s for s in self.lazy if s.device.type == "cuda"])
+                    self.cuda_verified = True
+            if not self.failed:
+                # GPU-side wait: the compute stream waits for the copies, the host does not block.
+                for device, event in self.last_events.items():
+                    torch.cuda.current_stream(device).wait_event(event)
+        self.guard_wait_s += time.perf_counter() - t
+
+    # -- the file ---------------------------------------------------------------------------------
+
+    def metadata_writes(self) -> list[tuple[int, bytes]]:
+        """Header bytes to write once all data is in (CRCs of torch records combined here)."""
+        if self.layout is None:
+            return [(0, self.head)]
+        crcs: dict[str, int] = {}
+        for key, parts in self._crcs.items():
+            crc = 0
+            for _, part, n in sorted(parts):
+                crc = crc32_combine(crc, part, n)
+            crcs[key] = crc if self.crc else 0
+        return self.layout.metadata_writes(crcs)
+
+    def stats(self, t_done: float) -> SaveStats:
+        write_s = max(self.t_written - (self.t_write_start or self.t_written), 1e-9)
+        return SaveStats(
+            path=self.handle.path,
+            bytes=self.nbytes,
+            file_bytes=self.file_bytes,
+            blocked_s=self.t_returned - self.t0,
+            staged_s=self.t_staged - self.t0,
+            durable_s=t_done - self.t0,
+            write_s=write_s,
+            write_gbps=self.file_bytes / write_s / 1e9,
+            guard_wait_s=self.guard_wait_s,
+        )

@@ -1,0 +1,137 @@
+"""HostBufferPool: host memory for staging, allocated once, reused by every save.
+
+Memory comes in chunks (pinned when CUDA staging is on, because pinned copies run at full PCIe
+speed and pinning costs ~1 GB/s, so it is paid once). Pieces are bump-allocated inside the current
+chunk; a chunk returns to the free list when every piece in it has been written. Chunks are
+allocated lazily up to the budget and kept: after warm-up a save allocates and pins nothing.
+``alloc`` blocks while the budget is exhausted, which is how a checkpoint larger than the budget
+streams through it and how saves that outrun storage slow down to storage speed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+
+import torch
+
+_ALIGN = 64
+
+
+class _Chunk:
+    __slots__ = ("tensor", "size", "used", "live", "index")
+
+    def __init__(self, tensor: torch.Tensor, index: int) -> None:
+        self.tensor = tensor
+        self.size = tensor.numel()
+        self.used = 0  # bump pointer
+        self.live = 0  # pieces not yet released
+        self.index = index
+
+
+class Buffer:
+    """A piece of a chunk: ``view`` is a 1-D uint8 tensor of exactly ``nbytes``."""
+
+    __slots__ = ("chunk", "view", "nbytes")
+
+    def __init__(self, chunk: _Chunk, start: int, nbytes: int) -> None:
+        self.chunk = chunk
+        self.view = chunk.tensor[start : start + nbytes]
+        self.nbytes = nbytes
+
+    def memoryview(self) -> memoryview:
+        """Zero-copy view for os.pwrite / crc32 (the chunk stays alive while the Buffer does)."""
+        if self.nbytes == 0:
+            return memoryview(b"")
+        arr = (ctypes.c_char * self.nbytes).from_address(self.view.data_ptr())
+        return memoryview(arr).cast("B")
+
+
+class HostBufferPool:
+    """Bounded, reusable host memory. Thread-safe; ``alloc`` may block, ``release`` never does."""
+
+    def __init__(self, budget_bytes: int, chunk_bytes: int, pin_memory: bool) -> None:
+        self.chunk_bytes = max(_ALIGN, min(chunk_bytes, budget_bytes))
+        self.max_chunks = max(1, budget_bytes // self.chunk_bytes)
+        self.pin_memory = pin_memory
+        self._cond = threading.Condition()
+        self._chunks: list[_Chunk] = []
+        self._free: list[_Chunk] = []
+        self._current: _Chunk | None = None
+        self._closed = False
+        self.wait_s = 0.0  # total time alloc() blocked on a full budget
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.max_chunks * self.chunk_bytes
+
+    @property
+    def allocated_bytes(self) -> int:
+        return len(self._chunks) * self.chunk_bytes
+
+    def in_use_bytes(self) -> int:
+        with self._cond:
+            return sum(c.size for c in self._chunks if c.live)
+
+    def alloc(self, nbytes: int, timeout: float | None = None) -> Buffer:
+        """A buffer of ``nbytes`` (at most chunk_bytes), blocking while the budget is used up."""
+        if nbytes > self.chunk_bytes:
+            raise ValueError(f"piece of {nbytes} bytes exceeds the chunk size {self.chunk_bytes}")
+        need = (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+        with self._cond:
+            t0 = time.perf_counter()
+            while True:
+                if self._closed:
+                    raise RuntimeError("host buffer pool is closed")
+                cur = self._current
+                if cur is not None and cur.used + need <= cur.size:
+                    start = cur.used
+                    cur.used += need
+                    cur.live += 1
+                    return Buffer(cur, start, nbytes)
+                self._retire_current()
+                if self._free:
+                    self._current = self._free.pop()
+                elif len(self._chunks) < self.max_chunks:
+                    self._current = self._new_chunk()
+                else:
+                    remaining = None if timeout is None else timeout - (time.perf_counter() - t0)
+                    if remaining is not None and remaining <= 0:
+                        raise TimeoutError("timed out waiting for host buffer space")
+                    w0 = time.perf_counter()
+                    self._cond.wait(remaining)
+                    self.wait_s += time.perf_counter() - w0
+
+    def _retire_current(self) -> None:
+        cur = self._current
+        self._current = None
+        if cur is not None and cur.live == 0:
+            cur.used = 0
+            self._free.append(cur)
+
+    def _new_chunk(self) -> _Chunk:
+        tensor = torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=self.pin_memory)
+        if not self.pin_memory:
+            tensor.zero_()  # fault the pages in once, not during every first save
+        chunk = _Chunk(tensor, len(self._chunks))
+        self._chunks.append(chunk)
+        return chunk
+
+    def release(self, buf: Buffer) -> None:
+        chunk = buf.chunk
+        with self._cond:
+            chunk.live -= 1
+            if chunk.live == 0 and chunk is not self._current:
+                chunk.used = 0
+                self._free.append(chunk)
+                self._cond.notify_all()
+
+    def close(self) -> None:
+        """Drop every chunk (callers must have released their buffers)."""
+        with self._cond:
+            self._closed = True
+            self._chunks.clear()
+            self._free.clear()
+            self._current = None
+            self._cond.notify_all()

@@ -1,0 +1,668 @@
+"""Lazy ``accelerator.save_state`` for Hugging Face Accelerate, with the stock file layout.
+
+Usage::
+
+    import lazyckpt.accelerate
+
+    accelerator = Accelerator(...)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    handle = lazyckpt.accelerate.install(accelerator)      # once, before or after prepare()
+    for batch in loader:
+        ...
+        accelerator.backward(loss)
+        optimizer.step()                                    # waits here only if copies are still running
+        accelerator.save_state(...)                         # returns promptly
+    handle.wait()                                           # every pending save durable; raises the first error
+    handle.remove()                                         # back to stock behaviour (after draining)
+
+How it works (checked against accelerate 1.15):
+
+* ``Accelerator.save_state`` writes models, optimizers, schedulers, samplers and registered custom objects
+  through ``accelerate.checkpointing.save``, a name that module imports from ``accelerate.utils.other``.
+  ``install`` replaces that module attribute with a dispatcher. Outside a lazy ``save_state`` call (another
+  Accelerator, direct calls, other threads) the dispatcher calls the original function, so nothing else
+  changes. Inside one it hands the object to ``LazyCheckpointer.save`` with the same format choice as stock
+  (safetensors after accelerate's own ``clean_state_dict_for_safetensors``, or torch.save) and the same
+  "which process writes" rule (global main process, or each node's main with ``save_on_each_node``).
+* RNG states, the GradScaler state and stateful-dataloader states are small per-process files written with
+  plain ``torch.save`` inside accelerate; they stay synchronous and are fsynced in the background.
+* The optimizers prepared by the accelerator are ``track``-ed, so model parameters and optimizer state are
+  copied in the background; the core's global optimizer step pre-hook waits for those copies right before
+  the next real ``optimizer.step()`` (steps skipped for gradient accumulation never reach it).
+* Every process marks a folder it is saving into with a hidden ``.lazyckpt-pending-*`` file, created and
+  made durable before any checkpoint file, and removed (then the folder fsynced) only once all of that
+  process's files of that save are durable. A folder without such a marker holds exactly the files stock
+  Accelerate writes. ``load_state`` waits for pending saves, refuses an incomplete folder with
+  :class:`IncompleteCheckpointError` or, with automatic checkpoint naming, falls back to the newest complete
+  folder with an :class:`IncompleteCheckpointWarning`.
+* With ``automatic_checkpoint_naming`` and ``total_limit``, the folders stock ``save_state`` is about to delete
+  are drained first, so deletion never races a pending write; the kept folders are the stock ones.
+
+Only the public lazyckpt API is used here; the core never imports accelerate.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextvars
+import itertools
+import logging
+import os
+import queue
+import re
+import socket
+import threading
+import time
+import warnings
+import weakref
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Callable
+
+import accelerate.checkpointing as _acc_checkpointing
+from accelerate.state import PartialState
+from accelerate.utils import DistributedType
+from accelerate.utils.constants import RNG_STATE_NAME, SCALER_NAME
+from accelerate.utils.other import clean_state_dict_for_safetensors
+
+from lazyckpt import LazyCheckpointer
+from lazyckpt.errors import LazyCkptError, WriteError
+
+__all__ = [
+    "install",
+    "AccelerateHandle",
+    "IncompleteCheckpointError",
+    "IncompleteCheckpointWarning",
+    "PENDING_MARKER_PREFIX",
+    "is_complete",
+]
+
+logger = logging.getLogger("lazyckpt.accelerate")
+
+#: Prefix of the hidden per-process marker files that flag a folder whose lazy save is not durable yet.
+PENDING_MARKER_PREFIX = ".lazyckpt-pending-"
+
+# Distributed types whose save_state does not go through ``accelerate.checkpointing.save`` for the big
+# objects (or must convert tensors first); there install() keeps the stock, synchronous behaviour.
+_STOCK_ONLY_TYPES = frozenset(
+    t
+    for t in (
+        getattr(DistributedType, "FSDP", None),
+        getattr(DistributedType, "DEEPSPEED", None),
+        getattr(DistributedType, "MEGATRON_LM", None),
+        getattr(DistributedType, "XLA", None),
+    )
+    if t is not None
+)
+
+
+class IncompleteCheckpointError(LazyCkptError, RuntimeError):
+    """A checkpoint folder's lazy save never became durable (crash, or a failed write)."""
+
+
+class IncompleteCheckpointWarning(UserWarning):
+    """``load_state()`` with automatic naming skipped the newest folder because it is incomplete."""
+
+
+# --------------------------------------------------------------------------------------------------
+# The process-wide patch of accelerate.checkpointing.save (reference counted, reversible)
+# --------------------------------------------------------------------------------------------------
+
+_patch_lock = threading.RLock()
+_patch_refcount = 0
+_original_save: Callable | None = None
+_active: contextvars.ContextVar["_FolderSave | None"] = contextvars.ContextVar(
+    "lazyckpt_accelerate_active_save", default=None
+)
+
+
+def _dispatch_save(obj, f, save_on_each_node: bool = False, safe_serialization: bool = False):
+    """Stand-in for ``accelerate.checkpointing.save``: lazy inside a lazy save_state, stock otherwise."""
+    fs = _active.get()
+    original = _original_save
+    if fs is None or original is None or not isinstance(f, (str, os.PathLike)):
+        fn = original if original is not None else _acc_checkpointing.save
+        return fn(obj, f, save_on_each_node=save_on_each_node, safe_serialization=safe_serialization)
+    return fs.save(obj, f, save_on_each_node=save_on_each_node, safe_serialization=safe_serialization)
+
+
+def _acquire_patch() -> None:
+    global _patch_refcount, _original_save
+    with _patch_lock:
+        if _patch_refcount == 0:
+            current = _acc_checkpointing.save
+            if current is not _dispatch_save:
+                _original_save = current
+            _acc_checkpointing.save = _dispatch_save
+        _patch_refcount += 1
+
+
+def _release_patch() -> None:
+    global _patch_refcount, _original_save
+    with _patch_lock:
+        if _patch_refcount <= 0:
+            return
+        _patch_refcount -= 1
+        if _patch_refcount == 0:
+            if _acc_checkpointing.save is _dispatch_save and _original_save is not None:
+                _acc_checkpointing.save = _original_save
+            else:  # somebody patched on top of us: leave theirs in place, but stop dispatching lazily
+                logger.warning("accelerate.checkpointing.save was replaced after lazyckpt.accelerate.install(); "
+                               "leaving the replacement in place")
+            _original_save = None
+
+
+# --------------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------------
+
+def _folder_number(folder: str) -> int:
+    # Exactly accelerate's key for sorting automatically named checkpoint folders.
+    return list(map(int, re.findall(r"[\/]?([0-9]+)(?=[^\/]*$)", folder)))[0]
+
+
+def _real(path: str | os.PathLike) -> str:
+    return os.path.realpath(os.path.abspath(os.path.expanduser(os.fspath(path))))
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def pending_markers(folder: str | os.PathLike) -> list[str]:
+    """Names of the lazyckpt pending markers in ``folder`` (empty: complete, or never saved by lazyckpt)."""
+    try:
+        return sorted(n for n in os.listdir(folder) if n.startswith(PENDING_MARKER_PREFIX))
+    except FileNotFoundError:
+        return []
+
+
+def is_complete(folder: str | os.PathLike) -> bool:
+    """True when ``folder`` exists and no lazyckpt save into it is pending or was interrupted."""
+    return os.path.isdir(folder) and not pending_markers(folder)
+
+
+def _is_writer(save_on_each_node: bool) -> bool:
+    # Same rule as accelerate.utils.other.save.
+    state = PartialState()
+    if save_on_each_node:
+        return state.is_local_main_process
+    return state.is_main_process
+
+
+def _unwrap_optimizer(opt):
+    inner = getattr(opt, "optimizer", None)
+    import torch
+
+    if isinstance(inner, torch.optim.Optimizer):
+        return inner
+    return opt if isinstance(opt, torch.optim.Optimizer) else None
+
+
+# --------------------------------------------------------------------------------------------------
+# One save_state call of one process
+# --------------------------------------------------------------------------------------------------
+
+_seq = itertools.count()
+
+
+class _FolderSave:
+    """The lazy part of one ``save_state`` call in this process: core handles + marker + sync files."""
+
+    def __init__(self, owner: "AccelerateHandle") -> None:
+        self.owner = owner
+        self.folder: str | None = None
+        self.marker: str | None = None
+        self.handles: list = []
+        self.sync_files: list[str] = []
+        self.scan_folder = False
+        self.aborted = False
+        self.error: BaseException | None = None
+        self.reported = False
+        self.done = threading.Event()
+        self._remaining = 0
+        self._lock = threading.Lock()
+        self.started = time.perf_counter()
+        self.durable_at: float | None = None
+
+    # -- called on the training thread, inside stock save_state -------------------------------------
+    def begin(self, output_dir: str | os.PathLike) -> None:
+        if self.folder is not None:
+            return
+        folder = _real(output_dir)
+        os.makedirs(folder, exist_ok=True)
+        acc = self.owner.accelerator
+        name = (f"{PENDING_MARKER_PREFIX}{acc.process_index}-{socket.gethostname()}-{os.getpid()}"
+                f"-{next(_seq)}")
+        marker = os.path.join(folder, name)
+        with open(marker, "w") as fh:
+            fh.write(f"lazyckpt: save into this folder started at {time.time():.3f}; "
+                     "this file is removed once every file of that save is durable\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        _fsync_dir(folder)  # the marker is durable before any checkpoint file exists
+        self.folder, self.marker = folder, marker
+        if acc.num_processes > 1:
+            # Every process's marker exists before any process can finish and remove its own.
+            acc.wait_for_everyone()
+
+    def save(self, obj, f, *, save_on_each_node: bool, safe_serialization: bool) -> None:
+        if not _is_writer(save_on_each_node):
+            return
+        path = os.fspath(f)
+        if self.folder is None:
+            self.begin(os.path.dirname(os.path.abspath(path)))
+        ckpt = self.owner.checkpointer
+        if safe_serialization:
+            if isinstance(obj, OrderedDict):
+                obj = clean_state_dict_for_safetensors(obj)  # drops tied duplicates exactly like stock
+            h = ckpt.save(obj, path, format="safetensors", metadata={"format": "pt"})
+        else:
+            h = ckpt.save(obj, path, format="torch")
+        self.handles.append(h)
+
+    # -- after stock save_state returned (or raised) -------------------------------------------------
+    def finish(self, sync_files: list[str], scan_folder: bool, aborted: bool) -> None:
+        self.sync_files = sync_files
+        self.scan_folder = scan_folder
+        self.aborted = aborted
+        if aborted:
+            self.reported = True  # save_state already raised to the caller; the folder stays incomplete
+        self._remaining = len(self.handles) + 1
+        for h in self.handles:
+            h.add_done_callback(self._one_done)
+        self._one_done(None)
+
+    def _one_done(self, _h) -> None:
+        with self._lock:
+            self._remaining -= 1
+            last = self._remaining == 0
+        if last:
+            self.owner._finisher_submit(self._complete)
+
+    def _complete(self) -> None:
+        try:
+            for h in self.handles:
+                exc = h.exception()
+                if exc is not None and self.error is None:
+                    self.error = exc
+            if self.error is None and not self.aborted and self.folder is not None:
+                self._make_durable()
+            elif self.error is not None:
+                logger.error("lazyckpt: save into %s failed; the folder stays marked incomplete: %r",
+                             self.folder, self.error)
+        except BaseException as exc:  # noqa: BLE001 - reported through wait()
+            if self.error is None:
+                self.error = exc
+        finally:
+            self.durable_at = time.perf_counter()
+            self.done.set()
+
+    def _make_durable(self) -> None:
+        folder = self.folder
+        assert folder is not None and self.marker is not None
+        if not os.path.isdir(folder):
+            return  # deleted meanwhile (e.g. by total_limit on the main process): nothing to mark
+        files = list(self.sync_files)
+        if self.scan_folder:
+            try:
+                with os.scandir(folder) as it:
+                    files += [e.path for e in it if not e.name.startswith(".") and e.is_file(follow_symlinks=False)]
+            except FileNotFoundError:
+                return
+        seen = set()
+        for p in files:
+            if p in seen:
+                continue
+            seen.add(p)
+            try:
+                _fsync_file(p)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                raise WriteError(f"lazyckpt: could not fsync {p}: {exc}", path=p, errno=exc.errno) from exc
+        try:
+            os.unlink(self.marker)
+            _fsync_dir(folder)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise WriteError(f"lazyckpt: could not mark {folder} complete: {exc}", path=folder,
+                             errno=exc.errno) from exc
+
+    def wait(self, timeout: float | None = None) -> BaseException | None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for h in list(self.handles):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                h.wait(left)
+            except LazyCkptError:
+                pass  # collected from h.exception() in _complete
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not self.done.wait(left):
+            raise TimeoutError(f"lazyckpt: save into {self.folder} not durable after {timeout} s")
+        return self.error
+
+
+# --------------------------------------------------------------------------------------------------
+# The handle returned by install()
+# --------------------------------------------------------------------------------------------------
+
+_installed: "weakref.WeakKeyDictionary[Any, AccelerateHandle]" = weakref.WeakKeyDictionary()
+
+
+class AccelerateHandle:
+    """What :func:`install` returns: ``wait()`` drains pending saves, ``remove()`` restores stock behaviour."""
+
+    def __init__(self, accelerator, checkpointer: LazyCheckpointer, owns_checkpointer: bool) -> None:
+        self.accelerator = accelerator
+        self.checkpointer = checkpointer
+        self._owns = owns_checkpointer
+        self._saves: list[_FolderSave] = []
+        self._lock = threading.Lock()
+        self._tracked: set[int] = set()
+        self._tracked_refs: list = []
+        self._removed = False
+        self._warned_stock = False
+        self._finisher_q: "queue.SimpleQueue[Callable[[], None] | None]" = queue.SimpleQueue()
+        self._finisher = threading.Thread(target=self._finisher_loop, name="lazyckpt-accelerate-finisher",
+                                          daemon=True)
+        self._finisher.start()
+        # What save_state/load_state resolve to now (normally the class methods), and whether the instance
+        # already had its own attribute (restored as is by remove()).
+        self._stock_save_state = accelerator.save_state
+        self._stock_load_state = accelerator.load_state
+        self._prev_attrs = {n: vars(accelerator)[n] for n in ("save_state", "load_state") if n in vars(accelerator)}
+        self._hook_handle = None
+        self.last_save_state_s: float | None = None  # seconds the last save_state call blocked
+
+    # -- background finisher -------------------------------------------------------------------------
+    def _finisher_loop(self) -> None:
+        while True:
+            job = self._finisher_q.get()
+            if job is None:
+                return
+            try:
+                job()
+            except BaseException:  # noqa: BLE001
+                logger.exception("lazyckpt.accelerate finisher job failed")
+
+    def _finisher_submit(self, job: Callable[[], None]) -> None:
+        if self._finisher.is_alive():
+            self._finisher_q.put(job)
+        else:  # after remove(): run inline
+            job()
+
+    # -- patched methods -----------------------------------------------------------------------------
+    def _lazy_supported(self) -> bool:
+        acc = self.accelerator
+        if acc.distributed_type in _STOCK_ONLY_TYPES:
+            if not self._warned_stock:
+                self._warned_stock = True
+                logger.warning("lazyckpt.accelerate: distributed type %s is not supported; save_state stays "
+                               "synchronous (stock)", acc.distributed_type)
+            return False
+        return True
+
+    def _track_new_optimizers(self) -> None:
+        new = []
+        for opt in self.accelerator._optimizers:
+            inner = _unwrap_optimizer(opt)
+            if inner is not None and id(inner) not in self._tracked:
+                self._tracked.add(id(inner))
+                self._tracked_refs.append(inner)  # keep id() unique while tracked
+                new.append(inner)
+        if new:
+            self.checkpointer.track(*new)
+
+    def _doomed_folders(self) -> list[str]:
+        """The folders stock save_state is about to rmtree (same computation as accelerate 1.15)."""
+        acc = self.accelerator
+        pc = acc.project_configuration
+        if not (pc.automatic_checkpoint_naming and pc.total_limit is not None and acc.is_main_process):
+            return []
+        base = os.path.join(acc.project_dir, "checkpoints")
+        try:
+            folders = [os.path.join(base, f) for f in os.listdir(base)]
+        except FileNotFoundError:
+            return []
+        if len(folders) + 1 <= pc.total_limit:
+            return []
+        try:
+            folders.sort(key=_folder_number)
+        except (IndexError, ValueError):
+            return [_real(f) for f in folders]  # stock will fail on its own; drain conservatively
+        return [_real(f) for f in folders[: len(folders) + 1 - pc.total_limit]]
+
+    def _prune(self) -> None:
+        # caller holds self._lock: forget saves that are durable, or failed and already reported
+        self._saves = [fs for fs in self._saves
+                       if not fs.done.is_set() or (fs.error is not None and not fs.reported)]
+
+    def _raise_unreported(self) -> None:
+        with self._lock:
+            for fs in self._saves:
+                if fs.done.is_set() and fs.error is not None and not fs.reported:
+                    fs.reported = True
+                    raise fs.error
+            self._prune()
+
+    def _save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs):
+        if self._removed or not self._lazy_supported():
+            return self._stock_save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
+        t0 = time.perf_counter()
+        # 1. never let stock's rmtree of old folders race their pending writes
+        doomed = self._doomed_folders()
+        if doomed:
+            self._wait_where(lambda folder: any(folder == d or folder.startswith(d + os.sep) for d in doomed))
+        # 2. a failed earlier save is reported here at the latest (stock save_state would have raised)
+        self._raise_unreported()
+        self._track_new_optimizers()
+        fs = _FolderSave(self)
+        token = _active.set(fs)
+        aborted = True
+        try:
+            location = self._stock_save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
+            aborted = False
+        finally:
+            _active.reset(token)
+            if fs.folder is not None:
+                sync, scan = self._sync_files(fs.folder)
+                with self._lock:
+                    self._saves.append(fs)
+                fs.finish(sync, scan, aborted)
+            self.last_save_state_s = time.perf_counter() - t0
+        return location
+
+    def _sync_files(self, folder: str) -> tuple[list[str], bool]:
+        acc = self.accelerator
+        out = Path(folder)
+        files = [str(out / f"{RNG_STATE_NAME}_{acc.state.process_index}.pkl")]
+        if acc.scaler is not None:
+            files.append(str(out / SCALER_NAME))
+        for i, dl in enumerate(acc._dataloaders):
+            if getattr(dl, "use_stateful_dataloader", False):
+                files.append(str(out / ("dl_state_dict.bin" if i == 0 else f"dl_state_dict_{i}.bin")))
+        scan = _is_writer(acc.project_configuration.save_on_each_node)
+        return files, scan
+
+    def _load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs):
+        if self._removed:
+            return self._stock_load_state(input_dir, load_kwargs=load_kwargs, **kwargs)
+        acc = self.accelerator
+        pc = acc.project_configuration
+        if input_dir is not None:
+            target = _real(input_dir)
+            self._wait_where(lambda folder: folder == target)
+            self._barrier()
+            markers = pending_markers(target)
+            if os.path.isdir(target) and markers:
+                raise IncompleteCheckpointError(
+                    f"lazyckpt: checkpoint folder {input_dir!r} is incomplete: a save into it never became "
+                    f"durable (the process was probably killed, or a write failed; markers: {markers}). "
+                    "Load an earlier checkpoint folder instead."
+                ) from self._error_for(target)
+            return self._stock_load_state(input_dir, load_kwargs=load_kwargs, **kwargs)
+        if pc.automatic_checkpoint_naming:
+            base = _real(os.path.join(acc.project_dir, "checkpoints"))
+            self._wait_where(lambda folder: os.path.dirname(folder) == base)
+            self._barrier()
+            folders = [os.path.join(base, f) for f in os.listdir(base)]
+            folders.sort(key=_folder_number)
+            complete = [f for f in folders if is_complete(f)]
+            if not complete:
+                raise IncompleteCheckpointError(
+                    f"lazyckpt: no complete checkpoint folder in {base!r}: every save there was interrupted "
+                    f"before it became durable ({[os.path.basename(f) for f in folders]})."
+                )
+            chosen = complete[-1]
+            if folders and chosen != folders[-1]:
+                skipped = [os.path.basename(f) for f in folders[folders.index(chosen) + 1:]]
+                msg = (f"lazyckpt: newest checkpoint folder(s) {skipped} in {base!r} are incomplete (their save was "
+                       f"interrupted before it became durable); loading {os.path.basename(chosen)!r} instead.")
+                logger.warning(msg)
+                warnings.warn(msg, IncompleteCheckpointWarning, stacklevel=2)
+            return self._stock_load_state(chosen, load_kwargs=load_kwargs, **kwargs)
+        return self._stock_load_state(input_dir, load_kwargs=load_kwargs, **kwargs)
+
+    def _error_for(self, folder: str) -> BaseException | None:
+        with self._lock:
+            for fs in self._saves:
+                if fs.folder == folder and fs.error is not None:
+                    return fs.error
+        return None
+
+    def _barrier(self) -> None:
+        if self.accelerator.num_processes > 1:
+            self.accelerator.wait_for_everyone()
+
+    def _wait_where(self, pred: Callable[[str], bool]) -> None:
+        with self._lock:
+            todo = [fs for fs in self._saves if fs.folder is not None and pred(fs.folder)]
+        for fs in todo:
+            fs.wait()
+
+    # -- public --------------------------------------------------------------------------------------
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every pending ``save_state`` of this accelerator is durable; raise the first error."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            todo = list(self._saves)
+        first: BaseException | None = None
+        for fs in todo:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            err = fs.wait(left)
+            if err is not None and not fs.reported and first is None:
+                fs.reported = True
+                first = err
+        with self._lock:
+            self._prune()
+        if first is not None:
+            raise first
+
+    def pending(self) -> int:
+        """Number of save_state calls of this accelerator whose files are not all durable yet."""
+        with self._lock:
+            return sum(1 for fs in self._saves if not fs.done.is_set())
+
+    @property
+    def removed(self) -> bool:
+        return self._removed
+
+    def remove(self) -> None:
+        """Drain pending saves, then restore the stock ``save_state``/``load_state`` (raises a drained error)."""
+        if self._removed:
+            return
+        error: BaseException | None = None
+        try:
+            self.wait()
+        except BaseException as exc:  # noqa: BLE001
+            error = exc
+        finally:
+            self._removed = True
+            acc = self.accelerator
+            for name, ours in (("save_state", self._save_state), ("load_state", self._load_state)):
+                if vars(acc).get(name) == ours:
+                    if name in self._prev_attrs:
+                        setattr(acc, name, self._prev_attrs[name])
+                    else:
+                        delattr(acc, name)
+            if self._hook_handle is not None:
+                self._hook_handle.remove()
+            _release_patch()
+            self._finisher_q.put(None)
+            self._finisher.join()
+            try:
+                atexit.unregister(self._atexit)
+            except Exception:  # noqa: BLE001
+                pass
+            if _installed.get(acc) is self:
+                del _installed[acc]
+            if self._owns:
+                self.checkpointer.close()
+        if error is not None:
+            raise error
+
+    def __enter__(self) -> "AccelerateHandle":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    # -- internals -----------------------------------------------------------------------------------
+    def _pre_hook(self, models, weights, output_dir) -> None:
+        fs = _active.get()
+        if fs is not None and fs.owner is self:
+            fs.begin(output_dir)
+
+    def _atexit(self) -> None:
+        try:
+            self.wait()
+        except BaseException as exc:  # noqa: BLE001
+            logger.error("lazyckpt.accelerate: a checkpoint save failed: %r", exc)
+
+
+def install(accelerator, checkpointer: LazyCheckpointer | None = None, **core_options) -> AccelerateHandle:
+    """Make ``accelerator.save_state`` lazy (same files as stock) and ``load_state`` wait for pending saves.
+
+    ``checkpointer``: an existing :class:`lazyckpt.LazyCheckpointer` to use (not closed by ``remove()``);
+    otherwise one is created from ``core_options`` (``host_memory_budget``, ``writer_threads``, ``fsync``,
+    ``on_backpressure``, ``crc``, ``chunk_bytes`` ...) and closed by ``remove()``.
+    """
+    if checkpointer is not None and core_options:
+        raise TypeError("pass either checkpointer= or core options, not both")
+    existing = _installed.get(accelerator)
+    if existing is not None and not existing.removed:
+        raise RuntimeError("lazyckpt.accelerate is already installed on this Accelerator; call remove() first")
+    owns = checkpointer is None
+    if checkpointer is None:
+        checkpointer = LazyCheckpointer(**core_options)
+    handle = AccelerateHandle(accelerator, checkpointer, owns)
+    try:
+        hook_handle = accelerator.register_save_state_pre_hook(handle._pre_hook)
+        # Run first, so the pending marker exists before any user hook or accelerate writes a file.
+        accelerator._save_model_state_pre_hook.move_to_end(hook_handle.id, last=False)
+        handle._hook_handle = hook_handle
+        _acquire_patch()
+        accelerator.save_state = handle._save_state
+        accelerator.load_state = handle._load_state
+    except BaseException:
+        handle._finisher_q.put(None)
+        if owns:
+            checkpointer.close()
+        raise
+    atexit.register(handle._atexit)
+    _installed[accelerator] = handle
+    return handle

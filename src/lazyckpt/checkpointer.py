@@ -1,0 +1,358 @@
+"""LazyCheckpointer: the public facade over flatten -> stage -> write -> commit."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+import time
+import warnings
+import weakref
+from typing import Any, Literal
+
+import torch
+
+from . import _commit, _guard, _torchfmt
+from ._engine import Engine
+from ._flatten import Source, flatten_safetensors, flatten_torch
+from ._handle import SaveHandle, SaveStats
+from ._job import Job
+from ._pool import HostBufferPool
+from .errors import CheckpointerClosedError, LazyCkptError, SaveRefusedError, WriteError
+
+logger = logging.getLogger(__name__)
+
+Format = Literal["torch", "safetensors"]
+Backpressure = Literal["block", "skip"]
+
+
+class BackpressureWarning(UserWarning):
+    """Saves arrive faster than storage drains them."""
+
+
+def default_host_memory_budget() -> int:
+    """A quarter of physical memory, at most 16 GiB."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover
+        total = 8 << 30
+    return int(min(total // 4, 16 << 30))
+
+
+class LazyCheckpointer:
+    """Saves checkpoints without stopping training.
+
+    ``save(obj, path)`` returns as soon as ``obj`` is pickled (tensors excluded) and the tensors no
+    optimizer guards are copied; optimizer-owned tensors (parameters, optimizer state) are copied
+    in the background while training runs forward and backward, and the next ``optimizer.step()``
+    waits for those copies only if they are not done yet. The file at ``path`` then holds exactly the
+    state at the moment of ``save()``, or the save fails with a typed error; it never holds anything
+    else, and a partial file never appears at ``path``.
+
+    Concurrency contract: after ``save()`` returns, the caller may keep training: optimizer steps
+    and forward passes are safe. Changing a saved tensor in place by other means before
+    ``handle.wait_staged()`` makes that save fail with ``StaleTensorError`` (never a wrong file).
+    Methods are thread-safe.
+
+    Args:
+        host_memory_budget: bytes of host buffers (pinned on CUDA) to stage through; default a
+            quarter of RAM, at most 16 GiB. Larger checkpoints stream through it.
+        writer_threads: threads writing to storage.
+        fsync: make each file and its directory entry durable before the save counts as done.
+        on_backpressure: when saves outrun storage, ``"block"`` (training waits for buffers) or
+            ``"skip"`` (the new save is skipped with a warning, counted in ``skipped_saves``).
+        crc: compute zip CRC32s for torch files (needed for ``zipfile.testzip`` and ``verify``).
+        wait_in_closure: when ``optimizer.step(closure)`` is used (Lightning), wait after the
+            closure (after forward/backward) instead of before it.
+        chunk_bytes: size of one host buffer chunk; large tensors are split into pieces this big.
+        pin_memory: pin host buffers (default: when CUDA is available).
+    """
+
+    def __init__(
+        self,
+        host_memory_budget: int | None = None,
+        writer_threads: int = 4,
+        fsync: bool = True,
+        on_backpressure: Backpressure = "block",
+        crc: bool = True,
+        wait_in_closure: bool = True,
+        chunk_bytes: int = 64 << 20,
+        pin_memory: bool | None = None,
+    ) -> None:
+        if on_backpressure not in ("block", "skip"):
+            raise ValueError(f"on_backpressure must be 'block' or 'skip', got {on_backpressure!r}")
+        if writer_threads < 1:
+            raise ValueError("writer_threads must be >= 1")
+        budget = default_host_memory_budget() if host_memory_budget is None else int(host_memory_budget)
+        if budget < 1:
+            raise ValueError("host_memory_budget must be positive")
+        pin = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.fsync, self.crc, self.wait_in_closure = fsync, crc, wait_in_closure
+        self.on_backpressure: Backpressure = on_backpressure
+        self.pool = HostBufferPool(budget, chunk_bytes, pin)
+        self.skipped_saves = 0
+        self._lock = threading.Lock()
+        self._jobs: list[Job] = []  # saved, not yet committed, in save() order
+        self._failed: list[SaveHandle] = []  # failed saves whose error nobody has seen yet
+        self._cleaned_dirs: set[str] = set()
+        self._last_warning = 0.0
+        self._closed = False
+        self._engine = Engine(self.pool, writer_threads, self._job_done)
+        _guard.acquire()
+        _open_checkpointers.add(self)
+
+    # -- public API -------------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def save(
+        self,
+        obj: Any,
+        path: str | os.PathLike[str],
+        format: Format = "torch",
+        metadata: dict[str, str] | None = None,
+    ) -> SaveHandle:
+        """Start saving ``obj`` to ``path``; returns a handle at once (see the class docstring).
+
+        ``format="torch"`` writes what ``torch.save(obj, path)`` writes; ``format="safetensors"``
+        takes a flat ``dict[str, Tensor]`` (and optional string ``metadata``). Raises
+        ``SaveRefusedError`` (nothing written) for input it cannot save, and the error of an
+        earlier failed save that nobody has seen yet.
+        """
+        t0 = time.perf_counter()
+        self._check_open()
+        self._raise_unreported()
+        final = self._resolve(path)
+        if format == "torch":
+            pickle_bytes, sources = flatten_torch(obj)
+            layout = _torchfmt.plan(final, pickle_bytes, [(s.key, s.nbytes) for s in sources])
+            for src in sources:
+                src.file_offset = layout.data_offset(src.key)
+            head, file_bytes = b"", layout.total_size
+        elif format == "safetensors":
+            if metadata is not None and not isinstance(metadata, dict):
+                raise SaveRefusedError("metadata must be a dict[str, str]")
+            head, sources = flatten_safetensors(obj, metadata)
+            layout, file_bytes = None, len(head) + sum(s.nbytes for s in sources)
+        else:
+            raise SaveRefusedError(f"unknown format {format!r}; use 'torch' or 'safetensors'")
+        if metadata is not None and format == "torch":
+            raise SaveRefusedError("metadata is only stored by format='safetensors'")
+        nbytes = sum(s.nbytes for s in sources)
+        if self._should_skip(nbytes, final):
+            return self._skipped(final, nbytes, t0)
+        guarded = _guard.guarded_storages()
+        lazy = [s for s in sources if s.nbytes and _is_guarded(s, guarded)]
+        job = Job(
+            path=final, tmp=_commit.temporary_path(final), fmt=format, sources=sources, lazy=lazy,
+            layout=layout, head=head, file_bytes=file_bytes, crc=self.crc, fsync=self.fsync,
+            wait_in_closure=self.wait_in_closure, t0=t0,
+        )  # fmt: skip
+        self._start(job, [s for s in sources if s.nbytes and s not in lazy])
+        job.t_returned = time.perf_counter()
+        return job.handle
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every save made so far is durable; raise the first error nobody has seen."""
+        with self._lock:
+            jobs = list(self._jobs)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for job in jobs:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not job.handle._done.wait(remaining):
+                raise TimeoutError(f"pending saves not durable after {timeout} s")
+        self._raise_unreported()
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """Block until every pending save's host copies are done (saved tensors may change)."""
+        with self._lock:
+            jobs = list(self._jobs)
+        for job in jobs:
+            job.handle.wait_staged(timeout)
+
+    def wait_path(self, path: str | os.PathLike[str], timeout: float | None = None) -> None:
+        """Block until every pending save to ``path`` is durable; raise its error if it failed."""
+        final = os.path.abspath(os.fspath(path))
+        with self._lock:
+            handles = [j.handle for j in self._jobs if j.path == final]
+        for handle in handles:
+            handle.wait(timeout)
+
+    def pending_paths(self) -> set[str]:
+        """Final paths of saves not yet committed."""
+        with self._lock:
+            return {j.path for j in self._jobs}
+
+    def track(self, *optimizers: torch.optim.Optimizer) -> None:
+        """Declare optimizers whose parameters and state are guarded by their ``step()``.
+
+        Their tensors are then copied in the background rather than inside ``save()``. Optimizers
+        are also tracked automatically after their first ``step()``.
+        """
+        for opt in optimizers:
+            _guard.track(opt)
+
+    def close(self) -> None:
+        """Drain every pending save, stop the threads, free the buffers; raise any unseen error."""
+        if self._closed:
+            return
+        try:
+            with self._lock:
+                jobs = list(self._jobs)
+            for job in jobs:
+                job.handle._done.wait()
+        finally:
+            self._closed = True
+            self._engine.stop()
+            self.pool.close()
+            _guard.release()
+            _open_checkpointers.discard(self)
+        self._raise_unreported()
+
+    def __enter__(self) -> LazyCheckpointer:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except LazyCkptError:
+            logger.exception("lazyckpt: a save failed while another exception was propagating")
+
+    # -- internals --------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointerClosedError("this LazyCheckpointer is closed; create a new one")
+
+    def _resolve(self, path: str | os.PathLike[str]) -> str:
+        if not isinstance(path, (str, os.PathLike)):
+            raise SaveRefusedError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+        raw = os.fspath(path)
+        if isinstance(raw, bytes) or "://" in raw:
+            raise SaveRefusedError(
+                f"{raw!r}: lazyckpt writes local files only. Save locally and upload the committed file "
+                "(e.g. from handle.add_done_callback), or use the framework's own remote checkpointing."
+            )
+        final = os.path.abspath(raw)
+        if os.path.isdir(final):
+            raise SaveRefusedError(f"{final} is a directory; pass a file path")
+        directory = os.path.dirname(final)
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as exc:
+            raise SaveRefusedError(f"cannot create directory {directory}: {exc}") from exc
+        if directory not in self._cleaned_dirs:
+            self._cleaned_dirs.add(directory)
+            _commit.cleanup_temporaries(directory)
+        return final
+
+    def _start(self, job: Job, eager: list[Source]) -> None:
+        """Open the temporary file, capture unguarded tensors, hand the job to the engine."""
+        try:
+            job.fd = _commit.open_temporary(job.tmp, job.file_bytes)
+        except OSError as exc:
+            raise WriteError(f"cannot create {job.tmp}: {exc}", path=job.path, errno=exc.errno) from exc
+        if any(s.device.type == "cuda" for s in job.lazy):
+            for device in {s.device for s in job.lazy if s.device.type == "cuda"}:
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(device))
+                job.save_events[device] = event
+        with self._lock:
+            self._jobs.append(job)
+        if job.lazy:
+            _guard.add(job)
+        try:
+            for src in eager:
+                self._engine.stage_now(job, src)
+        except BaseException as exc:
+            job.fail(WriteError(f"staging for {job.path} failed: {exc}", path=job.path))
+            job.error.__cause__ = exc  # type: ignore[union-attr]
+        self._engine.submit(job)
+
+    def _job_done(self, job: Job) -> None:
+        """Engine callback (committer thread), before the handle completes."""
+        with self._lock:
+            self._jobs.remove(job)
+            if job.error is not None:
+                self._failed.append(job.handle)
+        if job.error is not None:
+            logger.debug("lazyckpt: save to %s failed: %s", job.path, job.error)
+        else:
+            logger.debug("lazyckpt: saved %s (%d bytes)", job.path, job.nbytes)
+        self._warn_if_backpressure()
+
+    def _raise_unreported(self) -> None:
+        with self._lock:
+            failed = [h for h in self._failed if not h.reported]
+            self._failed.clear()
+        if not failed:
+            return
+        for h in failed:
+            h.reported = True
+        err = failed[0]._error
+        assert err is not None
+        if len(failed) > 1 and hasattr(err, "add_note"):
+            err.add_note(f"lazyckpt: {len(failed) - 1} more save(s) failed: " + ", ".join(h.path for h in failed[1:]))
+        raise err
+
+    def _should_skip(self, nbytes: int, final: str) -> bool:
+        if self.on_backpressure != "skip":
+            return False
+        with self._lock:
+            pending = sum(j.nbytes for j in self._jobs)
+        if pending == 0 or pending + nbytes <= self.pool.capacity_bytes:
+            return False
+        self.skipped_saves += 1
+        warnings.warn(
+            f"lazyckpt: skipped save to {final}: {pending / 1e9:.2f} GB of earlier saves still pending and "
+            f"this one needs {nbytes / 1e9:.2f} GB, host budget {self.pool.capacity_bytes / 1e9:.2f} GB "
+            f"({self.skipped_saves} skipped so far). Save less often, or raise host_memory_budget.",
+            BackpressureWarning,
+            stacklevel=3,
+        )
+        return True
+
+    def _skipped(self, final: str, nbytes: int, t0: float) -> SaveHandle:
+        handle = SaveHandle(final)
+        stats = SaveStats(final, 0, 0, time.perf_counter() - t0, 0.0, 0.0, 0.0, 0.0, 0.0, skipped=True)
+        handle._finish(stats, None)
+        return handle
+
+    def _warn_if_backpressure(self) -> None:
+        waited = self.pool.wait_s
+        now = time.monotonic()
+        if waited <= 0.5 or now - self._last_warning < 30:
+            return
+        self._last_warning = now
+        self.pool.wait_s = 0.0
+        warnings.warn(
+            f"lazyckpt: saves outrun storage: staging waited {waited:.2f} s for host buffers "
+            f"(budget {self.pool.capacity_bytes / 1e9:.2f} GB); training slows to storage speed. "
+            "Save less often, raise host_memory_budget, or use on_backpressure='skip'.",
+            BackpressureWarning,
+            stacklevel=2,
+        )
+        logger.warning("lazyckpt: staging waited %.2f s for host buffers", waited)
+
+
+def _is_guarded(src: Source, guarded: set[int]) -> bool:
+    return src.flat.untyped_storage().data_ptr() in guarded
+
+
+_open_checkpointers: weakref.WeakSet[LazyCheckpointer] = weakref.WeakSet()
+
+
+@atexit.register
+def _drain_at_exit() -> None:
+    """Interpreter exit (Fabric never calls teardown): finish what was saved, say what failed."""
+    for ckpt in list(_open_checkpointers):
+        try:
+            ckpt.close()
+        except Exception as exc:  # nobody left to raise to
+            logger.error("lazyckpt: a checkpoint save failed before exit: %s", exc)

@@ -1,0 +1,58 @@
+"""Typed errors raised by lazyckpt.
+
+Every error a background thread meets reaches the caller as one of these, with the original
+exception chained as ``__cause__``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "LazyCkptError",
+    "SaveRefusedError",
+    "WriteError",
+    "StaleTensorError",
+    "CheckpointerClosedError",
+    "VerificationError",
+]
+
+
+class LazyCkptError(Exception):
+    """Base class of every error lazyckpt raises on purpose."""
+
+
+class SaveRefusedError(LazyCkptError, ValueError):
+    """``save()`` refused its input before anything was written (nothing is left on disk)."""
+
+
+class WriteError(LazyCkptError):
+    """Writing or committing a checkpoint failed; the previous file at that path is untouched.
+
+    ``path`` is the final path that was not written; ``errno`` is the OS error number when the
+    cause was an ``OSError`` (``ENOSPC``, ``EIO``, ``EACCES`` ...), else ``None``.
+    """
+
+    def __init__(self, message: str, path: str | None = None, errno: int | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+        self.errno = errno
+
+
+class StaleTensorError(LazyCkptError):
+    """A tensor was changed in place before its copy was safe, so the save was abandoned.
+
+    Raised from ``wait()`` rather than writing a checkpoint that mixes two training states.
+    ``tensor_name`` names the offending tensor inside the saved object.
+    """
+
+    def __init__(self, message: str, path: str | None = None, tensor_name: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+        self.tensor_name = tensor_name
+
+
+class CheckpointerClosedError(LazyCkptError, RuntimeError):
+    """The checkpointer was closed; create a new one."""
+
+
+class VerificationError(LazyCkptError):
+    """A checkpoint file failed verification (bad CRC, truncated, malformed)."""
