@@ -383,8 +383,9 @@ def main(argv=None) -> int:
     def make_state():
         return {"model": model.state_dict(), "optim": opt.state_dict(), "step": step_no}
 
-    # two steps without checkpoints: creates the AdamW state, warms the allocator
-    for _ in range(2):
+    # steps without checkpoints: create the AdamW state, fault in the memory the step needs (the first
+    # steps of a fresh process are several times slower here)
+    for _ in range(3):
         _gpt.train_step(model, opt, batches.next())
         step_no += 1
     sync()
@@ -422,6 +423,7 @@ def main(argv=None) -> int:
         return {"total_s": t1 - t0, "drain_s": t1 - td, "step_s": step_s, **mode.metrics()}
 
     results: dict[str, list[dict]] = {m: [] for m in modes}
+    psi0, load0 = _cpu_pressure_total(), os.getloadavg()
     raw_runs, iso_runs = [], []
     payload = None
     t_start = time.perf_counter()
@@ -455,7 +457,7 @@ def main(argv=None) -> int:
                 h = lz.ckpt.save(make_state(), out_dir / "lazy_isolated.pt")
                 st = h.wait()
                 dt = time.perf_counter() - t
-                nb = getattr(st, "bytes", None) or (out_dir / "lazy_isolated.pt").stat().st_size
+                nb = getattr(st, "file_bytes", None) or (out_dir / "lazy_isolated.pt").stat().st_size
                 iso = {"bytes": nb, "e2e_s": dt, "e2e_gbps": nb / dt / GB,
                        **{f: getattr(st, f, None) for f in ("write_gbps", "write_s", "staged_s", "durable_s", "blocked_s")}}
                 iso_runs.append(iso)
@@ -478,6 +480,10 @@ def main(argv=None) -> int:
             except Exception as e:  # noqa: BLE001
                 log(f"# closing {m.name} failed: {e!r}")
     wall = time.perf_counter() - t_start
+    psi1 = _cpu_pressure_total()
+    # share of the run during which some runnable task waited for a CPU; includes our own threads
+    facts["cpu_pressure"] = None if psi0 is None or psi1 is None else (psi1 - psi0) / 1e6 / wall
+    facts["loadavg_start"], facts["loadavg_end"] = load0, os.getloadavg()
 
     # ------------------------------------------------------------------ summary
     base = [r["total_s"] for r in results["none"]]
@@ -492,6 +498,9 @@ def main(argv=None) -> int:
             "save_call_s": median([x.get("save_call_s") for x in results[m]]),
             "drain_s": median([x["drain_s"] for x in results[m]]),
         }
+    none_step = summary["none"]["step_s"]
+    for m in modes:  # a cross-check robust to bursts of load: median step cost + drain spread over the saves
+        summary[m]["stall_step_median_s"] = summary[m]["step_s"] - none_step + summary[m]["drain_s"] / steps
     raw_gbps = median([r["gbps"] for r in raw_runs])
     lazy = summary.get("lazyckpt")
     if lazy:
@@ -504,13 +513,15 @@ def main(argv=None) -> int:
     log("")
     log(f"== checkpoint every step: {args.size} ({_gpt.num_params(model) / 1e6:.1f}M params, "
         f"{ckpt_bytes / GB:.2f} GB of tensors), {steps} checkpoints x {rounds} rounds, median over rounds ==")
-    log(f"{'mode':<12}{'step+save s':>12}{'stall/ckpt s':>14}{'in save() s':>13}{'final drain s':>15}{'vs torch.save':>15}")
+    log(f"{'mode':<12}{'step+save s':>12}{'stall/ckpt s':>14}{'in save() s':>13}{'final drain s':>15}"
+        f"{'vs torch.save':>15}{'cross-check':>13}   stall per round")
     ts_stall = summary["torch.save"]["stall_s"] if "torch.save" in summary else None
     for m in modes:
         s = summary[m]
         rel = "" if m == "none" or not ts_stall else f"{s['stall_s'] / ts_stall:.3f}x"
         log(f"{m:<12}{s['step_s']:>12.2f}{s['stall_s']:>14.3f}{_fmt(s['save_call_s'], 3):>13}"
-            f"{s['drain_s']:>15.2f}{rel:>15}")
+            f"{s['drain_s']:>15.2f}{rel:>15}{s['stall_step_median_s']:>13.3f}   "
+            f"{' '.join('%.3f' % x for x in s['stall_rounds'])}")
     ratios = {}
     if lazy and ts_stall:
         ratios["lazy_vs_torchsave"] = lazy["stall_s"] / ts_stall
@@ -525,6 +536,12 @@ def main(argv=None) -> int:
             f"{'OK' if ratios['lazy_vs_dcp'] <= 0.5 else 'MISSED'}")
     if lazy:
         log(f"lazyckpt per checkpoint: guard wait {lazy['guard_wait_s_per_ckpt']:.3f}s, skipped {lazy['skipped']}")
+    if raw_runs and none_step:
+        bound = max(0.0, raw_runs[0]["bytes"] / (raw_gbps * GB) - none_step)
+        summary["storage_bound_stall_s"] = bound
+        log(f"storage bound: a checkpoint takes {raw_runs[0]['bytes'] / (raw_gbps * GB):.2f}s to write raw vs "
+            f"{none_step:.2f}s per step, so any background checkpointer stalls >= {bound:.3f}s per checkpoint "
+            f"in steady state")
     log("")
     log(f"write throughput (same bytes, same run): raw sequential write+fsync {raw_gbps:.2f} GB/s "
         f"(runs: {', '.join('%.2f' % r['gbps'] for r in raw_runs)})")
@@ -542,7 +559,10 @@ def main(argv=None) -> int:
         f"isal {_fmt(crc.get('isal'))} GB/s" + (f"; lazyckpt uses {crc['lazyckpt_backend']}" if "lazyckpt_backend" in crc else ""))
     if d2h:
         log(f"D2H: raw pinned copy {d2h['raw_pinned']['gbps']:.1f} GB/s; lazyckpt staging {_fmt(d2h.get('lazyckpt_gbps'), 1)} GB/s")
-    log(f"# wall time {wall:.0f}s")
+    log(f"# wall time {wall:.0f}s; load average {load0[0]:.1f} at start, {facts['loadavg_end'][0]:.1f} at end; "
+        f"CPU pressure {_fmt(facts['cpu_pressure'] and 100 * facts['cpu_pressure'], 0)}% of the time "
+        "(some task waiting for a CPU; high values mean a busy machine and noisy numbers)")
+    log("# cross-check = median(step+save) - median(step without checkpoint) + final drain / checkpoints")
 
     if args.json:
         doc = {"args": vars(args), "facts": facts, "config": cfg.to_dict(), "params": _gpt.num_params(model),
@@ -576,6 +596,15 @@ def _distinct_tensors(obj) -> list[torch.Tensor]:
             seen.add(key)
             out.append(t)
     return out
+
+
+def _cpu_pressure_total() -> float | None:
+    """Cumulative microseconds some task waited for a CPU (Linux PSI), None when unavailable."""
+    try:
+        line = Path("/proc/pressure/cpu").read_text().splitlines()[0]
+        return float(line.rsplit("total=", 1)[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _fmt(x, nd=2):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -45,7 +46,7 @@ def torch_save(state: dict, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def train(mode: str, args, corpus: torch.Tensor, out_dir: Path) -> dict:
+def train(mode: str, args, corpus: torch.Tensor, out_dir: Path, verify: bool = False) -> dict:
     """Train ``args.steps`` steps (+ 2 warm-up steps, not timed), checkpointing after every step."""
     cfg = _gpt.config_for(args.size)
     model = _gpt.build(cfg, seed=0)
@@ -80,7 +81,7 @@ def train(mode: str, args, corpus: torch.Tensor, out_dir: Path) -> dict:
             ckpt.wait()  # the last checkpoint is durable on disk: counted in the time
         result["seconds"] = time.perf_counter() - t0
 
-        if ckpt is not None:
+        if ckpt is not None and verify:
             result.update(verify_lazy(ckpt, model, opt, batches, out_dir / "verify.pt"))
     finally:
         if ckpt is not None:
@@ -154,7 +155,8 @@ def assert_tree_equal(a, b, where: str = "") -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="Checkpoint every step: torch.save vs lazyckpt, plain PyTorch loop.")
     p.add_argument("--size", default="small", choices=sorted(_gpt.SIZES), help="model size (default: small, 14M)")
-    p.add_argument("--steps", type=int, default=25, help="timed steps per run (default: 25)")
+    p.add_argument("--steps", type=int, default=12, help="timed steps (= checkpoints) per run (default: 12)")
+    p.add_argument("--rounds", type=int, default=3, help="runs of each mode, order rotating (default: 3)")
     p.add_argument("--out-dir", default=None, help="where checkpoints go (default: a temporary directory)")
     args = p.parse_args(argv)
 
@@ -165,33 +167,43 @@ def main(argv=None) -> int:
     cfg = _gpt.config_for(args.size)
     n_params = _gpt.num_params(_gpt.build(cfg))
     print(f"model: GPT {args.size}, {n_params / 1e6:.1f}M params, AdamW; checkpoint = model + optimizer "
-          f"(~{12 * n_params / 1e6:.0f} MB) after every one of {args.steps} steps; torch {torch.__version__}, "
+          f"(~{12 * n_params / 1e6:.0f} MB) after every one of {args.steps} steps, {args.rounds} rounds; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; files in {out_dir}", flush=True)
 
-    runs = {}
+    modes = ("no checkpoint", "torch.save", "lazyckpt")
+    seconds = {m: [] for m in modes}
+    losses = {}
     try:
-        for mode in ("no checkpoint", "torch.save", "lazyckpt"):
-            runs[mode] = train(mode, args, corpus, out_dir)
-            print(f"  {mode:<14} {runs[mode]['seconds']:6.2f} s   loss {runs[mode]['losses'][0]:.3f} -> "
-                  f"{runs[mode]['losses'][-1]:.3f}", flush=True)
+        for r in range(args.rounds):  # the machine may be shared: repeat, rotate the order, pair within a round
+            for mode in modes[r % 3:] + modes[: r % 3]:
+                run = train(mode, args, corpus, out_dir, verify=(r == args.rounds - 1))
+                seconds[mode].append(run["seconds"])
+                losses[mode] = run["losses"]
+                if "verified" in run:
+                    verified = run
+                print(f"  round {r + 1}/{args.rounds}  {mode:<14} {run['seconds']:6.2f} s   "
+                      f"loss {run['losses'][0]:.3f} -> {run['losses'][-1]:.3f}", flush=True)
 
-        base = runs["no checkpoint"]["seconds"]
-        stall = {m: (runs[m]["seconds"] - base) / args.steps for m in ("torch.save", "lazyckpt")}
+        stall = {
+            m: statistics.median((t - b) / args.steps for t, b in zip(seconds[m], seconds["no checkpoint"]))
+            for m in ("torch.save", "lazyckpt")
+        }
+        med = {m: statistics.median(seconds[m]) for m in modes}
         print()
-        print(f"{'':28}{'torch.save':>12}{'lazyckpt':>12}")
-        print(f"{f'time for {args.steps} steps (s)':28}{runs['torch.save']['seconds']:>12.2f}"
-              f"{runs['lazyckpt']['seconds']:>12.2f}   (no checkpoint: {base:.2f})")
-        print(f"{'stall per checkpoint (s)':28}{stall['torch.save']:>12.3f}{stall['lazyckpt']:>12.3f}")
+        print(f"{'':30}{'no checkpoint':>14}{'torch.save':>12}{'lazyckpt':>12}")
+        print(f"{f'time for {args.steps} steps (s, median)':30}{med['no checkpoint']:>14.2f}"
+              f"{med['torch.save']:>12.2f}{med['lazyckpt']:>12.2f}")
+        print(f"{'stall per checkpoint (s)':30}{'':>14}{stall['torch.save']:>12.3f}{stall['lazyckpt']:>12.3f}")
         if stall["torch.save"] > 0:
             print(f"lazyckpt's stall is {max(stall['lazyckpt'], 0.0) / stall['torch.save']:.0%} of torch.save's "
-                  f"(one noisy run; benchmarks/bench_core.py measures properly)")
-        same = runs["lazyckpt"]["losses"] == runs["no checkpoint"]["losses"]
+                  f"(stall = (time with checkpoints - time without) / checkpoints, median of {args.rounds} rounds)")
+        same = losses["lazyckpt"] == losses["no checkpoint"]
         print(f"losses identical with and without lazyckpt: {'yes' if same else 'no (nondeterministic kernels?)'}")
 
-        st = runs["lazyckpt"]["verify_stats"]
-        print(f"verified: {runs['lazyckpt']['verified'].name} ({getattr(st, 'bytes', 0) / 1e6:.0f} MB, durable "
-              f"{getattr(st, 'durable_s', float('nan')):.2f} s after save()) loads with torch.load(weights_only=True), "
-              f"equals the state at save() although training ran 2 more steps meanwhile, CRC32s check out")
+        st = verified["verify_stats"]
+        print(f"verified: {verified['verified'].name} ({st.file_bytes / 1e6:.0f} MB, durable {st.durable_s:.2f} s "
+              f"after save()) loads with torch.load(weights_only=True), equals the state at save() although "
+              f"training ran 2 more steps meanwhile; its CRC32s check out")
     finally:
         if not args.out_dir:
             shutil.rmtree(out_dir, ignore_errors=True)

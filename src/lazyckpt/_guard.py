@@ -104,8 +104,9 @@ def _pre_hook(optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: d
     if defer and callable(kwargs.get("closure")):
         kwargs = dict(kwargs, closure=_waiting(kwargs["closure"]))
         return args, kwargs
-    if defer and args and callable(args[0]):
-        return (_waiting(args[0]), *args[1:]), kwargs
+    # args include the optimizer itself: a positional closure is args[1].
+    if defer and len(args) > 1 and callable(args[1]):
+        return (args[0], _waiting(args[1]), *args[2:]), kwargs
     wait_all()
     return None
 

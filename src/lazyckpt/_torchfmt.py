@@ -24,6 +24,7 @@ _LOCAL_SIG = 0x04034B50
 _CENTRAL_SIG = 0x02014B50
 _DESC_SIG = 0x08074B50
 _FLAGS = 0x0808  # bit 3: sizes in data descriptor; bit 11: UTF-8 names
+_FLAGS_EMPTY = 0x0800  # miniz writes empty records without a data descriptor
 
 
 def storage_alignment() -> int:
@@ -78,7 +79,8 @@ class TorchLayout:
             if rec.data is not None and rec.data:
                 writes.append((rec.data_offset, rec.data))
             assert rec.crc is not None
-            writes.append((rec.data_offset + rec.size, _descriptor(rec)))
+            if rec.size:
+                writes.append((rec.data_offset + rec.size, _descriptor(rec)))
             central += _central_entry(rec)
         writes.append((self.central_offset, bytes(central) + _end_records(self)))
         return writes
@@ -93,16 +95,26 @@ def _zip64_extra(size: int, offset: int) -> bytes:
     return struct.pack("<HH", 1, len(fields)) + fields if fields else b""
 
 
+def _flags(size: int) -> int:
+    return _FLAGS if size else _FLAGS_EMPTY
+
+
+def _descriptor_size(size: int, zip64: bool) -> int:
+    return 0 if size == 0 else 24 if zip64 else 16
+
+
 def _local_header(name: bytes, size: int, offset: int, alignment: int) -> tuple[bytes, int]:
     z64 = _zip64_extra(size, offset)
     start = offset + 30 + len(name) + len(z64) + 4
     pad = (-start) % alignment
     extra = z64 + b"FB" + struct.pack("<H", pad) + b"Z" * pad
-    head = struct.pack("<IHHHHHIIIHH", _LOCAL_SIG, 0, _FLAGS, 0, 0, 0, 0, 0, 0, len(name), len(extra))
+    head = struct.pack("<IHHHHHIIIHH", _LOCAL_SIG, 0, _flags(size), 0, 0, 0, 0, 0, 0, len(name), len(extra))
     return head + name + extra, start + pad
 
 
 def _descriptor(rec: _Record) -> bytes:
+    if rec.size == 0:
+        return b""
     if rec.zip64:
         return struct.pack("<IIQQ", _DESC_SIG, rec.crc, rec.size, rec.size)
     return struct.pack("<IIII", _DESC_SIG, rec.crc, rec.size, rec.size)
@@ -114,7 +126,7 @@ def _central_entry(rec: _Record) -> bytes:
     extra = _zip64_extra(rec.size, rec.header_offset)
     head = struct.pack(
         "<IHHHHHHIIIHHHHHII",
-        _CENTRAL_SIG, 0, 0, _FLAGS, 0, 0, 0, rec.crc, size32, size32,
+        _CENTRAL_SIG, 0, 0, _flags(rec.size), 0, 0, 0, rec.crc, size32, size32,
         len(rec.name), len(extra), 0, 0, 0, 0, off32,
     )  # fmt: skip
     return head + rec.name + extra
@@ -161,7 +173,7 @@ def plan(path: str, pickle_bytes: bytes, storage_sizes: list[tuple[str, int]]) -
         if data is None:
             storage_index[rel[len("data/") :]] = len(records)
         records.append(rec)
-        cursor = data_offset + size + (24 if zip64 else 16)
+        cursor = data_offset + size + _descriptor_size(size, zip64)
     cd_size = sum(_central_size(r) for r in records)
     return TorchLayout(records, storage_index, central_offset=cursor, total_size=cursor + cd_size + _END_SIZE)
 

@@ -108,6 +108,7 @@ class IncompleteCheckpointWarning(UserWarning):
 # The process-wide patch of accelerate.checkpointing.save (reference counted, reversible)
 # --------------------------------------------------------------------------------------------------
 
+_seq = itertools.count()
 _patch_lock = threading.RLock()
 _patch_refcount = 0
 _original_save: Callable | None = None
@@ -181,6 +182,47 @@ def _fsync_file(path: str) -> None:
         os.close(fd)
 
 
+def _marker_name(rank: int) -> str:
+    return f"{PENDING_MARKER_PREFIX}{rank}-{socket.gethostname()}-{os.getpid()}-{next(_seq)}"
+
+
+def _marker_owner(name: str) -> tuple[str, int] | None:
+    """(hostname, pid) of the process that created a marker, or None when the name is not ours."""
+    try:
+        rest = name[len(PENDING_MARKER_PREFIX):]
+        _rank, rest = rest.split("-", 1)
+        host, pid, _seq_no = rest.rsplit("-", 2)
+        return host, int(pid)
+    except ValueError:
+        return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except OSError:
+        return True
+    return True
+
+
+def _live_foreign_markers(folder: str) -> list[str]:
+    """Markers of saves by OTHER processes that may still be running (dead local processes excluded)."""
+    me = (socket.gethostname(), os.getpid())
+    live = []
+    for name in pending_markers(folder):
+        owner = _marker_owner(name)
+        if owner is None or owner == me:
+            continue
+        if owner[0] == me[0] and not _pid_alive(owner[1]):
+            continue  # left behind by a process of this machine that died: the save will never finish
+        live.append(name)
+    return live
+
+
 def pending_markers(folder: str | os.PathLike) -> list[str]:
     """Names of the lazyckpt pending markers in ``folder`` (empty: complete, or never saved by lazyckpt)."""
     try:
@@ -215,9 +257,6 @@ def _unwrap_optimizer(opt):
 # One save_state call of one process
 # --------------------------------------------------------------------------------------------------
 
-_seq = itertools.count()
-
-
 class _FolderSave:
     """The lazy part of one ``save_state`` call in this process: core handles + marker + sync files."""
 
@@ -244,8 +283,7 @@ class _FolderSave:
         folder = _real(output_dir)
         os.makedirs(folder, exist_ok=True)
         acc = self.owner.accelerator
-        name = (f"{PENDING_MARKER_PREFIX}{acc.process_index}-{socket.gethostname()}-{os.getpid()}"
-                f"-{next(_seq)}")
+        name = _marker_name(acc.process_index)
         marker = os.path.join(folder, name)
         with open(marker, "w") as fh:
             fh.write(f"lazyckpt: save into this folder started at {time.time():.3f}; "
@@ -254,9 +292,6 @@ class _FolderSave:
             os.fsync(fh.fileno())
         _fsync_dir(folder)  # the marker is durable before any checkpoint file exists
         self.folder, self.marker = folder, marker
-        if acc.num_processes > 1:
-            # Every process's marker exists before any process can finish and remove its own.
-            acc.wait_for_everyone()
 
     def save(self, obj, f, *, save_on_each_node: bool, safe_serialization: bool) -> None:
         if not _is_writer(save_on_each_node):
@@ -342,6 +377,25 @@ class _FolderSave:
             raise WriteError(f"lazyckpt: could not mark {folder} complete: {exc}", path=folder,
                              errno=exc.errno) from exc
 
+    def mark_reported(self) -> None:
+        """This save's error reached the user: the core must not raise it again from a later save()."""
+        self.reported = True
+        for h in self.handles:
+            if h.done() and h.exception() is not None:
+                try:
+                    h.wait(0)  # the public way to tell the core the error was seen
+                except BaseException:  # noqa: BLE001
+                    pass
+
+    def failed_handle_error(self) -> BaseException | None:
+        """The error of a core save of this folder that already failed (finisher may not have run yet)."""
+        for h in self.handles:
+            if h.done():
+                exc = h.exception()
+                if exc is not None:
+                    return exc
+        return None
+
     def wait(self, timeout: float | None = None) -> BaseException | None:
         deadline = None if timeout is None else time.monotonic() + timeout
         for h in list(self.handles):
@@ -386,6 +440,7 @@ class AccelerateHandle:
         self._stock_load_state = accelerator.load_state
         self._prev_attrs = {n: vars(accelerator)[n] for n in ("save_state", "load_state") if n in vars(accelerator)}
         self._hook_handle = None
+        self.load_timeout = 600.0  # seconds load_state waits for other processes' pending saves
         self.last_save_state_s: float | None = None  # seconds the last save_state call blocked
 
     # -- background finisher -------------------------------------------------------------------------
@@ -454,9 +509,12 @@ class AccelerateHandle:
     def _raise_unreported(self) -> None:
         with self._lock:
             for fs in self._saves:
-                if fs.done.is_set() and fs.error is not None and not fs.reported:
-                    fs.reported = True
-                    raise fs.error
+                if fs.reported:
+                    continue
+                err = fs.error if fs.done.is_set() else fs.failed_handle_error()
+                if err is not None:
+                    fs.mark_reported()
+                    raise err
             self._prune()
 
     def _save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs):
@@ -505,8 +563,8 @@ class AccelerateHandle:
         pc = acc.project_configuration
         if input_dir is not None:
             target = _real(input_dir)
-            self._wait_where(lambda folder: folder == target)
-            self._barrier()
+            self._wait_where(lambda folder: folder == target)  # this process's pending saves into it
+            self._wait_other_processes([target])                # and other processes' (shared files)
             markers = pending_markers(target)
             if os.path.isdir(target) and markers:
                 raise IncompleteCheckpointError(
@@ -518,7 +576,8 @@ class AccelerateHandle:
         if pc.automatic_checkpoint_naming:
             base = _real(os.path.join(acc.project_dir, "checkpoints"))
             self._wait_where(lambda folder: os.path.dirname(folder) == base)
-            self._barrier()
+            folders = [os.path.join(base, f) for f in os.listdir(base)]
+            self._wait_other_processes(folders)
             folders = [os.path.join(base, f) for f in os.listdir(base)]
             folders.sort(key=_folder_number)
             complete = [f for f in folders if is_complete(f)]
@@ -537,16 +596,31 @@ class AccelerateHandle:
             return self._stock_load_state(chosen, load_kwargs=load_kwargs, **kwargs)
         return self._stock_load_state(input_dir, load_kwargs=load_kwargs, **kwargs)
 
+    def _wait_other_processes(self, folders: list[str]) -> None:
+        """Wait until no other live process has a pending save into ``folders`` (bounded by load_timeout).
+
+        No collective call: load_state (and save_state) may be called on some processes only, as stock allows.
+        """
+        if self.accelerator.num_processes <= 1:
+            return
+        deadline = time.monotonic() + self.load_timeout
+        delay = 0.005
+        while True:
+            busy = [f for f in folders if _live_foreign_markers(f)]
+            if not busy or time.monotonic() >= deadline:
+                if busy:
+                    logger.warning("lazyckpt: gave up after %.0f s waiting for other processes' saves into %s",
+                                   self.load_timeout, busy)
+                return
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
+
     def _error_for(self, folder: str) -> BaseException | None:
         with self._lock:
             for fs in self._saves:
                 if fs.folder == folder and fs.error is not None:
                     return fs.error
         return None
-
-    def _barrier(self) -> None:
-        if self.accelerator.num_processes > 1:
-            self.accelerator.wait_for_everyone()
 
     def _wait_where(self, pred: Callable[[str], bool]) -> None:
         with self._lock:
@@ -565,7 +639,7 @@ class AccelerateHandle:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             err = fs.wait(left)
             if err is not None and not fs.reported and first is None:
-                fs.reported = True
+                fs.mark_reported()
                 first = err
         with self._lock:
             self._prune()
@@ -604,6 +678,7 @@ class AccelerateHandle:
             _release_patch()
             self._finisher_q.put(None)
             self._finisher.join()
+            self._tracked_refs.clear()
             try:
                 atexit.unregister(self._atexit)
             except Exception:  # noqa: BLE001
@@ -634,12 +709,15 @@ class AccelerateHandle:
             logger.error("lazyckpt.accelerate: a checkpoint save failed: %r", exc)
 
 
-def install(accelerator, checkpointer: LazyCheckpointer | None = None, **core_options) -> AccelerateHandle:
+def install(accelerator, checkpointer: LazyCheckpointer | None = None, *, load_timeout: float = 600.0,
+            **core_options) -> AccelerateHandle:
     """Make ``accelerator.save_state`` lazy (same files as stock) and ``load_state`` wait for pending saves.
 
     ``checkpointer``: an existing :class:`lazyckpt.LazyCheckpointer` to use (not closed by ``remove()``);
     otherwise one is created from ``core_options`` (``host_memory_budget``, ``writer_threads``, ``fsync``,
     ``on_backpressure``, ``crc``, ``chunk_bytes`` ...) and closed by ``remove()``.
+    ``load_timeout``: with several processes, how long ``load_state`` waits for other processes' pending
+    saves into the folder it reads before treating the folder as incomplete.
     """
     if checkpointer is not None and core_options:
         raise TypeError("pass either checkpointer= or core options, not both")
@@ -650,6 +728,7 @@ def install(accelerator, checkpointer: LazyCheckpointer | None = None, **core_op
     if checkpointer is None:
         checkpointer = LazyCheckpointer(**core_options)
     handle = AccelerateHandle(accelerator, checkpointer, owns)
+    handle.load_timeout = float(load_timeout)
     try:
         hook_handle = accelerator.register_save_state_pre_hook(handle._pre_hook)
         # Run first, so the pending marker exists before any user hook or accelerate writes a file.

@@ -1,0 +1,145 @@
+"""Accelerate: training stall per checkpoint with save_state every step, stock vs lazyckpt, in one run.
+
+    python benchmarks/bench_accelerate.py                    # ~98M-param GPT, AdamW + scheduler, CPU
+    python benchmarks/bench_accelerate.py --size small --steps 4 --rounds 1   # quick look
+
+One process, one model, one optimizer, one scheduler (prepared once by one Accelerator), three phases
+that run the same training steps:
+
+* ``none``      no checkpoint
+* ``stock``     ``accelerator.save_state()`` every step (stock Accelerate: synchronous, no fsync)
+* ``lazyckpt``  the same call after ``lazyckpt.accelerate.install(accelerator)`` (fsync + atomic rename)
+
+All phases save with automatic checkpoint naming and ``total_limit=2`` (old folders deleted), into their
+own project folder. The phases are interleaved ``--rounds`` times (none, stock, lazyckpt, none, ...) so
+machine drift hits all of them; between phases pending saves are drained and ``os.sync()`` flushes dirty
+pages, outside the timed steps. The first ``--warmup`` steps of every phase are not timed.
+
+stall per checkpoint = median step time of the phase - median step time of ``none``
+(a step = batch, forward, backward, optimizer.step, scheduler.step, zero_grad, and save_state).
+For lazyckpt that includes the time inside save_state, the wait at the next optimizer.step, and the
+CPU the background copy/write threads take from training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+if str(ROOT / "src") not in sys.path:
+    sys.path.insert(1, str(ROOT / "src"))
+import _gpt  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", default="100m", help="tiny | small | 100m | 1b (benchmarks/_gpt.py)")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per phase and round")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed steps at the start of every phase")
+    ap.add_argument("--rounds", type=int, default=2, help="times the three phases are repeated (interleaved)")
+    ap.add_argument("--phases", default="none,stock,lazyckpt")
+    ap.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary folder)")
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    ap.add_argument("--json", default=None, help="also write the results here")
+    args = ap.parse_args()
+
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    import lazyckpt.accelerate
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    root = Path(args.dir or tempfile.mkdtemp(prefix="bench_accelerate_"))
+    root.mkdir(parents=True, exist_ok=True)
+
+    cfg = _gpt.config_for(args.size)
+    project = ProjectConfiguration(project_dir=str(root / "none"), automatic_checkpoint_naming=True, total_limit=2)
+    acc = Accelerator(cpu=True, project_config=project)
+    model = _gpt.build(cfg, seed=0)
+    opt = _gpt.make_optimizer(model)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 100))
+    model, opt, sched = acc.prepare(model, opt, sched)
+    batches = _gpt.BatchStream(cfg, seed=0)
+    nparams = _gpt.num_params(model)
+
+    def train_step() -> None:
+        x, y = batches.next()
+        _, loss = model(x, y)
+        acc.backward(loss)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+
+    # one untimed step: optimizer state exists, so checkpoints have their full size from the start
+    train_step()
+    ckpt_bytes = _gpt.state_bytes(acc.unwrap_model(model).state_dict()) + _gpt.state_bytes(opt.state_dict())
+    print(f"# size={args.size} params={nparams / 1e6:.1f}M checkpoint~{ckpt_bytes / 1e9:.2f} GB "
+          f"torch_threads={torch.get_num_threads()} cpus={os.cpu_count()} dir={root}", flush=True)
+
+    phases = [p.strip() for p in args.phases.split(",") if p.strip()]
+    times: dict[str, list[float]] = {p: [] for p in phases}
+    blocked: dict[str, list[float]] = {p: [] for p in phases}
+    for rnd in range(args.rounds):
+        for phase in phases:
+            folder = root / phase
+            shutil.rmtree(folder, ignore_errors=True)
+            acc.project_configuration.set_directories(str(folder))
+            acc.project_configuration.iteration = 0
+            handle = lazyckpt.accelerate.install(acc) if phase == "lazyckpt" else None
+            for i in range(args.warmup + args.steps):
+                t0 = time.perf_counter()
+                train_step()
+                tb = time.perf_counter()
+                if phase != "none":
+                    acc.save_state()
+                t1 = time.perf_counter()
+                if i >= args.warmup:
+                    times[phase].append(t1 - t0)
+                    blocked[phase].append(t1 - tb)
+            if handle is not None:
+                handle.remove()  # drains: every save durable
+            os.sync()
+            print(f"round {rnd} {phase:9s} median step {statistics.median(times[phase][-args.steps:]):.3f} s",
+                  flush=True)
+
+    base = statistics.median(times["none"]) if "none" in times else 0.0
+    rows = []
+    for phase in phases:
+        med = statistics.median(times[phase])
+        rows.append({
+            "phase": phase,
+            "median_step_s": med,
+            "mean_step_s": statistics.fmean(times[phase]),
+            "stall_s": med - base,
+            "save_state_call_s": statistics.median(blocked[phase]) if phase != "none" else 0.0,
+            "n": len(times[phase]),
+        })
+    stock = next((r for r in rows if r["phase"] == "stock"), None)
+    print()
+    print("| phase | median step (s) | stall per checkpoint (s) | inside save_state (s) | stall vs stock |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        ratio = (f"{r['stall_s'] / stock['stall_s']:.2f}x" if stock and stock["stall_s"] > 0 and r["phase"] != "none"
+                 else "")
+        print(f"| {r['phase']} | {r['median_step_s']:.3f} | {r['stall_s']:+.3f} | {r['save_state_call_s']:.3f} | {ratio} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"size": args.size, "params": nparams, "checkpoint_bytes": ckpt_bytes,
+                                               "rows": rows, "times": times}, indent=1))
+    if args.dir is None:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,674 @@
+"""Lightning integration: ``LazyCheckpointIO`` for ``Trainer`` and ``Fabric``.
+
+    from lazyckpt.lightning import LazyCheckpointIO
+    trainer = L.Trainer(plugins=[LazyCheckpointIO()], callbacks=[ModelCheckpoint(...)])
+    fabric = L.Fabric(plugins=[LazyCheckpointIO()])
+
+``save_checkpoint`` hands the checkpoint to a :class:`~lazyckpt.LazyCheckpointer` and returns at
+once. Tensors owned by an optimizer are copied to host memory in the background; the optimizer step
+pre-hook waits for those copies after the next forward/backward (Lightning runs them inside the
+optimizer closure) and right before the update. Every other tensor and every non-tensor value is
+captured inside ``save_checkpoint``, so the file always holds what ``dump_checkpoint`` produced.
+
+Concurrency contract: the plugin's methods are called from the training thread; completions arrive
+on lazyckpt's background threads and only touch the plugin's own bookkeeping under ``_lock``.
+Loggers, callbacks and the Trainer are only ever touched from the training thread.
+
+Works with ``lightning`` (``lightning.pytorch`` / ``lightning.fabric``) and with the standalone
+``pytorch_lightning`` / ``lightning_fabric`` packages. The plugin finds the Trainer it serves from
+the strategy that calls it (the strategy holds the plugin in ``_checkpoint_io``), then adapts a few
+things that assume a synchronous plugin: ``ModelCheckpoint.file_exists`` counts pending saves, weight
+averaging swaps wait for pending copies, checkpoint-uploading loggers wait for pending files.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import logging
+import os
+import queue
+import shutil
+import sys
+import tempfile
+import threading
+import warnings
+import weakref
+from collections import defaultdict
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from lazyckpt import LazyCheckpointer, SaveHandle, SaveStats
+from lazyckpt.errors import LazyCkptError, StaleTensorError
+
+__all__ = ["LazyCheckpointIO"]
+
+log = logging.getLogger(__name__)
+
+# -- which Lightning -------------------------------------------------------------------------------
+
+_BASE_MODULES = ("lightning.fabric.plugins.io.checkpoint_io", "lightning_fabric.plugins.io.checkpoint_io")
+
+
+def _checkpoint_io_base() -> type:
+    for name in _BASE_MODULES:
+        try:
+            module = __import__(name, fromlist=["CheckpointIO"])
+        except ImportError:
+            continue
+        return module.CheckpointIO
+    raise ImportError("lazyckpt.lightning needs Lightning: `pip install lightning` (or pytorch_lightning).")
+
+
+_CheckpointIO: Any = _checkpoint_io_base()
+
+
+def _register_with_loaded_packages() -> None:
+    """Make ``isinstance(plugin, CheckpointIO)`` true for every Lightning package already imported.
+
+    ``lightning`` and ``pytorch_lightning`` ship separate copies of ``CheckpointIO``; the plugin subclasses
+    one and registers as a virtual subclass of the other, so either Trainer accepts it.
+    """
+    for name in _BASE_MODULES:
+        module = sys.modules.get(name)
+        if module is not None and not issubclass(LazyCheckpointIO, module.CheckpointIO):
+            module.CheckpointIO.register(LazyCheckpointIO)
+
+
+def _stock_torch_io(base: type) -> Any:
+    package = base.__module__.split(".plugins.")[0]
+    module = __import__(f"{package}.plugins.io.torch_io", fromlist=["TorchCheckpointIO"])
+    return module.TorchCheckpointIO()
+
+
+def _mro_names(obj: object) -> set[str]:
+    return {cls.__name__ for cls in type(obj).__mro__}
+
+
+# Strategies that save without calling CheckpointIO.save_checkpoint.
+def _bypass_reason(strategy: object) -> str | None:
+    names = _mro_names(strategy)
+    if "DeepSpeedStrategy" in names:
+        return "DeepSpeedStrategy saves through DeepSpeed's engine"
+    if "FSDPStrategy" in names and getattr(strategy, "_state_dict_type", "full") == "sharded":
+        return "FSDPStrategy(state_dict_type='sharded') saves with torch.distributed.checkpoint"
+    if "ModelParallelStrategy" in names and getattr(strategy, "_save_distributed_checkpoint", False):
+        return "ModelParallelStrategy(save_distributed_checkpoint=True) saves with torch.distributed.checkpoint"
+    return None
+
+
+# -- bookkeeping -----------------------------------------------------------------------------------
+
+
+@dataclass
+class _Save:
+    """One save_checkpoint call: durable once ``done`` resolves (after the upload for a URL)."""
+
+    key: str  # absolute local path, or the URL as given
+    handle: SaveHandle
+    step: int | None
+    done: Future = field(default_factory=Future)
+    reported: bool = False
+
+
+class _Uploader:
+    """One daemon thread that copies committed local files to fsspec URLs, in commit order.
+
+    A plain thread rather than an executor: done-callbacks may submit during interpreter exit,
+    after ``concurrent.futures`` stops accepting work.
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[tuple[str, str, Future] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="lazyckpt-upload", daemon=True)
+        self._thread.start()
+
+    def submit(self, local: str, url: str, done: Future) -> None:
+        self._queue.put((local, url, done))
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        from fsspec.core import url_to_fs
+
+        while (item := self._queue.get()) is not None:
+            local, url, done = item
+            try:
+                fs, remote = url_to_fs(url)
+                fs.makedirs(os.path.dirname(remote), exist_ok=True)
+                fs.put_file(local, remote)
+                done.set_result(None)
+            except BaseException as exc:  # reaches the user through the plugin
+                done.set_exception(LazyCkptError(f"lazyckpt: upload of {local} to {url} failed: {exc}"))
+            finally:
+                try:
+                    os.remove(local)
+                except OSError:
+                    pass
+
+
+def _split_path(path: Any) -> tuple[str, bool]:
+    """(key, is_url): local paths become absolute; other fsspec protocols stay URLs."""
+    text = os.fspath(path)
+    if "://" in text:
+        protocol = text.split("://", 1)[0]
+        if protocol not in ("file", "local"):
+            return text, True
+        text = text.split("://", 1)[1]
+    return os.path.abspath(text), False
+
+
+_STALE_NOTE = (
+    "lazyckpt.lightning: a tensor of this checkpoint was changed in place outside optimizer.step() "
+    "before its host copy was done, so the save was abandoned instead of writing a mixed state. Code "
+    "that edits parameters or optimizer state in place between a save and the next step (weight swaps, "
+    "manual clamping, custom callbacks) must call `LazyCheckpointIO.wait_staged()` first."
+)
+
+
+class LazyCheckpointIO(_CheckpointIO):
+    """A ``CheckpointIO`` that writes stock ``torch.save`` files in the background.
+
+    Args:
+        checkpointer: an existing :class:`~lazyckpt.LazyCheckpointer` to use (never closed by the plugin).
+        log_stats: report each checkpoint's stall, staging and write times to the Trainer's loggers.
+        **checkpointer_options: passed to ``LazyCheckpointer`` when the plugin creates its own (the
+            plugin creates it at the first save and closes it at teardown).
+
+    The caller may keep training right after ``save_checkpoint`` returns; nothing is needed from it.
+    Code that changes parameters or optimizer state in place outside ``optimizer.step()`` while a save
+    may be pending must call :meth:`wait_staged` first. :meth:`wait` makes every save durable and
+    raises the first background error; teardown, ``load_checkpoint`` and interpreter exit call it.
+    """
+
+    def __init__(
+        self, checkpointer: Optional[LazyCheckpointer] = None, *, log_stats: bool = True, **checkpointer_options: Any
+    ) -> None:
+        super().__init__()
+        if checkpointer is not None and checkpointer_options:
+            raise TypeError("pass either an existing `checkpointer` or LazyCheckpointer options, not both")
+        if checkpointer_options.get("on_backpressure") == "skip":
+            warnings.warn(
+                "LazyCheckpointIO(on_backpressure='skip'): a skipped save writes no file, but ModelCheckpoint "
+                "still records it (top-k, last, best_model_path may name a missing file).",
+                stacklevel=2,
+            )
+        self._options = dict(checkpointer_options)
+        self._log_stats = log_stats
+        self._user_checkpointer = checkpointer
+        self._init_runtime()
+        _register_with_loaded_packages()
+        atexit.register(_drain_at_exit, weakref.ref(self))
+
+    def _init_runtime(self) -> None:
+        self._ckpt: Optional[LazyCheckpointer] = self._user_checkpointer
+        self._lock = threading.Lock()
+        self._saves: list[_Save] = []  # not yet reported to the caller, in save order
+        self._by_key: dict[str, list[_Save]] = defaultdict(list)
+        self._generation: dict[str, int] = defaultdict(int)  # bumped by every save to a key
+        self._deletes: dict[str, int] = {}  # key -> generation at which remove_checkpoint was asked
+        self._finished: list[tuple[_Save, SaveStats]] = []  # stats not yet sent to loggers
+        self.stats: list[SaveStats] = []  # every completed save of this plugin, in completion order
+        self._uploader: Optional[_Uploader] = None
+        self._upload_dir: Optional[str] = None
+        self._counter = itertools.count()
+        self._strategy_ref: Optional[weakref.ref] = None
+        self._trainer_ref: Optional[weakref.ref] = None
+        self._patched: list[tuple[object, str]] = []
+        self._warned_bypass = False
+        self._torn_down = False  # set by teardown, cleared by the next optimizer step
+        self._attach_tries = 0
+        hook = register_optimizer_step_pre_hook(_make_step_hook(weakref.ref(self)))
+        weakref.finalize(self, hook.remove)
+
+    # Spawn-based launchers (ddp_spawn) pickle the Trainer, plugins included: send the options only.
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_options": self._options, "_log_stats": self._log_stats}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._user_checkpointer = None
+        self._init_runtime()
+        atexit.register(_drain_at_exit, weakref.ref(self))
+
+    # -- CheckpointIO ------------------------------------------------------------------------------
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
+        """Start a background save of ``checkpoint`` to ``path``; returns once the state is captured."""
+        if storage_options is not None:
+            raise TypeError(f"`storage_options` is not supported by {type(self).__name__}.")
+        self._raise_first_error()
+        trainer = self._attach()
+        self._report_stats()
+        key, is_url = _split_path(path)
+        target = self._upload_staging_path(key) if is_url else key
+        if not is_url:
+            os.makedirs(os.path.dirname(key), exist_ok=True)
+        with self._lock:
+            self._generation[key] += 1
+        handle = self._checkpointer().save(checkpoint, target)
+        record = _Save(key=key, handle=handle, step=getattr(trainer, "global_step", None))
+        with self._lock:
+            self._saves.append(record)
+            self._by_key[key].append(record)
+        handle.add_done_callback(lambda h: self._on_committed(record, h, target if is_url else None))
+        if self._torn_down or (trainer is not None and not _is_running(trainer)):
+            # Outside fit (before it, after teardown, ddp_spawn's result collection) nothing drains
+            # later: behave like the stock plugin and return with the file in place.
+            self._wait_for([record])
+        elif trainer is not None and _swaps_state_after_save(trainer):
+            handle.wait_staged()
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Delete ``path``; a pending save to it is not waited for, the delete follows its commit."""
+        self._attach()
+        key, is_url = _split_path(path)
+        with self._lock:
+            pending = [r for r in self._by_key.get(key, ()) if not r.done.done()]
+            if pending:
+                self._deletes[key] = self._generation[key]
+        if not pending:
+            _delete(key, is_url)
+            return
+        # Outside the lock: an already finished future runs the callback right here.
+        pending[-1].done.add_done_callback(lambda _f: self._run_deferred_delete(key))
+
+    def load_checkpoint(self, path: Any, map_location: Optional[Any] = None, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Drain pending saves (their errors are raised here), then load like ``TorchCheckpointIO``."""
+        self._attach()
+        self.wait()
+        stock = _stock_torch_io(_CheckpointIO)
+        if map_location is None:
+            return stock.load_checkpoint(path, weights_only=weights_only)
+        return stock.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+
+    def teardown(self) -> None:
+        """Make every pending save durable; raise the first background error.
+
+        When teardown runs because training raised, saves are still drained but their errors are
+        logged instead of raised, so the training exception is the one that propagates.
+        """
+        handling = sys.exc_info()[1]
+        try:
+            self._drain(raise_errors=handling is None)
+        finally:
+            self._unpatch()
+            self._trainer_ref = self._strategy_ref = None
+            self._torn_down = True
+            self._attach_tries = 0
+            self._release_resources()
+
+    def _release_resources(self) -> None:
+        with self._lock:
+            uploader, self._uploader = self._uploader, None
+        if uploader is not None:
+            uploader.stop()
+        if self._upload_dir is not None:
+            shutil.rmtree(self._upload_dir, ignore_errors=True)
+            self._upload_dir = None
+        if self._ckpt is not None and self._user_checkpointer is None:
+            ckpt, self._ckpt = self._ckpt, None
+            ckpt.close()
+
+    # -- public extras -----------------------------------------------------------------------------
+
+    def wait(self) -> None:
+        """Block until every pending save is durable (uploaded for URLs); raise the first error."""
+        self._drain(raise_errors=True)
+
+    def wait_staged(self) -> None:
+        """Block until every pending host copy is done: live tensors may then change in place."""
+        if self._ckpt is not None:
+            self._ckpt.wait_staged()
+
+    def pending_paths(self) -> set[str]:
+        """Paths (absolute, or URLs) whose saves are not yet durable."""
+        with self._lock:
+            return {r.key for r in self._saves if not r.done.done()}
+
+    @property
+    def checkpointer(self) -> Optional[LazyCheckpointer]:
+        """The underlying checkpointer (None until the first save)."""
+        return self._ckpt
+
+    # -- completion --------------------------------------------------------------------------------
+
+    def _checkpointer(self) -> LazyCheckpointer:
+        if self._ckpt is None:
+            self._ckpt = LazyCheckpointer(**self._options)
+        return self._ckpt
+
+    def _on_committed(self, record: _Save, handle: SaveHandle, uploaded_from: Optional[str]) -> None:
+        """Runs on a lazyckpt thread once the local file is committed or the save failed."""
+        try:
+            stats = handle.wait(0)  # consumes the error: the plugin reports it, the core does not
+        except BaseException as exc:
+            record.done.set_exception(exc)
+            return
+        with self._lock:
+            self._finished.append((record, stats))
+            self.stats.append(stats)
+        if stats.skipped:
+            log.warning("lazyckpt: save to %s was skipped (on_backpressure='skip'): no file written", record.key)
+        log.debug(
+            "lazyckpt: %s committed: stall %.3fs (in save %.3fs, step waited %.3fs), staged %.3fs, "
+            "write %.3fs at %.2f GB/s, %d bytes",
+            stats.path, stats.blocked_s + stats.guard_wait_s, stats.blocked_s, stats.guard_wait_s,
+            stats.staged_s, stats.write_s, stats.write_gbps, stats.bytes,
+        )
+        if uploaded_from is None:
+            record.done.set_result(None)
+        else:
+            self._uploader_thread().submit(uploaded_from, record.key, record.done)
+
+    def _run_deferred_delete(self, key: str) -> None:
+        # Under the lock: a save to `key` issued after the remove bumps the generation, and its
+        # file must survive; the lock orders this check against that save's registration.
+        with self._lock:
+            if self._deletes.get(key) != self._generation[key]:
+                return
+            if any(not r.done.done() for r in self._by_key.get(key, ())):
+                return
+            del self._deletes[key]
+            _delete(key, "://" in key)
+
+    def _wait_for(self, records: list[_Save]) -> None:
+        for record in records:
+            try:
+                record.done.result()
+            except BaseException:
+                pass
+        errors = self._collect_errors(records)
+        if errors:
+            raise errors[0]
+
+    def _drain(self, raise_errors: bool) -> None:
+        if self._ckpt is not None:
+            try:
+                self._ckpt.wait()
+            except BaseException as exc:  # errors of saves not made through this plugin
+                if raise_errors:
+                    raise
+                log.error("lazyckpt: background save failed during teardown: %s", exc)
+        with self._lock:
+            records = list(self._saves)
+        for record in records:
+            try:
+                record.done.result()
+            except BaseException:
+                pass
+        for key in list(self._deletes):
+            self._run_deferred_delete(key)
+        self._report_stats()
+        errors = self._collect_errors(records)
+        with self._lock:
+            self._saves = [r for r in self._saves if not r.done.done()]
+            for key in list(self._by_key):
+                self._by_key[key] = [r for r in self._by_key[key] if not r.done.done()]
+                if not self._by_key[key]:
+                    del self._by_key[key]
+        if errors and raise_errors:
+            raise errors[0]
+        for exc in errors:
+            log.error("lazyckpt: background save failed: %s", exc, exc_info=exc)
+
+    def _collect_errors(self, records: list[_Save]) -> list[BaseException]:
+        errors = []
+        with self._lock:
+            for record in records:
+                if record.done.done() and not record.reported and record.done.exception() is not None:
+                    record.reported = True
+                    exc = record.done.exception()
+                    notes = getattr(exc, "__notes__", ())
+                    if isinstance(exc, StaleTensorError) and hasattr(exc, "add_note") and _STALE_NOTE not in notes:
+                        exc.add_note(_STALE_NOTE)
+                    errors.append(exc)
+        return errors
+
+    def _raise_first_error(self) -> None:
+        with self._lock:
+            done = [r for r in self._saves if r.done.done()]
+        errors = self._collect_errors(done)
+        if errors:
+            raise errors[0]
+
+    def _uploader_thread(self) -> _Uploader:
+        with self._lock:
+            if self._uploader is None:
+                self._uploader = _Uploader()
+            return self._uploader
+
+    def _upload_staging_path(self, url: str) -> str:
+        _check_url_supported(url)
+        if self._upload_dir is None:
+            self._upload_dir = tempfile.mkdtemp(prefix="lazyckpt-upload-")
+        return os.path.join(self._upload_dir, f"{next(self._counter):06d}-{os.path.basename(url)}")
+
+    # -- telemetry ---------------------------------------------------------------------------------
+
+    def _report_stats(self) -> None:
+        """Send finished saves' timings to the Trainer's loggers (training thread only)."""
+        with self._lock:
+            finished, self._finished = self._finished, []
+        trainer = self._trainer_ref() if self._trainer_ref is not None else None
+        if not finished or not self._log_stats or trainer is None or not getattr(trainer, "is_global_zero", True):
+            return
+        step = getattr(getattr(trainer.fit_loop, "epoch_loop", None), "_batches_that_stepped", trainer.global_step)
+        for record, stats in finished:
+            metrics = {
+                "lazyckpt/stall_s": stats.blocked_s + stats.guard_wait_s,
+                "lazyckpt/blocked_s": stats.blocked_s,
+                "lazyckpt/guard_wait_s": stats.guard_wait_s,
+                "lazyckpt/staged_s": stats.staged_s,
+                "lazyckpt/write_s": stats.write_s,
+                "lazyckpt/durable_s": stats.durable_s,
+                "lazyckpt/write_gbps": stats.write_gbps,
+                "lazyckpt/gbytes": stats.bytes / 1e9,
+                "lazyckpt/saved_at_step": float(record.step if record.step is not None else -1),
+            }
+            for logger in trainer.loggers:
+                try:
+                    logger.log_metrics(metrics, step=step)
+                except Exception as exc:  # telemetry must never break training
+                    log.warning("lazyckpt: logging checkpoint stats to %s failed: %s", type(logger).__name__, exc)
+
+    # -- finding and adapting the Trainer ----------------------------------------------------------
+
+    def _attach(self) -> Any:
+        """Find the strategy/Trainer calling this plugin; adapt them once. Returns the Trainer or None."""
+        strategy = _find_strategy(self)
+        current = self._strategy_ref() if self._strategy_ref is not None else None
+        if strategy is None or strategy is current:
+            return self._trainer_ref() if self._trainer_ref is not None else None
+        self._strategy_ref = weakref.ref(strategy)
+        reason = _bypass_reason(strategy)
+        if reason and not self._warned_bypass:
+            self._warned_bypass = True
+            warnings.warn(
+                f"LazyCheckpointIO has no effect on saving with this strategy: {reason} and never calls "
+                "CheckpointIO.save_checkpoint (checkpoints are written synchronously by that strategy). "
+                "Use FSDPStrategy(state_dict_type='full') or a DDP/single-device strategy for lazy saves.",
+                stacklevel=3,
+            )
+        module = getattr(strategy, "lightning_module", None) if hasattr(type(strategy), "lightning_module") else None
+        trainer = getattr(module, "_trainer", None)
+        if trainer is None:
+            self._trainer_ref = None
+            return None
+        self._unpatch()
+        self._trainer_ref = weakref.ref(trainer)
+        self._adapt(trainer)
+        return trainer
+
+    def _adapt(self, trainer: Any) -> None:
+        plugin = weakref.ref(self)
+        if trainer.is_global_zero:  # other ranks never save: no checkpointer, no waiting
+            for opt in getattr(trainer, "optimizers", ()):
+                self._checkpointer().track(opt)
+        for cb in getattr(trainer, "checkpoint_callbacks", ()):
+            if hasattr(cb, "file_exists") and hasattr(cb, "_fs"):
+                self._patch(cb, "file_exists", _pending_aware_file_exists(cb, plugin))
+        for cb in getattr(trainer, "callbacks", ()):
+            names = _mro_names(cb)
+            if "WeightAveraging" in names:
+                for attr in ("_swap_models", "_copy_average_to_current"):
+                    self._patch(cb, attr, _staged_first(getattr(cb, attr), plugin))
+            if "StochasticWeightAveraging" in names:
+                self._patch(cb, "transfer_weights", _staged_first(cb.transfer_weights, plugin))
+        for logger in getattr(trainer, "loggers", ()):
+            if _logger_reads_checkpoint_files(logger):
+                self._patch(logger, "after_save_checkpoint", _durable_first(logger.after_save_checkpoint, plugin))
+
+    def _patch(self, obj: object, attr: str, replacement: Callable[..., Any]) -> None:
+        if attr in vars(obj):  # already adapted (by this or another plugin): leave it
+            return
+        setattr(obj, attr, replacement)
+        self._patched.append((obj, attr))
+
+    def _unpatch(self) -> None:
+        for obj, attr in self._patched:
+            vars(obj).pop(attr, None)
+        self._patched = []
+
+
+# -- helpers bound to the plugin by weak reference -------------------------------------------------
+
+
+def _find_strategy(plugin: LazyCheckpointIO, max_depth: int = 40) -> Any:
+    frame = sys._getframe(2)
+    for _ in range(max_depth):
+        if frame is None:
+            return None
+        for name in ("self", "strategy", "trainer"):
+            obj = frame.f_locals.get(name)
+            if obj is None or obj is plugin:
+                continue
+            try:
+                if getattr(obj, "_checkpoint_io", None) is plugin:
+                    return obj
+                owner = getattr(obj, "_strategy", None) if name != "trainer" else getattr(obj, "strategy", None)
+                if owner is not None and getattr(owner, "_checkpoint_io", None) is plugin:
+                    return owner
+            except Exception:  # arbitrary user objects: properties may raise
+                continue
+        frame = frame.f_back
+    return None
+
+
+def _make_step_hook(plugin_ref: weakref.ref) -> Callable[..., None]:
+    def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        # Finds the Trainer at its first optimizer steps, before any checkpoint, so that strategies
+        # that bypass CheckpointIO are reported at setup rather than never.
+        plugin = plugin_ref()
+        if plugin is None:
+            return None
+        plugin._torn_down = False
+        if plugin._strategy_ref is None and plugin._attach_tries < 3:
+            plugin._attach_tries += 1
+            plugin._attach()
+        return None
+
+    return hook
+
+
+def _pending_aware_file_exists(cb: Any, plugin_ref: weakref.ref) -> Callable[..., bool]:
+    def file_exists(filepath: Any, trainer: Any) -> bool:
+        # Same contract as ModelCheckpoint.file_exists (rank 0 decides), but a file still being
+        # written counts as existing, so version suffixes (-v1) match the stock plugin.
+        plugin = plugin_ref()
+        local = False
+        if trainer.is_global_zero:
+            local = bool(cb._fs.exists(filepath))
+            if not local and plugin is not None:
+                local = _split_path(filepath)[0] in plugin.pending_paths()
+        return bool(trainer.strategy.reduce_boolean_decision(local, all=False))
+
+    return file_exists
+
+
+def _staged_first(method: Callable[..., Any], plugin_ref: weakref.ref) -> Callable[..., Any]:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        plugin = plugin_ref()
+        if plugin is not None:
+            plugin.wait_staged()  # these swaps write through `.data`, which `_version` does not see
+        return method(*args, **kwargs)
+
+    return wrapper
+
+
+def _durable_first(method: Callable[..., Any], plugin_ref: weakref.ref) -> Callable[..., Any]:
+    def after_save_checkpoint(checkpoint_callback: Any) -> Any:
+        plugin = plugin_ref()
+        if plugin is not None:
+            plugin.wait()  # this logger reads or uploads checkpoint files
+        return method(checkpoint_callback)
+
+    return after_save_checkpoint
+
+
+def _logger_reads_checkpoint_files(logger: Any) -> bool:
+    if getattr(logger, "_log_model", False) or getattr(logger, "_log_model_checkpoints", False):
+        return True
+    impl = type(logger).after_save_checkpoint
+    module = getattr(impl, "__module__", "") or ""
+    # Lightning's own loggers touch files only when told to log models (handled above); a third-party
+    # logger that overrides the hook may read the file, so it gets the file.
+    return not module.startswith(("lightning.", "pytorch_lightning."))
+
+
+def _is_running(trainer: Any) -> bool:
+    status = getattr(getattr(trainer, "state", None), "status", None)
+    return status is None or status == "running"
+
+
+def _swaps_state_after_save(trainer: Any) -> bool:
+    """ModelCheckpoint's manual-optimization path loads a saved state into ``pl_module.layer``, saves,
+    then loads the original back in place: the copies must be done before that restore."""
+    module = getattr(trainer, "lightning_module", None)
+    if module is None or getattr(module, "automatic_optimization", True):
+        return False
+    saved = getattr(module, "saved_models", None)
+    return isinstance(saved, dict) and bool(saved) and isinstance(getattr(module, "layer", None), torch.nn.Module)
+
+
+def _check_url_supported(url: str) -> None:
+    try:
+        from fsspec.core import url_to_fs
+
+        url_to_fs(url)
+    except Exception as exc:
+        raise LazyCkptError(
+            f"lazyckpt.lightning cannot save to {url!r}: fsspec has no usable filesystem for it ({exc}). "
+            "Install the fsspec backend (s3fs, gcsfs, ...) or save to a local path."
+        ) from exc
+
+
+def _delete(key: str, is_url: bool) -> None:
+    if is_url:
+        from fsspec.core import url_to_fs
+
+        fs, remote = url_to_fs(key)
+        if fs.exists(remote):
+            fs.rm(remote, recursive=True)
+        return
+    if os.path.islink(key) or os.path.isfile(key):
+        os.remove(key)
+    elif os.path.isdir(key):  # sharded checkpoints are directories
+        shutil.rmtree(key)
+    log.debug("lazyckpt: removed checkpoint %s", key)
+
+
+def _drain_at_exit(plugin_ref: weakref.ref) -> None:
+    plugin = plugin_ref()
+    if plugin is None:
+        return
+    try:
+        plugin._drain(raise_errors=False)
+    except BaseException as exc:  # never raise from an atexit handler
+        log.error("lazyckpt: draining pending checkpoints at exit failed: %s", exc)

@@ -1,0 +1,81 @@
+"""Shared helpers for the tests."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+
+def assert_same(got: Any, want: Any, where: str = "") -> None:
+    """Deep equality, bitwise for tensors (dtype, shape, stride-independent values, NaNs equal)."""
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor), f"{where}: {type(got)} is not a tensor"
+        assert got.dtype == want.dtype and got.shape == want.shape, f"{where}: {got.dtype}{tuple(got.shape)}"
+        assert got.requires_grad == want.requires_grad, f"{where}: requires_grad differs"
+        a, b = got.detach().cpu(), want.detach().cpu()
+        if a.is_complex():
+            a, b = torch.view_as_real(a.resolve_conj()), torch.view_as_real(b.resolve_conj())
+        a, b = a.reshape(-1).contiguous(), b.reshape(-1).contiguous()
+        if a.dtype != torch.bool:  # bitwise, so NaNs and -0.0 compare exactly
+            a, b = a.view(torch.uint8), b.view(torch.uint8)
+        assert torch.equal(a, b), f"{where}: values differ"
+        return
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and list(got) == list(want), f"{where}: keys {list(got)} != {list(want)}"
+        for k in want:
+            assert_same(got[k], want[k], f"{where}.{k}")
+        return
+    if isinstance(want, (list, tuple)):
+        assert type(got) is type(want) and len(got) == len(want), f"{where}: {type(got)} len {len(got)}"
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_same(g, w, f"{where}[{i}]")
+        return
+    assert got == want, f"{where}: {got!r} != {want!r}"
+
+
+def snapshot(obj: Any) -> Any:
+    """What torch.save would have captured right now (deep copy, tensors cloned)."""
+    return copy.deepcopy(obj)
+
+
+class Tiny(torch.nn.Module):
+    """A small model with parameters and forward-mutated buffers (BatchNorm)."""
+
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(width, width)
+        self.bn = torch.nn.BatchNorm1d(width)
+        self.fc2 = torch.nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.bn(self.fc1(x))))
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, width: int = 64) -> None:
+    x = torch.randn(16, width)
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+class WriteGate:
+    """Holds every write until ``release()``: makes "staging not done yet" deterministic."""
+
+    def __init__(self, monkeypatch) -> None:
+        import threading
+
+        from lazyckpt import _engine
+
+        self.opened = threading.Event()
+        self._real = _engine.pwrite_all
+        monkeypatch.setattr(_engine, "pwrite_all", self._write)
+
+    def _write(self, fd, data, offset):
+        self.opened.wait()
+        return self._real(fd, data, offset)
+
+    def release(self) -> None:
+        self.opened.set()

@@ -1,0 +1,554 @@
+"""lazyckpt.accelerate: lazy accelerator.save_state with the stock layout (single process, CPU).
+
+Every check compares against something independent of lazyckpt: the files stock ``save_state`` writes
+for the same setup, a deep copy of the training state taken when ``save_state`` was called (training
+keeps stepping right after), and what a stock Accelerator (in a fresh process where it matters) loads.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("accelerate")
+import torch  # noqa: E402
+from safetensors import safe_open  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE / "accelerate_scripts"))
+import acc_common as C  # noqa: E402
+
+import accelerate.checkpointing  # noqa: E402
+from accelerate import Accelerator  # noqa: E402
+from accelerate.state import AcceleratorState, GradientState  # noqa: E402
+from accelerate.utils import ProjectConfiguration  # noqa: E402
+
+import lazyckpt.accelerate as LA  # noqa: E402
+from lazyckpt.errors import WriteError  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+STOCK_SAVE = accelerate.checkpointing.save
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [env.get("PYTHONPATH", ""), str(C.SRC)] if p)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+@pytest.fixture
+def installs():
+    """install() wrapper that always removes what it installed, even when a test fails."""
+    made = []
+
+    def _install(acc, **kw):
+        h = LA.install(acc, **kw)
+        made.append(h)
+        return h
+
+    yield _install
+    for h in made:
+        try:
+            h.remove()
+        except Exception:  # noqa: BLE001 - a test may leave a deliberately failed save behind
+            pass
+    assert accelerate.checkpointing.save is STOCK_SAVE
+
+
+def make(tmp_path=None, *, seed=0, second_model=False, mixed_precision="no", grad_accum=1, scaler=False,
+         project=None, model_kw=None, custom=0):
+    acc = Accelerator(cpu=True, mixed_precision=mixed_precision, gradient_accumulation_steps=grad_accum,
+                      project_config=project)
+    if scaler:
+        acc.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)  # as fp16 on GPU; CPU scaler for the test
+    objs = list(acc.prepare(*C.build(seed, second_model=second_model, **(model_kw or {}))))
+    customs = [C.Counter() for _ in range(custom)]
+    if customs:
+        acc.register_for_checkpointing(*customs)
+    return acc, objs, customs
+
+
+def split(objs):
+    return objs[0::3], objs[1::3], objs[2::3]
+
+
+def step(acc, objs, gen, vocab=64, **kw):
+    model, opt, sched = objs[:3]
+    extra = tuple(objs[3:6]) if len(objs) > 3 else None
+    return C.train_step(acc, model, opt, sched, gen, vocab=vocab, extra=extra, **kw)
+
+
+def stock_restore_subprocess(tmp_path, dirs, **cfg):
+    cfg = dict(cfg, dirs=[str(d) for d in dirs])
+    cfg.setdefault("model", {})
+    cfg_path = tmp_path / "restore.json"
+    cfg_path.write_text(json.dumps(cfg))
+    out = tmp_path / "restored.pt"
+    r = subprocess.run([sys.executable, str(HERE / "accelerate_scripts" / "stock_restore.py"), str(cfg_path),
+                        str(out)], env=_env(), capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return torch.load(out, weights_only=False)
+
+
+def stock_restore_inprocess(folder, *, model_kw=None, second_model=False, mixed_precision="no", grad_accum=1,
+                            scaler=False, custom=0):
+    """A fresh stock Accelerator (new state, new objects, different init) that loads ``folder``."""
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    acc, objs, customs = make(seed=1234, second_model=second_model, mixed_precision=mixed_precision,
+                              grad_accum=grad_accum, scaler=scaler, model_kw=model_kw, custom=custom)
+    assert "save_state" not in vars(acc)
+    acc.load_state(str(folder))
+    models, opts, scheds = split(objs)
+    return C.snapshot(acc, models, opts, scheds, customs)
+
+
+def assert_restored(got, want, *, rng=True):
+    for k in ("models", "opts", "scheds", "customs", "step", "scaler"):
+        C.assert_same(got[k], want[k], k)
+    if rng:
+        C.assert_same(got["torch_rng"], want["torch_rng"], "torch_rng")
+        C.assert_same(got["np_rng"], want["np_rng"], "np_rng")
+        assert got["py_rng"] == want["py_rng"]
+
+
+def load_any(path: Path):
+    if path.suffix == ".safetensors":
+        with safe_open(str(path), "pt") as f:
+            return {"__metadata__": f.metadata(), **{k: f.get_tensor(k) for k in f.keys()}}
+    return torch.load(path, weights_only=False)
+
+
+# ------------------------------------------------------------------------------------------------
+# A checkpointer double with the core's contract whose writes happen only when someone waits for them
+# (or on release()), so orchestration races are deterministic instead of timing dependent.
+# ------------------------------------------------------------------------------------------------
+
+class _GatedHandle:
+    def __init__(self, owner, path, data):
+        self._owner, self.path, self._data = owner, path, data
+        self._done = threading.Event()
+        self._exc = None
+        self._cbs = []
+        self._lock = threading.Lock()
+
+    def wait(self, timeout=None):
+        self._owner._write_through(self)
+        if self._exc is not None:
+            raise self._exc
+        return None
+
+    def wait_staged(self, timeout=None):
+        return None
+
+    def done(self):
+        return self._done.is_set()
+
+    def exception(self):
+        return self._exc
+
+    def add_done_callback(self, fn):
+        with self._lock:
+            if not self._done.is_set():
+                self._cbs.append(fn)
+                return
+        fn(self)
+
+    def _finish(self, exc):
+        with self._lock:
+            self._exc = exc
+            self._done.set()
+            cbs, self._cbs = self._cbs, []
+        for cb in cbs:
+            cb(self)
+
+
+class GatedCheckpointer:
+    def __init__(self, fail=()):
+        self.queue: list[_GatedHandle] = []
+        self.tracked = []
+        self.fail = set(fail)
+        self.closed = False
+        self.lock = threading.RLock()
+
+    def save(self, obj, path, format="torch", metadata=None):
+        if format == "safetensors":
+            from safetensors.torch import save as st_save
+
+            data = st_save(obj, metadata=metadata)
+        else:
+            buf = io.BytesIO()
+            torch.save(obj, buf)
+            data = buf.getvalue()
+        h = _GatedHandle(self, os.path.abspath(os.fspath(path)), data)
+        with self.lock:
+            self.queue.append(h)
+        return h
+
+    def _write_through(self, target):
+        with self.lock:
+            if target._done.is_set():
+                return
+            idx = self.queue.index(target)
+            todo, self.queue = self.queue[: idx + 1], self.queue[idx + 1:]
+        for h in todo:  # FIFO, like the core's committer
+            exc = None
+            if os.path.basename(h.path) in self.fail:
+                exc = WriteError(f"injected failure writing {h.path}", path=h.path)
+            else:
+                tmp = h.path + ".gated-tmp"
+                with open(tmp, "wb") as f:
+                    f.write(h._data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, h.path)
+            h._finish(exc)
+
+    def release(self):
+        with self.lock:
+            last = self.queue[-1] if self.queue else None
+        if last is not None:
+            self._write_through(last)
+
+    def pending_paths(self):
+        with self.lock:
+            return {h.path for h in self.queue}
+
+    def track(self, *opts):
+        self.tracked.extend(opts)
+
+    def close(self):
+        self.release()
+        self.closed = True
+
+
+# ------------------------------------------------------------------------------------------------
+# Layout: the same files, with the same names and contents, as stock save_state
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "safe, scaler, save_on_each_node",
+    [(True, False, False), (False, True, False), (True, True, True)],
+    ids=["safetensors", "torch+scaler", "safetensors+scaler+each-node"],
+)
+def test_same_files_and_contents_as_stock(tmp_path, installs, safe, scaler, save_on_each_node):
+    proj = ProjectConfiguration(project_dir=str(tmp_path), save_on_each_node=save_on_each_node)
+    acc, objs, customs = make(second_model=True, scaler=scaler, project=proj, custom=2)
+    gen = torch.Generator().manual_seed(0)
+    step(acc, objs, gen)
+    for c in customs:
+        c.bump()
+    acc.save_state(str(tmp_path / "stock"), safe_serialization=safe)  # stock, before install
+    h = installs(acc)
+    acc.save_state(str(tmp_path / "lazy"), safe_serialization=safe)
+    h.wait()
+
+    stock_files = C.file_tree(tmp_path / "stock")
+    assert C.file_tree(tmp_path / "lazy") == stock_files
+    expected = {"random_states_0.pkl", "optimizer.bin", "optimizer_1.bin", "scheduler.bin", "scheduler_1.bin",
+                "custom_checkpoint_0.pkl", "custom_checkpoint_1.pkl"}
+    expected |= {"model.safetensors", "model_1.safetensors"} if safe else {"pytorch_model.bin", "pytorch_model_1.bin"}
+    if scaler:
+        expected.add("scaler.pt")
+    assert set(stock_files) == expected
+    for name in stock_files:
+        C.assert_same(load_any(tmp_path / "lazy" / name), load_any(tmp_path / "stock" / name), name)
+    if safe:  # tied weights: stock keeps one of the two keys; lazyckpt drops the same one
+        with safe_open(str(tmp_path / "lazy" / "model.safetensors"), "pt") as f:
+            keys = set(f.keys())
+            assert f.metadata() == {"format": "pt"}
+        assert ("emb.weight" in keys) != ("head.weight" in keys)
+
+
+# ------------------------------------------------------------------------------------------------
+# What a stock Accelerator restores is the state at the moment save_state was called
+# ------------------------------------------------------------------------------------------------
+
+def test_stock_restore_in_fresh_process_while_training_steps_right_after(tmp_path, installs):
+    """~75 MB per save and a 1 MiB host budget: the copies are still running when the next step comes.
+
+    (With the guard's wait disabled this test fails: the step changes tensors mid-copy.)
+    """
+    model_kw = dict(vocab=8192, dim=512, hidden=2048)
+    acc, objs, customs = make(second_model=True, model_kw=model_kw, custom=1)
+    h = installs(acc, host_memory_budget=1 << 20, chunk_bytes=256 << 10)
+    gen = torch.Generator().manual_seed(0)
+    snaps, dirs = [], []
+    for i in range(3):
+        step(acc, objs, gen, vocab=8192)
+        customs[0].bump()
+        d = tmp_path / f"ckpt{i}"
+        snaps.append(C.snapshot(acc, *split(objs), customs))  # the state at the moment save_state is called
+        acc.save_state(str(d))
+        dirs.append(d)
+        customs[0].bump()          # in-place change of a registered object's tensor right after saving
+        step(acc, objs, gen, vocab=8192)  # the optimizer changes params/state right after saving
+    h.wait()
+    got = stock_restore_subprocess(tmp_path, dirs, model=model_kw, second_model=True, custom=1)
+    for g, want in zip(got, snaps):
+        assert_restored(g, want)
+    # and the states really differ between saves (the comparison above can fail)
+    with pytest.raises(AssertionError):
+        C.assert_same(got[0]["models"], got[1]["models"])
+
+
+@pytest.mark.parametrize(
+    "mixed_precision, grad_accum, scaler",
+    [("bf16", 2, False), ("no", 1, True)],
+    ids=["bf16+grad-accum-2", "grad-scaler"],
+)
+def test_mixed_precision_and_gradient_accumulation(tmp_path, installs, mixed_precision, grad_accum, scaler):
+    acc, objs, _ = make(mixed_precision=mixed_precision, grad_accum=grad_accum, scaler=scaler)
+    h = installs(acc)
+    gen = torch.Generator().manual_seed(0)
+    snaps = []
+    for i in range(4):  # with accumulation 2, saves land both between micro-steps and after real steps
+        step(acc, objs, gen, accumulate=grad_accum > 1, inf=(scaler and i == 1))  # inf: the scaler skips a step
+        d = tmp_path / f"c{i}"
+        snaps.append((d, C.snapshot(acc, *split(objs))))
+        acc.save_state(str(d))
+        step(acc, objs, gen, accumulate=grad_accum > 1)
+    h.wait()
+    if scaler:
+        assert snaps[1][1]["scaler"]["scale"] < snaps[0][1]["scaler"]["scale"]  # the inf step was skipped
+    for d, want in snaps:
+        got = stock_restore_inprocess(d, mixed_precision=mixed_precision, grad_accum=grad_accum, scaler=scaler)
+        assert_restored(got, want)
+
+
+# ------------------------------------------------------------------------------------------------
+# Automatic naming + total_limit: same kept folders as stock, deletion never races a pending write
+# ------------------------------------------------------------------------------------------------
+
+def _run_auto(tmp_path, name, n_saves, total_limit, install=None):
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    proj = ProjectConfiguration(project_dir=str(tmp_path / name), automatic_checkpoint_naming=True,
+                                total_limit=total_limit)
+    acc, objs, _ = make(project=proj)
+    h = install(acc) if install else None
+    gen = torch.Generator().manual_seed(0)
+    snaps = {}
+    for i in range(n_saves):
+        step(acc, objs, gen)
+        snaps[f"checkpoint_{i}"] = C.snapshot(acc, *split(objs))
+        acc.save_state()
+    if h is not None:
+        h.wait()
+    base = tmp_path / name / "checkpoints"
+    return acc, h, base, snaps
+
+
+@pytest.mark.parametrize("total_limit", [1, 2])
+def test_total_limit_deletion_waits_for_pending_writes(tmp_path, installs, monkeypatch, total_limit):
+    gated = GatedCheckpointer()
+    seen = []
+    real_rmtree = shutil.rmtree
+
+    def spy_rmtree(path, *a, **kw):
+        path = os.path.realpath(path)
+        seen.append((os.path.basename(path),
+                     sorted(p for p in gated.pending_paths() if p.startswith(path + os.sep)),
+                     LA.pending_markers(path)))
+        return real_rmtree(path, *a, **kw)
+
+    monkeypatch.setattr(shutil, "rmtree", spy_rmtree)
+    _, _, base_lazy, _ = _run_auto(tmp_path, "lazy", 5, total_limit, install=lambda a: installs(a, checkpointer=gated))
+    monkeypatch.setattr(shutil, "rmtree", real_rmtree)
+    _, _, base_stock, _ = _run_auto(tmp_path, "stock", 5, total_limit)
+
+    assert [s[0] for s in seen] == [f"checkpoint_{i}" for i in range(5 - total_limit)]
+    for name, pending, markers in seen:
+        assert pending == [] and markers == [], f"{name} deleted with pending writes {pending} / markers {markers}"
+    assert sorted(os.listdir(base_lazy)) == sorted(os.listdir(base_stock))
+    for d in os.listdir(base_stock):
+        assert C.file_tree(base_lazy / d) == C.file_tree(base_stock / d)
+
+
+def test_total_limit_with_real_core_and_stock_load(tmp_path, installs):
+    _, _, base_lazy, snaps = _run_auto(tmp_path, "lazy", 4, 2, install=installs)
+    _, _, base_stock, _ = _run_auto(tmp_path, "stock", 4, 2)
+    kept = sorted(os.listdir(base_stock))
+    assert kept == ["checkpoint_2", "checkpoint_3"]
+    assert sorted(os.listdir(base_lazy)) == kept
+    for d in kept:
+        assert C.file_tree(base_lazy / d) == C.file_tree(base_stock / d)
+        assert_restored(stock_restore_inprocess(base_lazy / d), snaps[d])
+
+
+# ------------------------------------------------------------------------------------------------
+# load_state waits; incomplete folders are refused (or skipped with automatic naming)
+# ------------------------------------------------------------------------------------------------
+
+def test_load_state_waits_for_pending_saves(tmp_path, installs):
+    gated = GatedCheckpointer()
+    acc, objs, _ = make()
+    installs(acc, checkpointer=gated)
+    gen = torch.Generator().manual_seed(0)
+    step(acc, objs, gen)
+    want = C.snapshot(acc, *split(objs))
+    acc.save_state(str(tmp_path / "c"))
+    assert not (tmp_path / "c" / "model.safetensors").exists()  # nothing written yet: the gate is shut
+    assert LA.pending_markers(tmp_path / "c")
+    for _ in range(2):
+        step(acc, objs, gen)
+    acc.load_state(str(tmp_path / "c"))  # must wait (here: make the writes happen) before reading
+    assert_restored(C.snapshot(acc, *split(objs)), want)
+    assert LA.is_complete(tmp_path / "c")
+
+
+def test_load_state_after_crash_refuses_or_falls_back(tmp_path, installs):
+    project, expected = tmp_path / "proj", tmp_path / "expected.pt"
+    r = subprocess.run([sys.executable, str(HERE / "accelerate_scripts" / "crash_after_save.py"), str(project),
+                        str(expected)], env=_env(), capture_output=True, text=True, timeout=180)
+    assert r.returncode == -signal.SIGKILL, r.stdout[-3000:] + r.stderr[-3000:]
+    base = project / "checkpoints"
+    assert sorted(os.listdir(base)) == ["checkpoint_0", "checkpoint_1"]
+    assert LA.is_complete(base / "checkpoint_0")
+    assert not LA.is_complete(base / "checkpoint_1")
+    want = torch.load(expected, weights_only=False)
+
+    model_kw = dict(vocab=4096, dim=1024, hidden=1024)
+    acc, objs, _ = make(seed=99, model_kw=model_kw,
+                        project=ProjectConfiguration(project_dir=str(project), automatic_checkpoint_naming=True))
+    installs(acc)
+    with pytest.raises(LA.IncompleteCheckpointError, match="incomplete"):
+        acc.load_state(str(base / "checkpoint_1"))
+    with pytest.warns(LA.IncompleteCheckpointWarning, match="checkpoint_0"):
+        acc.load_state()
+    got = C.snapshot(acc, *split(objs))
+    assert_restored(got, want)
+
+
+def test_failed_write_is_reported_and_folder_stays_incomplete(tmp_path, installs):
+    gated = GatedCheckpointer(fail={"optimizer.bin"})
+    acc, objs, _ = make()
+    h = installs(acc, checkpointer=gated)
+    gen = torch.Generator().manual_seed(0)
+    step(acc, objs, gen)
+    acc.save_state(str(tmp_path / "bad"))
+    with pytest.raises(WriteError, match="optimizer.bin"):
+        h.wait()
+    h.wait()  # reported once
+    assert not LA.is_complete(tmp_path / "bad")
+    with pytest.raises(LA.IncompleteCheckpointError):
+        acc.load_state(str(tmp_path / "bad"))
+
+    # an unreported failure surfaces at the next save_state at the latest
+    acc.save_state(str(tmp_path / "bad2"))
+    gated.release()
+    with pytest.raises(WriteError):
+        acc.save_state(str(tmp_path / "next"))
+    assert not (tmp_path / "next").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# Hooks and custom objects keep working; remove() restores everything
+# ------------------------------------------------------------------------------------------------
+
+def test_user_hooks_and_custom_objects(tmp_path, installs):
+    calls = []
+
+    def save_hook(models, weights, output_dir):
+        calls.append(("save", os.path.basename(output_dir), len(weights)))
+        torch.save(weights.pop(1), os.path.join(output_dir, "second_model.pt"))  # take over model 1
+
+    def load_hook(models, input_dir):
+        calls.append(("load", os.path.basename(input_dir), len(models)))
+        models.pop(1).load_state_dict(torch.load(os.path.join(input_dir, "second_model.pt")))
+
+    def setup(seed):
+        acc, objs, customs = make(seed=seed, second_model=True, custom=1)
+        acc.register_save_state_pre_hook(save_hook)
+        acc.register_load_state_pre_hook(load_hook)
+        return acc, objs, customs
+
+    acc, objs, customs = setup(0)
+    gen = torch.Generator().manual_seed(0)
+    step(acc, objs, gen)
+    acc.save_state(str(tmp_path / "stock"))
+    installs(acc)
+    customs[0].bump()
+    want = C.snapshot(acc, *split(objs), customs)
+    acc.save_state(str(tmp_path / "lazy"))
+    customs[0].bump()
+    step(acc, objs, gen)
+    acc.load_state(str(tmp_path / "lazy"))  # through lazyckpt's load_state: waits, then stock loading
+    assert_restored(C.snapshot(acc, *split(objs), customs), want)
+    assert C.file_tree(tmp_path / "lazy") == C.file_tree(tmp_path / "stock")
+    assert "second_model.pt" in C.file_tree(tmp_path / "lazy")
+    assert calls == [("save", "stock", 2), ("save", "lazy", 2), ("load", "lazy", 2)]
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    acc2, objs2, customs2 = setup(77)  # stock accelerator, stock load, same hooks
+    acc2.load_state(str(tmp_path / "lazy"))
+    assert_restored(C.snapshot(acc2, *split(objs2), customs2), want)
+
+
+def test_remove_restores_stock_behaviour(tmp_path, installs):
+    acc, objs, _ = make()
+    user_hook = acc.register_save_state_pre_hook(lambda m, w, d: None)
+    hooks_before = list(acc._save_model_state_pre_hook)
+    class_save = type(acc).save_state
+    gated = GatedCheckpointer()
+    h = installs(acc, checkpointer=gated)
+    assert accelerate.checkpointing.save is not STOCK_SAVE
+    assert list(acc._save_model_state_pre_hook)[1:] == hooks_before  # ours first, the user's kept in order
+    with pytest.raises(RuntimeError, match="already installed"):
+        LA.install(acc)
+    gen = torch.Generator().manual_seed(0)
+    step(acc, objs, gen)
+    acc.save_state(str(tmp_path / "a"))
+    assert gated.pending_paths()
+    h.remove()  # drains first
+    assert not gated.pending_paths() and LA.is_complete(tmp_path / "a")
+    assert "save_state" not in vars(acc) and "load_state" not in vars(acc)
+    assert acc.save_state.__func__ is class_save
+    assert accelerate.checkpointing.save is STOCK_SAVE
+    assert list(acc._save_model_state_pre_hook) == hooks_before
+    assert not gated.closed  # a checkpointer passed in belongs to the caller
+    h.remove()  # idempotent
+    acc.save_state(str(tmp_path / "b"))  # stock again: synchronous, nothing pending, no marker
+    assert not gated.pending_paths()
+    assert C.file_tree(tmp_path / "b") == C.file_tree(tmp_path / "a")
+    user_hook.remove()
+    h2 = installs(acc)  # can be installed again
+    acc.save_state(str(tmp_path / "c"))
+    h2.wait()
+    assert C.file_tree(tmp_path / "c") == C.file_tree(tmp_path / "a")
+
+
+def test_tracks_the_prepared_torch_optimizers(installs):
+    gated = GatedCheckpointer()
+    acc, objs, _ = make(second_model=True)
+    installs(acc, checkpointer=gated)
+    assert gated.tracked == []  # tracked lazily, at the first save_state (optimizers may be prepared later)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        acc.save_state(d)
+        gated.release()
+    inner = [o.optimizer for o in acc._optimizers]
+    assert [id(o) for o in gated.tracked] == [id(o) for o in inner]
+    assert all(isinstance(o, torch.optim.Optimizer) for o in gated.tracked)
