@@ -123,6 +123,8 @@ class Engine:
         finally:
             job.cpu_staged.set()
             job.enqueued.set()
+            for src in job.sources:  # every copy has landed or is ordered on the compute stream
+                src.release()
             job.t_staged = time.perf_counter()
             job.handle._set_staged()
             _guard.discard(job)

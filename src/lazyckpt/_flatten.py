@@ -26,19 +26,29 @@ if hasattr(torch.nn.parameter, "Buffer"):
     _PLAIN_TENSOR_TYPES += (torch.nn.parameter.Buffer,)  # type: ignore[attr-defined]
 
 
-@dataclass
+_NO_BYTES = torch.empty(0, dtype=torch.uint8)
+
+
+@dataclass(eq=False)
 class Source:
-    """Bytes of one record to stage and write: a whole storage (torch) or one tensor (safetensors)."""
+    """Bytes of one record to stage and write: a whole storage (torch) or one tensor (safetensors).
+
+    Holds references to the caller's tensors only until staging is over (``release``), so a save
+    never keeps device memory alive while it waits for storage.
+    """
 
     key: str
     flat: torch.Tensor  # 1-D uint8 view of exactly the bytes to write
     nbytes: int
     checks: list[tuple[str, torch.Tensor, int]] = field(default_factory=list)  # (name, tensor, _version)
     file_offset: int = 0
+    device: torch.device = field(init=False)
 
-    @property
-    def device(self) -> torch.device:
-        return self.flat.device
+    def __post_init__(self) -> None:
+        self.device = self.flat.device
+
+    def release(self) -> None:
+        self.flat, self.checks = _NO_BYTES, []
 
     def first_stale(self) -> str | None:
         """Name of a tensor changed in place since save(), or None."""
