@@ -7,6 +7,7 @@ done; writer threads write files that ``torch.load`` / ``safetensors`` read, com
 
 from ._commit import cleanup_temporaries
 from ._handle import SaveHandle, SaveStats
+from ._verify import VerifyReport, verify
 from .checkpointer import BackpressureWarning, LazyCheckpointer
 from .errors import (
     CheckpointerClosedError,
@@ -30,5 +31,7 @@ __all__ = [
     "StaleTensorError",
     "VerificationError",
     "WriteError",
+    "VerifyReport",
     "cleanup_temporaries",
+    "verify",
 ]

@@ -14,18 +14,24 @@ import itertools
 import logging
 import os
 import re
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
 _TMP_RE = re.compile(r"^\..+\.lazyckpt-(\d+)-\d+\.tmp$")
 _counter = itertools.count()
 
-try:
-    _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-    _fallocate = _libc.fallocate
-    _fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-except Exception:  # pragma: no cover - non-glibc platforms
-    _fallocate = None
+
+def _load_fallocate() -> Any:
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).fallocate
+    except Exception:  # pragma: no cover - non-glibc platforms
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    return fn
+
+
+_fallocate = _load_fallocate()
 
 
 def temporary_path(final: str) -> str:

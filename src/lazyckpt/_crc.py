@@ -7,7 +7,7 @@ joins them in file order without touching the data again.
 from __future__ import annotations
 
 import zlib
-from typing import Callable
+from collections.abc import Callable
 
 try:  # ISA-L's CRC32 runs ~10x faster than zlib's and releases the GIL as well.
     from isal import isal_zlib as _isal

@@ -13,7 +13,7 @@ import os
 import queue
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -171,7 +171,7 @@ class Engine:
                 piece.event.synchronize()
             if not job.failed:
                 data = piece.buffer.memoryview()
-                crc = crc32(data) if job.crc and job.layout is not None else 0
+                crc = crc32(data) if job.crc else 0
                 job.note_write_start()
                 pwrite_all(job.fd, data, piece.file_offset)
                 job.piece_written(piece, crc)

@@ -10,7 +10,6 @@ later in-place change can be detected.
 from __future__ import annotations
 
 import io
-import json
 import pickle
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 import torch
 from torch.serialization import location_tag, normalize_storage_type
 
+from . import _safetensorsfmt
 from .errors import SaveRefusedError
 
 _PICKLE_PROTOCOL = 2  # torch.serialization.DEFAULT_PROTOCOL
@@ -129,12 +129,11 @@ class _Pickler(pickle.Pickler):
         if storage.device.type == "meta":
             raise SaveRefusedError("meta storages have no data to save; materialize them first")
         ptr = storage.data_ptr()
-        if ptr != 0:
-            if self._dtypes.setdefault(ptr, dtype) != dtype:
-                raise SaveRefusedError(
-                    "Cannot save multiple tensors or storages that view the same data as different types "
-                    "(torch.save refuses this too)"
-                )
+        if ptr != 0 and self._dtypes.setdefault(ptr, dtype) != dtype:
+            raise SaveRefusedError(
+                "Cannot save multiple tensors or storages that view the same data as different types "
+                "(torch.save refuses this too)"
+            )
         key = self._keys.setdefault(storage._cdata, str(len(self._keys)))
         if key not in self.sources:
             checks = self._tensors_by_storage.get(storage._cdata, [])
@@ -172,7 +171,9 @@ for _name, _code in [
         _ST_DTYPES[getattr(torch, _name)] = _code
 
 
-def flatten_safetensors(tensors: Any, metadata: dict[str, str] | None) -> tuple[bytes, list[Source]]:
+def flatten_safetensors(
+    tensors: Any, metadata: dict[str, str] | None, with_crc: bool = True
+) -> tuple[bytes, list[Source]]:
     """Validate a flat dict of tensors; return the safetensors header and one source per tensor."""
     if not isinstance(tensors, dict):
         raise SaveRefusedError(f"format='safetensors' takes a flat dict[str, Tensor], got {type(tensors).__name__}")
@@ -191,19 +192,21 @@ def flatten_safetensors(tensors: Any, metadata: dict[str, str] | None) -> tuple[
             raise SaveRefusedError(f"{name}: safetensors needs contiguous tensors; call .contiguous() first")
     _refuse_shared(tensors)
     order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
-    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    entries: dict[str, Any] = {}
     sources: list[Source] = []
     offset = 0
     for name in order:
         t = tensors[name]
         nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        entries[name] = {
+            "dtype": _ST_DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         flat = t.detach().reshape(-1).view(torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
         sources.append(Source(name, flat, nbytes, [(name, t, t._version)], file_offset=offset))
         offset += nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * ((-len(blob)) % 8)
-    head = len(blob).to_bytes(8, "little") + blob
+    head = _safetensorsfmt.header(entries, metadata, with_crc)
     for src in sources:
         src.file_offset += len(head)
     return head, sources
@@ -219,7 +222,7 @@ def _refuse_shared(tensors: dict[str, torch.Tensor]) -> None:
         spans.setdefault(key, []).append((start, start + t.numel() * t.element_size(), name))
     for group in spans.values():
         group.sort()
-        for (_, end, a), (start, _, b) in zip(group, group[1:]):
+        for (_, end, a), (start, _, b) in zip(group, group[1:], strict=False):
             if start < end:
                 raise SaveRefusedError(
                     f"tensors {a!r} and {b!r} share memory; safetensors cannot store shared tensors. "

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook

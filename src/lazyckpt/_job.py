@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from . import _torchfmt
-from ._crc import crc32_combine
+from . import _safetensorsfmt, _torchfmt
+from ._crc import crc32, crc32_combine
 from ._flatten import Source
 from ._handle import SaveHandle, SaveStats
 from ._pool import Buffer
@@ -115,7 +115,7 @@ class Job:
 
     def piece_written(self, piece: Piece, crc: int) -> None:
         with self._lock:
-            self._crcs.setdefault(piece.source.key, []).append((piece.start, crc, piece.nbytes))
+            self._crcs.setdefault(piece.source.key, []).append((piece.file_offset, crc, piece.nbytes))
 
     def piece_done(self) -> bool:
         """Count a finished piece; True when the job is ready to finalise."""
@@ -155,13 +155,14 @@ class Job:
     def metadata_writes(self) -> list[tuple[int, bytes]]:
         """Header bytes to write once all data is in (CRCs of torch records combined here)."""
         if self.layout is None:
-            return [(0, self.head)]
+            if not self.crc:
+                return [(0, self.head)]
+            data = sorted(part for parts in self._crcs.values() for part in parts)
+            head_crc = (0, crc32(self.head), len(self.head))
+            return [(0, _safetensorsfmt.with_crc(self.head, _combine([head_crc, *data])))]
         crcs: dict[str, int] = {}
         for key, parts in self._crcs.items():
-            crc = 0
-            for _, part, n in sorted(parts):
-                crc = crc32_combine(crc, part, n)
-            crcs[key] = crc if self.crc else 0
+            crcs[key] = _combine(sorted(parts)) if self.crc else 0
         return self.layout.metadata_writes(crcs)
 
     def stats(self, t_done: float) -> SaveStats:
@@ -177,3 +178,11 @@ class Job:
             write_gbps=self.file_bytes / write_s / 1e9,
             guard_wait_s=self.guard_wait_s,
         )
+
+
+def _combine(parts: list[tuple[int, int, int]]) -> int:
+    """CRC of consecutive pieces given (file_offset, crc, nbytes) in file order."""
+    crc = 0
+    for _, part, n in parts:
+        crc = crc32_combine(crc, part, n)
+    return crc

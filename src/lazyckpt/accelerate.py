@@ -56,8 +56,9 @@ import time
 import warnings
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import accelerate.checkpointing as _acc_checkpointing
 from accelerate.state import PartialState
@@ -112,7 +113,7 @@ _seq = itertools.count()
 _patch_lock = threading.RLock()
 _patch_refcount = 0
 _original_save: Callable | None = None
-_active: contextvars.ContextVar["_FolderSave | None"] = contextvars.ContextVar(
+_active: contextvars.ContextVar[_FolderSave | None] = contextvars.ContextVar(
     "lazyckpt_accelerate_active_save", default=None
 )
 
@@ -260,7 +261,7 @@ def _unwrap_optimizer(opt):
 class _FolderSave:
     """The lazy part of one ``save_state`` call in this process: core handles + marker + sync files."""
 
-    def __init__(self, owner: "AccelerateHandle") -> None:
+    def __init__(self, owner: AccelerateHandle) -> None:
         self.owner = owner
         self.folder: str | None = None
         self.marker: str | None = None
@@ -414,7 +415,7 @@ class _FolderSave:
 # The handle returned by install()
 # --------------------------------------------------------------------------------------------------
 
-_installed: "weakref.WeakKeyDictionary[Any, AccelerateHandle]" = weakref.WeakKeyDictionary()
+_installed: weakref.WeakKeyDictionary[Any, AccelerateHandle] = weakref.WeakKeyDictionary()
 
 
 class AccelerateHandle:
@@ -430,7 +431,7 @@ class AccelerateHandle:
         self._tracked_refs: list = []
         self._removed = False
         self._warned_stock = False
-        self._finisher_q: "queue.SimpleQueue[Callable[[], None] | None]" = queue.SimpleQueue()
+        self._finisher_q: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._finisher = threading.Thread(target=self._finisher_loop, name="lazyckpt-accelerate-finisher",
                                           daemon=True)
         self._finisher.start()
@@ -690,7 +691,7 @@ class AccelerateHandle:
         if error is not None:
             raise error
 
-    def __enter__(self) -> "AccelerateHandle":
+    def __enter__(self) -> AccelerateHandle:
         return self
 
     def __exit__(self, *exc) -> None:

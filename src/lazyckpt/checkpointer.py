@@ -135,7 +135,7 @@ class LazyCheckpointer:
         elif format == "safetensors":
             if metadata is not None and not isinstance(metadata, dict):
                 raise SaveRefusedError("metadata must be a dict[str, str]")
-            head, sources = flatten_safetensors(obj, metadata)
+            head, sources = flatten_safetensors(obj, metadata, with_crc=self.crc)
             layout, file_bytes = None, len(head) + sum(s.nbytes for s in sources)
         else:
             raise SaveRefusedError(f"unknown format {format!r}; use 'torch' or 'safetensors'")

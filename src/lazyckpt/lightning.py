@@ -35,9 +35,10 @@ import threading
 import warnings
 import weakref
 from collections import defaultdict
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -188,7 +189,7 @@ class LazyCheckpointIO(_CheckpointIO):
     """
 
     def __init__(
-        self, checkpointer: Optional[LazyCheckpointer] = None, *, log_stats: bool = True, **checkpointer_options: Any
+        self, checkpointer: LazyCheckpointer | None = None, *, log_stats: bool = True, **checkpointer_options: Any
     ) -> None:
         super().__init__()
         if checkpointer is not None and checkpointer_options:
@@ -207,7 +208,7 @@ class LazyCheckpointIO(_CheckpointIO):
         atexit.register(_drain_at_exit, weakref.ref(self))
 
     def _init_runtime(self) -> None:
-        self._ckpt: Optional[LazyCheckpointer] = self._user_checkpointer
+        self._ckpt: LazyCheckpointer | None = self._user_checkpointer
         self._lock = threading.Lock()
         self._saves: list[_Save] = []  # not yet reported to the caller, in save order
         self._by_key: dict[str, list[_Save]] = defaultdict(list)
@@ -215,11 +216,11 @@ class LazyCheckpointIO(_CheckpointIO):
         self._deletes: dict[str, int] = {}  # key -> generation at which remove_checkpoint was asked
         self._finished: list[tuple[_Save, SaveStats]] = []  # stats not yet sent to loggers
         self.stats: list[SaveStats] = []  # every completed save of this plugin, in completion order
-        self._uploader: Optional[_Uploader] = None
-        self._upload_dir: Optional[str] = None
+        self._uploader: _Uploader | None = None
+        self._upload_dir: str | None = None
         self._counter = itertools.count()
-        self._strategy_ref: Optional[weakref.ref] = None
-        self._trainer_ref: Optional[weakref.ref] = None
+        self._strategy_ref: weakref.ref | None = None
+        self._trainer_ref: weakref.ref | None = None
         self._patched: list[tuple[object, str]] = []
         self._warned_bypass = False
         self._torn_down = False  # set by teardown, cleared by the next optimizer step
@@ -239,7 +240,7 @@ class LazyCheckpointIO(_CheckpointIO):
 
     # -- CheckpointIO ------------------------------------------------------------------------------
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         """Start a background save of ``checkpoint`` to ``path``; returns once the state is captured."""
         if storage_options is not None:
             raise TypeError(f"`storage_options` is not supported by {type(self).__name__}.")
@@ -279,7 +280,7 @@ class LazyCheckpointIO(_CheckpointIO):
         # Outside the lock: an already finished future runs the callback right here.
         pending[-1].done.add_done_callback(lambda _f: self._run_deferred_delete(key))
 
-    def load_checkpoint(self, path: Any, map_location: Optional[Any] = None, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
         """Drain pending saves (their errors are raised here), then load like ``TorchCheckpointIO``."""
         self._attach()
         self.wait()
@@ -333,7 +334,7 @@ class LazyCheckpointIO(_CheckpointIO):
             return {r.key for r in self._saves if not r.done.done()}
 
     @property
-    def checkpointer(self) -> Optional[LazyCheckpointer]:
+    def checkpointer(self) -> LazyCheckpointer | None:
         """The underlying checkpointer (None until the first save)."""
         return self._ckpt
 
@@ -344,7 +345,7 @@ class LazyCheckpointIO(_CheckpointIO):
             self._ckpt = LazyCheckpointer(**self._options)
         return self._ckpt
 
-    def _on_committed(self, record: _Save, handle: SaveHandle, uploaded_from: Optional[str]) -> None:
+    def _on_committed(self, record: _Save, handle: SaveHandle, uploaded_from: str | None) -> None:
         """Runs on a lazyckpt thread once the local file is committed or the save failed."""
         try:
             stats = handle.wait(0)  # consumes the error: the plugin reports it, the core does not
