@@ -98,9 +98,7 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.c_proj(y)
 
@@ -158,7 +156,7 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         B, T = idx.shape
-        if T > self.cfg.block_size:
+        if self.cfg.block_size < T:
             raise ValueError(f"sequence length {T} > block_size {self.cfg.block_size}")
         pos = torch.arange(T, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
@@ -213,8 +211,15 @@ class BatchStream:
     model has something to learn; without it, uniformly random tokens (fine for timing).
     """
 
-    def __init__(self, cfg: GPTConfig, *, seed: int = 0, device: str | torch.device = "cpu",
-                 data: torch.Tensor | None = None, batch_size: int | None = None):
+    def __init__(
+        self,
+        cfg: GPTConfig,
+        *,
+        seed: int = 0,
+        device: str | torch.device = "cpu",
+        data: torch.Tensor | None = None,
+        batch_size: int | None = None,
+    ):
         self.cfg = cfg
         self.device = torch.device(device)
         self.batch_size = batch_size or cfg.batch_size

@@ -58,7 +58,7 @@ except ImportError:  # running from a source checkout without `pip install -e .`
 GB = 1e9
 MODES = ("none", "torch.save", "dcp", "lazyckpt")
 # counted steps, rounds, warm-up steps per segment; sized so that the whole run stays under ~10 min here
-DEFAULTS = {"tiny": (10, 3, 2), "small": (8, 3, 1), "100m": (8, 3, 1), "1b": (4, 2, 1)}
+DEFAULTS = {"tiny": (10, 3, 2), "small": (6, 4, 1), "100m": (5, 4, 1), "1b": (4, 2, 1)}
 
 
 def log(*a):
@@ -231,17 +231,18 @@ class Lazy(Mode):
 def make_payload(nbytes: int) -> torch.Tensor:
     """A warm (touched) host buffer of incompressible bytes, allocated once."""
     buf = torch.empty(nbytes, dtype=torch.uint8)
-    block = torch.randint(0, 256, (min(nbytes, 64 << 20),), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    gen = torch.Generator().manual_seed(1)
+    block = torch.randint(0, 256, (min(nbytes, 64 << 20),), dtype=torch.uint8, generator=gen)
     for off in range(0, nbytes, block.numel()):
         n = min(block.numel(), nbytes - off)
         buf[off : off + n].copy_(block[:n])
     return buf
 
 
-def raw_write(payload: torch.Tensor, path: Path, chunk: int = 64 << 20) -> float:
-    """Sequential write of the whole payload with one thread, fsync, close. Returns seconds."""
+def raw_write(payload: torch.Tensor, path: Path, chunk: int = 64 << 20) -> tuple[float, float]:
+    """Sequential write of the whole payload with one thread, fsync, close. Returns (seconds, CPU seconds)."""
     mv = memoryview(payload.numpy()).cast("B")
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         off = 0
@@ -251,9 +252,9 @@ def raw_write(payload: torch.Tensor, path: Path, chunk: int = 64 << 20) -> float
     finally:
         os.close(fd)
     fsync_dir(path.parent)
-    dt = time.perf_counter() - t
+    dt, dc = time.perf_counter() - t, time.process_time() - c
     os.unlink(path)
-    return dt
+    return dt, dc
 
 
 def crc_throughput(payload: torch.Tensor, nbytes: int = 256 << 20, reps: int = 3) -> dict:
@@ -311,7 +312,7 @@ def raw_d2h(tensors: list[torch.Tensor], reps: int = 3) -> dict:
 
 # --------------------------------------------------------------------------------------------- main
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", default="100m", choices=sorted(_gpt.SIZES))
     p.add_argument("--steps", type=int, default=None, help="counted steps (= checkpoints) per segment")
     p.add_argument("--rounds", type=int, default=None, help="repetitions of all modes (order rotates)")
@@ -353,6 +354,8 @@ def main(argv=None) -> int:
     opt = _gpt.make_optimizer(model)
     batches = _gpt.BatchStream(cfg, seed=0, device=device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    # per step: wait for the compute stream only (as loss.item() would), not for copy/staging streams
+    step_sync = (lambda: torch.cuda.current_stream().synchronize()) if device.type == "cuda" else (lambda: None)
 
     facts = {
         "torch": torch.__version__,
@@ -372,11 +375,15 @@ def main(argv=None) -> int:
     except ImportError:
         if "lazyckpt" in modes:
             raise
-    log(f"# bench_core: size={args.size} params={_gpt.num_params(model) / 1e6:.1f}M layers={cfg.n_layer} "
+    log(
+        f"# bench_core: size={args.size} params={_gpt.num_params(model) / 1e6:.1f}M layers={cfg.n_layer} "
         f"width={cfg.n_embd} vocab={cfg.vocab_size} seq={cfg.block_size} batch={cfg.batch_size} "
-        f"device={facts['device']}")
-    log(f"# steps={steps} rounds={rounds} warmup={warmup} modes={','.join(modes)} out_dir={out_dir} "
-        f"torch={torch.__version__} threads={torch.get_num_threads()} cpus={os.cpu_count()}")
+        f"device={facts['device']}"
+    )
+    log(
+        f"# steps={steps} rounds={rounds} warmup={warmup} modes={','.join(modes)} out_dir={out_dir} "
+        f"torch={torch.__version__} threads={torch.get_num_threads()} cpus={os.cpu_count()}"
+    )
 
     step_no = 0
 
@@ -415,6 +422,7 @@ def main(argv=None) -> int:
             _gpt.train_step(model, opt, batches.next(), before_step=mode.before_step)
             step_no += 1
             mode.save(make_state(), step_no)
+            step_sync()
             step_s.append(time.perf_counter() - ts)
         td = time.perf_counter()
         mode.drain()
@@ -429,40 +437,55 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     try:
         for r in range(rounds):
-            order = modes[r % len(modes):] + modes[: r % len(modes)]
+            order = modes[r % len(modes) :] + modes[: r % len(modes)]
             for m in order:
                 res = segment(impl[m], steps, warmup)
                 results[m].append(res)
                 extra = ""
                 if m == "lazyckpt":
-                    extra = (f" guard_wait={res['guard_wait_s_total']:.2f}s write={_fmt(res['write_gbps'])}GB/s"
-                             f" staged={_fmt(res['staged_s'])}s durable={_fmt(res['durable_s'])}s")
-                log(f"round {r + 1}/{rounds} {m:<10} total={res['total_s']:7.2f}s drain={res['drain_s']:5.2f}s "
-                    f"median step+save={statistics.median(res['step_s']):5.2f}s{extra}")
+                    extra = (
+                        f" guard_wait={res['guard_wait_s_total']:.2f}s write={_fmt(res['write_gbps'])}GB/s"
+                        f" staged={_fmt(res['staged_s'])}s durable={_fmt(res['durable_s'])}s"
+                    )
+                log(
+                    f"round {r + 1}/{rounds} {m:<10} total={res['total_s']:7.2f}s drain={res['drain_s']:5.2f}s "
+                    f"median step+save={statistics.median(res['step_s']):5.2f}s{extra}"
+                )
             # raw sequential write of as many bytes as one lazyckpt (else torch.save) checkpoint file
             ref_file = impl["lazyckpt"].path if "lazyckpt" in impl else impl["torch.save"].path
             nbytes = ref_file.stat().st_size if ref_file.exists() else ckpt_bytes
             if payload is None or payload.numel() != nbytes:
                 payload = make_payload(nbytes)
             gc.collect()
-            dt = raw_write(payload, out_dir / "raw.bin")
-            raw_runs.append({"bytes": nbytes, "s": dt, "gbps": nbytes / dt / GB})
-            log(f"round {r + 1}/{rounds} raw write {nbytes / GB:.3f} GB + fsync: {dt:.2f}s = {nbytes / dt / GB:.2f} GB/s")
+            dt, dc = raw_write(payload, out_dir / "raw.bin")
+            raw_runs.append({"bytes": nbytes, "s": dt, "gbps": nbytes / dt / GB, "cpu_s": dc})
+            log(
+                f"round {r + 1}/{rounds} raw write {nbytes / GB:.3f} GB + fsync: {dt:.2f}s = "
+                f"{nbytes / dt / GB:.2f} GB/s, {dc:.2f} CPU-s"
+            )
             if "lazyckpt" in impl:  # the same bytes through lazyckpt with nothing else running
                 lz = impl["lazyckpt"]
                 lz.reset_metrics()
                 sync()
                 gc.collect()
-                t = time.perf_counter()
+                t, c = time.perf_counter(), time.process_time()
                 h = lz.ckpt.save(make_state(), out_dir / "lazy_isolated.pt")
                 st = h.wait()
-                dt = time.perf_counter() - t
+                dt, dc = time.perf_counter() - t, time.process_time() - c
                 nb = getattr(st, "file_bytes", None) or (out_dir / "lazy_isolated.pt").stat().st_size
-                iso = {"bytes": nb, "e2e_s": dt, "e2e_gbps": nb / dt / GB,
-                       **{f: getattr(st, f, None) for f in ("write_gbps", "write_s", "staged_s", "durable_s", "blocked_s")}}
+                fields = ("write_gbps", "write_s", "staged_s", "durable_s", "blocked_s")
+                iso = {
+                    "bytes": nb,
+                    "e2e_s": dt,
+                    "e2e_gbps": nb / dt / GB,
+                    "cpu_s": dc,
+                    **{f: getattr(st, f, None) for f in fields},
+                }
                 iso_runs.append(iso)
-                log(f"round {r + 1}/{rounds} lazyckpt isolated save {nb / GB:.3f} GB: save->durable {dt:.2f}s = "
-                    f"{iso['e2e_gbps']:.2f} GB/s; its write_gbps={_fmt(iso['write_gbps'])}")
+                log(
+                    f"round {r + 1}/{rounds} lazyckpt isolated save {nb / GB:.3f} GB: save->durable {dt:.2f}s = "
+                    f"{iso['e2e_gbps']:.2f} GB/s; its write_gbps={_fmt(iso['write_gbps'])}; {dc:.2f} CPU-s"
+                )
         if payload is None or payload.numel() < (64 << 20):
             payload = make_payload(256 << 20)
         crc = crc_throughput(payload)
@@ -489,7 +512,7 @@ def main(argv=None) -> int:
     base = [r["total_s"] for r in results["none"]]
     summary = {}
     for m in modes:
-        stalls = [(res["total_s"] - b) / steps for res, b in zip(results[m], base)]
+        stalls = [(res["total_s"] - b) / steps for res, b in zip(results[m], base, strict=True)]
         summary[m] = {
             "segment_s": median([x["total_s"] for x in results[m]]),
             "step_s": median([s for x in results[m] for s in x["step_s"]]),
@@ -509,19 +532,26 @@ def main(argv=None) -> int:
         lazy["skipped"] = sum(x["skipped"] for x in results["lazyckpt"])
         lazy["isolated_e2e_gbps"] = median([i["e2e_gbps"] for i in iso_runs])
         lazy["isolated_write_gbps"] = median([i.get("write_gbps") for i in iso_runs])
+        lazy["isolated_cpu_s"] = median([i["cpu_s"] for i in iso_runs])
 
     log("")
-    log(f"== checkpoint every step: {args.size} ({_gpt.num_params(model) / 1e6:.1f}M params, "
-        f"{ckpt_bytes / GB:.2f} GB of tensors), {steps} checkpoints x {rounds} rounds, median over rounds ==")
-    log(f"{'mode':<12}{'step+save s':>12}{'stall/ckpt s':>14}{'in save() s':>13}{'final drain s':>15}"
-        f"{'vs torch.save':>15}{'cross-check':>13}   stall per round")
+    log(
+        f"== checkpoint every step: {args.size} ({_gpt.num_params(model) / 1e6:.1f}M params, "
+        f"{ckpt_bytes / GB:.2f} GB of tensors), {steps} checkpoints x {rounds} rounds, median over rounds =="
+    )
+    log(
+        f"{'mode':<12}{'step+save s':>12}{'stall/ckpt s':>14}{'in save() s':>13}{'final drain s':>15}"
+        f"{'vs torch.save':>15}{'cross-check':>13}   stall per round"
+    )
     ts_stall = summary["torch.save"]["stall_s"] if "torch.save" in summary else None
     for m in modes:
         s = summary[m]
         rel = "" if m == "none" or not ts_stall else f"{s['stall_s'] / ts_stall:.3f}x"
-        log(f"{m:<12}{s['step_s']:>12.2f}{s['stall_s']:>14.3f}{_fmt(s['save_call_s'], 3):>13}"
+        log(
+            f"{m:<12}{s['step_s']:>12.2f}{s['stall_s']:>14.3f}{_fmt(s['save_call_s'], 3):>13}"
             f"{s['drain_s']:>15.2f}{rel:>15}{s['stall_step_median_s']:>13.3f}   "
-            f"{' '.join('%.3f' % x for x in s['stall_rounds'])}")
+            f"{' '.join(f'{x:.3f}' for x in s['stall_rounds'])}"
+        )
     ratios = {}
     if lazy and ts_stall:
         ratios["lazy_vs_torchsave"] = lazy["stall_s"] / ts_stall
@@ -529,46 +559,83 @@ def main(argv=None) -> int:
         ratios["lazy_vs_dcp"] = lazy["stall_s"] / summary["dcp"]["stall_s"]
     log("")
     if "lazy_vs_torchsave" in ratios:
-        log(f"lazyckpt stall / torch.save stall = {ratios['lazy_vs_torchsave']:.3f}  (target <= 0.15) "
-            f"{'OK' if ratios['lazy_vs_torchsave'] <= 0.15 else 'MISSED'}")
+        log(
+            f"lazyckpt stall / torch.save stall = {ratios['lazy_vs_torchsave']:.3f}  (target <= 0.15) "
+            f"{'OK' if ratios['lazy_vs_torchsave'] <= 0.15 else 'MISSED'}"
+        )
     if "lazy_vs_dcp" in ratios:
-        log(f"lazyckpt stall / DCP async_save stall = {ratios['lazy_vs_dcp']:.3f}  (target <= 0.5) "
-            f"{'OK' if ratios['lazy_vs_dcp'] <= 0.5 else 'MISSED'}")
+        log(
+            f"lazyckpt stall / DCP async_save stall = {ratios['lazy_vs_dcp']:.3f}  (target <= 0.5) "
+            f"{'OK' if ratios['lazy_vs_dcp'] <= 0.5 else 'MISSED'}"
+        )
     if lazy:
         log(f"lazyckpt per checkpoint: guard wait {lazy['guard_wait_s_per_ckpt']:.3f}s, skipped {lazy['skipped']}")
     if raw_runs and none_step:
         bound = max(0.0, raw_runs[0]["bytes"] / (raw_gbps * GB) - none_step)
         summary["storage_bound_stall_s"] = bound
-        log(f"storage bound: a checkpoint takes {raw_runs[0]['bytes'] / (raw_gbps * GB):.2f}s to write raw vs "
+        log(
+            f"storage bound: a checkpoint takes {raw_runs[0]['bytes'] / (raw_gbps * GB):.2f}s to write raw vs "
             f"{none_step:.2f}s per step, so any background checkpointer stalls >= {bound:.3f}s per checkpoint "
-            f"in steady state")
+            f"in steady state"
+        )
     log("")
-    log(f"write throughput (same bytes, same run): raw sequential write+fsync {raw_gbps:.2f} GB/s "
-        f"(runs: {', '.join('%.2f' % r['gbps'] for r in raw_runs)})")
+    log(
+        f"write throughput (same bytes, same run): raw sequential write+fsync {raw_gbps:.2f} GB/s "
+        f"(runs: {', '.join(f'{r:.2f}' for r in (x['gbps'] for x in raw_runs))})"
+    )
     if lazy:
         iso = lazy["isolated_e2e_gbps"]
-        log(f"  lazyckpt isolated, save() -> durable: {iso:.2f} GB/s = {iso / raw_gbps:.0%} of raw  (target >= 80%) "
-            f"{'OK' if iso >= 0.8 * raw_gbps else 'MISSED'}")
+        log(
+            f"  lazyckpt isolated, save() -> durable: {iso:.2f} GB/s = {iso / raw_gbps:.0%} of raw  (target >= 80%) "
+            f"{'OK' if iso >= 0.8 * raw_gbps else 'MISSED'}"
+        )
         if lazy["isolated_write_gbps"]:
-            log(f"  lazyckpt isolated, SaveStats.write_gbps: {lazy['isolated_write_gbps']:.2f} GB/s = "
-                f"{lazy['isolated_write_gbps'] / raw_gbps:.0%} of raw")
+            log(
+                f"  lazyckpt isolated, SaveStats.write_gbps: {lazy['isolated_write_gbps']:.2f} GB/s = "
+                f"{lazy['isolated_write_gbps'] / raw_gbps:.0%} of raw"
+            )
+        log(
+            f"  CPU time per checkpoint, all threads: lazyckpt isolated save {lazy['isolated_cpu_s']:.2f} CPU-s, "
+            f"raw write {median([r['cpu_s'] for r in raw_runs]):.2f} CPU-s"
+        )
         if lazy["write_gbps_in_training"]:
-            log(f"  lazyckpt during training (CPU shared with the step), SaveStats.write_gbps: "
-                f"{lazy['write_gbps_in_training']:.2f} GB/s = {lazy['write_gbps_in_training'] / raw_gbps:.0%} of raw")
-    log(f"CRC32 over {crc['bytes'] >> 20} MiB: zlib {crc['zlib']:.2f} GB/s, "
-        f"isal {_fmt(crc.get('isal'))} GB/s" + (f"; lazyckpt uses {crc['lazyckpt_backend']}" if "lazyckpt_backend" in crc else ""))
+            log(
+                f"  lazyckpt during training (CPU shared with the step), SaveStats.write_gbps: "
+                f"{lazy['write_gbps_in_training']:.2f} GB/s = {lazy['write_gbps_in_training'] / raw_gbps:.0%} of raw"
+            )
+    uses = f"; lazyckpt uses {crc['lazyckpt_backend']}" if "lazyckpt_backend" in crc else ""
+    log(f"CRC32 over {crc['bytes'] >> 20} MiB: zlib {crc['zlib']:.2f} GB/s, isal {_fmt(crc.get('isal'))} GB/s{uses}")
     if d2h:
-        log(f"D2H: raw pinned copy {d2h['raw_pinned']['gbps']:.1f} GB/s; lazyckpt staging {_fmt(d2h.get('lazyckpt_gbps'), 1)} GB/s")
-    log(f"# wall time {wall:.0f}s; load average {load0[0]:.1f} at start, {facts['loadavg_end'][0]:.1f} at end; "
+        log(
+            f"D2H: raw pinned copy {d2h['raw_pinned']['gbps']:.1f} GB/s; "
+            f"lazyckpt save() -> staged, isolated: {_fmt(d2h.get('lazyckpt_gbps'), 1)} GB/s"
+        )
+    log(
+        f"# wall time {wall:.0f}s; load average {load0[0]:.1f} at start, {facts['loadavg_end'][0]:.1f} at end; "
         f"CPU pressure {_fmt(facts['cpu_pressure'] and 100 * facts['cpu_pressure'], 0)}% of the time "
-        "(some task waiting for a CPU; high values mean a busy machine and noisy numbers)")
+        "(some task waiting for a CPU; high values mean a busy machine and noisy numbers)"
+    )
     log("# cross-check = median(step+save) - median(step without checkpoint) + final drain / checkpoints")
 
     if args.json:
-        doc = {"args": vars(args), "facts": facts, "config": cfg.to_dict(), "params": _gpt.num_params(model),
-               "ckpt_tensor_bytes": ckpt_bytes, "steps": steps, "rounds": rounds, "warmup": warmup,
-               "summary": summary, "ratios": ratios, "raw_write": raw_runs, "lazy_isolated": iso_runs,
-               "crc_gbps": crc, "d2h": d2h, "segments": results, "wall_s": wall}
+        doc = {
+            "args": vars(args),
+            "facts": facts,
+            "config": cfg.to_dict(),
+            "params": _gpt.num_params(model),
+            "ckpt_tensor_bytes": ckpt_bytes,
+            "steps": steps,
+            "rounds": rounds,
+            "warmup": warmup,
+            "summary": summary,
+            "ratios": ratios,
+            "raw_write": raw_runs,
+            "lazy_isolated": iso_runs,
+            "crc_gbps": crc,
+            "d2h": d2h,
+            "segments": results,
+            "wall_s": wall,
+        }
         Path(args.json).write_text(json.dumps(doc, indent=1, default=str))
         log(f"# wrote {args.json}")
     if made_dir and not args.keep:

@@ -146,7 +146,7 @@ def assert_tree_equal(a, b, where: str = "") -> None:
     elif isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         if len(a) != len(b):
             raise AssertionError(f"{where}: lengths differ")
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             assert_tree_equal(x, y, f"{where}[{i}]")
     elif a != b:
         raise AssertionError(f"{where}: {a!r} != {b!r}")
@@ -166,44 +166,59 @@ def main(argv=None) -> int:
 
     cfg = _gpt.config_for(args.size)
     n_params = _gpt.num_params(_gpt.build(cfg))
-    print(f"model: GPT {args.size}, {n_params / 1e6:.1f}M params, AdamW; checkpoint = model + optimizer "
-          f"(~{12 * n_params / 1e6:.0f} MB) after every one of {args.steps} steps, {args.rounds} rounds; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; files in {out_dir}", flush=True)
+    print(
+        f"model: GPT {args.size}, {n_params / 1e6:.1f}M params, AdamW; checkpoint = model + optimizer "
+        f"(~{12 * n_params / 1e6:.0f} MB) after every one of {args.steps} steps, {args.rounds} rounds; "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; files in {out_dir}",
+        flush=True,
+    )
 
     modes = ("no checkpoint", "torch.save", "lazyckpt")
     seconds = {m: [] for m in modes}
     losses = {}
     try:
         for r in range(args.rounds):  # the machine may be shared: repeat, rotate the order, pair within a round
-            for mode in modes[r % 3:] + modes[: r % 3]:
+            for mode in modes[r % 3 :] + modes[: r % 3]:
                 run = train(mode, args, corpus, out_dir, verify=(r == args.rounds - 1))
                 seconds[mode].append(run["seconds"])
                 losses[mode] = run["losses"]
                 if "verified" in run:
                     verified = run
-                print(f"  round {r + 1}/{args.rounds}  {mode:<14} {run['seconds']:6.2f} s   "
-                      f"loss {run['losses'][0]:.3f} -> {run['losses'][-1]:.3f}", flush=True)
+                print(
+                    f"  round {r + 1}/{args.rounds}  {mode:<14} {run['seconds']:6.2f} s   "
+                    f"loss {run['losses'][0]:.3f} -> {run['losses'][-1]:.3f}",
+                    flush=True,
+                )
 
+        base = seconds["no checkpoint"]
         stall = {
-            m: statistics.median((t - b) / args.steps for t, b in zip(seconds[m], seconds["no checkpoint"]))
+            m: statistics.median((t - b) / args.steps for t, b in zip(seconds[m], base, strict=True))
             for m in ("torch.save", "lazyckpt")
         }
         med = {m: statistics.median(seconds[m]) for m in modes}
         print()
         print(f"{'':30}{'no checkpoint':>14}{'torch.save':>12}{'lazyckpt':>12}")
-        print(f"{f'time for {args.steps} steps (s, median)':30}{med['no checkpoint']:>14.2f}"
-              f"{med['torch.save']:>12.2f}{med['lazyckpt']:>12.2f}")
+        print(
+            f"{f'time for {args.steps} steps (s, median)':30}{med['no checkpoint']:>14.2f}"
+            f"{med['torch.save']:>12.2f}{med['lazyckpt']:>12.2f}"
+        )
         print(f"{'stall per checkpoint (s)':30}{'':>14}{stall['torch.save']:>12.3f}{stall['lazyckpt']:>12.3f}")
         if stall["torch.save"] > 0:
-            print(f"lazyckpt's stall is {max(stall['lazyckpt'], 0.0) / stall['torch.save']:.0%} of torch.save's "
-                  f"(stall = (time with checkpoints - time without) / checkpoints, median of {args.rounds} rounds)")
+            print(
+                f"lazyckpt's stall is {max(stall['lazyckpt'], 0.0) / stall['torch.save']:.0%} of torch.save's "
+                f"(stall = (time with checkpoints - time without) / checkpoints, median of {args.rounds} rounds)"
+            )
+        if min(stall.values()) < 0:
+            print("(a negative stall means the machine's load changed between runs: rerun, or use more --rounds)")
         same = losses["lazyckpt"] == losses["no checkpoint"]
         print(f"losses identical with and without lazyckpt: {'yes' if same else 'no (nondeterministic kernels?)'}")
 
         st = verified["verify_stats"]
-        print(f"verified: {verified['verified'].name} ({st.file_bytes / 1e6:.0f} MB, durable {st.durable_s:.2f} s "
-              f"after save()) loads with torch.load(weights_only=True), equals the state at save() although "
-              f"training ran 2 more steps meanwhile; its CRC32s check out")
+        print(
+            f"verified: {verified['verified'].name} ({st.file_bytes / 1e6:.0f} MB, durable {st.durable_s:.2f} s "
+            f"after save()) loads with torch.load(weights_only=True), equals the state at save() although "
+            f"training ran 2 more steps meanwhile; its CRC32s check out"
+        )
     finally:
         if not args.out_dir:
             shutil.rmtree(out_dir, ignore_errors=True)

@@ -29,7 +29,7 @@ def assert_same(got: Any, want: Any, where: str = "") -> None:
         return
     if isinstance(want, (list, tuple)):
         assert type(got) is type(want) and len(got) == len(want), f"{where}: {type(got)} len {len(got)}"
-        for i, (g, w) in enumerate(zip(got, want)):
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
             assert_same(g, w, f"{where}[{i}]")
         return
     assert got == want, f"{where}: {got!r} != {want!r}"

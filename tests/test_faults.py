@@ -9,8 +9,8 @@ import pathlib
 
 import pytest
 import torch
-from _util import assert_same
 
+from _util import assert_same
 from lazyckpt import (
     BackpressureWarning,
     CheckpointerClosedError,

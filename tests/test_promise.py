@@ -8,8 +8,8 @@ import threading
 
 import pytest
 import torch
-from _util import Tiny, WriteGate, assert_same, snapshot, train_step
 
+from _util import Tiny, WriteGate, assert_same, snapshot, train_step
 from lazyckpt import LazyCheckpointer, StaleTensorError
 
 

@@ -201,8 +201,10 @@ def _check_pickle(mm: mmap.mmap, records: list[_torchfmt._Record], report: Verif
 
 # safetensors ------------------------------------------------------------------------------------
 
-_ST_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
-             "C64": 8, "U64": 8, "U32": 4, "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E4M3FNUZ": 1, "F8_E5M2FNUZ": 1}  # fmt: skip
+_ST_SIZES = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+    "C64": 8, "U64": 8, "U32": 4, "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E4M3FNUZ": 1, "F8_E5M2FNUZ": 1,
+}  # fmt: skip
 
 
 def _verify_safetensors(mm: mmap.mmap, report: VerifyReport) -> None:
@@ -223,7 +225,7 @@ def _verify_safetensors(mm: mmap.mmap, report: VerifyReport) -> None:
     if not isinstance(header, dict):
         report.problems.append("safetensors header is not a JSON object")
         return
-    meta = header.pop("__metadata__", None) or {}
+    header.pop("__metadata__", None)
     spans = []
     for name, entry in header.items():
         try:
