@@ -1,0 +1,74 @@
+"""Developer sessions. `nox -l` lists them; `nox -s tests` is what CI runs (via scripts/test.sh).
+
+torch is installed first, pinned (LAZYCKPT_TORCH, default torch==2.13.0): a bare `torch`
+requirement would pull a multi-GB CUDA build on a CPU machine.
+"""
+
+from __future__ import annotations
+
+import os
+
+import nox
+
+nox.options.sessions = ["lint", "typecheck", "tests"]
+TORCH = os.environ.get("LAZYCKPT_TORCH", "torch==2.13.0")
+PYTHON = "3.11"
+
+
+def _install(session: nox.Session, *extras: str, pins: tuple[str, ...] = ()) -> None:
+    session.install(TORCH)
+    spec = f".[{','.join(extras)}]" if extras else "."
+    session.install("-e", spec, *pins)
+
+
+@nox.session(python=PYTHON)
+def tests(session: nox.Session) -> None:
+    """The whole suite on CPU: core, Lightning, Accelerate, multi-process (gloo). GPU tests skip."""
+    _install(session, "test", "lightning", "accelerate")
+    session.run("pytest", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def core(session: nox.Session) -> None:
+    """Core tests only, without Lightning or Accelerate installed (the core must not need them)."""
+    _install(session, "test")
+    session.run("pytest", "--ignore-glob=tests/test_lightning*", "--ignore-glob=tests/test_accelerate*", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+@nox.parametrize("pins", [("lightning==2.4.0", "accelerate==1.0.1"), ("lightning", "accelerate")], ids=["oldest", "newest"])
+def frameworks(session: nox.Session, pins: tuple[str, ...]) -> None:
+    """Integration tests against the oldest and newest supported Lightning and Accelerate."""
+    _install(session, "test", pins=pins + ("safetensors",))
+    session.run("pytest", "-m", "integration", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def gpu(session: nox.Session) -> None:
+    """GPU tests and the CUDA benchmark; run on a CUDA machine (uses its preinstalled torch)."""
+    session.install("-e", ".[test,lightning,accelerate]")
+    session.run("pytest", "-m", "gpu", "-rs", *session.posargs)
+    session.run("python", "benchmarks/bench_core.py", "--device", "cuda", "--size", "1b", "--steps", "6")
+
+
+@nox.session(python=PYTHON)
+def bench(session: nox.Session) -> None:
+    """Side-by-side speed: no checkpoint, torch.save+fsync, DCP async_save, lazyckpt (~100M GPT, CPU)."""
+    _install(session, "test", "lightning", "accelerate")
+    session.run("python", "benchmarks/bench_core.py", "--size", "100m", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def lint(session: nox.Session) -> None:
+    """ruff lint and format check."""
+    session.install("ruff")
+    session.run("ruff", "check", "src", "tests", "examples", "benchmarks")
+    session.run("ruff", "format", "--check", "src", "tests", "examples", "benchmarks")
+
+
+@nox.session(python=PYTHON)
+def typecheck(session: nox.Session) -> None:
+    """mypy on src/."""
+    _install(session, "lightning", "accelerate")
+    session.install("mypy")
+    session.run("mypy")
