@@ -1,7 +1,8 @@
 """The guard: no optimizer step may change a tensor whose copy is still pending.
 
-One process-wide ``torch.optim`` step pre-hook, installed while at least one checkpointer is
-open. With nothing pending it costs one list check. With saves pending it either waits right away
+One process-wide ``torch.optim`` step pre-hook, installed when lazyckpt is imported (so optimizers
+that step before the first checkpointer exists are known too). With nothing pending it costs a
+set insertion and one list check. With saves pending it either waits right away
 (plain loops, Accelerate: backward has already run) or, when the step was given a closure (Lightning
 runs forward and backward inside it), wraps the closure so the wait happens after the closure
 returns and just before the update: the copies then overlap forward and backward.
@@ -31,27 +32,6 @@ class Pending(Protocol):
 _lock = threading.Lock()
 _pending: list[Pending] = []
 _tracked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-_hook: Any = None
-_users = 0
-
-
-def acquire() -> None:
-    """Install the step pre-hook (reference counted by open checkpointers)."""
-    global _hook, _users
-    with _lock:
-        _users += 1
-        if _hook is None:
-            _hook = register_optimizer_step_pre_hook(_pre_hook)
-
-
-def release() -> None:
-    global _hook, _users
-    with _lock:
-        _users -= 1
-        if _users <= 0 and _hook is not None:
-            _hook.remove()
-            _hook = None
-            _users = 0
 
 
 def track(optimizer: torch.optim.Optimizer) -> None:
@@ -119,3 +99,6 @@ def _waiting(closure: Callable[[], Any]) -> Callable[[], Any]:
         return result
 
     return closure_then_wait
+
+
+register_optimizer_step_pre_hook(_pre_hook)

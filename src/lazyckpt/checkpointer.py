@@ -99,7 +99,6 @@ class LazyCheckpointer:
         self._last_warning = 0.0
         self._closed = False
         self._engine = Engine(self.pool, writer_threads, self._job_done)
-        _guard.acquire()
         _open_checkpointers.add(self)
 
     # -- public API -------------------------------------------------------------------------------
@@ -208,7 +207,6 @@ class LazyCheckpointer:
             self._closed = True
             self._engine.stop()
             self.pool.close()
-            _guard.release()
             _open_checkpointers.discard(self)
         self._raise_unreported()
 
