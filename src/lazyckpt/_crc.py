@@ -58,4 +58,6 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     """CRC32 of A+B given crc32(A), crc32(B) and len(B)."""
     if len2 <= 0:
         return crc1
+    if crc1 == 0:  # the first piece of a record (crc32 of b"" is 0): nothing to shift
+        return crc2
     return _multmodp(_x2nmodp(len2, 3), crc1) ^ crc2

@@ -95,6 +95,9 @@ def _flat_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
+_IS_STORAGE: dict[type, bool] = {}
+
+
 class _Pickler(pickle.Pickler):
     """torch.save's pickler: identical persistent ids, plus bookkeeping of tensors per storage."""
 
@@ -115,7 +118,12 @@ class _Pickler(pickle.Pickler):
         return NotImplemented
 
     def persistent_id(self, obj: Any) -> Any:
-        if not (isinstance(obj, torch.storage.TypedStorage) or torch.is_storage(obj)):
+        # Called for every object pickled: answer "not a storage" from a per-type cache.
+        cls = type(obj)
+        is_storage = _IS_STORAGE.get(cls)
+        if is_storage is None:
+            is_storage = _IS_STORAGE[cls] = isinstance(obj, torch.storage.TypedStorage) or torch.is_storage(obj)
+        if not is_storage:
             return None
         if isinstance(obj, torch.storage.TypedStorage):
             storage = obj._untyped_storage
