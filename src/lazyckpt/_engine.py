@@ -82,9 +82,10 @@ class Engine:
             view = src.flat[piece.start : piece.start + piece.nbytes]
             if src.device.type == "cuda":
                 # On the current stream: ordered before any kernel queued after save().
-                piece.buffer.view.copy_(view, non_blocking=True)
-                piece.event = torch.cuda.Event()
-                piece.event.record(torch.cuda.current_stream(src.device))
+                with torch.cuda.device(src.device):
+                    piece.buffer.view.copy_(view, non_blocking=True)
+                    piece.event = torch.cuda.Event()
+                    piece.event.record(torch.cuda.current_stream(src.device))
             else:
                 piece.buffer.view.copy_(view)
             self._write_q.put(piece)
