@@ -122,7 +122,7 @@ def main() -> None:
 
     lazy_stalls = [s.blocked_s + s.guard_wait_s for s in lazy.stats]
     print(f"\n{'ckpt':>4}  {'stock stall s':>13}  {'lazy stall s':>12}  {'lazy write GB/s':>15}")
-    for i, (a, b) in enumerate(zip(stock.stalls, lazy_stalls)):
+    for i, (a, b) in enumerate(zip(stock.stalls, lazy_stalls, strict=False)):
         print(f"{i:>4}  {a:>13.3f}  {b:>12.3f}  {lazy.stats[i].write_gbps:>15.2f}")
     n = max(1, len(stock.stalls))
     print(f"\nfit time: no checkpoints {base:.1f}s, stock {t_stock:.1f}s, lazy {t_lazy:.1f}s")

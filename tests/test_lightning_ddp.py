@@ -20,7 +20,10 @@ pytestmark = [pytest.mark.integration]
 
 
 def _run(tmp_path: Any, mode: str) -> list[dict[str, Any]]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [os.path.dirname(SCRIPT), os.environ.get("PYTHONPATH", "")] if p))
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(p for p in [os.path.dirname(SCRIPT), os.environ.get("PYTHONPATH", "")] if p),
+    )
     env.pop("LOCAL_RANK", None)
     proc = subprocess.run([sys.executable, SCRIPT, str(tmp_path), mode], env=env, capture_output=True, text=True,
                           timeout=240)  # fmt: skip

@@ -223,6 +223,7 @@ class LazyCheckpointIO(_CheckpointIO):
         self._trainer_ref: weakref.ref | None = None
         self._patched: list[tuple[object, str]] = []
         self._warned_bypass = False
+        self._raised: set[int] = set()  # ids of errors the core already raised to the caller
         self._torn_down = False  # set by teardown, cleared by the next optimizer step
         self._attach_tries = 0
         hook = register_optimizer_step_pre_hook(_make_step_hook(weakref.ref(self)))
@@ -253,7 +254,12 @@ class LazyCheckpointIO(_CheckpointIO):
             os.makedirs(os.path.dirname(key), exist_ok=True)
         with self._lock:
             self._generation[key] += 1
-        handle = self._checkpointer().save(checkpoint, target)
+        try:
+            handle = self._checkpointer().save(checkpoint, target)
+        except BaseException:
+            with self._lock:  # nothing was saved: a delete deferred for this path still applies
+                self._generation[key] -= 1
+            raise
         record = _Save(key=key, handle=handle, step=getattr(trainer, "global_step", None))
         with self._lock:
             self._saves.append(record)
@@ -280,7 +286,9 @@ class LazyCheckpointIO(_CheckpointIO):
         # Outside the lock: an already finished future runs the callback right here.
         pending[-1].done.add_done_callback(lambda _f: self._run_deferred_delete(key))
 
-    def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
         """Drain pending saves (their errors are raised here), then load like ``TorchCheckpointIO``."""
         self._attach()
         self.wait()
@@ -360,8 +368,14 @@ class LazyCheckpointIO(_CheckpointIO):
         log.debug(
             "lazyckpt: %s committed: stall %.3fs (in save %.3fs, step waited %.3fs), staged %.3fs, "
             "write %.3fs at %.2f GB/s, %d bytes",
-            stats.path, stats.blocked_s + stats.guard_wait_s, stats.blocked_s, stats.guard_wait_s,
-            stats.staged_s, stats.write_s, stats.write_gbps, stats.bytes,
+            stats.path,
+            stats.blocked_s + stats.guard_wait_s,
+            stats.blocked_s,
+            stats.guard_wait_s,
+            stats.staged_s,
+            stats.write_s,
+            stats.write_gbps,
+            stats.bytes,
         )
         if uploaded_from is None:
             record.done.set_result(None)
@@ -393,7 +407,9 @@ class LazyCheckpointIO(_CheckpointIO):
         if self._ckpt is not None:
             try:
                 self._ckpt.wait()
-            except BaseException as exc:  # errors of saves not made through this plugin
+            except BaseException as exc:  # may beat _on_committed to a save's error: report it once
+                with self._lock:
+                    self._raised.add(id(exc))
                 if raise_errors:
                     raise
                 log.error("lazyckpt: background save failed during teardown: %s", exc)
@@ -426,6 +442,8 @@ class LazyCheckpointIO(_CheckpointIO):
                 if record.done.done() and not record.reported and record.done.exception() is not None:
                     record.reported = True
                     exc = record.done.exception()
+                    if id(exc) in self._raised:
+                        continue
                     notes = getattr(exc, "__notes__", ())
                     if isinstance(exc, StaleTensorError) and hasattr(exc, "add_note") and _STALE_NOTE not in notes:
                         exc.add_note(_STALE_NOTE)

@@ -100,7 +100,9 @@ def assert_same(a: Any, b: Any, where: str = "checkpoint") -> None:
     """Exact structural equality; tensors bit for bit, dtype and shape included."""
     if isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor), where
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{where}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+        assert a.dtype == b.dtype and a.shape == b.shape, (
+            f"{where}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+        )
         assert torch.equal(a, b), f"{where}: tensor values differ"
     elif isinstance(a, dict):
         assert isinstance(b, dict) and set(a) == set(b), f"{where}: keys {sorted(map(str, a))} vs {sorted(map(str, b))}"
@@ -108,7 +110,7 @@ def assert_same(a: Any, b: Any, where: str = "checkpoint") -> None:
             assert_same(a[key], b[key], f"{where}[{key!r}]")
     elif isinstance(a, (list, tuple)):
         assert type(a) is type(b) and len(a) == len(b), f"{where}: {type(a)} len {len(a)} vs {type(b)}"
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             assert_same(x, y, f"{where}[{i}]")
     elif isinstance(a, float) and math.isnan(a):
         assert isinstance(b, float) and math.isnan(b), where
