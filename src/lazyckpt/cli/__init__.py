@@ -1,0 +1,68 @@
+"""The ``lazyckpt`` command line: ``verify``, ``inspect``, ``doctor``, ``bench``.
+
+Each subcommand lives in its own module with ``add_parser(subparsers)`` and ``run(args) -> int``.
+Exit codes: 0 success, 1 a check failed or the input was unusable, 2 bad usage (argparse),
+130 interrupted. Human output goes to stdout; ``--json`` replaces it with one JSON document.
+Diagnostics and progress go to stderr so that ``--json`` output stays parseable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from . import bench, doctor, inspect, verify
+
+__all__ = ["main"]
+
+logger = logging.getLogger(__name__)
+
+_COMMANDS = (verify, inspect, doctor, bench)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with one subparser per command."""
+    from lazyckpt import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="lazyckpt",
+        description="Check, inspect and benchmark checkpoints; diagnose the checkpointing environment.",
+    )
+    parser.add_argument("--version", action="version", version=f"lazyckpt {__version__}")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output on stderr (-vv: debug)")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for command in _COMMANDS:
+        command.add_parser(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the process exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    _configure_logging(args.verbose)
+    try:
+        return int(args.run(args))
+    except KeyboardInterrupt:
+        print("lazyckpt: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `lazyckpt inspect big.pt | head`
+        sys.stderr.close()
+        return 0
+
+
+def _configure_logging(verbosity: int) -> None:
+    """Log lazyckpt's records to stderr; the root logger is left alone."""
+    level = logging.WARNING if verbosity == 0 else logging.INFO if verbosity == 1 else logging.DEBUG
+    root = logging.getLogger("lazyckpt")
+    if not any(getattr(h, "_lazyckpt_cli", False) for h in root.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("lazyckpt: %(message)s"))
+        handler._lazyckpt_cli = True  # type: ignore[attr-defined]
+        root.addHandler(handler)
+    root.setLevel(level)

@@ -1,0 +1,239 @@
+"""The ways of checkpointing that ``lazyckpt bench`` compares, each timing itself step by step.
+
+A mode's ``save(state)`` runs after ``optimizer.step()``; ``before_step()`` right before the next
+step (peers that must be waited on there, like DCP's staging); ``drain()`` waits until everything
+asked for is durable. Every mode records when the training thread was blocked (``blocked``) and
+when work ran in the background (``background``), as ``(start, end, what)`` perf_counter spans.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+Span = tuple[float, float, str]
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Mode:
+    """No checkpoint (the baseline); the base class of the others."""
+
+    name = "none"
+
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir = out_dir
+        self.reset_metrics()
+
+    def reset_metrics(self) -> None:
+        self.call_s: list[float] = []  # time inside save()
+        self.wait_s: list[float] = []  # time waiting elsewhere (before_step, previous upload)
+        self.write_gbps: list[float] = []  # per save: bytes / time spent writing
+        self.blocked: list[Span] = []
+        self.background: list[Span] = []
+
+    def save(self, state: dict[str, Any], nbytes: int) -> None:
+        pass
+
+    def before_step(self) -> None:
+        pass
+
+    def drain(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def metrics(self) -> dict[str, Any]:
+        return {"save_call_s": _median(self.call_s), "wait_s_total": sum(self.wait_s),
+                "write_gbps": _median(self.write_gbps)}  # fmt: skip
+
+    def _blocked(self, t0: float, t1: float, what: str) -> None:
+        self.blocked.append((t0, t1, what))
+
+
+class TorchSave(Mode):
+    """Synchronous torch.save to a temporary file + flush + fsync + atomic rename (what most loops do)."""
+
+    name = "torch.save"
+
+    def __init__(self, out_dir: Path) -> None:
+        super().__init__(out_dir)
+        self.path, self.tmp = out_dir / "torchsave.pt", out_dir / "torchsave.pt.tmp"
+
+    def save(self, state: dict[str, Any], nbytes: int) -> None:
+        t = time.perf_counter()
+        with open(self.tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(self.tmp, self.path)
+        fsync_dir(self.out_dir)
+        t1 = time.perf_counter()
+        self.call_s.append(t1 - t)
+        self.write_gbps.append(nbytes / (t1 - t) / 1e9)
+        self._blocked(t, t1, "save")
+
+
+class DCPAsync(Mode):
+    """torch.distributed.checkpoint.async_save(no_dist=True) with a reused DefaultStager.
+
+    Waits on the previous upload before the next save (the staged buffers are reused), on
+    ``staging_completion`` right before the next optimizer.step(), on ``upload_completion`` at the end.
+    """
+
+    name = "dcp"
+
+    def __init__(self, out_dir: Path, device: torch.device) -> None:
+        super().__init__(out_dir)
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        cuda = device.type == "cuda"
+        options = StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True,
+                                 use_non_blocking_copy=cuda)  # fmt: skip
+        self.dcp, self.stager = dcp, DefaultStager(options)
+        self.dir = out_dir / "dcp"
+        self.resp: Any = None
+
+    def save(self, state: dict[str, Any], nbytes: int) -> None:
+        t = time.perf_counter()
+        if self.resp is not None:  # the stager's cached buffers are about to be overwritten
+            self.resp.upload_completion.result()
+        t1 = time.perf_counter()
+        self.resp = self.dcp.async_save(state, checkpoint_id=str(self.dir), async_stager=self.stager, no_dist=True)
+        t2 = time.perf_counter()
+        self.wait_s.append(t1 - t)
+        self.call_s.append(t2 - t1)
+        self._blocked(t, t1, "wait")
+        self._blocked(t1, t2, "save")
+        self._track(self.resp, t2, nbytes)
+
+    def _track(self, resp: Any, t_issued: float, nbytes: int) -> None:
+        marks: dict[str, float] = {}
+
+        def staged(_f: Any) -> None:
+            marks["staged"] = time.perf_counter()
+            self.background.append((t_issued, marks["staged"], "stage"))
+
+        def uploaded(_f: Any) -> None:
+            end = time.perf_counter()
+            start = marks.get("staged", t_issued)
+            self.background.append((start, end, "write"))
+            self.write_gbps.append(nbytes / max(end - start, 1e-9) / 1e9)
+
+        resp.staging_completion.add_done_callback(staged)
+        resp.upload_completion.add_done_callback(uploaded)
+
+    def before_step(self) -> None:
+        if self.resp is not None and not self.resp.staging_completion.done():
+            t = time.perf_counter()
+            self.resp.staging_completion.result()
+            t1 = time.perf_counter()
+            self.wait_s.append(t1 - t)
+            self._blocked(t, t1, "wait")
+
+    def drain(self) -> None:
+        if self.resp is not None:
+            t = time.perf_counter()
+            self.resp.staging_completion.result()
+            self.resp.upload_completion.result()
+            self._blocked(t, time.perf_counter(), "drain")
+            self.resp = None
+
+    def close(self) -> None:
+        self.drain()
+        self.stager.close()
+
+
+class Lazy(Mode):
+    """LazyCheckpointer(fsync=True, crc=True, on_backpressure="block") with the optimizer tracked."""
+
+    name = "lazyckpt"
+
+    def __init__(self, out_dir: Path, optimizer: torch.optim.Optimizer, writer_threads: int) -> None:
+        super().__init__(out_dir)
+        from lazyckpt import LazyCheckpointer
+
+        self.ckpt = LazyCheckpointer(writer_threads=writer_threads, fsync=True, on_backpressure="block", crc=True)
+        self.ckpt.track(optimizer)
+        self.path = out_dir / "lazy.pt"
+        self.handles: list[tuple[float, Any]] = []
+        self.stats: list[Any] = []
+
+    def reset_metrics(self) -> None:
+        super().reset_metrics()
+        self.handles, self.stats = [], []
+
+    def save(self, state: dict[str, Any], nbytes: int) -> None:
+        t = time.perf_counter()
+        self.handles.append((t, self.ckpt.save(state, self.path)))
+        t1 = time.perf_counter()
+        self.call_s.append(t1 - t)
+        self._blocked(t, t1, "save")
+
+    def drain(self) -> None:
+        t = time.perf_counter()
+        self.ckpt.wait()
+        if self.handles:
+            self._blocked(t, time.perf_counter(), "drain")
+        for t_save, handle in self.handles:
+            stats = handle.wait()
+            self.stats.append(stats)
+            self.background.append((t_save, t_save + stats.staged_s, "stage"))
+            self.background.append((t_save + stats.durable_s - stats.write_s, t_save + stats.durable_s, "write"))
+            if stats.write_gbps:
+                self.write_gbps.append(stats.write_gbps)
+        self.handles = []
+
+    def close(self) -> None:
+        self.drain()
+        self.ckpt.close()
+
+    def metrics(self) -> dict[str, Any]:
+        m = super().metrics()
+        for f in ("bytes", "blocked_s", "staged_s", "durable_s", "write_s", "guard_wait_s"):
+            m[f] = _median([getattr(s, f) for s in self.stats])
+        m["guard_wait_s_total"] = sum(s.guard_wait_s for s in self.stats)
+        m["skipped"] = sum(bool(s.skipped) for s in self.stats)
+        return m
+
+
+def make_modes(names: list[str], out_dir: Path, device: torch.device, optimizer: torch.optim.Optimizer,
+               writer_threads: int) -> dict[str, Mode]:  # fmt: skip
+    factories = {
+        "none": lambda: Mode(out_dir),
+        "torch.save": lambda: TorchSave(out_dir),
+        "dcp": lambda: DCPAsync(out_dir, device),
+        "lazyckpt": lambda: Lazy(out_dir, optimizer, writer_threads),
+    }
+    return {name: factories[name]() for name in names}
+
+
+def unavailable_peers(names: list[str]) -> dict[str, str]:
+    """Modes that cannot run here, with the reason (they are skipped with a note)."""
+    out = {}
+    if "dcp" in names:
+        try:
+            from torch.distributed.checkpoint import async_save  # noqa: F401
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions  # noqa: F401
+        except ImportError as exc:
+            out["dcp"] = f"torch {torch.__version__} has no DCP async_save with DefaultStager ({exc}); needs torch>=2.9"
+    return out
+
+
+def _median(xs: list[Any]) -> float | None:
+    import statistics
+
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None

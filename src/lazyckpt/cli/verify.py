@@ -1,0 +1,124 @@
+"""``lazyckpt verify PATH...``: are these checkpoints intact? Exit 0 when all are, 1 otherwise.
+
+Files go through :func:`lazyckpt.verify` (torch.save zips: every CRC32, the zip layout, the pickle
+walked without running it; safetensors: header, bounds, lazyckpt's CRC when present). A directory
+is searched recursively; an Accelerate ``save_state`` folder is also checked for completeness
+(every expected file present, no unfinished lazyckpt save). Nothing from the files is executed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from lazyckpt import verify as verify_file
+
+from . import _files
+from ._format import dump_json, human_bytes
+
+
+@dataclass
+class Result:
+    """One line of output: a file, a folder's structure, or a path that could not be checked."""
+
+    path: str
+    kind: str  # "file", "accelerate-folder", "directory", "missing" or "temporary" (a note, not checked)
+    format: str = ""
+    size: int | None = None
+    records: int | None = None
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "ok": self.ok}
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "verify",
+        help="check that checkpoint files / folders are intact (exit 0 ok, 1 damaged)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("paths", nargs="+", metavar="PATH", help="checkpoint file, Accelerate folder, or directory")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of lines")
+    p.add_argument("-q", "--quiet", action="store_true", help="print only the failures and the summary")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    results = [r for path in args.paths for r in check_path(path)]
+    checked = [r for r in results if r.kind != "temporary"]
+    failed = [r for r in checked if not r.ok]
+    if args.json:
+        doc = {"ok": not failed, "checked": len(checked), "failed": len(failed)}
+        dump_json({**doc, "results": [r.to_json() for r in results]})
+    else:
+        for r in results:
+            if not (args.quiet and r.ok):
+                print(_line(r))
+        summary = f"{len(checked) - len(failed)} of {len(checked)} OK" + (f", {len(failed)} FAILED" if failed else "")
+        print(summary)
+    return 1 if failed else 0
+
+
+def check_path(path: str) -> list[Result]:
+    """Results for one command-line argument (several for a directory)."""
+    if not os.path.exists(path):
+        return [Result(path, "missing", problems=["no such file or directory"])]
+    if not os.path.isdir(path):
+        return [check_file(path)]
+    results: list[Result] = []
+    for directory, subdirs, _names in os.walk(path):
+        subdirs.sort()
+        results.extend(_check_directory(directory))
+    if not any(r.kind == "file" for r in results):
+        suffixes = ", ".join(f"*{s}" for s in _files.CHECKPOINT_SUFFIXES)
+        results.append(Result(path, "directory", problems=[f"no checkpoint files found (looked for {suffixes})"]))
+    return results
+
+
+def check_file(path: str) -> Result:
+    try:
+        report = verify_file(path)
+    except OSError as exc:
+        return Result(path, "file", problems=[f"cannot read: {exc.strerror or exc}"])
+    result = Result(path, "file", report.format, report.size, report.records, list(report.problems))
+    if report.format == "unknown" and not result.problems:  # pragma: no cover - verify() always says why
+        result.problems.append("not a checkpoint (neither a torch.save zip nor safetensors)")
+    return result
+
+
+def _check_directory(directory: str) -> list[Result]:
+    results: list[Result] = []
+    if _files.is_accelerate_folder(directory):
+        folder = _files.check_accelerate_folder(directory)
+        results.append(Result(directory, "accelerate-folder", "accelerate", records=len(folder.files),
+                              problems=folder.problems))  # fmt: skip
+    else:
+        results.extend(_temporary_note(tmp) for tmp in _files.temporaries(directory))
+    results.extend(check_file(f) for f in _files.checkpoint_files(directory))
+    return results
+
+
+def _temporary_note(path: str) -> Result:
+    note = "lazyckpt temporary: a save in progress, or left by a killed process (cleanup_temporaries() removes it)"
+    return Result(path, "temporary", notes=[note])
+
+
+def _line(r: Result) -> str:
+    status = "OK  " if r.ok else "FAIL"
+    if r.kind == "temporary":
+        status = "NOTE"
+    details = [d for d in (r.format, human_bytes(r.size) if r.size is not None else "") if d]
+    if r.records is not None:
+        details.append(f"{r.records} {'files' if r.kind == 'accelerate-folder' else 'records'}")
+    text = f"{status}  {r.path}" + (f"  ({', '.join(details)})" if details else "")
+    messages = r.problems or r.notes
+    return text + (": " + "; ".join(messages) if messages else "")
