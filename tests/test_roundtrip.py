@@ -179,3 +179,31 @@ def test_hypothesis_safetensors_round_trip(ckpt, tmp_path, tensors):
     tensors = {k: v for k, v in tensors.items() if v.dtype != torch.complex128}
     ckpt.save(tensors, tmp_path / "h.safetensors", format="safetensors").wait()
     assert_same(_sorted(load_file(tmp_path / "h.safetensors")), _sorted(tensors))
+
+
+@pytest.mark.parametrize("direct_io", [True, False])
+def test_direct_io_files_read_back(tmp_path, monkeypatch, direct_io):
+    """O_DIRECT bodies + buffered tails and headers: still torch.save's file (4096-aligned)."""
+    from lazyckpt import _engine, verify
+
+    used = []
+    real = _engine.pwrite_all
+    monkeypatch.setattr(
+        _engine, "pwrite_all", lambda fd, data, off: (used.append((fd, len(data), off)), real(fd, data, off))
+    )
+    obj = {
+        "big": torch.randn(300_001),
+        "odd": torch.randn(1234),
+        "tiny": torch.ones(1),
+        "view": torch.arange(9000.0)[5:],
+    }
+    with LazyCheckpointer(chunk_bytes=256 << 10, direct_io=direct_io) as c:
+        h = c.save(obj, tmp_path / "d.pt")
+        h.wait()
+    assert_same(torch.load(tmp_path / "d.pt"), obj)
+    assert_same(torch.load(tmp_path / "d.pt", mmap=True), obj)
+    assert zipfile.ZipFile(tmp_path / "d.pt").testzip() is None and verify(tmp_path / "d.pt").ok
+    with zipfile.ZipFile(tmp_path / "d.pt") as z:
+        assert z.read("d/.storage_alignment") == (b"4096" if direct_io else b"64")
+    data_fds = {fd for fd, n, off in used if n >= 4096}
+    assert len(data_fds) == (2 if direct_io else 1), "bodies go through the O_DIRECT descriptor"

@@ -55,6 +55,17 @@ def open_temporary(tmp: str, size: int) -> int:
     return fd
 
 
+def open_direct(tmp: str) -> int:
+    """A second, O_DIRECT descriptor for page-aligned bulk writes, or -1 where unsupported (tmpfs)."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return -1
+    try:
+        return os.open(tmp, os.O_WRONLY | flag | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return -1
+
+
 def _reserve(fd: int, size: int) -> None:
     if size <= 0:
         return

@@ -62,6 +62,7 @@ class Job:
         self.file_bytes = file_bytes
         self.crc, self.fsync, self.wait_in_closure = crc, fsync, wait_in_closure
         self.fd = -1
+        self.dfd = -1  # O_DIRECT descriptor of the same file, when used
         self._lock = threading.Lock()
         self.error: BaseException | None = None
         self._outstanding = 0

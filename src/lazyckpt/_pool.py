@@ -17,6 +17,7 @@ import time
 import torch
 
 _ALIGN = 64
+PAGE = 4096  # O_DIRECT needs page-aligned buffers: chunks and pieces of >= PAGE bytes start on one
 
 
 class _Chunk:
@@ -52,7 +53,7 @@ class HostBufferPool:
     """Bounded, reusable host memory. Thread-safe; ``alloc`` may block, ``release`` never does."""
 
     def __init__(self, budget_bytes: int, chunk_bytes: int, pin_memory: bool) -> None:
-        self.chunk_bytes = max(_ALIGN, min(chunk_bytes, budget_bytes))
+        self.chunk_bytes = max(PAGE, min(chunk_bytes, budget_bytes) // PAGE * PAGE)
         self.max_chunks = max(1, budget_bytes // self.chunk_bytes)
         self.pin_memory = pin_memory
         self._cond = threading.Condition()
@@ -78,6 +79,7 @@ class HostBufferPool:
         """A buffer of ``nbytes`` (at most chunk_bytes), blocking while the budget is used up."""
         if nbytes > self.chunk_bytes:
             raise ValueError(f"piece of {nbytes} bytes exceeds the chunk size {self.chunk_bytes}")
+        align = PAGE if nbytes >= PAGE else _ALIGN
         need = (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
         with self._cond:
             t0 = time.perf_counter()
@@ -85,9 +87,9 @@ class HostBufferPool:
                 if self._closed:
                     raise RuntimeError("host buffer pool is closed")
                 cur = self._current
-                if cur is not None and cur.used + need <= cur.size:
-                    start = cur.used
-                    cur.used += need
+                start = -(-cur.used // align) * align if cur is not None else 0
+                if cur is not None and start + need <= cur.size:
+                    cur.used = start + need
                     cur.live += 1
                     return Buffer(cur, start, nbytes)
                 self._retire_current()
@@ -111,7 +113,9 @@ class HostBufferPool:
             self._free.append(cur)
 
     def _new_chunk(self) -> _Chunk:
-        tensor = torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=self.pin_memory)
+        raw = torch.empty(self.chunk_bytes + PAGE, dtype=torch.uint8, pin_memory=self.pin_memory)
+        skip = (-raw.data_ptr()) % PAGE
+        tensor = raw[skip : skip + self.chunk_bytes]  # page-aligned (the slice keeps ``raw`` alive)
         if not self.pin_memory:
             tensor.zero_()  # fault the pages in once, not during every first save
         chunk = _Chunk(tensor, len(self._chunks))

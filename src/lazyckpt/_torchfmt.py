@@ -146,9 +146,15 @@ def _end_records(layout: TorchLayout) -> bytes:
     return z64 + locator + eocd
 
 
-def plan(path: str, pickle_bytes: bytes, storage_sizes: list[tuple[str, int]]) -> TorchLayout:
-    """Lay out a torch.save file for ``pickle_bytes`` and storages of the given sizes."""
-    alignment = storage_alignment()
+def plan(
+    path: str, pickle_bytes: bytes, storage_sizes: list[tuple[str, int]], alignment: int | None = None
+) -> TorchLayout:
+    """Lay out a torch.save file for ``pickle_bytes`` and storages of the given sizes.
+
+    ``alignment`` defaults to torch.save's (64); lazyckpt uses 4096 when it writes storages with
+    O_DIRECT, exactly as torch.save does with ``config.save.storage_alignment = 4096``.
+    """
+    alignment = alignment or storage_alignment()
     prefix = archive_name(path)
     serialization_id = "".join(random.choice("0123456789") for _ in range(40))
     small_head = [
