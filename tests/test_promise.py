@@ -246,3 +246,12 @@ def test_two_checkpointers_in_one_process(tmp_path):
 
     assert_same(torch.load(tmp_path / "a.pt"), want)
     assert_same(dict(sorted(load_file(tmp_path / "b.pt").items())), dict(sorted(want.items())))
+
+
+def test_save_leaves_python_rng_alone(tmp_path, ckpt):
+    """Accelerate pickles random.getstate() after saving models: a save must not advance it."""
+    import random
+
+    state = random.getstate()
+    ckpt.save({"w": torch.ones(3)}, tmp_path / "c.pt").wait()
+    assert random.getstate() == state

@@ -11,7 +11,6 @@ central directory (which carry CRCs) wait for the data.
 from __future__ import annotations
 
 import os
-import random
 import struct
 import sys
 from dataclasses import dataclass
@@ -156,7 +155,8 @@ def plan(
     """
     alignment = alignment or storage_alignment()
     prefix = archive_name(path)
-    serialization_id = "".join(random.choice("0123456789") for _ in range(40))
+    # Never the global `random`: a save must not advance the user's RNG (torch.save doesn't).
+    serialization_id = str(int.from_bytes(os.urandom(17), "little")).zfill(40)[:40]
     small_head = [
         ("data.pkl", pickle_bytes),
         (".format_version", b"1"),
