@@ -25,7 +25,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(1, str(ROOT / "src"))
 import _gpt  # noqa: E402
-
 from accelerate import Accelerator  # noqa: E402
 from accelerate.utils import ProjectConfiguration, broadcast_object_list  # noqa: E402
 
@@ -40,11 +39,13 @@ def main() -> None:
     ap.add_argument("--cpu", action="store_true", help="force CPU (needed for multi-process CPU runs)")
     args = ap.parse_args()
 
-    accelerator = Accelerator(cpu=args.cpu, project_config=ProjectConfiguration(
-        automatic_checkpoint_naming=True, total_limit=2))
+    accelerator = Accelerator(
+        cpu=args.cpu, project_config=ProjectConfiguration(automatic_checkpoint_naming=True, total_limit=2)
+    )
     # every process must use the same folder: the main process picks it
-    project_dir = [args.dir or (tempfile.mkdtemp(prefix="lazyckpt_accelerate_") if accelerator.is_main_process
-                                else None)]
+    project_dir = [
+        args.dir or (tempfile.mkdtemp(prefix="lazyckpt_accelerate_") if accelerator.is_main_process else None)
+    ]
     project_dir = broadcast_object_list(project_dir)[0]
     accelerator.project_configuration.set_directories(project_dir)
     cfg = _gpt.config_for(args.size)
@@ -61,7 +62,7 @@ def main() -> None:
             x, y = batches.next()
             _, loss = model(x, y)
             accelerator.backward(loss)
-            optimizer.step()        # with lazyckpt: waits here only if the last checkpoint's copies still run
+            optimizer.step()  # with lazyckpt: waits here only if the last checkpoint's copies still run
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             if save:
@@ -70,17 +71,19 @@ def main() -> None:
         return times[1:]  # the first step of a phase warms things up
 
     say = accelerator.print
-    say(f"{_gpt.num_params(model) / 1e6:.1f}M parameters, {accelerator.num_processes} process(es), "
-        f"checkpoints in {project_dir}/checkpoints")
+    say(
+        f"{_gpt.num_params(model) / 1e6:.1f}M parameters, {accelerator.num_processes} process(es), "
+        f"checkpoints in {project_dir}/checkpoints"
+    )
     train(1, save=False)
     base = statistics.median(train(args.steps, save=False))
     stock = statistics.median(train(args.steps, save=True))
 
     handle = lazyckpt.accelerate.install(accelerator)  # <- lazyckpt
     lazy = statistics.median(train(args.steps, save=True))
-    handle.wait()                                       # <- lazyckpt: every checkpoint durable
-    accelerator.load_state()                            # newest checkpoint, exactly as saved
-    handle.remove()                                     # <- lazyckpt: back to stock (optional)
+    handle.wait()  # <- lazyckpt: every checkpoint durable
+    accelerator.load_state()  # newest checkpoint, exactly as saved
+    handle.remove()  # <- lazyckpt: back to stock (optional)
 
     say(f"step without checkpoint            {base:7.3f} s")
     say(f"stall per save_state, stock        {stock - base:+7.3f} s   (no fsync)")

@@ -26,13 +26,13 @@ from safetensors import safe_open  # noqa: E402
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "accelerate_scripts"))
 import acc_common as C  # noqa: E402
-
 import accelerate.checkpointing  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 from accelerate.utils import ProjectConfiguration  # noqa: E402
 
 import lazyckpt.accelerate as LA  # noqa: E402
+from lazyckpt import LazyCheckpointer  # noqa: E402
 from lazyckpt.errors import WriteError  # noqa: E402
 
 pytestmark = pytest.mark.integration
@@ -75,10 +75,21 @@ def installs():
     assert accelerate.checkpointing.save is STOCK_SAVE
 
 
-def make(tmp_path=None, *, seed=0, second_model=False, mixed_precision="no", grad_accum=1, scaler=False,
-         project=None, model_kw=None, custom=0):
-    acc = Accelerator(cpu=True, mixed_precision=mixed_precision, gradient_accumulation_steps=grad_accum,
-                      project_config=project)
+def make(
+    tmp_path=None,
+    *,
+    seed=0,
+    second_model=False,
+    mixed_precision="no",
+    grad_accum=1,
+    scaler=False,
+    project=None,
+    model_kw=None,
+    custom=0,
+):
+    acc = Accelerator(
+        cpu=True, mixed_precision=mixed_precision, gradient_accumulation_steps=grad_accum, project_config=project
+    )
     if scaler:
         acc.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)  # as fp16 on GPU; CPU scaler for the test
     objs = list(acc.prepare(*C.build(seed, second_model=second_model, **(model_kw or {}))))
@@ -104,19 +115,32 @@ def stock_restore_subprocess(tmp_path, dirs, **cfg):
     cfg_path = tmp_path / "restore.json"
     cfg_path.write_text(json.dumps(cfg))
     out = tmp_path / "restored.pt"
-    r = subprocess.run([sys.executable, str(HERE / "accelerate_scripts" / "stock_restore.py"), str(cfg_path),
-                        str(out)], env=_env(), capture_output=True, text=True, timeout=180)
+    r = subprocess.run(
+        [sys.executable, str(HERE / "accelerate_scripts" / "stock_restore.py"), str(cfg_path), str(out)],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return torch.load(out, weights_only=False)
 
 
-def stock_restore_inprocess(folder, *, model_kw=None, second_model=False, mixed_precision="no", grad_accum=1,
-                            scaler=False, custom=0):
+def stock_restore_inprocess(
+    folder, *, model_kw=None, second_model=False, mixed_precision="no", grad_accum=1, scaler=False, custom=0
+):
     """A fresh stock Accelerator (new state, new objects, different init) that loads ``folder``."""
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
-    acc, objs, customs = make(seed=1234, second_model=second_model, mixed_precision=mixed_precision,
-                              grad_accum=grad_accum, scaler=scaler, model_kw=model_kw, custom=custom)
+    acc, objs, customs = make(
+        seed=1234,
+        second_model=second_model,
+        mixed_precision=mixed_precision,
+        grad_accum=grad_accum,
+        scaler=scaler,
+        model_kw=model_kw,
+        custom=custom,
+    )
     assert "save_state" not in vars(acc)
     acc.load_state(str(folder))
     models, opts, scheds = split(objs)
@@ -135,7 +159,9 @@ def assert_restored(got, want, *, rng=True):
 def load_any(path: Path):
     if path.suffix == ".safetensors":
         with safe_open(str(path), "pt") as f:
-            return {"__metadata__": f.metadata(), **{k: f.get_tensor(k) for k in f.keys()}}
+            # lazyckpt may add its own "lazyckpt_*" metadata (e.g. a CRC); everything else must match stock
+            meta = {k: v for k, v in (f.metadata() or {}).items() if not k.startswith("lazyckpt_")}
+            return {"__metadata__": meta, **{k: f.get_tensor(k) for k in f.keys()}}  # noqa: SIM118
     return torch.load(path, weights_only=False)
 
 
@@ -143,6 +169,7 @@ def load_any(path: Path):
 # A checkpointer double with the core's contract whose writes happen only when someone waits for them
 # (or on release()), so orchestration races are deterministic instead of timing dependent.
 # ------------------------------------------------------------------------------------------------
+
 
 class _GatedHandle:
     def __init__(self, owner, path, data):
@@ -210,7 +237,7 @@ class GatedCheckpointer:
             if target._done.is_set():
                 return
             idx = self.queue.index(target)
-            todo, self.queue = self.queue[: idx + 1], self.queue[idx + 1:]
+            todo, self.queue = self.queue[: idx + 1], self.queue[idx + 1 :]
         for h in todo:  # FIFO, like the core's committer
             exc = None
             if os.path.basename(h.path) in self.fail:
@@ -246,6 +273,7 @@ class GatedCheckpointer:
 # Layout: the same files, with the same names and contents, as stock save_state
 # ------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize(
     "safe, scaler, save_on_each_node",
     [(True, False, False), (False, True, False), (True, True, True)],
@@ -265,8 +293,15 @@ def test_same_files_and_contents_as_stock(tmp_path, installs, safe, scaler, save
 
     stock_files = C.file_tree(tmp_path / "stock")
     assert C.file_tree(tmp_path / "lazy") == stock_files
-    expected = {"random_states_0.pkl", "optimizer.bin", "optimizer_1.bin", "scheduler.bin", "scheduler_1.bin",
-                "custom_checkpoint_0.pkl", "custom_checkpoint_1.pkl"}
+    expected = {
+        "random_states_0.pkl",
+        "optimizer.bin",
+        "optimizer_1.bin",
+        "scheduler.bin",
+        "scheduler_1.bin",
+        "custom_checkpoint_0.pkl",
+        "custom_checkpoint_1.pkl",
+    }
     expected |= {"model.safetensors", "model_1.safetensors"} if safe else {"pytorch_model.bin", "pytorch_model_1.bin"}
     if scaler:
         expected.add("scaler.pt")
@@ -276,13 +311,14 @@ def test_same_files_and_contents_as_stock(tmp_path, installs, safe, scaler, save
     if safe:  # tied weights: stock keeps one of the two keys; lazyckpt drops the same one
         with safe_open(str(tmp_path / "lazy" / "model.safetensors"), "pt") as f:
             keys = set(f.keys())
-            assert f.metadata() == {"format": "pt"}
+            assert f.metadata()["format"] == "pt"
         assert ("emb.weight" in keys) != ("head.weight" in keys)
 
 
 # ------------------------------------------------------------------------------------------------
 # What a stock Accelerator restores is the state at the moment save_state was called
 # ------------------------------------------------------------------------------------------------
+
 
 def test_stock_restore_in_fresh_process_while_training_steps_right_after(tmp_path, installs):
     """~75 MB per save and a 1 MiB host budget: the copies are still running when the next step comes.
@@ -301,11 +337,11 @@ def test_stock_restore_in_fresh_process_while_training_steps_right_after(tmp_pat
         snaps.append(C.snapshot(acc, *split(objs), customs))  # the state at the moment save_state is called
         acc.save_state(str(d))
         dirs.append(d)
-        customs[0].bump()          # in-place change of a registered object's tensor right after saving
+        customs[0].bump()  # in-place change of a registered object's tensor right after saving
         step(acc, objs, gen, vocab=8192)  # the optimizer changes params/state right after saving
     h.wait()
     got = stock_restore_subprocess(tmp_path, dirs, model=model_kw, second_model=True, custom=1)
-    for g, want in zip(got, snaps):
+    for g, want in zip(got, snaps, strict=True):
         assert_restored(g, want)
     # and the states really differ between saves (the comparison above can fail)
     with pytest.raises(AssertionError):
@@ -340,11 +376,13 @@ def test_mixed_precision_and_gradient_accumulation(tmp_path, installs, mixed_pre
 # Automatic naming + total_limit: same kept folders as stock, deletion never races a pending write
 # ------------------------------------------------------------------------------------------------
 
+
 def _run_auto(tmp_path, name, n_saves, total_limit, install=None):
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
-    proj = ProjectConfiguration(project_dir=str(tmp_path / name), automatic_checkpoint_naming=True,
-                                total_limit=total_limit)
+    proj = ProjectConfiguration(
+        project_dir=str(tmp_path / name), automatic_checkpoint_naming=True, total_limit=total_limit
+    )
     acc, objs, _ = make(project=proj)
     h = install(acc) if install else None
     gen = torch.Generator().manual_seed(0)
@@ -367,9 +405,13 @@ def test_total_limit_deletion_waits_for_pending_writes(tmp_path, installs, monke
 
     def spy_rmtree(path, *a, **kw):
         path = os.path.realpath(path)
-        seen.append((os.path.basename(path),
-                     sorted(p for p in gated.pending_paths() if p.startswith(path + os.sep)),
-                     LA.pending_markers(path)))
+        seen.append(
+            (
+                os.path.basename(path),
+                sorted(p for p in gated.pending_paths() if p.startswith(path + os.sep)),
+                LA.pending_markers(path),
+            )
+        )
         return real_rmtree(path, *a, **kw)
 
     monkeypatch.setattr(shutil, "rmtree", spy_rmtree)
@@ -400,6 +442,7 @@ def test_total_limit_with_real_core_and_stock_load(tmp_path, installs):
 # load_state waits; incomplete folders are refused (or skipped with automatic naming)
 # ------------------------------------------------------------------------------------------------
 
+
 def test_load_state_waits_for_pending_saves(tmp_path, installs):
     gated = GatedCheckpointer()
     acc, objs, _ = make()
@@ -419,8 +462,13 @@ def test_load_state_waits_for_pending_saves(tmp_path, installs):
 
 def test_load_state_after_crash_refuses_or_falls_back(tmp_path, installs):
     project, expected = tmp_path / "proj", tmp_path / "expected.pt"
-    r = subprocess.run([sys.executable, str(HERE / "accelerate_scripts" / "crash_after_save.py"), str(project),
-                        str(expected)], env=_env(), capture_output=True, text=True, timeout=180)
+    r = subprocess.run(
+        [sys.executable, str(HERE / "accelerate_scripts" / "crash_after_save.py"), str(project), str(expected)],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert r.returncode == -signal.SIGKILL, r.stdout[-3000:] + r.stderr[-3000:]
     base = project / "checkpoints"
     assert sorted(os.listdir(base)) == ["checkpoint_0", "checkpoint_1"]
@@ -429,8 +477,11 @@ def test_load_state_after_crash_refuses_or_falls_back(tmp_path, installs):
     want = torch.load(expected, weights_only=False)
 
     model_kw = dict(vocab=4096, dim=1024, hidden=1024)
-    acc, objs, _ = make(seed=99, model_kw=model_kw,
-                        project=ProjectConfiguration(project_dir=str(project), automatic_checkpoint_naming=True))
+    acc, objs, _ = make(
+        seed=99,
+        model_kw=model_kw,
+        project=ProjectConfiguration(project_dir=str(project), automatic_checkpoint_naming=True),
+    )
     installs(acc)
     with pytest.raises(LA.IncompleteCheckpointError, match="incomplete"):
         acc.load_state(str(base / "checkpoint_1"))
@@ -465,6 +516,7 @@ def test_failed_write_is_reported_and_folder_stays_incomplete(tmp_path, installs
 # ------------------------------------------------------------------------------------------------
 # Hooks and custom objects keep working; remove() restores everything
 # ------------------------------------------------------------------------------------------------
+
 
 def test_user_hooks_and_custom_objects(tmp_path, installs):
     calls = []
@@ -552,3 +604,28 @@ def test_tracks_the_prepared_torch_optimizers(installs):
     inner = [o.optimizer for o in acc._optimizers]
     assert [id(o) for o in gated.tracked] == [id(o) for o in inner]
     assert all(isinstance(o, torch.optim.Optimizer) for o in gated.tracked)
+
+
+def test_unsupported_distributed_types_keep_stock_save_state(tmp_path, installs, monkeypatch, caplog):
+    gated = GatedCheckpointer()
+    acc, objs, _ = make()
+    installs(acc, checkpointer=gated)
+    # pretend this setup is one lazyckpt leaves alone (FSDP, DeepSpeed, Megatron-LM, XLA)
+    monkeypatch.setattr(LA, "_STOCK_ONLY_TYPES", frozenset({acc.distributed_type}))
+    step(acc, objs, torch.Generator().manual_seed(0))
+    with caplog.at_level("WARNING", logger="lazyckpt.accelerate"):
+        acc.save_state(str(tmp_path / "a"))
+    assert "not supported" in caplog.text
+    assert gated.queue == [] and LA.is_complete(tmp_path / "a")  # written synchronously by stock
+    assert "model.safetensors" in os.listdir(tmp_path / "a")
+
+
+def test_install_arguments(installs):
+    acc, _, _ = make()
+    with pytest.raises(TypeError):
+        LA.install(acc, checkpointer=GatedCheckpointer(), host_memory_budget=1 << 20)
+    assert "save_state" not in vars(acc)
+    h = installs(acc, host_memory_budget=64 << 20, writer_threads=2, load_timeout=5)
+    assert isinstance(h.checkpointer, LazyCheckpointer) and h.load_timeout == 5
+    h.remove()
+    assert h.checkpointer.closed  # created by install(): closed by remove()

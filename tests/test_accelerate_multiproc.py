@@ -46,17 +46,38 @@ def _run(cmd, timeout=240):
 
 
 def test_two_processes_lazy_save_then_stock_restore(tmp_path):
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-              "--main_process_ip", "127.0.0.1", "--main_process_port", str(_free_port())]
+    launch = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_ip",
+        "127.0.0.1",
+        "--main_process_port",
+        str(_free_port()),
+    ]
     _run(launch + [str(SCRIPTS / "mp_train_save.py"), str(tmp_path)])
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["num_processes"] == 2 and summary["distributed_type"].endswith("MULTI_CPU")
 
     # same files as stock for the same setup: shared files once (main process), one RNG file per process
     assert summary["lazy_explicit"] == summary["stock_explicit"]
-    assert {"random_states_0.pkl", "random_states_1.pkl", "model.safetensors", "optimizer.bin",
-            "scheduler.bin", "custom_checkpoint_0.pkl"} == set(summary["stock_explicit"])
+    assert {
+        "random_states_0.pkl",
+        "random_states_1.pkl",
+        "model.safetensors",
+        "optimizer.bin",
+        "scheduler.bin",
+        "custom_checkpoint_0.pkl",
+    } == set(summary["stock_explicit"])
     # automatic naming with total_limit=2: iterations 0-1 went to the explicit folders, 2-6 to
     # checkpoint_2..checkpoint_6; stock deletes the oldest and keeps the last two
     assert summary["kept"] == ["checkpoint_5", "checkpoint_6"]

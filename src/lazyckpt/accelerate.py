@@ -32,9 +32,11 @@ How it works (checked against accelerate 1.15):
 * Every process marks a folder it is saving into with a hidden ``.lazyckpt-pending-*`` file, created and
   made durable before any checkpoint file, and removed (then the folder fsynced) only once all of that
   process's files of that save are durable. A folder without such a marker holds exactly the files stock
-  Accelerate writes. ``load_state`` waits for pending saves, refuses an incomplete folder with
+  Accelerate writes. ``load_state`` waits for pending saves (this process's through their handles, other
+  processes' by watching their markers), refuses an incomplete folder with
   :class:`IncompleteCheckpointError` or, with automatic checkpoint naming, falls back to the newest complete
-  folder with an :class:`IncompleteCheckpointWarning`.
+  folder with an :class:`IncompleteCheckpointWarning`. No collective call is added to ``save_state`` or
+  ``load_state``: calling them on some processes only works as it does with stock.
 * With ``automatic_checkpoint_naming`` and ``total_limit``, the folders stock ``save_state`` is about to delete
   are drained first, so deletion never races a pending write; the kept folders are the stock ones.
 
@@ -149,14 +151,17 @@ def _release_patch() -> None:
             if _acc_checkpointing.save is _dispatch_save and _original_save is not None:
                 _acc_checkpointing.save = _original_save
             else:  # somebody patched on top of us: leave theirs in place, but stop dispatching lazily
-                logger.warning("accelerate.checkpointing.save was replaced after lazyckpt.accelerate.install(); "
-                               "leaving the replacement in place")
+                logger.warning(
+                    "accelerate.checkpointing.save was replaced after lazyckpt.accelerate.install(); "
+                    "leaving the replacement in place"
+                )
             _original_save = None
 
 
 # --------------------------------------------------------------------------------------------------
 # Helpers
 # --------------------------------------------------------------------------------------------------
+
 
 def _folder_number(folder: str) -> int:
     # Exactly accelerate's key for sorting automatically named checkpoint folders.
@@ -190,7 +195,7 @@ def _marker_name(rank: int) -> str:
 def _marker_owner(name: str) -> tuple[str, int] | None:
     """(hostname, pid) of the process that created a marker, or None when the name is not ours."""
     try:
-        rest = name[len(PENDING_MARKER_PREFIX):]
+        rest = name[len(PENDING_MARKER_PREFIX) :]
         _rank, rest = rest.split("-", 1)
         host, pid, _seq_no = rest.rsplit("-", 2)
         return host, int(pid)
@@ -258,6 +263,7 @@ def _unwrap_optimizer(opt):
 # One save_state call of one process
 # --------------------------------------------------------------------------------------------------
 
+
 class _FolderSave:
     """The lazy part of one ``save_state`` call in this process: core handles + marker + sync files."""
 
@@ -287,8 +293,10 @@ class _FolderSave:
         name = _marker_name(acc.process_index)
         marker = os.path.join(folder, name)
         with open(marker, "w") as fh:
-            fh.write(f"lazyckpt: save into this folder started at {time.time():.3f}; "
-                     "this file is removed once every file of that save is durable\n")
+            fh.write(
+                f"lazyckpt: save into this folder started at {time.time():.3f}; "
+                "this file is removed once every file of that save is durable\n"
+            )
             fh.flush()
             os.fsync(fh.fileno())
         _fsync_dir(folder)  # the marker is durable before any checkpoint file exists
@@ -301,9 +309,9 @@ class _FolderSave:
         if self.folder is None:
             self.begin(os.path.dirname(os.path.abspath(path)))
         ckpt = self.owner.checkpointer
+        if safe_serialization and isinstance(obj, OrderedDict):
+            obj = clean_state_dict_for_safetensors(obj)  # drops tied duplicates exactly like stock
         if safe_serialization:
-            if isinstance(obj, OrderedDict):
-                obj = clean_state_dict_for_safetensors(obj)  # drops tied duplicates exactly like stock
             h = ckpt.save(obj, path, format="safetensors", metadata={"format": "pt"})
         else:
             h = ckpt.save(obj, path, format="torch")
@@ -337,8 +345,9 @@ class _FolderSave:
             if self.error is None and not self.aborted and self.folder is not None:
                 self._make_durable()
             elif self.error is not None:
-                logger.error("lazyckpt: save into %s failed; the folder stays marked incomplete: %r",
-                             self.folder, self.error)
+                logger.error(
+                    "lazyckpt: save into %s failed; the folder stays marked incomplete: %r", self.folder, self.error
+                )
         except BaseException as exc:  # noqa: BLE001 - reported through wait()
             if self.error is None:
                 self.error = exc
@@ -375,8 +384,9 @@ class _FolderSave:
         except FileNotFoundError:
             return
         except OSError as exc:
-            raise WriteError(f"lazyckpt: could not mark {folder} complete: {exc}", path=folder,
-                             errno=exc.errno) from exc
+            raise WriteError(
+                f"lazyckpt: could not mark {folder} complete: {exc}", path=folder, errno=exc.errno
+            ) from exc
 
     def mark_reported(self) -> None:
         """This save's error reached the user: the core must not raise it again from a later save()."""
@@ -432,8 +442,7 @@ class AccelerateHandle:
         self._removed = False
         self._warned_stock = False
         self._finisher_q: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._finisher = threading.Thread(target=self._finisher_loop, name="lazyckpt-accelerate-finisher",
-                                          daemon=True)
+        self._finisher = threading.Thread(target=self._finisher_loop, name="lazyckpt-accelerate-finisher", daemon=True)
         self._finisher.start()
         # What save_state/load_state resolve to now (normally the class methods), and whether the instance
         # already had its own attribute (restored as is by remove()).
@@ -467,8 +476,10 @@ class AccelerateHandle:
         if acc.distributed_type in _STOCK_ONLY_TYPES:
             if not self._warned_stock:
                 self._warned_stock = True
-                logger.warning("lazyckpt.accelerate: distributed type %s is not supported; save_state stays "
-                               "synchronous (stock)", acc.distributed_type)
+                logger.warning(
+                    "lazyckpt.accelerate: distributed type %s is not supported; save_state stays synchronous (stock)",
+                    acc.distributed_type,
+                )
             return False
         return True
 
@@ -504,8 +515,7 @@ class AccelerateHandle:
 
     def _prune(self) -> None:
         # caller holds self._lock: forget saves that are durable, or failed and already reported
-        self._saves = [fs for fs in self._saves
-                       if not fs.done.is_set() or (fs.error is not None and not fs.reported)]
+        self._saves = [fs for fs in self._saves if not fs.done.is_set() or (fs.error is not None and not fs.reported)]
 
     def _raise_unreported(self) -> None:
         with self._lock:
@@ -565,7 +575,7 @@ class AccelerateHandle:
         if input_dir is not None:
             target = _real(input_dir)
             self._wait_where(lambda folder: folder == target)  # this process's pending saves into it
-            self._wait_other_processes([target])                # and other processes' (shared files)
+            self._wait_other_processes([target])  # and other processes' (shared files)
             markers = pending_markers(target)
             if os.path.isdir(target) and markers:
                 raise IncompleteCheckpointError(
@@ -589,9 +599,11 @@ class AccelerateHandle:
                 )
             chosen = complete[-1]
             if folders and chosen != folders[-1]:
-                skipped = [os.path.basename(f) for f in folders[folders.index(chosen) + 1:]]
-                msg = (f"lazyckpt: newest checkpoint folder(s) {skipped} in {base!r} are incomplete (their save was "
-                       f"interrupted before it became durable); loading {os.path.basename(chosen)!r} instead.")
+                skipped = [os.path.basename(f) for f in folders[folders.index(chosen) + 1 :]]
+                msg = (
+                    f"lazyckpt: newest checkpoint folder(s) {skipped} in {base!r} are incomplete (their save was "
+                    f"interrupted before it became durable); loading {os.path.basename(chosen)!r} instead."
+                )
                 logger.warning(msg)
                 warnings.warn(msg, IncompleteCheckpointWarning, stacklevel=2)
             return self._stock_load_state(chosen, load_kwargs=load_kwargs, **kwargs)
@@ -610,8 +622,11 @@ class AccelerateHandle:
             busy = [f for f in folders if _live_foreign_markers(f)]
             if not busy or time.monotonic() >= deadline:
                 if busy:
-                    logger.warning("lazyckpt: gave up after %.0f s waiting for other processes' saves into %s",
-                                   self.load_timeout, busy)
+                    logger.warning(
+                        "lazyckpt: gave up after %.0f s waiting for other processes' saves into %s",
+                        self.load_timeout,
+                        busy,
+                    )
                 return
             time.sleep(delay)
             delay = min(delay * 2, 0.1)
@@ -710,8 +725,9 @@ class AccelerateHandle:
             logger.error("lazyckpt.accelerate: a checkpoint save failed: %r", exc)
 
 
-def install(accelerator, checkpointer: LazyCheckpointer | None = None, *, load_timeout: float = 600.0,
-            **core_options) -> AccelerateHandle:
+def install(
+    accelerator, checkpointer: LazyCheckpointer | None = None, *, load_timeout: float = 600.0, **core_options
+) -> AccelerateHandle:
     """Make ``accelerator.save_state`` lazy (same files as stock) and ``load_state`` wait for pending saves.
 
     ``checkpointer``: an existing :class:`lazyckpt.LazyCheckpointer` to use (not closed by ``remove()``);

@@ -137,8 +137,11 @@ def assert_same(a, b, where="state"):
     """Exact equality of nested containers of tensors / numbers / strings."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), f"{where}: {type(a)} vs {type(b)}"
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{where}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
-        assert torch.equal(a, b), f"{where}: tensors differ (max abs diff {(a.double() - b.double()).abs().max()})"
+        assert a.dtype == b.dtype and a.shape == b.shape, (
+            f"{where}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+        )
+        diff = (a.double() - b.double()).abs().max() if a.numel() else 0
+        assert torch.equal(a, b), f"{where}: tensors differ (max abs diff {diff})"
     elif isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         assert np.array_equal(np.asarray(a), np.asarray(b)), f"{where}: arrays differ"
     elif isinstance(a, dict):
@@ -148,7 +151,7 @@ def assert_same(a, b, where="state"):
             assert_same(a[k], b[k], f"{where}[{k!r}]")
     elif isinstance(a, (list, tuple)):
         assert isinstance(b, (list, tuple)) and len(a) == len(b), f"{where}: {a!r} vs {b!r}"
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             assert_same(x, y, f"{where}[{i}]")
     else:
         assert a == b, f"{where}: {a!r} != {b!r}"

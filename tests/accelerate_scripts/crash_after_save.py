@@ -12,7 +12,6 @@ import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import acc_common as C  # noqa: E402
-
 from accelerate import Accelerator  # noqa: E402
 from accelerate.utils import ProjectConfiguration  # noqa: E402
 
@@ -21,19 +20,20 @@ import lazyckpt.accelerate  # noqa: E402
 
 def main():
     project, expected = sys.argv[1], sys.argv[2]
-    acc = Accelerator(cpu=True, project_config=ProjectConfiguration(project_dir=project,
-                                                                    automatic_checkpoint_naming=True))
+    acc = Accelerator(
+        cpu=True, project_config=ProjectConfiguration(project_dir=project, automatic_checkpoint_naming=True)
+    )
     # big enough (~50 MB with AdamW state) that writing it takes far longer than the kill below
     model, opt, sched = acc.prepare(*C.build(0, vocab=4096, dim=1024, hidden=1024))
     handle = lazyckpt.accelerate.install(acc)
     gen = torch.Generator().manual_seed(1)
     C.train_step(acc, model, opt, sched, gen, vocab=4096)
     snap = C.snapshot(acc, [model], [opt], [sched])
-    acc.save_state()                      # checkpoint_0: complete
+    acc.save_state()  # checkpoint_0: complete
     handle.wait()
     torch.save(snap, expected)
     C.train_step(acc, model, opt, sched, gen, vocab=4096)
-    acc.save_state()                      # checkpoint_1: killed before it is durable
+    acc.save_state()  # checkpoint_1: killed before it is durable
     os.kill(os.getpid(), signal.SIGKILL)
 
 

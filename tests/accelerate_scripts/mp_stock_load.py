@@ -10,10 +10,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def restore(out, folder):
-    import torch
-
     import acc_common as C
+    import torch
     from accelerate import Accelerator
+
     MODEL = C.MP_MODEL
 
     acc = Accelerator(cpu=True)

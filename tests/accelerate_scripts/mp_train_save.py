@@ -15,7 +15,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import acc_common as C  # noqa: E402
-
 from accelerate import Accelerator  # noqa: E402
 from accelerate.utils import ProjectConfiguration  # noqa: E402
 
@@ -35,8 +34,12 @@ def broadcast(acc, obj):
 
 def main():
     out = sys.argv[1]
-    acc = Accelerator(cpu=True, project_config=ProjectConfiguration(
-        project_dir=os.path.join(out, "proj"), automatic_checkpoint_naming=True, total_limit=2))
+    acc = Accelerator(
+        cpu=True,
+        project_config=ProjectConfiguration(
+            project_dir=os.path.join(out, "proj"), automatic_checkpoint_naming=True, total_limit=2
+        ),
+    )
     assert acc.num_processes == 2, acc.num_processes
     rank = acc.process_index
     model, opt, sched = acc.prepare(*C.build(0, **MODEL))
@@ -77,6 +80,19 @@ def main():
         C.assert_same(got[k], last[k], f"rank {rank} lazy load_state {k}")
     assert got["py_rng"] == last["py_rng"], f"rank {rank} py rng"
 
+    handle.wait()
+    acc.wait_for_everyone()
+
+    # save_state / load_state on the main process only (stock allows it without automatic naming):
+    # lazyckpt adds no collective call, so this must not hang
+    acc.project_configuration.automatic_checkpoint_naming = False
+    if acc.is_main_process:
+        main_only = C.snapshot(acc, [model], [opt], [sched], [counter])
+        acc.save_state(os.path.join(out, "main_only"))
+        acc.load_state(os.path.join(out, "main_only"))  # waits for its own pending saves, no collective
+        got = C.snapshot(acc, [model], [opt], [sched], [counter])
+        for k in ("models", "opts", "scheds", "customs"):
+            C.assert_same(got[k], main_only[k], f"main only {k}")
     handle.wait()
     acc.wait_for_everyone()
     torch.save(expected, os.path.join(out, f"expected_rank{rank}.pt"))

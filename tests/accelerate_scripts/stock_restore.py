@@ -13,20 +13,23 @@ import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import acc_common as C  # noqa: E402
-
 from accelerate import Accelerator  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 
 
 def main():
-    cfg = json.loads(open(sys.argv[1]).read())
+    with open(sys.argv[1]) as f:
+        cfg = json.load(f)
     out = sys.argv[2]
     results = []
     for d in cfg["dirs"]:
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
-        acc = Accelerator(cpu=True, mixed_precision=cfg.get("mixed_precision", "no"),
-                          gradient_accumulation_steps=cfg.get("grad_accum", 1))
+        acc = Accelerator(
+            cpu=True,
+            mixed_precision=cfg.get("mixed_precision", "no"),
+            gradient_accumulation_steps=cfg.get("grad_accum", 1),
+        )
         if cfg.get("scaler"):
             acc.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
         objs = C.build(cfg.get("seed", 0) + 1000, second_model=cfg.get("second_model", False), **cfg["model"])
