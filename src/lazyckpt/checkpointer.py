@@ -52,7 +52,10 @@ class LazyCheckpointer:
 
     Concurrency contract: after ``save()`` returns, the caller may keep training: optimizer steps
     and forward passes are safe. Changing a saved tensor in place by other means before
-    ``handle.wait_staged()`` makes that save fail with ``StaleTensorError`` (never a wrong file).
+    ``handle.wait_staged()`` makes that save fail with ``StaleTensorError``, except through
+    ``tensor.data`` (e.g. ``p.data.copy_(avg)``), which bypasses the version counter lazyckpt
+    checks and so cannot be detected: call ``wait_staged()`` before such writes (the Lightning and
+    Accelerate integrations do this for the weight-averaging callbacks they know).
     Methods are thread-safe.
 
     Args:
