@@ -229,32 +229,46 @@ class Lazy(Mode):
 
 # --------------------------------------------------------------------------------------------- raw baselines
 def make_payload(nbytes: int) -> torch.Tensor:
-    """A warm (touched) host buffer of incompressible bytes, allocated once."""
-    buf = torch.empty(nbytes, dtype=torch.uint8)
+    """A warm (touched) host buffer of incompressible bytes, allocated once. 4 KiB aligned, and 4 KiB longer
+    than ``nbytes`` rounded up to 4 KiB, so that it can also be written with O_DIRECT."""
+    n_al = -(-nbytes // 4096) * 4096
+    raw = torch.empty(n_al + 4096, dtype=torch.uint8)
+    off = -raw.data_ptr() % 4096
+    buf = raw[off : off + n_al]
     gen = torch.Generator().manual_seed(1)
-    block = torch.randint(0, 256, (min(nbytes, 64 << 20),), dtype=torch.uint8, generator=gen)
-    for off in range(0, nbytes, block.numel()):
-        n = min(block.numel(), nbytes - off)
-        buf[off : off + n].copy_(block[:n])
+    block = torch.randint(0, 256, (min(n_al, 64 << 20),), dtype=torch.uint8, generator=gen)
+    for o in range(0, n_al, block.numel()):
+        n = min(block.numel(), n_al - o)
+        buf[o : o + n].copy_(block[:n])
     return buf
 
 
-def raw_write(payload: torch.Tensor, path: Path, chunk: int = 64 << 20) -> tuple[float, float]:
-    """Sequential write of the whole payload with one thread, fsync, close. Returns (seconds, CPU seconds)."""
-    mv = memoryview(payload.numpy()).cast("B")
+def raw_write(payload: torch.Tensor, nbytes: int, path: Path, direct: bool = False, chunk: int = 64 << 20) -> dict:
+    """Sequential write of ``nbytes`` of the payload with one thread (64 MiB writes), fsync file and directory.
+    ``direct``: O_DIRECT (no page cache; the length is rounded up to 4 KiB). Returns seconds, GB/s, CPU seconds."""
+    if direct:
+        nbytes = -(-nbytes // 4096) * 4096
+    mv = memoryview(payload.numpy()).cast("B")[:nbytes]
     t, c = time.perf_counter(), time.process_time()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0), 0o644)
+    except (OSError, AttributeError):
+        return {"bytes": nbytes, "s": None, "gbps": None, "cpu_s": None}  # no O_DIRECT on this filesystem
     try:
         off = 0
-        while off < len(mv):
-            off += os.write(fd, mv[off : off + chunk])
+        while off < nbytes:
+            off += os.pwrite(fd, mv[off : off + chunk], off)
         os.fsync(fd)
+    except OSError:
+        if not direct:
+            raise
+        return {"bytes": nbytes, "s": None, "gbps": None, "cpu_s": None}
     finally:
         os.close(fd)
-    fsync_dir(path.parent)
+        fsync_dir(path.parent)
     dt, dc = time.perf_counter() - t, time.process_time() - c
     os.unlink(path)
-    return dt, dc
+    return {"bytes": nbytes, "s": dt, "gbps": nbytes / dt / GB, "cpu_s": dc}
 
 
 def crc_throughput(payload: torch.Tensor, nbytes: int = 256 << 20, reps: int = 3) -> dict:
@@ -416,6 +430,7 @@ def main(argv=None) -> int:
         mode.reset_metrics()
         gc.collect()
         step_s = []
+        c0 = time.process_time()
         t0 = time.perf_counter()
         for _ in range(n):
             ts = time.perf_counter()
@@ -428,11 +443,12 @@ def main(argv=None) -> int:
         mode.drain()
         sync()
         t1 = time.perf_counter()
-        return {"total_s": t1 - t0, "drain_s": t1 - td, "step_s": step_s, **mode.metrics()}
+        cpu_s = time.process_time() - c0
+        return {"total_s": t1 - t0, "drain_s": t1 - td, "cpu_s": cpu_s, "step_s": step_s, **mode.metrics()}
 
     results: dict[str, list[dict]] = {m: [] for m in modes}
     psi0, load0 = _cpu_pressure_total(), os.getloadavg()
-    raw_runs, iso_runs = [], []
+    raw_runs, direct_runs, iso_runs = [], [], []
     payload = None
     t_start = time.perf_counter()
     try:
@@ -451,41 +467,49 @@ def main(argv=None) -> int:
                     f"round {r + 1}/{rounds} {m:<10} total={res['total_s']:7.2f}s drain={res['drain_s']:5.2f}s "
                     f"median step+save={statistics.median(res['step_s']):5.2f}s{extra}"
                 )
-            # raw sequential write of as many bytes as one lazyckpt (else torch.save) checkpoint file
+            # raw sequential writes of as many bytes as one lazyckpt (else torch.save) checkpoint file, and the
+            # same bytes through lazyckpt with nothing else running. One write first, not counted: the first
+            # write after a while of other work pays for page-cache pages the VM has to fault in again.
             ref_file = impl["lazyckpt"].path if "lazyckpt" in impl else impl["torch.save"].path
             nbytes = ref_file.stat().st_size if ref_file.exists() else ckpt_bytes
-            if payload is None or payload.numel() != nbytes:
+            if payload is None or payload.numel() < nbytes:
                 payload = make_payload(nbytes)
             gc.collect()
-            dt, dc = raw_write(payload, out_dir / "raw.bin")
-            raw_runs.append({"bytes": nbytes, "s": dt, "gbps": nbytes / dt / GB, "cpu_s": dc})
-            log(
-                f"round {r + 1}/{rounds} raw write {nbytes / GB:.3f} GB + fsync: {dt:.2f}s = "
-                f"{nbytes / dt / GB:.2f} GB/s, {dc:.2f} CPU-s"
-            )
-            if "lazyckpt" in impl:  # the same bytes through lazyckpt with nothing else running
-                lz = impl["lazyckpt"]
-                lz.reset_metrics()
-                sync()
-                gc.collect()
-                t, c = time.perf_counter(), time.process_time()
-                h = lz.ckpt.save(make_state(), out_dir / "lazy_isolated.pt")
-                st = h.wait()
-                dt, dc = time.perf_counter() - t, time.process_time() - c
-                nb = getattr(st, "file_bytes", None) or (out_dir / "lazy_isolated.pt").stat().st_size
-                fields = ("write_gbps", "write_s", "staged_s", "durable_s", "blocked_s")
-                iso = {
-                    "bytes": nb,
-                    "e2e_s": dt,
-                    "e2e_gbps": nb / dt / GB,
-                    "cpu_s": dc,
-                    **{f: getattr(st, f, None) for f in fields},
-                }
-                iso_runs.append(iso)
-                log(
-                    f"round {r + 1}/{rounds} lazyckpt isolated save {nb / GB:.3f} GB: save->durable {dt:.2f}s = "
-                    f"{iso['e2e_gbps']:.2f} GB/s; its write_gbps={_fmt(iso['write_gbps'])}; {dc:.2f} CPU-s"
-                )
+            raw_write(payload, nbytes, out_dir / "raw.bin")
+            io_order = ["raw", "raw_direct", "lazyckpt"] if r % 2 == 0 else ["lazyckpt", "raw_direct", "raw"]
+            for what in io_order:
+                if what == "raw" or what == "raw_direct":
+                    res = raw_write(payload, nbytes, out_dir / "raw.bin", direct=what == "raw_direct")
+                    (raw_runs if what == "raw" else direct_runs).append(res)
+                    label = "raw write" if what == "raw" else "raw O_DIRECT write"
+                    log(
+                        f"round {r + 1}/{rounds} {label} {res['bytes'] / GB:.3f} GB + fsync: "
+                        + ("unsupported" if res["s"] is None else
+                           f"{res['s']:.2f}s = {res['gbps']:.2f} GB/s, {res['cpu_s']:.2f} CPU-s")
+                    )  # fmt: skip
+                elif "lazyckpt" in impl:
+                    lz = impl["lazyckpt"]
+                    lz.reset_metrics()
+                    sync()
+                    gc.collect()
+                    t, c = time.perf_counter(), time.process_time()
+                    h = lz.ckpt.save(make_state(), out_dir / "lazy_isolated.pt")
+                    st = h.wait()
+                    dt, dc = time.perf_counter() - t, time.process_time() - c
+                    nb = getattr(st, "file_bytes", None) or (out_dir / "lazy_isolated.pt").stat().st_size
+                    fields = ("write_gbps", "write_s", "staged_s", "durable_s", "blocked_s")
+                    iso = {
+                        "bytes": nb,
+                        "e2e_s": dt,
+                        "e2e_gbps": nb / dt / GB,
+                        "cpu_s": dc,
+                        **{f: getattr(st, f, None) for f in fields},
+                    }
+                    iso_runs.append(iso)
+                    log(
+                        f"round {r + 1}/{rounds} lazyckpt isolated save {nb / GB:.3f} GB: save->durable {dt:.2f}s"
+                        f" = {iso['e2e_gbps']:.2f} GB/s; its write_gbps={_fmt(iso['write_gbps'])}; {dc:.2f} CPU-s"
+                    )
         if payload is None or payload.numel() < (64 << 20):
             payload = make_payload(256 << 20)
         crc = crc_throughput(payload)
@@ -522,8 +546,13 @@ def main(argv=None) -> int:
             "drain_s": median([x["drain_s"] for x in results[m]]),
         }
     none_step = summary["none"]["step_s"]
+    cpu_base = [r["cpu_s"] for r in results["none"]]
     for m in modes:  # a cross-check robust to bursts of load: median step cost + drain spread over the saves
         summary[m]["stall_step_median_s"] = summary[m]["step_s"] - none_step + summary[m]["drain_s"] / steps
+        # CPU seconds (all threads of this process) each checkpoint costs: what it takes away from training
+        # on a machine whose cores the training already uses; insensitive to other processes' load
+        extra = [(res["cpu_s"] - c) / steps for res, c in zip(results[m], cpu_base, strict=True)]
+        summary[m]["extra_cpu_s"] = median(extra)
     raw_gbps = median([r["gbps"] for r in raw_runs])
     lazy = summary.get("lazyckpt")
     if lazy:
@@ -541,7 +570,7 @@ def main(argv=None) -> int:
     )
     log(
         f"{'mode':<12}{'step+save s':>12}{'stall/ckpt s':>14}{'in save() s':>13}{'final drain s':>15}"
-        f"{'vs torch.save':>15}{'cross-check':>13}   stall per round"
+        f"{'vs torch.save':>15}{'cross-check':>13}{'CPU-s/ckpt':>12}   stall per round"
     )
     ts_stall = summary["torch.save"]["stall_s"] if "torch.save" in summary else None
     for m in modes:
@@ -549,7 +578,7 @@ def main(argv=None) -> int:
         rel = "" if m == "none" or not ts_stall else f"{s['stall_s'] / ts_stall:.3f}x"
         log(
             f"{m:<12}{s['step_s']:>12.2f}{s['stall_s']:>14.3f}{_fmt(s['save_call_s'], 3):>13}"
-            f"{s['drain_s']:>15.2f}{rel:>15}{s['stall_step_median_s']:>13.3f}   "
+            f"{s['drain_s']:>15.2f}{rel:>15}{s['stall_step_median_s']:>13.3f}{s['extra_cpu_s']:>12.2f}   "
             f"{' '.join(f'{x:.3f}' for x in s['stall_rounds'])}"
         )
     ratios = {}
@@ -558,6 +587,10 @@ def main(argv=None) -> int:
     if lazy and "dcp" in summary and summary["dcp"]["stall_s"]:
         ratios["lazy_vs_dcp"] = lazy["stall_s"] / summary["dcp"]["stall_s"]
     log("")
+    for m in ("torch.save", "dcp"):  # a ratio to a non-positive stall means nothing
+        if m in summary and summary[m]["stall_s"] is not None and summary[m]["stall_s"] <= 0:
+            ratios.pop("lazy_vs_torchsave" if m == "torch.save" else "lazy_vs_dcp", None)
+            log(f"{m} stall <= 0: the machine's load changed between segments; ratio to {m} undefined, rerun")
     if "lazy_vs_torchsave" in ratios:
         log(
             f"lazyckpt stall / torch.save stall = {ratios['lazy_vs_torchsave']:.3f}  (target <= 0.15) "
@@ -581,8 +614,16 @@ def main(argv=None) -> int:
     log("")
     log(
         f"write throughput (same bytes, same run): raw sequential write+fsync {raw_gbps:.2f} GB/s "
-        f"(runs: {', '.join(f'{r:.2f}' for r in (x['gbps'] for x in raw_runs))})"
+        f"(runs: {', '.join(f'{r:.2f}' for r in (x['gbps'] for x in raw_runs))}), "
+        f"{median([r['cpu_s'] for r in raw_runs]):.2f} CPU-s"
     )
+    direct_gbps = median([r["gbps"] for r in direct_runs])
+    if direct_gbps:
+        log(
+            f"  raw O_DIRECT write+fsync (no page cache): {direct_gbps:.2f} GB/s "
+            f"(runs: {', '.join(f'{r:.2f}' for r in (x['gbps'] for x in direct_runs))}), "
+            f"{median([r['cpu_s'] for r in direct_runs]):.2f} CPU-s"
+        )
     if lazy:
         iso = lazy["isolated_e2e_gbps"]
         log(
@@ -594,10 +635,7 @@ def main(argv=None) -> int:
                 f"  lazyckpt isolated, SaveStats.write_gbps: {lazy['isolated_write_gbps']:.2f} GB/s = "
                 f"{lazy['isolated_write_gbps'] / raw_gbps:.0%} of raw"
             )
-        log(
-            f"  CPU time per checkpoint, all threads: lazyckpt isolated save {lazy['isolated_cpu_s']:.2f} CPU-s, "
-            f"raw write {median([r['cpu_s'] for r in raw_runs]):.2f} CPU-s"
-        )
+        log(f"  lazyckpt isolated save, CPU time of all threads: {lazy['isolated_cpu_s']:.2f} CPU-s")
         if lazy["write_gbps_in_training"]:
             log(
                 f"  lazyckpt during training (CPU shared with the step), SaveStats.write_gbps: "
@@ -616,6 +654,7 @@ def main(argv=None) -> int:
         "(some task waiting for a CPU; high values mean a busy machine and noisy numbers)"
     )
     log("# cross-check = median(step+save) - median(step without checkpoint) + final drain / checkpoints")
+    log("# CPU-s/ckpt = extra CPU time of this process (all threads) per checkpoint, vs the no-checkpoint segment")
 
     if args.json:
         doc = {
@@ -630,6 +669,7 @@ def main(argv=None) -> int:
             "summary": summary,
             "ratios": ratios,
             "raw_write": raw_runs,
+            "raw_direct_write": direct_runs,
             "lazy_isolated": iso_runs,
             "crc_gbps": crc,
             "d2h": d2h,
