@@ -74,22 +74,12 @@ class Engine:
         self._stage_q.put(job)
 
     def stage_now(self, job: Job, src: Source) -> None:
-        """Capture a source on the caller's thread (tensors no optimizer guards)."""
-        for piece in self._pieces(job, src):
-            if job.failed:
-                return
-            piece.buffer = self.pool.alloc(piece.nbytes)
-            job.piece_added()
-            view = src.flat[piece.start : piece.start + piece.nbytes]
-            if src.device.type == "cuda":
-                # On the current stream: ordered before any kernel queued after save().
-                with torch.cuda.device(src.device):
-                    piece.buffer.view.copy_(view, non_blocking=True)
-                    piece.event = torch.cuda.Event()
-                    piece.event.record(torch.cuda.current_stream(src.device))
-            else:
-                piece.buffer.view.copy_(view)
-            self._write_q.put(piece)
+        """Capture a source on the caller's thread (tensors no optimizer guards).
+
+        CUDA copies go on the current stream: ordered before any kernel queued after save().
+        """
+        stream = torch.cuda.current_stream(src.device) if src.device.type == "cuda" else None
+        self._copy_source(job, src, stream)
 
     def _pieces(self, job: Job, src: Source) -> list[Piece]:
         step = self.pool.chunk_bytes
@@ -134,6 +124,7 @@ class Engine:
                 self._write_q.put(job)
 
     def _copy_source(self, job: Job, src: Source, stream: torch.cuda.Stream | None) -> None:
+        """Copy a source piece by piece into pool buffers and queue each piece for writing."""
         for piece in self._pieces(job, src):
             if job.failed:
                 return
