@@ -106,14 +106,15 @@ def discard(tmp: str) -> None:
     _unlink_quietly(tmp)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid runs on this host (permission errors count as alive)."""
     if pid == os.getpid():
         return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
+    except OSError:  # EPERM: it exists but is not ours
         return True
     return True
 
@@ -131,7 +132,7 @@ def cleanup_temporaries(directory: str | os.PathLike[str]) -> list[str]:
         return removed
     for name in names:
         m = _TMP_RE.match(name)
-        if m and not _pid_alive(int(m.group(1))):
+        if m and not pid_alive(int(m.group(1))):
             path = os.path.join(directory, name)
             _unlink_quietly(path)
             removed.append(path)

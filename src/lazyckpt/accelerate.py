@@ -69,6 +69,8 @@ from accelerate.utils.constants import RNG_STATE_NAME, SCALER_NAME
 from accelerate.utils.other import clean_state_dict_for_safetensors
 
 from lazyckpt import LazyCheckpointer
+from lazyckpt._commit import fsync_dir
+from lazyckpt._commit import pid_alive as _pid_alive
 from lazyckpt.errors import LazyCkptError, WriteError
 
 __all__ = [
@@ -172,14 +174,6 @@ def _real(path: str | os.PathLike) -> str:
     return os.path.realpath(os.path.abspath(os.path.expanduser(os.fspath(path))))
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _fsync_file(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -201,18 +195,6 @@ def _marker_owner(name: str) -> tuple[str, int] | None:
         return host, int(pid)
     except ValueError:
         return None
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    except OSError:
-        return True
-    return True
 
 
 def _live_foreign_markers(folder: str) -> list[str]:
@@ -299,7 +281,7 @@ class _FolderSave:
             )
             fh.flush()
             os.fsync(fh.fileno())
-        _fsync_dir(folder)  # the marker is durable before any checkpoint file exists
+        fsync_dir(folder)  # the marker is durable before any checkpoint file exists
         self.folder, self.marker = folder, marker
 
     def save(self, obj, f, *, save_on_each_node: bool, safe_serialization: bool) -> None:
@@ -380,7 +362,7 @@ class _FolderSave:
                 raise WriteError(f"lazyckpt: could not fsync {p}: {exc}", path=p, errno=exc.errno) from exc
         try:
             os.unlink(self.marker)
-            _fsync_dir(folder)
+            fsync_dir(folder)
         except FileNotFoundError:
             return
         except OSError as exc:
