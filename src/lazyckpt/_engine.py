@@ -131,12 +131,14 @@ class Engine:
                 return
             piece.buffer = self.pool.alloc(piece.nbytes)
             job.piece_added()
-            view = src.flat[piece.start : piece.start + piece.nbytes]
             if stream is None and src.device.type == "cpu":
                 # One plain memcpy with the GIL released: torch's copy_ would fan out over the
                 # intra-op threads, i.e. take every core from the training for the same bandwidth.
-                ctypes.memmove(piece.buffer.view.data_ptr(), view.data_ptr(), piece.nbytes)
-            elif stream is None:
+                ctypes.memmove(piece.buffer.view.data_ptr(), src.data_ptr + piece.start, piece.nbytes)
+                self._write_q.put(piece)
+                continue
+            view = src.flat[piece.start : piece.start + piece.nbytes]
+            if stream is None:
                 piece.buffer.view.copy_(view)
             else:
                 with torch.cuda.stream(stream):

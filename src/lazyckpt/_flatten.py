@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import io
 import pickle
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,7 +28,6 @@ if hasattr(torch.nn.parameter, "Buffer"):
 _NO_BYTES = torch.empty(0, dtype=torch.uint8)
 
 
-@dataclass(eq=False)
 class Source:
     """Bytes of one record to stage and write: a whole storage (torch) or one tensor (safetensors).
 
@@ -37,18 +35,34 @@ class Source:
     never keeps device memory alive while it waits for storage.
     """
 
-    key: str
-    flat: torch.Tensor  # 1-D uint8 view of exactly the bytes to write
-    nbytes: int
-    checks: list[tuple[str, torch.Tensor, int]] = field(default_factory=list)  # (name, tensor, _version)
-    file_offset: int = 0
-    device: torch.device = field(init=False)
+    def __init__(
+        self,
+        key: str,
+        bytes_of: torch.UntypedStorage | torch.Tensor,  # a storage, or a 1-D uint8 tensor view
+        nbytes: int,
+        checks: list[tuple[str, torch.Tensor, int]] | None = None,  # (name, tensor, _version at save)
+        file_offset: int = 0,
+    ) -> None:
+        self.key, self.nbytes, self.file_offset = key, nbytes, file_offset
+        self.checks = checks if checks is not None else []
+        self._bytes: torch.UntypedStorage | torch.Tensor | None = bytes_of
+        self.device = bytes_of.device
+        self.data_ptr = bytes_of.data_ptr()
+        self.storage_ptr = (
+            bytes_of.data_ptr()
+            if isinstance(bytes_of, torch.UntypedStorage)
+            else (bytes_of.untyped_storage().data_ptr())
+        )
 
-    def __post_init__(self) -> None:
-        self.device = self.flat.device
+    @property
+    def flat(self) -> torch.Tensor:
+        """The bytes as a 1-D uint8 tensor (built on first use: cheap pointers are enough for CPU)."""
+        if isinstance(self._bytes, torch.UntypedStorage):
+            self._bytes = _flat_bytes(self._bytes)
+        return self._bytes if self._bytes is not None else _NO_BYTES
 
     def release(self) -> None:
-        self.flat, self.checks = _NO_BYTES, []
+        self._bytes, self.checks = None, []
 
     def first_stale(self) -> str | None:
         """Name of a tensor changed in place since save(), or None."""
@@ -145,7 +159,7 @@ class _Pickler(pickle.Pickler):
         key = self._keys.setdefault(storage._cdata, str(len(self._keys)))
         if key not in self.sources:
             checks = self._tensors_by_storage.get(storage._cdata, [])
-            self.sources[key] = Source(key, _flat_bytes(storage), storage.nbytes(), checks)
+            self.sources[key] = Source(key, storage, storage.nbytes(), checks)
         return ("storage", storage_type, key, location_tag(storage), numel)
 
 

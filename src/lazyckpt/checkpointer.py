@@ -361,7 +361,7 @@ class LazyCheckpointer:
 
 
 def _is_guarded(src: Source, guarded: set[int]) -> bool:
-    return src.flat.untyped_storage().data_ptr() in guarded
+    return src.storage_ptr in guarded
 
 
 _open_checkpointers: weakref.WeakSet[LazyCheckpointer] = weakref.WeakSet()
