@@ -36,7 +36,7 @@ def core(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
-@nox.parametrize("pins", [("lightning==2.4.0", "accelerate==1.0.1"), ("lightning", "accelerate")], ids=["oldest", "newest"])
+@nox.parametrize("pins", [("lightning==2.6.0", "accelerate==1.15.0"), ("lightning", "accelerate")], ids=["oldest", "newest"])
 def frameworks(session: nox.Session, pins: tuple[str, ...]) -> None:
     """Integration tests against the oldest and newest supported Lightning and Accelerate."""
     _install(session, "test", pins=pins + ("safetensors",))
