@@ -38,6 +38,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
 import torch
@@ -432,16 +433,16 @@ class LazyCheckpointIO(_CheckpointIO):
                     del self._by_key[key]
         if errors and raise_errors:
             raise errors[0]
-        for exc in errors:
-            log.error("lazyckpt: background save failed: %s", exc, exc_info=exc)
+        for err in errors:
+            log.error("lazyckpt: background save failed: %s", err, exc_info=err)
 
     def _collect_errors(self, records: list[_Save]) -> list[BaseException]:
-        errors = []
+        errors: list[BaseException] = []
         with self._lock:
             for record in records:
-                if record.done.done() and not record.reported and record.done.exception() is not None:
+                exc = record.done.exception() if record.done.done() else None
+                if exc is not None and not record.reported:
                     record.reported = True
-                    exc = record.done.exception()
                     if id(exc) in self._raised:
                         continue
                     notes = getattr(exc, "__notes__", ())
@@ -560,7 +561,7 @@ class LazyCheckpointIO(_CheckpointIO):
 
 
 def _find_strategy(plugin: LazyCheckpointIO, max_depth: int = 40) -> Any:
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     for _ in range(max_depth):
         if frame is None:
             return None
