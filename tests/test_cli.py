@@ -407,3 +407,16 @@ def test_bench_plot_without_matplotlib_exits_1_before_running(tmp_path):
 def test_bench_unknown_mode_exits_1(capsys):
     assert main(["bench", "--modes", "torch.save,nope"]) == 1
     assert "unknown mode" in capsys.readouterr().err
+
+
+def test_console_script_entry_point(tmp_path):
+    """The installed `lazyckpt` script (pyproject [project.scripts]) runs the same CLI."""
+    import shutil
+
+    script = shutil.which("lazyckpt", path=os.path.dirname(sys.executable)) or shutil.which("lazyckpt")
+    if script is None:
+        pytest.skip("lazyckpt console script not installed (pip install -e .)")
+    missing = tmp_path / "missing.pt"
+    res = subprocess.run([script, "verify", str(missing)], capture_output=True, text=True)
+    assert res.returncode == 1 and "missing.pt" in (res.stdout + res.stderr)
+    assert subprocess.run([script, "--version"], capture_output=True, text=True).returncode == 0
