@@ -454,3 +454,19 @@ def test_plugin_pickles_for_spawn(tmp_path: Any) -> None:
     assert load(str(tmp_path / "p.ckpt"))["x"].sum().item() == 3
     assert clone._options == {"writer_threads": 2, "fsync": False}
     assert threading.active_count() >= 1
+
+
+def test_plugins_share_one_global_step_hook_that_is_never_removed() -> None:
+    """A plugin collected by the GC must not remove a global optimizer hook: torch may be iterating
+    that hook dict inside another optimizer.step() at that moment ("OrderedDict mutated")."""
+    import gc
+
+    from torch.optim.optimizer import _global_optimizer_pre_hooks
+
+    LazyCheckpointIO()
+    before = len(_global_optimizer_pre_hooks)
+    for _ in range(5):
+        io = LazyCheckpointIO()
+        del io
+    gc.collect()
+    assert len(_global_optimizer_pre_hooks) == before

@@ -227,8 +227,8 @@ class LazyCheckpointIO(_CheckpointIO):
         self._raised: set[int] = set()  # ids of errors the core already raised to the caller
         self._torn_down = False  # set by teardown, cleared by the next optimizer step
         self._attach_tries = 0
-        hook = register_optimizer_step_pre_hook(_make_step_hook(weakref.ref(self)))
-        weakref.finalize(self, hook.remove)
+        _live_plugins.add(self)
+        _install_step_hook()
 
     # Spawn-based launchers (ddp_spawn) pickle the Trainer, plugins included: send the options only.
     def __getstate__(self) -> dict[str, Any]:
@@ -581,20 +581,32 @@ def _find_strategy(plugin: LazyCheckpointIO, max_depth: int = 40) -> Any:
     return None
 
 
-def _make_step_hook(plugin_ref: weakref.ref) -> Callable[..., None]:
-    def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        # Finds the Trainer at its first optimizer steps, before any checkpoint, so that strategies
-        # that bypass CheckpointIO are reported at setup rather than never.
-        plugin = plugin_ref()
-        if plugin is None:
-            return None
+_live_plugins: weakref.WeakSet[LazyCheckpointIO] = weakref.WeakSet()
+_step_hook_installed = False
+
+
+def _install_step_hook() -> None:
+    """One process-wide hook for all plugins, never removed.
+
+    Removing a global optimizer hook from a plugin's finalizer could run while torch iterates its
+    hook dict (the garbage collector runs anywhere), which raises "OrderedDict mutated during
+    iteration" inside someone's optimizer.step().
+    """
+    global _step_hook_installed
+    if not _step_hook_installed:
+        _step_hook_installed = True
+        register_optimizer_step_pre_hook(_on_optimizer_step)
+
+
+def _on_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    # Finds the Trainer at its first optimizer steps, before any checkpoint, so that strategies
+    # that bypass CheckpointIO are reported at setup rather than never.
+    for plugin in list(_live_plugins):
         plugin._torn_down = False
         if plugin._strategy_ref is None and plugin._attach_tries < 3:
             plugin._attach_tries += 1
             plugin._attach()
-        return None
-
-    return hook
+    return None
 
 
 def _pending_aware_file_exists(cb: Any, plugin_ref: weakref.ref) -> Callable[..., bool]:
