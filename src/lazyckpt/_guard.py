@@ -36,7 +36,8 @@ _tracked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
 def track(optimizer: torch.optim.Optimizer) -> None:
     inner = getattr(optimizer, "optimizer", None)  # Lightning/Accelerate wrappers
-    _tracked.add(inner if isinstance(inner, torch.optim.Optimizer) else optimizer)
+    with _lock:
+        _tracked.add(inner if isinstance(inner, torch.optim.Optimizer) else optimizer)
 
 
 def add(job: Pending) -> None:
@@ -65,7 +66,9 @@ def wait_all() -> None:
 def guarded_storages() -> set[int]:
     """data_ptrs of every storage owned by a known optimizer (params and state tensors)."""
     ptrs: set[int] = set()
-    for opt in list(_tracked):
+    with _lock:
+        optimizers = list(_tracked)
+    for opt in optimizers:
         for group in opt.param_groups:
             for p in group["params"]:
                 ptrs.add(p.untyped_storage().data_ptr())
@@ -78,7 +81,9 @@ def guarded_storages() -> set[int]:
 
 
 def _pre_hook(optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    _tracked.add(optimizer)
+    if optimizer not in _tracked:
+        with _lock:  # save() may be listing the set on another thread
+            _tracked.add(optimizer)
     if not _pending:
         return None
     defer = all(job.wait_in_closure for job in list(_pending))
