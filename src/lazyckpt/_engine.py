@@ -42,9 +42,10 @@ def pwrite_all(fd: int, data: memoryview | bytes, offset: int) -> None:
         offset += n
 
 
-def _write_error(job: Job, what: str, exc: BaseException) -> WriteError:
-    errno = exc.errno if isinstance(exc, OSError) else None
-    err = WriteError(f"{what} {job.path} failed: {exc}", path=job.path, errno=errno)
+def write_error(job: Job, what: str, exc: BaseException) -> WriteError:
+    """The typed error for a failed step of ``job``, cause chained, errno kept."""
+    code = exc.errno if isinstance(exc, OSError) else None
+    err = WriteError(f"{what} {job.path} failed: {exc}", path=job.path, errno=code)
     err.__cause__ = exc
     return err
 
@@ -112,7 +113,7 @@ class Engine:
                     job.check_stale(cuda)
                     job.cuda_verified = True
         except BaseException as exc:
-            job.fail(_write_error(job, "staging for", exc))
+            job.fail(write_error(job, "staging for", exc))
         finally:
             job.cpu_staged.set()
             job.enqueued.set()
@@ -176,7 +177,7 @@ class Engine:
                 self._write_data(job, piece, data)
                 job.piece_written(piece, crc)
         except BaseException as exc:
-            job.fail(_write_error(job, "writing", exc))
+            job.fail(write_error(job, "writing", exc))
         finally:
             piece.event = None
             self.pool.release(piece.buffer)
@@ -210,7 +211,7 @@ class Engine:
                 if job.fsync:
                     os.fsync(job.fd)
         except BaseException as exc:
-            job.fail(_write_error(job, "writing", exc))
+            job.fail(write_error(job, "writing", exc))
         finally:
             job.t_written = time.perf_counter()
             for fd in (job.dfd, job.fd):
@@ -219,7 +220,7 @@ class Engine:
                 try:
                     os.close(fd)
                 except OSError as exc:  # a failed close can mean lost data (NFS): fail the save
-                    job.fail(_write_error(job, "closing", exc))
+                    job.fail(write_error(job, "closing", exc))
             job.written.set()
 
     # -- commit -----------------------------------------------------------------------------------
@@ -231,7 +232,7 @@ class Engine:
                 try:
                     _commit.commit(job.tmp, job.path, job.fsync)
                 except BaseException as exc:
-                    job.fail(_write_error(job, "committing", exc))
+                    job.fail(write_error(job, "committing", exc))
             if job.failed:
                 _commit.discard(job.tmp)
             done = time.perf_counter()

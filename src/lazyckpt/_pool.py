@@ -21,14 +21,13 @@ PAGE = 4096  # O_DIRECT needs page-aligned buffers: chunks and pieces of >= PAGE
 
 
 class _Chunk:
-    __slots__ = ("tensor", "size", "used", "live", "index")
+    __slots__ = ("tensor", "size", "used", "live")
 
-    def __init__(self, tensor: torch.Tensor, index: int) -> None:
+    def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor
         self.size = tensor.numel()
         self.used = 0  # bump pointer
         self.live = 0  # pieces not yet released
-        self.index = index
 
 
 class Buffer:
@@ -71,18 +70,13 @@ class HostBufferPool:
     def allocated_bytes(self) -> int:
         return len(self._chunks) * self.chunk_bytes
 
-    def in_use_bytes(self) -> int:
-        with self._cond:
-            return sum(c.size for c in self._chunks if c.live)
-
-    def alloc(self, nbytes: int, timeout: float | None = None) -> Buffer:
+    def alloc(self, nbytes: int) -> Buffer:
         """A buffer of ``nbytes`` (at most chunk_bytes), blocking while the budget is used up."""
         if nbytes > self.chunk_bytes:
             raise ValueError(f"piece of {nbytes} bytes exceeds the chunk size {self.chunk_bytes}")
         align = PAGE if nbytes >= PAGE else _ALIGN
         need = (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
         with self._cond:
-            t0 = time.perf_counter()
             while True:
                 if self._closed:
                     raise RuntimeError("host buffer pool is closed")
@@ -98,11 +92,8 @@ class HostBufferPool:
                 elif len(self._chunks) < self.max_chunks:
                     self._current = self._new_chunk()
                 else:
-                    remaining = None if timeout is None else timeout - (time.perf_counter() - t0)
-                    if remaining is not None and remaining <= 0:
-                        raise TimeoutError("timed out waiting for host buffer space")
                     w0 = time.perf_counter()
-                    self._cond.wait(remaining)
+                    self._cond.wait()
                     self.wait_s += time.perf_counter() - w0
 
     def _retire_current(self) -> None:
@@ -118,7 +109,7 @@ class HostBufferPool:
         tensor = raw[skip : skip + self.chunk_bytes]  # page-aligned (the slice keeps ``raw`` alive)
         if not self.pin_memory:
             tensor.zero_()  # fault the pages in once, not during every first save
-        chunk = _Chunk(tensor, len(self._chunks))
+        chunk = _Chunk(tensor)
         self._chunks.append(chunk)
         return chunk
 

@@ -14,7 +14,7 @@ from typing import Any, Literal
 import torch
 
 from . import _commit, _guard, _pool, _torchfmt
-from ._engine import Engine
+from ._engine import Engine, write_error
 from ._flatten import Source, flatten_safetensors, flatten_torch
 from ._handle import SaveHandle, SaveStats
 from ._job import Job
@@ -157,13 +157,17 @@ class LazyCheckpointer:
         if self._should_skip(nbytes, final):
             return self._skipped(final, nbytes, t0)
         guarded = _guard.guarded_storages()
-        lazy = [s for s in sources if s.nbytes and _is_guarded(s, guarded)]
+        lazy: list[Source] = []
+        eager: list[Source] = []
+        for src in sources:  # empty storages need neither
+            if src.nbytes:
+                (lazy if src.storage_ptr in guarded else eager).append(src)
         job = Job(
             path=final, tmp=_commit.temporary_path(final), fmt=format, sources=sources, lazy=lazy,
             layout=layout, head=head, file_bytes=file_bytes, crc=self.crc, fsync=self.fsync,
             wait_in_closure=self.wait_in_closure, t0=t0,
         )  # fmt: skip
-        self._start(job, [s for s in sources if s.nbytes and s not in lazy], direct)
+        self._start(job, eager, direct)
         job.t_returned = time.perf_counter()
         return job.handle
 
@@ -277,11 +281,10 @@ class LazyCheckpointer:
                 job.dfd = _commit.open_direct(job.tmp)
         except OSError as exc:
             raise WriteError(f"cannot create {job.tmp}: {exc}", path=job.path, errno=exc.errno) from exc
-        if any(s.device.type == "cuda" for s in job.lazy):
-            for device in {s.device for s in job.lazy if s.device.type == "cuda"}:
-                event = torch.cuda.Event()
-                event.record(torch.cuda.current_stream(device))
-                job.save_events[device] = event
+        for device in {s.device for s in job.lazy if s.device.type == "cuda"}:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            job.save_events[device] = event
         with self._lock:
             self._jobs.append(job)
         if job.lazy:
@@ -290,8 +293,7 @@ class LazyCheckpointer:
             for src in eager:
                 self._engine.stage_now(job, src)
         except BaseException as exc:
-            job.fail(WriteError(f"staging for {job.path} failed: {exc}", path=job.path))
-            job.error.__cause__ = exc  # type: ignore[union-attr]
+            job.fail(write_error(job, "staging for", exc))
         self._engine.submit(job)
 
     def _job_done(self, job: Job) -> None:
@@ -358,10 +360,6 @@ class LazyCheckpointer:
             stacklevel=2,
         )
         logger.warning("lazyckpt: staging waited %.2f s for host buffers", waited)
-
-
-def _is_guarded(src: Source, guarded: set[int]) -> bool:
-    return src.storage_ptr in guarded
 
 
 _open_checkpointers: weakref.WeakSet[LazyCheckpointer] = weakref.WeakSet()
