@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import threading
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -218,7 +219,7 @@ class GatedCheckpointer:
         self.closed = False
         self.lock = threading.RLock()
 
-    def save(self, obj, path, format="torch", metadata=None):
+    def save(self, obj, path, format="torch", metadata=None, before_commit=None):
         if format == "safetensors":
             from safetensors.torch import save as st_save
 
@@ -228,6 +229,7 @@ class GatedCheckpointer:
             torch.save(obj, buf)
             data = buf.getvalue()
         h = _GatedHandle(self, os.path.abspath(os.fspath(path)), data)
+        h._before_commit = before_commit
         with self.lock:
             self.queue.append(h)
         return h
@@ -248,6 +250,8 @@ class GatedCheckpointer:
                     f.write(h._data)
                     f.flush()
                     os.fsync(f.fileno())
+                if h._before_commit is not None:
+                    h._before_commit()
                 os.replace(tmp, h.path)
             h._finish(exc)
 
@@ -263,6 +267,14 @@ class GatedCheckpointer:
 
     def track(self, *opts):
         self.tracked.extend(opts)
+
+    def remove(self, path, trash_dir=None):
+        with self.lock:  # the integration drains a folder before deleting it
+            assert not any(h.path.startswith(os.path.abspath(path) + os.sep) for h in self.queue), path
+        shutil.rmtree(path)
+        done = Future()
+        done.set_result(None)
+        return done
 
     def close(self):
         self.release()
@@ -629,3 +641,25 @@ def test_install_arguments(installs):
     assert isinstance(h.checkpointer, LazyCheckpointer) and h.load_timeout == 5
     h.remove()
     assert h.checkpointer.closed  # created by install(): closed by remove()
+
+
+def test_marker_that_cannot_be_made_durable_fails_the_save(tmp_path, installs, monkeypatch):
+    """The marker is fsynced in the background; the lazy files wait for it before their rename, so if
+    it cannot be made durable no file of that save appears and the error reaches wait()."""
+    acc, objs, _ = make()
+    h = installs(acc)
+    real = LA._fsync_file
+
+    def failing(path):
+        if os.path.basename(path).startswith(LA.PENDING_MARKER_PREFIX):
+            raise OSError(5, "injected EIO on the marker")
+        return real(path)
+
+    monkeypatch.setattr(LA, "_fsync_file", failing)
+    out = tmp_path / "ck"
+    acc.save_state(str(out))
+    with pytest.raises(WriteError, match="injected EIO"):
+        h.wait()
+    names = os.listdir(out)
+    assert LA.pending_markers(out), "the folder stays marked incomplete"
+    assert not any(n.endswith((".safetensors", ".bin")) for n in names), names

@@ -1,8 +1,9 @@
 """Atomic commit: write under a temporary name in the target directory, fsync, rename, fsync dir.
 
 A crash at any moment leaves the previous file (or nothing) at the final name, plus at most a
-temporary file named ``.<name>.lazyckpt-<pid>-<n>.tmp``; such leftovers of dead processes are
-removed by the next checkpointer that writes to that directory, or by ``cleanup_temporaries``.
+temporary file named ``.<name>.lazyckpt-<pid>-<n>.tmp`` (or a file or folder renamed there by
+``LazyCheckpointer.remove`` and not yet deleted); such leftovers of dead processes are removed by
+the next checkpointer that writes to that directory, or by ``cleanup_temporaries``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import itertools
 import logging
 import os
 import re
+import shutil
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -134,7 +136,10 @@ def cleanup_temporaries(directory: str | os.PathLike[str]) -> list[str]:
         m = _TMP_RE.match(name)
         if m and not pid_alive(int(m.group(1))):
             path = os.path.join(directory, name)
-            _unlink_quietly(path)
+            if os.path.isdir(path) and not os.path.islink(path):  # a folder renamed away for deletion
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                _unlink_quietly(path)
             removed.append(path)
     if removed:
         logger.info("lazyckpt: removed %d stale temporary file(s) in %s", len(removed), directory)

@@ -9,16 +9,19 @@ import threading
 import time
 import warnings
 import weakref
+from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any, Literal
 
 import torch
 
-from . import _commit, _guard, _pool, _torchfmt
+from . import _commit, _guard, _torchfmt
 from ._engine import Engine, write_error
 from ._flatten import Source, flatten_safetensors, flatten_torch
 from ._handle import SaveHandle, SaveStats
 from ._job import Job
 from ._pool import HostBufferPool
+from ._remove import Remover
 from .errors import CheckpointerClosedError, LazyCkptError, SaveRefusedError, WriteError
 
 logger = logging.getLogger(__name__)
@@ -70,11 +73,11 @@ class LazyCheckpointer:
             closure (after forward/backward) instead of before it.
         chunk_bytes: size of one host buffer chunk; large tensors are split into pieces this big.
         pin_memory: pin host buffers (default: when CUDA is available).
-        direct_io: write page-aligned storage bytes with ``O_DIRECT`` (no copy into the page cache,
-            which on a busy host costs more CPU than everything else lazyckpt does). ``None``
-            (default): for torch files whose storages average >= 1 MiB, where the filesystem
-            supports it; storages are then 4096-aligned in the file (``.storage_alignment`` says
-            so; torch.load reads it as any torch.save file). ``False``: never.
+        direct_io: write the whole pages of tensor data with ``O_DIRECT`` (no copy into the page
+            cache, which on a busy host costs more CPU than everything else lazyckpt does; the
+            partial pages at each tensor's ends go through the page cache). The file layout is
+            the same either way. ``None`` (default): for files whose tensors average >= 1 MiB,
+            where the filesystem supports it. ``False``: never.
     """
 
     def __init__(
@@ -109,6 +112,7 @@ class LazyCheckpointer:
         self._last_warning = 0.0
         self._closed = False
         self._engine = Engine(self.pool, writer_threads, self._job_done)
+        self._remover = Remover()
         _open_checkpointers.add(self)
 
     # -- public API -------------------------------------------------------------------------------
@@ -123,13 +127,17 @@ class LazyCheckpointer:
         path: str | os.PathLike[str],
         format: Format = "torch",
         metadata: dict[str, str] | None = None,
+        before_commit: Callable[[], object] | None = None,
     ) -> SaveHandle:
         """Start saving ``obj`` to ``path``; returns a handle at once (see the class docstring).
 
         ``format="torch"`` writes what ``torch.save(obj, path)`` writes; ``format="safetensors"``
         takes a flat ``dict[str, Tensor]`` (and optional string ``metadata``). Raises
         ``SaveRefusedError`` (nothing written) for input it cannot save, and the error of an
-        earlier failed save that nobody has seen yet.
+        earlier failed save that nobody has seen yet. ``before_commit`` runs on the committer
+        thread once the file is written and fsynced, right before it is renamed to ``path``
+        (e.g. to make a "folder incomplete" marker durable first); if it raises, the save fails
+        with that error chained and nothing appears at ``path``.
         """
         t0 = time.perf_counter()
         self._check_open()
@@ -139,8 +147,7 @@ class LazyCheckpointer:
         if format == "torch":
             pickle_bytes, sources = flatten_torch(obj)
             direct = self._use_direct_io(sources)
-            alignment = _pool.PAGE if direct else None
-            layout = _torchfmt.plan(final, pickle_bytes, [(s.key, s.nbytes) for s in sources], alignment)
+            layout = _torchfmt.plan(final, pickle_bytes, [(s.key, s.nbytes) for s in sources])
             for src in sources:
                 src.file_offset = layout.data_offset(src.key)
             head, file_bytes = b"", layout.total_size
@@ -149,6 +156,7 @@ class LazyCheckpointer:
                 raise SaveRefusedError("metadata must be a dict[str, str]")
             head, sources = flatten_safetensors(obj, metadata, with_crc=self.crc)
             layout, file_bytes = None, len(head) + sum(s.nbytes for s in sources)
+            direct = self._use_direct_io(sources)  # the layout is fixed; pieces are staged at their page phase
         else:
             raise SaveRefusedError(f"unknown format {format!r}; use 'torch' or 'safetensors'")
         if metadata is not None and format == "torch":
@@ -165,14 +173,15 @@ class LazyCheckpointer:
         job = Job(
             path=final, tmp=_commit.temporary_path(final), fmt=format, sources=sources, lazy=lazy,
             layout=layout, head=head, file_bytes=file_bytes, crc=self.crc, fsync=self.fsync,
-            wait_in_closure=self.wait_in_closure, t0=t0,
+            wait_in_closure=self.wait_in_closure, t0=t0, before_commit=before_commit,
         )  # fmt: skip
         self._start(job, eager, direct)
         job.t_returned = time.perf_counter()
         return job.handle
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until every save made so far is durable; raise the first error nobody has seen."""
+        """Block until every save made so far is durable and every ``remove()`` has run; raise the
+        first error nobody has seen."""
         with self._lock:
             jobs = list(self._jobs)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -181,6 +190,28 @@ class LazyCheckpointer:
             if not job.handle._done.wait(remaining):
                 raise TimeoutError(f"pending saves not durable after {timeout} s")
         self._raise_unreported()
+        self._remover.wait()
+
+    def remove(self, path: str | os.PathLike[str], *, trash_dir: str | os.PathLike[str] | None = None) -> Future[None]:
+        """Delete a checkpoint file or folder without making the caller wait for the filesystem.
+
+        Pending saves to ``path`` (or, for a folder, into it) are waited for first, so a delete never
+        races a write. Then ``path`` is renamed to a hidden temporary name (in ``trash_dir`` if given,
+        which must be on the same filesystem; by default next to it) and the caller returns: the name
+        is free at once, and a background thread frees the space (deleting a large fsynced file costs
+        tens of ms per GB on some filesystems). Symlinks are unlinked at once. Raises
+        ``FileNotFoundError`` if ``path`` does not exist. The returned future completes when the data
+        is deleted; ``wait()`` and ``close()`` wait for every removal and raise a failed one's error.
+        """
+        self._check_open()
+        target = os.path.abspath(os.fspath(path))
+        with self._lock:
+            handles = [
+                j.handle for j in self._jobs if j.path == target or j.path.startswith(target.rstrip(os.sep) + os.sep)
+            ]
+        for handle in handles:
+            handle._done.wait()  # its error stays for the save's owner (handle.wait(), next save())
+        return self._remover.remove(target, None if trash_dir is None else os.path.abspath(os.fspath(trash_dir)))
 
     def wait_staged(self, timeout: float | None = None) -> None:
         """Block until every pending save's host copies are done (saved tensors may change)."""
@@ -212,7 +243,8 @@ class LazyCheckpointer:
             _guard.track(opt)
 
     def close(self) -> None:
-        """Drain every pending save, stop the threads, free the buffers; raise any unseen error."""
+        """Drain every pending save and removal, stop the threads, free the buffers; raise any unseen
+        error."""
         if self._closed:
             return
         try:
@@ -223,9 +255,11 @@ class LazyCheckpointer:
         finally:
             self._closed = True
             self._engine.stop()
+            self._remover.stop()
             self.pool.close()
             _open_checkpointers.discard(self)
         self._raise_unreported()
+        self._remover.wait()
 
     def __enter__(self) -> LazyCheckpointer:
         return self

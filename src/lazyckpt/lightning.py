@@ -282,7 +282,7 @@ class LazyCheckpointIO(_CheckpointIO):
             if pending:
                 self._deletes[key] = self._generation[key]
         if not pending:
-            _delete(key, is_url)
+            self._delete(key, is_url)
             return
         # Outside the lock: an already finished future runs the callback right here.
         pending[-1].done.add_done_callback(lambda _f: self._run_deferred_delete(key))
@@ -392,7 +392,16 @@ class LazyCheckpointIO(_CheckpointIO):
             if any(not r.done.done() for r in self._by_key.get(key, ())):
                 return
             del self._deletes[key]
-            _delete(key, "://" in key)
+            self._delete(key, "://" in key)
+
+    def _delete(self, key: str, is_url: bool) -> None:
+        """Delete like the stock plugin; a local file is renamed away now and freed in the background."""
+        ckpt = self._ckpt
+        if is_url or ckpt is None or ckpt.closed:
+            _delete(key, is_url)
+        elif os.path.lexists(key):
+            ckpt.remove(key)
+            log.debug("lazyckpt: removed checkpoint %s", key)
 
     def _wait_for(self, records: list[_Save]) -> None:
         for record in records:
@@ -423,6 +432,13 @@ class LazyCheckpointIO(_CheckpointIO):
                 pass
         for key in list(self._deletes):
             self._run_deferred_delete(key)
+        if self._ckpt is not None and not self._ckpt.closed:
+            try:
+                self._ckpt.wait()  # the deletions just queued (and their errors)
+            except BaseException as exc:
+                if raise_errors:
+                    raise
+                log.error("lazyckpt: removing an old checkpoint failed during teardown: %s", exc)
         self._report_stats()
         errors = self._collect_errors(records)
         with self._lock:
