@@ -262,3 +262,24 @@ def test_stale_temporaries_of_dead_processes_are_cleaned(tmp_path):
     with LazyCheckpointer() as c:
         c.save({"a": 1}, tmp_path / "c.pt").wait()
     assert not dead.exists() and mine.exists()
+
+
+def test_before_commit_runs_before_the_rename(ckpt, tmp_path):
+    seen = []
+    path = tmp_path / "c.pt"
+    h = ckpt.save({"w": torch.randn(1000)}, path, before_commit=lambda: seen.append(path.exists()))
+    h.wait()
+    assert seen == [False] and path.exists()
+
+
+def test_before_commit_failure_fails_the_save(ckpt, tmp_path):
+    _prepare(ckpt, tmp_path)
+
+    def refuse():
+        raise OSError(errno.EIO, "marker not durable")
+
+    h = ckpt.save({"w": torch.randn(1000)}, tmp_path / "c.pt", before_commit=refuse)
+    with pytest.raises(WriteError, match="marker not durable") as info:
+        h.wait()
+    assert isinstance(info.value.__cause__, OSError)
+    _assert_previous_intact(tmp_path)

@@ -181,10 +181,13 @@ def test_hypothesis_safetensors_round_trip(ckpt, tmp_path, tensors):
     assert_same(_sorted(load_file(tmp_path / "h.safetensors")), _sorted(tensors))
 
 
+@pytest.mark.parametrize("fmt", ["torch", "safetensors"])
 @pytest.mark.parametrize("direct_io", [True, False])
-def test_direct_io_files_read_back(tmp_path, monkeypatch, direct_io):
-    """O_DIRECT bodies + buffered tails and headers: still torch.save's file (4096-aligned)."""
-    from lazyckpt import _engine, verify
+def test_direct_io_files_read_back(tmp_path, monkeypatch, direct_io, fmt):
+    """O_DIRECT for whole pages, buffered partial pages and headers: the same file either way."""
+    from safetensors.torch import load_file
+
+    from lazyckpt import _engine, _pool, verify
 
     used = []
     real = _engine.pwrite_all
@@ -195,15 +198,31 @@ def test_direct_io_files_read_back(tmp_path, monkeypatch, direct_io):
         "big": torch.randn(300_001),
         "odd": torch.randn(1234),
         "tiny": torch.ones(1),
+        "half": torch.randn(70_001, dtype=torch.float16),
         "view": torch.arange(9000.0)[5:],
     }
+    if fmt == "safetensors":
+        obj = {k: v.clone() for k, v in obj.items()}
+    path = tmp_path / ("d.pt" if fmt == "torch" else "d.safetensors")
     with LazyCheckpointer(chunk_bytes=256 << 10, direct_io=direct_io) as c:
-        h = c.save(obj, tmp_path / "d.pt")
-        h.wait()
-    assert_same(torch.load(tmp_path / "d.pt"), obj)
-    assert_same(torch.load(tmp_path / "d.pt", mmap=True), obj)
-    assert zipfile.ZipFile(tmp_path / "d.pt").testzip() is None and verify(tmp_path / "d.pt").ok
-    with zipfile.ZipFile(tmp_path / "d.pt") as z:
-        assert z.read("d/.storage_alignment") == (b"4096" if direct_io else b"64")
-    data_fds = {fd for fd, n, off in used if n >= 4096}
-    assert len(data_fds) == (2 if direct_io else 1), "bodies go through the O_DIRECT descriptor"
+        c.save(obj, path, format=fmt).wait()
+    if fmt == "torch":
+        assert_same(torch.load(path), obj)
+        assert_same(torch.load(path, mmap=True), obj)
+        assert zipfile.ZipFile(path).testzip() is None
+        with zipfile.ZipFile(path) as z:
+            assert z.read("d/.storage_alignment") == b"64"  # torch.save's default layout either way
+    else:
+        assert_same(_sorted(load_file(path)), _sorted(obj))
+    assert verify(path).ok
+    assert len({fd for fd, _, _ in used}) == (2 if direct_io else 1), "whole pages go through the O_DIRECT descriptor"
+    if direct_io:
+        dfd = {fd for fd, _, _ in used} - {used[-1][0]}  # the last write is a header: buffered descriptor
+        for fd, n, off in used:  # O_DIRECT writes are page-aligned; no page gets both kinds of write
+            if fd in dfd:
+                assert off % _pool.PAGE == 0 and n % _pool.PAGE == 0
+        direct_pages = {p for fd, n, off in used if fd in dfd for p in range(off // 4096, (off + n) // 4096)}
+        buffered_pages = {
+            p for fd, n, off in used if fd not in dfd for p in range(off // 4096, (off + n - 1) // 4096 + 1)
+        }
+        assert direct_pages and not direct_pages & buffered_pages

@@ -84,8 +84,15 @@ class Engine:
         self._copy_source(job, src, stream)
 
     def _pieces(self, job: Job, src: Source) -> list[Piece]:
+        """Cut a source where its file offset crosses a multiple of the chunk size, so that each
+        piece fits a chunk at its in-page phase (see ``HostBufferPool.alloc``)."""
         step = self.pool.chunk_bytes
-        return [Piece(job, src, a, min(step, src.nbytes - a)) for a in range(0, src.nbytes, step)]
+        pieces, a = [], 0
+        while a < src.nbytes:
+            n = min(step - (src.file_offset + a) % step, src.nbytes - a)
+            pieces.append(Piece(job, src, a, n))
+            a += n
+        return pieces
 
     # -- staging ----------------------------------------------------------------------------------
 
@@ -130,7 +137,7 @@ class Engine:
         for piece in self._pieces(job, src):
             if job.failed:
                 return
-            piece.buffer = self.pool.alloc(piece.nbytes)
+            piece.buffer = self.pool.alloc(piece.nbytes, piece.file_offset % PAGE)
             job.piece_added()
             if stream is None and src.device.type == "cpu":
                 # One plain memcpy with the GIL released: torch's copy_ would fan out over the
@@ -187,19 +194,23 @@ class Engine:
 
     @staticmethod
     def _write_data(job: Job, piece: Piece, data: memoryview) -> None:
-        """Page-aligned bodies go through O_DIRECT (no page-cache copy: no CPU), the rest buffered."""
+        """Whole pages go through O_DIRECT (no page-cache copy: no CPU); the partial pages at either
+        end of a piece go through the buffered descriptor. The two never touch the same page."""
         offset = piece.file_offset
         assert piece.buffer is not None
-        body = piece.nbytes // PAGE * PAGE
-        if job.dfd >= 0 and body and offset % PAGE == 0 and piece.buffer.view.data_ptr() % PAGE == 0:
+        head = -offset % PAGE  # bytes up to the first page boundary in the file (and in memory)
+        end = (offset + piece.nbytes) // PAGE * PAGE - offset  # up to the last one
+        if job.dfd >= 0 and end > head and (piece.buffer.view.data_ptr() - offset) % PAGE == 0:
+            if head:
+                pwrite_all(job.fd, data[:head], offset)
             try:
-                pwrite_all(job.dfd, data[:body], offset)
+                pwrite_all(job.dfd, data[head:end], offset + head)
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
-                pwrite_all(job.fd, data[:body], offset)  # this filesystem refuses O_DIRECT after all
-            if body < piece.nbytes:
-                pwrite_all(job.fd, data[body:], offset + body)
+                pwrite_all(job.fd, data[head:end], offset + head)  # this filesystem refuses O_DIRECT after all
+            if end < piece.nbytes:
+                pwrite_all(job.fd, data[end:], offset + end)
             return
         pwrite_all(job.fd, data, offset)
 
@@ -228,6 +239,11 @@ class Engine:
     def _commit_loop(self) -> None:
         while (job := self._commit_q.get()) is not _STOP:
             job.written.wait()
+            if not job.failed and job.before_commit is not None:
+                try:
+                    job.before_commit()
+                except BaseException as exc:
+                    job.fail(write_error(job, "before committing", exc))
             if not job.failed:
                 try:
                     _commit.commit(job.tmp, job.path, job.fsync)

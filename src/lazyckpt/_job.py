@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +54,7 @@ class Job:
         fsync: bool,
         wait_in_closure: bool,
         t0: float,
+        before_commit: Callable[[], object] | None = None,
     ) -> None:
         self.handle = SaveHandle(path)
         self.path, self.tmp, self.fmt = path, tmp, fmt
@@ -61,6 +63,7 @@ class Job:
         self.nbytes = sum(s.nbytes for s in sources)
         self.file_bytes = file_bytes
         self.crc, self.fsync, self.wait_in_closure = crc, fsync, wait_in_closure
+        self.before_commit = before_commit
         self.fd = -1
         self.dfd = -1  # O_DIRECT descriptor of the same file, when used
         self._lock = threading.Lock()

@@ -11,13 +11,30 @@ streams through it and how saves that outrun storage slow down to storage speed.
 from __future__ import annotations
 
 import ctypes
+import mmap
 import threading
 import time
 
 import torch
 
 _ALIGN = 64
-PAGE = 4096  # O_DIRECT needs page-aligned buffers: chunks and pieces of >= PAGE bytes start on one
+PAGE = 4096  # O_DIRECT needs page-aligned buffers: chunks are, pieces of >= PAGE bytes sit at a chosen phase
+
+
+_HUGE = 2 << 20
+
+
+def _anonymous(nbytes: int) -> torch.Tensor:
+    """Anonymous memory asking for transparent huge pages: the staging memcpy misses the TLB less,
+    and O_DIRECT pins 2 MiB folios instead of 4 KiB pages (writers' kernel time per 1.17 GB save went
+    from 0.07 s to 0.03 s here). Private: a shared anonymous mapping is shmem, which gets no THP."""
+    mem = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            mem.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # pragma: no cover - kernels without THP
+            pass
+    return torch.frombuffer(mem, dtype=torch.uint8)  # the tensor keeps ``mem`` alive
 
 
 class _Chunk:
@@ -70,22 +87,30 @@ class HostBufferPool:
     def allocated_bytes(self) -> int:
         return len(self._chunks) * self.chunk_bytes
 
-    def alloc(self, nbytes: int) -> Buffer:
-        """A buffer of ``nbytes`` (at most chunk_bytes), blocking while the budget is used up."""
-        if nbytes > self.chunk_bytes:
+    def alloc(self, nbytes: int, phase: int = 0) -> Buffer:
+        """A buffer of ``nbytes``, blocking while the budget is used up.
+
+        A buffer of at least a page starts ``phase`` bytes after a page boundary (``phase < PAGE``;
+        ``phase + nbytes <= chunk_bytes``), so that its address and its file offset can share their
+        position within a page: the page-aligned middle of the piece can then go through O_DIRECT.
+        """
+        if nbytes >= PAGE:
+            if not 0 <= phase < PAGE or phase + nbytes > self.chunk_bytes:
+                raise ValueError(f"piece of {nbytes} bytes at phase {phase} exceeds the chunk size {self.chunk_bytes}")
+        elif nbytes > self.chunk_bytes:
             raise ValueError(f"piece of {nbytes} bytes exceeds the chunk size {self.chunk_bytes}")
-        align = PAGE if nbytes >= PAGE else _ALIGN
-        need = (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
         with self._cond:
             while True:
                 if self._closed:
                     raise RuntimeError("host buffer pool is closed")
                 cur = self._current
-                start = -(-cur.used // align) * align if cur is not None else 0
-                if cur is not None and start + need <= cur.size:
-                    cur.used = start + need
-                    cur.live += 1
-                    return Buffer(cur, start, nbytes)
+                if cur is not None:
+                    align = PAGE if nbytes >= PAGE else _ALIGN
+                    start = -(-cur.used // align) * align + (phase if nbytes >= PAGE else 0)
+                    if start + nbytes <= cur.size:
+                        cur.used = start + nbytes
+                        cur.live += 1
+                        return Buffer(cur, start, nbytes)
                 self._retire_current()
                 if self._free:
                     self._current = self._free.pop()
@@ -104,9 +129,13 @@ class HostBufferPool:
             self._free.append(cur)
 
     def _new_chunk(self) -> _Chunk:
-        raw = torch.empty(self.chunk_bytes + PAGE, dtype=torch.uint8, pin_memory=self.pin_memory)
-        skip = (-raw.data_ptr()) % PAGE
-        tensor = raw[skip : skip + self.chunk_bytes]  # page-aligned (the slice keeps ``raw`` alive)
+        if self.pin_memory:
+            raw = torch.empty(self.chunk_bytes + PAGE, dtype=torch.uint8, pin_memory=True)
+            align = PAGE
+        else:
+            raw, align = _anonymous(self.chunk_bytes + _HUGE), _HUGE
+        skip = (-raw.data_ptr()) % align
+        tensor = raw[skip : skip + self.chunk_bytes]  # aligned (the slice keeps ``raw`` alive)
         if not self.pin_memory:
             tensor.zero_()  # fault the pages in once, not during every first save
         chunk = _Chunk(tensor)
