@@ -142,3 +142,29 @@ def test_trash_of_a_killed_process_is_cleaned(tmp_path):
     removed = cleanup_temporaries(tmp_path)
     assert [os.path.basename(p) for p in removed] == left
     assert sorted(os.listdir(tmp_path)) == ["checkpoints"]
+
+
+def test_remove_from_a_done_callback_of_a_pending_path_refuses_instead_of_deadlocking(tmp_path):
+    """Done-callbacks run on the committer; b's save commits after a's on that same thread, so waiting
+    for it there would never end: remove() raises instead."""
+    with LazyCheckpointer(host_memory_budget=64 << 20, chunk_bytes=1 << 20) as ckpt:
+        a, b = tmp_path / "a.pt", tmp_path / "b.pt"
+        registered, ran = threading.Event(), threading.Event()
+        errors = []
+
+        def cb(_h):
+            try:
+                ckpt.remove(b)
+            except RuntimeError as exc:
+                errors.append(exc)
+            finally:
+                ran.set()
+
+        ha = ckpt.save({"w": torch.randn(1000)}, a, before_commit=lambda: registered.wait(30))
+        hb = ckpt.save({"w": torch.randn(1000)}, b)
+        ha.add_done_callback(cb)
+        registered.set()
+        assert ran.wait(30)
+        hb.wait()
+        assert errors and "deadlock" in str(errors[0])
+        assert b.exists()

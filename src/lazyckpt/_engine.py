@@ -258,6 +258,10 @@ class Engine:
             job.sources.clear()
             job.lazy.clear()
 
+    def owns_current_thread(self) -> bool:
+        """True on one of this engine's threads (where done-callbacks run)."""
+        return threading.current_thread() in self._threads
+
     # -- shutdown ---------------------------------------------------------------------------------
 
     def stop(self) -> None:

@@ -137,7 +137,9 @@ class HostBufferPool:
         skip = (-raw.data_ptr()) % align
         tensor = raw[skip : skip + self.chunk_bytes]  # aligned (the slice keeps ``raw`` alive)
         if not self.pin_memory:
-            tensor.zero_()  # fault the pages in once, not during every first save
+            # Fault the pages in once, not during every first save; a plain memset, because torch's
+            # zero_ would run on the intra-op thread pool the training is using.
+            ctypes.memset(tensor.data_ptr(), 0, tensor.numel())
         chunk = _Chunk(tensor)
         self._chunks.append(chunk)
         return chunk

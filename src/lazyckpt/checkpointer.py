@@ -209,6 +209,11 @@ class LazyCheckpointer:
             handles = [
                 j.handle for j in self._jobs if j.path == target or j.path.startswith(target.rstrip(os.sep) + os.sep)
             ]
+        if handles and self._engine.owns_current_thread():
+            raise RuntimeError(
+                f"remove({target!r}) from a save's done-callback while a save to that path is pending would "
+                "deadlock (the pending save commits on this very thread); remove it from another thread"
+            )
         for handle in handles:
             handle._done.wait()  # its error stays for the save's owner (handle.wait(), next save())
         return self._remover.remove(target, None if trash_dir is None else os.path.abspath(os.fspath(trash_dir)))
