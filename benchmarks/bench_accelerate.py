@@ -51,7 +51,7 @@ import _gpt  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="100m", help="tiny | small | 100m | 1b (benchmarks/_gpt.py)")
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per phase and round")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per phase and round")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps at the start of every phase")
     ap.add_argument("--rounds", type=int, default=4, help="times the three phases are repeated (interleaved)")
     ap.add_argument("--phases", default="none,stock,lazyckpt")
