@@ -470,3 +470,34 @@ def test_plugins_share_one_global_step_hook_that_is_never_removed() -> None:
         del io
     gc.collect()
     assert len(_global_optimizer_pre_hooks) == before
+
+
+def test_link_waits_for_a_pending_save_to_the_link_path(tmp_path, monkeypatch):
+    """save_last="link" replaces last.ckpt with a symlink outside CheckpointIO: a lazy save to last.ckpt
+    still being written must land first, or its rename would put a stale file over the new link."""
+    import types
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lazyckpt import _engine
+    from lazyckpt.lightning import _link_after_pending
+
+    gate = threading.Event()
+    real = _engine.pwrite_all
+    monkeypatch.setattr(_engine, "pwrite_all", lambda fd, d, off: (gate.wait(30), real(fd, d, off))[1])
+    plugin = LazyCheckpointIO()
+    last, target = tmp_path / "last.ckpt", tmp_path / "epoch=0-step=2.ckpt"
+    plugin.save_checkpoint({"w": torch.randn(1000)}, str(last))
+    target.write_bytes(b"x")
+    trainer = types.SimpleNamespace(is_global_zero=True, strategy=types.SimpleNamespace(barrier=lambda: None))
+    import weakref
+
+    link = _link_after_pending(ModelCheckpoint._link_checkpoint, weakref.ref(plugin))
+    t = threading.Thread(target=link, args=(trainer, str(target), str(last)))
+    t.start()
+    t.join(0.2)
+    assert t.is_alive(), "the link waits for the pending save to last.ckpt"
+    gate.set()
+    t.join(30)
+    assert os.path.islink(last) and os.readlink(last) == target.name
+    plugin.teardown()

@@ -168,3 +168,30 @@ def test_remove_from_a_done_callback_of_a_pending_path_refuses_instead_of_deadlo
         hb.wait()
         assert errors and "deadlock" in str(errors[0])
         assert b.exists()
+
+
+def test_a_failed_deletion_is_not_forgotten_by_later_removes(ckpt, tmp_path, monkeypatch):
+    for name in ("a.pt", "b.pt"):
+        ckpt.save({"w": torch.ones(3)}, tmp_path / name).wait()
+    real = _remove._delete
+
+    def fail_a(p):
+        if ".a.pt." in p:
+            raise PermissionError(errno.EACCES, "injected", p)
+        return real(p)
+
+    monkeypatch.setattr(_remove, "_delete", fail_a)
+    fa = ckpt.remove(tmp_path / "a.pt")
+    while not fa.done():  # settle it before the next remove() prunes its list
+        threading.Event().wait(0.01)
+    ckpt.remove(tmp_path / "b.pt")
+    with pytest.raises(PermissionError, match="injected"):
+        ckpt.wait()
+
+
+def test_an_error_fetched_from_the_future_is_not_raised_again(ckpt, tmp_path, monkeypatch):
+    ckpt.save({"w": torch.ones(3)}, tmp_path / "a.pt").wait()
+    monkeypatch.setattr(_remove, "_delete", lambda p: (_ for _ in ()).throw(PermissionError("injected")))
+    fut = ckpt.remove(tmp_path / "a.pt")
+    assert isinstance(fut.exception(timeout=30), PermissionError)
+    ckpt.wait()  # already seen by its owner

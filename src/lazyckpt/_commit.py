@@ -140,7 +140,8 @@ def cleanup_temporaries(directory: str | os.PathLike[str]) -> list[str]:
                 shutil.rmtree(path, ignore_errors=True)
             else:
                 _unlink_quietly(path)
-            removed.append(path)
+            if not os.path.lexists(path):
+                removed.append(path)
     if removed:
         logger.info("lazyckpt: removed %d stale temporary file(s) in %s", len(removed), directory)
     return removed

@@ -18,7 +18,10 @@ import time
 import torch
 
 _ALIGN = 64
-PAGE = 4096  # O_DIRECT needs page-aligned buffers: chunks are, pieces of >= PAGE bytes sit at a chosen phase
+# O_DIRECT unit: chunks are aligned to it, pieces of >= PAGE bytes sit at a chosen phase within it. The
+# page-cache page, not just the 4 KiB block: a buffered head/tail must never share a cached page with an
+# O_DIRECT write (64 KiB pages on some arm64 kernels).
+PAGE = max(4096, mmap.PAGESIZE)
 
 
 _HUGE = 2 << 20

@@ -18,24 +18,45 @@ import queue
 import shutil
 import threading
 from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
 
 from . import _commit
 
 logger = logging.getLogger(__name__)
 
 
+class RemovalFuture(Future):  # type: ignore[type-arg]
+    """A removal's future: once its error was fetched through it, ``wait()`` does not raise it again."""
+
+    reported = False
+
+    def result(self, timeout: float | None = None) -> None:
+        try:
+            return super().result(timeout)
+        except BaseException:
+            if self.done():
+                self.reported = True
+            raise
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        exc = super().exception(timeout)
+        self.reported = True
+        return exc
+
+
 class Remover:
     """One daemon thread deleting renamed paths in order; ``wait()`` drains it."""
 
     def __init__(self) -> None:
-        self._q: queue.SimpleQueue[tuple[str, Future[None]] | None] = queue.SimpleQueue()
+        self._q: queue.SimpleQueue[tuple[str, RemovalFuture] | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
-        self._pending: list[Future[None]] = []
+        self._pending: list[RemovalFuture] = []
+        self._stopped = False
 
-    def remove(self, path: str, trash_dir: str | None = None) -> Future[None]:
+    def remove(self, path: str, trash_dir: str | None = None) -> RemovalFuture:
         """Take ``path`` away from its name now; free its space in the background."""
-        done: Future[None] = Future()
+        done = RemovalFuture()
         if os.path.islink(path) or not os.path.lexists(path):
             os.unlink(path)  # a symlink; or raise FileNotFoundError as os.remove does
             done.set_result(None)
@@ -50,7 +71,12 @@ class Remover:
             done.set_result(None)
             return done
         with self._lock:
-            self._pending = [f for f in self._pending if not f.done()]
+            if self._stopped:  # raced with close(): no thread any more, delete here
+                _delete(trash)
+                done.set_result(None)
+                return done
+            # keep failed ones until wait() reports them
+            self._pending = [f for f in self._pending if not f.done() or Future.exception(f) is not None]
             self._pending.append(done)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="lazyckpt-remover", daemon=True)
@@ -58,11 +84,19 @@ class Remover:
             self._q.put((trash, done))
         return done
 
-    def wait(self) -> None:
-        """Block until every queued deletion ran; raise the first that failed."""
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every queued deletion ran; raise the first failure nobody fetched from its future."""
         with self._lock:
-            pending, self._pending = self._pending, []
-        errors = [f.exception() for f in pending]
+            pending = list(self._pending)
+        done, not_done = futures_wait(pending, timeout)
+        with self._lock:
+            self._pending = [f for f in self._pending if f not in done]
+        errors = [Future.exception(f) for f in pending if f in done and not f.reported]
+        for f in pending:
+            if f in done:
+                f.reported = True
+        if not_done:
+            raise TimeoutError(f"{len(not_done)} deletion(s) not done after {timeout} s")
         for exc in errors:
             if exc is not None:
                 raise exc
@@ -70,6 +104,7 @@ class Remover:
     def stop(self) -> None:
         self.wait_quietly()
         with self._lock:
+            self._stopped = True
             thread, self._thread = self._thread, None
         if thread is not None:
             self._q.put(None)
@@ -78,8 +113,7 @@ class Remover:
     def wait_quietly(self) -> None:
         with self._lock:
             pending = list(self._pending)
-        for f in pending:
-            f.exception()
+        futures_wait(pending)
 
     def _run(self) -> None:
         while True:

@@ -41,6 +41,10 @@ How it works (checked against accelerate 1.15):
   are drained first, so deletion never races a pending write; the kept folders are the stock ones. They are
   then renamed out of ``checkpoints/`` (to a hidden temporary name in the project folder) and deleted in the
   background: freeing 1 GB of fsynced files took 0.2 s inside stock's ``rmtree`` here.
+* The pending marker is fsynced in the background, and no lazily written file of that save is renamed to its
+  final name before the marker is durable. The small files stock writes itself (RNG states, scaler, custom
+  objects) are not ordered against it: after a crash right at the start of a save, a folder may hold some of
+  those and no marker; it then lacks the model and optimizer files, so loading it fails loudly.
 
 Only the public lazyckpt API is used here; the core never imports accelerate.
 """
@@ -500,8 +504,8 @@ class AccelerateHandle:
             self.checkpointer.track(*new)
 
     def _doomed_folders(self) -> tuple[list[str], bool]:
-        """The folders stock save_state is about to rmtree (same computation as accelerate 1.15), and
-        whether that list is exact (False: stock's sort will fail on a stray name; every folder listed)."""
+        """The folders stock save_state is about to rmtree, as stock names them (same computation as
+        accelerate 1.15), and whether that list is exact (False: stock's sort will fail on a stray name)."""
         acc = self.accelerator
         pc = acc.project_configuration
         if not (pc.automatic_checkpoint_naming and pc.total_limit is not None and acc.is_main_process):
@@ -516,23 +520,30 @@ class AccelerateHandle:
         try:
             folders.sort(key=_folder_number)
         except (IndexError, ValueError):
-            return [_real(f) for f in folders], False  # stock will fail on its own; drain conservatively
-        return [_real(f) for f in folders[: len(folders) + 1 - pc.total_limit]], True
+            return folders, False  # stock will fail on its own; drain conservatively
+        return folders[: len(folders) + 1 - pc.total_limit], True
 
     def _delete_doomed(self, doomed: list[str]) -> None:
         """Take stock's rmtree of old folders off the training thread: each is renamed into the project
         folder under a hidden temporary name (so stock's count sees the room made and deletes nothing)
-        and deleted in the background; ``wait()`` waits for that too."""
-        logger.warning(f"Deleting {len(doomed)} checkpoints to make room for new checkpoint.")
-        for folder in doomed:
-            if os.path.isdir(folder) and not os.path.islink(folder):
-                trash = os.path.dirname(os.path.dirname(folder))
-                if trash not in self._trash_cleaned:  # folders a killed process renamed there and never deleted
-                    self._trash_cleaned.add(trash)
-                    cleanup_temporaries(trash)
+        and deleted in the background; ``wait()`` waits for that too. Anything unusual (a symlinked
+        folder, which stock's rmtree refuses; a rename that fails) is left to stock, as it would be."""
+        trash = os.fspath(self.accelerator.project_dir)
+        mine = [f for f in doomed if os.path.isdir(f) and not os.path.islink(f)]
+        if not mine:
+            return
+        logger.warning(f"Deleting {len(mine)} checkpoints to make room for new checkpoint.")
+        if trash not in self._trash_cleaned:  # folders a killed process renamed there and never deleted
+            self._trash_cleaned.add(trash)
+            cleanup_temporaries(trash)
+        for folder in mine:
+            try:
                 fut = self.checkpointer.remove(folder, trash_dir=trash)
-                with self._lock:
-                    self._removals.append(fut)
+            except OSError as exc:
+                logger.debug("lazyckpt: leaving the deletion of %s to accelerate: %s", folder, exc)
+                continue
+            with self._lock:
+                self._removals.append(fut)
 
     def _prune(self) -> None:
         # caller holds self._lock: forget saves that are durable, or failed and already reported
@@ -556,7 +567,8 @@ class AccelerateHandle:
         # 1. never let stock's rmtree of old folders race their pending writes
         doomed, exact = self._doomed_folders()
         if doomed:
-            self._wait_where(lambda folder: any(folder == d or folder.startswith(d + os.sep) for d in doomed))
+            real = [_real(d) for d in doomed]
+            self._wait_where(lambda folder: any(folder == d or folder.startswith(d + os.sep) for d in real))
             if exact:
                 self._delete_doomed(doomed)
         # 2. a failed earlier save is reported here at the latest (stock save_state would have raised)
@@ -684,9 +696,14 @@ class AccelerateHandle:
         with self._lock:
             self._prune()
             removals, self._removals = self._removals, []
-        for fut in removals:  # old folders deleted in the background (total_limit)
+        for i, fut in enumerate(removals):  # old folders deleted in the background (total_limit)
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            err = fut.exception(left)
+            try:
+                err = fut.exception(left)  # fetched here: the checkpointer will not raise it again
+            except TimeoutError:
+                with self._lock:
+                    self._removals[:0] = removals[i:]
+                raise
             if err is not None and first is None:
                 first = err
         if first is not None:

@@ -190,9 +190,9 @@ class LazyCheckpointer:
             if not job.handle._done.wait(remaining):
                 raise TimeoutError(f"pending saves not durable after {timeout} s")
         self._raise_unreported()
-        self._remover.wait()
+        self._remover.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
-    def remove(self, path: str | os.PathLike[str], *, trash_dir: str | os.PathLike[str] | None = None) -> Future[None]:
+    def remove(self, path: str | os.PathLike[str], *, trash_dir: str | os.PathLike[str] | None = None) -> Future:
         """Delete a checkpoint file or folder without making the caller wait for the filesystem.
 
         Pending saves to ``path`` (or, for a folder, into it) are waited for first, so a delete never
@@ -201,7 +201,8 @@ class LazyCheckpointer:
         is free at once, and a background thread frees the space (deleting a large fsynced file costs
         tens of ms per GB on some filesystems). Symlinks are unlinked at once. Raises
         ``FileNotFoundError`` if ``path`` does not exist. The returned future completes when the data
-        is deleted; ``wait()`` and ``close()`` wait for every removal and raise a failed one's error.
+        is deleted; ``wait()`` and ``close()`` wait for every removal and raise a failed one's error,
+        unless it was already fetched from the future (``result()`` / ``exception()``).
         """
         self._check_open()
         target = os.path.abspath(os.fspath(path))

@@ -45,7 +45,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from lazyckpt import LazyCheckpointer, SaveHandle, SaveStats
-from lazyckpt.errors import LazyCkptError, StaleTensorError
+from lazyckpt.errors import CheckpointerClosedError, LazyCkptError, StaleTensorError
 
 __all__ = ["LazyCheckpointIO"]
 
@@ -400,7 +400,10 @@ class LazyCheckpointIO(_CheckpointIO):
         if is_url or ckpt is None or ckpt.closed:
             _delete(key, is_url)
         elif os.path.lexists(key):
-            ckpt.remove(key)
+            try:
+                ckpt.remove(key)
+            except CheckpointerClosedError:  # closed meanwhile (teardown raced a deferred delete)
+                _delete(key, is_url)
             log.debug("lazyckpt: removed checkpoint %s", key)
 
     def _wait_for(self, records: list[_Save]) -> None:
@@ -432,15 +435,17 @@ class LazyCheckpointIO(_CheckpointIO):
                 pass
         for key in list(self._deletes):
             self._run_deferred_delete(key)
+        delete_error: BaseException | None = None
         if self._ckpt is not None and not self._ckpt.closed:
             try:
                 self._ckpt.wait()  # the deletions just queued (and their errors)
             except BaseException as exc:
-                if raise_errors:
-                    raise
-                log.error("lazyckpt: removing an old checkpoint failed during teardown: %s", exc)
+                delete_error = exc
+                log.error("lazyckpt: removing an old checkpoint failed: %s", exc)
         self._report_stats()
         errors = self._collect_errors(records)
+        if delete_error is not None:
+            errors.append(delete_error)  # after the save errors: a failed save is the one to raise
         with self._lock:
             self._saves = [r for r in self._saves if not r.done.done()]
             for key in list(self._by_key):
@@ -550,6 +555,8 @@ class LazyCheckpointIO(_CheckpointIO):
         for cb in getattr(trainer, "checkpoint_callbacks", ()):
             if hasattr(cb, "file_exists") and hasattr(cb, "_fs"):
                 self._patch(cb, "file_exists", _pending_aware_file_exists(cb, plugin))
+            if callable(getattr(cb, "_link_checkpoint", None)):
+                self._patch(cb, "_link_checkpoint", _link_after_pending(cb._link_checkpoint, plugin))
         for cb in getattr(trainer, "callbacks", ()):
             names = _mro_names(cb)
             if "WeightAveraging" in names:
@@ -638,6 +645,23 @@ def _pending_aware_file_exists(cb: Any, plugin_ref: weakref.ref) -> Callable[...
         return bool(trainer.strategy.reduce_boolean_decision(local, all=False))
 
     return file_exists
+
+
+def _link_after_pending(method: Callable[..., Any], plugin_ref: weakref.ref) -> Callable[..., Any]:
+    """save_last="link" replaces ``last.ckpt`` with a symlink outside CheckpointIO; a lazy save to
+    ``last.ckpt`` still pending would later be renamed over that link. Let it land first."""
+
+    def link(trainer: Any, filepath: Any, linkpath: Any) -> Any:
+        plugin = plugin_ref()
+        if plugin is not None:
+            key, is_url = _split_path(linkpath)
+            with plugin._lock:
+                pending = [r for r in plugin._by_key.get(key, ()) if not r.done.done()]
+            if pending:
+                plugin._wait_for(pending)
+        return method(trainer, filepath, linkpath)
+
+    return link
 
 
 def _staged_first(method: Callable[..., Any], plugin_ref: weakref.ref) -> Callable[..., Any]:
