@@ -110,19 +110,24 @@ def step(acc, objs, gen, vocab=64, **kw):
     return C.train_step(acc, model, opt, sched, gen, vocab=vocab, extra=extra, **kw)
 
 
+def _run_script(name, *args):
+    """Run tests/accelerate_scripts/<name> in a fresh interpreter; its output is in the result."""
+    return subprocess.run(
+        [sys.executable, str(HERE / "accelerate_scripts" / name), *map(str, args)],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+
+
 def stock_restore_subprocess(tmp_path, dirs, **cfg):
     cfg = dict(cfg, dirs=[str(d) for d in dirs])
     cfg.setdefault("model", {})
     cfg_path = tmp_path / "restore.json"
     cfg_path.write_text(json.dumps(cfg))
     out = tmp_path / "restored.pt"
-    r = subprocess.run(
-        [sys.executable, str(HERE / "accelerate_scripts" / "stock_restore.py"), str(cfg_path), str(out)],
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    r = _run_script("stock_restore.py", cfg_path, out)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return torch.load(out, weights_only=False)
 
@@ -474,13 +479,7 @@ def test_load_state_waits_for_pending_saves(tmp_path, installs):
 
 def test_load_state_after_crash_refuses_or_falls_back(tmp_path, installs):
     project, expected = tmp_path / "proj", tmp_path / "expected.pt"
-    r = subprocess.run(
-        [sys.executable, str(HERE / "accelerate_scripts" / "crash_after_save.py"), str(project), str(expected)],
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    r = _run_script("crash_after_save.py", project, expected)
     assert r.returncode == -signal.SIGKILL, r.stdout[-3000:] + r.stderr[-3000:]
     base = project / "checkpoints"
     assert sorted(os.listdir(base)) == ["checkpoint_0", "checkpoint_1"]

@@ -132,8 +132,7 @@ def test_trash_of_a_killed_process_is_cleaned(tmp_path):
         "d = os.path.join(sys.argv[1], 'checkpoints', 'checkpoint_0')\n"
         "os.makedirs(d)\n"
         "c.save({'w': torch.ones(3)}, os.path.join(d, 'model.bin')).wait()\n"
-        "c.remove(d, trash_dir=sys.argv[1])\n"
-        "import time; time.sleep(60)\n"
+        "c.remove(d, trash_dir=sys.argv[1]).result(timeout=60)\n"  # the background delete exits first
     )
     subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, timeout=120)
     left = [n for n in os.listdir(tmp_path) if n != "checkpoints"]

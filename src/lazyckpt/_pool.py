@@ -97,19 +97,21 @@ class HostBufferPool:
         ``phase + nbytes <= chunk_bytes``), so that its address and its file offset can share their
         position within a page: the page-aligned middle of the piece can then go through O_DIRECT.
         """
-        if nbytes >= PAGE:
-            if not 0 <= phase < PAGE or phase + nbytes > self.chunk_bytes:
-                raise ValueError(f"piece of {nbytes} bytes at phase {phase} exceeds the chunk size {self.chunk_bytes}")
-        elif nbytes > self.chunk_bytes:
-            raise ValueError(f"piece of {nbytes} bytes exceeds the chunk size {self.chunk_bytes}")
+        if nbytes < PAGE:
+            phase, align = 0, _ALIGN  # small pieces are written buffered: no phase needed
+        else:
+            align = PAGE
+            if not 0 <= phase < PAGE:
+                raise ValueError(f"phase {phase} is not within a page of {PAGE} bytes")
+        if phase + nbytes > self.chunk_bytes:
+            raise ValueError(f"piece of {nbytes} bytes at phase {phase} exceeds the chunk size {self.chunk_bytes}")
         with self._cond:
             while True:
                 if self._closed:
                     raise RuntimeError("host buffer pool is closed")
                 cur = self._current
                 if cur is not None:
-                    align = PAGE if nbytes >= PAGE else _ALIGN
-                    start = -(-cur.used // align) * align + (phase if nbytes >= PAGE else 0)
+                    start = -(-cur.used // align) * align + phase
                     if start + nbytes <= cur.size:
                         cur.used = start + nbytes
                         cur.live += 1

@@ -91,9 +91,11 @@ class Remover:
         done, not_done = futures_wait(pending, timeout)
         with self._lock:
             self._pending = [f for f in self._pending if f not in done]
-        errors = [Future.exception(f) for f in pending if f in done and not f.reported]
+        errors = []
         for f in pending:
             if f in done:
+                if not f.reported:
+                    errors.append(Future.exception(f))
                 f.reported = True
         if not_done:
             raise TimeoutError(f"{len(not_done)} deletion(s) not done after {timeout} s")
@@ -102,18 +104,13 @@ class Remover:
                 raise exc
 
     def stop(self) -> None:
-        self.wait_quietly()
+        """Let the thread finish what is queued (the sentinel comes last), then join it."""
         with self._lock:
             self._stopped = True
             thread, self._thread = self._thread, None
         if thread is not None:
             self._q.put(None)
             thread.join()
-
-    def wait_quietly(self) -> None:
-        with self._lock:
-            pending = list(self._pending)
-        futures_wait(pending)
 
     def _run(self) -> None:
         while True:

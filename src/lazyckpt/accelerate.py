@@ -305,9 +305,6 @@ class _FolderSave:
         else:
             self.marker_durable.set_result(None)
 
-    def _await_marker(self) -> None:
-        self.marker_durable.result()
-
     def save(self, obj, f, *, save_on_each_node: bool, safe_serialization: bool) -> None:
         if not _is_writer(save_on_each_node):
             return
@@ -317,10 +314,11 @@ class _FolderSave:
         ckpt = self.owner.checkpointer
         if safe_serialization and isinstance(obj, OrderedDict):
             obj = clean_state_dict_for_safetensors(obj)  # drops tied duplicates exactly like stock
+        after_marker = self.marker_durable.result  # see begin()
         if safe_serialization:
-            h = ckpt.save(obj, path, format="safetensors", metadata={"format": "pt"}, before_commit=self._await_marker)
+            h = ckpt.save(obj, path, format="safetensors", metadata={"format": "pt"}, before_commit=after_marker)
         else:
-            h = ckpt.save(obj, path, format="torch", before_commit=self._await_marker)
+            h = ckpt.save(obj, path, format="torch", before_commit=after_marker)
         self.handles.append(h)
 
     # -- after stock save_state returned (or raised) -------------------------------------------------

@@ -143,10 +143,8 @@ class LazyCheckpointer:
         self._check_open()
         self._raise_unreported()
         final = self._resolve(path)
-        direct = False
         if format == "torch":
             pickle_bytes, sources = flatten_torch(obj)
-            direct = self._use_direct_io(sources)
             layout = _torchfmt.plan(final, pickle_bytes, [(s.key, s.nbytes) for s in sources])
             for src in sources:
                 src.file_offset = layout.data_offset(src.key)
@@ -156,7 +154,6 @@ class LazyCheckpointer:
                 raise SaveRefusedError("metadata must be a dict[str, str]")
             head, sources = flatten_safetensors(obj, metadata, with_crc=self.crc)
             layout, file_bytes = None, len(head) + sum(s.nbytes for s in sources)
-            direct = self._use_direct_io(sources)  # the layout is fixed; pieces are staged at their page phase
         else:
             raise SaveRefusedError(f"unknown format {format!r}; use 'torch' or 'safetensors'")
         if metadata is not None and format == "torch":
@@ -164,6 +161,7 @@ class LazyCheckpointer:
         nbytes = sum(s.nbytes for s in sources)
         if self._should_skip(nbytes, final):
             return self._skipped(final, nbytes, t0)
+        direct = self._use_direct_io(sources)  # either layout: pieces are staged at their file offset's page phase
         guarded = _guard.guarded_storages()
         lazy: list[Source] = []
         eager: list[Source] = []

@@ -278,7 +278,7 @@ class LazyCheckpointIO(_CheckpointIO):
         self._attach()
         key, is_url = _split_path(path)
         with self._lock:
-            pending = [r for r in self._by_key.get(key, ()) if not r.done.done()]
+            pending = self._pending_for(key)
             if pending:
                 self._deletes[key] = self._generation[key]
         if not pending:
@@ -389,10 +389,14 @@ class LazyCheckpointIO(_CheckpointIO):
         with self._lock:
             if self._deletes.get(key) != self._generation[key]:
                 return
-            if any(not r.done.done() for r in self._by_key.get(key, ())):
+            if self._pending_for(key):
                 return
             del self._deletes[key]
             self._delete(key, "://" in key)
+
+    def _pending_for(self, key: str) -> list[_Save]:
+        """This plugin's saves to ``key`` not yet durable, in save order (caller holds ``_lock``)."""
+        return [r for r in self._by_key.get(key, ()) if not r.done.done()]
 
     def _delete(self, key: str, is_url: bool) -> None:
         """Delete like the stock plugin; a local file is renamed away now and freed in the background."""
@@ -654,9 +658,8 @@ def _link_after_pending(method: Callable[..., Any], plugin_ref: weakref.ref) -> 
     def link(trainer: Any, filepath: Any, linkpath: Any) -> Any:
         plugin = plugin_ref()
         if plugin is not None:
-            key, is_url = _split_path(linkpath)
             with plugin._lock:
-                pending = [r for r in plugin._by_key.get(key, ()) if not r.done.done()]
+                pending = plugin._pending_for(_split_path(linkpath)[0])
             if pending:
                 plugin._wait_for(pending)
         return method(trainer, filepath, linkpath)
