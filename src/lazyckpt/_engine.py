@@ -29,6 +29,14 @@ from .errors import WriteError
 logger = logging.getLogger(__name__)
 
 _STOP = None
+_LIVE_PIECE = 8 << 20  # a live piece: short enough that an optimizer step rarely waits for one in flight
+
+
+def memory_at(addr: int, nbytes: int) -> memoryview:
+    """A writable-buffer view of ``nbytes`` at ``addr`` (the caller keeps the memory alive)."""
+    if nbytes == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * nbytes).from_address(addr)).cast("B")
 
 
 def pwrite_all(fd: int, data: memoryview | bytes, offset: int) -> None:
@@ -72,6 +80,7 @@ class Engine:
 
     def submit(self, job: Job) -> None:
         """Queue a job whose file is open and whose eager sources are staged."""
+        job.settle = self.settle
         self._commit_q.put(job)
         self._stage_q.put(job)
 
@@ -83,10 +92,10 @@ class Engine:
         stream = torch.cuda.current_stream(src.device) if src.device.type == "cuda" else None
         self._copy_source(job, src, stream)
 
-    def _pieces(self, job: Job, src: Source) -> list[Piece]:
-        """Cut a source where its file offset crosses a multiple of the chunk size, so that each
-        piece fits a chunk at its in-page phase (see ``HostBufferPool.alloc``)."""
-        step = self.pool.chunk_bytes
+    def _pieces(self, job: Job, src: Source, step: int = 0) -> list[Piece]:
+        """Cut a source where its file offset crosses a multiple of ``step`` (default: the chunk
+        size), so that each piece fits a chunk at its in-page phase (see ``HostBufferPool.alloc``)."""
+        step = step or self.pool.chunk_bytes
         pieces, a = [], 0
         while a < src.nbytes:
             n = min(step - (src.file_offset + a) % step, src.nbytes - a)
@@ -105,6 +114,9 @@ class Engine:
         cuda = [s for s in job.lazy if s.device.type == "cuda"]
         try:
             for src in cpu:
+                if src.live:
+                    self._queue_live(job, src)
+                    continue
                 self._copy_source(job, src, stream=None)
                 job.check_stale([src])
             job.cpu_staged.set()
@@ -124,13 +136,52 @@ class Engine:
         finally:
             job.cpu_staged.set()
             job.enqueued.set()
+            if job.reader_done():
+                self._finish_reading(job)
+            if job.all_submitted():
+                self._write_q.put(job)
+
+    def _queue_live(self, job: Job, src: Source) -> None:
+        """Queue a CPU source to be written straight from its memory (no staging copy): its file
+        offset shares its address's position within a page, so its whole pages go through O_DIRECT
+        from the tensor itself. An optimizer step (or ``wait_staged()``) that comes before the
+        writers copies whatever they have not started (``settle``). Pieces are smaller than chunks
+        so that such a wait for pieces in flight stays short."""
+        for piece in self._pieces(job, src, min(_LIVE_PIECE, self.pool.chunk_bytes)):
+            piece.live = True
+            job.add_live(piece)
+            self._write_q.put(piece)
+
+    def settle(self, job: Job) -> None:
+        """Copy every live piece of ``job`` that no writer has started into a pool buffer (on the
+        calling thread: the training, which waits for this anyway) and queue it again."""
+        for piece in job.claim_live():
+            try:
+                if not job.failed:
+                    piece.buffer = self.pool.alloc(piece.nbytes, piece.file_offset % PAGE)
+                    ctypes.memmove(piece.buffer.view.data_ptr(), piece.source.data_ptr + piece.start, piece.nbytes)
+            except BaseException as exc:
+                job.fail(write_error(job, "staging for", exc))
+            finally:
+                job.copied(piece)
+                if job.reader_done():
+                    self._finish_reading(job)
+                self._write_q.put(piece)
+
+    @staticmethod
+    def _finish_reading(job: Job) -> None:
+        """The last reader of live memory is through: check that nothing changed those tensors
+        meanwhile, drop the references, and let the optimizer step."""
+        try:
+            if job.live_pieces:
+                job.check_stale([s for s in job.lazy if s.live])
             for src in job.sources:  # every copy has landed or is ordered on the compute stream
                 src.release()
             job.t_staged = time.perf_counter()
+        finally:
             job.handle._set_staged()
             _guard.discard(job)
-            if job.all_submitted():
-                self._write_q.put(job)
+            job.read_done.set()
 
     def _copy_source(self, job: Job, src: Source, stream: torch.cuda.Stream | None) -> None:
         """Copy a source piece by piece into pool buffers and queue each piece for writing."""
@@ -173,34 +224,44 @@ class Engine:
 
     def _write_piece(self, piece: Piece) -> None:
         job = piece.job
-        assert piece.buffer is not None
+        mode = job.take(piece)
+        if mode is None:
+            return
         try:
             if piece.event is not None:
                 piece.event.synchronize()
             if not job.failed:
-                data = piece.buffer.memoryview()
+                if mode == "live":
+                    addr = piece.source.data_ptr + piece.start
+                    data = memory_at(addr, piece.nbytes)
+                else:
+                    assert piece.buffer is not None
+                    addr, data = piece.buffer.view.data_ptr(), piece.buffer.memoryview()
                 crc = crc32(data) if job.crc else 0
                 job.note_write_start()
-                self._write_data(job, piece, data)
+                self._write_data(job, piece, data, addr)
                 job.piece_written(piece, crc)
         except BaseException as exc:
             job.fail(write_error(job, "writing", exc))
         finally:
             piece.event = None
-            self.pool.release(piece.buffer)
-            piece.buffer = None
+            if piece.buffer is not None:
+                self.pool.release(piece.buffer)
+                piece.buffer = None
+            if mode == "live" and job.reader_done():
+                self._finish_reading(job)
             if job.piece_done():
                 self._write_q.put(job)
 
     @staticmethod
-    def _write_data(job: Job, piece: Piece, data: memoryview) -> None:
+    def _write_data(job: Job, piece: Piece, data: memoryview, addr: int) -> None:
         """Whole pages go through O_DIRECT (no page-cache copy: no CPU); the partial pages at either
-        end of a piece go through the buffered descriptor. The two never touch the same page."""
+        end of a piece go through the buffered descriptor. The two never touch the same page.
+        ``addr`` is where ``data`` lives: it must share the file offset's position within a page."""
         offset = piece.file_offset
-        assert piece.buffer is not None
         head = -offset % PAGE  # bytes up to the first page boundary in the file (and in memory)
         end = (offset + piece.nbytes) // PAGE * PAGE - offset  # up to the last one
-        if job.dfd >= 0 and end > head and (piece.buffer.view.data_ptr() - offset) % PAGE == 0:
+        if job.dfd >= 0 and end > head and (addr - offset) % PAGE == 0:
             if head:
                 pwrite_all(job.fd, data[:head], offset)
             try:
@@ -215,6 +276,9 @@ class Engine:
         pwrite_all(job.fd, data, offset)
 
     def _finalize(self, job: Job) -> None:
+        # Every piece is written; a reader that copied the last live piece may still be checking
+        # versions (a few instructions away: it depends on no writer).
+        job.read_done.wait()
         try:
             if not job.failed:
                 for offset, data in job.metadata_writes():

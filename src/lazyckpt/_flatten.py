@@ -44,6 +44,7 @@ class Source:
         file_offset: int = 0,
     ) -> None:
         self.key, self.nbytes, self.file_offset = key, nbytes, file_offset
+        self.live = False  # written from its own memory (see Engine._queue_live)
         self.checks = checks if checks is not None else []
         self._bytes: torch.UntypedStorage | torch.Tensor | None = bytes_of
         self.device = bytes_of.device

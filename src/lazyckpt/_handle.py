@@ -44,6 +44,7 @@ class SaveHandle:
         self._stats: SaveStats | None = None
         self._callbacks: list[Callable[[SaveHandle], object]] = []
         self.reported = False  # the error reached the user already
+        self._settle: Callable[[float | None], None] | None = None  # set by the job: copy what is live
 
     def __repr__(self) -> str:
         state = "failed" if self._error else "done" if self._done.is_set() else "pending"
@@ -58,7 +59,12 @@ class SaveHandle:
         return self._staged.is_set()
 
     def wait_staged(self, timeout: float | None = None) -> None:
-        """Block until the live tensors are no longer read; raises TimeoutError on timeout."""
+        """Block until the live tensors are no longer read; raises TimeoutError on timeout.
+
+        Tensors still waiting to be written straight from their memory are copied now (on this
+        thread), so this waits for memory copies, not for storage."""
+        if self._settle is not None and not self._staged.is_set():
+            self._settle(timeout)
         if not self._staged.wait(timeout):
             raise TimeoutError(f"save to {self.path} not staged after {timeout} s")
 

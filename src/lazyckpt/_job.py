@@ -32,6 +32,8 @@ class Piece:
     nbytes: int
     buffer: Buffer | None = None
     event: Any = None  # torch.cuda.Event once the device-to-host copy is queued
+    live: bool = False  # written straight from the source's memory unless the guard copies it first
+    state: str = "queued"  # live pieces: queued -> writing -> done, or queued -> claimed -> copied -> ...
 
     @property
     def file_offset(self) -> int:
@@ -84,6 +86,13 @@ class Job:
         self.t_write_start: float | None = None
         self.t_written = t0
         self.guard_wait_s = 0.0
+        # Readers of live memory: the stager until it is through, plus each live piece until it is
+        # written or copied. The last one out checks versions and releases the guard (read_done).
+        self._readers = 1
+        self.live_pieces: list[Piece] = []
+        self.read_done = threading.Event()
+        self.settle: Callable[[Job], None] | None = None  # Engine.settle: copy what is not written yet
+        self.handle._settle = self._settle_for_wait
 
     # -- errors -----------------------------------------------------------------------------------
 
@@ -132,6 +141,42 @@ class Job:
             self._all_submitted = True
             return self._outstanding == 0
 
+    def add_live(self, piece: Piece) -> None:
+        with self._lock:
+            self._outstanding += 1
+            self._readers += 1
+            self.live_pieces.append(piece)
+
+    def reader_done(self) -> bool:
+        """Count a reader of live memory out; True for the last one."""
+        with self._lock:
+            self._readers -= 1
+            return self._readers == 0
+
+    def claim_live(self) -> list[Piece]:
+        """Live pieces no writer has started: the caller copies them now."""
+        with self._lock:
+            claimed = [p for p in self.live_pieces if p.state == "queued"]
+            for p in claimed:
+                p.state = "claimed"
+            return claimed
+
+    def copied(self, piece: Piece) -> None:
+        with self._lock:
+            piece.state = "copied"
+
+    def take(self, piece: Piece) -> str | None:
+        """A writer takes a piece: ``"buffer"`` (staged bytes), ``"live"`` (the tensor's own memory),
+        or None (a live piece queued twice, or being copied: its other queue entry writes it)."""
+        if not piece.live:
+            return "buffer"
+        with self._lock:
+            if piece.state in ("queued", "copied"):
+                mode = "live" if piece.state == "queued" else "buffer"
+                piece.state = "writing"
+                return mode
+            return None
+
     def note_write_start(self) -> None:
         if self.t_write_start is None:
             self.t_write_start = time.perf_counter()
@@ -142,6 +187,10 @@ class Job:
         """Called by the optimizer step pre-hook: return once the step may change our tensors."""
         t = time.perf_counter()
         self.cpu_staged.wait()
+        if self.live_pieces and not self.read_done.is_set():
+            assert self.settle is not None
+            self.settle(self)  # copy the live pieces no writer has reached yet...
+            self.read_done.wait()  # ...and wait for the ones being written
         if self.save_events:
             self.enqueued.wait()
             with self.version_lock:
@@ -153,6 +202,11 @@ class Job:
                 for device, event in self.last_events.items():
                     torch.cuda.current_stream(device).wait_event(event)
         self.guard_wait_s += time.perf_counter() - t
+
+    def _settle_for_wait(self, timeout: float | None) -> None:
+        """``handle.wait_staged()``: copy the live pieces no writer has started (if staging got that far)."""
+        if self.cpu_staged.wait(timeout) and self.live_pieces and self.settle is not None:
+            self.settle(self)
 
     # -- the file ---------------------------------------------------------------------------------
 

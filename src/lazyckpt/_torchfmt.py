@@ -16,6 +16,7 @@ import sys
 from dataclasses import dataclass
 
 from ._crc import crc32
+from ._pool import PAGE
 
 _U32 = 0xFFFFFFFF  # the "see zip64 extra" marker
 _ZIP64_LIMIT = _U32  # sizes/offsets from here on need zip64 fields (tests lower it)
@@ -102,10 +103,21 @@ def _descriptor_size(size: int, zip64: bool) -> int:
     return 0 if size == 0 else 24 if zip64 else 16
 
 
-def _local_header(name: bytes, size: int, offset: int, alignment: int) -> tuple[bytes, int]:
+def _local_header(
+    name: bytes, size: int, offset: int, alignment: int, phase: int | None = None
+) -> tuple[bytes, int]:
+    """The local header of a record starting at ``offset`` and where its data starts: at the next
+    multiple of ``alignment`` (torch.save), or, given ``phase``, at the next offset that is ``phase``
+    bytes past a page boundary (lazyckpt's zero-copy layout: see ``plan``)."""
+    start = offset + 30 + len(name) + len(_zip64_extra(size, offset)) + 4
+    pad = (-start) % alignment if phase is None else (phase - start) % PAGE
+    return padded_local_header(name, size, offset, pad)
+
+
+def padded_local_header(name: bytes, size: int, offset: int, pad: int) -> tuple[bytes, int]:
+    """The local header of a record at ``offset`` whose ``FB`` extra field holds ``pad`` bytes."""
     z64 = _zip64_extra(size, offset)
     start = offset + 30 + len(name) + len(z64) + 4
-    pad = (-start) % alignment
     extra = z64 + b"FB" + struct.pack("<H", pad) + b"Z" * pad
     head = struct.pack("<IHHHHHIIIHH", _LOCAL_SIG, 0, _flags(size), 0, 0, 0, 0, 0, 0, len(name), len(extra))
     return head + name + extra, start + pad
@@ -146,23 +158,34 @@ def _end_records(layout: TorchLayout) -> bytes:
 
 
 def plan(
-    path: str, pickle_bytes: bytes, storage_sizes: list[tuple[str, int]], alignment: int | None = None
+    path: str,
+    pickle_bytes: bytes,
+    storage_sizes: list[tuple[str, int]],
+    alignment: int | None = None,
+    phases: dict[str, int] | None = None,
 ) -> TorchLayout:
     """Lay out a torch.save file for ``pickle_bytes`` and storages of the given sizes.
 
-    ``alignment`` defaults to torch.save's (64); lazyckpt uses 4096 when it writes storages with
-    O_DIRECT, exactly as torch.save does with ``config.save.storage_alignment = 4096``.
+    ``alignment`` defaults to torch.save's (64). ``phases`` (storage key -> a multiple of
+    ``alignment`` below ``PAGE``) places those storages' data at that position within a page, the
+    position their memory has, so that their whole pages can be written with O_DIRECT straight from
+    the tensors. The padding goes in the same ``FB`` extra field torch.save pads with, so every
+    reader that follows the local headers (``torch.load``, ``mmap=True``, ``zipfile``) reads the
+    file unchanged. Such a file carries no ``.format_version`` record, as files from torch < 2.5 do:
+    that record tells torch >= 2.5 it may *compute* offsets assuming minimal padding
+    (``config.load.calculate_storage_offsets``), which would be wrong here.
     """
     alignment = alignment or storage_alignment()
+    phases = phases or {}
+    if any(p % alignment or not 0 <= p < PAGE for p in phases.values()):
+        raise ValueError(f"phases must be multiples of the storage alignment {alignment} below {PAGE}")
     prefix = archive_name(path)
     # Never the global `random`: a save must not advance the user's RNG (torch.save doesn't).
     serialization_id = str(int.from_bytes(os.urandom(17), "little")).zfill(40)[:40]
-    small_head = [
-        ("data.pkl", pickle_bytes),
-        (".format_version", b"1"),
-        (".storage_alignment", str(alignment).encode()),
-        ("byteorder", sys.byteorder.encode()),
-    ]
+    small_head = [("data.pkl", pickle_bytes)]
+    if not phases:
+        small_head.append((".format_version", b"1"))
+    small_head += [(".storage_alignment", str(alignment).encode()), ("byteorder", sys.byteorder.encode())]
     small_tail = [("version", b"3\n"), (".data/serialization_id", serialization_id.encode())]
     entries: list[tuple[str, int, bytes | None]] = [(n, len(d), d) for n, d in small_head]
     entries += [(f"data/{key}", size, None) for key, size in storage_sizes]
@@ -173,7 +196,8 @@ def plan(
     cursor = 0
     for rel, size, data in entries:
         name = f"{prefix}/{rel}".encode()
-        header, data_offset = _local_header(name, size, cursor, alignment)
+        phase = phases.get(rel[len("data/") :]) if data is None else None
+        header, data_offset = _local_header(name, size, cursor, alignment, phase)
         zip64 = size >= _ZIP64_LIMIT or cursor >= _ZIP64_LIMIT
         rec = _Record(name, size, cursor, data_offset, zip64, header, data, crc32(data) if data is not None else None)
         if data is None:

@@ -112,7 +112,15 @@ def _check_record(
         return f"{info.filename}: record at byte {info.header_offset}, expected {cursor}"
     if info.compress_type != zipfile.ZIP_STORED or info.compress_size != size:
         return f"{info.filename}: compressed or inconsistent sizes"
-    header, data_offset = _torchfmt._local_header(name, size, cursor, alignment)
+    # torch.save pads to the storage alignment; lazyckpt's zero-copy layout pads further (less than a
+    # page) to match a tensor's position in memory. Either way the padding is one ``FB`` extra field.
+    extra_len = int.from_bytes(mm[cursor + 28 : cursor + 30], "little")
+    pad = extra_len - len(_torchfmt._zip64_extra(size, cursor)) - 4
+    if not 0 <= pad < _torchfmt.PAGE + alignment:
+        return f"{info.filename}: local header corrupt (extra field of {extra_len} bytes)"
+    header, data_offset = _torchfmt.padded_local_header(name, size, cursor, pad)
+    if data_offset % alignment:
+        return f"{info.filename}: data at byte {data_offset}, not a multiple of the storage alignment {alignment}"
     if mm[cursor : cursor + len(header)] != header:
         return f"{info.filename}: local header corrupt (bytes {cursor}-{cursor + len(header)})"
     if data_offset + size > len(mm):

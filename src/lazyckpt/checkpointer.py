@@ -20,7 +20,7 @@ from ._engine import Engine, write_error
 from ._flatten import Source, flatten_safetensors, flatten_torch
 from ._handle import SaveHandle, SaveStats
 from ._job import Job
-from ._pool import HostBufferPool
+from ._pool import PAGE, HostBufferPool
 from ._remove import Remover
 from .errors import CheckpointerClosedError, LazyCkptError, SaveRefusedError, WriteError
 
@@ -48,8 +48,9 @@ class LazyCheckpointer:
 
     ``save(obj, path)`` returns as soon as ``obj`` is pickled (tensors excluded) and the tensors no
     optimizer guards are copied; optimizer-owned tensors (parameters, optimizer state) are copied
-    in the background while training runs forward and backward, and the next ``optimizer.step()``
-    waits for those copies only if they are not done yet. The file at ``path`` then holds exactly the
+    (large CPU ones: written straight from their memory, see ``zero_copy``) in the background while
+    training runs forward and backward, and the next ``optimizer.step()`` waits for those copies
+    only if they are not done yet. The file at ``path`` then holds exactly the
     state at the moment of ``save()``, or the save fails with a typed error; it never holds anything
     else, and a partial file never appears at ``path``.
 
@@ -78,6 +79,13 @@ class LazyCheckpointer:
             partial pages at each tensor's ends go through the page cache). The file layout is
             the same either way. ``None`` (default): for files whose tensors average >= 1 MiB,
             where the filesystem supports it. ``False``: never.
+        zero_copy: with direct I/O, write large CPU tensors that an optimizer owns straight from
+            their memory, with no staging copy: a torch file then places each such tensor's data at
+            its address's position within a page (padding of under a page in the record header,
+            which every reader follows; the file carries no ``.format_version``, as torch < 2.5's
+            files do not). An optimizer step (or ``wait_staged()``) that comes before the writers are
+            through copies what is left, so training never waits for storage. ``False``: copy
+            everything into the staging buffers first (torch.save's exact layout).
     """
 
     def __init__(
@@ -91,6 +99,7 @@ class LazyCheckpointer:
         chunk_bytes: int = 64 << 20,
         pin_memory: bool | None = None,
         direct_io: bool | None = None,
+        zero_copy: bool = True,
     ) -> None:
         if on_backpressure not in ("block", "skip"):
             raise ValueError(f"on_backpressure must be 'block' or 'skip', got {on_backpressure!r}")
@@ -104,6 +113,7 @@ class LazyCheckpointer:
         self.on_backpressure: Backpressure = on_backpressure
         self.pool = HostBufferPool(budget, chunk_bytes, pin)
         self.direct_io = direct_io
+        self.zero_copy = zero_copy
         self.skipped_saves = 0
         self._lock = threading.Lock()
         self._jobs: list[Job] = []  # saved, not yet committed, in save() order
@@ -143,9 +153,14 @@ class LazyCheckpointer:
         self._check_open()
         self._raise_unreported()
         final = self._resolve(path)
+        guarded = _guard.guarded_storages()
         if format == "torch":
             pickle_bytes, sources = flatten_torch(obj)
-            layout = _torchfmt.plan(final, pickle_bytes, [(s.key, s.nbytes) for s in sources])
+            direct = self._use_direct_io(sources)
+            phases = {}
+            if direct and self.zero_copy and 64 % _torchfmt.storage_alignment() == 0:
+                phases = {s.key: s.data_ptr % PAGE for s in sources if _zero_copy_candidate(s, guarded)}
+            layout = _torchfmt.plan(final, pickle_bytes, [(s.key, s.nbytes) for s in sources], phases=phases)
             for src in sources:
                 src.file_offset = layout.data_offset(src.key)
             head, file_bytes = b"", layout.total_size
@@ -154,6 +169,7 @@ class LazyCheckpointer:
                 raise SaveRefusedError("metadata must be a dict[str, str]")
             head, sources = flatten_safetensors(obj, metadata, with_crc=self.crc)
             layout, file_bytes = None, len(head) + sum(s.nbytes for s in sources)
+            direct = self._use_direct_io(sources)
         else:
             raise SaveRefusedError(f"unknown format {format!r}; use 'torch' or 'safetensors'")
         if metadata is not None and format == "torch":
@@ -161,13 +177,17 @@ class LazyCheckpointer:
         nbytes = sum(s.nbytes for s in sources)
         if self._should_skip(nbytes, final):
             return self._skipped(final, nbytes, t0)
-        direct = self._use_direct_io(sources)  # either layout: pieces are staged at their file offset's page phase
-        guarded = _guard.guarded_storages()
         lazy: list[Source] = []
         eager: list[Source] = []
         for src in sources:  # empty storages need neither
             if src.nbytes:
                 (lazy if src.storage_ptr in guarded else eager).append(src)
+            # Straight from the tensor's memory when its whole pages can go through O_DIRECT from
+            # there: a torch file is laid out for it (phases above); safetensors only by chance.
+            src.live = (
+                direct and self.zero_copy and _zero_copy_candidate(src, guarded)
+                and (src.data_ptr - src.file_offset) % PAGE == 0
+            )  # fmt: skip
         job = Job(
             path=final, tmp=_commit.temporary_path(final), fmt=format, sources=sources, lazy=lazy,
             layout=layout, head=head, file_bytes=file_bytes, crc=self.crc, fsync=self.fsync,
@@ -398,6 +418,18 @@ class LazyCheckpointer:
             stacklevel=2,
         )
         logger.warning("lazyckpt: staging waited %.2f s for host buffers", waited)
+
+
+_ZERO_COPY_MIN = 1 << 20  # below this, a tensor's two partial pages would be most of it
+
+
+def _zero_copy_candidate(src: Source, guarded: set[int]) -> bool:
+    """A CPU tensor an optimizer owns (so it changes only in a step the guard holds back), large,
+    and 64-byte aligned like every CPU allocation of torch's (its file offset must be too)."""
+    return (
+        src.device.type == "cpu" and src.storage_ptr in guarded
+        and src.nbytes >= _ZERO_COPY_MIN and src.data_ptr % 64 == 0
+    )  # fmt: skip
 
 
 _open_checkpointers: weakref.WeakSet[LazyCheckpointer] = weakref.WeakSet()
