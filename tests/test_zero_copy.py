@@ -214,4 +214,3 @@ def test_many_saves_and_steps_interleaved(tmp_path):
         ckpt.wait()
     for i, want in enumerate(wants):
         _check_file(tmp_path / f"{i}.pt", want)
-

@@ -103,9 +103,7 @@ def _descriptor_size(size: int, zip64: bool) -> int:
     return 0 if size == 0 else 24 if zip64 else 16
 
 
-def _local_header(
-    name: bytes, size: int, offset: int, alignment: int, phase: int | None = None
-) -> tuple[bytes, int]:
+def _local_header(name: bytes, size: int, offset: int, alignment: int, phase: int | None = None) -> tuple[bytes, int]:
     """The local header of a record starting at ``offset`` and where its data starts: at the next
     multiple of ``alignment`` (torch.save), or, given ``phase``, at the next offset that is ``phase``
     bytes past a page boundary (lazyckpt's zero-copy layout: see ``plan``)."""
