@@ -9,6 +9,8 @@ that run the same training steps:
 * ``none``      no checkpoint
 * ``stock``     ``accelerator.save_state()`` every step (stock Accelerate: synchronous, no fsync)
 * ``lazyckpt``  the same call after ``lazyckpt.accelerate.install(accelerator)`` (fsync + atomic rename)
+* ``lazyckpt-copy`` (only with ``--phases``): the same with ``LazyCheckpointer(zero_copy=False)``, which
+  stages every tensor through a host copy instead of writing large ones straight from memory
 
 All phases save with automatic checkpoint naming and ``total_limit=2`` (old folders deleted), into their
 own project folder. The phases are interleaved ``--rounds`` times (none, stock, lazyckpt, none, ...) so
@@ -101,6 +103,7 @@ def main() -> None:
     # One checkpointer for the whole run, so its host buffers stay allocated between lazyckpt phases, as
     # in a long training run; install(checkpointer=...) / remove() around each phase leave it open.
     ckpt = LazyCheckpointer()
+    ckpt_copy = LazyCheckpointer(zero_copy=False) if "lazyckpt-copy" in args.phases else None
     phases = [p.strip() for p in args.phases.split(",") if p.strip()]
     times: dict[str, list[float]] = {p: [] for p in phases}
     blocked: dict[str, list[float]] = {p: [] for p in phases}
@@ -114,7 +117,9 @@ def main() -> None:
             shutil.rmtree(folder, ignore_errors=True)
             acc.project_configuration.set_directories(str(folder))
             acc.project_configuration.iteration = 0
-            handle = lazyckpt.accelerate.install(acc, checkpointer=ckpt) if phase == "lazyckpt" else None
+            handle = None
+            if phase.startswith("lazyckpt"):
+                handle = lazyckpt.accelerate.install(acc, checkpointer=ckpt if phase == "lazyckpt" else ckpt_copy)
             for i in range(args.warmup + args.steps):
                 if i == args.warmup:
                     if handle is not None:
@@ -144,6 +149,8 @@ def main() -> None:
                 flush=True,
             )
     ckpt.close()
+    if ckpt_copy is not None:
+        ckpt_copy.close()
 
     rows = []
     for phase in phases:

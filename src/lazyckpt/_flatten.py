@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import pickle
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -195,9 +196,20 @@ for _name, _code in [
 
 
 def flatten_safetensors(
-    tensors: Any, metadata: dict[str, str] | None, with_crc: bool = True
+    tensors: Any,
+    metadata: dict[str, str] | None,
+    with_crc: bool = True,
+    page_phase: Callable[[torch.Tensor], int | None] | None = None,
 ) -> tuple[bytes, list[Source]]:
-    """Validate a flat dict of tensors; return the safetensors header and one source per tensor."""
+    """Validate a flat dict of tensors; return the safetensors header and one source per tensor.
+
+    Tensors are laid out as safetensors lays them out: by element size, largest first (so every
+    tensor is aligned to its element size), then by name. With ``page_phase`` (tensor -> position
+    within a page its file offset should have, or None), tensors of one element size are ordered so
+    that as many of those bytes as possible get that position, and the header is padded (with the
+    spaces safetensors pads it with) to match: those tensors can then be written with O_DIRECT
+    straight from their memory. Readers look tensors up by the header's offsets; order is free.
+    """
     if not isinstance(tensors, dict):
         raise SaveRefusedError(f"format='safetensors' takes a flat dict[str, Tensor], got {type(tensors).__name__}")
     if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
@@ -215,6 +227,9 @@ def flatten_safetensors(
             raise SaveRefusedError(f"{name}: safetensors needs contiguous tensors; call .contiguous() first")
     _refuse_shared(tensors)
     order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
+    shift = None
+    if page_phase is not None:
+        order, shift = _phase_order(tensors, order, page_phase)
     entries: dict[str, Any] = {}
     sources: list[Source] = []
     offset = 0
@@ -229,10 +244,57 @@ def flatten_safetensors(
         flat = t.detach().reshape(-1).view(torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
         sources.append(Source(name, flat, nbytes, [(name, t, t._version)], file_offset=offset))
         offset += nbytes
-    head = _safetensorsfmt.header(entries, metadata, with_crc)
+    head = _safetensorsfmt.header(entries, metadata, with_crc, data_start_phase=shift)
     for src in sources:
         src.file_offset += len(head)
     return head, sources
+
+
+def _phase_order(
+    tensors: dict[str, torch.Tensor], order: list[str], page_phase: Callable[[torch.Tensor], int | None]
+) -> tuple[list[str], int | None]:
+    """Reorder within each element size so that the tensors ``page_phase`` names sit at (data start
+    + offset) = their phase (mod PAGE) for one data start; return the order and that data start's phase
+    (None: no tensor qualifies). Greedy: the largest wanted tensor fixes the data start; then, at each
+    point, a wanted tensor whose phase matches the running offset goes next if there is one."""
+    from ._pool import PAGE
+
+    wanted = {n: p for n in order if (p := page_phase(tensors[n])) is not None}
+    if not wanted:
+        return order, None
+    sizes = {n: tensors[n].numel() * tensors[n].element_size() for n in order}
+    out: list[str] = []
+    start: int | None = None  # phase of the data start within a page
+    cursor = 0
+    groups: dict[int, list[str]] = {}
+    for n in order:
+        groups.setdefault(tensors[n].element_size(), []).append(n)
+    for _, names in sorted(groups.items(), reverse=True):
+        by_phase: dict[int, list[str]] = {}
+        for n in sorted((n for n in names if n in wanted), key=lambda n: -sizes[n]):
+            by_phase.setdefault(wanted[n], []).append(n)
+        if start is None and by_phase:
+            first = max((n for n in names if n in wanted), key=lambda n: sizes[n])
+            start = (wanted[first] - cursor) % PAGE
+            if start % 8:  # the header is padded in whole 8-byte units
+                return order, None
+        rest = [n for n in names if n not in wanted]
+        while by_phase or rest:
+            need = (start + cursor) % PAGE if start is not None else None
+            if need is not None and by_phase.get(need):
+                n = by_phase[need].pop(0)
+                if not by_phase[need]:
+                    del by_phase[need]
+            elif rest:
+                n = rest.pop(0)
+            else:  # no wanted tensor fits here: place the largest; it will be copied first
+                phase = max(by_phase, key=lambda p: sizes[by_phase[p][0]])
+                n = by_phase[phase].pop(0)
+                if not by_phase[phase]:
+                    del by_phase[phase]
+            out.append(n)
+            cursor += sizes[n]
+    return out, start
 
 
 def _refuse_shared(tensors: dict[str, torch.Tensor]) -> None:

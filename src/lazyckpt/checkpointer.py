@@ -156,7 +156,7 @@ class LazyCheckpointer:
         guarded = _guard.guarded_storages()
         if format == "torch":
             pickle_bytes, sources = flatten_torch(obj)
-            direct = self._use_direct_io(sources)
+            direct = self._use_direct_io([s.nbytes for s in sources])
             phases = {}
             if direct and self.zero_copy and 64 % _torchfmt.storage_alignment() == 0:
                 phases = {s.key: s.data_ptr % PAGE for s in sources if _zero_copy_candidate(s, guarded)}
@@ -167,9 +167,17 @@ class LazyCheckpointer:
         elif format == "safetensors":
             if metadata is not None and not isinstance(metadata, dict):
                 raise SaveRefusedError("metadata must be a dict[str, str]")
-            head, sources = flatten_safetensors(obj, metadata, with_crc=self.crc)
+            values = obj.values() if isinstance(obj, dict) else []  # flatten_safetensors refuses the rest
+            direct = self._use_direct_io([t.numel() * t.element_size() for t in values if isinstance(t, torch.Tensor)])
+            page_phase = None
+            if direct and self.zero_copy:
+
+                def page_phase(t: torch.Tensor) -> int | None:
+                    src = Source("", t, t.numel() * t.element_size())
+                    return src.data_ptr % PAGE if _zero_copy_candidate(src, guarded) else None
+
+            head, sources = flatten_safetensors(obj, metadata, with_crc=self.crc, page_phase=page_phase)
             layout, file_bytes = None, len(head) + sum(s.nbytes for s in sources)
-            direct = self._use_direct_io(sources)
         else:
             raise SaveRefusedError(f"unknown format {format!r}; use 'torch' or 'safetensors'")
         if metadata is not None and format == "torch":
@@ -325,11 +333,11 @@ class LazyCheckpointer:
             _commit.cleanup_temporaries(directory)
         return final
 
-    def _use_direct_io(self, sources: list[Source]) -> bool:
+    def _use_direct_io(self, sizes: list[int]) -> bool:
         if self.direct_io is not None:
             return self.direct_io
-        nbytes = sum(s.nbytes for s in sources)
-        return nbytes >= 16 << 20 and nbytes // max(1, len(sources)) >= 1 << 20
+        nbytes = sum(sizes)
+        return nbytes >= 16 << 20 and nbytes // max(1, len(sizes)) >= 1 << 20
 
     def _start(self, job: Job, eager: list[Source], direct: bool) -> None:
         """Open the temporary file, capture unguarded tensors, hand the job to the engine."""
