@@ -1,8 +1,9 @@
 """lazyckpt: lazy asynchronous checkpointing for PyTorch.
 
-``save()`` returns at once; tensors are copied to reused host buffers in the background while
-training runs forward and backward; the next optimizer step waits only if those copies are not
-done; writer threads write files that ``torch.load`` / ``safetensors`` read, committed atomically.
+``save()`` returns at once; tensors are copied to reused host buffers (large CPU ones are written
+straight from their memory) in the background while training runs forward and backward; the next
+optimizer step waits only if those copies are not done; writer threads write files that
+``torch.load`` / ``safetensors`` read, committed atomically.
 """
 
 from ._commit import cleanup_temporaries
