@@ -252,3 +252,39 @@ def test_safetensors_tensors_are_ordered_for_zero_copy(tmp_path, monkeypatch):
     sizes = [want[k].element_size() for _, k in spans]
     assert sizes == sorted(sizes, reverse=True)
     assert all((8 + n + off) % want[k].element_size() == 0 for off, k in spans)
+
+
+def test_ctrl_c_in_the_guard_copy_fails_the_save_without_hanging(tmp_path, monkeypatch):
+    model, opt = _model_and_optimizer()
+    writes = _Writes(monkeypatch, hold_first_live=True)
+    _release_after_claim(monkeypatch, writes)
+    with LazyCheckpointer(direct_io=True, writer_threads=1) as ckpt:
+        real_alloc = ckpt.pool.alloc
+        main = threading.current_thread()
+
+        def interrupted(nbytes, phase=0):
+            if threading.current_thread() is main:
+                raise KeyboardInterrupt
+            return real_alloc(nbytes, phase)
+
+        monkeypatch.setattr(ckpt.pool, "alloc", interrupted)
+        handle = ckpt.save(_state(model, opt), tmp_path / "a.pt")
+        assert writes.started.wait(30)
+        with pytest.raises(KeyboardInterrupt):
+            _train_step(model, opt)  # the guard's copy is interrupted
+        with pytest.raises(WriteError):
+            handle.wait(timeout=60)  # every claimed piece was given back: no hang
+        _train_step(model, opt)  # the guard is free again
+    assert os.listdir(tmp_path) == []
+
+
+def test_phase_padding_that_would_overflow_the_extra_field_falls_back(monkeypatch):
+    from lazyckpt import _torchfmt
+
+    monkeypatch.setattr(_torchfmt, "PAGE", 1 << 16)  # 64 KiB pages: up to 65535 bytes of padding
+    name = b"archive/data/" + b"9" * 19  # the data would start at 66: phase 64 needs 65534 bytes of padding
+    assert 30 + len(name) + 4 == 66
+    header, data_offset = _torchfmt._local_header(name, 1 << 20, 0, 64, phase=64)
+    assert data_offset == 128, "torch.save's padding, not an overflowing one"
+    header, data_offset = _torchfmt._local_header(name, 1 << 20, 0, 64, phase=4096)
+    assert data_offset == 4096

@@ -155,18 +155,32 @@ class Engine:
     def settle(self, job: Job) -> None:
         """Copy every live piece of ``job`` that no writer has started into a pool buffer (on the
         calling thread: the training, which waits for this anyway) and queue it again."""
-        for piece in job.claim_live():
-            try:
-                if not job.failed:
-                    piece.buffer = self.pool.alloc(piece.nbytes, piece.file_offset % PAGE)
-                    ctypes.memmove(piece.buffer.view.data_ptr(), piece.source.data_ptr + piece.start, piece.nbytes)
-            except BaseException as exc:
-                job.fail(write_error(job, "staging for", exc))
-            finally:
-                job.copied(piece)
-                if job.reader_done():
-                    self._finish_reading(job)
-                self._write_q.put(piece)
+        claimed = job.claim_live()
+        # Every claimed piece must come out copied, counted and queued again whatever happens here
+        # (this is the training thread, where Ctrl-C lands), or the job would wait for it forever.
+        try:
+            for piece in claimed:
+                try:
+                    if not job.failed:
+                        piece.buffer = self.pool.alloc(piece.nbytes, piece.file_offset % PAGE)
+                        ctypes.memmove(piece.buffer.view.data_ptr(), piece.source.data_ptr + piece.start, piece.nbytes)
+                except Exception as exc:
+                    job.fail(write_error(job, "staging for", exc))
+                self._requeue(job, piece)
+        except BaseException as exc:  # KeyboardInterrupt, SystemExit: fail the save, finish, re-raise
+            job.fail(write_error(job, "staging for", exc))
+            for piece in claimed:
+                if piece.state == "claimed":
+                    self._requeue(job, piece)
+            raise
+
+    def _requeue(self, job: Job, piece: Piece) -> None:
+        """A claimed piece is copied (or given up): count its reader out, queue it for a writer."""
+        try:
+            if job.copied(piece):
+                self._finish_reading(job)
+        finally:
+            self._write_q.put(piece)
 
     @staticmethod
     def _finish_reading(job: Job) -> None:
@@ -321,6 +335,8 @@ class Engine:
             job.handle._finish(stats, job.error)
             job.sources.clear()
             job.lazy.clear()
+            job.live_pieces.clear()
+            job.handle._settle = None
 
     def owns_current_thread(self) -> bool:
         """True on one of this engine's threads (where done-callbacks run)."""

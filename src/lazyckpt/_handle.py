@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -63,9 +64,11 @@ class SaveHandle:
 
         Tensors still waiting to be written straight from their memory are copied now (on this
         thread), so this waits for memory copies, not for storage."""
-        if self._settle is not None and not self._staged.is_set():
-            self._settle(timeout)
-        if not self._staged.wait(timeout):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        settle = self._settle
+        if settle is not None and not self._staged.is_set():
+            settle(timeout)
+        if not self._staged.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
             raise TimeoutError(f"save to {self.path} not staged after {timeout} s")
 
     def wait(self, timeout: float | None = None) -> SaveStats:

@@ -161,9 +161,12 @@ class Job:
                 p.state = "claimed"
             return claimed
 
-    def copied(self, piece: Piece) -> None:
+    def copied(self, piece: Piece) -> bool:
+        """A claimed piece is in its buffer (or given up): one reader out; True for the last one."""
         with self._lock:
             piece.state = "copied"
+            self._readers -= 1
+            return self._readers == 0
 
     def take(self, piece: Piece) -> str | None:
         """A writer takes a piece: ``"buffer"`` (staged bytes), ``"live"`` (the tensor's own memory),

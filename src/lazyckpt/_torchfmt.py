@@ -107,8 +107,11 @@ def _local_header(name: bytes, size: int, offset: int, alignment: int, phase: in
     """The local header of a record starting at ``offset`` and where its data starts: at the next
     multiple of ``alignment`` (torch.save), or, given ``phase``, at the next offset that is ``phase``
     bytes past a page boundary (lazyckpt's zero-copy layout: see ``plan``)."""
-    start = offset + 30 + len(name) + len(_zip64_extra(size, offset)) + 4
+    z64 = len(_zip64_extra(size, offset))
+    start = offset + 30 + len(name) + z64 + 4
     pad = (-start) % alignment if phase is None else (phase - start) % PAGE
+    if z64 + 4 + pad > 0xFFFF:  # the extra field's length is 16 bits (64 KiB pages): not this one
+        pad = (-start) % alignment
     return padded_local_header(name, size, offset, pad)
 
 

@@ -74,10 +74,11 @@ def _verify_torch(path: str, mm: mmap.mmap, report: VerifyReport) -> None:
         return
     report.records = len(infos)
     alignment = _alignment(mm, infos)
+    minimal = any(info.filename.endswith("/.format_version") for info in infos)
     records: list[_torchfmt._Record] = []
     cursor = 0
     for info in infos:
-        problem = _check_record(mm, info, cursor, alignment, records)
+        problem = _check_record(mm, info, cursor, alignment, records, minimal)
         if problem:
             report.problems.append(problem)
             return
@@ -104,7 +105,12 @@ def _alignment(mm: mmap.mmap, infos: list[zipfile.ZipInfo]) -> int:
 
 
 def _check_record(
-    mm: mmap.mmap, info: zipfile.ZipInfo, cursor: int, alignment: int, records: list[_torchfmt._Record]
+    mm: mmap.mmap,
+    info: zipfile.ZipInfo,
+    cursor: int,
+    alignment: int,
+    records: list[_torchfmt._Record],
+    minimal: bool = False,
 ) -> str | None:
     name = info.orig_filename.encode()
     size = info.file_size
@@ -112,12 +118,21 @@ def _check_record(
         return f"{info.filename}: record at byte {info.header_offset}, expected {cursor}"
     if info.compress_type != zipfile.ZIP_STORED or info.compress_size != size:
         return f"{info.filename}: compressed or inconsistent sizes"
-    # torch.save pads to the storage alignment; lazyckpt's zero-copy layout pads further (less than a
-    # page) to match a tensor's position in memory. Either way the padding is one ``FB`` extra field.
+    # torch.save pads to the storage alignment; lazyckpt's zero-copy layout pads further (less than the
+    # writer's page, which may be larger than this machine's) to match a tensor's position in memory.
+    # Either way the padding is one ``FB`` extra field. A file that claims torch.save's minimal layout
+    # (``.format_version``: torch >= 2.5 may compute offsets from it) must have exactly that.
     extra_len = int.from_bytes(mm[cursor + 28 : cursor + 30], "little")
-    pad = extra_len - len(_torchfmt._zip64_extra(size, cursor)) - 4
-    if not 0 <= pad < _torchfmt.PAGE + alignment:
+    z64 = len(_torchfmt._zip64_extra(size, cursor))
+    pad = extra_len - z64 - 4
+    if pad < 0:
         return f"{info.filename}: local header corrupt (extra field of {extra_len} bytes)"
+    least = (-(cursor + 30 + len(name) + z64 + 4)) % alignment
+    if minimal and pad != least:
+        return (
+            f"{info.filename}: {pad} bytes of header padding where torch.save puts {least}, in a file whose "
+            ".format_version lets torch compute offsets from the minimal layout (calculate_storage_offsets)"
+        )
     header, data_offset = _torchfmt.padded_local_header(name, size, cursor, pad)
     if data_offset % alignment:
         return f"{info.filename}: data at byte {data_offset}, not a multiple of the storage alignment {alignment}"

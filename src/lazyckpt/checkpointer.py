@@ -158,7 +158,8 @@ class LazyCheckpointer:
             pickle_bytes, sources = flatten_torch(obj)
             direct = self._use_direct_io([s.nbytes for s in sources])
             phases = {}
-            if direct and self.zero_copy and 64 % _torchfmt.storage_alignment() == 0:
+            zero_copy = direct and self.zero_copy and not any(s.device.type == "cuda" for s in sources)
+            if zero_copy and 64 % _torchfmt.storage_alignment() == 0:
                 phases = {s.key: s.data_ptr % PAGE for s in sources if _zero_copy_candidate(s, guarded)}
             layout = _torchfmt.plan(final, pickle_bytes, [(s.key, s.nbytes) for s in sources], phases=phases)
             for src in sources:
@@ -167,10 +168,11 @@ class LazyCheckpointer:
         elif format == "safetensors":
             if metadata is not None and not isinstance(metadata, dict):
                 raise SaveRefusedError("metadata must be a dict[str, str]")
-            values = obj.values() if isinstance(obj, dict) else []  # flatten_safetensors refuses the rest
-            direct = self._use_direct_io([t.numel() * t.element_size() for t in values if isinstance(t, torch.Tensor)])
+            tensors = _tensor_values(obj)  # flatten_safetensors refuses anything else
+            direct = self._use_direct_io([t.numel() * t.element_size() for t in tensors])
             page_phase = None
-            if direct and self.zero_copy:
+            zero_copy = direct and self.zero_copy and not any(t.device.type == "cuda" for t in tensors)
+            if zero_copy:
 
                 def page_phase(t: torch.Tensor) -> int | None:
                     src = Source("", t, t.numel() * t.element_size())
@@ -193,7 +195,7 @@ class LazyCheckpointer:
             # Straight from the tensor's memory when its whole pages can go through O_DIRECT from
             # there: a torch file is laid out for it (phases above); safetensors only by chance.
             src.live = (
-                direct and self.zero_copy and _zero_copy_candidate(src, guarded)
+                zero_copy and _zero_copy_candidate(src, guarded)
                 and (src.data_ptr - src.file_offset) % PAGE == 0
             )  # fmt: skip
         job = Job(
@@ -431,9 +433,15 @@ class LazyCheckpointer:
 _ZERO_COPY_MIN = 1 << 20  # below this, a tensor's two partial pages would be most of it
 
 
+def _tensor_values(obj: Any) -> list[torch.Tensor]:
+    return [t for t in obj.values() if isinstance(t, torch.Tensor)] if isinstance(obj, dict) else []
+
+
 def _zero_copy_candidate(src: Source, guarded: set[int]) -> bool:
     """A CPU tensor an optimizer owns (so it changes only in a step the guard holds back), large,
-    and 64-byte aligned like every CPU allocation of torch's (its file offset must be too)."""
+    and 64-byte aligned like every CPU allocation of torch's (its file offset must be too). Saves
+    that also hold CUDA tensors stage everything: the guard's host-side wait for live pieces would
+    otherwise also wait for the device-to-host copies, which it need not do."""
     return (
         src.device.type == "cpu" and src.storage_ptr in guarded
         and src.nbytes >= _ZERO_COPY_MIN and src.data_ptr % 64 == 0
