@@ -9,10 +9,12 @@ claimed the minimal layout.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import threading
 import zipfile
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -65,6 +67,19 @@ class _Writes:
         monkeypatch.setattr(_engine.Engine, "_write_data", staticmethod(recording))
 
 
+@contextlib.contextmanager
+def _held_save(tmp_path, monkeypatch):
+    """A save of a trained model whose first live write (one writer thread) is held until
+    ``writes.release`` is set; yields model, opt, ckpt, handle, want (the state at save) and writes."""
+    model, opt = _model_and_optimizer()
+    writes = _Writes(monkeypatch, hold_first_live=True)
+    with LazyCheckpointer(direct_io=True, writer_threads=1) as ckpt:
+        want = copy.deepcopy(_state(model, opt))
+        handle = ckpt.save(_state(model, opt), tmp_path / "a.pt")
+        assert writes.started.wait(30)
+        yield SimpleNamespace(model=model, opt=opt, ckpt=ckpt, handle=handle, want=want, writes=writes)
+
+
 def _release_after_claim(monkeypatch, writes):
     """Let the held live write go on once a guard (or wait_staged) has claimed the queued pieces."""
     real = _job.Job.claim_live
@@ -108,12 +123,8 @@ def test_writers_first_file_is_the_state_at_save(tmp_path, monkeypatch):
 
 
 def test_optimizer_step_copies_what_writers_have_not_reached(tmp_path, monkeypatch):
-    model, opt = _model_and_optimizer()
-    writes = _Writes(monkeypatch, hold_first_live=True)
-    with LazyCheckpointer(direct_io=True, writer_threads=1) as ckpt:
-        want = copy.deepcopy(_state(model, opt))
-        handle = ckpt.save(_state(model, opt), tmp_path / "a.pt")
-        assert writes.started.wait(30)
+    with _held_save(tmp_path, monkeypatch) as held:
+        model, opt, handle, want, writes = held.model, held.opt, held.handle, held.want, held.writes
         # The step's guard copies every piece still queued, then waits for the one being written,
         # which goes on once the others are claimed.
         _release_after_claim(monkeypatch, writes)
@@ -127,12 +138,8 @@ def test_optimizer_step_copies_what_writers_have_not_reached(tmp_path, monkeypat
 
 
 def test_wait_staged_copies_instead_of_waiting_for_storage(tmp_path, monkeypatch):
-    model, opt = _model_and_optimizer()
-    writes = _Writes(monkeypatch, hold_first_live=True)
-    with LazyCheckpointer(direct_io=True, writer_threads=1) as ckpt:
-        want = copy.deepcopy(_state(model, opt))
-        handle = ckpt.save(_state(model, opt), tmp_path / "a.pt")
-        assert writes.started.wait(30)
+    with _held_save(tmp_path, monkeypatch) as held:
+        model, ckpt, handle, want, writes = held.model, held.ckpt, held.handle, held.want, held.writes
         with pytest.raises(TimeoutError):  # the held piece is still being read from the tensor
             handle.wait_staged(timeout=0.2)
         assert all(p.state != "queued" for p in ckpt._jobs[-1].live_pieces), "the rest was copied"
@@ -146,11 +153,8 @@ def test_wait_staged_copies_instead_of_waiting_for_storage(tmp_path, monkeypatch
 
 
 def test_in_place_change_while_written_from_memory_fails_loudly(tmp_path, monkeypatch):
-    model, opt = _model_and_optimizer()
-    writes = _Writes(monkeypatch, hold_first_live=True)
-    with LazyCheckpointer(direct_io=True, writer_threads=1) as ckpt:
-        handle = ckpt.save(_state(model, opt), tmp_path / "a.pt")
-        assert writes.started.wait(30)
+    with _held_save(tmp_path, monkeypatch) as held:
+        model, handle, writes = held.model, held.handle, held.writes
         with torch.no_grad():
             model[0].weight.mul_(2.0)  # not an optimizer step: nothing holds it back
         writes.release.set()

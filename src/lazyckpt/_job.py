@@ -33,7 +33,7 @@ class Piece:
     buffer: Buffer | None = None
     event: Any = None  # torch.cuda.Event once the device-to-host copy is queued
     live: bool = False  # written straight from the source's memory unless the guard copies it first
-    state: str = "queued"  # live pieces: queued -> writing -> done, or queued -> claimed -> copied -> ...
+    state: str = "queued"  # live pieces: queued -> writing, or queued -> claimed -> copied -> writing
 
     @property
     def file_offset(self) -> int:

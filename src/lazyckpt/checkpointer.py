@@ -157,8 +157,8 @@ class LazyCheckpointer:
         if format == "torch":
             pickle_bytes, sources = flatten_torch(obj)
             direct = self._use_direct_io([s.nbytes for s in sources])
+            zero_copy = self._use_zero_copy(direct, [s.device for s in sources])
             phases = {}
-            zero_copy = direct and self.zero_copy and not any(s.device.type == "cuda" for s in sources)
             if zero_copy and 64 % _torchfmt.storage_alignment() == 0:
                 phases = {s.key: s.data_ptr % PAGE for s in sources if _zero_copy_candidate(s, guarded)}
             layout = _torchfmt.plan(final, pickle_bytes, [(s.key, s.nbytes) for s in sources], phases=phases)
@@ -170,8 +170,8 @@ class LazyCheckpointer:
                 raise SaveRefusedError("metadata must be a dict[str, str]")
             tensors = _tensor_values(obj)  # flatten_safetensors refuses anything else
             direct = self._use_direct_io([t.numel() * t.element_size() for t in tensors])
+            zero_copy = self._use_zero_copy(direct, [t.device for t in tensors])
             page_phase = None
-            zero_copy = direct and self.zero_copy and not any(t.device.type == "cuda" for t in tensors)
             if zero_copy:
 
                 def page_phase(t: torch.Tensor) -> int | None:
@@ -341,6 +341,11 @@ class LazyCheckpointer:
         nbytes = sum(sizes)
         return nbytes >= 16 << 20 and nbytes // max(1, len(sizes)) >= 1 << 20
 
+    def _use_zero_copy(self, direct: bool, devices: list[torch.device]) -> bool:
+        """Saves that also hold CUDA tensors stage everything: the guard's host-side wait for live
+        pieces would otherwise also wait for the device-to-host copies, which it need not do."""
+        return direct and self.zero_copy and all(d.type != "cuda" for d in devices)
+
     def _start(self, job: Job, eager: list[Source], direct: bool) -> None:
         """Open the temporary file, capture unguarded tensors, hand the job to the engine."""
         try:
@@ -439,9 +444,7 @@ def _tensor_values(obj: Any) -> list[torch.Tensor]:
 
 def _zero_copy_candidate(src: Source, guarded: set[int]) -> bool:
     """A CPU tensor an optimizer owns (so it changes only in a step the guard holds back), large,
-    and 64-byte aligned like every CPU allocation of torch's (its file offset must be too). Saves
-    that also hold CUDA tensors stage everything: the guard's host-side wait for live pieces would
-    otherwise also wait for the device-to-host copies, which it need not do."""
+    and 64-byte aligned like every CPU allocation of torch's (its file offset must be too)."""
     return (
         src.device.type == "cpu" and src.storage_ptr in guarded
         and src.nbytes >= _ZERO_COPY_MIN and src.data_ptr % 64 == 0
