@@ -214,6 +214,13 @@ def flatten_safetensors(
         raise SaveRefusedError(f"format='safetensors' takes a flat dict[str, Tensor], got {type(tensors).__name__}")
     if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise SaveRefusedError("safetensors metadata must be a dict[str, str]")
+    if metadata is not None and _safetensorsfmt.CRC_KEY in metadata:
+        # The key's value is patched at a fixed offset once the data's CRC is known: a user value
+        # there would break the header's JSON or the CRC. Copied from an earlier file, it is stale anyway.
+        raise SaveRefusedError(
+            f"safetensors metadata key {_safetensorsfmt.CRC_KEY!r} is reserved for lazyckpt's integrity field; "
+            "drop it from metadata (lazyckpt writes a fresh one when crc=True)"
+        )
     for name, t in tensors.items():
         if not isinstance(name, str) or not isinstance(t, torch.Tensor):
             raise SaveRefusedError(
