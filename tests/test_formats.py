@@ -16,9 +16,8 @@ def test_reserved_safetensors_metadata_key_is_refused(tmp_path, crc, value):
     file) used to land where the CRC is patched in: the file did not parse (short value) or did not
     verify (any other value). It is refused before anything is written."""
     path = tmp_path / "m.safetensors"
-    with LazyCheckpointer(crc=crc) as c:
-        with pytest.raises(SaveRefusedError, match="lazyckpt_crc32"):
-            c.save({"w": torch.arange(4.0)}, path, format="safetensors", metadata={"lazyckpt_crc32": value, "a": "b"})
+    with LazyCheckpointer(crc=crc) as c, pytest.raises(SaveRefusedError, match="lazyckpt_crc32"):
+        c.save({"w": torch.arange(4.0)}, path, format="safetensors", metadata={"lazyckpt_crc32": value, "a": "b"})
     assert not path.exists()
     assert list(tmp_path.iterdir()) == []
 

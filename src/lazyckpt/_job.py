@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from . import _safetensorsfmt, _torchfmt
-from ._crc import crc32, crc32_combine
+from ._crc import crc32_combine
 from ._flatten import Source
+from ._format import Layout
 from ._handle import SaveHandle, SaveStats
 from ._pool import Buffer
 from .errors import StaleTensorError
@@ -49,8 +49,7 @@ class Job:
         fmt: str,
         sources: list[Source],
         lazy: list[Source],
-        layout: _torchfmt.TorchLayout | None,
-        head: bytes,
+        layout: Layout,
         file_bytes: int,
         crc: bool,
         fsync: bool,
@@ -61,7 +60,7 @@ class Job:
         self.handle = SaveHandle(path)
         self.path, self.tmp, self.fmt = path, tmp, fmt
         self.sources, self.lazy = sources, lazy
-        self.layout, self.head = layout, head
+        self.layout = layout
         self.nbytes = sum(s.nbytes for s in sources)
         self.file_bytes = file_bytes
         self.crc, self.fsync, self.wait_in_closure = crc, fsync, wait_in_closure
@@ -214,17 +213,10 @@ class Job:
     # -- the file ---------------------------------------------------------------------------------
 
     def metadata_writes(self) -> list[tuple[int, bytes]]:
-        """Header bytes to write once all data is in (CRCs of torch records combined here)."""
-        if self.layout is None:
-            if not self.crc:
-                return [(0, self.head)]
-            data = sorted(part for parts in self._crcs.values() for part in parts)
-            head_crc = (0, crc32(self.head), len(self.head))
-            return [(0, _safetensorsfmt.with_crc(self.head, _combine([head_crc, *data])))]
-        crcs: dict[str, int] = {}
-        for key, parts in self._crcs.items():
-            crcs[key] = _combine(sorted(parts)) if self.crc else 0
-        return self.layout.metadata_writes(crcs)
+        """Every byte that is not tensor data, once all data is in: the layout's fixed bytes and
+        those that depend on each source's CRC (combined here from its pieces' CRCs)."""
+        crcs = {key: _combine(sorted(parts)) for key, parts in self._crcs.items()} if self.crc else None
+        return [*self.layout.fixed_writes(), *self.layout.crc_writes(crcs)]
 
     def stats(self, t_done: float) -> SaveStats:
         write_s = max(self.t_written - (self.t_write_start or self.t_written), 1e-9)

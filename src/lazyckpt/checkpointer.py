@@ -15,9 +15,9 @@ from typing import Any, Literal
 
 import torch
 
-from . import _commit, _guard, _torchfmt
+from . import _commit, _format, _guard
 from ._engine import Engine, write_error
-from ._flatten import Source, flatten_safetensors, flatten_torch
+from ._flatten import Source
 from ._handle import SaveHandle, SaveStats
 from ._job import Job
 from ._pool import PAGE, HostBufferPool
@@ -154,36 +154,13 @@ class LazyCheckpointer:
         self._raise_unreported()
         final = self._resolve(path)
         guarded = _guard.guarded_storages()
-        if format == "torch":
-            pickle_bytes, sources = flatten_torch(obj)
-            direct = self._use_direct_io([s.nbytes for s in sources])
-            zero_copy = self._use_zero_copy(direct, [s.device for s in sources])
-            phases = {}
-            if zero_copy and 64 % _torchfmt.storage_alignment() == 0:
-                phases = {s.key: s.data_ptr % PAGE for s in sources if _zero_copy_candidate(s, guarded)}
-            layout = _torchfmt.plan(final, pickle_bytes, [(s.key, s.nbytes) for s in sources], phases=phases)
-            for src in sources:
-                src.file_offset = layout.data_offset(src.key)
-            head, file_bytes = b"", layout.total_size
-        elif format == "safetensors":
-            if metadata is not None and not isinstance(metadata, dict):
-                raise SaveRefusedError("metadata must be a dict[str, str]")
-            tensors = _tensor_values(obj)  # flatten_safetensors refuses anything else
-            direct = self._use_direct_io([t.numel() * t.element_size() for t in tensors])
-            zero_copy = self._use_zero_copy(direct, [t.device for t in tensors])
-            page_phase = None
-            if zero_copy:
-
-                def page_phase(t: torch.Tensor) -> int | None:
-                    src = Source("", t, t.numel() * t.element_size())
-                    return src.data_ptr % PAGE if _zero_copy_candidate(src, guarded) else None
-
-            head, sources = flatten_safetensors(obj, metadata, with_crc=self.crc, page_phase=page_phase)
-            layout, file_bytes = None, len(head) + sum(s.nbytes for s in sources)
-        else:
-            raise SaveRefusedError(f"unknown format {format!r}; use 'torch' or 'safetensors'")
-        if metadata is not None and format == "torch":
-            raise SaveRefusedError("metadata is only stored by format='safetensors'")
+        planner = _format.get(format).flatten(obj, metadata)
+        direct = self._use_direct_io([s.nbytes for s in planner.sources])
+        zero_copy = self._use_zero_copy(direct, [s.device for s in planner.sources])
+        # Ask the format to place what will be written straight from memory where its pages line up.
+        phases = {s.key: s.data_ptr % PAGE for s in planner.sources if zero_copy and _zero_copy_candidate(s, guarded)}
+        layout = planner.plan(final, phases, crc=self.crc)
+        sources, file_bytes = planner.sources, layout.file_bytes
         nbytes = sum(s.nbytes for s in sources)
         if self._should_skip(nbytes, final):
             return self._skipped(final, nbytes, t0)
@@ -200,7 +177,7 @@ class LazyCheckpointer:
             )  # fmt: skip
         job = Job(
             path=final, tmp=_commit.temporary_path(final), fmt=format, sources=sources, lazy=lazy,
-            layout=layout, head=head, file_bytes=file_bytes, crc=self.crc, fsync=self.fsync,
+            layout=layout, file_bytes=file_bytes, crc=self.crc, fsync=self.fsync,
             wait_in_closure=self.wait_in_closure, t0=t0, before_commit=before_commit,
         )  # fmt: skip
         self._start(job, eager, direct)
@@ -436,10 +413,6 @@ class LazyCheckpointer:
 
 
 _ZERO_COPY_MIN = 1 << 20  # below this, a tensor's two partial pages would be most of it
-
-
-def _tensor_values(obj: Any) -> list[torch.Tensor]:
-    return [t for t in obj.values() if isinstance(t, torch.Tensor)] if isinstance(obj, dict) else []
 
 
 def _zero_copy_candidate(src: Source, guarded: set[int]) -> bool:
