@@ -2,7 +2,8 @@
 
 Laid out as ``safetensors.torch.save`` lays it out: an 8-byte little-endian header length, the JSON
 header (``__metadata__`` first, then one entry per tensor in data order), padded with spaces to a
-multiple of 8, then the tensors' bytes end to end, by element size, largest first, then by name.
+multiple of 8, then the tensors' bytes end to end, in safetensors' dtype order (element sizes never
+growing), then by name. Names and metadata are UTF-8, as safetensors writes them.
 
 safetensors has no checksum. When CRCs are on, lazyckpt stores, as the first entry of the header's
 ``__metadata__``, ``lazyckpt_crc32``: the CRC32 of the whole file with those 8 hex digits read as
@@ -29,16 +30,15 @@ CRC_KEY = "lazyckpt_crc32"
 PREFIX = b'{"__metadata__":{"' + CRC_KEY.encode() + b'":"'  # right after the 8-byte length
 CRC_AT = 8 + len(PREFIX)  # offset of the 8 hex digits
 
-DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.complex64: "C64",
+# In safetensors' own order: it lays tensors out by dtype in this order (its ``Dtype`` enum, last
+# first), then by name. Element sizes never grow along it, so every tensor is aligned to its own.
+_TORCH_NAMES = {
+    "U64": "uint64", "I64": "int64", "F64": "float64", "C64": "complex64", "F32": "float32", "U32": "uint32",
+    "I32": "int32", "BF16": "bfloat16", "F16": "float16", "U16": "uint16", "I16": "int16", "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2", "I8": "int8", "U8": "uint8", "BOOL": "bool",
 }  # fmt: skip
-for _name, _code in [
-    ("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"), ("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64"),
-]:  # fmt: skip
-    if hasattr(torch, _name):
-        DTYPES[getattr(torch, _name)] = _code
+DTYPES: dict[torch.dtype, str] = {getattr(torch, t): code for code, t in _TORCH_NAMES.items() if hasattr(torch, t)}
+_RANK = {code: i for i, code in enumerate(_TORCH_NAMES)}
 
 
 class SafetensorsFormat:
@@ -64,7 +64,7 @@ class SafetensorsFormat:
             if not t.is_contiguous():
                 raise SaveRefusedError(f"{name}: safetensors needs contiguous tensors; call .contiguous() first")
         _refuse_shared(obj)
-        order = sorted(obj, key=lambda n: (-obj[n].element_size(), n))
+        order = sorted(obj, key=lambda n: (_RANK[DTYPES[obj[n].dtype]], n))
         sources = [_source(name, obj[name]) for name in order]
         return SafetensorsPlanner(metadata, sources, {name: TensorInfo.of(obj[name]) for name in order})
 
@@ -153,7 +153,9 @@ def header(
     starts that many bytes past a page boundary."""
     meta = {CRC_KEY: "00000000"} if with_crc else {}
     meta.update(metadata or {})
-    blob = json.dumps({"__metadata__": meta, **entries} if meta else entries, separators=(",", ":")).encode()
+    blob = json.dumps(
+        {"__metadata__": meta, **entries} if meta else entries, separators=(",", ":"), ensure_ascii=False
+    ).encode()
     blob += b" " * ((-len(blob)) % 8)
     if data_start_phase is not None:
         blob += b" " * ((data_start_phase - 8 - len(blob)) % PAGE)

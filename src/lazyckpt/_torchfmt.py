@@ -78,7 +78,11 @@ def storage_alignment() -> int:
 
 
 def archive_name(path: str) -> str:
-    """The record prefix torch.save derives from the file name: basename without extension."""
+    """The record prefix torch.save derives from the path it is given: the basename without its
+    extension, or ``archive`` when the path is not ASCII (torch.save then writes through a Python
+    file object, which has no name)."""
+    if not path.isascii():
+        return "archive"
     base = os.path.basename(path)
     stem = base.rsplit(".", 1)[0] if "." in base else base
     return stem or "archive"

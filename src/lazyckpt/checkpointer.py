@@ -159,7 +159,7 @@ class LazyCheckpointer:
         zero_copy = self._use_zero_copy(direct, [s.device for s in planner.sources])
         # Ask the format to place what will be written straight from memory where its pages line up.
         phases = {s.key: s.data_ptr % PAGE for s in planner.sources if zero_copy and _zero_copy_candidate(s, guarded)}
-        layout = planner.plan(final, phases, crc=self.crc)
+        layout = planner.plan(os.fspath(path), phases, crc=self.crc)  # as given: torch names records after it
         sources, file_bytes = planner.sources, layout.file_bytes
         nbytes = sum(s.nbytes for s in sources)
         if self._should_skip(nbytes, final):
