@@ -1,4 +1,8 @@
-"""The torch.save file layout: a stored (uncompressed) zip, written by offset.
+"""The torch format: ``torch.save``'s file, a stored (uncompressed) zip, written by offset.
+
+``TorchFormat.flatten`` pickles the object as torch.save does (``_flatten.flatten_torch``), one
+source per storage; ``TorchPlanner.plan`` lays the zip out (``plan``) as a ``TorchLayout``. The zip
+types (``Record``, ``record_at``, ``central_directory``) are what ``verify`` rebuilds a file with.
 
 Mirrors what ``torch.save`` (PyTorchStreamWriter, miniz) writes: record names ``<archive>/...``,
 local headers with zero CRC/sizes and bit 3 set, an ``FB`` extra field padding each record's data
@@ -276,17 +280,10 @@ def plan(
             storage_index[rel[len("data/") :]] = len(records)
         records.append(rec)
         cursor = rec.end
-    cd_size = sum(_central_size(r) for r in records)
-    return TorchLayout(records, storage_index, central_offset=cursor, total_size=cursor + cd_size + _END_SIZE)
+    total = cursor + len(central_directory(records, cursor))  # its size does not depend on the CRCs
+    return TorchLayout(records, storage_index, central_offset=cursor, total_size=total)
 
 
 def _serialization_id() -> str:
     # Never the global `random`: a save must not advance the user's RNG (torch.save doesn't).
     return str(int.from_bytes(os.urandom(17), "little")).zfill(40)[:40]
-
-
-_END_SIZE = 56 + 20 + 22  # zip64 end record + zip64 locator + end record
-
-
-def _central_size(rec: Record) -> int:
-    return 46 + len(rec.name) + len(zip64_extra(rec.size, rec.header_offset))
