@@ -201,3 +201,29 @@ def test_unknown_format_is_refused(tmp_path):
     with LazyCheckpointer() as c, pytest.raises(SaveRefusedError, match="unknown format 'npz'"):
         c.save({"w": torch.ones(1)}, tmp_path / "x", format="npz")  # type: ignore[arg-type]
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("crc", [True, False])
+@pytest.mark.parametrize("format", ["torch", "safetensors"])
+@pytest.mark.parametrize("with_phases", [False, True])
+def test_layout_writes_every_byte_exactly_once(tmp_path, format, crc, with_phases):
+    """The contract a writer relies on (``_format.Layout``): data regions, fixed writes and
+    CRC-dependent writes tile the file, with no gap and no overlap, zero-copy padding included."""
+    tensors = {
+        "a": torch.randn(3000),
+        "b": torch.arange(777, dtype=torch.int16),
+        "c": torch.ones(0),
+        "d": torch.ones(5),
+    }
+    planner = _format.get(format).flatten(tensors, None)
+    phases = {s.key: (64 * (i + 1) * 7) % 4096 for i, s in enumerate(planner.sources)} if with_phases else {}
+    layout = planner.plan(str(tmp_path / "x"), phases, crc=crc)
+    if with_phases:  # the planner honoured at least one (safetensors: one data start for all)
+        assert any(s.file_offset % 4096 == phases[s.key] for s in planner.sources if s.nbytes)
+    crcs = {s.key: 1 for s in planner.sources} if crc else None
+    spans = [(s.file_offset, s.file_offset + s.nbytes) for s in planner.sources]
+    spans += [(o, o + len(d)) for o, d in [*layout.fixed_writes(), *layout.crc_writes(crcs)]]
+    spans = sorted(span for span in spans if span[0] != span[1])
+    assert spans[0][0] == 0 and spans[-1][1] == layout.file_bytes
+    for (_, end), (start, _) in zip(spans, spans[1:], strict=False):
+        assert start == end, (end, start)
