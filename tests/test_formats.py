@@ -227,3 +227,52 @@ def test_layout_writes_every_byte_exactly_once(tmp_path, format, crc, with_phase
     assert spans[0][0] == 0 and spans[-1][1] == layout.file_bytes
     for (_, end), (start, _) in zip(spans, spans[1:], strict=False):
         assert start == end, (end, start)
+
+
+def test_torch_planner_zip64_metadata_matches_torch_save_past_4gib(tmp_path, monkeypatch):
+    """Real zip64, not a lowered threshold: a 4 GiB + 20 byte storage (sizes past 4 GiB) followed by
+    records at offsets past 4 GiB. The tensor is never touched (no memory) and torch.save writes it
+    under ``skip_data`` (a sparse file, zero storage CRCs): every byte the layout writes besides
+    data must equal torch.save's, and the file sizes must match."""
+    try:
+        big = torch.empty((1 << 30) + 5, dtype=torch.float32)  # virtual memory only: never written
+    except RuntimeError as exc:  # no overcommit on this host
+        pytest.skip(f"cannot reserve 4 GiB of address space: {exc}")
+    obj = {"small": torch.ones(10), "w": big, "after": torch.arange(3.0)}
+    (tmp_path / "stock").mkdir()
+    stock = tmp_path / "stock" / "big.pt"
+    with torch.serialization.skip_data():
+        torch.save(obj, stock)
+    if stock.stat().st_blocks * 512 > 1 << 30:
+        stock.unlink()
+        pytest.skip("this filesystem does not keep files sparse")
+    with zipfile.ZipFile(stock) as z:
+        sid = z.read("big/.data/serialization_id").decode()
+        assert any(i.file_size >= 1 << 32 for i in z.infolist()) and z.infolist()[-1].header_offset >= 1 << 32
+    monkeypatch.setattr(_torchfmt, "_serialization_id", lambda: sid)
+    planner = _format.get("torch").flatten(obj, None)
+    layout = planner.plan(str(tmp_path / "big.pt"), {}, crc=False)
+    assert layout.file_bytes == stock.stat().st_size
+    with open(stock, "rb") as fh:
+        for offset, data in [*layout.fixed_writes(), *layout.crc_writes(None)]:
+            fh.seek(offset)
+            assert fh.read(len(data)) == data, offset
+    stock.unlink()
+
+
+def test_verify_accepts_either_compressed_size_in_a_local_zip64_field(tmp_path, monkeypatch):
+    """torch.save states 0 there (and so does lazyckpt now); earlier lazyckpt files state the size.
+    Both are intact; any other value is damage."""
+    monkeypatch.setattr(_torchfmt, "_ZIP64_LIMIT", 300)
+    obj = {"w": torch.randn(1000)}
+    path = tmp_path / "z.pt"
+    raw = bytearray(_planned_file("torch", obj, path))
+    with zipfile.ZipFile(io.BytesIO(bytes(raw))) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith("data/0"))
+    at = info.header_offset + 30 + len(info.orig_filename) + 4 + 8  # zip64 field: size, then compressed size
+    assert raw[at : at + 8] == bytes(8)
+    for value, ok in [(info.file_size, True), (info.file_size + 1, False), (1 << 40, False)]:
+        bad = bytearray(raw)
+        bad[at : at + 8] = value.to_bytes(8, "little")
+        path.write_bytes(bytes(bad))
+        assert verify(path).ok is ok, (value, verify(path).problems)

@@ -33,6 +33,7 @@ _CENTRAL_SIG = 0x02014B50
 _DESC_SIG = 0x08074B50
 _FLAGS = 0x0808  # bit 3: sizes in data descriptor; bit 11: UTF-8 names
 _FLAGS_EMPTY = 0x0800  # miniz writes empty records without a data descriptor
+LOCAL_COMPRESSED = 0  # the compressed size in a local header's zip64 field (see zip64_extra)
 
 
 class TorchFormat:
@@ -177,11 +178,14 @@ class TorchLayout:
         return [*writes, (self.central_offset, central_directory(records, self.central_offset))]
 
 
-def zip64_extra(size: int, offset: int) -> bytes:
-    """The zip64 extra field a record of ``size`` bytes at ``offset`` carries (may be empty)."""
+def zip64_extra(size: int, offset: int, compressed: int | None = None) -> bytes:
+    """The zip64 extra field a record of ``size`` bytes at ``offset`` carries (may be empty).
+
+    ``compressed``: the compressed size it states, ``size`` unless given. A local header states 0
+    (``LOCAL_COMPRESSED``), as miniz writes it before the data, when that size is not known yet."""
     fields = b""
     if size >= _ZIP64_LIMIT:
-        fields += struct.pack("<QQ", size, size)
+        fields += struct.pack("<QQ", size, size if compressed is None else compressed)
     if offset >= _ZIP64_LIMIT:
         fields += struct.pack("<Q", offset)
     return struct.pack("<HH", 1, len(fields)) + fields if fields else b""
@@ -212,9 +216,12 @@ def _padding(name: bytes, size: int, offset: int, alignment: int, phase: int | N
     return pad
 
 
-def padded_local_header(name: bytes, size: int, offset: int, pad: int) -> tuple[bytes, int]:
-    """The local header of a record at ``offset`` whose ``FB`` extra field holds ``pad`` bytes."""
-    z64 = zip64_extra(size, offset)
+def padded_local_header(
+    name: bytes, size: int, offset: int, pad: int, compressed: int = LOCAL_COMPRESSED
+) -> tuple[bytes, int]:
+    """The local header of a record at ``offset`` whose ``FB`` extra field holds ``pad`` bytes
+    (``compressed``: the compressed size its zip64 field states, see ``zip64_extra``)."""
+    z64 = zip64_extra(size, offset, compressed)
     start = offset + 30 + len(name) + len(z64) + 4
     extra = z64 + b"FB" + struct.pack("<H", pad) + b"Z" * pad
     head = struct.pack("<IHHHHHIIIHH", _LOCAL_SIG, 0, _flags(size), 0, 0, 0, 0, 0, 0, len(name), len(extra))

@@ -20,7 +20,7 @@ from typing import Any
 
 from . import _safetensorsfmt
 from ._crc import crc32
-from ._torchfmt import Record, central_directory, record_at, zip64_extra
+from ._torchfmt import Record, central_directory, padded_local_header, record_at, zip64_extra
 from .errors import VerificationError
 
 __all__ = ["VerifyReport", "verify"]
@@ -137,7 +137,10 @@ def _check_record(
     header, data_offset = rec.local_header, rec.data_offset
     if data_offset % alignment:
         return f"{info.filename}: data at byte {data_offset}, not a multiple of the storage alignment {alignment}"
-    if mm[cursor : cursor + len(header)] != header:
+    # lazyckpt 0.1.0 used to state the real compressed size in a local zip64 field where torch.save
+    # states 0 (readers use the central directory's): both are intact files.
+    legacy = padded_local_header(name, size, cursor, pad, compressed=size)[0]
+    if mm[cursor : cursor + len(header)] not in (header, legacy):
         return f"{info.filename}: local header corrupt (bytes {cursor}-{cursor + len(header)})"
     if data_offset + size > len(mm):
         return f"{info.filename}: data runs past the end of the file (truncated)"
