@@ -153,6 +153,29 @@ def test_verify_accelerate_folder_complete_and_incomplete(tmp_path):
     assert "incomplete" in res.stdout
 
 
+def test_verify_and_inspect_a_folder_checkpoint_of_any_kind(tmp_path, capsys):
+    """The core's folder protocol (lazyckpt._folder): any folder with a pending marker is incomplete."""
+    from lazyckpt._folder import FolderSave
+
+    folder = tmp_path / "step_10"
+    fs = FolderSave(folder, tag=0, submit=lambda job: job())
+    torch.save({"w": torch.ones(3)}, folder / "shard_0.pt")
+    assert main(["verify", str(folder)]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "incomplete" in out and "still running" in out
+    assert main(["inspect", str(folder)]) == 0
+    assert "incomplete" in capsys.readouterr().err
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = folder / os.path.basename(fs.marker).replace(f"-{os.getpid()}-", f"-{int(dead.stdout)}-")
+    os.rename(fs.marker, stale)
+    assert main(["verify", str(folder)]) == 1
+    assert "died: that save will never finish" in capsys.readouterr().out
+    os.unlink(stale)
+    assert main(["verify", str(folder)]) == 0
+    assert main(["inspect", str(folder)]) == 0
+    assert "incomplete" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "change, message",
     [

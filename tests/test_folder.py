@@ -10,9 +10,9 @@ import threading
 
 import pytest
 import torch
-from _util import WriteGate, assert_same
 
 import lazyckpt
+from _util import WriteGate, assert_same
 from lazyckpt import IncompleteCheckpointError, LazyCheckpointer, WriteError, _folder
 from lazyckpt._folder import MARKER_PREFIX, FolderSave, is_complete, marker_is_stale, marker_owner, pending_markers
 

@@ -169,7 +169,9 @@ class FolderSave:
         """Block until the marker is durable; raise its WriteError if it cannot be (the file then fails)."""
         self.marker_durable.result()
 
-    def save(self, checkpointer: LazyCheckpointer, obj: Any, path: str | os.PathLike[str], **options: Any) -> SaveHandle:
+    def save(
+        self, checkpointer: LazyCheckpointer, obj: Any, path: str | os.PathLike[str], **options: Any
+    ) -> SaveHandle:
         """``checkpointer.save(obj, path, **options)`` as a file of this folder save (recorded for :meth:`end`)."""
         if self.ended:
             raise RuntimeError(f"lazyckpt: the save into {self.folder} has ended; begin a new FolderSave")
@@ -196,7 +198,7 @@ class FolderSave:
         if not os.path.isdir(self.folder):
             return False
         seen: set[str] = set()
-        for f in map(os.fspath, fsync_files):
+        for f in (os.fspath(p) for p in fsync_files):
             if f in seen:
                 continue
             seen.add(f)
