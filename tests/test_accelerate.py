@@ -25,14 +25,13 @@ import torch  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE / "accelerate_scripts"))
-import acc_common as C  # noqa: E402
 import accelerate.checkpointing  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 from accelerate.utils import ProjectConfiguration  # noqa: E402
 
 import lazyckpt.accelerate as LA  # noqa: E402
+from accelerate_scripts import acc_common as C  # noqa: E402
 from lazyckpt import LazyCheckpointer, _folder  # noqa: E402
 from lazyckpt.errors import WriteError  # noqa: E402
 
@@ -43,7 +42,7 @@ STOCK_SAVE = accelerate.checkpointing.save
 
 def _env():
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in [env.get("PYTHONPATH", ""), str(C.SRC)] if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [env.get("PYTHONPATH", ""), str(C.SRC), str(C.TESTS)] if p)
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
 
