@@ -157,6 +157,21 @@ def test_stale_markers_are_this_hosts_dead_processes_only():
     assert not marker_is_stale(f"{MARKER_PREFIX}garbage")
 
 
+def test_live_markers_are_other_processes_saves_that_may_still_end(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    host = socket.gethostname()
+    names = {
+        "dead": f"{MARKER_PREFIX}1-{host}-{int(dead.stdout)}-0",
+        "elsewhere": f"{MARKER_PREFIX}2-{host}.elsewhere-{int(dead.stdout)}-0",
+        "live": f"{MARKER_PREFIX}3-{host}-{os.getppid()}-0",
+    }
+    for n in names.values():
+        (tmp_path / n).write_text("")
+    mine = FolderSave(tmp_path, tag=0, submit=lambda job: job())
+    assert _folder.live_markers(tmp_path) == sorted([names["elsewhere"], names["live"]])
+    assert os.path.basename(mine.marker) in _folder.live_markers(tmp_path, others_only=False)
+
+
 def test_is_complete(tmp_path):
     assert lazyckpt.is_complete is is_complete
     assert not is_complete(tmp_path / "missing")

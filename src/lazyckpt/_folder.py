@@ -48,6 +48,7 @@ __all__ = [
     "FolderSave",
     "MarkerOwner",
     "is_complete",
+    "live_markers",
     "marker_is_stale",
     "marker_owner",
     "pending_markers",
@@ -107,6 +108,21 @@ def pending_markers(folder: str | os.PathLike[str]) -> list[str]:
         return sorted(n for n in os.listdir(folder) if n.startswith(MARKER_PREFIX))
     except (FileNotFoundError, NotADirectoryError):
         return []
+
+
+def live_markers(folder: str | os.PathLike[str], *, others_only: bool = True) -> list[str]:
+    """Markers in ``folder`` of saves that may still end: not stale, and (``others_only``) not this process's.
+
+    What a reader waits for before it decides that a folder is incomplete (no collective call needed).
+    """
+    me = (socket.gethostname(), os.getpid())
+    live = []
+    for name in pending_markers(folder):
+        owner = marker_owner(name)
+        if owner is None or marker_is_stale(name) or (others_only and (owner.host, owner.pid) == me):
+            continue
+        live.append(name)
+    return live
 
 
 def is_complete(folder: str | os.PathLike[str]) -> bool:

@@ -59,7 +59,6 @@ import logging
 import os
 import queue
 import re
-import socket
 import threading
 import time
 import warnings
@@ -76,7 +75,7 @@ from accelerate.utils.constants import RNG_STATE_NAME, SCALER_NAME
 from accelerate.utils.other import clean_state_dict_for_safetensors
 
 from lazyckpt import LazyCheckpointer, cleanup_temporaries
-from lazyckpt._folder import MARKER_PREFIX, FolderSave, is_complete, marker_is_stale, marker_owner, pending_markers
+from lazyckpt._folder import MARKER_PREFIX, FolderSave, is_complete, live_markers, pending_markers
 from lazyckpt.errors import IncompleteCheckpointError, LazyCkptError
 
 __all__ = [
@@ -174,18 +173,6 @@ def _folder_number(folder: str) -> int:
 
 def _real(path: str | os.PathLike) -> str:
     return os.path.realpath(os.path.abspath(os.path.expanduser(os.fspath(path))))
-
-
-def _live_foreign_markers(folder: str) -> list[str]:
-    """Markers of saves by OTHER processes that may still be running (dead local processes excluded)."""
-    me = (socket.gethostname(), os.getpid())
-    live = []
-    for name in pending_markers(folder):
-        owner = marker_owner(name)
-        if owner is None or (owner.host, owner.pid) == me or marker_is_stale(name):
-            continue  # not a marker, ours, or left by a dead process of this host (that save never ends)
-        live.append(name)
-    return live
 
 
 def _is_writer(save_on_each_node: bool) -> bool:
@@ -566,7 +553,7 @@ class AccelerateHandle:
         deadline = time.monotonic() + self.load_timeout
         delay = 0.005
         while True:
-            busy = [f for f in folders if _live_foreign_markers(f)]
+            busy = [f for f in folders if live_markers(f)]  # other processes' saves that may still end
             if not busy or time.monotonic() >= deadline:
                 if busy:
                     logger.warning(
