@@ -117,6 +117,16 @@ def test_each_writer_has_its_own_marker(tmp_path, ckpt):
     assert ranks[0].end() and is_complete(tmp_path / "ck")
 
 
+def test_marker_fsync_runs_inline_when_no_thread_can_start(tmp_path, monkeypatch):
+    def refuse(self):
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    fs = FolderSave(tmp_path / "ck")
+    assert fs.marker_durable.done() and fs.marker_durable.exception() is None  # never a before_commit that hangs
+    assert fs.end() is True and is_complete(tmp_path / "ck")
+
+
 def test_end_fsyncs_the_files_written_outside_lazyckpt(tmp_path, monkeypatch):
     synced: list[str] = []
     real = _folder._fsync_file

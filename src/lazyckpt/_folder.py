@@ -166,7 +166,10 @@ class FolderSave:
         # Two fsyncs (~60 ms on a disk) that the training thread need not wait for: only the renames
         # of this save's files do (before_commit).
         if submit is None:
-            threading.Thread(target=self._sync_marker, name="lazyckpt-folder-marker", daemon=True).start()
+            try:
+                threading.Thread(target=self._sync_marker, name="lazyckpt-folder-marker", daemon=True).start()
+            except RuntimeError:  # no new threads (e.g. at interpreter shutdown): never leave it unsettled
+                self._sync_marker()
         else:
             submit(self._sync_marker)
 
