@@ -25,15 +25,14 @@ import torch  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE / "accelerate_scripts"))
-import acc_common as C  # noqa: E402
 import accelerate.checkpointing  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 from accelerate.utils import ProjectConfiguration  # noqa: E402
 
 import lazyckpt.accelerate as LA  # noqa: E402
-from lazyckpt import LazyCheckpointer  # noqa: E402
+from accelerate_scripts import acc_common as C  # noqa: E402
+from lazyckpt import LazyCheckpointer, _folder  # noqa: E402
 from lazyckpt.errors import WriteError  # noqa: E402
 
 pytestmark = pytest.mark.integration
@@ -43,7 +42,7 @@ STOCK_SAVE = accelerate.checkpointing.save
 
 def _env():
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in [env.get("PYTHONPATH", ""), str(C.SRC)] if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [env.get("PYTHONPATH", ""), str(C.SRC), str(C.TESTS)] if p)
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
 
@@ -647,14 +646,14 @@ def test_marker_that_cannot_be_made_durable_fails_the_save(tmp_path, installs, m
     it cannot be made durable no file of that save appears and the error reaches wait()."""
     acc, objs, _ = make()
     h = installs(acc)
-    real = LA._fsync_file
+    real = _folder._fsync_file
 
     def failing(path):
         if os.path.basename(path).startswith(LA.PENDING_MARKER_PREFIX):
             raise OSError(5, "injected EIO on the marker")
         return real(path)
 
-    monkeypatch.setattr(LA, "_fsync_file", failing)
+    monkeypatch.setattr(_folder, "_fsync_file", failing)
     out = tmp_path / "ck"
     acc.save_state(str(out))
     with pytest.raises(WriteError, match="injected EIO"):
