@@ -94,8 +94,12 @@ class SaveHandle:
             raise RuntimeError(f"lazyckpt: save to {self.path} finished without stats or error")
         return self._stats
 
-    def exception(self) -> BaseException | None:
-        """The save's error once done (None while pending or on success); does not count as seen."""
+    def exception(self, timeout: float | None = 0) -> BaseException | None:
+        """The save's error (None on success); does not count as seen, so the checkpointer still
+        reports it once. ``timeout=0`` (default): do not wait, None while pending; otherwise wait
+        that many seconds (``None``: for ever), then ``TimeoutError`` if still pending."""
+        if timeout != 0 and not self._done.wait(timeout):
+            raise TimeoutError(f"save to {self.path} not done after {timeout} s")
         return self._error if self._done.is_set() else None
 
     @property
@@ -153,9 +157,7 @@ class CallbackRunner:
     """
 
     def __init__(self) -> None:
-        self._q: queue.SimpleQueue[tuple[SaveHandle, list[Callable[[SaveHandle], object]]] | None] = (
-            queue.SimpleQueue()
-        )
+        self._q: queue.SimpleQueue[tuple[SaveHandle, list[Callable[[SaveHandle], object]]] | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stopped = False

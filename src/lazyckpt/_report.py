@@ -60,6 +60,6 @@ def raise_first(errors: list[BaseException]) -> None:
     if not errors:
         return
     err = errors[0]
-    if len(errors) > 1:
+    if len(errors) > 1 and hasattr(err, "add_note"):  # Python >= 3.11
         err.add_note(f"lazyckpt: {len(errors) - 1} more background error(s): " + "; ".join(map(str, errors[1:])))
     raise err

@@ -272,6 +272,7 @@ class LazyCheckpointer:
                 self._removals.append(queued)
                 return queued.future
         return self._remover.remove(target, trash)
+
     def wait_staged(self, timeout: float | None = None) -> None:
         """Block until every pending save's host copies are done (saved tensors may change)."""
         with self._lock:

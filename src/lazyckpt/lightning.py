@@ -668,7 +668,7 @@ def _check_url_supported(url: str) -> None:
 
 
 def _explain(exc: BaseException) -> None:
-    if _STALE_NOTE not in getattr(exc, "__notes__", ()):
+    if hasattr(exc, "add_note") and _STALE_NOTE not in getattr(exc, "__notes__", ()):  # Python >= 3.11
         exc.add_note(_STALE_NOTE)
 
 
