@@ -178,3 +178,40 @@ def test_done_callback_may_close_the_checkpointer(tmp_path):
     assert errors == [] and ckpt.closed and hb.done()
     ckpt.close()  # idempotent; joins what the callback could not join (its own thread)
     assert sorted(os.listdir(tmp_path)) == ["a.pt", "b.pt"]
+
+
+def test_writer_survives_an_unexpected_error_in_finalisation(tmp_path, monkeypatch):
+    """Issue 11 item 5 (loops): an error no step expects (here: os.close raising a non-OSError) used
+    to end the writer thread before it marked the file written: the committer then waited for ever."""
+    real_close = os.close
+    fired: list[int] = []
+
+    def close(fd: int) -> None:
+        real_close(fd)
+        if threading.current_thread().name.startswith("lazyckpt-writer") and not fired:
+            fired.append(fd)
+            raise RuntimeError("injected")
+
+    with LazyCheckpointer(host_memory_budget=64 << 20, chunk_bytes=1 << 20, writer_threads=1) as ckpt:
+        monkeypatch.setattr(os, "close", close)
+        with pytest.raises(WriteError, match="injected"):
+            ckpt.save(_state(), tmp_path / "a.pt").wait(30)
+        ckpt.save(_state(), tmp_path / "b.pt").wait(30)  # the one writer is still there
+        monkeypatch.undo()
+    assert fired and os.listdir(tmp_path) == ["b.pt"]
+
+
+def test_committer_survives_an_unexpected_error(tmp_path, monkeypatch):
+    """A failing cleanup step on the committer (here: discarding a failed save's temporary) used to
+    end the committer thread: that handle and every later one never completed."""
+    from lazyckpt import _commit
+
+    def discard(tmp: str) -> None:
+        raise RuntimeError("injected discard failure")
+
+    with LazyCheckpointer(host_memory_budget=64 << 20, chunk_bytes=1 << 20) as ckpt:
+        monkeypatch.setattr(_commit, "discard", discard)
+        with pytest.raises(WriteError):
+            ckpt.save(_state(), tmp_path / "a.pt", before_commit=lambda: 1 / 0).wait(30)
+        monkeypatch.undo()
+        ckpt.save(_state(), tmp_path / "b.pt").wait(30)

@@ -60,7 +60,7 @@ def write_error(job: Job, what: str, exc: BaseException) -> WriteError:
     return err
 
 
-def _survive(step: Callable[[Any], None], item: Any, job: Job) -> None:
+def _survive(step: Callable[[Any], None], item: Any, job: Job, then: Callable[[], None] | None = None) -> None:
     """Run one item of a thread loop; an unexpected error fails that item's job, never the thread
     (a dead lazyckpt thread would hang every later wait() and the exit drain)."""
     try:
@@ -69,8 +69,9 @@ def _survive(step: Callable[[Any], None], item: Any, job: Job) -> None:
         logger.exception("lazyckpt: %s failed unexpectedly for %s", threading.current_thread().name, job.path)
         try:
             job.fail(write_error(job, "processing", exc))
-        except BaseException:  # noqa: BLE001
-            logger.exception("lazyckpt: could not fail the save to %s", job.path)
+        finally:
+            if then is not None:
+                then()
 
 
 class Engine:
@@ -249,7 +250,8 @@ class Engine:
     def _write_loop(self) -> None:
         while (item := self._write_q.get()) is not _STOP:
             if isinstance(item, Job):
-                _survive(self._finalize, item, item)
+                # the committer waits for `written`: let it discard the failed file
+                _survive(self._finalize, item, item, then=item.written.set)
             else:
                 _survive(self._write_piece, item, item.job)
 
