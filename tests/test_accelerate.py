@@ -181,12 +181,14 @@ class _GatedHandle:
         self._owner, self.path, self._data = owner, path, data
         self._done = threading.Event()
         self._exc = None
+        self._seen = False  # its error reached someone (the core's "reported once")
         self._cbs = []
         self._lock = threading.Lock()
 
     def wait(self, timeout=None):
         self._owner._write_through(self)
         if self._exc is not None:
+            self._seen = True
             raise self._exc
         return None
 
@@ -196,7 +198,9 @@ class _GatedHandle:
     def done(self):
         return self._done.is_set()
 
-    def exception(self):
+    def exception(self, timeout=0):
+        if timeout != 0:
+            self._owner._write_through(self)
         return self._exc
 
     def add_done_callback(self, fn):
@@ -222,6 +226,7 @@ class GatedCheckpointer:
         self.fail = set(fail)
         self.closed = False
         self.lock = threading.RLock()
+        self.unseen: list = []  # (handle or None, error): the core's error ledger
 
     def save(self, obj, path, format="torch", metadata=None, before_commit=None):
         if format == "safetensors":
@@ -248,6 +253,8 @@ class GatedCheckpointer:
             exc = None
             if os.path.basename(h.path) in self.fail:
                 exc = WriteError(f"injected failure writing {h.path}", path=h.path)
+                with self.lock:  # published before the handle is done, as the core does
+                    self.unseen.append((h, exc))
             else:
                 tmp = h.path + ".gated-tmp"
                 with open(tmp, "wb") as f:
@@ -268,6 +275,24 @@ class GatedCheckpointer:
     def pending_paths(self):
         with self.lock:
             return {h.path for h in self.queue}
+
+    def add_error(self, exc):
+        with self.lock:
+            self.unseen.append((None, exc))
+
+    def raise_errors(self):
+        with self.lock:
+            items, self.unseen = self.unseen, []
+        errors = [e for h, e in items if h is None or not h._seen]
+        for h, _ in items:
+            if h is not None:
+                h._seen = True
+        if errors:
+            raise errors[0]
+
+    def wait(self, timeout=None):
+        self.release()
+        self.raise_errors()
 
     def track(self, *opts):
         self.tracked.extend(opts)

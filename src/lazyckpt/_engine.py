@@ -16,12 +16,14 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from . import _commit, _guard
 from ._crc import crc32
 from ._flatten import Source
+from ._handle import CallbackRunner
 from ._job import Job, Piece
 from ._pool import PAGE, HostBufferPool
 from .errors import WriteError
@@ -58,6 +60,20 @@ def write_error(job: Job, what: str, exc: BaseException) -> WriteError:
     return err
 
 
+def _survive(step: Callable[[Any], None], item: Any, job: Job, then: Callable[[], None] | None = None) -> None:
+    """Run one item of a thread loop; an unexpected error fails that item's job, never the thread
+    (a dead lazyckpt thread would hang every later wait() and the exit drain)."""
+    try:
+        step(item)
+    except BaseException as exc:  # noqa: BLE001 - the loop must outlive one item
+        logger.exception("lazyckpt: %s failed unexpectedly for %s", threading.current_thread().name, job.path)
+        try:
+            job.fail(write_error(job, "processing", exc))
+        finally:
+            if then is not None:
+                then()
+
+
 class Engine:
     def __init__(self, pool: HostBufferPool, writer_threads: int, on_done: Callable[[Job], None]) -> None:
         self.pool = pool
@@ -73,6 +89,8 @@ class Engine:
         ]
         self._threads.append(threading.Thread(target=self._commit_loop, name="lazyckpt-committer", daemon=True))
         self._writers = writer_threads
+        self._stopped = False
+        self.callbacks = CallbackRunner()  # done-callbacks: never on the committer (they may wait)
         for t in self._threads:
             t.start()
 
@@ -107,7 +125,7 @@ class Engine:
 
     def _stage_loop(self) -> None:
         while (job := self._stage_q.get()) is not _STOP:
-            self._stage(job)
+            _survive(self._stage, job, job)
 
     def _stage(self, job: Job) -> None:
         cpu = [s for s in job.lazy if s.device.type != "cuda"]
@@ -232,9 +250,10 @@ class Engine:
     def _write_loop(self) -> None:
         while (item := self._write_q.get()) is not _STOP:
             if isinstance(item, Job):
-                self._finalize(item)
+                # the committer waits for `written`: let it discard the failed file
+                _survive(self._finalize, item, item, then=item.written.set)
             else:
-                self._write_piece(item)
+                _survive(self._write_piece, item, item.job)
 
     def _write_piece(self, piece: Piece) -> None:
         job = piece.job
@@ -316,36 +335,64 @@ class Engine:
 
     def _commit_loop(self) -> None:
         while (job := self._commit_q.get()) is not _STOP:
-            job.written.wait()
-            if not job.failed and job.before_commit is not None:
-                try:
-                    job.before_commit()
-                except BaseException as exc:
-                    job.fail(write_error(job, "before committing", exc))
-            if not job.failed:
-                try:
-                    _commit.commit(job.tmp, job.path, job.fsync)
-                except BaseException as exc:
-                    job.fail(write_error(job, "committing", exc))
-            if job.failed:
-                _commit.discard(job.tmp)
-            done = time.perf_counter()
-            stats = None if job.failed else job.stats(done)
+            try:
+                self._commit(job)
+            except BaseException as exc:  # noqa: BLE001 - the loop must outlive one job
+                logger.exception("lazyckpt: committing %s failed unexpectedly", job.path)
+                job.fail(write_error(job, "committing", exc))
+            finally:
+                self._complete(job)
+
+    def _commit(self, job: Job) -> None:
+        job.written.wait()
+        if not job.failed and job.before_commit is not None:
+            try:
+                job.before_commit()
+            except BaseException as exc:
+                job.fail(write_error(job, "before committing", exc))
+        if not job.failed:
+            try:
+                _commit.commit(job.tmp, job.path, job.fsync)
+            except BaseException as exc:
+                job.fail(write_error(job, "committing", exc))
+        if job.failed:
+            _commit.discard(job.tmp)
+
+    def _complete(self, job: Job) -> None:
+        """Finish the handle, exactly once, whatever happened: resolve its outcome, let the
+        checkpointer publish it (and run removals queued behind it), then make it visible and hand
+        its callbacks to the callback thread (callbacks may wait for saves this thread commits)."""
+        handle = job.handle
+        if handle.done():
+            return
+        try:
+            handle._resolve(None if job.failed else job.stats(time.perf_counter()), job.error)
+        except BaseException as exc:  # noqa: BLE001 - stats of a committed file; keep the file, say why
+            logger.exception("lazyckpt: stats of %s failed", job.path)
+            handle._resolve(None, write_error(job, "finishing", exc))
+        try:
             self._on_done(job)
-            job.handle._finish(stats, job.error)
-            job.sources.clear()
-            job.lazy.clear()
-            job.live_pieces.clear()
-            job.handle._settle = None
+        except BaseException:  # noqa: BLE001 - the handle must complete regardless
+            logger.exception("lazyckpt: bookkeeping after %s failed", job.path)
+        self.callbacks.submit(handle, handle._complete())
+        job.sources.clear()
+        job.lazy.clear()
+        job.live_pieces.clear()
+        handle._settle = None
 
     def owns_current_thread(self) -> bool:
-        """True on one of this engine's threads (where done-callbacks run)."""
-        return threading.current_thread() in self._threads
+        """True on one of this engine's threads (the callback thread included)."""
+        return threading.current_thread() in self._threads or self.callbacks.owns_current_thread()
 
     # -- shutdown ---------------------------------------------------------------------------------
 
     def stop(self) -> None:
-        """Stop every thread (after the queues drain) and join them."""
+        """Stop every thread (after the queues drain) and join them (not the callback thread when
+        called from a callback: it ends after that callback)."""
+        if self._stopped:
+            self.callbacks.stop()
+            return
+        self._stopped = True
         self._stage_q.put(_STOP)
         self._commit_q.put(_STOP)
         for t in self._threads[:1]:
@@ -354,3 +401,4 @@ class Engine:
             self._write_q.put(_STOP)
         for t in self._threads[1:]:
             t.join()
+        self.callbacks.stop()

@@ -207,8 +207,7 @@ class _FolderSave:
         self.sync_files: list[str] = []
         self.scan_folder = False
         self.aborted = False
-        self.error: BaseException | None = None
-        self.reported = False
+        self.error: BaseException | None = None  # for load_state's message; reported by the checkpointer
         self.done = threading.Event()
         self._remaining = 0
         self._lock = threading.Lock()
@@ -247,8 +246,6 @@ class _FolderSave:
         self.sync_files = sync_files
         self.scan_folder = scan_folder
         self.aborted = aborted
-        if aborted:
-            self.reported = True  # save_state already raised to the caller; the folder stays incomplete
         self._remaining = len(self.handles) + 1
         for h in self.handles:
             h.add_done_callback(self._one_done)
@@ -273,7 +270,8 @@ class _FolderSave:
                 logger.error(
                     "lazyckpt: save into %s failed; the folder stays marked incomplete: %r", self.folder, self.error
                 )
-        except BaseException as exc:  # noqa: BLE001 - reported through wait()
+        except BaseException as exc:  # noqa: BLE001 - reported once by the checkpointer (wait, next save)
+            self.owner.checkpointer.add_error(exc)  # before done: a wait() that sees done finds it
             if self.error is None:
                 self.error = exc
         finally:
@@ -294,33 +292,12 @@ class _FolderSave:
                 return  # deleted meanwhile (e.g. by total_limit on the main process): nothing to mark
         core.end(files)
 
-    def mark_reported(self) -> None:
-        """This save's error reached the user: the core must not raise it again from a later save()."""
-        self.reported = True
-        for h in self.handles:
-            if h.done() and h.exception() is not None:
-                try:
-                    h.wait(0)  # the public way to tell the core the error was seen
-                except BaseException:  # noqa: BLE001
-                    pass
-
-    def failed_handle_error(self) -> BaseException | None:
-        """The error of a core save of this folder that already failed (finisher may not have run yet)."""
-        for h in self.handles:
-            if h.done():
-                exc = h.exception()
-                if exc is not None:
-                    return exc
-        return None
-
     def wait(self, timeout: float | None = None) -> BaseException | None:
+        """Block until every file and the folder's marker are settled; the error stays the
+        checkpointer's to report (``h.exception`` does not count as seen)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         for h in list(self.handles):
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                h.wait(left)
-            except LazyCkptError:
-                pass  # collected from h.exception() in _complete
+            h.exception(None if deadline is None else max(0.0, deadline - time.monotonic()))
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         if not self.done.wait(left):
             raise TimeoutError(f"lazyckpt: save into {self.folder} not durable after {timeout} s")
@@ -358,7 +335,6 @@ class AccelerateHandle:
         self._hook_handle = None
         self.load_timeout = 600.0  # seconds load_state waits for other processes' pending saves
         self.last_save_state_s: float | None = None  # seconds the last save_state call blocked
-        self._removals: list = []  # futures of old folders being deleted in the background
         self._trash_cleaned: set[str] = set()
 
     # -- background finisher -------------------------------------------------------------------------
@@ -436,28 +412,20 @@ class AccelerateHandle:
             self._trash_cleaned.add(trash)
             cleanup_temporaries(trash)
         for folder in mine:
-            try:
-                fut = self.checkpointer.remove(folder, trash_dir=trash)
+            try:  # the checkpointer's wait() waits for the deletion and reports its error
+                self.checkpointer.remove(folder, trash_dir=trash)
             except OSError as exc:
                 logger.debug("lazyckpt: leaving the deletion of %s to accelerate: %s", folder, exc)
-                continue
-            with self._lock:
-                self._removals.append(fut)
 
     def _prune(self) -> None:
-        # caller holds self._lock: forget saves that are durable, or failed and already reported
-        self._saves = [fs for fs in self._saves if not fs.done.is_set() or (fs.error is not None and not fs.reported)]
+        # caller holds self._lock: forget durable saves (failed ones stay, for load_state's message)
+        self._saves = [fs for fs in self._saves if not fs.done.is_set() or fs.error is not None]
 
     def _raise_unreported(self) -> None:
+        """Errors are the checkpointer's to report, once (failed files, folders, deletions)."""
         with self._lock:
-            for fs in self._saves:
-                if fs.reported:
-                    continue
-                err = fs.error if fs.done.is_set() else fs.failed_handle_error()
-                if err is not None:
-                    fs.mark_reported()
-                    raise err
             self._prune()
+        self.checkpointer.raise_errors()
 
     def _save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs):
         if self._removed or not self._lazy_supported():
@@ -581,32 +549,16 @@ class AccelerateHandle:
     # -- public --------------------------------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> None:
         """Block until every pending ``save_state`` of this accelerator is durable (and old folders deleted for
-        ``total_limit`` are gone); raise the first error."""
+        ``total_limit`` are gone); raise the first error nobody has seen. ``timeout``: seconds (``None``: no
+        limit), then ``TimeoutError``."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             todo = list(self._saves)
-        first: BaseException | None = None
         for fs in todo:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            err = fs.wait(left)
-            if err is not None and not fs.reported and first is None:
-                fs.mark_reported()
-                first = err
+            fs.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        self.checkpointer.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
         with self._lock:
             self._prune()
-            removals, self._removals = self._removals, []
-        for i, fut in enumerate(removals):  # old folders deleted in the background (total_limit)
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                err = fut.exception(left)  # fetched here: the checkpointer will not raise it again
-            except TimeoutError:
-                with self._lock:
-                    self._removals[:0] = removals[i:]
-                raise
-            if err is not None and first is None:
-                first = err
-        if first is not None:
-            raise first
 
     def pending(self) -> int:
         """Number of save_state calls of this accelerator whose files are not all durable yet."""

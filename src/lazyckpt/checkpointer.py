@@ -11,6 +11,7 @@ import warnings
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -21,7 +22,8 @@ from ._flatten import Source
 from ._handle import SaveHandle, SaveStats
 from ._job import Job
 from ._pool import PAGE, HostBufferPool
-from ._remove import Remover
+from ._remove import RemovalFuture, Remover
+from ._report import ErrorLedger, Report, raise_first
 from .errors import CheckpointerClosedError, LazyCkptError, SaveRefusedError, WriteError
 
 logger = logging.getLogger(__name__)
@@ -117,12 +119,13 @@ class LazyCheckpointer:
         self.skipped_saves = 0
         self._lock = threading.Lock()
         self._jobs: list[Job] = []  # saved, not yet committed, in save() order
-        self._failed: list[SaveHandle] = []  # failed saves whose error nobody has seen yet
+        self._errors = ErrorLedger()  # failed saves and removals whose error nobody has seen yet
+        self._removals: list[_QueuedRemoval] = []  # remove() calls waiting for pending saves
         self._cleaned_dirs: set[str] = set()
         self._last_warning = 0.0
         self._closed = False
         self._engine = Engine(self.pool, writer_threads, self._job_done)
-        self._remover = Remover()
+        self._remover = Remover(on_failed=self._errors.publish)
         _open_checkpointers.add(self)
 
     # -- public API -------------------------------------------------------------------------------
@@ -185,44 +188,67 @@ class LazyCheckpointer:
         return job.handle
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until every save made so far is durable and every ``remove()`` has run; raise the
-        first error nobody has seen."""
+        """Block until every save made so far is durable and every ``remove()`` has run, then raise
+        the oldest background error nobody has seen (see ``raise_errors``). ``timeout``: seconds
+        (``None``: no limit); ``TimeoutError`` when they are not all done by then."""
         with self._lock:
             jobs = list(self._jobs)
         deadline = None if timeout is None else time.monotonic() + timeout
         for job in jobs:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not job.handle._done.wait(remaining):
+            if not job.handle._done.wait(_left(deadline)):
                 raise TimeoutError(f"pending saves not durable after {timeout} s")
+        try:
+            self._remover.wait(_left(deadline))
+        except TimeoutError:
+            raise TimeoutError(f"pending removals not done after {timeout} s") from None
         self._raise_unreported()
-        self._remover.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+    def raise_errors(self) -> None:
+        """Raise the oldest background error nobody has seen yet (a failed save or removal, or one
+        handed over with ``add_error``), with a note naming the others; every one of them counts as
+        seen from then on. Returns if there is none. This is the one place where "reported once"
+        is decided: ``save()``, ``wait()`` and ``close()`` call it, and so do the integrations. An
+        error already raised by ``handle.wait()`` or fetched from a removal's future is not raised
+        again; one raised here is still raised by its own ``handle.wait()``."""
+        raise_first(self._errors.take())
+
+    def add_error(self, error: BaseException) -> None:
+        """Hand over a background error of the caller's own (an integration's upload, or a folder
+        that could not be marked complete) to be raised once, like a failed save's, by the next
+        ``save()``, ``wait()``, ``close()`` or ``raise_errors()``."""
+        self._errors.publish(Report(error))
 
     def remove(self, path: str | os.PathLike[str], *, trash_dir: str | os.PathLike[str] | None = None) -> Future:
-        """Delete a checkpoint file or folder without making the caller wait for the filesystem.
+        """Delete a checkpoint file or folder in commit order; returns at once.
 
-        Pending saves to ``path`` (or, for a folder, into it) are waited for first, so a delete never
-        races a write. Then ``path`` is renamed to a hidden temporary name (in ``trash_dir`` if given,
-        which must be on the same filesystem; by default next to it) and the caller returns: the name
-        is free at once, and a background thread frees the space (deleting a large fsynced file costs
-        tens of ms per GB on some filesystems). Symlinks are unlinked at once. Raises
-        ``FileNotFoundError`` if ``path`` does not exist. The returned future completes when the data
-        is deleted; ``wait()`` and ``close()`` wait for every removal and raise a failed one's error,
-        unless it was already fetched from the future (``result()`` / ``exception()``).
+        The deletion is ordered with the saves: it happens after every save to ``path`` (or, for a
+        folder, into it) that is pending now has committed (or failed), and before any later save
+        to it commits, so a delete never races a write and never removes a later save's file. The
+        path is renamed to a hidden temporary name (in ``trash_dir`` if given, which must be on the
+        same filesystem; by default next to it): the name is free at once, and a background thread
+        frees the space (deleting a large fsynced file costs tens of ms per GB on some
+        filesystems). Symlinks are unlinked at once.
+
+        With no pending save to ``path``, the rename happens right here and a missing ``path``
+        raises ``FileNotFoundError``. Behind a pending save, it happens on the committer; if the
+        path is missing by then (the save failed and nothing was there before), there is nothing to
+        delete and the future completes normally. Safe to call from a done-callback.
+
+        The returned future completes when the data is deleted; ``wait()`` and ``close()`` wait for
+        every removal and raise a failed one's error once, unless it was already fetched from the
+        future (``result()`` / ``exception()``).
         """
         self._check_open()
         target = os.path.abspath(os.fspath(path))
-        with self._lock:
-            handles = [
-                j.handle for j in self._jobs if j.path == target or j.path.startswith(target.rstrip(os.sep) + os.sep)
-            ]
-        if handles and self._engine.owns_current_thread():
-            raise RuntimeError(
-                f"remove({target!r}) from a save's done-callback while a save to that path is pending would "
-                "deadlock (the pending save commits on this very thread); remove it from another thread"
-            )
-        for handle in handles:
-            handle._done.wait()  # its error stays for the save's owner (handle.wait(), next save())
-        return self._remover.remove(target, None if trash_dir is None else os.path.abspath(os.fspath(trash_dir)))
+        trash = None if trash_dir is None else os.path.abspath(os.fspath(trash_dir))
+        inside = target.rstrip(os.sep) + os.sep
+        with self._lock:  # orders this against _job_done: a job is either still here or committed
+            behind = {j for j in self._jobs if j.path == target or j.path.startswith(inside)}
+            if behind:
+                queued = _QueuedRemoval(target, trash, self._remover.reserve(), behind)
+                self._removals.append(queued)
+                return queued.future
+        return self._remover.remove(target, trash)
 
     def wait_staged(self, timeout: float | None = None) -> None:
         """Block until every pending save's host copies are done (saved tensors may change)."""
@@ -255,14 +281,16 @@ class LazyCheckpointer:
 
     def close(self) -> None:
         """Drain every pending save and removal, stop the threads, free the buffers; raise any unseen
-        error."""
+        error. May be called from a done-callback (the callback thread then ends after it)."""
         if self._closed:
+            self._engine.stop()  # joins a callback thread that closed us from inside
             return
         try:
             with self._lock:
                 jobs = list(self._jobs)
             for job in jobs:
                 job.handle._done.wait()
+            self._remover.wait()
         finally:
             self._closed = True
             self._engine.stop()
@@ -270,7 +298,6 @@ class LazyCheckpointer:
             self.pool.close()
             _open_checkpointers.discard(self)
         self._raise_unreported()
-        self._remover.wait()
 
     def __enter__(self) -> LazyCheckpointer:
         return self
@@ -347,30 +374,34 @@ class LazyCheckpointer:
         self._engine.submit(job)
 
     def _job_done(self, job: Job) -> None:
-        """Engine callback (committer thread), before the handle completes."""
+        """Engine callback (committer thread): the handle's outcome is resolved but not yet visible.
+
+        Publishing the error here, before the handle is done, means that whoever sees the save
+        finished also finds its error. Removals that were waiting for this save run here too: after
+        its commit, before the committer moves on to later saves. Nothing here may warn or call user
+        code (warnings are issued on the caller's thread, in ``_raise_unreported``).
+        """
         with self._lock:
             self._jobs.remove(job)
-            if job.error is not None:
-                self._failed.append(job.handle)
+            if job.handle._report is not None:
+                self._errors.publish(job.handle._report)
+            ready = []
+            for queued in self._removals:
+                queued.behind.discard(job)
+                if not queued.behind:
+                    ready.append(queued)
+            self._removals = [q for q in self._removals if q.behind]
+        for queued in ready:
+            self._remover.run(queued.path, queued.trash_dir, queued.future)
         if job.error is not None:
             logger.debug("lazyckpt: save to %s failed: %s", job.path, job.error)
         else:
             logger.debug("lazyckpt: saved %s (%d bytes)", job.path, job.nbytes)
-        self._warn_if_backpressure()
 
     def _raise_unreported(self) -> None:
-        with self._lock:
-            failed = [h for h in self._failed if not h.reported]
-            self._failed.clear()
-        if not failed:
-            return
-        for h in failed:
-            h.reported = True
-        err = failed[0]._error
-        assert err is not None
-        if len(failed) > 1 and hasattr(err, "add_note"):
-            err.add_note(f"lazyckpt: {len(failed) - 1} more save(s) failed: " + ", ".join(h.path for h in failed[1:]))
-        raise err
+        """On the caller's thread: raise an unseen background error, else issue pending warnings."""
+        self.raise_errors()
+        self._warn_if_backpressure()
 
     def _should_skip(self, nbytes: int, final: str) -> bool:
         if self.on_backpressure != "skip":
@@ -396,20 +427,36 @@ class LazyCheckpointer:
         return handle
 
     def _warn_if_backpressure(self) -> None:
-        waited = self.pool.wait_s
+        """Caller's thread only: a warning filter set to "error" must not end a lazyckpt thread."""
         now = time.monotonic()
-        if waited <= 0.5 or now - self._last_warning < 30:
-            return
-        self._last_warning = now
-        self.pool.wait_s = 0.0
+        with self._lock:  # one caller warns for a given wait
+            waited = self.pool.wait_s
+            if waited <= 0.5 or now - self._last_warning < 30:
+                return
+            self._last_warning = now
+            self.pool.wait_s = 0.0
+        logger.warning("lazyckpt: staging waited %.2f s for host buffers", waited)
         warnings.warn(
             f"lazyckpt: saves outrun storage: staging waited {waited:.2f} s for host buffers "
             f"(budget {self.pool.capacity_bytes / 1e9:.2f} GB); training slows to storage speed. "
             "Save less often, raise host_memory_budget, or use on_backpressure='skip'.",
             BackpressureWarning,
-            stacklevel=2,
+            stacklevel=4,  # the caller of save() / wait()
         )
-        logger.warning("lazyckpt: staging waited %.2f s for host buffers", waited)
+
+
+@dataclass(eq=False)
+class _QueuedRemoval:
+    """A ``remove()`` waiting for the saves in ``behind`` (pending at the call) to finish."""
+
+    path: str
+    trash_dir: str | None
+    future: RemovalFuture
+    behind: set[Job]
+
+
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 _ZERO_COPY_MIN = 1 << 20  # below this, a tensor's two partial pages would be most of it

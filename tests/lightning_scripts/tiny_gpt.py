@@ -139,6 +139,12 @@ class DeferredCommitCheckpointer(LazyCheckpointer):
         self._release()
         super().wait(timeout)
 
+    def remove(self, path: Any, **kwargs: Any) -> Any:
+        # The core orders a delete after pending saves to the path; the held saves are pending only
+        # here, so they land first (as at the next save), then the core deletes.
+        self._release()
+        return super().remove(path, **kwargs)
+
     def close(self) -> None:
         self._release()
         super().close()
