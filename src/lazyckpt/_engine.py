@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import _commit, _guard
+from . import _commit
 from ._crc import crc32
 from ._flatten import Source
 from ._job import Job, Piece
@@ -128,9 +128,8 @@ class Engine:
             for event in job.last_events.values():
                 event.synchronize()
             with job.version_lock:
-                if not job.cuda_verified:
-                    job.check_stale(cuda)
-                    job.cuda_verified = True
+                if not job.verified:  # once the guard verified, the step may change them legitimately
+                    job.check_stale(cuda)  # early, not sound: the confirmation is what counts
         except BaseException as exc:
             job.fail(write_error(job, "staging for", exc))
         finally:
@@ -184,18 +183,20 @@ class Engine:
 
     @staticmethod
     def _finish_reading(job: Job) -> None:
-        """The last reader of live memory is through: check that nothing changed those tensors
-        meanwhile, drop the references, and let the optimizer step."""
+        """The last reader of live memory is through: check (early; the sound check is the
+        confirmation on the training thread, ``Job.confirm``) that nothing changed those tensors
+        meanwhile, drop the references to unguarded tensors, and let the optimizer step."""
         try:
             if job.live_pieces:
                 job.check_stale([s for s in job.lazy if s.live])
+            lazy = {id(s) for s in job.lazy}
             for src in job.sources:  # every copy has landed or is ordered on the compute stream
-                src.release()
+                if id(src) not in lazy:  # lazy ones keep their version checks until confirmed
+                    src.release()
             job.t_staged = time.perf_counter()
         finally:
             job.handle._set_staged()
-            _guard.discard(job)
-            job.read_done.set()
+            job.reading_over()
 
     def _copy_source(self, job: Job, src: Source, stream: torch.cuda.Stream | None) -> None:
         """Copy a source piece by piece into pool buffers and queue each piece for writing."""
@@ -317,6 +318,8 @@ class Engine:
     def _commit_loop(self) -> None:
         while (job := self._commit_q.get()) is not _STOP:
             job.written.wait()
+            if not job.failed:
+                job.confirmed.wait()  # never commit before a check ordered after the caller's ops
             if not job.failed and job.before_commit is not None:
                 try:
                     job.before_commit()
@@ -336,7 +339,7 @@ class Engine:
             job.sources.clear()
             job.lazy.clear()
             job.live_pieces.clear()
-            job.handle._settle = None
+            job.handle._settle = job.handle._confirm = None
 
     def owns_current_thread(self) -> bool:
         """True on one of this engine's threads (where done-callbacks run)."""

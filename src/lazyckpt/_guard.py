@@ -28,6 +28,9 @@ class Pending(Protocol):
     def release_guard(self) -> None:
         """Return once the optimizer may change this save's tensors (or the save failed)."""
 
+    def confirm(self) -> bool:
+        """Without blocking: check versions on this thread if the copies are over; True if done."""
+
 
 _lock = threading.Lock()
 _pending: list[Pending] = []
@@ -60,6 +63,17 @@ def wait_all() -> None:
             jobs = list(_pending)
         for job in jobs:
             job.release_guard()
+            discard(job)
+
+
+def confirm_ready() -> None:
+    """Confirm every pending save whose copies are over, on the calling thread (never blocks)."""
+    if not _pending:
+        return
+    with _lock:
+        jobs = list(_pending)
+    for job in jobs:
+        if job.confirm():
             discard(job)
 
 

@@ -46,6 +46,7 @@ class SaveHandle:
         self._callbacks: list[Callable[[SaveHandle], object]] = []
         self.reported = False  # the error reached the user already
         self._settle: Callable[[float | None], None] | None = None  # set by the job: copy what is live
+        self._confirm: Callable[[float | None], None] | None = None  # set by the job: check versions here
 
     def __repr__(self) -> str:
         state = "failed" if self._error else "done" if self._done.is_set() else "pending"
@@ -66,14 +67,14 @@ class SaveHandle:
         thread), so this waits for memory copies, not for storage."""
         deadline = None if timeout is None else time.monotonic() + timeout
         settle = self._settle
-        if settle is not None and not self._staged.is_set():
+        if settle is not None:  # also once staged: it confirms the save on this thread (Job.confirm)
             settle(timeout)
         if not self._staged.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
             raise TimeoutError(f"save to {self.path} not staged after {timeout} s")
 
     def wait(self, timeout: float | None = None) -> SaveStats:
         """Block until the save is durable; return its stats or raise its error."""
-        if not self._done.wait(timeout):
+        if not self._wait_done(timeout):
             raise TimeoutError(f"save to {self.path} not durable after {timeout} s")
         if self._error is not None:
             self.reported = True
@@ -96,6 +97,15 @@ class SaveHandle:
                 self._callbacks.append(fn)
                 return
         _call(fn, self)
+
+    def _wait_done(self, timeout: float | None = None) -> bool:
+        """Wait for the commit, which waits for the save to be confirmed by a thread that called into
+        lazyckpt after the copies (see ``Job.confirm``): confirm it on this thread first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        confirm = self._confirm
+        if confirm is not None and not self._done.is_set():
+            confirm(timeout)
+        return self._done.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     # -- engine side ------------------------------------------------------------------------------
 

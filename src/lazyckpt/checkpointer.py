@@ -151,6 +151,7 @@ class LazyCheckpointer:
         """
         t0 = time.perf_counter()
         self._check_open()
+        _guard.confirm_ready()  # earlier saves whose copies are over: this thread's ops came before
         self._raise_unreported()
         final = self._resolve(path)
         guarded = _guard.guarded_storages()
@@ -215,7 +216,7 @@ class LazyCheckpointer:
         deadline = None if timeout is None else time.monotonic() + timeout
         for job in jobs:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not job.handle._done.wait(remaining):
+            if not job.handle._wait_done(remaining):
                 raise TimeoutError(f"pending saves not durable after {timeout} s")
         self._raise_unreported()
         self._remover.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
@@ -244,7 +245,7 @@ class LazyCheckpointer:
                 "deadlock (the pending save commits on this very thread); remove it from another thread"
             )
         for handle in handles:
-            handle._done.wait()  # its error stays for the save's owner (handle.wait(), next save())
+            handle._wait_done()  # its error stays for the save's owner (handle.wait(), next save())
         return self._remover.remove(target, None if trash_dir is None else os.path.abspath(os.fspath(trash_dir)))
 
     def wait_staged(self, timeout: float | None = None) -> None:
@@ -285,7 +286,7 @@ class LazyCheckpointer:
             with self._lock:
                 jobs = list(self._jobs)
             for job in jobs:
-                job.handle._done.wait()
+                job.handle._wait_done()
         finally:
             self._closed = True
             self._engine.stop()

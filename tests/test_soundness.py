@@ -1,0 +1,137 @@
+"""Soundness of the staleness check, interrupts, forks, and frozen tensors (issue 11: 2, 4, 8, Also)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+
+import pytest
+import torch
+
+from _util import assert_same
+from lazyckpt import LazyCheckpointer, StaleTensorError, _engine
+
+_N = 4 << 20  # floats: 16 MiB, several pieces and (zero copy) several live pieces
+
+
+def _straddling_mul_(t: torch.Tensor, inside_kernel: threading.Event, finish: threading.Event) -> None:
+    """``t.mul_(2)`` as torch runs it, with a pause in the middle: the kernel writes the memory and
+    only after it returns does torch bump ``t._version``. Writing through ``.data`` (its own version
+    counter) and bumping by hand reproduces exactly that order."""
+    flat = t.data.view(-1)
+    half = flat.numel() // 2
+    flat[:half].mul_(2)
+    inside_kernel.set()
+    assert finish.wait(30)
+    flat[half:].mul_(2)
+    torch.autograd.graph.increment_version(t)
+
+
+def _hold_readers(monkeypatch, until: threading.Event) -> None:
+    """Hold every lazyckpt read of a caller's tensor (stager memmove, live write) until ``until``."""
+    real_memmove, real_write = _engine.ctypes.memmove, _engine.Engine._write_data
+
+    class _Ctypes:
+        def __getattr__(self, name):
+            return getattr(ctypes, name)
+
+        @staticmethod
+        def memmove(dst, src, n):
+            if threading.current_thread().name.startswith("lazyckpt-"):
+                assert until.wait(30)
+            return real_memmove(dst, src, n)
+
+    def write(job, piece, data, addr):
+        if piece.live:
+            assert until.wait(30)
+        return real_write(job, piece, data, addr)
+
+    monkeypatch.setattr(_engine, "ctypes", _Ctypes())
+    monkeypatch.setattr(_engine.Engine, "_write_data", staticmethod(write))
+
+
+@pytest.mark.parametrize("zero_copy", [False, True], ids=["staged", "zero_copy"])
+def test_in_place_op_straddling_the_end_of_the_copy_never_commits_a_torn_file(tmp_path, monkeypatch, zero_copy):
+    """The in-place op starts before lazyckpt reads the tensor and ends (version bumped) after the
+    last reader's version check. Before the fix, that check passed and the file was committed with
+    half the tensor doubled (``assert_same`` failed on every round); now the commit waits for a
+    check on the training thread, which sees the bump."""
+    p = torch.nn.Parameter(torch.arange(_N, dtype=torch.float32))
+    opt = torch.optim.SGD([p], lr=0.1)
+    for i in range(5):
+        inside, finish = threading.Event(), threading.Event()
+        _hold_readers(monkeypatch, inside)
+        with LazyCheckpointer(direct_io=zero_copy, zero_copy=zero_copy, writer_threads=2, chunk_bytes=4 << 20) as c:
+            c.track(opt)
+            want = p.detach().clone()
+            h = c.save({"p": p}, tmp_path / f"c{i}.pt")
+            done = threading.Thread(target=lambda: (h._staged.wait(30), finish.set()))
+            done.start()  # "the kernel" ends once every reader is through, checks included
+            _straddling_mul_(p, inside, finish)
+            done.join()
+            try:
+                h.wait()
+            except StaleTensorError:
+                assert not (tmp_path / f"c{i}.pt").exists()
+            else:
+                assert_same(torch.load(tmp_path / f"c{i}.pt")["p"].detach(), want)
+        monkeypatch.undo()
+
+
+def test_real_in_place_op_racing_the_copy_many_times(tmp_path, monkeypatch):
+    """A real ``mul_`` on another thread, started while the copy is held, many times: every round
+    either commits exactly the state at save() or fails with StaleTensorError."""
+    p = torch.nn.Parameter(torch.ones(_N))
+    opt = torch.optim.SGD([p], lr=0.1)
+    with LazyCheckpointer(zero_copy=False, chunk_bytes=4 << 20) as c:
+        c.track(opt)
+        for i in range(10):
+            started = threading.Event()
+            _hold_readers(monkeypatch, started)
+            want = p.detach().clone()
+            h = c.save({"p": p}, tmp_path / f"c{i}.pt")
+
+            def mutate():
+                started.set()
+                with torch.no_grad():
+                    p.mul_(1.5)
+
+            t = threading.Thread(target=mutate)
+            t.start()
+            t.join()  # the mutating thread is done: its bump is ordered before our wait()
+            try:
+                h.wait()
+            except StaleTensorError:
+                assert not (tmp_path / f"c{i}.pt").exists()
+            else:
+                assert_same(torch.load(tmp_path / f"c{i}.pt")["p"].detach(), want)
+            monkeypatch.undo()
+
+
+def test_mutation_after_wait_staged_is_not_reported_stale(tmp_path):
+    """wait_staged() confirms on the calling thread: changes after it are legitimate."""
+    p = torch.nn.Parameter(torch.ones(1 << 20))
+    opt = torch.optim.SGD([p], lr=0.1)
+    with LazyCheckpointer() as c:
+        c.track(opt)
+        h = c.save({"p": p}, tmp_path / "c.pt")
+        h.wait_staged()
+        with torch.no_grad():
+            p.mul_(3)
+        h.wait()
+    assert_same(torch.load(tmp_path / "c.pt")["p"], torch.nn.Parameter(torch.ones(1 << 20)))
+
+
+def test_step_after_copies_finished_is_not_reported_stale(tmp_path):
+    """The guard confirms before the step changes the tensors, even when staging finished long ago."""
+    p = torch.nn.Parameter(torch.ones(1 << 20))
+    opt = torch.optim.SGD([p], lr=0.1)
+    with LazyCheckpointer() as c:
+        c.track(opt)
+        h = c.save({"p": p}, tmp_path / "c.pt")
+        h._staged.wait(30)  # staged, not yet confirmed
+        p.grad = torch.ones_like(p)
+        opt.step()
+        h.wait()
+    assert_same(torch.load(tmp_path / "c.pt")["p"], torch.nn.Parameter(torch.ones(1 << 20)))
