@@ -135,3 +135,86 @@ def test_step_after_copies_finished_is_not_reported_stale(tmp_path):
         opt.step()
         h.wait()
     assert_same(torch.load(tmp_path / "c.pt")["p"], torch.nn.Parameter(torch.ones(1 << 20)))
+
+
+# -- item 8: Ctrl-C and fork -------------------------------------------------------------------------
+
+
+def test_ctrl_c_while_save_waits_for_host_buffers_propagates(tmp_path, monkeypatch):
+    """save() blocks on a full pool (writes held, an unguarded tensor larger than the budget): a
+    SIGINT delivered right then must raise KeyboardInterrupt from save(), leave no temporary file,
+    and not hang or re-raise from the later wait()/close(). Before the fix, ``_start`` caught it:
+    save() returned a handle and no KeyboardInterrupt was seen."""
+    import signal
+
+    from _util import WriteGate
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("SIGINT is delivered to the main thread")
+    gate = WriteGate(monkeypatch)
+    c = LazyCheckpointer(host_memory_budget=1 << 20, chunk_bytes=1 << 20, writer_threads=1)
+    blocked = threading.Event()
+    cond = c.pool._cond
+    real_wait = cond.wait
+
+    def waiting(*a, **k):
+        blocked.set()
+        return real_wait(*a, **k)
+
+    monkeypatch.setattr(cond, "wait", waiting)
+
+    def interrupt():
+        assert blocked.wait(30)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    t = threading.Thread(target=interrupt)
+    t.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            c.save({"x": torch.ones(1 << 20)}, tmp_path / "c.pt")  # 4 MiB through a 1 MiB budget
+    finally:
+        t.join()
+        gate.release()
+        try:
+            c.wait()  # the interrupted save failed cleanly; its error was the KeyboardInterrupt itself
+        finally:
+            c.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_forked_child_with_saves_pending_steps_and_exits(tmp_path, monkeypatch):
+    """A fork while a save's copies are held: the child (which has none of lazyckpt's threads) must
+    step its optimizer and exit without hanging. Before the fix the child's step waited forever
+    for the parent's stager (the test saw its exit timeout)."""
+    import warnings
+
+    from _util import WriteGate
+
+    gate = WriteGate(monkeypatch)
+    p = torch.nn.Parameter(torch.ones(1 << 20))
+    opt = torch.optim.SGD([p], lr=0.1)
+    with LazyCheckpointer(direct_io=True, writer_threads=1) as c:  # zero copy: staging waits for writes
+        c.track(opt)
+        h = c.save({"p": p}, tmp_path / "c.pt")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads: that is the point
+            pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            code = 1
+            try:
+                torch.set_num_threads(1)  # torch's OpenMP pool does not survive fork() (hangs without lazyckpt)
+                p.grad = torch.ones_like(p)
+                opt.step()
+                code = 0
+            finally:
+                os._exit(code)
+        status: list[int] = []
+        waiter = threading.Thread(target=lambda: status.append(os.waitpid(pid, 0)[1]), daemon=True)
+        waiter.start()
+        waiter.join(30)
+        if waiter.is_alive():
+            os.kill(pid, 9)
+            waiter.join()
+        gate.release()
+        h.wait()
+    assert status and os.waitstatus_to_exitcode(status[0]) == 0, status

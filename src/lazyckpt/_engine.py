@@ -58,6 +58,12 @@ def write_error(job: Job, what: str, exc: BaseException) -> WriteError:
     return err
 
 
+def _new_event() -> torch.cuda.Event:
+    """Blocking events: a writer or the stager waiting in ``synchronize()`` sleeps instead of
+    spinning a CPU core for the whole device-to-host copy (the default, ``blocking=False``, spins)."""
+    return torch.cuda.Event(blocking=True)
+
+
 class Engine:
     def __init__(self, pool: HostBufferPool, writer_threads: int, on_done: Callable[[Job], None]) -> None:
         self.pool = pool
@@ -205,22 +211,27 @@ class Engine:
                 return
             piece.buffer = self.pool.alloc(piece.nbytes, piece.file_offset % PAGE)
             job.piece_added()
-            if stream is None and src.device.type == "cpu":
-                # One plain memcpy with the GIL released: torch's copy_ would fan out over the
-                # intra-op threads, i.e. take every core from the training for the same bandwidth.
-                ctypes.memmove(piece.buffer.view.data_ptr(), src.data_ptr + piece.start, piece.nbytes)
+            try:
+                self._copy_piece(job, src, piece, stream)
+            finally:  # even on Ctrl-C: a writer returns the buffer (the job has failed by then)
                 self._write_q.put(piece)
-                continue
-            view = src.flat[piece.start : piece.start + piece.nbytes]
-            if stream is None:
-                piece.buffer.view.copy_(view)
-            else:
-                with torch.cuda.stream(stream):
-                    piece.buffer.view.copy_(view, non_blocking=True)
-                    piece.event = torch.cuda.Event()
-                    piece.event.record(stream)
-                job.last_events[src.device] = piece.event
-            self._write_q.put(piece)
+
+    def _copy_piece(self, job: Job, src: Source, piece: Piece, stream: torch.cuda.Stream | None) -> None:
+        assert piece.buffer is not None
+        if stream is None and src.device.type == "cpu":
+            # One plain memcpy with the GIL released: torch's copy_ would fan out over the
+            # intra-op threads, i.e. take every core from the training for the same bandwidth.
+            ctypes.memmove(piece.buffer.view.data_ptr(), src.data_ptr + piece.start, piece.nbytes)
+            return
+        view = src.flat[piece.start : piece.start + piece.nbytes]
+        if stream is None:
+            piece.buffer.view.copy_(view)
+            return
+        with torch.cuda.stream(stream):
+            piece.buffer.view.copy_(view, non_blocking=True)
+            piece.event = _new_event()
+            piece.event.record(stream)
+        job.last_events[src.device] = piece.event
 
     def _copy_stream(self, device: torch.device) -> torch.cuda.Stream:
         stream = self._copy_streams.get(device)

@@ -13,6 +13,7 @@ The hook also learns which optimizers exist. Tensors they own (params, state) ch
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -120,4 +121,13 @@ def _waiting(closure: Callable[[], Any]) -> Callable[[], Any]:
     return closure_then_wait
 
 
+def _forget_pending_in_child() -> None:
+    """A forked child has none of the threads that would finish the parent's saves: its steps must
+    not wait for them (the child's copies of those saves are simply abandoned; the parent's go on)."""
+    global _lock
+    _lock = threading.Lock()  # another thread may have held it at the fork
+    _pending.clear()
+
+
 register_optimizer_step_pre_hook(_pre_hook)
+os.register_at_fork(after_in_child=_forget_pending_in_child)

@@ -366,8 +366,13 @@ class LazyCheckpointer:
         try:
             for src in eager:
                 self._engine.stage_now(job, src)
-        except BaseException as exc:
+        except Exception as exc:
             job.fail(write_error(job, "staging for", exc))
+        except BaseException as exc:  # Ctrl-C on a full pool: the save fails cleanly, the interrupt goes on
+            job.fail(write_error(job, "staging for", exc))
+            job.handle.reported = True  # the caller sees the interrupt itself, not this save's error again
+            self._engine.submit(job)  # the engine unlinks the temporary file and releases the guard
+            raise
         self._engine.submit(job)
 
     def _job_done(self, job: Job) -> None:
@@ -453,6 +458,8 @@ def _zero_copy_candidate(src: Source, guarded: set[int]) -> bool:
 
 
 _open_checkpointers: weakref.WeakSet[LazyCheckpointer] = weakref.WeakSet()
+# A forked child has none of the parent's lazyckpt threads: draining its copies at exit would hang.
+os.register_at_fork(after_in_child=_open_checkpointers.clear)
 
 
 @atexit.register
