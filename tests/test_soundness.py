@@ -218,3 +218,57 @@ def test_forked_child_with_saves_pending_steps_and_exits(tmp_path, monkeypatch):
         gate.release()
         h.wait()
     assert status and os.waitstatus_to_exitcode(status[0]) == 0, status
+
+
+# -- item 9: temporaries on a directory shared by several hosts ---------------------------------------
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_temporary_names_carry_the_host(tmp_path):
+    from lazyckpt import _commit
+
+    tmp = _commit.temporary_path(str(tmp_path / "c.pt"))
+    assert f".lazyckpt-{_commit.host_tag()}-{os.getpid()}-" in os.path.basename(tmp)
+    assert _commit.is_temporary(tmp)
+
+
+def test_cleanup_keeps_other_hosts_temporaries(tmp_path):
+    """Another node's in-flight temporary whose pid happens not to run here must survive. Before the
+    fix names carried no host, so every temporary with a pid dead on this host was deleted."""
+    from lazyckpt import _commit, cleanup_temporaries
+
+    dead = _dead_pid()
+    here = tmp_path / f".c.pt.lazyckpt-{_commit.host_tag()}-{dead}-0.tmp"
+    other = tmp_path / f".c.pt.lazyckpt-node-17.cluster-{dead}-0.tmp"
+    mine = tmp_path / f".c.pt.lazyckpt-{_commit.host_tag()}-{os.getpid()}-0.tmp"
+    for f in (here, other, mine):
+        f.write_bytes(b"partial")
+    assert cleanup_temporaries(tmp_path) == [str(here)]
+    assert sorted(os.listdir(tmp_path)) == sorted([other.name, mine.name])
+
+
+def test_cleanup_of_old_style_names_waits_for_them_to_go_quiet(tmp_path):
+    """Old names (``.<name>.lazyckpt-<pid>-<n>.tmp``) do not say which host wrote them: they are
+    still temporaries, removed when their pid is dead here and nothing wrote them for an hour."""
+    import time
+
+    from lazyckpt import _commit, cleanup_temporaries
+
+    dead = _dead_pid()
+    fresh = tmp_path / f".c.pt.lazyckpt-{dead}-0.tmp"
+    stale = tmp_path / f".d.pt.lazyckpt-{dead}-1.tmp"
+    for f in (fresh, stale):
+        f.write_bytes(b"partial")
+    old = time.time() - 2 * _commit.OLD_STYLE_QUIET_S
+    os.utime(stale, (old, old))
+    assert _commit.is_temporary(fresh.name)
+    assert cleanup_temporaries(tmp_path) == [str(stale)]
+    assert os.listdir(tmp_path) == [fresh.name]
