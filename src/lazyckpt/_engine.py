@@ -9,7 +9,6 @@ strictly in save() order (so the last save to a path wins) and is the only one t
 from __future__ import annotations
 
 import ctypes
-import errno
 import logging
 import os
 import queue
@@ -126,13 +125,18 @@ class Engine:
                 self._copy_source(job, src, stream=None)
                 job.check_stale([src])
             job.cpu_staged.set()
+            # Each CUDA call under its device: this thread's current device is 0, and a runtime
+            # call there would create a context (~0.5 GB) on GPU 0 for a tensor on another GPU.
             for device, event in job.save_events.items():
-                self._copy_stream(device).wait_event(event)
+                with torch.cuda.device(device):
+                    self._copy_stream(device).wait_event(event)
             for src in cuda:
-                self._copy_source(job, src, stream=self._copy_stream(src.device))
+                with torch.cuda.device(src.device):
+                    self._copy_source(job, src, stream=self._copy_stream(src.device))
             job.enqueued.set()
-            for event in job.last_events.values():
-                event.synchronize()
+            for device, event in job.last_events.items():
+                with torch.cuda.device(device):
+                    event.synchronize()
             with job.version_lock:
                 if not job.verified:  # once the guard verified, the step may change them legitimately
                     job.check_stale(cuda)  # early, not sound: the confirmation is what counts
@@ -255,7 +259,8 @@ class Engine:
             return
         try:
             if piece.event is not None:
-                piece.event.synchronize()
+                with torch.cuda.device(piece.source.device):  # not a stray context on GPU 0
+                    piece.event.synchronize()
             if not job.failed:
                 if mode == "live":
                     addr = piece.source.data_ptr + piece.start
@@ -293,9 +298,10 @@ class Engine:
             try:
                 pwrite_all(job.dfd, data[head:end], offset + head)
             except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                pwrite_all(job.fd, data[head:end], offset + head)  # this filesystem refuses O_DIRECT after all
+                # Refused: EINVAL (the filesystem after all), EFAULT (some kernels, for pinned
+                # memory), EOPNOTSUPP ... The buffered write raises any error that is real.
+                logger.debug("lazyckpt: O_DIRECT write to %s refused (%s); writing buffered", job.tmp, exc)
+                pwrite_all(job.fd, data[head:end], offset + head)
             if end < piece.nbytes:
                 pwrite_all(job.fd, data[end:], offset + end)
             return
