@@ -272,3 +272,154 @@ def test_cleanup_of_old_style_names_waits_for_them_to_go_quiet(tmp_path):
     assert _commit.is_temporary(fresh.name)
     assert cleanup_temporaries(tmp_path) == [str(stale)]
     assert os.listdir(tmp_path) == [fresh.name]
+
+
+# -- item 4: updates that bypass optimizer.step() ------------------------------------------------------
+
+
+def _functional_sgd_(params, lr=0.5):
+    """An update that never calls Optimizer.step() (as a DDP comm hook's fused optimizer does)."""
+    with torch.no_grad():
+        torch._foreach_add_(params, [torch.ones_like(p) for p in params], alpha=-lr)
+
+
+def test_update_bypassing_step_while_copy_pending_fails_loudly(tmp_path, monkeypatch):
+    """The guard never runs for such an update: the version jump must fail the save (held copy)."""
+    copy_may_run = threading.Event()
+    _hold_readers(monkeypatch, copy_may_run)
+    p = torch.nn.Parameter(torch.ones(1 << 20))
+    opt = torch.optim.SGD([p], lr=0.1)
+    with LazyCheckpointer(zero_copy=False) as c:
+        c.track(opt)
+        h = c.save({"p": p}, tmp_path / "c.pt")
+        _functional_sgd_([p])
+        copy_may_run.set()
+        with pytest.raises(StaleTensorError):
+            h.wait()
+    assert not (tmp_path / "c.pt").exists()
+
+
+@pytest.mark.parametrize("zero_copy", [False, True], ids=["staged", "zero_copy"])
+def test_capture_in_save_orders_the_copy_before_later_updates(tmp_path, monkeypatch, zero_copy):
+    """``capture_in_save=True``: save() copies optimizer-owned tensors too before it returns (CPU),
+    so an update that bypasses the guard right after save() changes nothing in the file, even
+    while every write is held. Before the option existed: TypeError."""
+    from _util import WriteGate
+
+    gate = WriteGate(monkeypatch)
+    p = torch.nn.Parameter(torch.ones(1 << 20))
+    opt = torch.optim.SGD([p], lr=0.1)
+    with LazyCheckpointer(capture_in_save=True, direct_io=zero_copy, zero_copy=zero_copy) as c:
+        c.track(opt)
+        try:
+            h = c.save({"p": p}, tmp_path / "c.pt")
+            _functional_sgd_([p])
+        finally:
+            gate.release()
+        h.wait()
+    assert_same(torch.load(tmp_path / "c.pt")["p"].detach(), torch.ones(1 << 20))
+
+
+# -- item 10 / 11 (the parts that run without a GPU) ---------------------------------------------------
+
+
+def test_pinned_pool_pins_exactly_its_chunks_and_unpins_on_close(monkeypatch):
+    """Pinned chunks are registered memory of exactly chunk_bytes, unregistered by close(). Before
+    the fix they came from torch.empty(pin_memory=True) (rounded to a power of two by the caching
+    host allocator, kept after close; on this CPU build it raised)."""
+    from lazyckpt import _pool
+
+    registered: dict[int, int] = {}
+    unregistered: list[int] = []
+    monkeypatch.setattr(_pool, "_register", lambda addr, n: registered.__setitem__(addr, n))
+    monkeypatch.setattr(_pool, "_unregister", unregistered.append)
+    pool = _pool.HostBufferPool(4 << 20, 1 << 20, pin_memory=True)
+    bufs = [pool.alloc(1 << 20) for _ in range(3)]
+    assert sorted(registered.values()) == [1 << 20] * 3
+    assert pool.pinned_bytes == 3 << 20 == sum(registered.values())
+    assert all(b.view.data_ptr() in registered for b in bufs)
+    for b in bufs:
+        pool.release(b)
+    pool.close()
+    assert sorted(unregistered) == sorted(registered)
+    assert pool.pinned_bytes == 0
+
+
+def test_o_direct_refused_with_another_errno_falls_back(tmp_path, monkeypatch):
+    """O_DIRECT from (pinned) memory refused with EFAULT: the bytes go through the buffered
+    descriptor. Before the fix only EINVAL fell back: every save failed with WriteError."""
+    import errno
+    import fcntl
+
+    real = _engine.pwrite_all
+    refused = []
+
+    def pwrite(fd, data, offset):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & getattr(os, "O_DIRECT", 0):
+            refused.append(offset)
+            raise OSError(errno.EFAULT, "Bad address")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(_engine, "pwrite_all", pwrite)
+    want = {"w": torch.randn(1 << 21)}
+    with LazyCheckpointer(direct_io=True, zero_copy=False) as c:
+        h = c.save(want, tmp_path / "c.pt")
+        h.wait()
+    assert_same(torch.load(tmp_path / "c.pt"), want)
+    if _commit_supports_direct(tmp_path):
+        assert refused
+
+
+def _commit_supports_direct(directory) -> bool:
+    from lazyckpt import _commit
+
+    fd = _commit.open_direct(os.path.join(directory, "c.pt"))
+    if fd >= 0:
+        os.close(fd)
+    return fd >= 0
+
+
+# -- Also (a): frozen tensors ---------------------------------------------------------------------------
+
+
+def test_declared_frozen_tensors_are_not_copied_inside_save(tmp_path, monkeypatch):
+    """A frozen base (requires_grad=False, no optimizer) declared frozen is copied in the background:
+    with every read held, save() returns without having copied it, and the file is exact. Before the
+    declaration existed, save() copied it on the caller's thread (and the test had no API to call)."""
+    from _util import WriteGate
+
+    base = torch.nn.Linear(512, 512).requires_grad_(False)
+    lora = torch.nn.Parameter(torch.zeros(512, 8))
+    opt = torch.optim.SGD([lora], lr=0.1)
+    read_may_run = threading.Event()
+    _hold_readers(monkeypatch, read_may_run)
+    gate = WriteGate(monkeypatch)
+    with LazyCheckpointer(zero_copy=False) as c:
+        c.track(opt)
+        c.declare_frozen(base)
+        state = {"base": base.state_dict(), "lora": lora}
+        want = {"base": {k: v.clone() for k, v in base.state_dict().items()}, "lora": lora.detach().clone()}
+        try:
+            h = c.save(state, tmp_path / "c.pt")  # returns although every lazyckpt memmove is held
+            assert not h.staged()
+        finally:
+            read_may_run.set()
+            gate.release()
+        h.wait()
+    got = torch.load(tmp_path / "c.pt")
+    assert_same(got["base"], want["base"])
+    assert_same(got["lora"].detach(), want["lora"])
+
+
+def test_declared_frozen_tensor_changed_during_save_fails_loudly(tmp_path, monkeypatch):
+    read_may_run = threading.Event()
+    _hold_readers(monkeypatch, read_may_run)
+    frozen = torch.ones(1 << 20)
+    with LazyCheckpointer(zero_copy=False) as c:
+        c.declare_frozen(frozen)
+        h = c.save({"f": frozen}, tmp_path / "c.pt")
+        frozen.add_(1)
+        read_may_run.set()
+        with pytest.raises(StaleTensorError):
+            h.wait()
+    assert not (tmp_path / "c.pt").exists()

@@ -36,12 +36,21 @@ class Pending(Protocol):
 _lock = threading.Lock()
 _pending: list[Pending] = []
 _tracked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+# Tensors declared frozen (LazyCheckpointer.declare_frozen): no step changes them, so, like an
+# optimizer's, they are copied lazily; an in-place change while a save reads them is still caught.
+_frozen: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
 
 
 def track(optimizer: torch.optim.Optimizer) -> None:
     inner = getattr(optimizer, "optimizer", None)  # Lightning/Accelerate wrappers
     with _lock:
         _tracked.add(inner if isinstance(inner, torch.optim.Optimizer) else optimizer)
+
+
+def freeze(*tensors: torch.Tensor) -> None:
+    with _lock:
+        for t in tensors:
+            _frozen.add(t)
 
 
 def add(job: Pending) -> None:
@@ -79,10 +88,11 @@ def confirm_ready() -> None:
 
 
 def guarded_storages() -> set[int]:
-    """data_ptrs of every storage owned by a known optimizer (params and state tensors)."""
-    ptrs: set[int] = set()
+    """data_ptrs of every storage owned by a known optimizer (params and state tensors) or
+    declared frozen."""
     with _lock:
         optimizers = list(_tracked)
+        ptrs = {t.untyped_storage().data_ptr() for t in _frozen}
     for opt in optimizers:
         for group in opt.param_groups:
             for p in group["params"]:

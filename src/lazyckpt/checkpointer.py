@@ -86,6 +86,16 @@ class LazyCheckpointer:
             files do not). An optimizer step (or ``wait_staged()``) that comes before the writers are
             through copies what is left, so training never waits for storage. ``False``: copy
             everything into the staging buffers first (torch.save's exact layout).
+        capture_in_save: copy every tensor inside ``save()``, the optimizer-owned ones too, as
+            ``wait_staged()`` right after ``save()`` would: CPU tensors are in host buffers before
+            ``save()`` returns; CUDA copies are queued on the current stream, so every kernel
+            queued after ``save()`` (a replayed CUDA graph, a compiled step) runs after them, and
+            the host does not wait. For training whose parameter updates do not go through
+            ``Optimizer.step()`` (CUDA graph replay, ``torch.compile(mode="reduce-overhead")``
+            steps, optimizers fused into a DDP communication hook), which the guard cannot hold
+            back. Costs the overlap with forward/backward; storage still overlaps training. A
+            checkpointer-wide option rather than a per-save flag: such training updates that way
+            at every step.
     """
 
     def __init__(
@@ -100,6 +110,7 @@ class LazyCheckpointer:
         pin_memory: bool | None = None,
         direct_io: bool | None = None,
         zero_copy: bool = True,
+        capture_in_save: bool = False,
     ) -> None:
         if on_backpressure not in ("block", "skip"):
             raise ValueError(f"on_backpressure must be 'block' or 'skip', got {on_backpressure!r}")
@@ -114,6 +125,7 @@ class LazyCheckpointer:
         self.pool = HostBufferPool(budget, chunk_bytes, pin)
         self.direct_io = direct_io
         self.zero_copy = zero_copy
+        self.capture_in_save = capture_in_save
         self.skipped_saves = 0
         self._lock = threading.Lock()
         self._jobs: list[Job] = []  # saved, not yet committed, in save() order
@@ -154,7 +166,7 @@ class LazyCheckpointer:
         _guard.confirm_ready()  # earlier saves whose copies are over: this thread's ops came before
         self._raise_unreported()
         final = self._resolve(path)
-        guarded = _guard.guarded_storages()
+        guarded = set() if self.capture_in_save else _guard.guarded_storages()  # nothing guarded: all eager
         if format == "torch":
             pickle_bytes, sources = flatten_torch(obj)
             direct = self._use_direct_io([s.nbytes for s in sources])
@@ -276,6 +288,23 @@ class LazyCheckpointer:
         """
         for opt in optimizers:
             _guard.track(opt)
+
+    def declare_frozen(self, *tensors: torch.Tensor | torch.nn.Module) -> None:
+        """Declare tensors that training does not change (a frozen base model under LoRA): like an
+        optimizer's, they are then copied in the background (large CPU ones written straight from
+        their memory) instead of inside every ``save()``. For a module, its parameters that do
+        not require grad. The declaration is process-wide and holds while the tensors live.
+
+        The promise stays: a declared tensor changed in place while a save still reads it fails
+        that save with ``StaleTensorError`` (through ``.data`` it cannot be seen; don't).
+        """
+        for t in tensors:
+            if isinstance(t, torch.nn.Module):
+                _guard.freeze(*(p for p in t.parameters() if not p.requires_grad))
+            elif isinstance(t, torch.Tensor):
+                _guard.freeze(t)
+            else:
+                raise TypeError(f"declare_frozen takes tensors or modules, got {type(t).__name__}")
 
     def close(self) -> None:
         """Drain every pending save and removal, stop the threads, free the buffers; raise any unseen
