@@ -98,6 +98,9 @@ class HostBufferPool:
         self.chunk_bytes = max(PAGE, min(chunk_bytes, budget_bytes) // PAGE * PAGE)
         self.max_chunks = max(1, budget_bytes // self.chunk_bytes)
         self.pin_memory = pin_memory
+        # The training thread's CUDA device, set by the first save (LazyCheckpointer._start): chunks
+        # are registered under it, not under the calling lazyckpt thread's default device 0.
+        self.pin_device: int | None = None
         self._cond = threading.Condition()
         self._chunks: list[_Chunk] = []
         self._free: list[_Chunk] = []
@@ -166,7 +169,11 @@ class HostBufferPool:
         skip = (-raw.data_ptr()) % _HUGE
         tensor = raw[skip : skip + self.chunk_bytes]  # aligned (the slice keeps ``raw`` alive)
         if self.pin_memory:
-            _register(tensor.data_ptr(), self.chunk_bytes)  # faults the pages in as it pins them
+            if self.pin_device is None:
+                _register(tensor.data_ptr(), self.chunk_bytes)  # faults the pages in as it pins them
+            else:
+                with torch.cuda.device(self.pin_device):
+                    _register(tensor.data_ptr(), self.chunk_bytes)
         else:
             # Fault the pages in once, not during every first save; a plain memset, because torch's
             # zero_ would run on the intra-op thread pool the training is using.
@@ -190,7 +197,11 @@ class HostBufferPool:
             self._closed = True
             if self.pin_memory:
                 for chunk in self._chunks:
-                    _unregister(chunk.tensor.data_ptr())
+                    if self.pin_device is None:
+                        _unregister(chunk.tensor.data_ptr())
+                    else:
+                        with torch.cuda.device(self.pin_device):
+                            _unregister(chunk.tensor.data_ptr())
             self._chunks.clear()
             self._free.clear()
             self._current = None

@@ -384,6 +384,8 @@ class LazyCheckpointer:
                 job.dfd = _commit.open_direct(job.tmp)
         except OSError as exc:
             raise WriteError(f"cannot create {job.tmp}: {exc}", path=job.path, errno=exc.errno) from exc
+        if self.pool.pin_memory and self.pool.pin_device is None and torch.cuda.is_initialized():
+            self.pool.pin_device = torch.cuda.current_device()
         for device in {s.device for s in job.lazy if s.device.type == "cuda"}:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(device))
