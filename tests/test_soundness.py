@@ -66,7 +66,7 @@ def test_in_place_op_straddling_the_end_of_the_copy_never_commits_a_torn_file(tm
             c.track(opt)
             want = p.detach().clone()
             h = c.save({"p": p}, tmp_path / f"c{i}.pt")
-            done = threading.Thread(target=lambda: (h._staged.wait(30), finish.set()))
+            done = threading.Thread(target=lambda h=h, finish=finish: (h._staged.wait(30), finish.set()))
             done.start()  # "the kernel" ends once every reader is through, checks included
             _straddling_mul_(p, inside, finish)
             done.join()
@@ -92,7 +92,7 @@ def test_real_in_place_op_racing_the_copy_many_times(tmp_path, monkeypatch):
             want = p.detach().clone()
             h = c.save({"p": p}, tmp_path / f"c{i}.pt")
 
-            def mutate():
+            def mutate(started=started):
                 started.set()
                 with torch.no_grad():
                     p.mul_(1.5)

@@ -5,11 +5,12 @@ speed and pinning costs ~1 GB/s, so it is paid once). Pinned chunks are our own 
 registered with ``cudaHostRegister`` (portable: usable from every device), not
 ``torch.empty(pin_memory=True)``: torch's caching host allocator rounds every request up to a power
 of two (a 64 MiB chunk plus alignment would pin 128 MiB) and keeps the blocks after we drop them.
-Registered chunks are unregistered by ``close()``; ``pinned_bytes`` is exactly what is pinned. Pieces are bump-allocated inside the current
-chunk; a chunk returns to the free list when every piece in it has been written. Chunks are
-allocated lazily up to the budget and kept: after warm-up a save allocates and pins nothing.
-``alloc`` blocks while the budget is exhausted, which is how a checkpoint larger than the budget
-streams through it and how saves that outrun storage slow down to storage speed.
+Registered chunks are unregistered by ``close()``; ``pinned_bytes`` is exactly what is pinned.
+Pieces are bump-allocated inside the current chunk; a chunk returns to the free list when every
+piece in it has been written. Chunks are allocated lazily up to the budget and kept: after warm-up a
+save allocates and pins nothing. ``alloc`` blocks while the budget is exhausted, which is how a
+checkpoint larger than the budget streams through it and how saves that outrun storage slow down to
+storage speed.
 """
 
 from __future__ import annotations
