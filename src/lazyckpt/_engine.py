@@ -163,7 +163,11 @@ class Engine:
 
     def settle(self, job: Job) -> None:
         """Copy every live piece of ``job`` that no writer has started into a pool buffer (on the
-        calling thread: the training, which waits for this anyway) and queue it again."""
+        calling thread: the training, which waits for this anyway) and queue it again.
+
+        Allocates from the pool on the calling thread: with the budget used up (other saves'
+        pieces waiting for storage) this blocks until writers free buffers, i.e. the step then
+        waits for storage, as ``save()`` does for unguarded tensors."""
         claimed = job.claim_live()
         # Every claimed piece must come out copied, counted and queued again whatever happens here
         # (this is the training thread, where Ctrl-C lands), or the job would wait for it forever.

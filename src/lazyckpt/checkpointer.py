@@ -56,7 +56,12 @@ class LazyCheckpointer:
 
     Concurrency contract: after ``save()`` returns, the caller may keep training: optimizer steps
     and forward passes are safe. Changing a saved tensor in place by other means before
-    ``handle.wait_staged()`` makes that save fail with ``StaleTensorError``, except through
+    ``handle.wait_staged()`` makes that save fail with ``StaleTensorError``. Because torch moves
+    a tensor's version only once an in-place op has finished, the file is committed only after
+    the versions were checked again, once the copies were over, on a thread calling into
+    lazyckpt (the next optimizer step, ``save()``, ``wait_staged()``, ``wait()``,
+    ``handle.wait()``, ``close()``): changes that thread made before are always caught; a change
+    still running on another thread at that moment is not guaranteed to be. Except through
     ``tensor.data`` (e.g. ``p.data.copy_(avg)``), which bypasses the version counter lazyckpt
     checks and so cannot be detected: call ``wait_staged()`` before such writes (the Lightning and
     Accelerate integrations do this for the weight-averaging callbacks they know).
@@ -84,7 +89,9 @@ class LazyCheckpointer:
             its address's position within a page (padding of under a page in the record header,
             which every reader follows; the file carries no ``.format_version``, as torch < 2.5's
             files do not). An optimizer step (or ``wait_staged()``) that comes before the writers are
-            through copies what is left, so training never waits for storage. ``False``: copy
+            through copies what is left, so training waits for memory copies, not for storage,
+            unless the host budget is used up (then that copy waits for writers to free buffers,
+            as any copy does). ``False``: copy
             everything into the staging buffers first (torch.save's exact layout).
         capture_in_save: copy every tensor inside ``save()``, the optimizer-owned ones too, as
             ``wait_staged()`` right after ``save()`` would: CPU tensors are in host buffers before
