@@ -166,7 +166,10 @@ class LazyCheckpointer:
         earlier failed save that nobody has seen yet. ``before_commit`` runs on the committer
         thread once the file is written and fsynced, right before it is renamed to ``path``
         (e.g. to make a "folder incomplete" marker durable first); if it raises, the save fails
-        with that error chained and nothing appears at ``path``.
+        with that error chained and nothing appears at ``path``. A save with lazily copied tensors
+        is committed only after a later call into lazyckpt (the next optimizer step, ``save()``,
+        ``wait_staged()``, ``wait()``, ``handle.wait()``, ``close()``) has re-checked their versions
+        once the copies were over (see the class docstring); ``handle.done()`` stays False until then.
         """
         t0 = time.perf_counter()
         self._check_open()
