@@ -7,6 +7,11 @@ set insertion and one list check. With saves pending it either waits right away
 runs forward and backward inside it), wraps the closure so the wait happens after the closure
 returns and just before the update: the copies then overlap forward and backward.
 
+A save stays pending here until it is confirmed: its versions re-checked, after the copies, on a
+thread that calls into lazyckpt (the step itself, or ``confirm_ready`` from ``save()``), because
+torch moves a version only once an in-place kernel has finished (see ``Job.confirm``). A forked
+child forgets pending saves: the threads that would finish them do not exist there.
+
 The hook also learns which optimizers exist. Tensors they own (params, state) change only inside
 ``step()``, so ``save()`` may copy them lazily; every other tensor is captured inside ``save()``.
 """
