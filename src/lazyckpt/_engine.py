@@ -9,7 +9,6 @@ strictly in save() order (so the last save to a path wins) and is the only one t
 from __future__ import annotations
 
 import ctypes
-import errno
 import logging
 import os
 import queue
@@ -20,7 +19,7 @@ from typing import Any
 
 import torch
 
-from . import _commit, _guard
+from . import _commit
 from ._crc import crc32
 from ._flatten import Source
 from ._handle import CallbackRunner
@@ -72,6 +71,12 @@ def _survive(step: Callable[[Any], None], item: Any, job: Job, then: Callable[[]
         finally:
             if then is not None:
                 then()
+
+
+def _new_event() -> torch.cuda.Event:
+    """Blocking events: a writer or the stager waiting in ``synchronize()`` sleeps instead of
+    spinning a CPU core for the whole device-to-host copy (the default, ``blocking=False``, spins)."""
+    return torch.cuda.Event(blocking=True)
 
 
 class Engine:
@@ -138,17 +143,21 @@ class Engine:
                 self._copy_source(job, src, stream=None)
                 job.check_stale([src])
             job.cpu_staged.set()
+            # Each CUDA call under its device: this thread's current device is 0, and a runtime
+            # call there would create a context (~0.5 GB) on GPU 0 for a tensor on another GPU.
             for device, event in job.save_events.items():
-                self._copy_stream(device).wait_event(event)
+                with torch.cuda.device(device):
+                    self._copy_stream(device).wait_event(event)
             for src in cuda:
-                self._copy_source(job, src, stream=self._copy_stream(src.device))
+                with torch.cuda.device(src.device):
+                    self._copy_source(job, src, stream=self._copy_stream(src.device))
             job.enqueued.set()
-            for event in job.last_events.values():
-                event.synchronize()
+            for device, event in job.last_events.items():
+                with torch.cuda.device(device):
+                    event.synchronize()
             with job.version_lock:
-                if not job.cuda_verified:
-                    job.check_stale(cuda)
-                    job.cuda_verified = True
+                if not job.verified:  # once the guard verified, the step may change them legitimately
+                    job.check_stale(cuda)  # early, not sound: the confirmation is what counts
         except BaseException as exc:
             job.fail(write_error(job, "staging for", exc))
         finally:
@@ -172,7 +181,11 @@ class Engine:
 
     def settle(self, job: Job) -> None:
         """Copy every live piece of ``job`` that no writer has started into a pool buffer (on the
-        calling thread: the training, which waits for this anyway) and queue it again."""
+        calling thread: the training, which waits for this anyway) and queue it again.
+
+        Allocates from the pool on the calling thread: with the budget used up (other saves'
+        pieces waiting for storage) this blocks until writers free buffers, i.e. the step then
+        waits for storage, as ``save()`` does for unguarded tensors."""
         claimed = job.claim_live()
         # Every claimed piece must come out copied, counted and queued again whatever happens here
         # (this is the training thread, where Ctrl-C lands), or the job would wait for it forever.
@@ -202,18 +215,20 @@ class Engine:
 
     @staticmethod
     def _finish_reading(job: Job) -> None:
-        """The last reader of live memory is through: check that nothing changed those tensors
-        meanwhile, drop the references, and let the optimizer step."""
+        """The last reader of live memory is through: check (early; the sound check is the
+        confirmation on the training thread, ``Job.confirm``) that nothing changed those tensors
+        meanwhile, drop the references to unguarded tensors, and let the optimizer step."""
         try:
             if job.live_pieces:
                 job.check_stale([s for s in job.lazy if s.live])
+            lazy = {id(s) for s in job.lazy}
             for src in job.sources:  # every copy has landed or is ordered on the compute stream
-                src.release()
+                if id(src) not in lazy:  # lazy ones keep their version checks until confirmed
+                    src.release()
             job.t_staged = time.perf_counter()
         finally:
             job.handle._set_staged()
-            _guard.discard(job)
-            job.read_done.set()
+            job.reading_over()
 
     def _copy_source(self, job: Job, src: Source, stream: torch.cuda.Stream | None) -> None:
         """Copy a source piece by piece into pool buffers and queue each piece for writing."""
@@ -222,22 +237,27 @@ class Engine:
                 return
             piece.buffer = self.pool.alloc(piece.nbytes, piece.file_offset % PAGE)
             job.piece_added()
-            if stream is None and src.device.type == "cpu":
-                # One plain memcpy with the GIL released: torch's copy_ would fan out over the
-                # intra-op threads, i.e. take every core from the training for the same bandwidth.
-                ctypes.memmove(piece.buffer.view.data_ptr(), src.data_ptr + piece.start, piece.nbytes)
+            try:
+                self._copy_piece(job, src, piece, stream)
+            finally:  # even on Ctrl-C: a writer returns the buffer (the job has failed by then)
                 self._write_q.put(piece)
-                continue
-            view = src.flat[piece.start : piece.start + piece.nbytes]
-            if stream is None:
-                piece.buffer.view.copy_(view)
-            else:
-                with torch.cuda.stream(stream):
-                    piece.buffer.view.copy_(view, non_blocking=True)
-                    piece.event = torch.cuda.Event()
-                    piece.event.record(stream)
-                job.last_events[src.device] = piece.event
-            self._write_q.put(piece)
+
+    def _copy_piece(self, job: Job, src: Source, piece: Piece, stream: torch.cuda.Stream | None) -> None:
+        assert piece.buffer is not None
+        if stream is None and src.device.type == "cpu":
+            # One plain memcpy with the GIL released: torch's copy_ would fan out over the
+            # intra-op threads, i.e. take every core from the training for the same bandwidth.
+            ctypes.memmove(piece.buffer.view.data_ptr(), src.data_ptr + piece.start, piece.nbytes)
+            return
+        view = src.flat[piece.start : piece.start + piece.nbytes]
+        if stream is None:
+            piece.buffer.view.copy_(view)
+            return
+        with torch.cuda.stream(stream):
+            piece.buffer.view.copy_(view, non_blocking=True)
+            piece.event = _new_event()
+            piece.event.record(stream)
+        job.last_events[src.device] = piece.event
 
     def _copy_stream(self, device: torch.device) -> torch.cuda.Stream:
         stream = self._copy_streams.get(device)
@@ -262,7 +282,8 @@ class Engine:
             return
         try:
             if piece.event is not None:
-                piece.event.synchronize()
+                with torch.cuda.device(piece.source.device):  # not a stray context on GPU 0
+                    piece.event.synchronize()
             if not job.failed:
                 if mode == "live":
                     addr = piece.source.data_ptr + piece.start
@@ -300,9 +321,10 @@ class Engine:
             try:
                 pwrite_all(job.dfd, data[head:end], offset + head)
             except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                pwrite_all(job.fd, data[head:end], offset + head)  # this filesystem refuses O_DIRECT after all
+                # Refused: EINVAL (the filesystem after all), EFAULT (some kernels, for pinned
+                # memory), EOPNOTSUPP ... The buffered write raises any error that is real.
+                logger.debug("lazyckpt: O_DIRECT write to %s refused (%s); writing buffered", job.tmp, exc)
+                pwrite_all(job.fd, data[head:end], offset + head)
             if end < piece.nbytes:
                 pwrite_all(job.fd, data[end:], offset + end)
             return
@@ -345,6 +367,8 @@ class Engine:
 
     def _commit(self, job: Job) -> None:
         job.written.wait()
+        if not job.failed:
+            job.confirmed.wait()  # never commit before a check ordered after the caller's ops
         if not job.failed and job.before_commit is not None:
             try:
                 job.before_commit()
@@ -378,7 +402,7 @@ class Engine:
         job.sources.clear()
         job.lazy.clear()
         job.live_pieces.clear()
-        handle._settle = None
+        handle._settle = handle._confirm = None
 
     def owns_current_thread(self) -> bool:
         """True on one of this engine's threads (the callback thread included)."""

@@ -49,9 +49,11 @@ class SaveHandle:
         self._lock = threading.Lock()
         self._error: BaseException | None = None
         self._report: Report | None = None  # the error, until someone has seen it
+        self._seen_by_caller = False  # save() itself raised for this save (KeyboardInterrupt)
         self._stats: SaveStats | None = None
         self._callbacks: list[Callable[[SaveHandle], object]] = []
         self._settle: Callable[[float | None], None] | None = None  # set by the job: copy what is live
+        self._confirm: Callable[[float | None], None] | None = None  # set by the job: check versions here
 
     def __repr__(self) -> str:
         state = "failed" if self._error else "done" if self._done.is_set() else "pending"
@@ -77,7 +79,7 @@ class SaveHandle:
         thread), so this waits for memory copies, not for storage."""
         deadline = None if timeout is None else time.monotonic() + timeout
         settle = self._settle
-        if settle is not None and not self._staged.is_set():
+        if settle is not None:  # also once staged: it confirms the save on this thread (Job.confirm)
             settle(timeout)
         if not self._staged.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
             raise TimeoutError(f"save to {self.path} not staged after {timeout} s")
@@ -85,7 +87,7 @@ class SaveHandle:
     def wait(self, timeout: float | None = None) -> SaveStats:
         """Block until the save is durable (``timeout=None``: for ever; else ``TimeoutError``);
         return its stats or raise its error."""
-        if not self._done.wait(timeout):
+        if not self._wait_done(timeout):
             raise TimeoutError(f"save to {self.path} not durable after {timeout} s")
         if self._report is not None:
             self._report.claim()
@@ -98,7 +100,7 @@ class SaveHandle:
         """The save's error (None on success); does not count as seen, so the checkpointer still
         reports it once. ``timeout=0`` (default): do not wait, None while pending; otherwise wait
         that many seconds (``None``: for ever), then ``TimeoutError`` if still pending."""
-        if timeout != 0 and not self._done.wait(timeout):
+        if timeout != 0 and not self._wait_done(timeout):
             raise TimeoutError(f"save to {self.path} not done after {timeout} s")
         return self._error if self._done.is_set() else None
 
@@ -115,6 +117,15 @@ class SaveHandle:
                 return
         _call(fn, self)
 
+    def _wait_done(self, timeout: float | None = None) -> bool:
+        """Wait for the commit, which waits for the save to be confirmed by a thread that called into
+        lazyckpt after the copies (see ``Job.confirm``): confirm it on this thread first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        confirm = self._confirm
+        if confirm is not None and not self._done.is_set():
+            confirm(timeout)
+        return self._done.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
     # -- engine side ------------------------------------------------------------------------------
 
     def _set_staged(self) -> None:
@@ -124,6 +135,8 @@ class SaveHandle:
         """Fix the outcome (not yet visible as done); the report is published before ``_complete``."""
         self._stats, self._error = stats, error
         self._report = None if error is None else Report(error)
+        if self._report is not None and self._seen_by_caller:
+            self._report.claim()  # the caller already got an exception for it (save() interrupted)
         return self._report
 
     def _complete(self) -> list[Callable[[SaveHandle], object]]:

@@ -3,7 +3,7 @@
 Deleting a large fsynced file is slow on some filesystems (ext4 mounted with ``discard`` frees and
 trims every extent inside ``unlink``: ~50 ms per GB here), and ModelCheckpoint's ``save_top_k`` or
 Accelerate's ``total_limit`` delete one old checkpoint per save. ``Remover.remove`` renames the
-path to a lazyckpt temporary name (``.<name>.lazyckpt-<pid>-<n>.tmp``, so ``cleanup_temporaries``
+path to a lazyckpt temporary name (``.<name>.lazyckpt-<host>-<pid>-<n>.tmp``, so ``cleanup_temporaries``
 removes it if the process dies first) in the same directory or a given one on the same filesystem;
 the final name is free the moment the rename is done. A daemon thread then unlinks (files) or
 ``rmtree``s (folders) it. Symlinks are unlinked at once (nothing to free). The checkpointer decides

@@ -76,7 +76,7 @@ from accelerate.utils.other import clean_state_dict_for_safetensors
 
 from lazyckpt import LazyCheckpointer, cleanup_temporaries
 from lazyckpt._folder import MARKER_PREFIX, FolderSave, is_complete, live_markers, pending_markers
-from lazyckpt.errors import IncompleteCheckpointError, LazyCkptError
+from lazyckpt.errors import IncompleteCheckpointError
 
 __all__ = [
     "install",

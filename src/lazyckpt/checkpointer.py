@@ -58,7 +58,12 @@ class LazyCheckpointer:
 
     Concurrency contract: after ``save()`` returns, the caller may keep training: optimizer steps
     and forward passes are safe. Changing a saved tensor in place by other means before
-    ``handle.wait_staged()`` makes that save fail with ``StaleTensorError``, except through
+    ``handle.wait_staged()`` makes that save fail with ``StaleTensorError``. Because torch moves
+    a tensor's version only once an in-place op has finished, the file is committed only after
+    the versions were checked again, once the copies were over, on a thread calling into
+    lazyckpt (the next optimizer step, ``save()``, ``wait_staged()``, ``wait()``,
+    ``handle.wait()``, ``close()``): changes that thread made before are always caught; a change
+    still running on another thread at that moment is not guaranteed to be. Except through
     ``tensor.data`` (e.g. ``p.data.copy_(avg)``), which bypasses the version counter lazyckpt
     checks and so cannot be detected: call ``wait_staged()`` before such writes (the Lightning and
     Accelerate integrations do this for the weight-averaging callbacks they know).
@@ -86,8 +91,20 @@ class LazyCheckpointer:
             its address's position within a page (padding of under a page in the record header,
             which every reader follows; the file carries no ``.format_version``, as torch < 2.5's
             files do not). An optimizer step (or ``wait_staged()``) that comes before the writers are
-            through copies what is left, so training never waits for storage. ``False``: copy
+            through copies what is left, so training waits for memory copies, not for storage,
+            unless the host budget is used up (then that copy waits for writers to free buffers,
+            as any copy does). ``False``: copy
             everything into the staging buffers first (torch.save's exact layout).
+        capture_in_save: copy every tensor inside ``save()``, the optimizer-owned ones too, as
+            ``wait_staged()`` right after ``save()`` would: CPU tensors are in host buffers before
+            ``save()`` returns; CUDA copies are queued on the current stream, so every kernel
+            queued after ``save()`` (a replayed CUDA graph, a compiled step) runs after them, and
+            the host does not wait. For training whose parameter updates do not go through
+            ``Optimizer.step()`` (CUDA graph replay, ``torch.compile(mode="reduce-overhead")``
+            steps, optimizers fused into a DDP communication hook), which the guard cannot hold
+            back. Costs the overlap with forward/backward; storage still overlaps training. A
+            checkpointer-wide option rather than a per-save flag: such training updates that way
+            at every step.
     """
 
     def __init__(
@@ -102,6 +119,7 @@ class LazyCheckpointer:
         pin_memory: bool | None = None,
         direct_io: bool | None = None,
         zero_copy: bool = True,
+        capture_in_save: bool = False,
     ) -> None:
         if on_backpressure not in ("block", "skip"):
             raise ValueError(f"on_backpressure must be 'block' or 'skip', got {on_backpressure!r}")
@@ -116,6 +134,7 @@ class LazyCheckpointer:
         self.pool = HostBufferPool(budget, chunk_bytes, pin)
         self.direct_io = direct_io
         self.zero_copy = zero_copy
+        self.capture_in_save = capture_in_save
         self.skipped_saves = 0
         self._lock = threading.Lock()
         self._jobs: list[Job] = []  # saved, not yet committed, in save() order
@@ -150,13 +169,17 @@ class LazyCheckpointer:
         earlier failed save that nobody has seen yet. ``before_commit`` runs on the committer
         thread once the file is written and fsynced, right before it is renamed to ``path``
         (e.g. to make a "folder incomplete" marker durable first); if it raises, the save fails
-        with that error chained and nothing appears at ``path``.
+        with that error chained and nothing appears at ``path``. A save with lazily copied tensors
+        is committed only after a later call into lazyckpt (the next optimizer step, ``save()``,
+        ``wait_staged()``, ``wait()``, ``handle.wait()``, ``close()``) has re-checked their versions
+        once the copies were over (see the class docstring); ``handle.done()`` stays False until then.
         """
         t0 = time.perf_counter()
         self._check_open()
+        _guard.confirm_ready()  # earlier saves whose copies are over: this thread's ops came before
         self._raise_unreported()
         final = self._resolve(path)
-        guarded = _guard.guarded_storages()
+        guarded = set() if self.capture_in_save else _guard.guarded_storages()  # nothing guarded: all eager
         planner = _format.get(format).flatten(obj, metadata)
         direct = self._use_direct_io([s.nbytes for s in planner.sources])
         zero_copy = self._use_zero_copy(direct, [s.device for s in planner.sources])
@@ -195,7 +218,7 @@ class LazyCheckpointer:
             jobs = list(self._jobs)
         deadline = None if timeout is None else time.monotonic() + timeout
         for job in jobs:
-            if not job.handle._done.wait(_left(deadline)):
+            if not job.handle._wait_done(_left(deadline)):
                 raise TimeoutError(f"pending saves not durable after {timeout} s")
         try:
             self._remover.wait(_left(deadline))
@@ -279,6 +302,23 @@ class LazyCheckpointer:
         for opt in optimizers:
             _guard.track(opt)
 
+    def declare_frozen(self, *tensors: torch.Tensor | torch.nn.Module) -> None:
+        """Declare tensors that training does not change (a frozen base model under LoRA): like an
+        optimizer's, they are then copied in the background (large CPU ones written straight from
+        their memory) instead of inside every ``save()``. For a module, its parameters that do
+        not require grad. The declaration is process-wide and holds while the tensors live.
+
+        The promise stays: a declared tensor changed in place while a save still reads it fails
+        that save with ``StaleTensorError`` (through ``.data`` it cannot be seen; don't).
+        """
+        for t in tensors:
+            if isinstance(t, torch.nn.Module):
+                _guard.freeze(*(p for p in t.parameters() if not p.requires_grad))
+            elif isinstance(t, torch.Tensor):
+                _guard.freeze(t)
+            else:
+                raise TypeError(f"declare_frozen takes tensors or modules, got {type(t).__name__}")
+
     def close(self) -> None:
         """Drain every pending save and removal, stop the threads, free the buffers; raise any unseen
         error. May be called from a done-callback (the callback thread then ends after it)."""
@@ -289,7 +329,7 @@ class LazyCheckpointer:
             with self._lock:
                 jobs = list(self._jobs)
             for job in jobs:
-                job.handle._done.wait()
+                job.handle._wait_done()
             self._remover.wait()
         finally:
             self._closed = True
@@ -358,6 +398,8 @@ class LazyCheckpointer:
                 job.dfd = _commit.open_direct(job.tmp)
         except OSError as exc:
             raise WriteError(f"cannot create {job.tmp}: {exc}", path=job.path, errno=exc.errno) from exc
+        if self.pool.pin_memory and self.pool.pin_device is None and torch.cuda.is_initialized():
+            self.pool.pin_device = torch.cuda.current_device()
         for device in {s.device for s in job.lazy if s.device.type == "cuda"}:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(device))
@@ -369,8 +411,13 @@ class LazyCheckpointer:
         try:
             for src in eager:
                 self._engine.stage_now(job, src)
-        except BaseException as exc:
+        except Exception as exc:
             job.fail(write_error(job, "staging for", exc))
+        except BaseException as exc:  # Ctrl-C on a full pool: the save fails cleanly, the interrupt goes on
+            job.fail(write_error(job, "staging for", exc))
+            job.handle._seen_by_caller = True  # the caller sees the interrupt itself, not this save's error again
+            self._engine.submit(job)  # the engine unlinks the temporary file and releases the guard
+            raise
         self._engine.submit(job)
 
     def _job_done(self, job: Job) -> None:
@@ -472,6 +519,8 @@ def _zero_copy_candidate(src: Source, guarded: set[int]) -> bool:
 
 
 _open_checkpointers: weakref.WeakSet[LazyCheckpointer] = weakref.WeakSet()
+# A forked child has none of the parent's lazyckpt threads: draining its copies at exit would hang.
+os.register_at_fork(after_in_child=_open_checkpointers.clear)
 
 
 @atexit.register
