@@ -30,7 +30,7 @@ def _run(tmp_path: Any, mode: str) -> list[dict[str, Any]]:
     proc = subprocess.run([sys.executable, SCRIPT, str(tmp_path), mode], env=env, capture_output=True, text=True,
                           timeout=240)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return [json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1)]
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 
 def _check(tmp_path: Any, reports: list[dict[str, Any]]) -> None:
