@@ -1,0 +1,414 @@
+"""DistributedCheckpointer: lazy sharded saves in DCP's format, committed on every rank or none."""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import json
+import logging
+import os
+import queue
+import shutil
+import threading
+import time
+import uuid
+import weakref
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.utils import _DistWrapper
+
+from .._handle import SaveHandle
+from ..checkpointer import LazyCheckpointer
+from ..errors import CheckpointerClosedError, LazyCkptError, SaveRefusedError, WriteError
+from . import _commit
+from ._commit import RankReport
+from ._core import start_file, tensor_pickle
+from ._layout import RankFileLayout
+from ._plan import plan_save
+
+logger = logging.getLogger(__name__)
+
+
+class DistributedSaveError(WriteError):
+    """A distributed save failed; nothing was committed at ``path`` on any rank.
+
+    ``ranks`` are the ranks whose part failed or that did not report in time. On a rank whose own
+    part failed, ``__cause__`` is that rank's own error (``WriteError``, ``StaleTensorError`` ...).
+    """
+
+    def __init__(self, message: str, path: str | None = None, errno: int | None = None, ranks: tuple[int, ...] = ()):
+        super().__init__(message, path=path, errno=errno)
+        self.ranks = ranks
+
+
+class DistributedSaveHandle(SaveHandle):
+    """A pending distributed save (``SaveHandle``'s methods). ``wait_staged()`` concerns this rank's
+    tensors; ``wait()`` returns once the checkpoint is committed on every rank, and raises
+    ``DistributedSaveError`` on every rank if any rank's part failed."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self._local: SaveHandle | None = None
+
+    def staged(self) -> bool:
+        local = self._local
+        return self._staged.is_set() or (local is not None and local.staged())
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        local = self._local
+        if local is not None:
+            local.wait_staged(timeout)
+        elif not self._staged.wait(timeout):
+            raise TimeoutError(f"save to {self.path} not staged after {timeout} s")
+
+
+@dataclass(eq=False)
+class _Save:
+    n: int
+    final: str
+    staging: str
+    handle: DistributedSaveHandle
+    t0: float
+    metadata: Any = None  # coordinator: DCP Metadata, storage data filled in at commit
+    layout: RankFileLayout | None = None
+    storage: dict[Any, Any] = field(default_factory=dict)
+    file: str = ""
+    local: SaveHandle | None = None
+    error: BaseException | None = None  # this rank's part failed inside save()
+
+
+class DistributedCheckpointer:
+    """Saves sharded training state lazily on every rank, as a DCP checkpoint directory.
+
+    Construct it on every rank of ``process_group`` (default: the whole job) after
+    ``init_process_group``; it creates its own gloo group then (a collective). ``save(state, path)``
+    is collective too (every rank, same path, same order): it plans with DCP's
+    ``DefaultSavePlanner`` on the caller's thread (replicated tensors are written once, spread
+    across ranks), serializes non-tensor values, and returns. Each rank's tensors are then copied
+    and written in the background exactly as ``LazyCheckpointer`` does (the next
+    ``optimizer.step()`` waits only for this rank's pending copies), into a hidden staging folder;
+    the folder becomes ``path`` only once every rank's file is durable (two-phase commit through
+    the c10d store, never the training's process group). ``torch.distributed.checkpoint.load``
+    reads the result with any world size.
+
+    Failures: any rank's failure fails the save on every rank (``DistributedSaveError`` naming the
+    ranks). A rank that dies, or whose part is not durable within ``commit_timeout`` seconds after
+    this rank's is, fails the save here after ``commit_timeout`` seconds (plus the coordinator's
+    commit, if it had already decided to commit). Staging folders of dead saves are removed by the
+    next save into the same parent folder.
+
+    Args:
+        process_group: the ranks that save together (default: the default group). Only its ranks
+            are used; its backend is not (nccl is fine).
+        commit_timeout: seconds this rank waits, once its own file is durable, for the save to be
+            committed; then the save fails on every rank still waiting.
+        **options: ``LazyCheckpointer``'s options (``host_memory_budget``, ``writer_threads``,
+            ``fsync``, ``crc``, ...); ``on_backpressure`` must stay ``"block"``.
+    """
+
+    def __init__(
+        self, *, process_group: dist.ProcessGroup | None = None, commit_timeout: float = 600.0, **options: Any
+    ) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("DistributedCheckpointer needs torch.distributed initialized (init_process_group)")
+        if options.get("on_backpressure", "block") != "block":
+            raise ValueError("on_backpressure='skip' could skip a save on some ranks only; use 'block'")
+        if commit_timeout <= 0:
+            raise ValueError("commit_timeout must be positive")
+        self.commit_timeout = float(commit_timeout)
+        if process_group is None:
+            self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=max(60.0, commit_timeout)))
+        else:
+            ranks = dist.get_process_group_ranks(process_group)
+            self._group = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+        self._dist = _DistWrapper(self._group, True, 0)
+        self.rank, self.world_size = self._dist.rank, self._dist.get_world_size()
+        token = [uuid.uuid4().hex if self._dist.is_coordinator else None]
+        dist.broadcast_object_list(token, src=self._dist.global_coordinator_rank, group=self._group)
+        self._token = str(token[0])
+        with _commit._live_lock:
+            _commit.live_tokens.add(self._token)
+        self._proto = _commit.StoreProtocol(
+            dist.distributed_c10d._get_default_store(), self._token, self.rank, self.world_size
+        )
+        self._inner = LazyCheckpointer(**options)
+        self._lock = threading.Lock()
+        self._pending: list[_Save] = []
+        self._failed: list[SaveHandle] = []
+        self._count = 0
+        self._closed = False
+        self._queue: queue.SimpleQueue[_Save | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._commit_loop, name="lazyckpt-dist-commit", daemon=True)
+        self._thread.start()
+        _open.add(self)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def save(self, state: dict[str, Any], path: str | os.PathLike[str]) -> DistributedSaveHandle:
+        """Start saving ``state`` (what ``torch.distributed.checkpoint.save`` takes) to the folder
+        ``path``; collective. Returns at once with a handle (see the class docstring).
+
+        Raises ``SaveRefusedError`` on every rank if planning fails on any (nothing written), and
+        the error of an earlier failed save nobody has seen yet.
+        """
+        t0 = time.perf_counter()
+        if self._closed:
+            raise CheckpointerClosedError("this DistributedCheckpointer is closed; create a new one")
+        self._raise_unreported()
+        final = _resolve(path)
+        n, self._count = self._count, self._count + 1
+        handle = DistributedSaveHandle(final)
+
+        def prepare() -> str:  # coordinator, inside the planning collective
+            if os.path.lexists(final) and not os.path.isdir(final):
+                raise SaveRefusedError(f"{final} exists and is not a folder")
+            parent = os.path.dirname(final)
+            os.makedirs(parent, exist_ok=True)
+            _commit.cleanup_leftovers(parent)
+            staging = _commit.staging_path(final, self._token, n)
+            os.mkdir(staging)
+            return staging
+
+        plan = plan_save(state, self._dist, final, prepare)
+        entry = _Save(n, final, plan.staging, handle, t0, metadata=plan.metadata)
+        with self._lock:
+            self._pending.append(entry)
+        try:
+            self._start_file(entry, plan.tensors, plan.byte_items)
+        except BaseException as exc:  # the other ranks must learn it: report, then raise here
+            entry.error = exc
+            self._queue.put(entry)
+            raise
+        self._queue.put(entry)
+        return handle
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every save made so far is committed on every rank (or failed); raise the
+        first error nobody has seen."""
+        with self._lock:
+            saves = list(self._pending)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for s in saves:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not s.handle._done.wait(remaining):
+                raise TimeoutError(f"pending distributed saves not committed after {timeout} s")
+        self._raise_unreported()
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """Block until this rank's pending host copies are done (its saved tensors may change)."""
+        self._inner.wait_staged(timeout)
+
+    def close(self) -> None:
+        """Drain every pending save, stop the threads, free the buffers; raise any unseen error.
+        Not collective, but every rank should close after its last save is committed."""
+        if self._closed:
+            return
+        try:
+            with self._lock:
+                saves = list(self._pending)
+            for s in saves:
+                s.handle._done.wait()
+        finally:
+            self._closed = True
+            self._queue.put(None)
+            self._thread.join()
+            _open.discard(self)
+            with _commit._live_lock:
+                _commit.live_tokens.discard(self._token)
+            try:
+                self._inner.close()
+            finally:
+                if dist.is_initialized():
+                    dist.destroy_process_group(self._group)
+        self._raise_unreported()
+
+    def __enter__(self) -> DistributedCheckpointer:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except LazyCkptError:
+            logger.exception("lazyckpt: a distributed save failed while another exception was propagating")
+
+    # -- this rank's file ---------------------------------------------------------------------------
+
+    def _start_file(self, entry: _Save, tensors: list[Any], byte_items: list[Any]) -> None:
+        layout = RankFileLayout(self._inner.crc)
+        entry.file = f"__{self.rank}_0.distcp"
+        sources = []
+        for item, data in byte_items:
+            offset, length = layout.add_bytes(data)
+            entry.storage[item.index] = _StorageInfo(entry.file, offset, length)
+        for i, (item, t) in enumerate(tensors):
+            if not t.is_contiguous():  # a copy, made now (so captured now, not lazily)
+                t = t.contiguous()
+            offset, length = layout.add_tensor(str(i), tensor_pickle(t), t.numel() * t.element_size())
+            entry.storage[item.index] = _StorageInfo(entry.file, offset, length)
+            sources.append((str(i), item.index.fqn, t))
+        entry.layout = layout
+        path = os.path.join(entry.staging, entry.file)
+        entry.local = entry.handle._local = start_file(self._inner, path, sources, layout, entry.t0)
+
+    # -- the commit thread ------------------------------------------------------------------------
+
+    def _commit_loop(self) -> None:
+        while (entry := self._queue.get()) is not None:
+            try:
+                self._commit(entry)
+            except BaseException as exc:  # a store that went away (its host died), a bug: fail, go on
+                self._finish(entry, self._error(entry, f"coordinating the save failed on rank {self.rank}: {exc}", exc))
+
+    def _commit(self, entry: _Save) -> None:
+        report, own_error = self._own_report(entry)
+        self._proto.post(entry.n, report)
+        deadline = time.monotonic() + self.commit_timeout
+        outcome = self._coordinate(entry, deadline) if self._dist.is_coordinator else self._follow(entry, deadline)
+        if outcome is None:
+            self._finish(entry, None)
+            return
+        message, ranks = outcome
+        cause = own_error if own_error is not None and self.rank in ranks else None
+        self._finish(entry, self._error(entry, message, cause, ranks))
+
+    def _own_report(self, entry: _Save) -> tuple[RankReport, BaseException | None]:
+        exc = entry.error
+        if exc is None:
+            assert entry.local is not None and entry.layout is not None
+            try:
+                entry.local.wait()
+            except BaseException as e:
+                exc = e
+        if exc is not None:
+            return RankReport(self.rank, False, error=f"{type(exc).__name__}: {exc}"), exc
+        assert entry.layout is not None
+        report = RankReport(self.rank, True, entry.file, entry.layout.total_size, entry.layout.file_crc, entry.storage)
+        return report, None
+
+    def _coordinate(self, entry: _Save, deadline: float) -> tuple[str, tuple[int, ...]] | None:
+        """Coordinator: gather, write the metadata, decide, publish. None when committed."""
+        reports, missing = self._proto.gather(entry.n, deadline)
+        failed = sorted(r.rank for r in reports.values() if not r.ok)
+        if failed or missing:
+            why = "; ".join(f"rank {r}: {reports[r].error}" for r in failed)
+            if missing:
+                why = (why + "; " if why else "") + (
+                    f"rank(s) {missing} did not report a durable file within {self.commit_timeout} s "
+                    "(dead, hung, or slower than commit_timeout)"
+                )
+            decided = self._proto.decide(entry.n, "abort:" + json.dumps({"ranks": failed + missing, "why": why}))
+        else:
+            try:
+                _commit.write_metadata(entry.staging, entry.metadata, reports, self._inner.fsync)
+            except Exception as exc:
+                why = f"rank {self.rank} (coordinator): writing the metadata failed: {exc}"
+                decided = self._proto.decide(entry.n, "abort:" + json.dumps({"ranks": [self.rank], "why": why}))
+            else:
+                decided = self._proto.decide(entry.n, "commit")
+        self._proto.drop_reports(entry.n)
+        if decided != "commit":
+            shutil.rmtree(entry.staging, ignore_errors=True)
+            return _abort_reason(decided)
+        try:
+            old = _commit.staging_path(entry.final, self._token, entry.n, old=True)
+            _commit.publish(entry.staging, entry.final, old, self._inner.fsync)
+        except OSError as exc:
+            shutil.rmtree(entry.staging, ignore_errors=True)
+            self._proto.set_result(entry.n, "err:" + str(exc))
+            return f"rank {self.rank} (coordinator): publishing the folder failed: {exc}", (self.rank,)
+        self._proto.set_result(entry.n, "ok")
+        return None
+
+    def _follow(self, entry: _Save, deadline: float) -> tuple[str, tuple[int, ...]] | None:
+        """Other ranks: wait for the coordinator's decision (or decide abort when it never comes)."""
+        decided = self._proto.wait_value(entry.n, "outcome", deadline)
+        if decided is None:
+            why = (
+                f"rank {self.rank} got no decision from the coordinator within {self.commit_timeout} s "
+                "after its own file was durable (a rank died, hung, or is slower than commit_timeout)"
+            )
+            decided = self._proto.decide(entry.n, "abort:" + json.dumps({"ranks": [], "why": why}))
+        if decided != "commit":
+            return _abort_reason(decided)
+        result = self._proto.wait_value(entry.n, "result", time.monotonic() + self.commit_timeout)
+        if result == "ok":
+            return None
+        if result is None:
+            return (
+                f"the coordinator decided to commit but did not confirm within {self.commit_timeout} s; "
+                f"{entry.final} holds either the complete new checkpoint or the previous state",
+                (0,),
+            )
+        return f"rank 0 (coordinator): publishing the folder failed: {result[4:]}", (0,)
+
+    def _error(
+        self, entry: _Save, message: str, cause: BaseException | None, ranks: tuple[int, ...] = ()
+    ) -> DistributedSaveError:
+        err = DistributedSaveError(
+            f"distributed save to {entry.final} failed, nothing committed: {message}",
+            path=entry.final,
+            errno=getattr(cause, "errno", None),
+            ranks=ranks,
+        )
+        err.__cause__ = cause
+        return err
+
+    def _finish(self, entry: _Save, error: BaseException | None) -> None:
+        stats = None
+        if error is None and entry.local is not None and entry.local.stats is not None:
+            stats = dataclasses.replace(entry.local.stats, path=entry.final, durable_s=time.perf_counter() - entry.t0)
+        with self._lock:
+            if entry in self._pending:
+                self._pending.remove(entry)
+            if error is not None:
+                self._failed.append(entry.handle)
+        entry.handle._finish(stats, error)
+
+    def _raise_unreported(self) -> None:
+        with self._lock:
+            failed = [h for h in self._failed if not h.reported]
+            self._failed.clear()
+        if not failed:
+            return
+        for h in failed:
+            h.reported = True
+        err = failed[0]._error
+        assert err is not None
+        if len(failed) > 1 and hasattr(err, "add_note"):
+            err.add_note(f"lazyckpt: {len(failed) - 1} more save(s) failed: " + ", ".join(h.path for h in failed[1:]))
+        raise err
+
+
+def _abort_reason(decided: str) -> tuple[str, tuple[int, ...]]:
+    body = json.loads(decided[len("abort:") :])
+    return body["why"], tuple(body["ranks"])
+
+
+def _resolve(path: str | os.PathLike[str]) -> str:
+    if not isinstance(path, (str, os.PathLike)):
+        raise SaveRefusedError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+    raw = os.fspath(path)
+    if isinstance(raw, bytes) or "://" in raw:
+        raise SaveRefusedError(f"{raw!r}: lazyckpt writes local (or shared-filesystem) folders only")
+    return os.path.abspath(raw)
+
+
+_open: weakref.WeakSet[DistributedCheckpointer] = weakref.WeakSet()
+
+
+@atexit.register
+def _drain_at_exit() -> None:
+    for ckpt in list(_open):
+        try:
+            ckpt.close()
+        except Exception as exc:  # nobody left to raise to
+            logger.error("lazyckpt: a distributed checkpoint save failed before exit: %s", exc)

@@ -1,0 +1,210 @@
+"""The two-phase, multi-rank commit of a checkpoint directory.
+
+Phase 1: every rank writes its ``__<rank>_0.distcp`` into a staging directory next to the final one
+(``.<name>.lazyckpt-dist-<token>-<n>.tmp``, made by the coordinator during planning) and makes it
+durable (the core's job: fsync, rename inside the staging directory, fsync of that directory).
+Each rank then posts a report (ok, with its file's size, CRC and storage data; or its error) under
+its own key in the c10d store. Phase 2: the coordinator waits for every report, writes
+``.metadata`` and the manifest into the staging directory, fsyncs them, *decides* by an atomic
+``compare_set`` of the outcome key (``commit``), renames the staging directory to the final name,
+fsyncs the parent, and posts the result. A rank whose wait runs out (``commit_timeout`` after its
+own file is durable) tries to decide ``abort`` by the same ``compare_set``; whoever sets the key
+first wins, so every rank agrees, and a checkpoint appears at the final name only when every rank's
+file was durable. The store is a TCP connection of its own, not the training's process group, so
+none of this is a collective (safe from a background thread, and with nccl training).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import json
+import logging
+import os
+import pickle
+import re
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from .._commit import fsync_dir
+
+logger = logging.getLogger(__name__)
+
+METADATA = ".metadata"
+MANIFEST = ".lazyckpt-manifest.json"
+_STAGING_RE = re.compile(r"^\..+\.lazyckpt-dist-([0-9a-f]+)-\d+(?:-old)?\.tmp$")
+_POLL_S = 0.02
+
+# Tokens of the checkpointers open in this process: their staging directories are never leftovers.
+live_tokens: set[str] = set()
+_live_lock = threading.Lock()
+
+
+def staging_path(final: str, token: str, n: int, old: bool = False) -> str:
+    head, tail = os.path.split(final)
+    return os.path.join(head, f".{tail}.lazyckpt-dist-{token}-{n}{'-old' if old else ''}.tmp")
+
+
+def cleanup_leftovers(directory: str) -> list[str]:
+    """Remove staging directories of distributed saves in ``directory`` whose checkpointer is not
+    open in this process (the coordinator's): their saves died before committing."""
+    removed: list[str] = []
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return removed
+    with _live_lock:
+        live = set(live_tokens)
+    for name in names:
+        m = _STAGING_RE.match(name)
+        if m and m.group(1) not in live:
+            path = os.path.join(directory, name)
+            shutil.rmtree(path, ignore_errors=True)
+            if not os.path.lexists(path):
+                removed.append(path)
+    if removed:
+        logger.info(
+            "lazyckpt: removed %d leftover staging folder(s) of dead distributed saves in %s", len(removed), directory
+        )
+    return removed
+
+
+@dataclass
+class RankReport:
+    """What a rank posts once its part of a save is over."""
+
+    rank: int
+    ok: bool
+    file: str = ""  # relative name of its data file
+    size: int = 0
+    crc: int | None = None
+    storage_data: Any = None  # {MetadataIndex: _StorageInfo}
+    error: str = ""  # "<type>: <message>" when not ok
+
+
+class StoreProtocol:
+    """Keys of one checkpointer's saves in the c10d store (``lazyckpt/<token>/<n>/...``)."""
+
+    def __init__(self, store: Any, token: str, rank: int, world_size: int) -> None:
+        self.store, self.token, self.rank, self.world_size = store, token, rank, world_size
+
+    def _key(self, n: int, name: str) -> str:
+        return f"lazyckpt/{self.token}/{n}/{name}"
+
+    def post(self, n: int, report: RankReport) -> None:
+        self.store.set(self._key(n, f"r{report.rank}"), pickle.dumps(report))
+
+    def gather(self, n: int, deadline: float) -> tuple[dict[int, RankReport], list[int]]:
+        """Reports of every rank, or as soon as one failed; and the ranks missing at ``deadline``."""
+        reports: dict[int, RankReport] = {}
+        pending = list(range(self.world_size))
+        while pending:
+            for r in [r for r in pending if self.store.check([self._key(n, f"r{r}")])]:
+                reports[r] = pickle.loads(self.store.get(self._key(n, f"r{r}")))
+                pending.remove(r)
+                if not reports[r].ok:
+                    return reports, []
+            if pending and time.monotonic() >= deadline:
+                return reports, pending
+            if pending:
+                time.sleep(_POLL_S)
+        return reports, []
+
+    def decide(self, n: int, outcome: str) -> str:
+        """Set the outcome unless someone did first; return the outcome that holds."""
+        return bytes(self.store.compare_set(self._key(n, "outcome"), "", outcome)).decode()
+
+    def wait_value(self, n: int, name: str, deadline: float) -> str | None:
+        key = self._key(n, name)
+        while not self.store.check([key]):
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(_POLL_S)
+        return bytes(self.store.get(key)).decode()
+
+    def set_result(self, n: int, result: str) -> None:
+        self.store.set(self._key(n, "result"), result)
+
+    def drop_reports(self, n: int) -> None:
+        for r in range(self.world_size):
+            try:
+                self.store.delete_key(self._key(n, f"r{r}"))
+            except Exception:  # some stores cannot delete; the keys are small
+                return
+
+
+def write_metadata(staging: str, metadata: Any, reports: dict[int, RankReport], fsync: bool) -> None:
+    """``.metadata`` (DCP's pickled ``Metadata``, storage data from every rank) and the manifest of
+    per-file sizes and CRCs that ``verify_checkpoint`` checks, both durable in ``staging``."""
+    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+
+    storage: dict[Any, Any] = {}
+    for report in reports.values():
+        storage.update(report.storage_data)
+    metadata.version = CURRENT_DCP_VERSION
+    metadata.storage_data = storage
+    blob = pickle.dumps(metadata)
+    from .._crc import crc32
+
+    files = {
+        r.file: {"size": r.size, "crc32": r.crc, "rank": r.rank} for r in sorted(reports.values(), key=lambda r: r.rank)
+    }
+    manifest = {
+        "format": "lazyckpt-dcp/1",
+        "world_size": len(reports),
+        "files": files,
+        METADATA: {"size": len(blob), "crc32": crc32(blob)},
+        "items": sorted([info.relative_path, info.offset, info.length] for info in storage.values()),
+    }
+    _write_file(os.path.join(staging, METADATA), blob, fsync)
+    _write_file(os.path.join(staging, MANIFEST), json.dumps(manifest, indent=1).encode(), fsync)
+    if fsync:
+        fsync_dir(staging)
+
+
+def _write_file(path: str, data: bytes, fsync: bool) -> None:
+    with open(path, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        if fsync:
+            os.fsync(fh.fileno())
+
+
+def publish(staging: str, final: str, old: str, fsync: bool) -> None:
+    """Make ``staging`` visible as ``final`` in one rename; an existing ``final`` is swapped out
+    atomically (``renameat2(RENAME_EXCHANGE)``) and deleted, so a reader sees the old checkpoint or
+    the new one, never neither (except where the kernel lacks the exchange: two renames)."""
+    if os.path.lexists(final):
+        if not _exchange(staging, final):
+            os.rename(final, old)  # no exchange: a moment with nothing at ``final``
+            os.rename(staging, final)
+            staging = old
+        if fsync:
+            fsync_dir(os.path.dirname(final))
+        shutil.rmtree(staging, ignore_errors=True)
+        return
+    os.rename(staging, final)
+    if fsync:
+        fsync_dir(os.path.dirname(final))
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: str, b: str) -> bool:
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # pragma: no cover - old glibc, non-Linux
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, f"renameat2({a!r}, {b!r}, RENAME_EXCHANGE): {os.strerror(err)}")

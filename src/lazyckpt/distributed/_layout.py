@@ -1,0 +1,89 @@
+"""The per-rank data file ``__<rank>_0.distcp``, laid out before a byte is written.
+
+DCP's ``FileSystemWriter`` writes, per item, either the raw bytes of a ``BYTE_IO`` item or a
+complete ``torch.save`` zip of one tensor, back to back, and records each item's (file, offset,
+length) in ``.metadata``; ``FileSystemReader`` hands ``torch.load`` a view of exactly that slice.
+Here every item's zip is planned by the core's torch.save layout (``_torchfmt.plan``, archive name
+``archive`` as torch.save gives a stream), so all offsets are known up front: the core's writers
+pwrite tensor bytes at their final place, and ``metadata_writes`` fills in every other byte once the
+data CRCs are known. Items are packed with no gap, so the CRCs of all segments combine into one
+CRC of the whole file (recorded for ``verify``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .._crc import crc32, crc32_combine
+from .._torchfmt import TorchLayout, plan
+
+
+@dataclass
+class _TensorItem:
+    key: str  # the core Source key of this item's bytes
+    base: int  # offset of the item's zip in the file
+    zip: TorchLayout
+    nbytes: int  # tensor bytes
+
+
+@dataclass
+class _BytesItem:
+    base: int
+    data: bytes
+
+
+class RankFileLayout:
+    """Where every byte of one rank's ``.distcp`` file goes (the core ``Job``'s ``layout``)."""
+
+    def __init__(self, crc: bool) -> None:
+        self.crc = crc
+        self.total_size = 0
+        self._tensors: dict[str, _TensorItem] = {}
+        self._bytes: list[_BytesItem] = []
+        self.file_crc: int | None = None  # set by metadata_writes (None when CRCs are off)
+
+    def add_bytes(self, data: bytes) -> tuple[int, int]:
+        """Place a ``BYTE_IO`` item; return its (offset, length)."""
+        item = _BytesItem(self.total_size, bytes(data))
+        self._bytes.append(item)
+        self.total_size += len(item.data)
+        return item.base, len(item.data)
+
+    def add_tensor(self, key: str, pickle_bytes: bytes, nbytes: int) -> tuple[int, int]:
+        """Place a tensor item whose torch.save pickle is ``pickle_bytes`` (one storage, key "0",
+        of ``nbytes``); return the (offset, length) of its zip."""
+        zip_layout = plan("archive", pickle_bytes, [("0", nbytes)])
+        item = _TensorItem(key, self.total_size, zip_layout, nbytes)
+        self._tensors[key] = item
+        self.total_size += zip_layout.total_size
+        return item.base, zip_layout.total_size
+
+    def data_offset(self, key: str) -> int:
+        item = self._tensors[key]
+        return item.base + item.zip.data_offset("0")
+
+    def metadata_writes(self, crcs: dict[str, int]) -> list[tuple[int, bytes]]:
+        """Every byte that is not tensor data, given each tensor's data CRC; computes ``file_crc``."""
+        writes = [(b.base, b.data) for b in self._bytes]
+        for item in self._tensors.values():
+            for offset, data in item.zip.metadata_writes({"0": crcs.get(item.key, 0)}):
+                writes.append((item.base + offset, data))
+        if self.crc:
+            self.file_crc = self._file_crc(writes, crcs)
+        return writes
+
+    def _file_crc(self, writes: list[tuple[int, bytes]], crcs: dict[str, int]) -> int:
+        segments = [(offset, crc32(data), len(data)) for offset, data in writes if data]
+        segments += [
+            (self.data_offset(i.key), crcs.get(i.key, 0), i.nbytes) for i in self._tensors.values() if i.nbytes
+        ]
+        segments.sort()
+        crc, end = 0, 0
+        for offset, part, n in segments:
+            if offset != end:  # cannot happen for a packed layout; refuse rather than record a wrong CRC
+                raise AssertionError(f"gap or overlap at offset {end} (next segment at {offset})")
+            crc = crc32_combine(crc, part, n)
+            end = offset + n
+        if end != self.total_size:
+            raise AssertionError(f"segments end at {end}, file is {self.total_size} bytes")
+        return crc
