@@ -28,7 +28,7 @@ from . import _commit
 from ._commit import RankReport
 from ._core import start_file, tensor_pickle
 from ._layout import RankFileLayout
-from ._plan import plan_save
+from ._plan import RankPlan, plan_save, resolve
 
 logger = logging.getLogger(__name__)
 
@@ -180,11 +180,16 @@ class DistributedCheckpointer:
         with self._lock:
             self._pending.append(entry)
         try:
-            self._start_file(entry, plan.tensors, plan.byte_items)
+            self._start_file(entry, plan)
         except BaseException as exc:  # the other ranks must learn it: report, then raise here
+            if isinstance(exc, Exception) and not isinstance(exc, LazyCkptError):
+                refused = SaveRefusedError(f"rank {self.rank}: cannot save this state to {final}: {exc}")
+                refused.__cause__ = exc
+                exc = refused
             entry.error = exc
+            entry.handle.reported = True  # raised here, not again by a later call
             self._queue.put(entry)
-            raise
+            raise exc
         self._queue.put(entry)
         return handle
 
@@ -242,7 +247,8 @@ class DistributedCheckpointer:
 
     # -- this rank's file ---------------------------------------------------------------------------
 
-    def _start_file(self, entry: _Save, tensors: list[Any], byte_items: list[Any]) -> None:
+    def _start_file(self, entry: _Save, plan: RankPlan) -> None:
+        tensors, byte_items = resolve(plan)
         layout = RankFileLayout(self._inner.crc)
         entry.file = f"__{self.rank}_0.distcp"
         sources = []

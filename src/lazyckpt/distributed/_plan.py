@@ -29,8 +29,8 @@ from ..errors import SaveRefusedError
 class RankPlan:
     """This rank's share of one save."""
 
-    tensors: list[tuple[WriteItem, torch.Tensor]]  # resolved: local shards / assigned replicas
-    byte_items: list[tuple[WriteItem, bytes]]  # non-tensor values, serialized now (the snapshot)
+    planner: DefaultSavePlanner
+    items: list[WriteItem]  # what this rank writes (replicated items: only those assigned to it)
     staging: str  # the staging directory the coordinator made
     metadata: Metadata | None  # the coordinator's global metadata (storage data filled in at commit)
 
@@ -60,18 +60,23 @@ def plan_save(state: dict[str, Any], wrapper: _DistWrapper, final: str, prepare:
         raise SaveRefusedError(
             f"planning the save to {final} failed on rank(s) {ranks}; nothing was written:\n{exc}"
         ) from exc
-    final_plan = planner.finish_plan(central)
+    return RankPlan(planner, planner.finish_plan(central).items, central.storage_data, metadata)
+
+
+def resolve(plan: RankPlan) -> tuple[list[tuple[WriteItem, torch.Tensor]], list[tuple[WriteItem, bytes]]]:
+    """This rank's tensors (local shards, assigned replicas) and its non-tensor values serialized
+    now (``torch.save`` bytes, as DCP writes them: the snapshot of those values)."""
     tensors: list[tuple[WriteItem, torch.Tensor]] = []
     byte_items: list[tuple[WriteItem, bytes]] = []
-    for item in final_plan.items:
-        data = planner.resolve_data(item)
+    for item in plan.items:
+        data = plan.planner.resolve_data(item)
         if item.type == WriteItemType.BYTE_IO:
             assert isinstance(data, io.BytesIO)
             byte_items.append((item, data.getvalue()))
         else:
             assert isinstance(data, torch.Tensor)
             tensors.append((item, data.detach()))
-    return RankPlan(tensors, byte_items, central.storage_data, metadata)
+    return tensors, byte_items
 
 
 def _is_checkpoint_exception(exc: BaseException) -> bool:

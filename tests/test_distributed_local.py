@@ -1,0 +1,201 @@
+"""DistributedCheckpointer in this process, on a 1-rank gloo group: the file layout, snapshots of
+non-tensor values, stale tensors, overwriting, refusals, ``verify_checkpoint``."""
+
+from __future__ import annotations
+
+import os
+import socket
+import zlib
+
+import pytest
+import torch
+
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available():
+    pytest.skip("torch.distributed unavailable", allow_module_level=True)
+import torch.distributed.checkpoint as dcp  # noqa: E402
+
+from lazyckpt import SaveRefusedError, StaleTensorError  # noqa: E402
+from lazyckpt.distributed import DistributedCheckpointer, DistributedSaveError, verify_checkpoint  # noqa: E402
+from lazyckpt.distributed._commit import cleanup_leftovers, staging_path  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank_group():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def dckpt():
+    c = DistributedCheckpointer(host_memory_budget=4 << 20, chunk_bytes=1 << 20, commit_timeout=10)
+    yield c
+    if not c.closed:
+        c.close()
+
+
+def load(folder, like: dict) -> dict:
+    state = {k: (torch.empty_like(v) if isinstance(v, torch.Tensor) else v) for k, v in like.items()}
+    dcp.load(state, checkpoint_id=str(folder))
+    return state
+
+
+def test_each_item_is_a_torch_save_zip_and_the_manifest_crc_is_the_files(dckpt, tmp_path):
+    """Every tensor item's slice is what torch.load reads (as FileSystemReader hands it over), and
+    the CRC in the manifest is the whole file's."""
+    import json
+    import pickle
+
+    state = {
+        "a": torch.arange(1000, dtype=torch.float32),
+        "b": torch.arange(12, dtype=torch.int64).reshape(3, 4).t(),  # not contiguous
+        "c": torch.ones(3, dtype=torch.bool),
+        "e": torch.empty(0),
+        "x": {"lr": 0.1, "name": "sgd"},
+    }
+    dckpt.save(state, tmp_path / "c").wait()
+    folder = tmp_path / "c"
+    with open(folder / ".metadata", "rb") as fh:
+        meta = pickle.load(fh)
+    blob = (folder / "__0_0.distcp").read_bytes()
+    for index, info in meta.storage_data.items():
+        if index.fqn in ("a", "b", "c", "e"):
+            import io
+
+            t = torch.load(io.BytesIO(blob[info.offset : info.offset + info.length]), weights_only=True)
+            assert torch.equal(t, state[index.fqn]), index.fqn
+    manifest = json.loads((folder / ".lazyckpt-manifest.json").read_text())
+    assert manifest["files"]["__0_0.distcp"]["crc32"] == zlib.crc32(blob)
+    assert manifest["files"]["__0_0.distcp"]["size"] == len(blob)
+    got = load(folder, {"a": state["a"], "b": state["b"], "c": state["c"], "e": state["e"], "x": {"lr": 0.0}})
+    assert all(torch.equal(got[k], state[k]) for k in "abce") and got["x"] == {"lr": 0.1}
+
+
+def test_non_tensor_values_are_snapshotted_in_save(dckpt, tmp_path):
+    groups = {"lr": 0.1}
+    h = dckpt.save({"w": torch.ones(4), "groups": groups}, tmp_path / "c")
+    groups["lr"] = 99.0  # a scheduler after save()
+    h.wait()
+    got = load(tmp_path / "c", {"w": torch.ones(4), "groups": {"lr": 0.0}})
+    assert got["groups"] == {"lr": 0.1}
+
+
+def test_optimizer_owned_tensors_are_lazy_and_the_step_waits_for_them(tmp_path):
+    """The stager is held until the optimizer step's guard is entered: save() returned with the
+    copy pending, the step waited for it, and the checkpoint holds the weights at save()."""
+    import threading
+
+    import lazyckpt._engine as engine
+    import lazyckpt._job as job_mod
+
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    model(torch.randn(2, 64)).sum().backward()
+    opt.step()  # the guard now knows this optimizer
+    at_save = {k: v.clone() for k, v in model.state_dict().items()}
+    gate, seen = threading.Event(), {}
+    real_stage, real_release = engine.Engine._stage, job_mod.Job.release_guard
+
+    def held_stage(self, job):
+        gate.wait(10)  # never hang: a save that is not lazy fails the asserts below instead
+        real_stage(self, job)
+
+    def release_guard(self):
+        seen["staged_when_step_began"] = self.cpu_staged.is_set()
+        gate.set()
+        real_release(self)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(engine.Engine, "_stage", held_stage)
+        mp.setattr(job_mod.Job, "release_guard", release_guard)
+        with DistributedCheckpointer(host_memory_budget=4 << 20, chunk_bytes=1 << 20) as c:
+            h = c.save({"model": model.state_dict()}, tmp_path / "c")
+            assert not h.staged()
+            model(torch.randn(2, 64)).sum().backward()
+            opt.step()
+            h.wait()
+    assert seen == {"staged_when_step_began": False}
+    got = load(tmp_path / "c", {"model": {k: torch.empty_like(v) for k, v in at_save.items()}})
+    assert all(torch.equal(got["model"][k], v) for k, v in at_save.items())
+    assert not torch.equal(model.weight, at_save["weight"])
+
+
+def test_in_place_change_before_the_copy_fails_the_save_typed(tmp_path):
+    import threading
+
+    import lazyckpt._engine as engine
+
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    gate = threading.Event()
+    real_stage = engine.Engine._stage
+
+    def held_stage(self, job):
+        gate.wait(10)  # never hang: a save that is not lazy fails the asserts below instead
+        real_stage(self, job)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(engine.Engine, "_stage", held_stage)
+        with DistributedCheckpointer(commit_timeout=10) as c:
+            h = c.save({"w": model.weight}, tmp_path / "c")
+            with torch.no_grad():
+                model.weight.mul_(2)  # outside step(): the guard cannot hold it back
+            gate.set()
+            with pytest.raises(DistributedSaveError) as info:
+                h.wait()
+    assert info.value.ranks == (0,)
+    assert isinstance(info.value.__cause__, StaleTensorError)
+    assert not (tmp_path / "c").exists() and os.listdir(tmp_path) == []
+
+
+def test_overwrite_swaps_the_folder_atomically(dckpt, tmp_path):
+    dckpt.save({"w": torch.zeros(8)}, tmp_path / "c").wait()
+    dckpt.save({"w": torch.ones(8)}, tmp_path / "c").wait()
+    assert torch.equal(load(tmp_path / "c", {"w": torch.empty(8)})["w"], torch.ones(8))
+    assert sorted(os.listdir(tmp_path)) == ["c"]  # the old folder is gone, no staging left
+    assert verify_checkpoint(tmp_path / "c").ok
+
+
+def test_unpicklable_value_is_refused_on_its_rank(dckpt, tmp_path):
+    with pytest.raises(SaveRefusedError, match="rank 0"):
+        dckpt.save({"w": torch.ones(2), "f": lambda: 0}, tmp_path / "c")
+    dckpt.wait()  # not raised again
+    assert not (tmp_path / "c").exists()
+
+
+def test_a_file_at_the_path_is_refused(dckpt, tmp_path):
+    (tmp_path / "c").write_text("not a folder")
+    with pytest.raises(SaveRefusedError, match="not a folder"):
+        dckpt.save({"w": torch.ones(2)}, tmp_path / "c")
+
+
+def test_leftovers_of_dead_saves_are_removed_by_the_next_save(dckpt, tmp_path):
+    dead = staging_path(str(tmp_path / "old"), "deadbeef", 3)
+    os.makedirs(dead)
+    open(os.path.join(dead, "__0_0.distcp"), "wb").close()
+    dckpt.save({"w": torch.ones(2)}, tmp_path / "new").wait()
+    assert sorted(os.listdir(tmp_path)) == ["new"]
+    assert cleanup_leftovers(str(tmp_path)) == []
+
+
+def test_verify_finds_corruption_truncation_and_missing_files(dckpt, tmp_path):
+    dckpt.save({"w": torch.arange(4096, dtype=torch.float32)}, tmp_path / "c").wait()
+    folder = tmp_path / "c"
+    report = verify_checkpoint(folder)
+    assert report.ok and report.records == 1 and report.format == "dcp"
+    data = folder / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    data.write_bytes(bytes(raw))
+    assert any("CRC32 mismatch" in p for p in verify_checkpoint(folder).problems)
+    data.write_bytes(bytes(raw[:-5]))
+    assert any("expected" in p for p in verify_checkpoint(folder).problems)
+    data.unlink()
+    assert any("missing" in p for p in verify_checkpoint(folder).problems)
+    assert not verify_checkpoint(tmp_path).ok  # not a checkpoint folder
