@@ -100,6 +100,31 @@ def ckpt_path(name: str) -> str:
     return os.path.join(WORKDIR, "ckpt", name)
 
 
+def hold_staging_until_the_step() -> dict:
+    """Hold the stager until an optimizer step's guard is entered (at most 10 s: never hang), so
+    that the step must find this rank's copies pending and wait for them."""
+    import threading
+
+    import lazyckpt._engine as engine
+    import lazyckpt._job as job_mod
+
+    gate, seen = threading.Event(), {}
+    real_stage, real_release = engine.Engine._stage, job_mod.Job.release_guard
+
+    def held_stage(self, job):
+        gate.wait(10)
+        real_stage(self, job)
+
+    def release_guard(self):
+        seen.setdefault("staged", self.cpu_staged.is_set())
+        gate.set()
+        real_release(self)
+
+    engine.Engine._stage = held_stage
+    job_mod.Job.release_guard = release_guard
+    return seen
+
+
 # -- scenarios ---------------------------------------------------------------------------------------
 
 
@@ -110,14 +135,16 @@ def scenario_fsdp() -> None:
     for step in range(2):
         train_step(model, opt, step)
     dump = full_dump(model, opt)
+    seen = hold_staging_until_the_step()
     with DistributedCheckpointer(**OPTS) as ckpt:
         msd, osd = get_state_dict(model, opt)
         h = ckpt.save({"model": msd, "optim": osd, "step": 2}, ckpt_path("step-2"))
+        RESULT["staged_after_save"] = h.staged()
         for step in range(2, 4):  # the first step right after save(): it waits for this rank's copies
             train_step(model, opt, step)
         stats = h.wait()
-        RESULT["blocked_s"] = stats.blocked_s
         RESULT["guard_wait_s"] = stats.guard_wait_s
+    RESULT["staged_when_step_began"] = seen.get("staged")
     assert not torch.equal(full_dump(model, opt)["model"]["0.weight"], dump["model"]["0.weight"]), "training moved on"
     fresh, fresh_opt = fsdp_model()
     train_step(fresh, fresh_opt, 99)  # optimizer state exists, with other values
@@ -234,6 +261,30 @@ def scenario_write_error() -> None:
         dist.barrier()
     RESULT["exists"] = os.path.exists(ckpt_path("bad"))
     RESULT["listing"] = sorted(os.listdir(os.path.dirname(ckpt_path("bad"))))
+
+
+def scenario_sigkill_coordinator() -> None:
+    """The coordinator (rank 0, which also hosts the store) is SIGKILLed mid-write: rank 1's wait()
+    fails (typed) well within commit_timeout; its staging folder is left for the next save."""
+    state = {"w": torch.randn(64, 64), f"own{RANK}": torch.randn(4096)}
+    ckpt = DistributedCheckpointer(commit_timeout=30.0, **OPTS)
+    if RANK == 0:
+        _patch_data_writes(lambda: os.kill(os.getpid(), signal.SIGKILL))
+    h = ckpt.save(state, ckpt_path("killed"))
+    t = time.monotonic()
+    try:
+        h.wait()
+        raise AssertionError("wait() should have failed")
+    except DistributedSaveError as exc:
+        RESULT.update(message=str(exc), waited_s=time.monotonic() - t)
+    RESULT["listing"] = sorted(os.listdir(os.path.dirname(ckpt_path("killed"))))
+
+
+def scenario_save_after_crash() -> None:
+    """A new job's first save into the folder of a crashed one removes the crashed save's staging."""
+    with DistributedCheckpointer(**OPTS) as ckpt:
+        ckpt.save({"w": torch.ones(4)}, ckpt_path("next")).wait()
+    RESULT["listing"] = sorted(os.listdir(os.path.dirname(ckpt_path("next"))))
 
 
 def scenario_sigkill() -> None:
