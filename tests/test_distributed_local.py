@@ -199,3 +199,29 @@ def test_verify_finds_corruption_truncation_and_missing_files(dckpt, tmp_path):
     data.unlink()
     assert any("missing" in p for p in verify_checkpoint(folder).problems)
     assert not verify_checkpoint(tmp_path).ok  # not a checkpoint folder
+
+
+def test_an_unseen_failure_is_raised_by_wait_not_by_the_next_save(dckpt, tmp_path, monkeypatch):
+    """save() is collective: raising an earlier save's error there could leave other ranks in the
+    planning collective. wait() raises it, once."""
+    import errno
+
+    import lazyckpt._engine as engine
+
+    real = engine.pwrite_all
+
+    def enospc(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+    monkeypatch.setattr(engine, "pwrite_all", enospc)
+    h1 = dckpt.save({"w": torch.ones(1024)}, tmp_path / "a")
+    h1.wait_staged()
+    assert h1._done.wait(10)  # the commit thread has decided
+    monkeypatch.setattr(engine, "pwrite_all", real)
+    h2 = dckpt.save({"w": torch.ones(1024)}, tmp_path / "b")  # does not raise h1's error
+    with pytest.raises(DistributedSaveError, match="No space left") as info:
+        dckpt.wait()
+    assert info.value.errno == errno.ENOSPC and info.value.ranks == (0,)
+    dckpt.wait()  # once
+    h2.wait()
+    assert sorted(os.listdir(tmp_path)) == ["b"]

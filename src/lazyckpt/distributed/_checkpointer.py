@@ -154,13 +154,17 @@ class DistributedCheckpointer:
         """Start saving ``state`` (what ``torch.distributed.checkpoint.save`` takes) to the folder
         ``path``; collective. Returns at once with a handle (see the class docstring).
 
-        Raises ``SaveRefusedError`` on every rank if planning fails on any (nothing written), and
-        the error of an earlier failed save nobody has seen yet.
+        Raises ``SaveRefusedError`` on every rank if planning fails on any (nothing written); on
+        one rank only if that rank cannot serialize its part (the save then fails on the others
+        with ``DistributedSaveError``). Unlike ``LazyCheckpointer.save``, it does not raise an
+        earlier save's error (that would break the collective): ``wait()`` and ``close()`` do.
         """
         t0 = time.perf_counter()
         if self._closed:
             raise CheckpointerClosedError("this DistributedCheckpointer is closed; create a new one")
-        self._raise_unreported()
+        # No raising of an earlier save's error here (LazyCheckpointer.save does): ranks learn a
+        # failure at slightly different moments, and a rank that raised here would leave the others
+        # waiting in the planning collective. wait() and close() raise it.
         final = _resolve(path)
         n, self._count = self._count, self._count + 1
         handle = DistributedSaveHandle(final)
