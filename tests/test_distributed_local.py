@@ -225,3 +225,40 @@ def test_an_unseen_failure_is_raised_by_wait_not_by_the_next_save(dckpt, tmp_pat
     dckpt.wait()  # once
     h2.wait()
     assert sorted(os.listdir(tmp_path)) == ["b"]
+
+
+@pytest.mark.gpu
+def test_cuda_tensors_are_staged_lazily_and_load_on_cpu(tmp_path):
+    """CUDA parameters and optimizer state (the core's copy stream and events), planning on gloo."""
+    model = torch.nn.Linear(256, 256).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(4, 256, device="cuda")).sum().backward()
+    opt.step()
+    at_save = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    with DistributedCheckpointer(host_memory_budget=4 << 20, chunk_bytes=1 << 20) as c:
+        h = c.save({"model": model.state_dict(), "optim": opt.state_dict()}, tmp_path / "c")
+        model(torch.randn(4, 256, device="cuda")).sum().backward()
+        opt.step()  # the compute stream waits for the copies
+        h.wait()
+    got = load(tmp_path / "c", {"model": {k: torch.empty_like(v) for k, v in at_save.items()}})
+    assert all(torch.equal(got["model"][k], v) for k, v in at_save.items())
+    assert verify_checkpoint(tmp_path / "c").ok
+
+
+def test_a_folder_that_is_no_checkpoint_is_refused_not_replaced(dckpt, tmp_path):
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "notes.txt").write_text("keep me")
+    with pytest.raises(SaveRefusedError, match="holds no checkpoint"):
+        dckpt.save({"w": torch.ones(2)}, tmp_path / "runs")
+    assert (tmp_path / "runs" / "notes.txt").read_text() == "keep me"
+
+
+def test_a_checkpoint_moved_aside_by_a_dead_save_is_restored_not_deleted(tmp_path):
+    """publish() without RENAME_EXCHANGE moves the old folder aside first; if the process dies
+    right then, the next cleanup puts it back."""
+    aside = staging_path(str(tmp_path / "c"), "deadbeef", 1, old=True)
+    os.makedirs(aside)
+    (tmp_path / "x").mkdir()
+    open(os.path.join(aside, ".metadata"), "wb").close()
+    assert cleanup_leftovers(str(tmp_path)) == []
+    assert sorted(os.listdir(tmp_path)) == ["c", "x"] and os.listdir(tmp_path / "c") == [".metadata"]

@@ -172,6 +172,11 @@ class DistributedCheckpointer:
         def prepare() -> str:  # coordinator, inside the planning collective
             if os.path.lexists(final) and not os.path.isdir(final):
                 raise SaveRefusedError(f"{final} exists and is not a folder")
+            if os.path.isdir(final) and os.listdir(final) and not os.path.exists(os.path.join(final, ".metadata")):
+                raise SaveRefusedError(
+                    f"{final} is a folder that holds no checkpoint (no .metadata); a save replaces the folder "
+                    "at its path as a whole, so pass a path of its own (e.g. ckpt/step-100)"
+                )
             parent = os.path.dirname(final)
             os.makedirs(parent, exist_ok=True)
             _commit.cleanup_leftovers(parent)

@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 METADATA = ".metadata"
 MANIFEST = ".lazyckpt-manifest.json"
-_STAGING_RE = re.compile(r"^\..+\.lazyckpt-dist-([0-9a-f]+)-\d+(?:-old)?\.tmp$")
+_STAGING_RE = re.compile(r"^\..+\.lazyckpt-dist-([0-9a-f]+)-\d+(-old)?\.tmp$")
 _POLL_S = 0.02
 
 # Tokens of the checkpointers open in this process: their staging directories are never leftovers.
@@ -63,6 +63,13 @@ def cleanup_leftovers(directory: str) -> list[str]:
         m = _STAGING_RE.match(name)
         if m and m.group(1) not in live:
             path = os.path.join(directory, name)
+            final = os.path.join(directory, name[1 : name.index(".lazyckpt-dist-")])
+            if m.group(2) and not os.path.lexists(final):
+                # A previous checkpoint moved aside by publish() without RENAME_EXCHANGE, and the
+                # process died before the new one took its name: put it back, never delete it.
+                os.rename(path, final)
+                logger.warning("lazyckpt: restored %s from %s (a save died while replacing it)", final, path)
+                continue
             shutil.rmtree(path, ignore_errors=True)
             if not os.path.lexists(path):
                 removed.append(path)

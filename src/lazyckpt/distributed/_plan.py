@@ -54,6 +54,10 @@ def plan_save(state: dict[str, Any], wrapper: _DistWrapper, final: str, prepare:
     try:
         central = wrapper.reduce_scatter("plan", local_step, global_step)
     except BaseException as exc:  # CheckpointException derives from BaseException
+        if isinstance(exc, Exception) and not isinstance(exc, SaveRefusedError):  # the collective itself
+            raise SaveRefusedError(
+                f"planning the save to {final} failed (did every rank call save() with the same path?): {exc}"
+            ) from exc
         if not _is_checkpoint_exception(exc):
             raise
         ranks = sorted(getattr(exc, "failures", {}))
