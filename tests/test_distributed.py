@@ -215,3 +215,18 @@ def test_sigkill_of_the_coordinator_then_the_next_save_cleans_up(tmp_path):
     assert len(res1["listing"]) == 1 and ".lazyckpt-dist-" in res1["listing"][0], res1["listing"]
     (r0, _) = launch("save_after_crash", 2, tmp_path)
     assert r0["listing"] == ["next"], r0["listing"]
+
+
+def test_a_subgroup_saves_on_its_own(tmp_path):
+    launch("subgroup", 3, tmp_path)
+    folder = tmp_path / "ckpt" / "sub"
+    assert sorted(os.listdir(folder)) == [".lazyckpt-manifest.json", ".metadata", "__0_0.distcp", "__1_0.distcp"]
+    state = {"shared": torch.empty(64), "own1": torch.empty(8), "own2": torch.empty(8)}
+    dcp.load(state, checkpoint_id=str(folder), no_dist=True)
+    assert torch.equal(state["shared"], torch.arange(64.0))
+    assert torch.equal(state["own1"], torch.full((8,), 1.0)) and torch.equal(state["own2"], torch.full((8,), 2.0))
+
+
+def test_the_coordinator_exiting_right_after_its_wait_does_not_fail_the_others(tmp_path):
+    launch("coordinator_exits_at_once", 2, tmp_path)
+    assert verify_checkpoint(tmp_path / "ckpt" / "fast").ok

@@ -61,6 +61,7 @@ def test_each_item_is_a_torch_save_zip_and_the_manifest_crc_is_the_files(dckpt, 
     folder = tmp_path / "c"
     with open(folder / ".metadata", "rb") as fh:
         meta = pickle.load(fh)
+    assert meta.storage_meta.checkpoint_id == str(folder)
     blob = (folder / "__0_0.distcp").read_bytes()
     for index, info in meta.storage_data.items():
         if index.fqn in ("a", "b", "c", "e"):

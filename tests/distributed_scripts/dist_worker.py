@@ -263,6 +263,47 @@ def scenario_write_error() -> None:
     RESULT["listing"] = sorted(os.listdir(os.path.dirname(ckpt_path("bad"))))
 
 
+def scenario_subgroup() -> None:
+    """process_group: ranks 1 and 2 save together (group ranks 0 and 1); rank 0 takes no part."""
+    group = dist.new_group([1, 2], backend="gloo")
+    if RANK != 0:
+        state = {"shared": torch.arange(64.0), f"own{RANK}": torch.full((8,), float(RANK))}
+        with DistributedCheckpointer(process_group=group, **OPTS) as ckpt:
+            ckpt.save(state, ckpt_path("sub")).wait()
+    dist.barrier()  # rank 0 hosts the store: it stays until the others are done
+
+
+def scenario_coordinator_exits_at_once() -> None:
+    """Rank 0 (which hosts the store) exits right after its wait() returns, while rank 1 has not yet
+    read the outcome (its read is held until rank 0 either returned from wait() or is waiting for
+    the others' acknowledgments): rank 1's save must still succeed."""
+    from lazyckpt.distributed._commit import StoreProtocol
+
+    store = dist.distributed_c10d._get_default_store()
+    if RANK == 0:
+        real_wait_acks = getattr(StoreProtocol, "wait_acks", None)
+
+        def wait_acks(self, *args):
+            store.set("test/coordinator-waits-for-acks", "1")
+            return real_wait_acks(self, *args)
+
+        StoreProtocol.wait_acks = wait_acks
+    else:
+        real_wait_value = StoreProtocol.wait_value
+
+        def wait_value(self, *args):
+            flags = ["test/coordinator-waits-for-acks", "test/coordinator-returned"]
+            while not any(store.check([f]) for f in flags):  # a flag set by the other process
+                time.sleep(0.01)
+            return real_wait_value(self, *args)
+
+        StoreProtocol.wait_value = wait_value
+    ckpt = DistributedCheckpointer(**OPTS)
+    ckpt.save({"w": torch.ones(256), f"own{RANK}": torch.ones(8)}, ckpt_path("fast")).wait()
+    if RANK == 0:
+        store.set("test/coordinator-returned", "1")  # main() exits with os._exit right after
+
+
 def scenario_sigkill_coordinator() -> None:
     """The coordinator (rank 0, which also hosts the store) is SIGKILLed mid-write: rank 1's wait()
     fails (typed) well within commit_timeout; its staging folder is left for the next save."""

@@ -34,7 +34,9 @@ logger = logging.getLogger(__name__)
 
 
 class DistributedSaveError(WriteError):
-    """A distributed save failed; nothing was committed at ``path`` on any rank.
+    """A distributed save failed. Nothing was committed at ``path`` (the message says so), except
+    when this rank lost the coordination itself (the store's host died, or the coordinator decided
+    to commit and never confirmed): then ``path`` holds the complete new checkpoint or the old state.
 
     ``ranks`` are the ranks whose part failed or that did not report in time. On a rank whose own
     part failed, ``__cause__`` is that rank's own error (``WriteError``, ``StaleTensorError`` ...).
@@ -281,13 +283,21 @@ class DistributedCheckpointer:
             try:
                 self._commit(entry)
             except BaseException as exc:  # a store that went away (its host died), a bug: fail, go on
-                self._finish(entry, self._error(entry, f"coordinating the save failed on rank {self.rank}: {exc}", exc))
+                why = (
+                    f"coordinating the save failed on rank {self.rank} ({exc}); the folder holds the complete new "
+                    "checkpoint or was not replaced (e.g. the store's host, rank 0, died)"
+                )
+                self._finish(entry, self._error(entry, why, exc))
 
     def _commit(self, entry: _Save) -> None:
         report, own_error = self._own_report(entry)
         self._proto.post(entry.n, report)
         deadline = time.monotonic() + self.commit_timeout
-        outcome = self._coordinate(entry, deadline) if self._dist.is_coordinator else self._follow(entry, deadline)
+        if self._dist.is_coordinator:
+            outcome = self._coordinate(entry, deadline)
+        else:
+            outcome = self._follow(entry, deadline)
+            self._proto.ack(entry.n)
         if outcome is None:
             self._finish(entry, None)
             return
@@ -323,25 +333,36 @@ class DistributedCheckpointer:
             decided = self._proto.decide(entry.n, "abort:" + json.dumps({"ranks": failed + missing, "why": why}))
         else:
             try:
-                _commit.write_metadata(entry.staging, entry.metadata, reports, self._inner.fsync)
+                save_id = f"{self._token}-{entry.n}"
+                _commit.write_metadata(entry.staging, entry.final, save_id, entry.metadata, reports, self._inner.fsync)
             except Exception as exc:
                 why = f"rank {self.rank} (coordinator): writing the metadata failed: {exc}"
                 decided = self._proto.decide(entry.n, "abort:" + json.dumps({"ranks": [self.rank], "why": why}))
             else:
                 decided = self._proto.decide(entry.n, "commit")
-        self._proto.drop_reports(entry.n)
+        outcome: tuple[str, tuple[int, ...]] | None = None
         if decided != "commit":
             shutil.rmtree(entry.staging, ignore_errors=True)
-            return _abort_reason(decided)
-        try:
-            old = _commit.staging_path(entry.final, self._token, entry.n, old=True)
-            _commit.publish(entry.staging, entry.final, old, self._inner.fsync)
-        except OSError as exc:
-            shutil.rmtree(entry.staging, ignore_errors=True)
-            self._proto.set_result(entry.n, "err:" + str(exc))
-            return f"rank {self.rank} (coordinator): publishing the folder failed: {exc}", (self.rank,)
-        self._proto.set_result(entry.n, "ok")
-        return None
+            outcome = _abort_reason(decided)
+        else:
+            try:
+                old = _commit.staging_path(entry.final, self._token, entry.n, old=True)
+                _commit.publish(entry.staging, entry.final, old, self._inner.fsync)
+            except OSError as exc:
+                shutil.rmtree(entry.staging, ignore_errors=True)
+                self._proto.set_result(entry.n, "err:" + str(exc))
+                outcome = (
+                    f"nothing was committed; rank {self.rank} (coordinator) could not publish the folder: {exc}",
+                    (self.rank,),
+                )
+            else:
+                self._proto.set_result(entry.n, "ok")
+        # Ranks that never reported are dead: they will not acknowledge.
+        if self._proto.wait_acks(entry.n, self.world_size - 1 - len(missing), time.monotonic() + self.commit_timeout):
+            self._proto.drop(entry.n)
+        else:
+            logger.warning("lazyckpt: not every rank acknowledged the end of the save to %s", entry.final)
+        return outcome
 
     def _follow(self, entry: _Save, deadline: float) -> tuple[str, tuple[int, ...]] | None:
         """Other ranks: wait for the coordinator's decision (or decide abort when it never comes)."""
@@ -363,13 +384,13 @@ class DistributedCheckpointer:
                 f"{entry.final} holds either the complete new checkpoint or the previous state",
                 (0,),
             )
-        return f"rank 0 (coordinator): publishing the folder failed: {result[4:]}", (0,)
+        return f"nothing was committed; rank 0 (coordinator) could not publish the folder: {result[4:]}", (0,)
 
     def _error(
         self, entry: _Save, message: str, cause: BaseException | None, ranks: tuple[int, ...] = ()
     ) -> DistributedSaveError:
         err = DistributedSaveError(
-            f"distributed save to {entry.final} failed, nothing committed: {message}",
+            f"distributed save to {entry.final} failed: {message}",
             path=entry.final,
             errno=getattr(cause, "errno", None),
             ranks=ranks,
@@ -405,7 +426,7 @@ class DistributedCheckpointer:
 
 def _abort_reason(decided: str) -> tuple[str, tuple[int, ...]]:
     body = json.loads(decided[len("abort:") :])
-    return body["why"], tuple(body["ranks"])
+    return "nothing was committed; " + body["why"], tuple(body["ranks"])
 
 
 def _resolve(path: str | os.PathLike[str]) -> str:

@@ -136,24 +136,45 @@ class StoreProtocol:
     def set_result(self, n: int, result: str) -> None:
         self.store.set(self._key(n, "result"), result)
 
-    def drop_reports(self, n: int) -> None:
-        for r in range(self.world_size):
+    def ack(self, n: int) -> None:
+        """A rank has read how save ``n`` ended (it needs the store no more for it)."""
+        self.store.add(self._key(n, "acks"), 1)
+
+    def wait_acks(self, n: int, expected: int, deadline: float) -> bool:
+        """Until ``expected`` ranks acknowledged, or ``deadline``. The coordinator's process often
+        hosts the store: finishing its handle (after which it may exit) before the others have read
+        the outcome would cut them off and fail a save that committed."""
+        key = self._key(n, "acks")
+        while int(self.store.add(key, 0)) < expected:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(_POLL_S)
+        return True
+
+    def drop(self, n: int) -> None:
+        """Delete save ``n``'s keys (once every rank has acknowledged)."""
+        names = [f"r{r}" for r in range(self.world_size)] + ["outcome", "result", "acks"]
+        for name in names:
             try:
-                self.store.delete_key(self._key(n, f"r{r}"))
+                self.store.delete_key(self._key(n, name))
             except Exception:  # some stores cannot delete; the keys are small
                 return
 
 
-def write_metadata(staging: str, metadata: Any, reports: dict[int, RankReport], fsync: bool) -> None:
+def write_metadata(
+    staging: str, final: str, save_id: str, metadata: Any, reports: dict[int, RankReport], fsync: bool
+) -> None:
     """``.metadata`` (DCP's pickled ``Metadata``, storage data from every rank) and the manifest of
     per-file sizes and CRCs that ``verify_checkpoint`` checks, both durable in ``staging``."""
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+    from torch.distributed.checkpoint.metadata import StorageMeta
 
     storage: dict[Any, Any] = {}
     for report in reports.values():
         storage.update(report.storage_data)
     metadata.version = CURRENT_DCP_VERSION
     metadata.storage_data = storage
+    metadata.storage_meta = StorageMeta(checkpoint_id=final, save_id=save_id)  # as FileSystemWriter.finish
     blob = pickle.dumps(metadata)
     from .._crc import crc32
 
