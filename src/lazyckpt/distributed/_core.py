@@ -10,6 +10,7 @@ If the core's job interface changes, only this module follows.
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -25,8 +26,15 @@ from ._layout import RankFileLayout
 def tensor_pickle(t: torch.Tensor) -> bytes:
     """The pickle torch.save writes for a contiguous CPU tensor of ``t``'s dtype and shape whose
     storage (key "0") holds exactly its bytes: what DCP's writer saves for every tensor item (it
-    clones views of larger storages). ``torch.empty`` reserves address space, touches nothing."""
-    pickle_bytes, sources = flatten_torch(torch.empty(t.shape, dtype=t.dtype))
+    clones views of larger storages). It depends on dtype and shape only: cached, since every save
+    of a training run has the same items."""
+    return _pickle_for(t.dtype, tuple(t.shape))
+
+
+@functools.lru_cache(maxsize=8192)
+def _pickle_for(dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
+    # torch.empty reserves address space and touches none of it.
+    pickle_bytes, sources = flatten_torch(torch.empty(shape, dtype=dtype))
     assert [s.key for s in sources] in ([], ["0"])
     return pickle_bytes
 
