@@ -26,7 +26,7 @@ from ..checkpointer import LazyCheckpointer
 from ..errors import CheckpointerClosedError, LazyCkptError, SaveRefusedError, WriteError
 from . import _commit
 from ._commit import RankReport
-from ._core import start_file, tensor_pickle
+from ._core import RankFile, tensor_pickle
 from ._layout import RankFileLayout
 from ._plan import RankPlan, plan_save, resolve
 
@@ -267,14 +267,16 @@ class DistributedCheckpointer:
             offset, length = layout.add_bytes(data)
             entry.storage[item.index] = _StorageInfo(entry.file, offset, length)
         for i, (item, t) in enumerate(tensors):
-            if not t.is_contiguous():  # a copy, made now (so captured now, not lazily)
-                t = t.contiguous()
-            offset, length = layout.add_tensor(str(i), tensor_pickle(t), t.numel() * t.element_size())
+            # A non-contiguous tensor is copied now (so captured now, not lazily).
+            sources.append((str(i), item.index.fqn, t if t.is_contiguous() else t.contiguous()))
+        rank_file = RankFile(self._inner, sources)
+        for (item, _), (key, _, t) in zip(tensors, sources, strict=True):
+            nbytes = t.numel() * t.element_size()
+            offset, length = layout.add_tensor(key, tensor_pickle(t), nbytes, rank_file.phases.get(key))
             entry.storage[item.index] = _StorageInfo(entry.file, offset, length)
-            sources.append((str(i), item.index.fqn, t))
         entry.layout = layout
         path = os.path.join(entry.staging, entry.file)
-        entry.local = entry.handle._local = start_file(self._inner, path, sources, layout, entry.t0)
+        entry.local = entry.handle._local = rank_file.start(path, layout, entry.t0)
 
     # -- the commit thread ------------------------------------------------------------------------
 

@@ -5,7 +5,8 @@ A rank's data file is one core ``Job``: its sources are the tensors this rank wr
 ``data_offset(key)``, ``metadata_writes(crcs)``, ``total_size``), and it runs on a
 ``LazyCheckpointer``'s engine: same pool, same guard (the next ``optimizer.step()`` waits for this
 rank's lazy copies only), same writers, same commit of the file inside the staging directory.
-If the core's job interface changes, only this module follows.
+If the core's job interface changes, only this module follows. (``RankFile`` builds the sources,
+the zero-copy decision and the ``Job``; ``guarded_storages`` and ``tensor_pickle`` serve it.)
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from .. import _commit, _guard
 from .._flatten import Source, flatten_torch
 from .._handle import SaveHandle
 from .._job import Job
-from ..checkpointer import LazyCheckpointer
+from .._pool import PAGE
+from .._torchfmt import storage_alignment
+from ..checkpointer import LazyCheckpointer, _zero_copy_candidate
 from ._layout import RankFileLayout
 
 
@@ -59,33 +62,43 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return local if isinstance(local, torch.Tensor) else t
 
 
-def start_file(
-    ckpt: LazyCheckpointer,
-    path: str,
-    tensors: list[tuple[str, str, torch.Tensor]],
-    layout: RankFileLayout,
-    t0: float,
-) -> SaveHandle:
-    """Start writing ``path`` (atomically, through a temporary name beside it) on ``ckpt``'s engine.
+class RankFile:
+    """One rank's data file on ``ckpt``'s engine: decides what is staged how, then starts the job.
 
     ``tensors``: (layout key, name for errors, contiguous tensor). Tensors an optimizer owns are
-    copied lazily (the guard holds its next step back until they are); the rest here, now.
+    copied lazily (the guard holds its next step back until they are); the rest inside ``save()``.
+    With the core's zero copy (direct I/O, CPU), large optimizer-owned tensors are written straight
+    from their memory: ``phases`` says at which position within a page their data must sit in the
+    file (the layout honours it), exactly as the core lays out a torch file.
     """
-    guarded = guarded_storages()
-    sources: list[Source] = []
-    for key, name, t in tensors:
-        nbytes = t.numel() * t.element_size()
-        flat = t.reshape(-1).view(torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
-        sources.append(Source(key, flat, nbytes, [(name, t, t._version)], file_offset=layout.data_offset(key)))
-    lazy = [s for s in sources if s.nbytes and s.storage_ptr in guarded]
-    eager = [s for s in sources if s.nbytes and s.storage_ptr not in guarded]
-    direct = ckpt._use_direct_io([s.nbytes for s in sources])
-    job = Job(
-        path=path, tmp=_commit.temporary_path(path), fmt="torch", sources=sources, lazy=lazy,
-        layout=layout,  # type: ignore[arg-type]  # the same duck type as TorchLayout
-        head=b"", file_bytes=layout.total_size, crc=ckpt.crc, fsync=ckpt.fsync,
-        wait_in_closure=ckpt.wait_in_closure, t0=t0,
-    )  # fmt: skip
-    ckpt._start(job, eager, direct)
-    job.t_returned = time.perf_counter()
-    return job.handle
+
+    def __init__(self, ckpt: LazyCheckpointer, tensors: list[tuple[str, str, torch.Tensor]]) -> None:
+        self.ckpt = ckpt
+        self.guarded = guarded_storages()
+        self.sources: list[Source] = []
+        for key, name, t in tensors:
+            nbytes = t.numel() * t.element_size()
+            flat = t.reshape(-1).view(torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+            self.sources.append(Source(key, flat, nbytes, [(name, t, t._version)]))
+        self.direct = ckpt._use_direct_io([s.nbytes for s in self.sources])
+        zero_copy = ckpt._use_zero_copy(self.direct, [s.device for s in self.sources])
+        self.phases: dict[str, int] = {}
+        if zero_copy and 64 % storage_alignment() == 0:
+            self.phases = {s.key: s.data_ptr % PAGE for s in self.sources if _zero_copy_candidate(s, self.guarded)}
+
+    def start(self, path: str, layout: RankFileLayout, t0: float) -> SaveHandle:
+        """Start writing ``path`` (atomically, through a temporary name beside it)."""
+        for src in self.sources:
+            src.file_offset = layout.data_offset(src.key)
+            src.live = src.key in self.phases and (src.data_ptr - src.file_offset) % PAGE == 0
+        lazy = [s for s in self.sources if s.nbytes and s.storage_ptr in self.guarded]
+        eager = [s for s in self.sources if s.nbytes and s.storage_ptr not in self.guarded]
+        job = Job(
+            path=path, tmp=_commit.temporary_path(path), fmt="torch", sources=self.sources, lazy=lazy,
+            layout=layout,  # type: ignore[arg-type]  # the same duck type as TorchLayout
+            head=b"", file_bytes=layout.total_size, crc=self.ckpt.crc, fsync=self.ckpt.fsync,
+            wait_in_closure=self.ckpt.wait_in_closure, t0=t0,
+        )  # fmt: skip
+        self.ckpt._start(job, eager, self.direct)
+        job.t_returned = time.perf_counter()
+        return job.handle

@@ -16,6 +16,7 @@ import functools
 from dataclasses import dataclass
 
 from .._crc import _multmodp, _x2nmodp, crc32
+from .._pool import PAGE
 from .._torchfmt import TorchLayout, plan
 
 
@@ -50,10 +51,19 @@ class RankFileLayout:
         self.total_size += len(item.data)
         return item.base, len(item.data)
 
-    def add_tensor(self, key: str, pickle_bytes: bytes, nbytes: int) -> tuple[int, int]:
+    def add_tensor(self, key: str, pickle_bytes: bytes, nbytes: int, phase: int | None = None) -> tuple[int, int]:
         """Place a tensor item whose torch.save pickle is ``pickle_bytes`` (one storage, key "0",
-        of ``nbytes``); return the (offset, length) of its zip."""
-        zip_layout = plan("archive", pickle_bytes, [("0", nbytes)])
+        of ``nbytes``); return the (offset, length) of its zip. With ``phase`` (a multiple of 64
+        below a page), the data lands that many bytes past a page boundary in the file (the zero-copy
+        layout: padding in the zip's ``FB`` field, as ``_torchfmt.plan`` does; the zip starts on a
+        64-byte boundary, after < 64 zero bytes that belong to no item)."""
+        phases = None
+        if phase is not None:
+            pad = -self.total_size % 64
+            if pad:
+                self.add_bytes(bytes(pad))
+            phases = {"0": (phase - self.total_size) % PAGE}
+        zip_layout = plan("archive", pickle_bytes, [("0", nbytes)], phases=phases)
         item = _TensorItem(key, self.total_size, zip_layout, nbytes)
         self._tensors[key] = item
         self.total_size += zip_layout.total_size
