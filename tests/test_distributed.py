@@ -230,3 +230,12 @@ def test_a_subgroup_saves_on_its_own(tmp_path):
 def test_the_coordinator_exiting_right_after_its_wait_does_not_fail_the_others(tmp_path):
     launch("coordinator_exits_at_once", 2, tmp_path)
     assert verify_checkpoint(tmp_path / "ckpt" / "fast").ok
+
+
+def test_refusals_reach_every_rank_and_the_checkpointer_stays_usable(tmp_path):
+    r0, r1 = launch("refusals", 2, tmp_path)
+    assert r1["a"].startswith("refused: rank 1"), r1["a"]
+    assert r0["a"].startswith("failed [1]") and "rank 1" in r0["a"], r0["a"]
+    assert r0["b"].startswith("refused: planning") and r1["b"].startswith("refused: planning"), (r0["b"], r1["b"])
+    assert "not a folder" in r1["b"]
+    assert r0["listing"] == ["b", "c"], r0["listing"]

@@ -304,6 +304,34 @@ def scenario_coordinator_exits_at_once() -> None:
         store.set("test/coordinator-returned", "1")  # main() exits with os._exit right after
 
 
+def scenario_refusals() -> None:
+    """(a) rank 1 cannot serialize a value: SaveRefusedError there, DistributedSaveError naming rank 1
+    on rank 0; (b) the coordinator refuses the path (a file): planning fails on every rank;
+    (c) the checkpointer still works."""
+    from lazyckpt import SaveRefusedError
+
+    with DistributedCheckpointer(commit_timeout=30, **OPTS) as ckpt:
+        state = {"w": torch.ones(8), "hook": (lambda: 0) if RANK == 1 else 0}
+        try:
+            ckpt.save(state, ckpt_path("a")).wait()
+            RESULT["a"] = "ok"
+        except SaveRefusedError as exc:
+            RESULT["a"] = f"refused: {exc}"
+        except DistributedSaveError as exc:
+            RESULT["a"] = f"failed {list(exc.ranks)}: {exc}"
+        if RANK == 0:  # only the coordinator looks at the path: its refusal reaches every rank
+            with open(ckpt_path("b"), "w") as fh:
+                fh.write("a file, not a folder")
+        dist.barrier()
+        try:
+            ckpt.save({"w": torch.ones(8)}, ckpt_path("b"))
+            RESULT["b"] = "ok"
+        except SaveRefusedError as exc:
+            RESULT["b"] = f"refused: {exc}"
+        ckpt.save({"w": torch.ones(8)}, ckpt_path("c")).wait()
+    RESULT["listing"] = sorted(os.listdir(os.path.dirname(ckpt_path("c"))))
+
+
 def scenario_sigkill_coordinator() -> None:
     """The coordinator (rank 0, which also hosts the store) is SIGKILLed mid-write: rank 1's wait()
     fails (typed) well within commit_timeout; its staging folder is left for the next save."""
