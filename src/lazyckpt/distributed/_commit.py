@@ -27,6 +27,7 @@ import re
 import shutil
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +38,20 @@ logger = logging.getLogger(__name__)
 METADATA = ".metadata"
 MANIFEST = ".lazyckpt-manifest.json"
 _STAGING_RE = re.compile(r"^\..+\.lazyckpt-dist-([0-9a-f]+)-\d+(-old)?\.tmp$")
-_POLL_S = 0.02
+# Waits poll the store with short requests, backing off from 5 ms to 100 ms: a blocking
+# ``store.wait`` would hold the store client's lock (one per process, shared with the training's own
+# store traffic) for the whole wait, and N ranks polling fast would load the store's host.
+_POLL_MIN_S, _POLL_MAX_S = 0.005, 0.1
+
+
+def _polls(deadline: float) -> Iterator[bool]:
+    """Yield until ``deadline`` (True while time is left), sleeping a growing interval between."""
+    delay = _POLL_MIN_S
+    while True:
+        yield time.monotonic() < deadline
+        time.sleep(delay)
+        delay = min(delay * 2, _POLL_MAX_S)
+
 
 # Tokens of the checkpointers open in this process: their staging directories are never leftovers.
 live_tokens: set[str] = set()
@@ -104,22 +118,28 @@ class StoreProtocol:
 
     def post(self, n: int, report: RankReport) -> None:
         self.store.set(self._key(n, f"r{report.rank}"), pickle.dumps(report))
+        if not report.ok:
+            self.store.set(self._key(n, "failed"), str(report.rank))
+        self.store.add(self._key(n, "reported"), 1)
 
     def gather(self, n: int, deadline: float) -> tuple[dict[int, RankReport], list[int]]:
-        """Reports of every rank, or as soon as one failed; and the ranks missing at ``deadline``."""
+        """Reports of every rank, or as soon as one failed; and the ranks missing at ``deadline``.
+        Two requests per poll whatever the world size: a counter and a failure flag."""
+        for time_left in _polls(deadline):
+            everyone = int(self.store.add(self._key(n, "reported"), 0)) >= self.world_size
+            if everyone or self.store.check([self._key(n, "failed")]) or not time_left:
+                break
         reports: dict[int, RankReport] = {}
-        pending = list(range(self.world_size))
-        while pending:
-            for r in [r for r in pending if self.store.check([self._key(n, f"r{r}")])]:
-                reports[r] = pickle.loads(self.store.get(self._key(n, f"r{r}")))
-                pending.remove(r)
-                if not reports[r].ok:
-                    return reports, []
-            if pending and time.monotonic() >= deadline:
-                return reports, pending
-            if pending:
-                time.sleep(_POLL_S)
-        return reports, []
+        missing: list[int] = []
+        for r in range(self.world_size):
+            key = self._key(n, f"r{r}")
+            if self.store.check([key]):
+                reports[r] = pickle.loads(self.store.get(key))
+            else:
+                missing.append(r)
+        if any(not rep.ok for rep in reports.values()):
+            return reports, []  # decided by the failure; the others may still be on their way
+        return reports, missing
 
     def decide(self, n: int, outcome: str) -> str:
         """Set the outcome unless someone did first; return the outcome that holds."""
@@ -127,11 +147,12 @@ class StoreProtocol:
 
     def wait_value(self, n: int, name: str, deadline: float) -> str | None:
         key = self._key(n, name)
-        while not self.store.check([key]):
-            if time.monotonic() >= deadline:
+        for time_left in _polls(deadline):
+            if self.store.check([key]):
+                return bytes(self.store.get(key)).decode()
+            if not time_left:
                 return None
-            time.sleep(_POLL_S)
-        return bytes(self.store.get(key)).decode()
+        raise AssertionError("unreachable")
 
     def set_result(self, n: int, result: str) -> None:
         self.store.set(self._key(n, "result"), result)
@@ -144,16 +165,16 @@ class StoreProtocol:
         """Until ``expected`` ranks acknowledged, or ``deadline``. The coordinator's process often
         hosts the store: finishing its handle (after which it may exit) before the others have read
         the outcome would cut them off and fail a save that committed."""
-        key = self._key(n, "acks")
-        while int(self.store.add(key, 0)) < expected:
-            if time.monotonic() >= deadline:
+        for time_left in _polls(deadline):
+            if int(self.store.add(self._key(n, "acks"), 0)) >= expected:
+                return True
+            if not time_left:
                 return False
-            time.sleep(_POLL_S)
-        return True
+        raise AssertionError("unreachable")
 
     def drop(self, n: int) -> None:
         """Delete save ``n``'s keys (once every rank has acknowledged)."""
-        names = [f"r{r}" for r in range(self.world_size)] + ["outcome", "result", "acks"]
+        names = [f"r{r}" for r in range(self.world_size)] + ["outcome", "result", "acks", "reported", "failed"]
         for name in names:
             try:
                 self.store.delete_key(self._key(n, name))
