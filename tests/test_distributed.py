@@ -239,3 +239,10 @@ def test_refusals_reach_every_rank_and_the_checkpointer_stays_usable(tmp_path):
     assert r0["b"].startswith("refused: planning") and r1["b"].startswith("refused: planning"), (r0["b"], r1["b"])
     assert "not a folder" in r1["b"]
     assert r0["listing"] == ["b", "c"], r0["listing"]
+
+
+def test_a_rank_slower_than_commit_timeout_fails_the_save_on_every_rank_alike(tmp_path):
+    r0, r1 = launch("slow_rank", 2, tmp_path)
+    for res in (r0, r1):
+        assert res["ranks"] == [1] and "did not report a durable file" in res["message"], res
+        assert res["listing"] == [], res["listing"]

@@ -332,6 +332,38 @@ def scenario_refusals() -> None:
     RESULT["listing"] = sorted(os.listdir(os.path.dirname(ckpt_path("c"))))
 
 
+def scenario_slow_rank() -> None:
+    """Rank 1's file is not durable within commit_timeout (its finalisation is held until the
+    coordinator has decided): both ranks fail, naming rank 1; nothing appears, nothing is left."""
+    import lazyckpt._engine as engine
+
+    store = dist.distributed_c10d._get_default_store()
+    ckpt = DistributedCheckpointer(commit_timeout=1.0, **OPTS)
+    if RANK == 1:
+        real_finalize = engine.Engine._finalize
+        outcome_key = f"lazyckpt/{ckpt._token}/0/outcome"
+
+        def held_finalize(self, job):
+            give_up = time.monotonic() + 30
+            while not store.check([outcome_key]) and time.monotonic() < give_up:  # the other process decides
+                time.sleep(0.01)
+            real_finalize(self, job)
+
+        engine.Engine._finalize = held_finalize
+    h = ckpt.save({"w": torch.ones(64), f"own{RANK}": torch.ones(8)}, ckpt_path("slow"))
+    try:
+        h.wait()
+        raise AssertionError("wait() should have failed")
+    except DistributedSaveError as exc:
+        RESULT.update(ranks=list(exc.ranks), message=str(exc))
+    dist.barrier()
+    RESULT["listing"] = sorted(os.listdir(os.path.dirname(ckpt_path("slow"))))
+    try:
+        ckpt.close()
+    except DistributedSaveError:
+        pass
+
+
 def scenario_sigkill_coordinator() -> None:
     """The coordinator (rank 0, which also hosts the store) is SIGKILLed mid-write: rank 1's wait()
     fails (typed) well within commit_timeout; its staging folder is left for the next save."""

@@ -359,10 +359,14 @@ class DistributedCheckpointer:
                 )
             else:
                 self._proto.set_result(entry.n, "ok")
-        # Ranks that never reported are dead: they will not acknowledge.
-        if self._proto.wait_acks(entry.n, self.world_size - 1 - len(missing), time.monotonic() + self.commit_timeout):
+        # Ranks that never reported may be dead (no acknowledgment to wait for) or merely slow: they
+        # still need the outcome when they get there, so the keys stay unless every rank acknowledged.
+        acked = self._proto.wait_acks(
+            entry.n, self.world_size - 1 - len(missing), time.monotonic() + self.commit_timeout
+        )
+        if acked and not missing:
             self._proto.drop(entry.n)
-        else:
+        elif not acked:
             logger.warning("lazyckpt: not every rank acknowledged the end of the save to %s", entry.final)
         return outcome
 
