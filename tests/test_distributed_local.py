@@ -312,3 +312,42 @@ def test_zero_copy_writes_large_optimizer_tensors_from_their_memory(tmp_path, mo
     assert data_at % PAGE == model.weight.data_ptr() % PAGE  # the parameter never moved: updates are in place
     manifest = json.loads((folder / ".lazyckpt-manifest.json").read_text())
     assert manifest["files"]["__0_0.distcp"]["crc32"] == zlib.crc32(blob)
+
+
+def test_publish_without_exchange_puts_the_old_checkpoint_back_when_the_rename_fails(tmp_path, monkeypatch):
+    from lazyckpt.distributed import _commit
+
+    (tmp_path / "final").mkdir()
+    (tmp_path / "final" / ".metadata").write_text("old")
+    (tmp_path / "staging").mkdir()
+    real_rename = os.rename
+
+    def rename(a, b):
+        if str(a).endswith("staging"):
+            raise OSError(5, "EIO (injected)")
+        real_rename(a, b)
+
+    monkeypatch.setattr(_commit, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(_commit.os, "rename", rename)
+    with pytest.raises(OSError, match="injected"):
+        _commit.publish(str(tmp_path / "staging"), str(tmp_path / "final"), str(tmp_path / "old"), fsync=True)
+    assert (tmp_path / "final" / ".metadata").read_text() == "old"
+    assert sorted(os.listdir(tmp_path)) == ["final", "staging"]
+
+
+def test_publish_says_when_the_new_checkpoint_is_in_place_but_not_durable(tmp_path, monkeypatch):
+    from lazyckpt.distributed import _commit
+
+    (tmp_path / "final").mkdir()
+    (tmp_path / "final" / ".metadata").write_text("old")
+    (tmp_path / "staging").mkdir()
+    (tmp_path / "staging" / ".metadata").write_text("new")
+
+    def fsync_dir(path):
+        raise OSError(5, "EIO (injected)")
+
+    monkeypatch.setattr(_commit, "fsync_dir", fsync_dir)
+    with pytest.raises(_commit.NotDurableError):
+        _commit.publish(str(tmp_path / "staging"), str(tmp_path / "final"), str(tmp_path / "old"), fsync=True)
+    assert (tmp_path / "final" / ".metadata").read_text() == "new"
+    assert sorted(os.listdir(tmp_path)) == ["final"]  # the old one deleted all the same

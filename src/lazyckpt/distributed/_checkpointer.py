@@ -351,12 +351,13 @@ class DistributedCheckpointer:
                 old = _commit.staging_path(entry.final, self._token, entry.n, old=True)
                 _commit.publish(entry.staging, entry.final, old, self._inner.fsync)
             except OSError as exc:
-                shutil.rmtree(entry.staging, ignore_errors=True)
-                self._proto.set_result(entry.n, "err:" + str(exc))
-                outcome = (
-                    f"nothing was committed; rank {self.rank} (coordinator) could not publish the folder: {exc}",
-                    (self.rank,),
-                )
+                if isinstance(exc, _commit.NotDurableError):
+                    why = f"rank {self.rank} (coordinator): {exc}"
+                else:
+                    shutil.rmtree(entry.staging, ignore_errors=True)
+                    why = f"nothing was committed; rank {self.rank} (coordinator) could not publish the folder: {exc}"
+                self._proto.set_result(entry.n, "err:" + why)
+                outcome = why, (self.rank,)
             else:
                 self._proto.set_result(entry.n, "ok")
         # Ranks that never reported may be dead (no acknowledgment to wait for) or merely slow: they
@@ -390,7 +391,7 @@ class DistributedCheckpointer:
                 f"{entry.final} holds either the complete new checkpoint or the previous state",
                 (0,),
             )
-        return f"nothing was committed; rank 0 (coordinator) could not publish the folder: {result[4:]}", (0,)
+        return result[len("err:") :], (0,)
 
     def _error(
         self, entry: _Save, message: str, cause: BaseException | None, ranks: tuple[int, ...] = ()

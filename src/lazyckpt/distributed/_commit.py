@@ -223,22 +223,39 @@ def _write_file(path: str, data: bytes, fsync: bool) -> None:
             os.fsync(fh.fileno())
 
 
+class NotDurableError(OSError):
+    """The new checkpoint is at its final name, but making the rename durable failed."""
+
+
 def publish(staging: str, final: str, old: str, fsync: bool) -> None:
     """Make ``staging`` visible as ``final`` in one rename; an existing ``final`` is swapped out
     atomically (``renameat2(RENAME_EXCHANGE)``) and deleted, so a reader sees the old checkpoint or
-    the new one, never neither (except where the kernel lacks the exchange: two renames)."""
+    the new one, never neither (except where the kernel lacks the exchange: two renames).
+
+    Raises ``OSError`` with nothing changed at ``final``, or ``NotDurableError`` once the new
+    checkpoint is visible there but its parent's fsync failed."""
+    replaced = None
     if os.path.lexists(final):
-        if not _exchange(staging, final):
+        if _exchange(staging, final):
+            replaced = staging
+        else:
             os.rename(final, old)  # no exchange: a moment with nothing at ``final``
-            os.rename(staging, final)
-            staging = old
+            try:
+                os.rename(staging, final)
+            except OSError:
+                os.rename(old, final)  # put the previous checkpoint back
+                raise
+            replaced = old
+    else:
+        os.rename(staging, final)
+    try:
         if fsync:
             fsync_dir(os.path.dirname(final))
-        shutil.rmtree(staging, ignore_errors=True)
-        return
-    os.rename(staging, final)
-    if fsync:
-        fsync_dir(os.path.dirname(final))
+    except OSError as exc:
+        raise NotDurableError(exc.errno, f"{final} is in place but fsync of its folder failed: {exc}") from exc
+    finally:
+        if replaced is not None:
+            shutil.rmtree(replaced, ignore_errors=True)
 
 
 _RENAME_EXCHANGE = 2
