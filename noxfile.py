@@ -51,14 +51,14 @@ def gpu(session: nox.Session) -> None:
     """GPU tests and the CUDA benchmark, with the machine's own CUDA torch (no venv, no downloads)."""
     env = {"PYTHONPATH": "src"}
     session.run("python", "-m", "pytest", "-m", "gpu", "-rs", "-p", "no:cacheprovider", *session.posargs, env=env)
-    session.run("python", "benchmarks/bench_core.py", "--device", "cuda", "--size", "1b", "--steps", "6", env=env)
+    session.run("python", "-m", "benchmarks.bench_core", "--device", "cuda", "--size", "1b", "--steps", "6", env=env)
 
 
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
     """Side-by-side speed: no checkpoint, torch.save+fsync, DCP async_save, lazyckpt (~100M GPT, CPU)."""
     _install(session, "test", "lightning", "accelerate")
-    session.run("python", "benchmarks/bench_core.py", "--size", "100m", *session.posargs)
+    session.run("python", "-m", "benchmarks.bench_core", "--size", "100m", *session.posargs)
 
 
 @nox.session(python=PYTHON)

@@ -1,7 +1,9 @@
 """Accelerate: training stall per checkpoint with save_state every step, stock vs lazyckpt, in one run.
 
-    python benchmarks/bench_accelerate.py                    # ~98M-param GPT, AdamW + scheduler, CPU
-    python benchmarks/bench_accelerate.py --size small --steps 4 --rounds 1   # quick look
+    python -m benchmarks.bench_accelerate                    # ~98M-param GPT, AdamW + scheduler, CPU
+    python -m benchmarks.bench_accelerate --size small --steps 4 --rounds 1   # quick look
+
+(from the repository root, with lazyckpt installed: ``pip install -e .[accelerate]``)
 
 One process, one model, one optimizer, one scheduler (prepared once by one Accelerator), three phases
 that run the same training steps:
@@ -36,23 +38,18 @@ import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-if str(ROOT / "src") not in sys.path:
-    sys.path.insert(1, str(ROOT / "src"))
-import _gpt  # noqa: E402
+from . import gpt as _gpt
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", default="100m", help="tiny | small | 100m | 1b (benchmarks/_gpt.py)")
+    ap.add_argument("--size", default="100m", help="tiny | small | 100m | 1b (benchmarks/gpt.py)")
     ap.add_argument("--steps", type=int, default=10, help="timed steps per phase and round")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps at the start of every phase")
     ap.add_argument("--rounds", type=int, default=4, help="times the three phases are repeated (interleaved)")

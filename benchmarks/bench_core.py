@@ -1,29 +1,173 @@
-#!/usr/bin/env python
-"""Core benchmark: the cost of checkpointing {model, optim, step} at EVERY training step, four ways, in one run.
+"""Core benchmark: the cost of checkpointing {model, optim, step} at EVERY training step, side by side.
 
-A thin wrapper: the benchmark lives in the package (``lazyckpt bench``, src/lazyckpt/cli/bench.py) so that
-users can run it on their own machine. Same options as before, plus --plot FILE.png and --no-progress.
+Run from the repository root (``lazyckpt bench ARGS`` runs the same when this folder is present)::
 
-Usage:  python benchmarks/bench_core.py --size 100m [--steps 8] [--rounds 3] [--out-dir DIR] [--json FILE]
+    python -m benchmarks.bench_core --size 100m [--steps 8] [--rounds 3] [--out-dir DIR] [--json FILE] [--plot PNG]
+
+Modes (same GPT model, same AdamW optimizer, same batches, interleaved in rounds whose order rotates):
+
+  none        no checkpoint (the baseline)
+  torch.save  synchronous torch.save to a temporary file + flush + fsync + atomic rename
+  dcp         torch.distributed.checkpoint.async_save(no_dist=True) with a reused DefaultStager
+  lazyckpt    LazyCheckpointer(fsync=True, crc=True): copies run during the next forward/backward
+
+stall per checkpoint = (segment time of the mode - segment time of "none") / checkpoints, median
+over rounds. The table compares every mode with every peer, and write speeds with a raw
+sequential write (+fsync) of the same bytes. ``--plot`` draws where the time of each step goes.
+Peers this torch lacks are skipped with a note.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
-from pathlib import Path
+from typing import Any
 
-try:
-    from lazyckpt.cli import bench
-except ImportError:  # a source checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-    from lazyckpt.cli import bench
+from lazyckpt.cli._format import GB, dump_json, fmt, human_bytes, table
+
+from . import gpt as _gpt
+from ._progress import ProgressBar
+from ._run import MODES, Bench, BenchOptions
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    bench.add_arguments(parser)
-    return bench.run(parser.parse_args(argv))
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_core",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--size", default="100m", choices=sorted(_gpt.SIZES), help="model size (default 100m, ~1.2 GB)")
+    p.add_argument("--steps", type=int, default=None, help="counted steps (= checkpoints) per segment")
+    p.add_argument("--rounds", type=int, default=None, help="repetitions of all modes (order rotates)")
+    p.add_argument("--warmup", type=int, default=None, help="uncounted checkpointing steps per segment")
+    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--modes", default=",".join(MODES), help=f"subset of {','.join(MODES)} (none always runs)")
+    p.add_argument("--writer-threads", type=int, default=4, help="lazyckpt writer threads (default 4)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--out-dir", default=None, help="where checkpoints go (default: a fresh temporary directory)")
+    p.add_argument("--keep", action="store_true", help="keep the checkpoint files")
+    p.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
+                   help="all measurements as JSON: to stdout instead of the table, or to FILE")  # fmt: skip
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="draw a timeline per mode (needs matplotlib)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def run(args: argparse.Namespace) -> int:
+    opts = options_from(args)
+    problem = _precheck(args, opts)
+    if problem:
+        print(f"bench_core: {problem}", file=sys.stderr)
+        return 1
+    bench = Bench(opts, lambda done, what: None)
+    bar = ProgressBar(bench.total_units, enabled=not args.no_progress)
+    bench.progress = bar.update
+    try:
+        doc = bench.run()
+    finally:
+        bar.close()
+    if args.plot:
+        from ._plot import plot_timelines
+
+        plot_timelines(doc, args.plot)
+    if args.json == "-":
+        dump_json(doc)
+        return 0
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(doc, fh, indent=1, default=str)
+    print_report(doc)
+    if args.plot:
+        print(f"timeline: {args.plot}")
+    return 0
+
+
+def options_from(args: argparse.Namespace) -> BenchOptions:
+    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    return BenchOptions(size=args.size, steps=args.steps, rounds=args.rounds, warmup=args.warmup,
+                        batch_size=args.batch_size, modes=modes, writer_threads=args.writer_threads,
+                        device=args.device, out_dir=args.out_dir, keep=args.keep)  # fmt: skip
+
+
+def _precheck(args: argparse.Namespace, opts: BenchOptions) -> str | None:
+    """Reasons not to start at all (each with what to do), before minutes of measuring."""
+    unknown = sorted(set(opts.modes) - set(MODES))
+    if unknown:
+        return f"unknown mode(s) {unknown}; choose from {','.join(MODES)}"
+    if opts.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            return (
+                "--device cuda: no CUDA GPU is visible to torch; run `lazyckpt doctor` to see why, or use --device cpu"
+            )
+    if args.plot:
+        from ._plot import matplotlib_missing
+
+        return matplotlib_missing()
+    return None
+
+
+# terminal output ----------------------------------------------------------------------------------
+
+
+def print_report(doc: dict[str, Any]) -> None:
+    cfg, summary, modes = doc["config"], doc["summary"], doc["modes"]
+    model = f"{doc['params'] / 1e6:.1f}M params, {cfg['n_layer']} layers x {cfg['n_embd']}"
+    print(f"checkpoint every step: {doc['options']['size']} GPT ({model}, {human_bytes(doc['ckpt_tensor_bytes'])} "
+          f"of tensors) on {doc['facts']['device']}, {doc['steps']} checkpoints x {doc['rounds']} rounds, "
+          "median over rounds")  # fmt: skip
+    peers = [m for m in modes if m != "none"]
+    headers = ["mode", "step s", "stall/ckpt s", "in save() s", "final drain s", "write GB/s", "of raw disk"]
+    headers += [f"vs {p}" for p in peers]
+    rows = []
+    for m in modes:
+        s = summary[m]
+        ratios = [("" if p == m or m == "none" else _ratio(s["stall_s"], doc["ratios"][m].get(p))) for p in peers]
+        vs_raw = "" if s["write_vs_raw"] is None else f"{s['write_vs_raw']:.0%}"
+        rows.append([m, fmt(s["step_s"]), fmt(s["stall_s"], 3), fmt(s["save_call_s"], 3), fmt(s["drain_s"]),
+                     "" if m == "none" else fmt(s["write_gbps"]), vs_raw, *ratios])  # fmt: skip
+    table(headers, rows)
+    print()
+    _print_throughput(doc)
+    for mode, why in doc["skipped"].items():
+        print(f"note: {mode} skipped: {why}")
+    print("# stall/ckpt: extra time per checkpoint vs no checkpointing; vs X: this stall / X's stall (lower is "
+          "better); write GB/s: bytes / time spent writing, during training")  # fmt: skip
+
+
+def _ratio(stall: float | None, x: float | None) -> str:
+    if stall is not None and stall <= 0:
+        return "~0"  # no measurable stall (within noise)
+    return "n/a" if x is None else f"{x:.2f}x"
+
+
+def _print_throughput(doc: dict[str, Any]) -> None:
+    summary, raw = doc["summary"], doc["summary"]["raw_write_gbps"]
+    print(f"raw disk: sequential write + fsync of one checkpoint's bytes: {fmt(raw)} GB/s "
+          f"({doc['facts']['filesystem']})")  # fmt: skip
+    lazy = summary.get("lazyckpt")
+    if lazy and lazy.get("isolated_e2e_gbps") and raw:
+        print(f"lazyckpt alone (nothing else running), save() -> durable: {lazy['isolated_e2e_gbps']:.2f} GB/s "
+              f"= {lazy['isolated_e2e_gbps'] / raw:.0%} of raw disk")  # fmt: skip
+    crc = doc.get("crc_gbps") or {}
+    print(f"CRC32: zlib {fmt(crc.get('zlib'))} GB/s, ISA-L {fmt(crc.get('isal'))} GB/s; "
+          f"lazyckpt uses {crc.get('lazyckpt_backend')}")  # fmt: skip
+    d2h = doc.get("d2h")
+    if d2h:
+        print(f"device-to-host: raw pinned copy {d2h['raw_pinned']['gbps']:.1f} GB/s")
+    pressure = doc["facts"].get("cpu_pressure")
+    if pressure is not None and pressure > 0.2:
+        print(f"warning: some task waited for a CPU {pressure:.0%} of the time: a busy machine, noisy numbers")
+    if doc["summary"]["none"]["step_s"] and raw:
+        bound = doc["raw_write"][0]["bytes"] / (raw * GB)
+        print(f"storage bound: one checkpoint takes {bound:.2f} s to write vs {doc['summary']['none']['step_s']:.2f}"
+              " s per step; checkpointing more often than that stalls any checkpointer")  # fmt: skip
 
 
 if __name__ == "__main__":

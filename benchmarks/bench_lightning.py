@@ -1,7 +1,9 @@
 """Stall per checkpoint of Lightning checkpoint plugins, side by side in one process.
 
-    python benchmarks/bench_lightning.py                       # ~100M-parameter GPT (12 x 768)
-    python benchmarks/bench_lightning.py --layers 4 --dim 512 --repeats 1   # quicker
+    python -m benchmarks.bench_lightning                       # ~100M-parameter GPT (12 x 768)
+    python -m benchmarks.bench_lightning --layers 4 --dim 512 --repeats 1   # quicker
+
+(from the repository root, with lazyckpt installed: ``pip install -e .[lightning]``)
 
 Trainer.fit with ModelCheckpoint(every_n_train_steps=1, save_top_k=1) under: no checkpointing,
 TorchCheckpointIO, AsyncCheckpointIO, LazyCheckpointIO. Stall per checkpoint =
@@ -18,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from typing import Any
@@ -28,10 +29,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-from lightning_gpt import GPT  # noqa: E402
-
-from lazyckpt.lightning import LazyCheckpointIO  # noqa: E402
+from examples.lightning_gpt import GPT
+from lazyckpt.lightning import LazyCheckpointIO
 
 
 def fit(plugin: Any, directory: str, args: argparse.Namespace) -> tuple[float, int]:

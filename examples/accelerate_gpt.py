@@ -1,10 +1,10 @@
 """Lazy ``accelerator.save_state`` in a plain Accelerate training loop (CPU is fine).
 
-    python examples/accelerate_gpt.py                 # ~14M-param GPT, 6 steps per phase
-    python examples/accelerate_gpt.py --size 100m     # ~98M params, ~1.2 GB per checkpoint
-    accelerate launch --multi_gpu --num_processes 2 examples/accelerate_gpt.py --cpu   # 2 processes (gloo)
+    python -m examples.accelerate_gpt                 # from the repository root; ~14M-param GPT, 6 steps per phase
+    python -m examples.accelerate_gpt --size 100m     # ~98M params, ~1.2 GB per checkpoint
+    accelerate launch --multi_gpu --num_processes 2 -m examples.accelerate_gpt --cpu   # 2 processes (gloo)
 
-It trains a small GPT (benchmarks/_gpt.py) with AdamW and a scheduler, calls ``save_state()`` after every
+It trains a small GPT (benchmarks/gpt.py) with AdamW and a scheduler, calls ``save_state()`` after every
 step, first with stock Accelerate and then with lazyckpt installed, and prints the stall per checkpoint
 of each next to a run without checkpoints. The only lines lazyckpt adds to a training script are marked
 ``# <- lazyckpt``.
@@ -14,21 +14,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
+from accelerate import Accelerator
+from accelerate.utils import ProjectConfiguration, broadcast_object_list
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(1, str(ROOT / "src"))
-import _gpt  # noqa: E402
-from accelerate import Accelerator  # noqa: E402
-from accelerate.utils import ProjectConfiguration, broadcast_object_list  # noqa: E402
-
-import lazyckpt.accelerate  # noqa: E402  # <- lazyckpt
+import lazyckpt.accelerate  # <- lazyckpt
+from benchmarks import gpt as _gpt
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """Train a small GPT with a checkpoint after every step, with lazyckpt and with Lightning's stock plugin.
 
-    python examples/lightning_gpt.py              # ~2-3 minutes on a laptop CPU
-    python examples/lightning_gpt.py --steps 10 --layers 4 --dim 256   # quicker
+    python -m examples.lightning_gpt              # from the repository root; ~2-3 minutes on a laptop CPU
+    python -m examples.lightning_gpt --steps 10 --layers 4 --dim 256   # quicker
 
 Prints, for each checkpoint, how long training stalled for it: with the stock TorchCheckpointIO the
 whole torch.save + fsync happens inside the training loop; with LazyCheckpointIO the stall is the
@@ -23,39 +23,22 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
+from benchmarks import gpt
 from lazyckpt.lightning import LazyCheckpointIO
 
 
-class Block(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        n = x.shape[1]
-        mask = torch.triu(torch.ones(n, n, dtype=torch.bool, device=x.device), 1)
-        h = self.ln1(x)
-        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
-        return x + self.mlp(self.ln2(x))
-
-
 class GPT(L.LightningModule):
+    """The repository's GPT (benchmarks/gpt.py) as a LightningModule: AdamW, warm-up, random tokens."""
+
     def __init__(self, vocab: int = 8192, dim: int = 384, layers: int = 6, heads: int = 6, seq: int = 128,
                  batch_size: int = 8, steps: int = 20) -> None:  # fmt: skip
         super().__init__()
         self.save_hyperparameters()
-        self.tok = nn.Embedding(vocab, dim)
-        self.pos = nn.Parameter(torch.zeros(seq, dim))
-        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
-        self.ln = nn.LayerNorm(dim)
+        cfg = gpt.GPTConfig(vocab_size=vocab, block_size=seq, n_layer=layers, n_head=heads, n_embd=dim)
+        self.gpt = gpt.GPT(cfg)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx) + self.pos[: idx.shape[1]]
-        for block in self.blocks:
-            x = block(x)
-        return self.ln(x) @ self.tok.weight.t()
+        return self.gpt(idx)[0]
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         (idx,) = batch

@@ -7,8 +7,8 @@ without checkpoints, with a synchronous ``torch.save`` (+ fsync) after every ste
 case, then checks that the last lazy checkpoint loads with stock ``torch.load`` and holds exactly the
 state at the moment ``save()`` was called, although training went on while it was being written.
 
-    python examples/train_plain.py            # ~1 minute on 2 CPU cores
-    python examples/train_plain.py --steps 40 --size tiny --out-dir /tmp/ckpts
+    python -m examples.train_plain            # from the repository root; ~1 minute on 2 CPU cores
+    python -m examples.train_plain --steps 40 --size tiny --out-dir /tmp/ckpts
 """
 
 from __future__ import annotations
@@ -25,15 +25,8 @@ from pathlib import Path
 
 import torch
 
-_REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(_REPO / "benchmarks"))
-import _gpt  # noqa: E402  the small GPT shared with the benchmarks (torch only)
-
-try:
-    from lazyckpt import LazyCheckpointer
-except ImportError:  # a source checkout without `pip install -e .`
-    sys.path.insert(0, str(_REPO / "src"))
-    from lazyckpt import LazyCheckpointer
+from benchmarks import gpt as _gpt  # the repository's one GPT (torch only), shared with the benchmarks
+from lazyckpt import LazyCheckpointer
 
 
 def torch_save(state: dict, path: Path) -> None:

@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
-exec .venv/bin/python examples/lightning_gpt.py "$@"
+exec .venv/bin/python -m examples.lightning_gpt "$@"

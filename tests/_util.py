@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any
 
 import torch
 
 
 def assert_same(got: Any, want: Any, where: str = "") -> None:
-    """Deep equality, bitwise for tensors (dtype, shape, stride-independent values, NaNs equal)."""
+    """Deep equality, bitwise for tensors (dtype, shape, stride-independent values, NaNs equal).
+
+    The one comparison of the test suite: dict keys in the same order, lists and tuples of the same
+    type, float NaNs equal to each other, numpy arrays by value and dtype, anything else by ``==``.
+    """
     if isinstance(want, torch.Tensor):
         assert isinstance(got, torch.Tensor), f"{where}: {type(got)} is not a tensor"
         assert got.dtype == want.dtype and got.shape == want.shape, f"{where}: {got.dtype}{tuple(got.shape)}"
@@ -31,6 +36,13 @@ def assert_same(got: Any, want: Any, where: str = "") -> None:
         assert type(got) is type(want) and len(got) == len(want), f"{where}: {type(got)} len {len(got)}"
         for i, (g, w) in enumerate(zip(got, want, strict=True)):
             assert_same(g, w, f"{where}[{i}]")
+        return
+    if isinstance(want, float) and math.isnan(want):
+        assert isinstance(got, float) and math.isnan(got), f"{where}: {got!r} is not NaN"
+        return
+    if type(want).__module__ == "numpy" and hasattr(want, "dtype"):  # ndarray / scalar (numpy not imported here)
+        assert type(got) is type(want) and got.dtype == want.dtype, f"{where}: {type(got)} vs {type(want)}"
+        assert got.shape == want.shape and got.tobytes() == want.tobytes(), f"{where}: arrays differ"
         return
     assert got == want, f"{where}: {got!r} != {want!r}"
 

@@ -25,15 +25,14 @@ import torch  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE / "accelerate_scripts"))
-import acc_common as C  # noqa: E402
 import accelerate.checkpointing  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 from accelerate.utils import ProjectConfiguration  # noqa: E402
 
 import lazyckpt.accelerate as LA  # noqa: E402
-from lazyckpt import LazyCheckpointer  # noqa: E402
+from accelerate_scripts import acc_common as C  # noqa: E402
+from lazyckpt import LazyCheckpointer, _folder  # noqa: E402
 from lazyckpt.errors import WriteError  # noqa: E402
 
 pytestmark = pytest.mark.integration
@@ -43,7 +42,7 @@ STOCK_SAVE = accelerate.checkpointing.save
 
 def _env():
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in [env.get("PYTHONPATH", ""), str(C.SRC)] if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [env.get("PYTHONPATH", ""), str(C.SRC), str(C.TESTS)] if p)
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
 
@@ -182,12 +181,14 @@ class _GatedHandle:
         self._owner, self.path, self._data = owner, path, data
         self._done = threading.Event()
         self._exc = None
+        self._seen = False  # its error reached someone (the core's "reported once")
         self._cbs = []
         self._lock = threading.Lock()
 
     def wait(self, timeout=None):
         self._owner._write_through(self)
         if self._exc is not None:
+            self._seen = True
             raise self._exc
         return None
 
@@ -197,7 +198,9 @@ class _GatedHandle:
     def done(self):
         return self._done.is_set()
 
-    def exception(self):
+    def exception(self, timeout=0):
+        if timeout != 0:
+            self._owner._write_through(self)
         return self._exc
 
     def add_done_callback(self, fn):
@@ -223,6 +226,7 @@ class GatedCheckpointer:
         self.fail = set(fail)
         self.closed = False
         self.lock = threading.RLock()
+        self.unseen: list = []  # (handle or None, error): the core's error ledger
 
     def save(self, obj, path, format="torch", metadata=None, before_commit=None):
         if format == "safetensors":
@@ -249,6 +253,8 @@ class GatedCheckpointer:
             exc = None
             if os.path.basename(h.path) in self.fail:
                 exc = WriteError(f"injected failure writing {h.path}", path=h.path)
+                with self.lock:  # published before the handle is done, as the core does
+                    self.unseen.append((h, exc))
             else:
                 tmp = h.path + ".gated-tmp"
                 with open(tmp, "wb") as f:
@@ -269,6 +275,24 @@ class GatedCheckpointer:
     def pending_paths(self):
         with self.lock:
             return {h.path for h in self.queue}
+
+    def add_error(self, exc):
+        with self.lock:
+            self.unseen.append((None, exc))
+
+    def raise_errors(self):
+        with self.lock:
+            items, self.unseen = self.unseen, []
+        errors = [e for h, e in items if h is None or not h._seen]
+        for h, _ in items:
+            if h is not None:
+                h._seen = True
+        if errors:
+            raise errors[0]
+
+    def wait(self, timeout=None):
+        self.release()
+        self.raise_errors()
 
     def track(self, *opts):
         self.tracked.extend(opts)
@@ -647,14 +671,14 @@ def test_marker_that_cannot_be_made_durable_fails_the_save(tmp_path, installs, m
     it cannot be made durable no file of that save appears and the error reaches wait()."""
     acc, objs, _ = make()
     h = installs(acc)
-    real = LA._fsync_file
+    real = _folder._fsync_file
 
     def failing(path):
         if os.path.basename(path).startswith(LA.PENDING_MARKER_PREFIX):
             raise OSError(5, "injected EIO on the marker")
         return real(path)
 
-    monkeypatch.setattr(LA, "_fsync_file", failing)
+    monkeypatch.setattr(_folder, "_fsync_file", failing)
     out = tmp_path / "ck"
     acc.save_state(str(out))
     with pytest.raises(WriteError, match="injected EIO"):

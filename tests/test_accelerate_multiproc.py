@@ -17,8 +17,7 @@ import torch  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 SCRIPTS = HERE / "accelerate_scripts"
-sys.path.insert(0, str(SCRIPTS))
-import acc_common as C  # noqa: E402
+from accelerate_scripts import acc_common as C  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -31,7 +30,7 @@ def _free_port() -> int:
 
 def _env():
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in [env.get("PYTHONPATH", ""), str(C.SRC)] if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [env.get("PYTHONPATH", ""), str(C.SRC), str(C.TESTS)] if p)
     env["OMP_NUM_THREADS"] = "1"
     env["GLOO_SOCKET_IFNAME"] = "lo"
     env["MASTER_ADDR"] = "127.0.0.1"

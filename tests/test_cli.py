@@ -153,6 +153,29 @@ def test_verify_accelerate_folder_complete_and_incomplete(tmp_path):
     assert "incomplete" in res.stdout
 
 
+def test_verify_and_inspect_a_folder_checkpoint_of_any_kind(tmp_path, capsys):
+    """The core's folder protocol (lazyckpt._folder): any folder with a pending marker is incomplete."""
+    from lazyckpt._folder import FolderSave
+
+    folder = tmp_path / "step_10"
+    fs = FolderSave(folder, tag=0, submit=lambda job: job())
+    torch.save({"w": torch.ones(3)}, folder / "shard_0.pt")
+    assert main(["verify", str(folder)]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "incomplete" in out and "still running" in out
+    assert main(["inspect", str(folder)]) == 0
+    assert "incomplete" in capsys.readouterr().err
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = folder / os.path.basename(fs.marker).replace(f"-{os.getpid()}-", f"-{int(dead.stdout)}-")
+    os.rename(fs.marker, stale)
+    assert main(["verify", str(folder)]) == 1
+    assert "died: that save will never finish" in capsys.readouterr().out
+    os.unlink(stale)
+    assert main(["verify", str(folder)]) == 0
+    assert main(["inspect", str(folder)]) == 0
+    assert "incomplete" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "change, message",
     [
@@ -374,22 +397,6 @@ def test_bench_tiny_end_to_end(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_bench_json_to_stdout_with_progress_on_stderr(tmp_path, monkeypatch, capsys):
-    assert main(["bench", "--size", "tiny", "--steps", "1", "--rounds", "1", "--warmup", "0", "--modes", "lazyckpt",
-                 "--json"]) == 0  # fmt: skip
-    captured = capsys.readouterr()
-    doc = json.loads(captured.out)
-    assert doc["modes"] == ["none", "lazyckpt"] and "[100%]" in captured.err
-
-
-def test_bench_skips_a_peer_that_is_not_available(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "torch.distributed.checkpoint.staging", None)
-    assert main(["bench", "--size", "tiny", "--steps", "1", "--rounds", "1", "--warmup", "0", "--modes", "dcp",
-                 "--no-progress"]) == 0  # fmt: skip
-    out = capsys.readouterr().out
-    assert "note: dcp skipped" in out and "needs torch>=2.9" in out
-
-
 def test_bench_cuda_without_gpu_exits_1():
     res = cli("bench", "--device", "cuda", env={"CUDA_VISIBLE_DEVICES": ""})
     assert res.returncode == 1 and "no CUDA GPU" in res.stderr and "lazyckpt doctor" in res.stderr
@@ -404,9 +411,22 @@ def test_bench_plot_without_matplotlib_exits_1_before_running(tmp_path):
     assert not (tmp_path / "x.png").exists()
 
 
-def test_bench_unknown_mode_exits_1(capsys):
-    assert main(["bench", "--modes", "torch.save,nope"]) == 1
-    assert "unknown mode" in capsys.readouterr().err
+def test_bench_passes_arguments_and_exit_code_through():
+    res = cli("bench", "--modes", "torch.save,nope")
+    assert res.returncode == 1 and "unknown mode" in res.stderr
+    res = cli("bench", "--help")
+    assert res.returncode == 0 and "benchmarks.bench_core" in res.stdout and "--size" in res.stdout
+    res = cli("verify", "--size", "tiny")  # other commands still refuse arguments they do not know
+    assert res.returncode == 2 and "unrecognized arguments" in res.stderr
+
+
+def test_bench_without_a_checkout_says_how_to_get_it(monkeypatch, capsys):
+    from lazyckpt.cli import bench
+
+    monkeypatch.setattr(bench, "repository_root", lambda: None)
+    assert main(["bench", "--size", "tiny"]) == 1
+    err = capsys.readouterr().err
+    assert "not part of the installed package" in err and "python -m benchmarks.bench_core" in err
 
 
 def test_console_script_entry_point(tmp_path):

@@ -255,8 +255,10 @@ def test_close_drains_pending_saves(tmp_path):
 
 
 def test_stale_temporaries_of_dead_processes_are_cleaned(tmp_path):
-    dead = tmp_path / ".c.pt.lazyckpt-999999999-0.tmp"
-    mine = tmp_path / f".c.pt.lazyckpt-{os.getpid()}-99999.tmp"
+    from lazyckpt._commit import host_tag
+
+    dead = tmp_path / f".c.pt.lazyckpt-{host_tag()}-999999999-0.tmp"
+    mine = tmp_path / f".c.pt.lazyckpt-{host_tag()}-{os.getpid()}-99999.tmp"
     dead.write_bytes(b"partial")
     mine.write_bytes(b"in flight")
     with LazyCheckpointer() as c:

@@ -112,3 +112,178 @@ def test_no_device_memory_overhead_and_pinned_pool_reused(tmp_path):
             h.wait()
             sizes.append(c.pool.allocated_bytes)
         assert sizes[1:] == sizes[:-1] == [sizes[0]] * 3  # warm after the first save: nothing new
+
+
+# -- forced races (issue 11, GPU part); written against the torch docs and source, see the report ----
+
+_SLEEP_CYCLES = 2_000_000_000  # torch.cuda._sleep spins this many GPU clock cycles: ~1 s at ~2 GHz
+
+
+def _delay_copy_stream(monkeypatch, cycles=_SLEEP_CYCLES):
+    """Queue a long sleep on the copy stream before a job's device-to-host copies: nothing on the
+    host waits for it, so anything racing the copies gets a ~1 s window for sure."""
+    from lazyckpt import _engine
+
+    real = _engine.Engine._copy_source
+    delayed = set()
+
+    def copy_source(self, job, src, stream):
+        if stream is not None and id(job) not in delayed and stream != torch.cuda.current_stream(src.device):
+            delayed.add(id(job))
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(cycles)
+        return real(self, job, src, stream)
+
+    monkeypatch.setattr(_engine.Engine, "_copy_source", copy_source)
+
+
+@pytest.mark.parametrize("guard", [True, False], ids=["guarded", "guard_removed"])
+def test_step_right_after_save_with_delayed_copies_saves_the_pre_step_state(tmp_path, monkeypatch, guard):
+    """The copies wait ~1 s on the copy stream; the optimizer steps at once. With the guard, the
+    compute stream waits for the copy events, so the file holds the pre-step state. With the guard's
+    GPU-side wait removed (``guard_removed``, the negative control: ``Stream.wait_event`` made a
+    no-op; the state was synchronised before save(), so the copy stream's own wait is not needed),
+    the step's kernels run during the sleep and the copies read post-step values: that case must
+    differ, or this test proves nothing."""
+    _delay_copy_stream(monkeypatch)
+    if not guard:
+        monkeypatch.setattr(torch.cuda.Stream, "wait_event", lambda self, event: None)
+    torch.manual_seed(0)
+    model = Net().cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    with LazyCheckpointer() as c:
+        _step(model, opt)
+        c.track(opt)
+        want = _cpu(model.state_dict())
+        h = c.save(model.state_dict(), tmp_path / "c.pt")
+        _step(model, opt)
+        torch.cuda.synchronize()
+        h.wait()  # the guard checked versions before the step: no StaleTensorError either way
+    got = _cpu(torch.load(tmp_path / "c.pt", map_location="cpu"))
+    if guard:
+        assert_same(got, want)
+    else:
+        assert not torch.equal(got["fc1.weight"], want["fc1.weight"])
+
+
+def test_freed_and_reused_source_memory_while_copy_is_delayed(tmp_path, monkeypatch):
+    """Drop every reference to the saved tensors and allocate and fill same-sized tensors while the
+    copies still wait on the copy stream: the caching allocator must not hand their blocks out (the
+    job holds the storages until the copies are done), so the file holds the original values."""
+    _delay_copy_stream(monkeypatch)
+    torch.manual_seed(0)
+    model = Net().cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    _step(model, opt)
+    with LazyCheckpointer() as c:
+        c.track(opt)
+        want = _cpu(model.state_dict())
+        h = c.save(model.state_dict(), tmp_path / "c.pt")
+        shapes = [p.shape for p in model.parameters()]
+        del model, opt
+        garbage = [torch.full(s, 7.0, device="cuda") for s in shapes for _ in range(4)]
+        h.wait()
+        del garbage
+    assert_same(_cpu(torch.load(tmp_path / "c.pt", map_location="cpu")), want)
+
+
+def _host_stat(stats, name):
+    value = stats.get(name, stats.get(name.split(".")[0], 0))
+    return value.get("current", 0) if isinstance(value, dict) else value
+
+
+def test_pinned_bytes_match_the_budget_and_host_allocator_is_untouched(tmp_path):
+    """Chunks are registered memory: exactly chunk_bytes each, never more than the budget, none of
+    it in torch's caching host allocator (which would round 64 MiB + alignment up to 128 MiB and keep
+    the blocks after close()), and unpinned by close()."""
+    model = Net(2048).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    _step(model, opt, 2048)
+    torch.cuda.synchronize()
+    before = _host_stat(torch.cuda.host_memory_stats(), "allocated_bytes.current")
+    budget, chunk = 64 << 20, 16 << 20
+    c = LazyCheckpointer(host_memory_budget=budget, chunk_bytes=chunk)
+    try:
+        for i in range(3):
+            h = c.save({"model": model.state_dict(), "optim": opt.state_dict()}, tmp_path / f"c{i}.pt")
+            _step(model, opt, 2048)
+            h.wait()
+        assert 0 < c.pool.pinned_bytes == c.pool.allocated_bytes <= budget
+        assert c.pool.pinned_bytes % chunk == 0
+        chunk_tensor = c.pool._chunks[0].tensor
+        assert chunk_tensor.is_pinned()
+        after = _host_stat(torch.cuda.host_memory_stats(), "allocated_bytes.current")
+        assert after - before < chunk  # our chunks are not the caching host allocator's
+    finally:
+        c.close()
+    assert not chunk_tensor.is_pinned()  # unregistered (the mapping lives while this view does)
+
+
+def test_waiting_for_a_long_copy_does_not_spin_the_cpu(tmp_path, monkeypatch):
+    """A ~2 s copy (sleep on the copy stream) waited for by the stager and every writer: with
+    blocking events they sleep in cudaEventSynchronize. Non-blocking events spin one core per
+    waiting thread, i.e. CPU time >= wall time."""
+    import time
+
+    _delay_copy_stream(monkeypatch, 2 * _SLEEP_CYCLES)
+    model = Net().cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    _step(model, opt)
+    torch.cuda.synchronize()
+    with LazyCheckpointer(writer_threads=4, chunk_bytes=1 << 20) as c:
+        c.track(opt)
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        c.save(model.state_dict(), tmp_path / "c.pt").wait()
+        cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+    assert wall > 0.5, "the copy stream sleep did not delay the copies"
+    assert cpu < 0.5 * wall, f"{cpu:.2f} s CPU over {wall:.2f} s wall: waiting threads spin"
+
+
+_SECOND_GPU_SCRIPT = """
+import sys, torch
+from lazyckpt import LazyCheckpointer
+torch.cuda.set_device(1)  # the training thread never touches GPU 0
+model = torch.nn.Linear(1024, 1024).cuda()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+model(torch.randn(8, 1024, device="cuda")).sum().backward(); opt.step()
+with LazyCheckpointer(host_memory_budget=64 << 20, chunk_bytes=8 << 20) as c:
+    want = {k: v.cpu() for k, v in model.state_dict().items()}
+    h = c.save(model.state_dict(), sys.argv[1])
+    model(torch.randn(8, 1024, device="cuda")).sum().backward(); opt.step()
+    h.wait()
+got = torch.load(sys.argv[1], map_location="cpu")
+assert all(torch.equal(got[k], want[k]) for k in want)
+assert torch.load(sys.argv[1])["weight"].device == torch.device("cuda", 1)
+assert not torch._C._cuda_hasPrimaryContext(0), "a context appeared on GPU 0"
+"""
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_tensor_on_second_gpu_creates_no_context_on_the_first(tmp_path):
+    """In a fresh process (so GPU 0 has no context yet): lazyckpt's threads set the device before
+    every CUDA call, so saving tensors of cuda:1 leaves GPU 0 without a context."""
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-c", _SECOND_GPU_SCRIPT, str(tmp_path / "c.pt")], check=True, timeout=300)
+
+
+def test_capture_in_save_orders_copies_before_a_graph_replay(tmp_path, monkeypatch):
+    """capture_in_save=True: the copies go on the current stream inside save(), so a replayed CUDA
+    graph that updates the parameters (no Optimizer.step(), no guard) runs after them."""
+    p = torch.ones(1 << 22, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        p.mul_(1.0)  # warm-up outside the graph
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        p.mul_(3.0)
+    torch.cuda.synchronize()
+    with LazyCheckpointer(capture_in_save=True) as c:
+        torch.cuda._sleep(_SLEEP_CYCLES)  # the current stream is busy: the copies queue behind it
+        h = c.save({"p": p}, tmp_path / "c.pt")
+        graph.replay()
+        h.wait()
+    assert torch.equal(torch.load(tmp_path / "c.pt", map_location="cpu")["p"], torch.ones(1 << 22))

@@ -220,7 +220,13 @@ class FailingCheckpointer(LazyCheckpointer):
     def save(self, obj: Any, path: Any, format: str = "torch", metadata: Any = None) -> SaveHandle:
         real = super().save(obj, os.fspath(path) + ".real", format)
         fake = SaveHandle(os.path.abspath(os.fspath(path)))
-        real.add_done_callback(lambda _h: fake._finish(None, WriteError("injected disk failure", path=fake.path)))
+
+        def fail(_h: SaveHandle) -> None:
+            err = WriteError("injected disk failure", path=fake.path)
+            self.add_error(err)  # as the core publishes a failed save's error, before its handle is done
+            fake._finish(None, err)
+
+        real.add_done_callback(fail)
         return fake
 
 

@@ -14,7 +14,8 @@ pytest.importorskip("lightning")
 
 from lightning_scripts.tiny_gpt import assert_same, load  # noqa: E402
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "lightning_scripts", "ddp_fit.py")
+TESTS = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(TESTS, "lightning_scripts", "ddp_fit.py")
 
 pytestmark = [pytest.mark.integration]
 
@@ -22,7 +23,8 @@ pytestmark = [pytest.mark.integration]
 def _run(tmp_path: Any, mode: str) -> list[dict[str, Any]]:
     env = dict(
         os.environ,
-        PYTHONPATH=os.pathsep.join(p for p in [os.path.dirname(SCRIPT), os.environ.get("PYTHONPATH", "")] if p),
+        # tests/ for lightning_scripts and _util, the repository root for benchmarks.gpt
+        PYTHONPATH=os.pathsep.join(p for p in [TESTS, os.path.dirname(TESTS), os.environ.get("PYTHONPATH", "")] if p),
     )
     env.pop("LOCAL_RANK", None)
     proc = subprocess.run([sys.executable, SCRIPT, str(tmp_path), mode], env=env, capture_output=True, text=True,

@@ -1,5 +1,6 @@
-"""LazyCheckpointer.remove: the name is free at once, the space is freed in the background, a pending
-save to the path is never raced, errors reach wait(), and leftovers of a killed process are cleaned."""
+"""LazyCheckpointer.remove: the name is free at once (or, behind a pending save to it, right after that
+save commits: ordered in the commit queue), the space is freed in the background, errors reach wait()
+once, and leftovers of a killed process are cleaned."""
 
 from __future__ import annotations
 
@@ -51,35 +52,77 @@ def test_missing_path_raises(ckpt, tmp_path):
         ckpt.remove(tmp_path / "nope.pt")
 
 
-def test_waits_for_a_pending_save_to_the_path(tmp_path, monkeypatch):
-    """A remove issued while the save is still writing deletes the committed file, never races it."""
+def _held_writes(monkeypatch):
+    """Hold every pwrite until the returned event is set: saves stay pending meanwhile."""
     from lazyckpt import _engine
 
     gate = threading.Event()
     real = _engine.pwrite_all
 
-    def slow(fd, data, offset):
+    def held(fd, data, offset):
         gate.wait(30)
         return real(fd, data, offset)
 
-    monkeypatch.setattr(_engine, "pwrite_all", slow)
+    monkeypatch.setattr(_engine, "pwrite_all", held)
+    return gate
+
+
+def test_remove_of_a_pending_save_returns_at_once_and_follows_its_commit(tmp_path, monkeypatch):
+    """The delete is ordered in the commit queue: after the pending save to the path commits, before
+    a later save to it; remove() itself never waits."""
+    gate = _held_writes(monkeypatch)
     with LazyCheckpointer(host_memory_budget=64 << 20, chunk_bytes=1 << 20) as ckpt:
         path = tmp_path / "a.pt"
-        handle = ckpt.save({"w": torch.randn(100_000)}, path)
-        done = threading.Event()
-
-        def remover():
-            ckpt.remove(path)
-            done.set()
-
-        t = threading.Thread(target=remover)
-        t.start()
-        assert not done.wait(0.2)  # blocked behind the pending save
+        first = ckpt.save({"w": torch.full((100_000,), 1.0)}, path)
+        fut = ckpt.remove(path)  # returns although the save is held
+        assert not fut.done() and not first.done()
+        later = ckpt.save({"w": torch.full((100_000,), 2.0)}, path)
         gate.set()
-        t.join(30)
-        assert done.is_set() and handle.done()
-        ckpt.wait()
-        assert os.listdir(tmp_path) == []
+        first.wait(30)
+        later.wait(30)
+        assert fut.result(timeout=30) is None
+        ckpt.wait(30)
+        assert torch.load(path)["w"][0].item() == 2.0  # the later save survives the delete
+        assert os.listdir(tmp_path) == ["a.pt"]
+
+
+def test_remove_of_a_folder_follows_every_pending_save_into_it(tmp_path, monkeypatch):
+    gate = _held_writes(monkeypatch)
+    with LazyCheckpointer(host_memory_budget=64 << 20, chunk_bytes=1 << 20) as ckpt:
+        folder = tmp_path / "checkpoint_0"
+        handles = [ckpt.save({"w": torch.randn(10_000)}, folder / f"{i}.bin") for i in range(3)]
+        fut = ckpt.remove(folder, trash_dir=tmp_path)
+        assert not fut.done()
+        gate.set()
+        for h in handles:
+            h.wait(30)
+        ckpt.wait(30)
+        assert fut.done() and os.listdir(tmp_path) == []
+
+
+def test_remove_behind_a_failed_save_of_a_new_path_has_nothing_to_delete(tmp_path, monkeypatch):
+    """The path is missing when the removal's turn comes (the save failed, nothing was there): the
+    removal completes quietly; the save's error is raised once, by the save's own reporting."""
+    from lazyckpt import _engine
+    from lazyckpt.errors import WriteError
+
+    gate = threading.Event()
+
+    def fail(fd, data, offset):
+        gate.wait(30)
+        raise OSError(errno.EIO, "injected")
+
+    monkeypatch.setattr(_engine, "pwrite_all", fail)
+    with LazyCheckpointer(host_memory_budget=64 << 20, chunk_bytes=1 << 20) as ckpt:
+        path = tmp_path / "a.pt"
+        handle = ckpt.save({"w": torch.randn(10_000)}, path)
+        fut = ckpt.remove(path)
+        gate.set()
+        assert fut.result(timeout=30) is None
+        with pytest.raises(WriteError, match="injected"):
+            ckpt.wait(30)
+        ckpt.wait(30)  # once
+        assert handle.exception() is not None and os.listdir(tmp_path) == []
 
 
 def test_background_failure_is_raised_by_wait(ckpt, tmp_path, monkeypatch):
@@ -143,30 +186,32 @@ def test_trash_of_a_killed_process_is_cleaned(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["checkpoints"]
 
 
-def test_remove_from_a_done_callback_of_a_pending_path_refuses_instead_of_deadlocking(tmp_path):
-    """Done-callbacks run on the committer; b's save commits after a's on that same thread, so waiting
-    for it there would never end: remove() raises instead."""
+def test_remove_from_a_done_callback_of_a_pending_path_is_ordered_not_refused(tmp_path):
+    """A done-callback of a's save removes b while b's save is still pending: remove() returns at
+    once (it used to have to refuse: waiting there would have deadlocked), and b goes after it commits."""
     with LazyCheckpointer(host_memory_budget=64 << 20, chunk_bytes=1 << 20) as ckpt:
         a, b = tmp_path / "a.pt", tmp_path / "b.pt"
         registered, ran = threading.Event(), threading.Event()
-        errors = []
+        outcome = []
 
         def cb(_h):
             try:
-                ckpt.remove(b)
-            except RuntimeError as exc:
-                errors.append(exc)
+                outcome.append(ckpt.remove(b))
+            except BaseException as exc:
+                outcome.append(exc)
             finally:
                 ran.set()
 
         ha = ckpt.save({"w": torch.randn(1000)}, a, before_commit=lambda: registered.wait(30))
-        hb = ckpt.save({"w": torch.randn(1000)}, b)
+        hb = ckpt.save({"w": torch.randn(1000)}, b, before_commit=lambda: ran.wait(30))
         ha.add_done_callback(cb)
         registered.set()
         assert ran.wait(30)
-        hb.wait()
-        assert errors and "deadlock" in str(errors[0])
-        assert b.exists()
+        hb.wait(30)
+        ckpt.wait(30)
+        assert len(outcome) == 1 and not isinstance(outcome[0], BaseException)
+        assert outcome[0].result(timeout=30) is None
+        assert os.listdir(tmp_path) == ["a.pt"]
 
 
 def test_a_failed_deletion_is_not_forgotten_by_later_removes(ckpt, tmp_path, monkeypatch):

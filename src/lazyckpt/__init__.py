@@ -7,11 +7,13 @@ optimizer step waits only if those copies are not done; writer threads write fil
 """
 
 from ._commit import cleanup_temporaries
+from ._folder import is_complete
 from ._handle import SaveHandle, SaveStats
 from ._verify import VerifyReport, verify
 from .checkpointer import BackpressureWarning, LazyCheckpointer
 from .errors import (
     CheckpointerClosedError,
+    IncompleteCheckpointError,
     LazyCkptError,
     SaveRefusedError,
     StaleTensorError,
@@ -24,6 +26,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BackpressureWarning",
     "CheckpointerClosedError",
+    "IncompleteCheckpointError",
     "LazyCheckpointer",
     "LazyCkptError",
     "SaveHandle",
@@ -34,5 +37,6 @@ __all__ = [
     "WriteError",
     "VerifyReport",
     "cleanup_temporaries",
+    "is_complete",
     "verify",
 ]

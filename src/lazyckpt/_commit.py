@@ -1,9 +1,11 @@
 """Atomic commit: write under a temporary name in the target directory, fsync, rename, fsync dir.
 
 A crash at any moment leaves the previous file (or nothing) at the final name, plus at most a
-temporary file named ``.<name>.lazyckpt-<pid>-<n>.tmp`` (or a file or folder renamed there by
-``LazyCheckpointer.remove`` and not yet deleted); such leftovers of dead processes are removed by
-the next checkpointer that writes to that directory, or by ``cleanup_temporaries``.
+temporary file named ``.<name>.lazyckpt-<host>-<pid>-<n>.tmp`` (or a file or folder renamed there by
+``LazyCheckpointer.remove`` and not yet deleted); such leftovers of dead processes of this host are
+removed by the next checkpointer that writes to that directory, or by ``cleanup_temporaries``. The
+host is in the name because a directory may be shared by nodes: a pid says nothing about another
+node's processes (the Accelerate folder markers carry host and pid the same way).
 """
 
 from __future__ import annotations
@@ -16,12 +18,23 @@ import logging
 import os
 import re
 import shutil
+import socket
+import time
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
-_TMP_RE = re.compile(r"^\..+\.lazyckpt-(\d+)-\d+\.tmp$")
+_TMP_RE = re.compile(r"^\..+\.lazyckpt-(?P<host>[A-Za-z0-9._]+(?:-[A-Za-z0-9._]+)*)-(?P<pid>\d+)-\d+\.tmp$")
+_OLD_TMP_RE = re.compile(r"^\..+\.lazyckpt-(?P<pid>\d+)-\d+\.tmp$")  # before names carried the host
+# An old-style name does not say which host wrote it: it is removed only once its pid is dead here
+# and nothing has written it for this long (an in-flight save writes it, or is about to be renamed).
+OLD_STYLE_QUIET_S = 3600.0
 _counter = itertools.count()
+
+
+def host_tag() -> str:
+    """This host's name as it appears in temporary names (characters outside [A-Za-z0-9.-] -> ``_``)."""
+    return re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname()) or "localhost"
 
 
 def _load_fallocate() -> Any:
@@ -38,11 +51,26 @@ _fallocate = _load_fallocate()
 
 def temporary_path(final: str) -> str:
     head, tail = os.path.split(final)
-    return os.path.join(head, f".{tail}.lazyckpt-{os.getpid()}-{next(_counter)}.tmp")
+    return os.path.join(head, f".{tail}.lazyckpt-{host_tag()}-{os.getpid()}-{next(_counter)}.tmp")
 
 
 def is_temporary(name: str) -> bool:
-    return _TMP_RE.match(os.path.basename(name)) is not None
+    base = os.path.basename(name)
+    return _TMP_RE.match(base) is not None or _OLD_TMP_RE.match(base) is not None
+
+
+def _leftover(directory: str | os.PathLike[str], name: str) -> bool:
+    """Whether ``name`` is a temporary that its (dead) writer will never rename or delete."""
+    old = _OLD_TMP_RE.match(name)
+    if old is not None:
+        if pid_alive(int(old.group("pid"))):
+            return False
+        try:
+            return time.time() - os.lstat(os.path.join(directory, name)).st_mtime > OLD_STYLE_QUIET_S
+        except OSError:
+            return False
+    m = _TMP_RE.match(name)
+    return m is not None and m.group("host") == host_tag() and not pid_alive(int(m.group("pid")))
 
 
 def open_temporary(tmp: str, size: int) -> int:
@@ -122,10 +150,14 @@ def pid_alive(pid: int) -> bool:
 
 
 def cleanup_temporaries(directory: str | os.PathLike[str]) -> list[str]:
-    """Remove lazyckpt temporary files left in ``directory`` by processes that no longer run.
+    """Remove lazyckpt temporary files left in ``directory`` by processes of this host that no
+    longer run.
 
-    Returns the removed paths. Temporaries of live processes (including this one) are kept, so it
-    is safe to call while other processes on this host checkpoint into the same directory.
+    Returns the removed paths. Temporaries of live processes (including this one) and of other
+    hosts are kept, so it is safe to call while other processes, on this host or on others sharing
+    the directory, checkpoint into it. Names from before the host was part of them
+    (``.<name>.lazyckpt-<pid>-<n>.tmp``) are removed once their pid is dead on this host and they
+    have not been written for ``OLD_STYLE_QUIET_S`` seconds.
     """
     removed: list[str] = []
     try:
@@ -133,8 +165,7 @@ def cleanup_temporaries(directory: str | os.PathLike[str]) -> list[str]:
     except FileNotFoundError:
         return removed
     for name in names:
-        m = _TMP_RE.match(name)
-        if m and not pid_alive(int(m.group(1))):
+        if _leftover(directory, name):
             path = os.path.join(directory, name)
             if os.path.isdir(path) and not os.path.islink(path):  # a folder renamed away for deletion
                 shutil.rmtree(path, ignore_errors=True)

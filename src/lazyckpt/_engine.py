@@ -9,19 +9,20 @@ strictly in save() order (so the last save to a path wins) and is the only one t
 from __future__ import annotations
 
 import ctypes
-import errno
 import logging
 import os
 import queue
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from . import _commit, _guard
+from . import _commit
 from ._crc import crc32
 from ._flatten import Source
+from ._handle import CallbackRunner
 from ._job import Job, Piece
 from ._pool import PAGE, HostBufferPool
 from .errors import WriteError
@@ -58,6 +59,26 @@ def write_error(job: Job, what: str, exc: BaseException) -> WriteError:
     return err
 
 
+def _survive(step: Callable[[Any], None], item: Any, job: Job, then: Callable[[], None] | None = None) -> None:
+    """Run one item of a thread loop; an unexpected error fails that item's job, never the thread
+    (a dead lazyckpt thread would hang every later wait() and the exit drain)."""
+    try:
+        step(item)
+    except BaseException as exc:  # noqa: BLE001 - the loop must outlive one item
+        logger.exception("lazyckpt: %s failed unexpectedly for %s", threading.current_thread().name, job.path)
+        try:
+            job.fail(write_error(job, "processing", exc))
+        finally:
+            if then is not None:
+                then()
+
+
+def _new_event() -> torch.cuda.Event:
+    """Blocking events: a writer or the stager waiting in ``synchronize()`` sleeps instead of
+    spinning a CPU core for the whole device-to-host copy (the default, ``blocking=False``, spins)."""
+    return torch.cuda.Event(blocking=True)
+
+
 class Engine:
     def __init__(self, pool: HostBufferPool, writer_threads: int, on_done: Callable[[Job], None]) -> None:
         self.pool = pool
@@ -73,6 +94,8 @@ class Engine:
         ]
         self._threads.append(threading.Thread(target=self._commit_loop, name="lazyckpt-committer", daemon=True))
         self._writers = writer_threads
+        self._stopped = False
+        self.callbacks = CallbackRunner()  # done-callbacks: never on the committer (they may wait)
         for t in self._threads:
             t.start()
 
@@ -107,7 +130,7 @@ class Engine:
 
     def _stage_loop(self) -> None:
         while (job := self._stage_q.get()) is not _STOP:
-            self._stage(job)
+            _survive(self._stage, job, job)
 
     def _stage(self, job: Job) -> None:
         cpu = [s for s in job.lazy if s.device.type != "cuda"]
@@ -120,17 +143,21 @@ class Engine:
                 self._copy_source(job, src, stream=None)
                 job.check_stale([src])
             job.cpu_staged.set()
+            # Each CUDA call under its device: this thread's current device is 0, and a runtime
+            # call there would create a context (~0.5 GB) on GPU 0 for a tensor on another GPU.
             for device, event in job.save_events.items():
-                self._copy_stream(device).wait_event(event)
+                with torch.cuda.device(device):
+                    self._copy_stream(device).wait_event(event)
             for src in cuda:
-                self._copy_source(job, src, stream=self._copy_stream(src.device))
+                with torch.cuda.device(src.device):
+                    self._copy_source(job, src, stream=self._copy_stream(src.device))
             job.enqueued.set()
-            for event in job.last_events.values():
-                event.synchronize()
+            for device, event in job.last_events.items():
+                with torch.cuda.device(device):
+                    event.synchronize()
             with job.version_lock:
-                if not job.cuda_verified:
-                    job.check_stale(cuda)
-                    job.cuda_verified = True
+                if not job.verified:  # once the guard verified, the step may change them legitimately
+                    job.check_stale(cuda)  # early, not sound: the confirmation is what counts
         except BaseException as exc:
             job.fail(write_error(job, "staging for", exc))
         finally:
@@ -154,7 +181,11 @@ class Engine:
 
     def settle(self, job: Job) -> None:
         """Copy every live piece of ``job`` that no writer has started into a pool buffer (on the
-        calling thread: the training, which waits for this anyway) and queue it again."""
+        calling thread: the training, which waits for this anyway) and queue it again.
+
+        Allocates from the pool on the calling thread: with the budget used up (other saves'
+        pieces waiting for storage) this blocks until writers free buffers, i.e. the step then
+        waits for storage, as ``save()`` does for unguarded tensors."""
         claimed = job.claim_live()
         # Every claimed piece must come out copied, counted and queued again whatever happens here
         # (this is the training thread, where Ctrl-C lands), or the job would wait for it forever.
@@ -184,18 +215,20 @@ class Engine:
 
     @staticmethod
     def _finish_reading(job: Job) -> None:
-        """The last reader of live memory is through: check that nothing changed those tensors
-        meanwhile, drop the references, and let the optimizer step."""
+        """The last reader of live memory is through: check (early; the sound check is the
+        confirmation on the training thread, ``Job.confirm``) that nothing changed those tensors
+        meanwhile, drop the references to unguarded tensors, and let the optimizer step."""
         try:
             if job.live_pieces:
                 job.check_stale([s for s in job.lazy if s.live])
+            lazy = {id(s) for s in job.lazy}
             for src in job.sources:  # every copy has landed or is ordered on the compute stream
-                src.release()
+                if id(src) not in lazy:  # lazy ones keep their version checks until confirmed
+                    src.release()
             job.t_staged = time.perf_counter()
         finally:
             job.handle._set_staged()
-            _guard.discard(job)
-            job.read_done.set()
+            job.reading_over()
 
     def _copy_source(self, job: Job, src: Source, stream: torch.cuda.Stream | None) -> None:
         """Copy a source piece by piece into pool buffers and queue each piece for writing."""
@@ -204,22 +237,27 @@ class Engine:
                 return
             piece.buffer = self.pool.alloc(piece.nbytes, piece.file_offset % PAGE)
             job.piece_added()
-            if stream is None and src.device.type == "cpu":
-                # One plain memcpy with the GIL released: torch's copy_ would fan out over the
-                # intra-op threads, i.e. take every core from the training for the same bandwidth.
-                ctypes.memmove(piece.buffer.view.data_ptr(), src.data_ptr + piece.start, piece.nbytes)
+            try:
+                self._copy_piece(job, src, piece, stream)
+            finally:  # even on Ctrl-C: a writer returns the buffer (the job has failed by then)
                 self._write_q.put(piece)
-                continue
-            view = src.flat[piece.start : piece.start + piece.nbytes]
-            if stream is None:
-                piece.buffer.view.copy_(view)
-            else:
-                with torch.cuda.stream(stream):
-                    piece.buffer.view.copy_(view, non_blocking=True)
-                    piece.event = torch.cuda.Event()
-                    piece.event.record(stream)
-                job.last_events[src.device] = piece.event
-            self._write_q.put(piece)
+
+    def _copy_piece(self, job: Job, src: Source, piece: Piece, stream: torch.cuda.Stream | None) -> None:
+        assert piece.buffer is not None
+        if stream is None and src.device.type == "cpu":
+            # One plain memcpy with the GIL released: torch's copy_ would fan out over the
+            # intra-op threads, i.e. take every core from the training for the same bandwidth.
+            ctypes.memmove(piece.buffer.view.data_ptr(), src.data_ptr + piece.start, piece.nbytes)
+            return
+        view = src.flat[piece.start : piece.start + piece.nbytes]
+        if stream is None:
+            piece.buffer.view.copy_(view)
+            return
+        with torch.cuda.stream(stream):
+            piece.buffer.view.copy_(view, non_blocking=True)
+            piece.event = _new_event()
+            piece.event.record(stream)
+        job.last_events[src.device] = piece.event
 
     def _copy_stream(self, device: torch.device) -> torch.cuda.Stream:
         stream = self._copy_streams.get(device)
@@ -232,9 +270,10 @@ class Engine:
     def _write_loop(self) -> None:
         while (item := self._write_q.get()) is not _STOP:
             if isinstance(item, Job):
-                self._finalize(item)
+                # the committer waits for `written`: let it discard the failed file
+                _survive(self._finalize, item, item, then=item.written.set)
             else:
-                self._write_piece(item)
+                _survive(self._write_piece, item, item.job)
 
     def _write_piece(self, piece: Piece) -> None:
         job = piece.job
@@ -243,7 +282,8 @@ class Engine:
             return
         try:
             if piece.event is not None:
-                piece.event.synchronize()
+                with torch.cuda.device(piece.source.device):  # not a stray context on GPU 0
+                    piece.event.synchronize()
             if not job.failed:
                 if mode == "live":
                     addr = piece.source.data_ptr + piece.start
@@ -281,9 +321,10 @@ class Engine:
             try:
                 pwrite_all(job.dfd, data[head:end], offset + head)
             except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                pwrite_all(job.fd, data[head:end], offset + head)  # this filesystem refuses O_DIRECT after all
+                # Refused: EINVAL (the filesystem after all), EFAULT (some kernels, for pinned
+                # memory), EOPNOTSUPP ... The buffered write raises any error that is real.
+                logger.debug("lazyckpt: O_DIRECT write to %s refused (%s); writing buffered", job.tmp, exc)
+                pwrite_all(job.fd, data[head:end], offset + head)
             if end < piece.nbytes:
                 pwrite_all(job.fd, data[end:], offset + end)
             return
@@ -316,36 +357,66 @@ class Engine:
 
     def _commit_loop(self) -> None:
         while (job := self._commit_q.get()) is not _STOP:
-            job.written.wait()
-            if not job.failed and job.before_commit is not None:
-                try:
-                    job.before_commit()
-                except BaseException as exc:
-                    job.fail(write_error(job, "before committing", exc))
-            if not job.failed:
-                try:
-                    _commit.commit(job.tmp, job.path, job.fsync)
-                except BaseException as exc:
-                    job.fail(write_error(job, "committing", exc))
-            if job.failed:
-                _commit.discard(job.tmp)
-            done = time.perf_counter()
-            stats = None if job.failed else job.stats(done)
+            try:
+                self._commit(job)
+            except BaseException as exc:  # noqa: BLE001 - the loop must outlive one job
+                logger.exception("lazyckpt: committing %s failed unexpectedly", job.path)
+                job.fail(write_error(job, "committing", exc))
+            finally:
+                self._complete(job)
+
+    def _commit(self, job: Job) -> None:
+        job.written.wait()
+        if not job.failed:
+            job.confirmed.wait()  # never commit before a check ordered after the caller's ops
+        if not job.failed and job.before_commit is not None:
+            try:
+                job.before_commit()
+            except BaseException as exc:
+                job.fail(write_error(job, "before committing", exc))
+        if not job.failed:
+            try:
+                _commit.commit(job.tmp, job.path, job.fsync)
+            except BaseException as exc:
+                job.fail(write_error(job, "committing", exc))
+        if job.failed:
+            _commit.discard(job.tmp)
+
+    def _complete(self, job: Job) -> None:
+        """Finish the handle, exactly once, whatever happened: resolve its outcome, let the
+        checkpointer publish it (and run removals queued behind it), then make it visible and hand
+        its callbacks to the callback thread (callbacks may wait for saves this thread commits)."""
+        handle = job.handle
+        if handle.done():
+            return
+        try:
+            handle._resolve(None if job.failed else job.stats(time.perf_counter()), job.error)
+        except BaseException as exc:  # noqa: BLE001 - stats of a committed file; keep the file, say why
+            logger.exception("lazyckpt: stats of %s failed", job.path)
+            handle._resolve(None, write_error(job, "finishing", exc))
+        try:
             self._on_done(job)
-            job.handle._finish(stats, job.error)
-            job.sources.clear()
-            job.lazy.clear()
-            job.live_pieces.clear()
-            job.handle._settle = None
+        except BaseException:  # noqa: BLE001 - the handle must complete regardless
+            logger.exception("lazyckpt: bookkeeping after %s failed", job.path)
+        self.callbacks.submit(handle, handle._complete())
+        job.sources.clear()
+        job.lazy.clear()
+        job.live_pieces.clear()
+        handle._settle = handle._confirm = None
 
     def owns_current_thread(self) -> bool:
-        """True on one of this engine's threads (where done-callbacks run)."""
-        return threading.current_thread() in self._threads
+        """True on one of this engine's threads (the callback thread included)."""
+        return threading.current_thread() in self._threads or self.callbacks.owns_current_thread()
 
     # -- shutdown ---------------------------------------------------------------------------------
 
     def stop(self) -> None:
-        """Stop every thread (after the queues drain) and join them."""
+        """Stop every thread (after the queues drain) and join them (not the callback thread when
+        called from a callback: it ends after that callback)."""
+        if self._stopped:
+            self.callbacks.stop()
+            return
+        self._stopped = True
         self._stage_q.put(_STOP)
         self._commit_q.put(_STOP)
         for t in self._threads[:1]:
@@ -354,3 +425,4 @@ class Engine:
             self._write_q.put(_STOP)
         for t in self._threads[1:]:
             t.join()
+        self.callbacks.stop()

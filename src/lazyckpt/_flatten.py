@@ -1,4 +1,7 @@
-"""Flatten: turn the object passed to ``save()`` into bytes to write now and storages to copy later.
+"""Flatten: what every format shares to turn the object passed to ``save()`` into bytes to write
+now and sources (tensor bytes) to copy later: ``Source``, the checks that refuse tensors lazyckpt
+cannot stage, and torch.save's pickler (``flatten_torch``, used by the torch format and by any
+format made of torch.save items). Each format's own validation and layout live in its module.
 
 Runs on the caller's thread inside ``save()``. Pickling here is what snapshots every non-tensor
 value (optimizer ``param_groups``, per-parameter state dicts, loop counters): the pickle bytes are
@@ -11,13 +14,11 @@ from __future__ import annotations
 
 import io
 import pickle
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.serialization import location_tag, normalize_storage_type
 
-from . import _safetensorsfmt
 from .errors import SaveRefusedError
 
 _PICKLE_PROTOCOL = 2  # torch.serialization.DEFAULT_PROTOCOL
@@ -179,137 +180,3 @@ def flatten_torch(obj: Any) -> tuple[bytes, list[Source]]:
             "(as for torch.save); convert or drop the offending value."
         ) from exc
     return buf.getvalue(), list(pickler.sources.values())
-
-
-# safetensors ------------------------------------------------------------------------------------
-
-_ST_DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.complex64: "C64",
-}  # fmt: skip
-for _name, _code in [
-    ("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"), ("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64"),
-]:  # fmt: skip
-    if hasattr(torch, _name):
-        _ST_DTYPES[getattr(torch, _name)] = _code
-
-
-def flatten_safetensors(
-    tensors: Any,
-    metadata: dict[str, str] | None,
-    with_crc: bool = True,
-    page_phase: Callable[[torch.Tensor], int | None] | None = None,
-) -> tuple[bytes, list[Source]]:
-    """Validate a flat dict of tensors; return the safetensors header and one source per tensor.
-
-    Tensors are laid out as safetensors lays them out: by element size, largest first (so every
-    tensor is aligned to its element size), then by name. With ``page_phase`` (tensor -> position
-    within a page its file offset should have, or None), tensors of one element size are ordered so
-    that as many of those bytes as possible get that position, and the header is padded (with the
-    spaces safetensors pads it with) to match: those tensors can then be written with O_DIRECT
-    straight from their memory. Readers look tensors up by the header's offsets; order is free.
-    """
-    if not isinstance(tensors, dict):
-        raise SaveRefusedError(f"format='safetensors' takes a flat dict[str, Tensor], got {type(tensors).__name__}")
-    if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-        raise SaveRefusedError("safetensors metadata must be a dict[str, str]")
-    for name, t in tensors.items():
-        if not isinstance(name, str) or not isinstance(t, torch.Tensor):
-            raise SaveRefusedError(
-                f"format='safetensors' takes a flat dict[str, Tensor]; key {name!r} holds {type(t).__name__}. "
-                "Use format='torch' for nested objects."
-            )
-        refuse_unsupported(t, name)
-        if t.dtype not in _ST_DTYPES:
-            raise SaveRefusedError(f"{name}: dtype {t.dtype} has no safetensors equivalent")
-        if not t.is_contiguous():
-            raise SaveRefusedError(f"{name}: safetensors needs contiguous tensors; call .contiguous() first")
-    _refuse_shared(tensors)
-    order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
-    shift = None
-    if page_phase is not None:
-        order, shift = _phase_order(tensors, order, page_phase)
-    entries: dict[str, Any] = {}
-    sources: list[Source] = []
-    offset = 0
-    for name in order:
-        t = tensors[name]
-        nbytes = t.numel() * t.element_size()
-        entries[name] = {
-            "dtype": _ST_DTYPES[t.dtype],
-            "shape": list(t.shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
-        flat = t.detach().reshape(-1).view(torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
-        sources.append(Source(name, flat, nbytes, [(name, t, t._version)], file_offset=offset))
-        offset += nbytes
-    head = _safetensorsfmt.header(entries, metadata, with_crc, data_start_phase=shift)
-    for src in sources:
-        src.file_offset += len(head)
-    return head, sources
-
-
-def _phase_order(
-    tensors: dict[str, torch.Tensor], order: list[str], page_phase: Callable[[torch.Tensor], int | None]
-) -> tuple[list[str], int | None]:
-    """Reorder within each element size so that the tensors ``page_phase`` names sit at (data start
-    + offset) = their phase (mod PAGE) for one data start; return the order and that data start's phase
-    (None: no tensor qualifies). Greedy: the largest wanted tensor fixes the data start; then, at each
-    point, a wanted tensor whose phase matches the running offset goes next if there is one."""
-    from ._pool import PAGE
-
-    wanted = {n: p for n in order if (p := page_phase(tensors[n])) is not None}
-    if not wanted:
-        return order, None
-    sizes = {n: tensors[n].numel() * tensors[n].element_size() for n in order}
-    out: list[str] = []
-    start: int | None = None  # phase of the data start within a page
-    cursor = 0
-    groups: dict[int, list[str]] = {}
-    for n in order:
-        groups.setdefault(tensors[n].element_size(), []).append(n)
-    for _, names in sorted(groups.items(), reverse=True):
-        by_phase: dict[int, list[str]] = {}
-        for n in sorted((n for n in names if n in wanted), key=lambda n: -sizes[n]):
-            by_phase.setdefault(wanted[n], []).append(n)
-        if start is None and by_phase:
-            first = max((n for n in names if n in wanted), key=lambda n: sizes[n])
-            start = (wanted[first] - cursor) % PAGE
-            if start % 8:  # the header is padded in whole 8-byte units
-                return order, None
-        rest = [n for n in names if n not in wanted]
-        while by_phase or rest:
-            need = (start + cursor) % PAGE if start is not None else None
-            if need is not None and by_phase.get(need):
-                n = by_phase[need].pop(0)
-                if not by_phase[need]:
-                    del by_phase[need]
-            elif rest:
-                n = rest.pop(0)
-            else:  # no wanted tensor fits here: place the largest; it will be copied first
-                phase = max(by_phase, key=lambda p: sizes[by_phase[p][0]])
-                n = by_phase[phase].pop(0)
-                if not by_phase[phase]:
-                    del by_phase[phase]
-            out.append(n)
-            cursor += sizes[n]
-    return out, start
-
-
-def _refuse_shared(tensors: dict[str, torch.Tensor]) -> None:
-    spans: dict[tuple[str, int], list[tuple[int, int, str]]] = {}
-    for name, t in tensors.items():
-        if t.numel() == 0:
-            continue
-        start = t.data_ptr()
-        key = (str(t.device), t.untyped_storage().data_ptr())
-        spans.setdefault(key, []).append((start, start + t.numel() * t.element_size(), name))
-    for group in spans.values():
-        group.sort()
-        for (_, end, a), (start, _, b) in zip(group, group[1:], strict=False):
-            if start < end:
-                raise SaveRefusedError(
-                    f"tensors {a!r} and {b!r} share memory; safetensors cannot store shared tensors. "
-                    "Save one of them, or clone() the other (safetensors.torch.save_model drops tied duplicates)."
-                )

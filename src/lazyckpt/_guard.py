@@ -7,12 +7,18 @@ set insertion and one list check. With saves pending it either waits right away
 runs forward and backward inside it), wraps the closure so the wait happens after the closure
 returns and just before the update: the copies then overlap forward and backward.
 
+A save stays pending here until it is confirmed: its versions re-checked, after the copies, on a
+thread that calls into lazyckpt (the step itself, or ``confirm_ready`` from ``save()``), because
+torch moves a version only once an in-place kernel has finished (see ``Job.confirm``). A forked
+child forgets pending saves: the threads that would finish them do not exist there.
+
 The hook also learns which optimizers exist. Tensors they own (params, state) change only inside
 ``step()``, so ``save()`` may copy them lazily; every other tensor is captured inside ``save()``.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -28,16 +34,28 @@ class Pending(Protocol):
     def release_guard(self) -> None:
         """Return once the optimizer may change this save's tensors (or the save failed)."""
 
+    def confirm(self) -> bool:
+        """Without blocking: check versions on this thread if the copies are over; True if done."""
+
 
 _lock = threading.Lock()
 _pending: list[Pending] = []
 _tracked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+# Tensors declared frozen (LazyCheckpointer.declare_frozen): no step changes them, so, like an
+# optimizer's, they are copied lazily; an in-place change while a save reads them is still caught.
+_frozen: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
 
 
 def track(optimizer: torch.optim.Optimizer) -> None:
     inner = getattr(optimizer, "optimizer", None)  # Lightning/Accelerate wrappers
     with _lock:
         _tracked.add(inner if isinstance(inner, torch.optim.Optimizer) else optimizer)
+
+
+def freeze(*tensors: torch.Tensor) -> None:
+    with _lock:
+        for t in tensors:
+            _frozen.add(t)
 
 
 def add(job: Pending) -> None:
@@ -63,11 +81,23 @@ def wait_all() -> None:
             discard(job)
 
 
+def confirm_ready() -> None:
+    """Confirm every pending save whose copies are over, on the calling thread (never blocks)."""
+    if not _pending:
+        return
+    with _lock:
+        jobs = list(_pending)
+    for job in jobs:
+        if job.confirm():
+            discard(job)
+
+
 def guarded_storages() -> set[int]:
-    """data_ptrs of every storage owned by a known optimizer (params and state tensors)."""
-    ptrs: set[int] = set()
+    """data_ptrs of every storage owned by a known optimizer (params and state tensors) or
+    declared frozen."""
     with _lock:
         optimizers = list(_tracked)
+        ptrs = {t.untyped_storage().data_ptr() for t in _frozen}
     for opt in optimizers:
         for group in opt.param_groups:
             for p in group["params"]:
@@ -106,4 +136,13 @@ def _waiting(closure: Callable[[], Any]) -> Callable[[], Any]:
     return closure_then_wait
 
 
+def _forget_pending_in_child() -> None:
+    """A forked child has none of the threads that would finish the parent's saves: its steps must
+    not wait for them (the child's copies of those saves are simply abandoned; the parent's go on)."""
+    global _lock
+    _lock = threading.Lock()  # another thread may have held it at the fork
+    _pending.clear()
+
+
 register_optimizer_step_pre_hook(_pre_hook)
+os.register_at_fork(after_in_child=_forget_pending_in_child)

@@ -14,9 +14,10 @@ from typing import Any
 
 import torch
 
-from . import _safetensorsfmt, _torchfmt
-from ._crc import crc32, crc32_combine
+from . import _guard
+from ._crc import crc32_combine
 from ._flatten import Source
+from ._format import Layout
 from ._handle import SaveHandle, SaveStats
 from ._pool import Buffer
 from .errors import StaleTensorError
@@ -49,8 +50,7 @@ class Job:
         fmt: str,
         sources: list[Source],
         lazy: list[Source],
-        layout: _torchfmt.TorchLayout | None,
-        head: bytes,
+        layout: Layout,
         file_bytes: int,
         crc: bool,
         fsync: bool,
@@ -61,7 +61,7 @@ class Job:
         self.handle = SaveHandle(path)
         self.path, self.tmp, self.fmt = path, tmp, fmt
         self.sources, self.lazy = sources, lazy
-        self.layout, self.head = layout, head
+        self.layout = layout
         self.nbytes = sum(s.nbytes for s in sources)
         self.file_bytes = file_bytes
         self.crc, self.fsync, self.wait_in_closure = crc, fsync, wait_in_closure
@@ -79,7 +79,16 @@ class Job:
         self.save_events: dict[torch.device, Any] = {}  # compute-stream events recorded in save()
         self.last_events: dict[torch.device, Any] = {}  # last copy-stream event per device
         self.version_lock = threading.Lock()
-        self.cuda_verified = False
+        # Soundness of the _version check: torch bumps a tensor's version only after the in-place
+        # kernel returns, so a check on a lazyckpt thread can pass while an op that overlapped the
+        # copy is still running. Only a check on the mutating thread, after the copy is over, is
+        # ordered after that thread's ops. ``verified``: such a check passed (the guard, save(),
+        # wait_staged(), wait() run it: ``confirm``); ``confirmed``: the commit may go ahead.
+        self.verified = False
+        self.confirmed = threading.Event()
+        if not lazy:  # everything was captured inside save(), on the caller's thread
+            self.verified = True
+            self.confirmed.set()
         self.t0 = t0
         self.t_returned = t0
         self.t_staged = t0
@@ -93,6 +102,7 @@ class Job:
         self.read_done = threading.Event()
         self.settle: Callable[[Job], None] | None = None  # Engine.settle: copy what is not written yet
         self.handle._settle = self._settle_for_wait
+        self.handle._confirm = self._confirm_for_wait
 
     # -- errors -----------------------------------------------------------------------------------
 
@@ -187,44 +197,80 @@ class Job:
     # -- the guard --------------------------------------------------------------------------------
 
     def release_guard(self) -> None:
-        """Called by the optimizer step pre-hook: return once the step may change our tensors."""
+        """Called by the optimizer step pre-hook: return once the step may change our tensors.
+
+        Runs on the thread about to step, so its version check is ordered after every in-place op
+        that thread issued before the step (``confirm``)."""
         t = time.perf_counter()
         self.cpu_staged.wait()
         if self.live_pieces and not self.read_done.is_set():
             assert self.settle is not None
             self.settle(self)  # copy the live pieces no writer has reached yet...
+        if not self.save_events:
             self.read_done.wait()  # ...and wait for the ones being written
-        if self.save_events:
+            self.confirm()
+        else:
             self.enqueued.wait()
-            with self.version_lock:
-                if not self.cuda_verified:
-                    self.check_stale([s for s in self.lazy if s.device.type == "cuda"])
-                    self.cuda_verified = True
+            # CUDA: versions are bumped when a kernel is queued, and every kernel queued from here
+            # on runs after the copies (the stream wait below), so this check confirms the save.
+            self._verify(read_over=False)
             if not self.failed:
                 # GPU-side wait: the compute stream waits for the copies, the host does not block.
                 for device, event in self.last_events.items():
                     torch.cuda.current_stream(device).wait_event(event)
         self.guard_wait_s += time.perf_counter() - t
 
+    def confirm(self) -> bool:
+        """Re-check the lazy tensors' versions on the calling thread once nothing reads them any
+        more; True once the save is confirmed (or failed). Never blocks on staging."""
+        if self.verified or not self.read_done.is_set():
+            return self.verified
+        return self._verify(read_over=True)
+
+    def _verify(self, read_over: bool) -> bool:
+        with self.version_lock:
+            if not self.verified:
+                self.check_stale(self.lazy)
+                self.verified = True
+            if read_over or self.read_done.is_set():
+                self.confirmed.set()
+                for src in self.lazy:
+                    src.release()
+        _guard.discard(self)
+        return True
+
+    def reading_over(self) -> None:
+        """The last reader is through (``Engine._finish_reading``): a failed or already verified save
+        needs no confirmation."""
+        with self.version_lock:
+            self.read_done.set()
+            if self.failed or self.verified:
+                self.confirmed.set()
+                for src in self.lazy:
+                    src.release()
+        if self.failed:
+            _guard.discard(self)
+
     def _settle_for_wait(self, timeout: float | None) -> None:
-        """``handle.wait_staged()``: copy the live pieces no writer has started (if staging got that far)."""
+        """``handle.wait_staged()``: copy the live pieces no writer has started (if staging got that
+        far), wait for the rest, and confirm on this thread (the caller may mutate after this)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         if self.cpu_staged.wait(timeout) and self.live_pieces and self.settle is not None:
             self.settle(self)
+        self._confirm_for_wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+    def _confirm_for_wait(self, timeout: float | None) -> None:
+        """``handle.wait()`` and the checkpointer's waits: the commit waits for a confirmation."""
+        if self.read_done.wait(timeout):
+            self.confirm()
 
     # -- the file ---------------------------------------------------------------------------------
 
     def metadata_writes(self) -> list[tuple[int, bytes]]:
-        """Header bytes to write once all data is in (CRCs of torch records combined here)."""
-        if self.layout is None:
-            if not self.crc:
-                return [(0, self.head)]
-            data = sorted(part for parts in self._crcs.values() for part in parts)
-            head_crc = (0, crc32(self.head), len(self.head))
-            return [(0, _safetensorsfmt.with_crc(self.head, _combine([head_crc, *data])))]
-        crcs: dict[str, int] = {}
-        for key, parts in self._crcs.items():
-            crcs[key] = _combine(sorted(parts)) if self.crc else 0
-        return self.layout.metadata_writes(crcs)
+        """Every byte that is not tensor data, once all data is in: the layout's fixed bytes and
+        those that depend on each source's CRC (combined here from its pieces' CRCs)."""
+        crcs = {key: _combine(sorted(parts)) for key, parts in self._crcs.items()} if self.crc else None
+        return [*self.layout.fixed_writes(), *self.layout.crc_writes(crcs)]
 
     def stats(self, t_done: float) -> SaveStats:
         write_s = max(self.t_written - (self.t_write_start or self.t_written), 1e-9)

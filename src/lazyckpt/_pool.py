@@ -1,21 +1,29 @@
 """HostBufferPool: host memory for staging, allocated once, reused by every save.
 
 Memory comes in chunks (pinned when CUDA staging is on, because pinned copies run at full PCIe
-speed and pinning costs ~1 GB/s, so it is paid once). Pieces are bump-allocated inside the current
-chunk; a chunk returns to the free list when every piece in it has been written. Chunks are
-allocated lazily up to the budget and kept: after warm-up a save allocates and pins nothing.
-``alloc`` blocks while the budget is exhausted, which is how a checkpoint larger than the budget
-streams through it and how saves that outrun storage slow down to storage speed.
+speed and pinning costs ~1 GB/s, so it is paid once). Pinned chunks are our own anonymous memory
+registered with ``cudaHostRegister`` (portable: usable from every device), not
+``torch.empty(pin_memory=True)``: torch's caching host allocator rounds every request up to a power
+of two (a 64 MiB chunk plus alignment would pin 128 MiB) and keeps the blocks after we drop them.
+Registered chunks are unregistered by ``close()``; ``pinned_bytes`` is exactly what is pinned.
+Pieces are bump-allocated inside the current chunk; a chunk returns to the free list when every
+piece in it has been written. Chunks are allocated lazily up to the budget and kept: after warm-up a
+save allocates and pins nothing. ``alloc`` blocks while the budget is exhausted, which is how a
+checkpoint larger than the budget streams through it and how saves that outrun storage slow down to
+storage speed.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import mmap
 import threading
 import time
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 _ALIGN = 64
 # O_DIRECT unit: chunks are aligned to it, pieces of >= PAGE bytes sit at a chosen phase within it. The
@@ -38,6 +46,22 @@ def _anonymous(nbytes: int) -> torch.Tensor:
         except OSError:  # pragma: no cover - kernels without THP
             pass
     return torch.frombuffer(mem, dtype=torch.uint8)  # the tensor keeps ``mem`` alive
+
+
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, not one device's
+
+
+def _register(addr: int, nbytes: int) -> None:
+    """Pin ``nbytes`` at ``addr`` for fast, asynchronous device-to-host copies."""
+    code = int(torch.cuda.cudart().cudaHostRegister(addr, nbytes, _HOST_REGISTER_PORTABLE))
+    if code != 0:
+        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: {torch.cuda.CudaError(code)}")
+
+
+def _unregister(addr: int) -> None:
+    code = int(torch.cuda.cudart().cudaHostUnregister(addr))
+    if code != 0:  # close() must go on; the memory is freed with its mapping anyway
+        logger.warning("lazyckpt: cudaHostUnregister failed: %s", torch.cuda.CudaError(code))
 
 
 class _Chunk:
@@ -75,6 +99,9 @@ class HostBufferPool:
         self.chunk_bytes = max(PAGE, min(chunk_bytes, budget_bytes) // PAGE * PAGE)
         self.max_chunks = max(1, budget_bytes // self.chunk_bytes)
         self.pin_memory = pin_memory
+        # The training thread's CUDA device, set by the first save (LazyCheckpointer._start): chunks
+        # are registered under it, not under the calling lazyckpt thread's default device 0.
+        self.pin_device: int | None = None
         self._cond = threading.Condition()
         self._chunks: list[_Chunk] = []
         self._free: list[_Chunk] = []
@@ -89,6 +116,11 @@ class HostBufferPool:
     @property
     def allocated_bytes(self) -> int:
         return len(self._chunks) * self.chunk_bytes
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes of host memory this pool holds pinned (registered with CUDA) right now."""
+        return self.allocated_bytes if self.pin_memory else 0
 
     def alloc(self, nbytes: int, phase: int = 0) -> Buffer:
         """A buffer of ``nbytes``, blocking while the budget is used up.
@@ -134,14 +166,16 @@ class HostBufferPool:
             self._free.append(cur)
 
     def _new_chunk(self) -> _Chunk:
-        if self.pin_memory:
-            raw = torch.empty(self.chunk_bytes + PAGE, dtype=torch.uint8, pin_memory=True)
-            align = PAGE
-        else:
-            raw, align = _anonymous(self.chunk_bytes + _HUGE), _HUGE
-        skip = (-raw.data_ptr()) % align
+        raw = _anonymous(self.chunk_bytes + _HUGE)
+        skip = (-raw.data_ptr()) % _HUGE
         tensor = raw[skip : skip + self.chunk_bytes]  # aligned (the slice keeps ``raw`` alive)
-        if not self.pin_memory:
+        if self.pin_memory:
+            if self.pin_device is None:
+                _register(tensor.data_ptr(), self.chunk_bytes)  # faults the pages in as it pins them
+            else:
+                with torch.cuda.device(self.pin_device):
+                    _register(tensor.data_ptr(), self.chunk_bytes)
+        else:
             # Fault the pages in once, not during every first save; a plain memset, because torch's
             # zero_ would run on the intra-op thread pool the training is using.
             ctypes.memset(tensor.data_ptr(), 0, tensor.numel())
@@ -159,9 +193,16 @@ class HostBufferPool:
                 self._cond.notify_all()
 
     def close(self) -> None:
-        """Drop every chunk (callers must have released their buffers)."""
+        """Drop every chunk (callers must have released their buffers); unpin pinned ones."""
         with self._cond:
             self._closed = True
+            if self.pin_memory:
+                for chunk in self._chunks:
+                    if self.pin_device is None:
+                        _unregister(chunk.tensor.data_ptr())
+                    else:
+                        with torch.cuda.device(self.pin_device):
+                            _unregister(chunk.tensor.data_ptr())
             self._chunks.clear()
             self._free.clear()
             self._current = None

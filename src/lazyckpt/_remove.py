@@ -3,10 +3,11 @@
 Deleting a large fsynced file is slow on some filesystems (ext4 mounted with ``discard`` frees and
 trims every extent inside ``unlink``: ~50 ms per GB here), and ModelCheckpoint's ``save_top_k`` or
 Accelerate's ``total_limit`` delete one old checkpoint per save. ``Remover.remove`` renames the
-path to a lazyckpt temporary name (``.<name>.lazyckpt-<pid>-<n>.tmp``, so ``cleanup_temporaries``
+path to a lazyckpt temporary name (``.<name>.lazyckpt-<host>-<pid>-<n>.tmp``, so ``cleanup_temporaries``
 removes it if the process dies first) in the same directory or a given one on the same filesystem;
-the final name is free the moment ``remove`` returns. A daemon thread then unlinks (files) or
-``rmtree``s (folders) it. Symlinks are unlinked at once (nothing to free).
+the final name is free the moment the rename is done. A daemon thread then unlinks (files) or
+``rmtree``s (folders) it. Symlinks are unlinked at once (nothing to free). The checkpointer decides
+WHEN the rename happens (at once, or in the commit queue behind a pending save: ``reserve``/``run``).
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ import os
 import queue
 import shutil
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 
 from . import _commit
+from ._report import Report
 
 logger = logging.getLogger(__name__)
 
@@ -28,26 +31,36 @@ logger = logging.getLogger(__name__)
 class RemovalFuture(Future):  # type: ignore[type-arg]
     """A removal's future: once its error was fetched through it, ``wait()`` does not raise it again."""
 
-    reported = False
+    _report: Report | None = None
+
+    @property
+    def reported(self) -> bool:
+        return self._report is not None and self._report.claimed
 
     def result(self, timeout: float | None = None) -> None:
         try:
             return super().result(timeout)
         except BaseException:
-            if self.done():
-                self.reported = True
+            if self.done() and self._report is not None:
+                self._report.claim()
             raise
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         exc = super().exception(timeout)
-        self.reported = True
+        if self._report is not None:
+            self._report.claim()
         return exc
 
 
 class Remover:
-    """One daemon thread deleting renamed paths in order; ``wait()`` drains it."""
+    """One daemon thread deleting renamed paths in order; ``wait()`` drains it.
 
-    def __init__(self) -> None:
+    A failed removal's report is handed to ``on_failed`` before its future completes, so whoever
+    sees the future done finds the error published.
+    """
+
+    def __init__(self, on_failed: Callable[[Report], None] = lambda _r: None) -> None:
+        self._on_failed = on_failed
         self._q: queue.SimpleQueue[tuple[str, RemovalFuture] | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -55,53 +68,45 @@ class Remover:
         self._stopped = False
 
     def remove(self, path: str, trash_dir: str | None = None) -> RemovalFuture:
-        """Take ``path`` away from its name now; free its space in the background."""
+        """Take ``path`` away from its name now (``FileNotFoundError`` and other ``OSError``s are
+        raised here); free its space in the background."""
         done = RemovalFuture()
-        if os.path.islink(path) or not os.path.lexists(path):
-            os.unlink(path)  # a symlink; or raise FileNotFoundError as os.remove does
-            done.set_result(None)
-            return done
-        trash = _commit.temporary_path(os.path.join(trash_dir or os.path.dirname(path), os.path.basename(path)))
-        try:
-            os.rename(path, trash)
-        except OSError as exc:
-            if exc.errno not in (errno.EXDEV, errno.EBUSY):
-                raise
-            _delete(path)  # another filesystem (or a mount point): delete in place, now
-            done.set_result(None)
-            return done
-        with self._lock:
-            if self._stopped:  # raced with close(): no thread any more, delete here
-                _delete(trash)
-                done.set_result(None)
-                return done
-            # keep failed ones until wait() reports them
-            self._pending = [f for f in self._pending if not f.done() or Future.exception(f) is not None]
-            self._pending.append(done)
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="lazyckpt-remover", daemon=True)
-                self._thread.start()
-            self._q.put((trash, done))
+        trash = _take_away(path, trash_dir)
+        self._free(trash, done)
         return done
 
+    def reserve(self) -> RemovalFuture:
+        """A future for a removal that ``run`` performs later; ``wait()`` waits for it from now on."""
+        done = RemovalFuture()
+        with self._lock:
+            self._pending = [f for f in self._pending if not f.done()]
+            self._pending.append(done)
+        return done
+
+    def run(self, path: str, trash_dir: str | None, done: RemovalFuture) -> None:
+        """Perform a reserved removal; never raises (errors go to ``done``). A path that is missing
+        by now (its pending save failed, and no older file was there) has nothing to free."""
+        try:
+            trash = _take_away(path, trash_dir)
+        except FileNotFoundError:
+            logger.debug("lazyckpt: %s is gone already; nothing to remove", path)
+            done.set_result(None)
+            return
+        except BaseException as exc:  # noqa: BLE001 - reported through the future and the ledger
+            self._fail(done, exc)
+            return
+        self._free(trash, done)
+
     def wait(self, timeout: float | None = None) -> None:
-        """Block until every queued deletion ran; raise the first failure nobody fetched from its future."""
+        """Block until every queued deletion ran (``TimeoutError`` after ``timeout`` seconds);
+        failures are reported through ``on_failed``, not here."""
         with self._lock:
             pending = list(self._pending)
-        done, not_done = futures_wait(pending, timeout)
+        _, not_done = futures_wait(pending, timeout)
         with self._lock:
-            self._pending = [f for f in self._pending if f not in done]
-        errors = []
-        for f in pending:
-            if f in done:
-                if not f.reported:
-                    errors.append(Future.exception(f))
-                f.reported = True
+            self._pending = [f for f in self._pending if not f.done()]
         if not_done:
             raise TimeoutError(f"{len(not_done)} deletion(s) not done after {timeout} s")
-        for exc in errors:
-            if exc is not None:
-                raise exc
 
     def stop(self) -> None:
         """Let the thread finish what is queued (the sentinel comes last), then join it."""
@@ -112,19 +117,69 @@ class Remover:
             self._q.put(None)
             thread.join()
 
-    def _run(self) -> None:
-        while True:
-            item = self._q.get()
-            if item is None:
+    def _free(self, trash: str | None, done: RemovalFuture) -> None:
+        """Delete ``trash`` on the thread (started BEFORE the future is queued for it), or here
+        when there is no thread: closed, or Thread.start() refused (thread limits, shutdown)."""
+        if trash is None:
+            done.set_result(None)
+            return
+        with self._lock:
+            if not self._stopped and self._thread_running():
+                if done not in self._pending:
+                    self._pending = [f for f in self._pending if not f.done()]
+                    self._pending.append(done)
+                self._q.put((trash, done))
                 return
-            trash, done = item
-            try:
-                _delete(trash)
-            except BaseException as exc:  # noqa: BLE001 - reported through the future
-                logger.warning("lazyckpt: could not delete %s: %s", trash, exc)
-                done.set_exception(exc)
-            else:
-                done.set_result(None)
+        self._delete_into(trash, done)
+
+    def _thread_running(self) -> bool:
+        # caller holds _lock
+        if self._thread is not None and self._thread.is_alive():
+            return True
+        thread = threading.Thread(target=self._run, name="lazyckpt-remover", daemon=True)
+        try:
+            thread.start()
+        except RuntimeError:
+            logger.debug("lazyckpt: no remover thread; deleting inline", exc_info=True)
+            return False
+        self._thread = thread
+        return True
+
+    def _fail(self, done: RemovalFuture, exc: BaseException) -> None:
+        logger.warning("lazyckpt: could not remove: %s", exc)
+        done._report = Report(exc)
+        self._on_failed(done._report)
+        done.set_exception(exc)
+
+    def _delete_into(self, trash: str, done: RemovalFuture) -> None:
+        try:
+            _delete(trash)
+        except BaseException as exc:  # noqa: BLE001 - reported through the future and the ledger
+            self._fail(done, exc)
+        else:
+            done.set_result(None)
+
+    def _run(self) -> None:
+        # One failed deletion must not end the thread: _delete_into catches everything.
+        while (item := self._q.get()) is not None:
+            self._delete_into(*item)
+
+
+def _take_away(path: str, trash_dir: str | None) -> str | None:
+    """Free the name ``path`` now: rename it to a temporary (returned), or, for a symlink or across
+    filesystems, delete it in place (None). Raises ``FileNotFoundError`` as ``os.remove`` does."""
+    if os.path.islink(path) or not os.path.lexists(path):
+        os.unlink(path)  # a symlink; or raise FileNotFoundError
+        return None
+    trash = _commit.temporary_path(os.path.join(trash_dir or os.path.dirname(path), os.path.basename(path)))
+    try:
+        os.rename(path, trash)
+    except OSError as exc:
+        if exc.errno not in (errno.EXDEV, errno.EBUSY):
+            raise
+        _delete(path)  # another filesystem (or a mount point): delete in place, now
+        return None
+    return trash
 
 
 def _delete(path: str) -> None:

@@ -1,4 +1,8 @@
-"""The torch.save file layout: a stored (uncompressed) zip, written by offset.
+"""The torch format: ``torch.save``'s file, a stored (uncompressed) zip, written by offset.
+
+``TorchFormat.flatten`` pickles the object as torch.save does (``_flatten.flatten_torch``), one
+source per storage; ``TorchPlanner.plan`` lays the zip out (``plan``) as a ``TorchLayout``. The zip
+types (``Record``, ``record_at``, ``central_directory``) are what ``verify`` rebuilds a file with.
 
 Mirrors what ``torch.save`` (PyTorchStreamWriter, miniz) writes: record names ``<archive>/...``,
 local headers with zero CRC/sizes and bit 3 set, an ``FB`` extra field padding each record's data
@@ -13,10 +17,14 @@ from __future__ import annotations
 import os
 import struct
 import sys
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
 
 from ._crc import crc32
+from ._flatten import Source, flatten_torch
 from ._pool import PAGE
+from .errors import SaveRefusedError
 
 _U32 = 0xFFFFFFFF  # the "see zip64 extra" marker
 _ZIP64_LIMIT = _U32  # sizes/offsets from here on need zip64 fields (tests lower it)
@@ -25,6 +33,43 @@ _CENTRAL_SIG = 0x02014B50
 _DESC_SIG = 0x08074B50
 _FLAGS = 0x0808  # bit 3: sizes in data descriptor; bit 11: UTF-8 names
 _FLAGS_EMPTY = 0x0800  # miniz writes empty records without a data descriptor
+LOCAL_COMPRESSED = 0  # the compressed size in a local header's zip64 field (see zip64_extra)
+
+
+class TorchFormat:
+    """``format="torch"``: what ``torch.save(obj, path)`` writes (a ``_format.Format``)."""
+
+    name = "torch"
+
+    def flatten(self, obj: Any, metadata: dict[str, str] | None) -> TorchPlanner:
+        if metadata is not None:
+            raise SaveRefusedError("metadata is only stored by format='safetensors'")
+        pickle_bytes, sources = flatten_torch(obj)
+        return TorchPlanner(pickle_bytes, sources)
+
+
+@dataclass
+class TorchPlanner:
+    """The pickle and the storages of one object, to be laid out (a ``_format.Planner``)."""
+
+    pickle_bytes: bytes
+    sources: list[Source]  # one per storage, in record order
+
+    def plan(self, path: str, phases: Mapping[str, int], crc: bool) -> TorchLayout:
+        """Lay out the file; place each storage's data at its record (``Source.file_offset``).
+
+        Phases that are not a multiple of the storage alignment cannot be honoured (the data must
+        stay aligned) and are dropped: those storages are staged as usual. ``crc`` changes nothing
+        here: storage CRCs arrive with the data, or are zeros (``crc_writes``)."""
+        alignment = storage_alignment()
+        usable = {key: phase for key, phase in phases.items() if phase % alignment == 0}
+        layout = plan(path, self.pickle_bytes, [(s.key, s.nbytes) for s in self.sources], alignment, usable)
+        for src in self.sources:
+            src.file_offset = layout.data_offset(src.key)
+        return layout
+
+
+FORMAT = TorchFormat()
 
 
 def storage_alignment() -> int:
@@ -38,14 +83,25 @@ def storage_alignment() -> int:
 
 
 def archive_name(path: str) -> str:
-    """The record prefix torch.save derives from the file name: basename without extension."""
+    """The record prefix torch.save derives from the path it is given: the basename without its
+    extension, or ``archive`` when the path is not ASCII (torch.save then writes through a Python
+    file object, which has no name)."""
+    if not path.isascii():
+        return "archive"
     base = os.path.basename(path)
     stem = base.rsplit(".", 1)[0] if "." in base else base
     return stem or "archive"
 
 
-@dataclass
-class _Record:
+@dataclass(frozen=True)
+class Record:
+    """One zip record of a torch.save file: where its local header and data sit, and their bytes.
+
+    ``crc`` is known up front for small records (``data``); a storage record's CRC comes with its
+    data (``TorchLayout.crc_writes``). ``verify`` builds the records of a file it reads the same way
+    (``record_at``) and compares every metadata byte with what these methods give.
+    """
+
     name: bytes
     size: int
     header_offset: int
@@ -53,109 +109,137 @@ class _Record:
     zip64: bool
     local_header: bytes
     data: bytes | None = None  # small records, known up front
-    crc: int | None = None
+    crc: int = 0
+
+    @property
+    def end(self) -> int:
+        """Offset right after the record (its data descriptor included): the next record's header."""
+        return self.data_offset + self.size + len(self.descriptor())
+
+    def descriptor(self) -> bytes:
+        """The data descriptor miniz writes after the data (none for an empty record)."""
+        if self.size == 0:
+            return b""
+        if self.zip64:
+            return struct.pack("<IIQQ", _DESC_SIG, self.crc, self.size, self.size)
+        return struct.pack("<IIII", _DESC_SIG, self.crc, self.size, self.size)
+
+    def central_entry(self) -> bytes:
+        """The record's central directory entry."""
+        size32 = _U32 if self.size >= _ZIP64_LIMIT else self.size
+        off32 = _U32 if self.header_offset >= _ZIP64_LIMIT else self.header_offset
+        extra = zip64_extra(self.size, self.header_offset)
+        head = struct.pack(
+            "<IHHHHHHIIIHHHHHII",
+            _CENTRAL_SIG, 0, 0, _flags(self.size), 0, 0, 0, self.crc, size32, size32,
+            len(self.name), len(extra), 0, 0, 0, 0, off32,
+        )  # fmt: skip
+        return head + self.name + extra
+
+
+def record_at(name: bytes, size: int, offset: int, pad: int, data: bytes | None = None, crc: int = 0) -> Record:
+    """The record named ``name`` of ``size`` bytes whose local header starts at ``offset`` and whose
+    ``FB`` extra field holds ``pad`` bytes of padding."""
+    header, data_offset = padded_local_header(name, size, offset, pad)
+    return Record(name, size, offset, data_offset, needs_zip64(size, offset), header, data, crc)
 
 
 @dataclass
 class TorchLayout:
-    """Where every byte of one torch.save file goes."""
+    """Where every byte of one torch.save file goes (a ``_format.Layout``).
 
-    records: list[_Record]
+    Data regions: each storage record's data (``data_offset(key)``). Fixed: local headers and the
+    small records. Written given the storages' CRCs: data descriptors, central directory, end records.
+    """
+
+    records: list[Record]
     storage_index: dict[str, int]  # storage key -> index in records
     central_offset: int
     total_size: int
 
+    @property
+    def file_bytes(self) -> int:
+        return self.total_size
+
     def data_offset(self, key: str) -> int:
         return self.records[self.storage_index[key]].data_offset
 
-    def metadata_writes(self, storage_crcs: dict[str, int]) -> list[tuple[int, bytes]]:
-        """Every non-storage byte of the file, as (offset, bytes), given the storage CRCs."""
-        writes: list[tuple[int, bytes]] = []
-        central = bytearray()
+    def fixed_writes(self) -> list[tuple[int, bytes]]:
+        writes = [(rec.header_offset, rec.local_header) for rec in self.records]
+        return writes + [(rec.data_offset, rec.data) for rec in self.records if rec.data]
+
+    def crc_writes(self, crcs: Mapping[str, int] | None) -> list[tuple[int, bytes]]:
+        """Descriptors, central directory and end records, given each storage's CRC (None: CRCs off,
+        zeros as with ``skip_data``; small records always carry theirs)."""
+        records = list(self.records)
         for key, idx in self.storage_index.items():
-            self.records[idx].crc = storage_crcs.get(key, 0)
-        for rec in self.records:
-            writes.append((rec.header_offset, rec.local_header))
-            if rec.data is not None and rec.data:
-                writes.append((rec.data_offset, rec.data))
-            assert rec.crc is not None
-            if rec.size:
-                writes.append((rec.data_offset + rec.size, _descriptor(rec)))
-            central += _central_entry(rec)
-        writes.append((self.central_offset, bytes(central) + _end_records(self)))
-        return writes
+            records[idx] = replace(records[idx], crc=(crcs or {}).get(key, 0))
+        writes = [(rec.data_offset + rec.size, rec.descriptor()) for rec in records if rec.size]
+        return [*writes, (self.central_offset, central_directory(records, self.central_offset))]
 
 
-def _zip64_extra(size: int, offset: int) -> bytes:
+def zip64_extra(size: int, offset: int, compressed: int | None = None) -> bytes:
+    """The zip64 extra field a record of ``size`` bytes at ``offset`` carries (may be empty).
+
+    ``compressed``: the compressed size it states, ``size`` unless given. A local header states 0
+    (``LOCAL_COMPRESSED``), as miniz writes it before the data, when that size is not known yet."""
     fields = b""
     if size >= _ZIP64_LIMIT:
-        fields += struct.pack("<QQ", size, size)
+        fields += struct.pack("<QQ", size, size if compressed is None else compressed)
     if offset >= _ZIP64_LIMIT:
         fields += struct.pack("<Q", offset)
     return struct.pack("<HH", 1, len(fields)) + fields if fields else b""
+
+
+def needs_zip64(size: int, offset: int) -> bool:
+    """Whether the record's data descriptor takes zip64 sizes (miniz: size or offset past 4 GiB)."""
+    return size >= _ZIP64_LIMIT or offset >= _ZIP64_LIMIT
 
 
 def _flags(size: int) -> int:
     return _FLAGS if size else _FLAGS_EMPTY
 
 
-def _descriptor_size(size: int, zip64: bool) -> int:
-    return 0 if size == 0 else 24 if zip64 else 16
-
-
 def _local_header(name: bytes, size: int, offset: int, alignment: int, phase: int | None = None) -> tuple[bytes, int]:
     """The local header of a record starting at ``offset`` and where its data starts: at the next
     multiple of ``alignment`` (torch.save), or, given ``phase``, at the next offset that is ``phase``
     bytes past a page boundary (lazyckpt's zero-copy layout: see ``plan``)."""
-    z64 = len(_zip64_extra(size, offset))
+    return padded_local_header(name, size, offset, _padding(name, size, offset, alignment, phase))
+
+
+def _padding(name: bytes, size: int, offset: int, alignment: int, phase: int | None) -> int:
+    z64 = len(zip64_extra(size, offset))
     start = offset + 30 + len(name) + z64 + 4
     pad = (-start) % alignment if phase is None else (phase - start) % PAGE
     if z64 + 4 + pad > 0xFFFF:  # the extra field's length is 16 bits (64 KiB pages): not this one
         pad = (-start) % alignment
-    return padded_local_header(name, size, offset, pad)
+    return pad
 
 
-def padded_local_header(name: bytes, size: int, offset: int, pad: int) -> tuple[bytes, int]:
-    """The local header of a record at ``offset`` whose ``FB`` extra field holds ``pad`` bytes."""
-    z64 = _zip64_extra(size, offset)
+def padded_local_header(
+    name: bytes, size: int, offset: int, pad: int, compressed: int = LOCAL_COMPRESSED
+) -> tuple[bytes, int]:
+    """The local header of a record at ``offset`` whose ``FB`` extra field holds ``pad`` bytes
+    (``compressed``: the compressed size its zip64 field states, see ``zip64_extra``)."""
+    z64 = zip64_extra(size, offset, compressed)
     start = offset + 30 + len(name) + len(z64) + 4
     extra = z64 + b"FB" + struct.pack("<H", pad) + b"Z" * pad
     head = struct.pack("<IHHHHHIIIHH", _LOCAL_SIG, 0, _flags(size), 0, 0, 0, 0, 0, 0, len(name), len(extra))
     return head + name + extra, start + pad
 
 
-def _descriptor(rec: _Record) -> bytes:
-    if rec.size == 0:
-        return b""
-    if rec.zip64:
-        return struct.pack("<IIQQ", _DESC_SIG, rec.crc, rec.size, rec.size)
-    return struct.pack("<IIII", _DESC_SIG, rec.crc, rec.size, rec.size)
-
-
-def _central_entry(rec: _Record) -> bytes:
-    size32 = _U32 if rec.size >= _ZIP64_LIMIT else rec.size
-    off32 = _U32 if rec.header_offset >= _ZIP64_LIMIT else rec.header_offset
-    extra = _zip64_extra(rec.size, rec.header_offset)
-    head = struct.pack(
-        "<IHHHHHHIIIHHHHHII",
-        _CENTRAL_SIG, 0, 0, _flags(rec.size), 0, 0, 0, rec.crc, size32, size32,
-        len(rec.name), len(extra), 0, 0, 0, 0, off32,
-    )  # fmt: skip
-    return head + rec.name + extra
-
-
-def _end_records(layout: TorchLayout) -> bytes:
-    n = len(layout.records)
-    cd_size = sum(_central_size(r) for r in layout.records)
-    z64_offset = layout.central_offset + cd_size
-    z64 = struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 0x031E, 0x2D, 0, 0, n, n, cd_size, layout.central_offset)
-    locator = struct.pack("<IIQI", 0x07064B50, 0, z64_offset, 1)
+def central_directory(records: list[Record], central_offset: int) -> bytes:
+    """The central directory of ``records`` at ``central_offset`` and the end records after it."""
+    central = b"".join(rec.central_entry() for rec in records)
+    n, cd_size = len(records), len(central)
+    z64 = struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 0x031E, 0x2D, 0, 0, n, n, cd_size, central_offset)
+    locator = struct.pack("<IIQI", 0x07064B50, 0, central_offset + cd_size, 1)
     eocd = struct.pack(
         "<IHHHHIIH", 0x06054B50, 0, 0, min(n, 0xFFFF), min(n, 0xFFFF),
         cd_size if cd_size < _ZIP64_LIMIT else _U32,
-        layout.central_offset if layout.central_offset < _ZIP64_LIMIT else _U32, 0,
+        central_offset if central_offset < _ZIP64_LIMIT else _U32, 0,
     )  # fmt: skip
-    return z64 + locator + eocd
+    return central + z64 + locator + eocd
 
 
 def plan(
@@ -181,8 +265,7 @@ def plan(
     if any(p % alignment or not 0 <= p < PAGE for p in phases.values()):
         raise ValueError(f"phases must be multiples of the storage alignment {alignment} below {PAGE}")
     prefix = archive_name(path)
-    # Never the global `random`: a save must not advance the user's RNG (torch.save doesn't).
-    serialization_id = str(int.from_bytes(os.urandom(17), "little")).zfill(40)[:40]
+    serialization_id = _serialization_id()
     small_head = [("data.pkl", pickle_bytes)]
     if not phases:
         small_head.append((".format_version", b"1"))
@@ -192,25 +275,22 @@ def plan(
     entries += [(f"data/{key}", size, None) for key, size in storage_sizes]
     entries += [(n, len(d), d) for n, d in small_tail]
 
-    records: list[_Record] = []
+    records: list[Record] = []
     storage_index: dict[str, int] = {}
     cursor = 0
     for rel, size, data in entries:
         name = f"{prefix}/{rel}".encode()
         phase = phases.get(rel[len("data/") :]) if data is None else None
-        header, data_offset = _local_header(name, size, cursor, alignment, phase)
-        zip64 = size >= _ZIP64_LIMIT or cursor >= _ZIP64_LIMIT
-        rec = _Record(name, size, cursor, data_offset, zip64, header, data, crc32(data) if data is not None else None)
+        pad = _padding(name, size, cursor, alignment, phase)
+        rec = record_at(name, size, cursor, pad, data, crc32(data) if data is not None else 0)
         if data is None:
             storage_index[rel[len("data/") :]] = len(records)
         records.append(rec)
-        cursor = data_offset + size + _descriptor_size(size, zip64)
-    cd_size = sum(_central_size(r) for r in records)
-    return TorchLayout(records, storage_index, central_offset=cursor, total_size=cursor + cd_size + _END_SIZE)
+        cursor = rec.end
+    total = cursor + len(central_directory(records, cursor))  # its size does not depend on the CRCs
+    return TorchLayout(records, storage_index, central_offset=cursor, total_size=total)
 
 
-_END_SIZE = 56 + 20 + 22  # zip64 end record + zip64 locator + end record
-
-
-def _central_size(rec: _Record) -> int:
-    return 46 + len(rec.name) + len(_zip64_extra(rec.size, rec.header_offset))
+def _serialization_id() -> str:
+    # Never the global `random`: a save must not advance the user's RNG (torch.save doesn't).
+    return str(int.from_bytes(os.urandom(17), "little")).zfill(40)[:40]

@@ -15,11 +15,12 @@ import mmap
 import os
 import pickle
 import zipfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from . import _safetensorsfmt, _torchfmt
+from . import _safetensorsfmt
 from ._crc import crc32
+from ._torchfmt import Record, central_directory, padded_local_header, record_at, zip64_extra
 from .errors import VerificationError
 
 __all__ = ["VerifyReport", "verify"]
@@ -75,16 +76,15 @@ def _verify_torch(path: str, mm: mmap.mmap, report: VerifyReport) -> None:
     report.records = len(infos)
     alignment = _alignment(mm, infos)
     minimal = any(info.filename.endswith("/.format_version") for info in infos)
-    records: list[_torchfmt._Record] = []
+    records: list[Record] = []
     cursor = 0
     for info in infos:
         problem = _check_record(mm, info, cursor, alignment, records, minimal)
         if problem:
             report.problems.append(problem)
             return
-        cursor = records[-1].data_offset + records[-1].size + len(_torchfmt._descriptor(records[-1]))
-    layout = _torchfmt.TorchLayout(records, {}, central_offset=cursor, total_size=0)
-    expected = b"".join(_torchfmt._central_entry(r) for r in records) + _torchfmt._end_records(layout)
+        cursor = records[-1].end
+    expected = central_directory(records, cursor)
     if mm[cursor:] != expected:
         at = cursor + next((i for i, (a, b) in enumerate(zip(mm[cursor:], expected, strict=False)) if a != b), 0)
         report.problems.append(f"central directory or end records differ from the torch.save layout near byte {at}")
@@ -109,7 +109,7 @@ def _check_record(
     info: zipfile.ZipInfo,
     cursor: int,
     alignment: int,
-    records: list[_torchfmt._Record],
+    records: list[Record],
     minimal: bool = False,
 ) -> str | None:
     name = info.orig_filename.encode()
@@ -123,7 +123,7 @@ def _check_record(
     # Either way the padding is one ``FB`` extra field. A file that claims torch.save's minimal layout
     # (``.format_version``: torch >= 2.5 may compute offsets from it) must have exactly that.
     extra_len = int.from_bytes(mm[cursor + 28 : cursor + 30], "little")
-    z64 = len(_torchfmt._zip64_extra(size, cursor))
+    z64 = len(zip64_extra(size, cursor))
     pad = extra_len - z64 - 4
     if pad < 0:
         return f"{info.filename}: local header corrupt (extra field of {extra_len} bytes)"
@@ -133,19 +133,22 @@ def _check_record(
             f"{info.filename}: {pad} bytes of header padding where torch.save puts {least}, in a file whose "
             ".format_version lets torch compute offsets from the minimal layout (calculate_storage_offsets)"
         )
-    header, data_offset = _torchfmt.padded_local_header(name, size, cursor, pad)
+    rec = record_at(name, size, cursor, pad)
+    header, data_offset = rec.local_header, rec.data_offset
     if data_offset % alignment:
         return f"{info.filename}: data at byte {data_offset}, not a multiple of the storage alignment {alignment}"
-    if mm[cursor : cursor + len(header)] != header:
+    # lazyckpt 0.1.0 used to state the real compressed size in a local zip64 field where torch.save
+    # states 0 (readers use the central directory's): both are intact files.
+    legacy = padded_local_header(name, size, cursor, pad, compressed=size)[0]
+    if mm[cursor : cursor + len(header)] not in (header, legacy):
         return f"{info.filename}: local header corrupt (bytes {cursor}-{cursor + len(header)})"
     if data_offset + size > len(mm):
         return f"{info.filename}: data runs past the end of the file (truncated)"
     crc = crc32(memoryview(mm)[data_offset : data_offset + size]) if size else 0
     if crc != info.CRC:
         return f"{info.filename}: CRC32 mismatch (stored {info.CRC:08x}, data {crc:08x})"
-    zip64 = size >= _torchfmt._ZIP64_LIMIT or cursor >= _torchfmt._ZIP64_LIMIT
-    rec = _torchfmt._Record(name, size, cursor, data_offset, zip64, header, crc=crc)
-    desc = _torchfmt._descriptor(rec)
+    rec = replace(rec, crc=crc)
+    desc = rec.descriptor()
     if mm[data_offset + size : data_offset + size + len(desc)] != desc:
         return f"{info.filename}: data descriptor corrupt"
     records.append(rec)
@@ -202,7 +205,7 @@ def _element_size(storage_type: str) -> int:
         return 1
 
 
-def _check_pickle(mm: mmap.mmap, records: list[_torchfmt._Record], report: VerifyReport) -> None:
+def _check_pickle(mm: mmap.mmap, records: list[Record], report: VerifyReport) -> None:
     by_name = {r.name.decode().split("/", 1)[-1]: r for r in records}
     pkl = by_name.get("data.pkl")
     if pkl is None:

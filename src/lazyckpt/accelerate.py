@@ -31,11 +31,12 @@ How it works (checked against accelerate 1.15):
   the next real ``optimizer.step()`` (steps skipped for gradient accumulation never reach it).
 * Every process marks a folder it is saving into with a hidden ``.lazyckpt-pending-*`` file, created and
   made durable before any checkpoint file, and removed (then the folder fsynced) only once all of that
-  process's files of that save are durable. A folder without such a marker holds exactly the files stock
-  Accelerate writes. ``load_state`` waits for pending saves (this process's through their handles, other
-  processes' by watching their markers), refuses an incomplete folder with
-  :class:`IncompleteCheckpointError` or, with automatic checkpoint naming, falls back to the newest complete
-  folder with an :class:`IncompleteCheckpointWarning`. No collective call is added to ``save_state`` or
+  process's files of that save are durable: the core's folder protocol (``lazyckpt._folder.FolderSave``,
+  ``lazyckpt.is_complete``), with the process index as the marker's tag. A folder without such a marker
+  holds exactly the files stock Accelerate writes. ``load_state`` waits for pending saves (this process's
+  through their handles, other processes' by watching their markers), refuses an incomplete folder with
+  :class:`IncompleteCheckpointError` or, with automatic checkpoint naming, falls back to the newest
+  complete folder with an :class:`IncompleteCheckpointWarning`. No collective call is added to ``save_state`` or
   ``load_state``: calling them on some processes only works as it does with stock.
 * With ``automatic_checkpoint_naming`` and ``total_limit``, the folders stock ``save_state`` is about to delete
   are drained first, so deletion never races a pending write; the kept folders are the stock ones. They are
@@ -46,26 +47,24 @@ How it works (checked against accelerate 1.15):
   objects) are not ordered against it: after a crash right at the start of a save, a folder may hold some of
   those and no marker; it then lacks the model and optimizer files, so loading it fails loudly.
 
-Only the public lazyckpt API is used here; the core never imports accelerate.
+Only the public lazyckpt API and the core's folder protocol (``lazyckpt._folder``) are used here; the core
+never imports accelerate.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextvars
-import itertools
 import logging
 import os
 import queue
 import re
-import socket
 import threading
 import time
 import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -76,9 +75,8 @@ from accelerate.utils.constants import RNG_STATE_NAME, SCALER_NAME
 from accelerate.utils.other import clean_state_dict_for_safetensors
 
 from lazyckpt import LazyCheckpointer, cleanup_temporaries
-from lazyckpt._commit import fsync_dir
-from lazyckpt._commit import pid_alive as _pid_alive
-from lazyckpt.errors import LazyCkptError, WriteError
+from lazyckpt._folder import MARKER_PREFIX, FolderSave, is_complete, live_markers, pending_markers
+from lazyckpt.errors import IncompleteCheckpointError
 
 __all__ = [
     "install",
@@ -91,8 +89,9 @@ __all__ = [
 
 logger = logging.getLogger("lazyckpt.accelerate")
 
-#: Prefix of the hidden per-process marker files that flag a folder whose lazy save is not durable yet.
-PENDING_MARKER_PREFIX = ".lazyckpt-pending-"
+#: Prefix of the hidden per-process marker files that flag a folder whose lazy save is not durable yet
+#: (the core's ``lazyckpt._folder.MARKER_PREFIX``; ``pending_markers`` and ``is_complete`` are the core's too).
+PENDING_MARKER_PREFIX = MARKER_PREFIX
 
 # Distributed types whose save_state does not go through ``accelerate.checkpointing.save`` for the big
 # objects (or must convert tensors first); there install() keeps the stock, synchronous behaviour.
@@ -108,10 +107,6 @@ _STOCK_ONLY_TYPES = frozenset(
 )
 
 
-class IncompleteCheckpointError(LazyCkptError, RuntimeError):
-    """A checkpoint folder's lazy save never became durable (crash, or a failed write)."""
-
-
 class IncompleteCheckpointWarning(UserWarning):
     """``load_state()`` with automatic naming skipped the newest folder because it is incomplete."""
 
@@ -120,7 +115,6 @@ class IncompleteCheckpointWarning(UserWarning):
 # The process-wide patch of accelerate.checkpointing.save (reference counted, reversible)
 # --------------------------------------------------------------------------------------------------
 
-_seq = itertools.count()
 _patch_lock = threading.RLock()
 _patch_refcount = 0
 _original_save: Callable | None = None
@@ -181,56 +175,6 @@ def _real(path: str | os.PathLike) -> str:
     return os.path.realpath(os.path.abspath(os.path.expanduser(os.fspath(path))))
 
 
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _marker_name(rank: int) -> str:
-    return f"{PENDING_MARKER_PREFIX}{rank}-{socket.gethostname()}-{os.getpid()}-{next(_seq)}"
-
-
-def _marker_owner(name: str) -> tuple[str, int] | None:
-    """(hostname, pid) of the process that created a marker, or None when the name is not ours."""
-    try:
-        rest = name[len(PENDING_MARKER_PREFIX) :]
-        _rank, rest = rest.split("-", 1)
-        host, pid, _seq_no = rest.rsplit("-", 2)
-        return host, int(pid)
-    except ValueError:
-        return None
-
-
-def _live_foreign_markers(folder: str) -> list[str]:
-    """Markers of saves by OTHER processes that may still be running (dead local processes excluded)."""
-    me = (socket.gethostname(), os.getpid())
-    live = []
-    for name in pending_markers(folder):
-        owner = _marker_owner(name)
-        if owner is None or owner == me:
-            continue
-        if owner[0] == me[0] and not _pid_alive(owner[1]):
-            continue  # left behind by a process of this machine that died: the save will never finish
-        live.append(name)
-    return live
-
-
-def pending_markers(folder: str | os.PathLike) -> list[str]:
-    """Names of the lazyckpt pending markers in ``folder`` (empty: complete, or never saved by lazyckpt)."""
-    try:
-        return sorted(n for n in os.listdir(folder) if n.startswith(PENDING_MARKER_PREFIX))
-    except FileNotFoundError:
-        return []
-
-
-def is_complete(folder: str | os.PathLike) -> bool:
-    """True when ``folder`` exists and no lazyckpt save into it is pending or was interrupted."""
-    return os.path.isdir(folder) and not pending_markers(folder)
-
-
 def _is_writer(save_on_each_node: bool) -> bool:
     # Same rule as accelerate.utils.other.save.
     state = PartialState()
@@ -259,75 +203,49 @@ class _FolderSave:
     def __init__(self, owner: AccelerateHandle) -> None:
         self.owner = owner
         self.folder: str | None = None
-        self.marker: str | None = None
-        self.handles: list = []
+        self.core: FolderSave | None = None  # the marker and this process's lazy files of the save
         self.sync_files: list[str] = []
         self.scan_folder = False
         self.aborted = False
-        self.error: BaseException | None = None
-        self.reported = False
+        self.error: BaseException | None = None  # for load_state's message; reported by the checkpointer
         self.done = threading.Event()
         self._remaining = 0
         self._lock = threading.Lock()
         self.started = time.perf_counter()
         self.durable_at: float | None = None
-        self.marker_durable: Future[None] = Future()
+
+    @property
+    def handles(self) -> list:
+        return self.core.handles if self.core is not None else []
 
     # -- called on the training thread, inside stock save_state -------------------------------------
-    def begin(self, output_dir: str | os.PathLike) -> None:
-        if self.folder is not None:
-            return
-        folder = _real(output_dir)
-        os.makedirs(folder, exist_ok=True)
-        acc = self.owner.accelerator
-        name = _marker_name(acc.process_index)
-        marker = os.path.join(folder, name)
-        with open(marker, "w") as fh:
-            fh.write(
-                f"lazyckpt: save into this folder started at {time.time():.3f}; "
-                "this file is removed once every file of that save is durable\n"
-            )
-        self.folder, self.marker = folder, marker
-        # Made durable in the background (two fsyncs: ~60 ms here, not on the training thread); every
-        # lazy file of this save waits for it before its rename (before_commit), so no checkpoint file
-        # of this save can be durable at its final name while the marker is not.
-        self.owner._finisher_submit(self._sync_marker)
-
-    def _sync_marker(self) -> None:
-        assert self.marker is not None and self.folder is not None
-        try:
-            _fsync_file(self.marker)
-            fsync_dir(self.folder)
-        except BaseException as exc:  # noqa: BLE001 - fails every lazy file of this save
-            self.marker_durable.set_exception(
-                WriteError(f"lazyckpt: could not make {self.marker} durable: {exc}", path=self.marker)
-            )
-        else:
-            self.marker_durable.set_result(None)
+    def begin(self, output_dir: str | os.PathLike) -> FolderSave:
+        if self.core is not None:
+            return self.core
+        # The marker's fsync runs on the finisher thread, so _complete (queued there later) finds it settled.
+        self.core = FolderSave(_real(output_dir), tag=self.owner.accelerator.process_index,
+                               submit=self.owner._finisher_submit)  # fmt: skip
+        self.folder = self.core.folder
+        return self.core
 
     def save(self, obj, f, *, save_on_each_node: bool, safe_serialization: bool) -> None:
         if not _is_writer(save_on_each_node):
             return
         path = os.fspath(f)
-        if self.folder is None:
-            self.begin(os.path.dirname(os.path.abspath(path)))
+        core = self.begin(os.path.dirname(os.path.abspath(path)))
         ckpt = self.owner.checkpointer
         if safe_serialization and isinstance(obj, OrderedDict):
             obj = clean_state_dict_for_safetensors(obj)  # drops tied duplicates exactly like stock
-        after_marker = self.marker_durable.result  # see begin()
-        if safe_serialization:
-            h = ckpt.save(obj, path, format="safetensors", metadata={"format": "pt"}, before_commit=after_marker)
+        if safe_serialization:  # committed only once the marker is durable (FolderSave.save)
+            core.save(ckpt, obj, path, format="safetensors", metadata={"format": "pt"})
         else:
-            h = ckpt.save(obj, path, format="torch", before_commit=after_marker)
-        self.handles.append(h)
+            core.save(ckpt, obj, path, format="torch")
 
     # -- after stock save_state returned (or raised) -------------------------------------------------
     def finish(self, sync_files: list[str], scan_folder: bool, aborted: bool) -> None:
         self.sync_files = sync_files
         self.scan_folder = scan_folder
         self.aborted = aborted
-        if aborted:
-            self.reported = True  # save_state already raised to the caller; the folder stays incomplete
         self._remaining = len(self.handles) + 1
         for h in self.handles:
             h.add_done_callback(self._one_done)
@@ -352,7 +270,8 @@ class _FolderSave:
                 logger.error(
                     "lazyckpt: save into %s failed; the folder stays marked incomplete: %r", self.folder, self.error
                 )
-        except BaseException as exc:  # noqa: BLE001 - reported through wait()
+        except BaseException as exc:  # noqa: BLE001 - reported once by the checkpointer (wait, next save)
+            self.owner.checkpointer.add_error(exc)  # before done: a wait() that sees done finds it
             if self.error is None:
                 self.error = exc
         finally:
@@ -360,66 +279,25 @@ class _FolderSave:
             self.done.set()
 
     def _make_durable(self) -> None:
-        folder = self.folder
-        assert folder is not None and self.marker is not None
-        self.marker_durable.result()  # queued before this on the same thread: already settled
-        if not os.path.isdir(folder):
-            return  # deleted meanwhile (e.g. by total_limit on the main process): nothing to mark
+        """Every lazy file committed: fsync what stock wrote itself, then end the core's folder save."""
+        core = self.core
+        if core is None:
+            return
         files = list(self.sync_files)
-        if self.scan_folder:
+        if self.scan_folder:  # the writer process: custom objects, samplers ... written by stock
             try:
-                with os.scandir(folder) as it:
+                with os.scandir(core.folder) as it:
                     files += [e.path for e in it if not e.name.startswith(".") and e.is_file(follow_symlinks=False)]
             except FileNotFoundError:
-                return
-        seen = set()
-        for p in files:
-            if p in seen:
-                continue
-            seen.add(p)
-            try:
-                _fsync_file(p)
-            except FileNotFoundError:
-                continue
-            except OSError as exc:
-                raise WriteError(f"lazyckpt: could not fsync {p}: {exc}", path=p, errno=exc.errno) from exc
-        try:
-            os.unlink(self.marker)
-            fsync_dir(folder)
-        except FileNotFoundError:
-            return
-        except OSError as exc:
-            raise WriteError(
-                f"lazyckpt: could not mark {folder} complete: {exc}", path=folder, errno=exc.errno
-            ) from exc
-
-    def mark_reported(self) -> None:
-        """This save's error reached the user: the core must not raise it again from a later save()."""
-        self.reported = True
-        for h in self.handles:
-            if h.done() and h.exception() is not None:
-                try:
-                    h.wait(0)  # the public way to tell the core the error was seen
-                except BaseException:  # noqa: BLE001
-                    pass
-
-    def failed_handle_error(self) -> BaseException | None:
-        """The error of a core save of this folder that already failed (finisher may not have run yet)."""
-        for h in self.handles:
-            if h.done():
-                exc = h.exception()
-                if exc is not None:
-                    return exc
-        return None
+                return  # deleted meanwhile (e.g. by total_limit on the main process): nothing to mark
+        core.end(files)
 
     def wait(self, timeout: float | None = None) -> BaseException | None:
+        """Block until every file and the folder's marker are settled; the error stays the
+        checkpointer's to report (``h.exception`` does not count as seen)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         for h in list(self.handles):
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                h.wait(left)
-            except LazyCkptError:
-                pass  # collected from h.exception() in _complete
+            h.exception(None if deadline is None else max(0.0, deadline - time.monotonic()))
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         if not self.done.wait(left):
             raise TimeoutError(f"lazyckpt: save into {self.folder} not durable after {timeout} s")
@@ -457,7 +335,6 @@ class AccelerateHandle:
         self._hook_handle = None
         self.load_timeout = 600.0  # seconds load_state waits for other processes' pending saves
         self.last_save_state_s: float | None = None  # seconds the last save_state call blocked
-        self._removals: list = []  # futures of old folders being deleted in the background
         self._trash_cleaned: set[str] = set()
 
     # -- background finisher -------------------------------------------------------------------------
@@ -535,28 +412,20 @@ class AccelerateHandle:
             self._trash_cleaned.add(trash)
             cleanup_temporaries(trash)
         for folder in mine:
-            try:
-                fut = self.checkpointer.remove(folder, trash_dir=trash)
+            try:  # the checkpointer's wait() waits for the deletion and reports its error
+                self.checkpointer.remove(folder, trash_dir=trash)
             except OSError as exc:
                 logger.debug("lazyckpt: leaving the deletion of %s to accelerate: %s", folder, exc)
-                continue
-            with self._lock:
-                self._removals.append(fut)
 
     def _prune(self) -> None:
-        # caller holds self._lock: forget saves that are durable, or failed and already reported
-        self._saves = [fs for fs in self._saves if not fs.done.is_set() or (fs.error is not None and not fs.reported)]
+        # caller holds self._lock: forget durable saves (failed ones stay, for load_state's message)
+        self._saves = [fs for fs in self._saves if not fs.done.is_set() or fs.error is not None]
 
     def _raise_unreported(self) -> None:
+        """Errors are the checkpointer's to report, once (failed files, folders, deletions)."""
         with self._lock:
-            for fs in self._saves:
-                if fs.reported:
-                    continue
-                err = fs.error if fs.done.is_set() else fs.failed_handle_error()
-                if err is not None:
-                    fs.mark_reported()
-                    raise err
             self._prune()
+        self.checkpointer.raise_errors()
 
     def _save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs):
         if self._removed or not self._lazy_supported():
@@ -652,7 +521,7 @@ class AccelerateHandle:
         deadline = time.monotonic() + self.load_timeout
         delay = 0.005
         while True:
-            busy = [f for f in folders if _live_foreign_markers(f)]
+            busy = [f for f in folders if live_markers(f)]  # other processes' saves that may still end
             if not busy or time.monotonic() >= deadline:
                 if busy:
                     logger.warning(
@@ -680,32 +549,16 @@ class AccelerateHandle:
     # -- public --------------------------------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> None:
         """Block until every pending ``save_state`` of this accelerator is durable (and old folders deleted for
-        ``total_limit`` are gone); raise the first error."""
+        ``total_limit`` are gone); raise the first error nobody has seen. ``timeout``: seconds (``None``: no
+        limit), then ``TimeoutError``."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             todo = list(self._saves)
-        first: BaseException | None = None
         for fs in todo:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            err = fs.wait(left)
-            if err is not None and not fs.reported and first is None:
-                fs.mark_reported()
-                first = err
+            fs.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        self.checkpointer.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
         with self._lock:
             self._prune()
-            removals, self._removals = self._removals, []
-        for i, fut in enumerate(removals):  # old folders deleted in the background (total_limit)
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                err = fut.exception(left)  # fetched here: the checkpointer will not raise it again
-            except TimeoutError:
-                with self._lock:
-                    self._removals[:0] = removals[i:]
-                raise
-            if err is not None and first is None:
-                first = err
-        if first is not None:
-            raise first
 
     def pending(self) -> int:
         """Number of save_state calls of this accelerator whose files are not all durable yet."""

@@ -11,17 +11,19 @@ import warnings
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
-from . import _commit, _guard, _torchfmt
+from . import _commit, _format, _guard
 from ._engine import Engine, write_error
-from ._flatten import Source, flatten_safetensors, flatten_torch
+from ._flatten import Source
 from ._handle import SaveHandle, SaveStats
 from ._job import Job
 from ._pool import PAGE, HostBufferPool
-from ._remove import Remover
+from ._remove import RemovalFuture, Remover
+from ._report import ErrorLedger, Report, raise_first
 from .errors import CheckpointerClosedError, LazyCkptError, SaveRefusedError, WriteError
 
 logger = logging.getLogger(__name__)
@@ -56,7 +58,12 @@ class LazyCheckpointer:
 
     Concurrency contract: after ``save()`` returns, the caller may keep training: optimizer steps
     and forward passes are safe. Changing a saved tensor in place by other means before
-    ``handle.wait_staged()`` makes that save fail with ``StaleTensorError``, except through
+    ``handle.wait_staged()`` makes that save fail with ``StaleTensorError``. Because torch moves
+    a tensor's version only once an in-place op has finished, the file is committed only after
+    the versions were checked again, once the copies were over, on a thread calling into
+    lazyckpt (the next optimizer step, ``save()``, ``wait_staged()``, ``wait()``,
+    ``handle.wait()``, ``close()``): changes that thread made before are always caught; a change
+    still running on another thread at that moment is not guaranteed to be. Except through
     ``tensor.data`` (e.g. ``p.data.copy_(avg)``), which bypasses the version counter lazyckpt
     checks and so cannot be detected: call ``wait_staged()`` before such writes (the Lightning and
     Accelerate integrations do this for the weight-averaging callbacks they know).
@@ -84,8 +91,20 @@ class LazyCheckpointer:
             its address's position within a page (padding of under a page in the record header,
             which every reader follows; the file carries no ``.format_version``, as torch < 2.5's
             files do not). An optimizer step (or ``wait_staged()``) that comes before the writers are
-            through copies what is left, so training never waits for storage. ``False``: copy
+            through copies what is left, so training waits for memory copies, not for storage,
+            unless the host budget is used up (then that copy waits for writers to free buffers,
+            as any copy does). ``False``: copy
             everything into the staging buffers first (torch.save's exact layout).
+        capture_in_save: copy every tensor inside ``save()``, the optimizer-owned ones too, as
+            ``wait_staged()`` right after ``save()`` would: CPU tensors are in host buffers before
+            ``save()`` returns; CUDA copies are queued on the current stream, so every kernel
+            queued after ``save()`` (a replayed CUDA graph, a compiled step) runs after them, and
+            the host does not wait. For training whose parameter updates do not go through
+            ``Optimizer.step()`` (CUDA graph replay, ``torch.compile(mode="reduce-overhead")``
+            steps, optimizers fused into a DDP communication hook), which the guard cannot hold
+            back. Costs the overlap with forward/backward; storage still overlaps training. A
+            checkpointer-wide option rather than a per-save flag: such training updates that way
+            at every step.
     """
 
     def __init__(
@@ -100,6 +119,7 @@ class LazyCheckpointer:
         pin_memory: bool | None = None,
         direct_io: bool | None = None,
         zero_copy: bool = True,
+        capture_in_save: bool = False,
     ) -> None:
         if on_backpressure not in ("block", "skip"):
             raise ValueError(f"on_backpressure must be 'block' or 'skip', got {on_backpressure!r}")
@@ -114,15 +134,17 @@ class LazyCheckpointer:
         self.pool = HostBufferPool(budget, chunk_bytes, pin)
         self.direct_io = direct_io
         self.zero_copy = zero_copy
+        self.capture_in_save = capture_in_save
         self.skipped_saves = 0
         self._lock = threading.Lock()
         self._jobs: list[Job] = []  # saved, not yet committed, in save() order
-        self._failed: list[SaveHandle] = []  # failed saves whose error nobody has seen yet
+        self._errors = ErrorLedger()  # failed saves and removals whose error nobody has seen yet
+        self._removals: list[_QueuedRemoval] = []  # remove() calls waiting for pending saves
         self._cleaned_dirs: set[str] = set()
         self._last_warning = 0.0
         self._closed = False
         self._engine = Engine(self.pool, writer_threads, self._job_done)
-        self._remover = Remover()
+        self._remover = Remover(on_failed=self._errors.publish)
         _open_checkpointers.add(self)
 
     # -- public API -------------------------------------------------------------------------------
@@ -147,43 +169,24 @@ class LazyCheckpointer:
         earlier failed save that nobody has seen yet. ``before_commit`` runs on the committer
         thread once the file is written and fsynced, right before it is renamed to ``path``
         (e.g. to make a "folder incomplete" marker durable first); if it raises, the save fails
-        with that error chained and nothing appears at ``path``.
+        with that error chained and nothing appears at ``path``. A save with lazily copied tensors
+        is committed only after a later call into lazyckpt (the next optimizer step, ``save()``,
+        ``wait_staged()``, ``wait()``, ``handle.wait()``, ``close()``) has re-checked their versions
+        once the copies were over (see the class docstring); ``handle.done()`` stays False until then.
         """
         t0 = time.perf_counter()
         self._check_open()
+        _guard.confirm_ready()  # earlier saves whose copies are over: this thread's ops came before
         self._raise_unreported()
         final = self._resolve(path)
-        guarded = _guard.guarded_storages()
-        if format == "torch":
-            pickle_bytes, sources = flatten_torch(obj)
-            direct = self._use_direct_io([s.nbytes for s in sources])
-            zero_copy = self._use_zero_copy(direct, [s.device for s in sources])
-            phases = {}
-            if zero_copy and 64 % _torchfmt.storage_alignment() == 0:
-                phases = {s.key: s.data_ptr % PAGE for s in sources if _zero_copy_candidate(s, guarded)}
-            layout = _torchfmt.plan(final, pickle_bytes, [(s.key, s.nbytes) for s in sources], phases=phases)
-            for src in sources:
-                src.file_offset = layout.data_offset(src.key)
-            head, file_bytes = b"", layout.total_size
-        elif format == "safetensors":
-            if metadata is not None and not isinstance(metadata, dict):
-                raise SaveRefusedError("metadata must be a dict[str, str]")
-            tensors = _tensor_values(obj)  # flatten_safetensors refuses anything else
-            direct = self._use_direct_io([t.numel() * t.element_size() for t in tensors])
-            zero_copy = self._use_zero_copy(direct, [t.device for t in tensors])
-            page_phase = None
-            if zero_copy:
-
-                def page_phase(t: torch.Tensor) -> int | None:
-                    src = Source("", t, t.numel() * t.element_size())
-                    return src.data_ptr % PAGE if _zero_copy_candidate(src, guarded) else None
-
-            head, sources = flatten_safetensors(obj, metadata, with_crc=self.crc, page_phase=page_phase)
-            layout, file_bytes = None, len(head) + sum(s.nbytes for s in sources)
-        else:
-            raise SaveRefusedError(f"unknown format {format!r}; use 'torch' or 'safetensors'")
-        if metadata is not None and format == "torch":
-            raise SaveRefusedError("metadata is only stored by format='safetensors'")
+        guarded = set() if self.capture_in_save else _guard.guarded_storages()  # nothing guarded: all eager
+        planner = _format.get(format).flatten(obj, metadata)
+        direct = self._use_direct_io([s.nbytes for s in planner.sources])
+        zero_copy = self._use_zero_copy(direct, [s.device for s in planner.sources])
+        # Ask the format to place what will be written straight from memory where its pages line up.
+        phases = {s.key: s.data_ptr % PAGE for s in planner.sources if zero_copy and _zero_copy_candidate(s, guarded)}
+        layout = planner.plan(os.fspath(path), phases, crc=self.crc)  # as given: torch names records after it
+        sources, file_bytes = planner.sources, layout.file_bytes
         nbytes = sum(s.nbytes for s in sources)
         if self._should_skip(nbytes, final):
             return self._skipped(final, nbytes, t0)
@@ -200,7 +203,7 @@ class LazyCheckpointer:
             )  # fmt: skip
         job = Job(
             path=final, tmp=_commit.temporary_path(final), fmt=format, sources=sources, lazy=lazy,
-            layout=layout, head=head, file_bytes=file_bytes, crc=self.crc, fsync=self.fsync,
+            layout=layout, file_bytes=file_bytes, crc=self.crc, fsync=self.fsync,
             wait_in_closure=self.wait_in_closure, t0=t0, before_commit=before_commit,
         )  # fmt: skip
         self._start(job, eager, direct)
@@ -208,44 +211,67 @@ class LazyCheckpointer:
         return job.handle
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until every save made so far is durable and every ``remove()`` has run; raise the
-        first error nobody has seen."""
+        """Block until every save made so far is durable and every ``remove()`` has run, then raise
+        the oldest background error nobody has seen (see ``raise_errors``). ``timeout``: seconds
+        (``None``: no limit); ``TimeoutError`` when they are not all done by then."""
         with self._lock:
             jobs = list(self._jobs)
         deadline = None if timeout is None else time.monotonic() + timeout
         for job in jobs:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not job.handle._done.wait(remaining):
+            if not job.handle._wait_done(_left(deadline)):
                 raise TimeoutError(f"pending saves not durable after {timeout} s")
+        try:
+            self._remover.wait(_left(deadline))
+        except TimeoutError:
+            raise TimeoutError(f"pending removals not done after {timeout} s") from None
         self._raise_unreported()
-        self._remover.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+    def raise_errors(self) -> None:
+        """Raise the oldest background error nobody has seen yet (a failed save or removal, or one
+        handed over with ``add_error``), with a note naming the others; every one of them counts as
+        seen from then on. Returns if there is none. This is the one place where "reported once"
+        is decided: ``save()``, ``wait()`` and ``close()`` call it, and so do the integrations. An
+        error already raised by ``handle.wait()`` or fetched from a removal's future is not raised
+        again; one raised here is still raised by its own ``handle.wait()``."""
+        raise_first(self._errors.take())
+
+    def add_error(self, error: BaseException) -> None:
+        """Hand over a background error of the caller's own (an integration's upload, or a folder
+        that could not be marked complete) to be raised once, like a failed save's, by the next
+        ``save()``, ``wait()``, ``close()`` or ``raise_errors()``."""
+        self._errors.publish(Report(error))
 
     def remove(self, path: str | os.PathLike[str], *, trash_dir: str | os.PathLike[str] | None = None) -> Future:
-        """Delete a checkpoint file or folder without making the caller wait for the filesystem.
+        """Delete a checkpoint file or folder in commit order; returns at once.
 
-        Pending saves to ``path`` (or, for a folder, into it) are waited for first, so a delete never
-        races a write. Then ``path`` is renamed to a hidden temporary name (in ``trash_dir`` if given,
-        which must be on the same filesystem; by default next to it) and the caller returns: the name
-        is free at once, and a background thread frees the space (deleting a large fsynced file costs
-        tens of ms per GB on some filesystems). Symlinks are unlinked at once. Raises
-        ``FileNotFoundError`` if ``path`` does not exist. The returned future completes when the data
-        is deleted; ``wait()`` and ``close()`` wait for every removal and raise a failed one's error,
-        unless it was already fetched from the future (``result()`` / ``exception()``).
+        The deletion is ordered with the saves: it happens after every save to ``path`` (or, for a
+        folder, into it) that is pending now has committed (or failed), and before any later save
+        to it commits, so a delete never races a write and never removes a later save's file. The
+        path is renamed to a hidden temporary name (in ``trash_dir`` if given, which must be on the
+        same filesystem; by default next to it): the name is free at once, and a background thread
+        frees the space (deleting a large fsynced file costs tens of ms per GB on some
+        filesystems). Symlinks are unlinked at once.
+
+        With no pending save to ``path``, the rename happens right here and a missing ``path``
+        raises ``FileNotFoundError``. Behind a pending save, it happens on the committer; if the
+        path is missing by then (the save failed and nothing was there before), there is nothing to
+        delete and the future completes normally. Safe to call from a done-callback.
+
+        The returned future completes when the data is deleted; ``wait()`` and ``close()`` wait for
+        every removal and raise a failed one's error once, unless it was already fetched from the
+        future (``result()`` / ``exception()``).
         """
         self._check_open()
         target = os.path.abspath(os.fspath(path))
-        with self._lock:
-            handles = [
-                j.handle for j in self._jobs if j.path == target or j.path.startswith(target.rstrip(os.sep) + os.sep)
-            ]
-        if handles and self._engine.owns_current_thread():
-            raise RuntimeError(
-                f"remove({target!r}) from a save's done-callback while a save to that path is pending would "
-                "deadlock (the pending save commits on this very thread); remove it from another thread"
-            )
-        for handle in handles:
-            handle._done.wait()  # its error stays for the save's owner (handle.wait(), next save())
-        return self._remover.remove(target, None if trash_dir is None else os.path.abspath(os.fspath(trash_dir)))
+        trash = None if trash_dir is None else os.path.abspath(os.fspath(trash_dir))
+        inside = target.rstrip(os.sep) + os.sep
+        with self._lock:  # orders this against _job_done: a job is either still here or committed
+            behind = {j for j in self._jobs if j.path == target or j.path.startswith(inside)}
+            if behind:
+                queued = _QueuedRemoval(target, trash, self._remover.reserve(), behind)
+                self._removals.append(queued)
+                return queued.future
+        return self._remover.remove(target, trash)
 
     def wait_staged(self, timeout: float | None = None) -> None:
         """Block until every pending save's host copies are done (saved tensors may change)."""
@@ -276,16 +302,35 @@ class LazyCheckpointer:
         for opt in optimizers:
             _guard.track(opt)
 
+    def declare_frozen(self, *tensors: torch.Tensor | torch.nn.Module) -> None:
+        """Declare tensors that training does not change (a frozen base model under LoRA): like an
+        optimizer's, they are then copied in the background (large CPU ones written straight from
+        their memory) instead of inside every ``save()``. For a module, its parameters that do
+        not require grad. The declaration is process-wide and holds while the tensors live.
+
+        The promise stays: a declared tensor changed in place while a save still reads it fails
+        that save with ``StaleTensorError`` (through ``.data`` it cannot be seen; don't).
+        """
+        for t in tensors:
+            if isinstance(t, torch.nn.Module):
+                _guard.freeze(*(p for p in t.parameters() if not p.requires_grad))
+            elif isinstance(t, torch.Tensor):
+                _guard.freeze(t)
+            else:
+                raise TypeError(f"declare_frozen takes tensors or modules, got {type(t).__name__}")
+
     def close(self) -> None:
         """Drain every pending save and removal, stop the threads, free the buffers; raise any unseen
-        error."""
+        error. May be called from a done-callback (the callback thread then ends after it)."""
         if self._closed:
+            self._engine.stop()  # joins a callback thread that closed us from inside
             return
         try:
             with self._lock:
                 jobs = list(self._jobs)
             for job in jobs:
-                job.handle._done.wait()
+                job.handle._wait_done()
+            self._remover.wait()
         finally:
             self._closed = True
             self._engine.stop()
@@ -293,7 +338,6 @@ class LazyCheckpointer:
             self.pool.close()
             _open_checkpointers.discard(self)
         self._raise_unreported()
-        self._remover.wait()
 
     def __enter__(self) -> LazyCheckpointer:
         return self
@@ -354,6 +398,8 @@ class LazyCheckpointer:
                 job.dfd = _commit.open_direct(job.tmp)
         except OSError as exc:
             raise WriteError(f"cannot create {job.tmp}: {exc}", path=job.path, errno=exc.errno) from exc
+        if self.pool.pin_memory and self.pool.pin_device is None and torch.cuda.is_initialized():
+            self.pool.pin_device = torch.cuda.current_device()
         for device in {s.device for s in job.lazy if s.device.type == "cuda"}:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(device))
@@ -365,35 +411,44 @@ class LazyCheckpointer:
         try:
             for src in eager:
                 self._engine.stage_now(job, src)
-        except BaseException as exc:
+        except Exception as exc:
             job.fail(write_error(job, "staging for", exc))
+        except BaseException as exc:  # Ctrl-C on a full pool: the save fails cleanly, the interrupt goes on
+            job.fail(write_error(job, "staging for", exc))
+            job.handle._seen_by_caller = True  # the caller sees the interrupt itself, not this save's error again
+            self._engine.submit(job)  # the engine unlinks the temporary file and releases the guard
+            raise
         self._engine.submit(job)
 
     def _job_done(self, job: Job) -> None:
-        """Engine callback (committer thread), before the handle completes."""
+        """Engine callback (committer thread): the handle's outcome is resolved but not yet visible.
+
+        Publishing the error here, before the handle is done, means that whoever sees the save
+        finished also finds its error. Removals that were waiting for this save run here too: after
+        its commit, before the committer moves on to later saves. Nothing here may warn or call user
+        code (warnings are issued on the caller's thread, in ``_raise_unreported``).
+        """
         with self._lock:
             self._jobs.remove(job)
-            if job.error is not None:
-                self._failed.append(job.handle)
+            if job.handle._report is not None:
+                self._errors.publish(job.handle._report)
+            ready = []
+            for queued in self._removals:
+                queued.behind.discard(job)
+                if not queued.behind:
+                    ready.append(queued)
+            self._removals = [q for q in self._removals if q.behind]
+        for queued in ready:
+            self._remover.run(queued.path, queued.trash_dir, queued.future)
         if job.error is not None:
             logger.debug("lazyckpt: save to %s failed: %s", job.path, job.error)
         else:
             logger.debug("lazyckpt: saved %s (%d bytes)", job.path, job.nbytes)
-        self._warn_if_backpressure()
 
     def _raise_unreported(self) -> None:
-        with self._lock:
-            failed = [h for h in self._failed if not h.reported]
-            self._failed.clear()
-        if not failed:
-            return
-        for h in failed:
-            h.reported = True
-        err = failed[0]._error
-        assert err is not None
-        if len(failed) > 1 and hasattr(err, "add_note"):
-            err.add_note(f"lazyckpt: {len(failed) - 1} more save(s) failed: " + ", ".join(h.path for h in failed[1:]))
-        raise err
+        """On the caller's thread: raise an unseen background error, else issue pending warnings."""
+        self.raise_errors()
+        self._warn_if_backpressure()
 
     def _should_skip(self, nbytes: int, final: str) -> bool:
         if self.on_backpressure != "skip":
@@ -419,27 +474,39 @@ class LazyCheckpointer:
         return handle
 
     def _warn_if_backpressure(self) -> None:
-        waited = self.pool.wait_s
+        """Caller's thread only: a warning filter set to "error" must not end a lazyckpt thread."""
         now = time.monotonic()
-        if waited <= 0.5 or now - self._last_warning < 30:
-            return
-        self._last_warning = now
-        self.pool.wait_s = 0.0
+        with self._lock:  # one caller warns for a given wait
+            waited = self.pool.wait_s
+            if waited <= 0.5 or now - self._last_warning < 30:
+                return
+            self._last_warning = now
+            self.pool.wait_s = 0.0
+        logger.warning("lazyckpt: staging waited %.2f s for host buffers", waited)
         warnings.warn(
             f"lazyckpt: saves outrun storage: staging waited {waited:.2f} s for host buffers "
             f"(budget {self.pool.capacity_bytes / 1e9:.2f} GB); training slows to storage speed. "
             "Save less often, raise host_memory_budget, or use on_backpressure='skip'.",
             BackpressureWarning,
-            stacklevel=2,
+            stacklevel=4,  # the caller of save() / wait()
         )
-        logger.warning("lazyckpt: staging waited %.2f s for host buffers", waited)
+
+
+@dataclass(eq=False)
+class _QueuedRemoval:
+    """A ``remove()`` waiting for the saves in ``behind`` (pending at the call) to finish."""
+
+    path: str
+    trash_dir: str | None
+    future: RemovalFuture
+    behind: set[Job]
+
+
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 _ZERO_COPY_MIN = 1 << 20  # below this, a tensor's two partial pages would be most of it
-
-
-def _tensor_values(obj: Any) -> list[torch.Tensor]:
-    return [t for t in obj.values() if isinstance(t, torch.Tensor)] if isinstance(obj, dict) else []
 
 
 def _zero_copy_candidate(src: Source, guarded: set[int]) -> bool:
@@ -452,6 +519,8 @@ def _zero_copy_candidate(src: Source, guarded: set[int]) -> bool:
 
 
 _open_checkpointers: weakref.WeakSet[LazyCheckpointer] = weakref.WeakSet()
+# A forked child has none of the parent's lazyckpt threads: draining its copies at exit would hang.
+os.register_at_fork(after_in_child=_open_checkpointers.clear)
 
 
 @atexit.register

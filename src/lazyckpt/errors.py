@@ -13,6 +13,7 @@ __all__ = [
     "StaleTensorError",
     "CheckpointerClosedError",
     "VerificationError",
+    "IncompleteCheckpointError",
 ]
 
 
@@ -56,3 +57,7 @@ class CheckpointerClosedError(LazyCkptError, RuntimeError):
 
 class VerificationError(LazyCkptError):
     """A checkpoint file failed verification (bad CRC, truncated, malformed)."""
+
+
+class IncompleteCheckpointError(LazyCkptError, RuntimeError):
+    """A checkpoint folder's save never became durable (crash, or a failed write): its pending marker stays."""

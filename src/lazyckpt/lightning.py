@@ -32,9 +32,9 @@ import shutil
 import sys
 import tempfile
 import threading
+import time
 import warnings
 import weakref
-from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -113,8 +113,7 @@ class _Save:
     key: str  # absolute local path, or the URL as given
     handle: SaveHandle
     step: int | None
-    done: Future = field(default_factory=Future)
-    reported: bool = False
+    done: Future = field(default_factory=Future)  # finished (errors go to the core's ledger, not here)
 
 
 class _Uploader:
@@ -124,7 +123,8 @@ class _Uploader:
     after ``concurrent.futures`` stops accepting work.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, on_error: Callable[[BaseException], None]) -> None:
+        self._on_error = on_error  # the checkpointer's add_error: reported once, like a failed save
         self._queue: queue.Queue[tuple[str, str, Future] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="lazyckpt-upload", daemon=True)
         self._thread.start()
@@ -145,10 +145,12 @@ class _Uploader:
                 fs, remote = url_to_fs(url)
                 fs.makedirs(os.path.dirname(remote), exist_ok=True)
                 fs.put_file(local, remote)
-                done.set_result(None)
-            except BaseException as exc:  # reaches the user through the plugin
-                done.set_exception(LazyCkptError(f"lazyckpt: upload of {local} to {url} failed: {exc}"))
+            except BaseException as exc:  # noqa: BLE001 - reaches the user through the checkpointer
+                err = LazyCkptError(f"lazyckpt: upload of {local} to {url} failed: {exc}")
+                err.__cause__ = exc
+                self._on_error(err)
             finally:
+                done.set_result(None)
                 try:
                     os.remove(local)
                 except OSError:
@@ -212,9 +214,6 @@ class LazyCheckpointIO(_CheckpointIO):
         self._ckpt: LazyCheckpointer | None = self._user_checkpointer
         self._lock = threading.Lock()
         self._saves: list[_Save] = []  # not yet reported to the caller, in save order
-        self._by_key: dict[str, list[_Save]] = defaultdict(list)
-        self._generation: dict[str, int] = defaultdict(int)  # bumped by every save to a key
-        self._deletes: dict[str, int] = {}  # key -> generation at which remove_checkpoint was asked
         self._finished: list[tuple[_Save, SaveStats]] = []  # stats not yet sent to loggers
         self.stats: list[SaveStats] = []  # every completed save of this plugin, in completion order
         self._uploader: _Uploader | None = None
@@ -224,7 +223,6 @@ class LazyCheckpointIO(_CheckpointIO):
         self._trainer_ref: weakref.ref | None = None
         self._patched: list[tuple[object, str]] = []
         self._warned_bypass = False
-        self._raised: set[int] = set()  # ids of errors the core already raised to the caller
         self._torn_down = False  # set by teardown, cleared by the next optimizer step
         self._attach_tries = 0
         _live_plugins.add(self)
@@ -246,25 +244,17 @@ class LazyCheckpointIO(_CheckpointIO):
         """Start a background save of ``checkpoint`` to ``path``; returns once the state is captured."""
         if storage_options is not None:
             raise TypeError(f"`storage_options` is not supported by {type(self).__name__}.")
-        self._raise_first_error()
+        self._raise_errors()
         trainer = self._attach()
         self._report_stats()
         key, is_url = _split_path(path)
         target = self._upload_staging_path(key) if is_url else key
         if not is_url:
             os.makedirs(os.path.dirname(key), exist_ok=True)
-        with self._lock:
-            self._generation[key] += 1
-        try:
-            handle = self._checkpointer().save(checkpoint, target)
-        except BaseException:
-            with self._lock:  # nothing was saved: a delete deferred for this path still applies
-                self._generation[key] -= 1
-            raise
+        handle = self._checkpointer().save(checkpoint, target)
         record = _Save(key=key, handle=handle, step=getattr(trainer, "global_step", None))
         with self._lock:
             self._saves.append(record)
-            self._by_key[key].append(record)
         handle.add_done_callback(lambda h: self._on_committed(record, h, target if is_url else None))
         if self._torn_down or (trainer is not None and not _is_running(trainer)):
             # Outside fit (before it, after teardown, ddp_spawn's result collection) nothing drains
@@ -274,18 +264,27 @@ class LazyCheckpointIO(_CheckpointIO):
             handle.wait_staged()
 
     def remove_checkpoint(self, path: Any) -> None:
-        """Delete ``path``; a pending save to it is not waited for, the delete follows its commit."""
+        """Delete ``path`` without waiting: the core orders a local delete after a pending save to it
+        (and before a later one); a URL's delete waits for its pending upload."""
         self._attach()
         key, is_url = _split_path(path)
-        with self._lock:
+        if is_url:
             pending = self._pending_for(key)
             if pending:
-                self._deletes[key] = self._generation[key]
-        if not pending:
-            self._delete(key, is_url)
+                self._wait_for(pending)
+            _delete(key, is_url=True)
             return
-        # Outside the lock: an already finished future runs the callback right here.
-        pending[-1].done.add_done_callback(lambda _f: self._run_deferred_delete(key))
+        ckpt = self._ckpt
+        if ckpt is None or ckpt.closed:
+            _delete(key, is_url=False)
+            return
+        try:
+            ckpt.remove(key)
+        except FileNotFoundError:
+            pass  # as the stock plugin: nothing to delete
+        except CheckpointerClosedError:  # closed meanwhile (a user checkpointer, closed by its owner)
+            _delete(key, is_url=False)
+        log.debug("lazyckpt: removed checkpoint %s", key)
 
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
@@ -328,9 +327,10 @@ class LazyCheckpointIO(_CheckpointIO):
 
     # -- public extras -----------------------------------------------------------------------------
 
-    def wait(self) -> None:
-        """Block until every pending save is durable (uploaded for URLs); raise the first error."""
-        self._drain(raise_errors=True)
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every pending save is durable (uploaded for URLs) and every delete done; raise
+        the first unseen error. ``timeout``: seconds (``None``: no limit), then ``TimeoutError``."""
+        self._drain(raise_errors=True, timeout=timeout)
 
     def wait_staged(self) -> None:
         """Block until every pending host copy is done: live tensors may then change in place."""
@@ -356,10 +356,9 @@ class LazyCheckpointIO(_CheckpointIO):
 
     def _on_committed(self, record: _Save, handle: SaveHandle, uploaded_from: str | None) -> None:
         """Runs on a lazyckpt thread once the local file is committed or the save failed."""
-        try:
-            stats = handle.wait(0)  # consumes the error: the plugin reports it, the core does not
-        except BaseException as exc:
-            record.done.set_exception(exc)
+        stats = handle.stats
+        if handle.exception() is not None or stats is None:  # the core reports it, once
+            record.done.set_result(None)
             return
         with self._lock:
             self._finished.append((record, stats))
@@ -383,110 +382,55 @@ class LazyCheckpointIO(_CheckpointIO):
         else:
             self._uploader_thread().submit(uploaded_from, record.key, record.done)
 
-    def _run_deferred_delete(self, key: str) -> None:
-        # Under the lock: a save to `key` issued after the remove bumps the generation, and its
-        # file must survive; the lock orders this check against that save's registration.
-        with self._lock:
-            if self._deletes.get(key) != self._generation[key]:
-                return
-            if self._pending_for(key):
-                return
-            del self._deletes[key]
-            self._delete(key, "://" in key)
-
     def _pending_for(self, key: str) -> list[_Save]:
-        """This plugin's saves to ``key`` not yet durable, in save order (caller holds ``_lock``)."""
-        return [r for r in self._by_key.get(key, ()) if not r.done.done()]
-
-    def _delete(self, key: str, is_url: bool) -> None:
-        """Delete like the stock plugin; a local file is renamed away now and freed in the background."""
-        ckpt = self._ckpt
-        if is_url or ckpt is None or ckpt.closed:
-            _delete(key, is_url)
-        elif os.path.lexists(key):
-            try:
-                ckpt.remove(key)
-            except CheckpointerClosedError:  # closed meanwhile (teardown raced a deferred delete)
-                _delete(key, is_url)
-            log.debug("lazyckpt: removed checkpoint %s", key)
-
-    def _wait_for(self, records: list[_Save]) -> None:
-        for record in records:
-            try:
-                record.done.result()
-            except BaseException:
-                pass
-        errors = self._collect_errors(records)
-        if errors:
-            raise errors[0]
-
-    def _drain(self, raise_errors: bool) -> None:
-        if self._ckpt is not None:
-            try:
-                self._ckpt.wait()
-            except BaseException as exc:  # may beat _on_committed to a save's error: report it once
-                with self._lock:
-                    self._raised.add(id(exc))
-                if raise_errors:
-                    raise
-                log.error("lazyckpt: background save failed during teardown: %s", exc)
+        """This plugin's saves to ``key`` not yet durable, in save order."""
         with self._lock:
-            records = list(self._saves)
+            return [r for r in self._saves if r.key == key and not r.done.done()]
+
+    def _wait_for(self, records: list[_Save], deadline: float | None = None) -> None:
         for record in records:
-            try:
-                record.done.result()
-            except BaseException:
-                pass
-        for key in list(self._deletes):
-            self._run_deferred_delete(key)
-        delete_error: BaseException | None = None
-        if self._ckpt is not None and not self._ckpt.closed:
-            try:
-                self._ckpt.wait()  # the deletions just queued (and their errors)
-            except BaseException as exc:
-                delete_error = exc
-                log.error("lazyckpt: removing an old checkpoint failed: %s", exc)
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            record.done.result(left)  # never fails: errors are in the core's ledger
+        self._raise_errors()
+
+    def _raise_errors(self) -> None:
+        """The core decides what was reported; the plugin only explains a stale tensor."""
+        if self._ckpt is None:
+            return
+        try:
+            self._ckpt.raise_errors()
+        except StaleTensorError as exc:
+            _explain(exc)
+            raise
+
+    def _drain(self, raise_errors: bool, timeout: float | None = None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        error: BaseException | None = None
+        try:
+            if self._ckpt is not None:  # saves durable, deletes done; raises the first unseen error
+                self._ckpt.wait(timeout)
+            with self._lock:
+                records = list(self._saves)
+            self._wait_for(records, deadline)  # uploads, and their errors
+        except TimeoutError:
+            raise
+        except BaseException as exc:
+            error = exc
         self._report_stats()
-        errors = self._collect_errors(records)
-        if delete_error is not None:
-            errors.append(delete_error)  # after the save errors: a failed save is the one to raise
         with self._lock:
             self._saves = [r for r in self._saves if not r.done.done()]
-            for key in list(self._by_key):
-                self._by_key[key] = [r for r in self._by_key[key] if not r.done.done()]
-                if not self._by_key[key]:
-                    del self._by_key[key]
-        if errors and raise_errors:
-            raise errors[0]
-        for err in errors:
-            log.error("lazyckpt: background save failed: %s", err, exc_info=err)
-
-    def _collect_errors(self, records: list[_Save]) -> list[BaseException]:
-        errors: list[BaseException] = []
-        with self._lock:
-            for record in records:
-                exc = record.done.exception() if record.done.done() else None
-                if exc is not None and not record.reported:
-                    record.reported = True
-                    if id(exc) in self._raised:
-                        continue
-                    notes = getattr(exc, "__notes__", ())
-                    if isinstance(exc, StaleTensorError) and hasattr(exc, "add_note") and _STALE_NOTE not in notes:
-                        exc.add_note(_STALE_NOTE)
-                    errors.append(exc)
-        return errors
-
-    def _raise_first_error(self) -> None:
-        with self._lock:
-            done = [r for r in self._saves if r.done.done()]
-        errors = self._collect_errors(done)
-        if errors:
-            raise errors[0]
+        if error is None:
+            return
+        if isinstance(error, StaleTensorError):
+            _explain(error)
+        if raise_errors:
+            raise error
+        log.error("lazyckpt: background save failed: %s", error, exc_info=error)
 
     def _uploader_thread(self) -> _Uploader:
         with self._lock:
             if self._uploader is None:
-                self._uploader = _Uploader()
+                self._uploader = _Uploader(self._checkpointer().add_error)
             return self._uploader
 
     def _upload_staging_path(self, url: str) -> str:
@@ -658,8 +602,7 @@ def _link_after_pending(method: Callable[..., Any], plugin_ref: weakref.ref) -> 
     def link(trainer: Any, filepath: Any, linkpath: Any) -> Any:
         plugin = plugin_ref()
         if plugin is not None:
-            with plugin._lock:
-                pending = plugin._pending_for(_split_path(linkpath)[0])
+            pending = plugin._pending_for(_split_path(linkpath)[0])
             if pending:
                 plugin._wait_for(pending)
         return method(trainer, filepath, linkpath)
@@ -722,6 +665,11 @@ def _check_url_supported(url: str) -> None:
             f"lazyckpt.lightning cannot save to {url!r}: fsspec has no usable filesystem for it ({exc}). "
             "Install the fsspec backend (s3fs, gcsfs, ...) or save to a local path."
         ) from exc
+
+
+def _explain(exc: BaseException) -> None:
+    if hasattr(exc, "add_note") and _STALE_NOTE not in getattr(exc, "__notes__", ()):  # Python >= 3.11
+        exc.add_note(_STALE_NOTE)
 
 
 def _delete(key: str, is_url: bool) -> None:

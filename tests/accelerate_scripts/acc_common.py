@@ -1,12 +1,15 @@
-"""Shared pieces of the Accelerate tests and their subprocess scripts (model, training step, snapshots)."""
+"""Shared pieces of the Accelerate tests and their subprocess scripts (model, training step, snapshots).
+
+Imported as ``accelerate_scripts.acc_common`` by the tests and as ``acc_common`` by the scripts (their
+own folder is first on the path); both need tests/ on the path (``_util``), which pytest and the
+tests' subprocess environments provide.
+"""
 
 from __future__ import annotations
 
 import copy
-import importlib.util
 import os
 import random
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,10 +17,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from _util import assert_same
+
+__all__ = ["assert_same"]  # the suite's one comparison (tests/_util.py), used by the scripts as C.assert_same
+
 REPO = Path(__file__).resolve().parents[2]
 SRC = REPO / "src"
-if importlib.util.find_spec("lazyckpt") is None and str(SRC) not in sys.path:
-    sys.path.insert(0, str(SRC))  # not installed: use the working tree's lazyckpt
+TESTS = REPO / "tests"
 
 
 class TinyLM(nn.Module):
@@ -131,30 +137,6 @@ def snapshot(acc, models, opts, scheds, customs=()):
         "step": acc.step,
         "scaler": acc.scaler.state_dict() if acc.scaler is not None else None,
     }
-
-
-def assert_same(a, b, where="state"):
-    """Exact equality of nested containers of tensors / numbers / strings."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), f"{where}: {type(a)} vs {type(b)}"
-        assert a.dtype == b.dtype and a.shape == b.shape, (
-            f"{where}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
-        )
-        diff = (a.double() - b.double()).abs().max() if a.numel() else 0
-        assert torch.equal(a, b), f"{where}: tensors differ (max abs diff {diff})"
-    elif isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        assert np.array_equal(np.asarray(a), np.asarray(b)), f"{where}: arrays differ"
-    elif isinstance(a, dict):
-        assert isinstance(b, dict), f"{where}: dict vs {type(b)}"
-        assert set(a) == set(b), f"{where}: keys differ: {sorted(map(str, set(a) ^ set(b)))}"
-        for k in a:
-            assert_same(a[k], b[k], f"{where}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert isinstance(b, (list, tuple)) and len(a) == len(b), f"{where}: {a!r} vs {b!r}"
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
 
 
 def file_tree(folder) -> list[str]:

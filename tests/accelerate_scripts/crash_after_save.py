@@ -8,14 +8,12 @@ import os
 import signal
 import sys
 
+import acc_common as C  # this script's folder is first on the path
 import torch
+from accelerate import Accelerator
+from accelerate.utils import ProjectConfiguration
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-import acc_common as C  # noqa: E402
-from accelerate import Accelerator  # noqa: E402
-from accelerate.utils import ProjectConfiguration  # noqa: E402
-
-import lazyckpt.accelerate  # noqa: E402
+import lazyckpt.accelerate
 
 
 def main():

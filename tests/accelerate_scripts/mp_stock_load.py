@@ -6,8 +6,6 @@ python mp_stock_load.py OUT FOLDER PORT  ->  OUT/loaded_rank{r}.pt
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
 
 def restore(out, folder):
     import acc_common as C

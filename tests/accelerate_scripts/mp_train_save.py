@@ -10,15 +10,13 @@ import os
 import random
 import sys
 
+import acc_common as C  # this script's folder is first on the path
 import numpy as np
 import torch
+from accelerate import Accelerator
+from accelerate.utils import ProjectConfiguration
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import acc_common as C  # noqa: E402
-from accelerate import Accelerator  # noqa: E402
-from accelerate.utils import ProjectConfiguration  # noqa: E402
-
-import lazyckpt.accelerate  # noqa: E402
+import lazyckpt.accelerate
 
 MODEL = C.MP_MODEL
 

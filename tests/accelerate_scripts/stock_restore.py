@@ -9,12 +9,10 @@ OUT_PT: torch.save'd list of snapshots (acc_common.snapshot), one per folder, in
 import json
 import sys
 
+import acc_common as C  # this script's folder is first on the path
 import torch
-
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-import acc_common as C  # noqa: E402
-from accelerate import Accelerator  # noqa: E402
-from accelerate.state import AcceleratorState, GradientState  # noqa: E402
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
 
 
 def main():

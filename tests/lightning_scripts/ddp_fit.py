@@ -1,4 +1,5 @@
-"""Run by tests/test_lightning_ddp.py: ``python ddp_fit.py OUT_DIR {ddp,fsdp}``.
+"""Run by tests/test_lightning_ddp.py: ``python ddp_fit.py OUT_DIR {ddp,fsdp}``, with tests/ and the
+repository root on PYTHONPATH.
 
 Lightning's subprocess launcher re-runs this script for rank 1. Rank 0 keeps a deep copy of every
 checkpoint it was handed (only rank 0 reaches CheckpointIO) and writes it with plain torch.save next
@@ -11,13 +12,11 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
-import lightning as L  # noqa: E402
-import torch  # noqa: E402
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
-
-from lightning_scripts.tiny_gpt import RecordingLazyIO, TinyGPT, trainer_kwargs  # noqa: E402
+from lightning_scripts.tiny_gpt import RecordingLazyIO, TinyGPT, trainer_kwargs
 
 
 def main() -> None:

@@ -11,28 +11,19 @@ import lightning as L
 import torch
 from torch import nn
 
+from _util import assert_same
+from benchmarks import gpt
 from lazyckpt import LazyCheckpointer, SaveHandle
 from lazyckpt.lightning import LazyCheckpointIO
 
-
-class Block(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        n = x.shape[1]
-        mask = torch.triu(torch.ones(n, n, dtype=torch.bool, device=x.device), 1)
-        h = self.ln1(x)
-        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
-        return x + self.mlp(self.ln2(x))
+__all__ = ["TinyGPT", "RecordingLazyIO", "DeferredCommitCheckpointer", "assert_same", "load", "trainer_kwargs"]
 
 
 class TinyGPT(L.LightningModule):
-    """GPT-like: token + position embeddings, causal blocks, tied head. ``seen`` is a buffer that the
-    forward pass changes in place (like BatchNorm statistics), so buffers are exercised too."""
+    """The repository's GPT (benchmarks/gpt.py: tied head, so two state_dict keys share a storage), small.
+
+    ``seen`` is a buffer that the forward pass changes in place (like BatchNorm statistics), so buffers
+    are exercised too."""
 
     def __init__(
         self, vocab: int = 64, dim: int = 32, layers: int = 2, heads: int = 2, seq: int = 16, lr: float = 3e-3,
@@ -40,19 +31,18 @@ class TinyGPT(L.LightningModule):
     ) -> None:  # fmt: skip
         super().__init__()
         self.save_hyperparameters()
-        self.tok = nn.Embedding(vocab, dim)
-        self.pos = nn.Parameter(torch.zeros(seq, dim))
-        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
-        self.ln = nn.LayerNorm(dim)
+        self.gpt = gpt.GPT(gpt.GPTConfig(vocab_size=vocab, block_size=seq, n_layer=layers, n_head=heads, n_embd=dim))
         self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+
+    @property
+    def tok(self) -> nn.Embedding:
+        """The token embedding (tied to the output head)."""
+        return self.gpt.wte
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         if self.training:
             self.seen += idx.numel()
-        x = self.tok(idx) + self.pos[: idx.shape[1]]
-        for block in self.blocks:
-            x = block(x)
-        return self.ln(x) @ self.tok.weight.t()
+        return self.gpt(idx)[0]
 
     def loss(self, batch: Any) -> torch.Tensor:
         (idx,) = batch
@@ -96,28 +86,6 @@ class RecordingLazyIO(LazyCheckpointIO):
         super().save_checkpoint(checkpoint, path, storage_options)
 
 
-def assert_same(a: Any, b: Any, where: str = "checkpoint") -> None:
-    """Exact structural equality; tensors bit for bit, dtype and shape included."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor), where
-        assert a.dtype == b.dtype and a.shape == b.shape, (
-            f"{where}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
-        )
-        assert torch.equal(a, b), f"{where}: tensor values differ"
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), f"{where}: keys {sorted(map(str, a))} vs {sorted(map(str, b))}"
-        for key in a:
-            assert_same(a[key], b[key], f"{where}[{key!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b), f"{where}: {type(a)} len {len(a)} vs {type(b)}"
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            assert_same(x, y, f"{where}[{i}]")
-    elif isinstance(a, float) and math.isnan(a):
-        assert isinstance(b, float) and math.isnan(b), where
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
-
-
 def load(path: str) -> dict[str, Any]:
     return torch.load(path, map_location="cpu", weights_only=False)
 
@@ -127,7 +95,7 @@ def assert_files_match_expected(io: RecordingLazyIO) -> int:
     checked = 0
     for path, dumps in io.expected.items():
         if os.path.exists(path) and not os.path.islink(path):
-            assert_same(dumps[-1], load(path), os.path.basename(path))
+            assert_same(load(path), dumps[-1], os.path.basename(path))
             checked += 1
     return checked
 
@@ -170,6 +138,12 @@ class DeferredCommitCheckpointer(LazyCheckpointer):
     def wait(self, timeout: float | None = None) -> None:
         self._release()
         super().wait(timeout)
+
+    def remove(self, path: Any, **kwargs: Any) -> Any:
+        # The core orders a delete after pending saves to the path; the held saves are pending only
+        # here, so they land first (as at the next save), then the core deletes.
+        self._release()
+        return super().remove(path, **kwargs)
 
     def close(self) -> None:
         self._release()

@@ -1,5 +1,8 @@
 """The ``lazyckpt`` command line: ``verify``, ``inspect``, ``doctor``, ``bench``.
 
+``bench`` only launches the repository's ``benchmarks/bench_core.py``: no benchmark code and no model
+ship in the package.
+
 Each subcommand lives in its own module with ``add_parser(subparsers)`` and ``run(args) -> int``.
 Exit codes: 0 success, 1 a check failed or the input was unusable, 2 bad usage (argparse),
 130 interrupted. Human output goes to stdout; ``--json`` replaces it with one JSON document.
@@ -41,7 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the process exit code."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "passthrough", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.extra = extra
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2

@@ -1,4 +1,4 @@
-"""Finding checkpoint files, and recognising Accelerate checkpoint folders, without loading anything."""
+"""Finding checkpoint files, and recognising folder checkpoints (Accelerate's among them), without loading anything."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass, field
 
 from lazyckpt._commit import is_temporary
+from lazyckpt._folder import marker_is_stale, pending_markers
 
 #: File name endings treated as checkpoint files when a directory is given.
 CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors", ".pkl")
@@ -19,7 +20,6 @@ _ACC_FAMILIES = {
     "sampler": re.compile(r"^sampler(?:_(\d+))?\.bin$"),
     "random_states": re.compile(r"^random_states_(\d+)\.pkl$"),
 }
-_PENDING_PREFIX_FALLBACK = ".lazyckpt-pending-"
 
 
 def is_checkpoint_name(name: str) -> bool:
@@ -37,21 +37,23 @@ def temporaries(directory: str) -> list[str]:
     return sorted(os.path.join(directory, n) for n in os.listdir(directory) if is_temporary(n))
 
 
-def pending_markers(directory: str) -> list[str]:
-    """lazyckpt's per-process "save not durable yet" markers in an Accelerate folder."""
-    try:  # one definition of the marker: the integration's (needs accelerate installed)
-        from lazyckpt.accelerate import pending_markers as _pending
-
-        return list(_pending(directory))
-    except ImportError:
-        return sorted(n for n in os.listdir(directory) if n.startswith(_PENDING_PREFIX_FALLBACK))
+def incomplete_problem(directory: str) -> str | None:
+    """Why a folder checkpoint is incomplete (its lazyckpt pending markers), or None when it is not."""
+    markers = pending_markers(directory)
+    if not markers:
+        return None
+    dead = [m for m in markers if marker_is_stale(m)]
+    why = (
+        "left by a process of this host that died: that save will never finish"
+        if len(dead) == len(markers)
+        else "the process was killed or a write failed, or the save is still running"
+    )
+    return f"incomplete: lazyckpt save not durable yet ({len(markers)} pending marker(s), e.g. {markers[0]}); {why}"
 
 
 def is_accelerate_folder(directory: str) -> bool:
     """True when ``directory`` holds files named as ``Accelerator.save_state`` names them."""
     names = os.listdir(directory)
-    if any(n.startswith(_PENDING_PREFIX_FALLBACK) for n in names):
-        return True
     return any(_ACC_FAMILIES["model"].match(n) or _ACC_FAMILIES["random_states"].match(n) for n in names)
 
 
@@ -71,12 +73,9 @@ class FolderCheck:
 def check_accelerate_folder(directory: str) -> FolderCheck:
     """Are all the files ``save_state`` writes present, and did every lazyckpt save into it finish?"""
     check = FolderCheck(directory, checkpoint_files(directory))
-    markers = pending_markers(directory)
-    if markers:
-        check.problems.append(
-            f"incomplete: lazyckpt save not durable yet ({len(markers)} pending marker(s), e.g. {markers[0]}); "
-            "the process was killed or a write failed, or the save is still running"
-        )
+    incomplete = incomplete_problem(directory)
+    if incomplete:
+        check.problems.append(incomplete)
     for tmp in temporaries(directory):
         check.problems.append(f"unfinished write: {os.path.basename(tmp)} (interrupted or still running)")
     indices = _family_indices([os.path.basename(f) for f in check.files])

@@ -4,7 +4,8 @@ torch.save files are opened with ``torch.load(mmap=True, map_location="cpu", wei
 tensor data stays on disk (memory-mapped, never read) and no code from the file runs. Files that
 need arbitrary Python objects (e.g. Lightning hyper-parameters saved as a Namespace) are refused
 with the list of what they need; ``--unsafe`` then loads them with ``weights_only=False``, for files you trust only.
-safetensors files are read from their JSON header alone.
+safetensors files are read from their JSON header alone. For a folder, every checkpoint file in it
+is shown, after a warning on stderr when the folder's lazyckpt save never finished (a pending marker).
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ def _targets(path: str) -> list[str]:
     files = _files.checkpoint_files(path)
     if not files:
         raise InspectError(f"{path}: no checkpoint files in this directory; pass a file")
+    incomplete = _files.incomplete_problem(path)
+    if incomplete:  # still worth showing what is there, but never as if it were a whole checkpoint
+        print(f"lazyckpt inspect: warning: {path}: {incomplete}", file=sys.stderr)
     return files
 
 

@@ -2,8 +2,9 @@
 
 Files go through :func:`lazyckpt.verify` (torch.save zips: every CRC32, the zip layout, the pickle
 walked without running it; safetensors: header, bounds, lazyckpt's CRC when present). A directory
-is searched recursively; an Accelerate ``save_state`` folder is also checked for completeness
-(every expected file present, no unfinished lazyckpt save). Nothing from the files is executed.
+is searched recursively; every folder is checked for an unfinished lazyckpt folder save (a pending
+marker: ``lazyckpt.is_complete``), and an Accelerate ``save_state`` folder also for every expected
+file. Nothing from the files is executed.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ class Result:
     """One line of output: a file, a folder's structure, or a path that could not be checked."""
 
     path: str
-    kind: str  # "file", "accelerate-folder", "directory", "missing" or "temporary" (a note, not checked)
+    kind: str  # "file", "accelerate-folder", "folder", "directory", "missing" or "temporary" (a note, not checked)
     format: str = ""
     size: int | None = None
     records: int | None = None
@@ -102,6 +103,9 @@ def _check_directory(directory: str) -> list[Result]:
         results.append(Result(directory, "accelerate-folder", "accelerate", records=len(folder.files),
                               problems=folder.problems))  # fmt: skip
     else:
+        incomplete = _files.incomplete_problem(directory)
+        if incomplete:  # a folder checkpoint of another kind (not Accelerate's names)
+            results.append(Result(directory, "folder", problems=[incomplete]))
         results.extend(_temporary_note(tmp) for tmp in _files.temporaries(directory))
     results.extend(check_file(f) for f in _files.checkpoint_files(directory))
     return results

@@ -1,4 +1,4 @@
-"""What ``lazyckpt bench`` compares the modes against: raw disk writes, CRC32 speed, raw D2H copies."""
+"""What ``benchmarks.bench_core`` compares the modes against: raw disk writes, CRC32 speed, raw D2H copies."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from ._bench_modes import fsync_dir
-from ._probe import filesystem_of as _filesystem_of
+from lazyckpt._commit import fsync_dir
+from lazyckpt.cli._probe import filesystem_of as _filesystem_of
 
 GB = 1e9
 
@@ -41,7 +41,7 @@ def raw_write(payload: torch.Tensor, path: Path, chunk: int = 64 << 20) -> tuple
         os.fsync(fd)
     finally:
         os.close(fd)
-    fsync_dir(path.parent)
+    fsync_dir(str(path.parent))
     dt, dc = time.perf_counter() - t, time.process_time() - c
     os.unlink(path)
     return dt, dc

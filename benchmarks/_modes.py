@@ -1,4 +1,4 @@
-"""The ways of checkpointing that ``lazyckpt bench`` compares, each timing itself step by step.
+"""The ways of checkpointing that ``benchmarks.bench_core`` compares, each timing itself step by step.
 
 A mode's ``save(state)`` runs after ``optimizer.step()``; ``before_step()`` right before the next
 step (peers that must be waited on there, like DCP's staging); ``drain()`` waits until everything
@@ -15,15 +15,9 @@ from typing import Any
 
 import torch
 
+from lazyckpt._commit import fsync_dir
+
 Span = tuple[float, float, str]
-
-
-def fsync_dir(path: str | os.PathLike[str]) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class Mode:
@@ -78,7 +72,7 @@ class TorchSave(Mode):
             f.flush()
             os.fsync(f.fileno())
         os.replace(self.tmp, self.path)
-        fsync_dir(self.out_dir)
+        fsync_dir(str(self.out_dir))
         t1 = time.perf_counter()
         self.call_s.append(t1 - t)
         self.write_gbps.append(nbytes / (t1 - t) / 1e9)

@@ -1,14 +1,17 @@
-"""A small decoder-only transformer (GPT-2 style) for ``lazyckpt bench`` and the benchmark scripts.
+"""The one GPT of this repository: a small decoder-only transformer (GPT-2 style) for the benchmarks,
+the examples and the Lightning tests. It is not part of the lazyckpt package (the wheel ships no model).
 
-Dependency-free: torch only. ``benchmarks/_gpt.py`` re-exports this module::
+Dependency-free: torch only. Imported as ``benchmarks.gpt`` with the repository root on the path
+(``python -m benchmarks.bench_core`` / ``python -m examples.train_plain`` from the root; pytest adds
+the root itself)::
 
-    from lazyckpt.cli import _gpt
+    from benchmarks import gpt
 
-    cfg = _gpt.config_for("100m")
-    model = _gpt.build(cfg, seed=0)                             # or _gpt.build("100m")
-    opt = _gpt.make_optimizer(model)
-    batches = _gpt.BatchStream(cfg, seed=0)
-    loss = _gpt.train_step(model, opt, batches.next())
+    cfg = gpt.config_for("100m")
+    model = gpt.build(cfg, seed=0)                              # or gpt.build("100m")
+    opt = gpt.make_optimizer(model)
+    batches = gpt.BatchStream(cfg, seed=0)
+    loss = gpt.train_step(model, opt, batches.next())
 
 Sizes (parameters counted once; the LM head is tied to the token embedding, as in GPT-2):
 

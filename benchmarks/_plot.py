@@ -1,4 +1,4 @@
-"""``lazyckpt bench --plot FILE.png``: one timeline per mode (matplotlib, imported only here).
+"""``bench_core --plot FILE.png``: one timeline per mode (matplotlib, imported only here).
 
 Top lane: each training step, green while computing, red while blocked by checkpointing (inside
 save(), waiting before the optimizer step, the final drain). Bottom lane: background work

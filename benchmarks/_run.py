@@ -1,4 +1,4 @@
-"""The measurement loop of ``lazyckpt bench``: same model, same batches, every mode, rounds that rotate.
+"""The measurement loop of ``bench_core``: same model, same batches, every mode, rounds that rotate.
 
 Each segment = warm-up steps (checkpointing, not counted) + drain, then ``steps`` counted steps, each
 followed by a checkpoint, then the final drain (inside the timed window). Per round,
@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from . import _bench_baselines as baselines
-from . import _gpt
-from ._bench_modes import Mode, make_modes, unavailable_peers
+from . import _baselines as baselines
+from . import gpt as _gpt
+from ._modes import Mode, make_modes, unavailable_peers
 
 logger = logging.getLogger(__name__)
 

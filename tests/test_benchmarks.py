@@ -1,0 +1,60 @@
+"""The repository's benchmarks (benchmarks/, not shipped in the wheel), in process, at their smallest size."""
+
+from __future__ import annotations
+
+import ast
+import json
+import sys
+from pathlib import Path
+
+from benchmarks import bench_core, gpt
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "lazyckpt"
+
+
+def test_bench_core_json_to_stdout_with_progress_on_stderr(capsys):
+    argv = ["--size", "tiny", "--steps", "1", "--rounds", "1", "--warmup", "0", "--modes", "lazyckpt", "--json"]
+    assert bench_core.main(argv) == 0
+    captured = capsys.readouterr()
+    doc = json.loads(captured.out)
+    assert doc["modes"] == ["none", "lazyckpt"] and "[100%]" in captured.err
+
+
+def test_bench_core_skips_a_peer_that_is_not_available(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "torch.distributed.checkpoint.staging", None)
+    argv = ["--size", "tiny", "--steps", "1", "--rounds", "1", "--warmup", "0", "--modes", "dcp", "--no-progress"]
+    assert bench_core.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "note: dcp skipped" in out and "needs torch>=2.9" in out
+
+
+def test_bench_core_unknown_mode_exits_1(capsys):
+    assert bench_core.main(["--modes", "torch.save,nope"]) == 1
+    assert "unknown mode" in capsys.readouterr().err
+
+
+def test_the_gpt_trains_deterministically():
+    cfg = gpt.config_for("tiny")
+    losses = []
+    for _ in range(2):
+        model = gpt.build(cfg, seed=0)
+        opt = gpt.make_optimizer(model)
+        batches = gpt.BatchStream(cfg, seed=0)
+        losses.append([float(gpt.train_step(model, opt, batches.next())) for _ in range(2)])
+    assert losses[0] == losses[1]
+    state = model.state_dict()
+    assert state["wte.weight"].data_ptr() == state["lm_head.weight"].data_ptr()  # tied, as in GPT-2
+
+
+def test_no_model_and_no_benchmark_harness_in_the_package():
+    """The wheel ships neither: no nn.Module subclass, no module that imports the benchmarks."""
+    for path in SRC.rglob("*.py"):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                bases = [ast.unparse(b) for b in node.bases]
+                assert not any(b.endswith("Module") for b in bases), f"{path}: class {node.name}({', '.join(bases)})"
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+                assert not any(n.split(".")[0] == "benchmarks" for n in names), f"{path} imports {names}"
+    assert not list(SRC.glob("cli/_bench*")) and not (SRC / "cli" / "_gpt.py").exists()
