@@ -1,12 +1,12 @@
 """The one place the distributed package touches the core's internals.
 
 A rank's data file is one core ``Job``: its sources are the tensors this rank writes, its
-``layout`` a ``RankFileLayout`` (the same duck type as ``_torchfmt.TorchLayout``:
-``data_offset(key)``, ``metadata_writes(crcs)``, ``total_size``), and it runs on a
+``layout`` a ``RankFileLayout`` (a ``_format.Layout``, like ``_torchfmt.TorchLayout``:
+``data_offset(key)`` and the ``_format.Layout`` protocol), and it runs on a
 ``LazyCheckpointer``'s engine: same pool, same guard (the next ``optimizer.step()`` waits for this
 rank's lazy copies only), same writers, same commit of the file inside the staging directory.
 If the core's job interface changes, only this module follows. (``RankFile`` builds the sources,
-the zero-copy decision and the ``Job``; ``guarded_storages`` and ``tensor_pickle`` serve it.)
+the zero-copy decision and the ``Job``; ``tensor_pickle`` serves it.)
 """
 
 from __future__ import annotations
@@ -42,26 +42,6 @@ def _pickle_for(dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
     return pickle_bytes
 
 
-def guarded_storages() -> set[int]:
-    """``_guard.guarded_storages`` that also sees through DTensors (FSDP2, tensor parallel): the
-    optimizer holds DTensors, whose own storage is not accessible; their local shards' is."""
-    ptrs: set[int] = set()
-    with _guard._lock:
-        optimizers = list(_guard._tracked)
-    for opt in optimizers:
-        tensors = [p for group in opt.param_groups for p in group["params"]]
-        tensors += [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-        for t in tensors:
-            ptrs.add(_local(t).untyped_storage().data_ptr())
-    ptrs.discard(0)
-    return ptrs
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    local = getattr(t, "_local_tensor", None)  # DTensor
-    return local if isinstance(local, torch.Tensor) else t
-
-
 class RankFile:
     """One rank's data file on ``ckpt``'s engine: decides what is staged how, then starts the job.
 
@@ -74,7 +54,7 @@ class RankFile:
 
     def __init__(self, ckpt: LazyCheckpointer, tensors: list[tuple[str, str, torch.Tensor]]) -> None:
         self.ckpt = ckpt
-        self.guarded = guarded_storages()
+        self.guarded = _guard.guarded_storages()
         self.sources: list[Source] = []
         for key, name, t in tensors:
             nbytes = t.numel() * t.element_size()
@@ -95,10 +75,10 @@ class RankFile:
         eager = [s for s in self.sources if s.nbytes and s.storage_ptr not in self.guarded]
         job = Job(
             path=path, tmp=_commit.temporary_path(path), fmt="torch", sources=self.sources, lazy=lazy,
-            layout=layout,  # type: ignore[arg-type]  # the same duck type as TorchLayout
-            head=b"", file_bytes=layout.total_size, crc=self.ckpt.crc, fsync=self.ckpt.fsync,
+            layout=layout, file_bytes=layout.file_bytes, crc=self.ckpt.crc, fsync=self.ckpt.fsync,
             wait_in_closure=self.ckpt.wait_in_closure, t0=t0,
         )  # fmt: skip
         self.ckpt._start(job, eager, self.direct)
         job.t_returned = time.perf_counter()
         return job.handle
+

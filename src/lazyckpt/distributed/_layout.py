@@ -5,7 +5,7 @@ complete ``torch.save`` zip of one tensor, back to back, and records each item's
 length) in ``.metadata``; ``FileSystemReader`` hands ``torch.load`` a view of exactly that slice.
 Here every item's zip is planned by the core's torch.save layout (``_torchfmt.plan``, archive name
 ``archive`` as torch.save gives a stream), so all offsets are known up front: the core's writers
-pwrite tensor bytes at their final place, and ``metadata_writes`` fills in every other byte once the
+pwrite tensor bytes at their final place, and ``fixed_writes``/``crc_writes`` fill in every other byte once the
 data CRCs are known. Items are packed with no gap, so the CRCs of all segments combine into one
 CRC of the whole file (recorded for ``verify``).
 """
@@ -13,6 +13,7 @@ CRC of the whole file (recorded for ``verify``).
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .._crc import _multmodp, _x2nmodp, crc32
@@ -42,7 +43,7 @@ class RankFileLayout:
         self.total_size = 0
         self._tensors: dict[str, _TensorItem] = {}
         self._bytes: list[_BytesItem] = []
-        self.file_crc: int | None = None  # set by metadata_writes (None when CRCs are off)
+        self.file_crc: int | None = None  # set by crc_writes (None when CRCs are off)
 
     def add_bytes(self, data: bytes) -> tuple[int, int]:
         """Place a ``BYTE_IO`` item; return its (offset, length)."""
@@ -73,17 +74,29 @@ class RankFileLayout:
         item = self._tensors[key]
         return item.base + item.zip.data_offset("0")
 
-    def metadata_writes(self, crcs: dict[str, int]) -> list[tuple[int, bytes]]:
-        """Every byte that is not tensor data, given each tensor's data CRC; computes ``file_crc``."""
+    @property
+    def file_bytes(self) -> int:
+        return self.total_size
+
+    def fixed_writes(self) -> list[tuple[int, bytes]]:
+        """Bytes known up front: ``BYTE_IO`` items and every zip's headers and small records."""
         writes = [(b.base, b.data) for b in self._bytes]
         for item in self._tensors.values():
-            for offset, data in item.zip.metadata_writes({"0": crcs.get(item.key, 0)}):
-                writes.append((item.base + offset, data))
-        if self.crc:
-            self.file_crc = self._file_crc(writes, crcs)
+            writes += [(item.base + offset, data) for offset, data in item.zip.fixed_writes()]
         return writes
 
-    def _file_crc(self, writes: list[tuple[int, bytes]], crcs: dict[str, int]) -> int:
+    def crc_writes(self, crcs: Mapping[str, int] | None) -> list[tuple[int, bytes]]:
+        """Every zip's descriptors and central directory given each tensor's data CRC (None: CRCs
+        off); computes ``file_crc``, the CRC of the whole file."""
+        writes = []
+        for item in self._tensors.values():
+            part = None if crcs is None else {"0": crcs.get(item.key, 0)}
+            writes += [(item.base + offset, data) for offset, data in item.zip.crc_writes(part)]
+        if self.crc and crcs is not None:
+            self.file_crc = self._file_crc([*self.fixed_writes(), *writes], crcs)
+        return writes
+
+    def _file_crc(self, writes: list[tuple[int, bytes]], crcs: Mapping[str, int]) -> int:
         """CRC32 of the whole file, in file order: metadata bytes continue the running CRC (no
         combine), each tensor's data CRC is appended with one combine (the shift by its length is
         cached: shapes repeat), so a file of thousands of items costs milliseconds, not seconds, of
