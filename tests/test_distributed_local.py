@@ -351,3 +351,131 @@ def test_publish_says_when_the_new_checkpoint_is_in_place_but_not_durable(tmp_pa
         _commit.publish(str(tmp_path / "staging"), str(tmp_path / "final"), str(tmp_path / "old"), fsync=True)
     assert (tmp_path / "final" / ".metadata").read_text() == "new"
     assert sorted(os.listdir(tmp_path)) == ["final"]  # the old one deleted all the same
+
+
+# -- confirmation on the training thread, and errors reported once (the core's ledger) --------------
+
+
+def _lazy_model():
+    """A model whose optimizer the guard knows: its tensors are copied lazily by a save."""
+    model = torch.nn.Linear(32, 32)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    model(torch.randn(2, 32)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def _record_confirmations(monkeypatch) -> list[str]:
+    """Names of the threads that re-checked a save's versions once its copies were over."""
+    import threading
+
+    import lazyckpt._job as job_mod
+
+    threads: list[str] = []
+    real_verify = job_mod.Job._verify
+
+    def verify(self, read_over):
+        if read_over:
+            threads.append(threading.current_thread().name)
+        return real_verify(self, read_over)
+
+    monkeypatch.setattr(job_mod.Job, "_verify", verify)
+    return threads
+
+
+@pytest.mark.parametrize("entry", ["handle.wait", "ckpt.wait", "close", "wait_staged", "next save"])
+def test_a_lazy_save_is_confirmed_on_the_training_thread_never_the_commit_thread(tmp_path, monkeypatch, entry):
+    """Issue 11 item 2: a rank's file is committed only after its lazy tensors' versions were checked
+    again on the training thread once the copies were over. The commit thread waits for the file
+    without confirming it; each training-thread entry point confirms (without an optimizer step:
+    no deadlock with the commit thread either)."""
+    model, _ = _lazy_model()
+    threads = _record_confirmations(monkeypatch)
+    c = DistributedCheckpointer(host_memory_budget=4 << 20, chunk_bytes=1 << 20, commit_timeout=30)
+    try:
+        h = c.save({"model": model.state_dict()}, tmp_path / "c")
+        job = h._local._confirm.__self__  # the rank file's core job (a bound Job method)
+        assert job.lazy and job.read_done.wait(10)  # copies over: only a confirmation is missing
+        assert not h.done()
+        if entry == "handle.wait":
+            h.wait(timeout=20)
+        elif entry == "ckpt.wait":
+            c.wait(timeout=20)
+        elif entry == "close":
+            c.close()
+        elif entry == "wait_staged":
+            c.wait_staged(timeout=20)
+            h._done.wait(20)  # not a confirming wait: wait_staged() did it
+        else:
+            c.save({"w": torch.ones(2)}, tmp_path / "d")
+            h._done.wait(20)
+        assert h.done() and h.exception() is None
+    finally:
+        if not c.closed:
+            c.close()
+    assert threads == ["MainThread"]
+    assert verify_checkpoint(tmp_path / "c").ok
+
+
+def _fail_writes(monkeypatch):
+    import errno
+
+    import lazyckpt._engine as engine
+
+    def enospc(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+    monkeypatch.setattr(engine, "pwrite_all", enospc)
+
+
+def test_an_error_raised_by_handle_wait_is_not_raised_again_by_wait_or_close(tmp_path, monkeypatch):
+    """One ledger: the rank file's own WriteError is the distributed error's cause, not a second
+    error; once handle.wait() raised it, neither wait() nor close() raises anything."""
+    from lazyckpt import WriteError
+
+    _fail_writes(monkeypatch)
+    c = DistributedCheckpointer(host_memory_budget=4 << 20, chunk_bytes=1 << 20, commit_timeout=10)
+    h = c.save({"w": torch.ones(1024)}, tmp_path / "a")
+    with pytest.raises(DistributedSaveError, match="No space left") as info:
+        h.wait(timeout=20)
+    assert isinstance(info.value.__cause__, WriteError) and h.reported
+    c.wait()
+    c.close()
+
+
+def test_an_unseen_error_is_raised_once_by_close(tmp_path, monkeypatch):
+    _fail_writes(monkeypatch)
+    c = DistributedCheckpointer(host_memory_budget=4 << 20, chunk_bytes=1 << 20, commit_timeout=10)
+    h = c.save({"w": torch.ones(1024)}, tmp_path / "a")
+    assert h.exception(timeout=20) is not None  # does not count as seen
+    with pytest.raises(DistributedSaveError, match="No space left"):
+        c.close()
+    c.close()  # closed: nothing again
+    assert h.reported
+
+
+def test_a_done_callback_may_wait_for_later_saves(tmp_path):
+    """Done-callbacks run on the core's callback thread, not on the commit thread that commits the
+    saves they wait for."""
+    import threading
+
+    results: list[object] = []
+    called = threading.Event()
+    with DistributedCheckpointer(host_memory_budget=4 << 20, chunk_bytes=1 << 20, commit_timeout=10) as c:
+        gate = threading.Event()
+
+        def on_done(handle):
+            gate.wait(10)  # the second save is pending by now
+            try:
+                c.wait(timeout=5)
+                results.append("ok")
+            except TimeoutError as exc:
+                results.append(exc)
+            called.set()
+
+        h1 = c.save({"w": torch.ones(4)}, tmp_path / "a")
+        h1.add_done_callback(on_done)
+        c.save({"w": torch.ones(4)}, tmp_path / "b")
+        gate.set()
+        assert called.wait(30)
+    assert results == ["ok"]

@@ -14,7 +14,8 @@ The folder is a ``torch.distributed.checkpoint`` checkpoint (``dcp.load`` reads 
 size); ``verify_checkpoint(path)`` checks it against the sizes and CRCs recorded at save time.
 """
 
-from ._checkpointer import DistributedCheckpointer, DistributedSaveError, DistributedSaveHandle
+from ..errors import DistributedSaveError
+from ._checkpointer import DistributedCheckpointer, DistributedSaveHandle
 from ._verify import verify_checkpoint
 
 __all__ = ["DistributedCheckpointer", "DistributedSaveError", "DistributedSaveHandle", "verify_checkpoint"]

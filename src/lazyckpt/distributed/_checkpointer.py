@@ -23,34 +23,30 @@ from torch.distributed.checkpoint.utils import _DistWrapper
 
 from .._handle import SaveHandle
 from ..checkpointer import LazyCheckpointer
-from ..errors import CheckpointerClosedError, LazyCkptError, SaveRefusedError, WriteError
+from ..errors import CheckpointerClosedError, DistributedSaveError, LazyCkptError, SaveRefusedError
 from . import _commit
 from ._commit import RankReport
-from ._core import RankFile, tensor_pickle
+from ._core import (
+    RankFile,
+    bind_local,
+    complete_handle,
+    confirm_ready,
+    local_outcome,
+    resolve_handle,
+    tensor_pickle,
+)
 from ._layout import RankFileLayout
 from ._plan import RankPlan, plan_save, resolve
 
 logger = logging.getLogger(__name__)
 
 
-class DistributedSaveError(WriteError):
-    """A distributed save failed. Nothing was committed at ``path`` (the message says so), except
-    when this rank lost the coordination itself (the store's host died, or the coordinator decided
-    to commit and never confirmed): then ``path`` holds the complete new checkpoint or the old state.
-
-    ``ranks`` are the ranks whose part failed or that did not report in time. On a rank whose own
-    part failed, ``__cause__`` is that rank's own error (``WriteError``, ``StaleTensorError`` ...).
-    """
-
-    def __init__(self, message: str, path: str | None = None, errno: int | None = None, ranks: tuple[int, ...] = ()):
-        super().__init__(message, path=path, errno=errno)
-        self.ranks = ranks
-
-
 class DistributedSaveHandle(SaveHandle):
     """A pending distributed save (``SaveHandle``'s methods). ``wait_staged()`` concerns this rank's
     tensors; ``wait()`` returns once the checkpoint is committed on every rank, and raises
-    ``DistributedSaveError`` on every rank if any rank's part failed."""
+    ``DistributedSaveError`` on every rank if any rank's part failed. Both first confirm this
+    rank's file on the calling thread (see ``DistributedCheckpointer``: the commit waits for every
+    rank's confirmation)."""
 
     def __init__(self, path: str) -> None:
         super().__init__(path)
@@ -97,6 +93,17 @@ class DistributedCheckpointer:
     the c10d store, never the training's process group). ``torch.distributed.checkpoint.load``
     reads the result with any world size.
 
+    Confirmation: as with ``LazyCheckpointer``, a rank's file holding lazily copied tensors is
+    committed only after their versions were checked again, once the copies were over, on the
+    training thread: at that rank's next optimizer step or call into lazyckpt (``save()``,
+    ``wait()``, ``wait_staged()``, ``close()``, the handle's ``wait()`` / ``wait_staged()``; each
+    confirms this rank's files before it waits). So a distributed save commits after every rank's
+    next such call. A rank waiting in ``wait()`` therefore needs the other ranks to reach theirs:
+    call ``wait()`` on every rank, or let the others step; a rank that waits alone while the others
+    block in a collective it does not join (e.g. ``if rank == 0: h.wait()`` before the next
+    forward pass) stalls until ``commit_timeout`` (or the collective's own timeout), and the save
+    fails.
+
     Failures: any rank's failure fails the save on every rank (``DistributedSaveError`` naming the
     ranks). A rank that dies, or whose part is not durable within ``commit_timeout`` seconds after
     this rank's is, fails the save here after ``commit_timeout`` seconds (plus the coordinator's
@@ -140,7 +147,6 @@ class DistributedCheckpointer:
         self._inner = LazyCheckpointer(**options)
         self._lock = threading.Lock()
         self._pending: list[_Save] = []
-        self._failed: list[SaveHandle] = []
         self._count = 0
         self._closed = False
         self._queue: queue.SimpleQueue[_Save | None] = queue.SimpleQueue()
@@ -167,6 +173,7 @@ class DistributedCheckpointer:
         # No raising of an earlier save's error here (LazyCheckpointer.save does): ranks learn a
         # failure at slightly different moments, and a rank that raised here would leave the others
         # waiting in the planning collective. wait() and close() raise it.
+        confirm_ready()  # earlier saves whose copies are over: this thread's ops came before
         final = _resolve(path)
         n, self._count = self._count, self._count + 1
         handle = DistributedSaveHandle(final)
@@ -198,7 +205,7 @@ class DistributedCheckpointer:
                 refused.__cause__ = exc
                 exc = refused
             entry.error = exc
-            entry.handle.reported = True  # raised here, not again by a later call
+            entry.handle._seen_by_caller = True  # raised here, not again by wait() or close()
             self._queue.put(entry)
             raise exc
         self._queue.put(entry)
@@ -206,15 +213,15 @@ class DistributedCheckpointer:
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every save made so far is committed on every rank (or failed); raise the
-        first error nobody has seen."""
+        oldest error nobody has seen (``LazyCheckpointer.raise_errors``)."""
         with self._lock:
             saves = list(self._pending)
         deadline = None if timeout is None else time.monotonic() + timeout
         for s in saves:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not s.handle._done.wait(remaining):
+            if not s.handle._wait_done(remaining):  # confirms this rank's file first
                 raise TimeoutError(f"pending distributed saves not committed after {timeout} s")
-        self._raise_unreported()
+        self._inner.raise_errors()
 
     def wait_staged(self, timeout: float | None = None) -> None:
         """Block until this rank's pending host copies are done (its saved tensors may change)."""
@@ -229,7 +236,7 @@ class DistributedCheckpointer:
             with self._lock:
                 saves = list(self._pending)
             for s in saves:
-                s.handle._done.wait()
+                s.handle._wait_done()  # confirms this rank's file first
         finally:
             self._closed = True
             self._queue.put(None)
@@ -238,11 +245,10 @@ class DistributedCheckpointer:
             with _commit._live_lock:
                 _commit.live_tokens.discard(self._token)
             try:
-                self._inner.close()
+                self._inner.close()  # raises the oldest unseen error: the ledger is the inner checkpointer's
             finally:
                 if dist.is_initialized():
                     dist.destroy_process_group(self._group)
-        self._raise_unreported()
 
     def __enter__(self) -> DistributedCheckpointer:
         return self
@@ -277,6 +283,7 @@ class DistributedCheckpointer:
         entry.layout = layout
         path = os.path.join(entry.staging, entry.file)
         entry.local = entry.handle._local = rank_file.start(path, layout, entry.t0)
+        bind_local(entry.handle, entry.local)
 
     # -- the commit thread ------------------------------------------------------------------------
 
@@ -289,7 +296,10 @@ class DistributedCheckpointer:
                     f"coordinating the save failed on rank {self.rank} ({exc}); the folder holds the complete new "
                     "checkpoint or was not replaced (e.g. the store's host, rank 0, died)"
                 )
-                self._finish(entry, self._error(entry, why, exc))
+                try:
+                    self._finish(entry, self._error(entry, why, exc))
+                except BaseException:  # noqa: BLE001 - the loop must outlive one save
+                    logger.exception("lazyckpt: finishing the distributed save to %s failed", entry.final)
 
     def _commit(self, entry: _Save) -> None:
         report, own_error = self._own_report(entry)
@@ -308,18 +318,17 @@ class DistributedCheckpointer:
         self._finish(entry, self._error(entry, message, cause, ranks))
 
     def _own_report(self, entry: _Save) -> tuple[RankReport, BaseException | None]:
+        """This rank's part, once its file is committed in the staging folder (which waits for the
+        training thread to confirm it: ``local_outcome``) or failed."""
         exc = entry.error
-        if exc is None:
-            assert entry.local is not None and entry.layout is not None
-            try:
-                entry.local.wait()
-            except BaseException as e:
-                exc = e
-        if exc is not None:
-            return RankReport(self.rank, False, error=f"{type(exc).__name__}: {exc}"), exc
-        assert entry.layout is not None
-        report = RankReport(self.rank, True, entry.file, entry.layout.total_size, entry.layout.file_crc, entry.storage)
-        return report, None
+        if exc is None and entry.local is not None and entry.layout is not None:
+            exc = local_outcome(entry.local)
+            if exc is None:
+                layout = entry.layout
+                return RankReport(self.rank, True, entry.file, layout.total_size, layout.file_crc, entry.storage), None
+        if exc is None:  # save() neither failed nor started the file: cannot happen
+            exc = RuntimeError(f"lazyckpt: rank {self.rank}'s file for {entry.final} was never started")
+        return RankReport(self.rank, False, error=f"{type(exc).__name__}: {exc}"), exc
 
     def _coordinate(self, entry: _Save, deadline: float) -> tuple[str, tuple[int, ...]] | None:
         """Coordinator: gather, write the metadata, decide, publish. None when committed."""
@@ -409,26 +418,12 @@ class DistributedCheckpointer:
         stats = None
         if error is None and entry.local is not None and entry.local.stats is not None:
             stats = dataclasses.replace(entry.local.stats, path=entry.final, durable_s=time.perf_counter() - entry.t0)
-        with self._lock:
+        with self._lock:  # a wait() that no longer finds the save pending finds its error
             if entry in self._pending:
                 self._pending.remove(entry)
-            if error is not None:
-                self._failed.append(entry.handle)
-        entry.handle._finish(stats, error)
-
-    def _raise_unreported(self) -> None:
-        with self._lock:
-            failed = [h for h in self._failed if not h.reported]
-            self._failed.clear()
-        if not failed:
-            return
-        for h in failed:
-            h.reported = True
-        err = failed[0]._error
-        assert err is not None
-        if len(failed) > 1 and hasattr(err, "add_note"):
-            err.add_note(f"lazyckpt: {len(failed) - 1} more save(s) failed: " + ", ".join(h.path for h in failed[1:]))
-        raise err
+            resolved = resolve_handle(self._inner, entry.handle, stats, error)
+        if resolved:
+            complete_handle(self._inner, entry.handle)
 
 
 def _abort_reason(decided: str) -> tuple[str, tuple[int, ...]]:

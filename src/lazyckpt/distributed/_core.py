@@ -7,6 +7,14 @@ A rank's data file is one core ``Job``: its sources are the tensors this rank wr
 rank's lazy copies only), same writers, same commit of the file inside the staging directory.
 If the core's job interface changes, only this module follows. (``RankFile`` builds the sources,
 the zero-copy decision and the ``Job``; ``tensor_pickle`` serves it.)
+
+The core's save lives on in two places here. Confirmation (``Job.confirm``): a rank's file is
+committed only after its lazy tensors' versions were re-checked on the training thread once the
+copies were over; the distributed commit thread therefore waits for the file without confirming
+(``local_outcome``), and the training-thread entry points confirm (``confirm_ready``, and the
+distributed handle's ``_confirm``, ``bind_local``). Errors: one ``ErrorLedger``, the inner
+checkpointer's: a rank file's own report is claimed by the distributed save that carries it as its
+cause, and the distributed save's report is published there (``finish``).
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ import torch
 
 from .. import _commit, _guard
 from .._flatten import Source, flatten_torch
-from .._handle import SaveHandle
+from .._handle import SaveHandle, SaveStats
 from .._job import Job
 from .._pool import PAGE
 from .._torchfmt import storage_alignment
@@ -82,3 +90,50 @@ class RankFile:
         job.t_returned = time.perf_counter()
         return job.handle
 
+
+def confirm_ready() -> None:
+    """On the training thread: confirm this process's saves whose copies are over (never blocks)."""
+    _guard.confirm_ready()
+
+
+def bind_local(handle: SaveHandle, local: SaveHandle) -> None:
+    """Make ``handle``'s waits (``wait()``, ``exception(timeout)``, the checkpointer's) confirm
+    ``local``, this rank's file, on the waiting thread first: the distributed outcome needs every
+    rank's file committed, and this rank's is committed only once confirmed."""
+    handle._confirm = local._confirm  # None once the file is committed: nothing left to confirm
+
+
+def local_outcome(local: SaveHandle) -> BaseException | None:
+    """For the distributed commit thread: wait until this rank's file is committed (or failed) and
+    return its error. Does not confirm (this is not the thread that mutates the tensors: the
+    training thread's next step or call into lazyckpt confirms), and claims the file's error: the
+    distributed save reports it, as its cause. (The core publishes that error on the inner ledger
+    just before the file is done: a ``raise_errors()`` on another thread in between would raise it
+    bare; the distributed checkpointer's own waits first wait for the saves that carry it.)"""
+    local._done.wait()
+    report = local._report
+    if report is not None:
+        report.claim()
+        return report.error
+    return None
+
+
+def resolve_handle(
+    ckpt: LazyCheckpointer, handle: SaveHandle, stats: SaveStats | None, error: BaseException | None
+) -> bool:
+    """Fix a distributed save's outcome as the core fixes a job's, and publish its error on ``ckpt``'s
+    ledger, before the handle is visible as done (``complete_handle``): a wait that sees it done finds the
+    error. False if the handle was already finished."""
+    if handle.done():
+        return False
+    handle._confirm = None
+    report = handle._resolve(stats, error)
+    if report is not None:
+        ckpt._errors.publish(report)
+    return True
+
+
+def complete_handle(ckpt: LazyCheckpointer, handle: SaveHandle) -> None:
+    """Make the outcome visible; done-callbacks run on the core's callback thread, as a job's do
+    (they may wait for other saves, which the distributed commit thread commits)."""
+    ckpt._engine.callbacks.submit(handle, handle._complete())
