@@ -479,3 +479,41 @@ def test_a_done_callback_may_wait_for_later_saves(tmp_path):
         gate.set()
         assert called.wait(30)
     assert results == ["ok"]
+
+
+# -- lazyckpt verify ----------------------------------------------------------------------------------
+
+
+def test_cli_verify_checks_a_distributed_folder_with_its_manifest(dckpt, tmp_path, capsys):
+    """``lazyckpt verify`` on a distributed checkpoint: the folder as a whole (never a ``.distcp``
+    file through the single-file verifier, which would call it 'not a checkpoint'); a corrupted
+    data file fails it; a dead save's staging folder is a note, not a failure."""
+    import json
+
+    from lazyckpt.cli import main
+
+    dckpt.save({"w": torch.arange(4096, dtype=torch.float32), "step": 3}, tmp_path / "run" / "c").wait()
+    folder = tmp_path / "run" / "c"
+    dead = staging_path(str(tmp_path / "run" / "d"), "deadbeef", 1)
+    os.makedirs(dead)
+    open(os.path.join(dead, "__0_0.distcp"), "wb").close()
+    for target in (tmp_path, folder, folder / "__0_0.distcp"):
+        capsys.readouterr()
+        assert main(["verify", "--json", str(target)]) == 0, target
+        doc = json.loads(capsys.readouterr().out)
+        results = [r for r in doc["results"] if r["kind"] != "temporary"]
+        assert [(r["kind"], r["format"], r["path"]) for r in results] == [("dcp-folder", "dcp", str(folder))]
+        assert results[0]["records"] >= 2 and doc["checked"] == 1
+    assert [r["path"] for r in doc["results"] if r["kind"] == "temporary"] == []
+    capsys.readouterr()
+    assert main(["verify", "--json", str(tmp_path)]) == 0
+    notes = [r["path"] for r in json.loads(capsys.readouterr().out)["results"] if r["kind"] == "temporary"]
+    assert notes == [dead]
+    data = folder / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    data.write_bytes(bytes(raw))
+    capsys.readouterr()
+    assert main(["verify", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "CRC32 mismatch" in out and "0 of 1 OK, 1 FAILED" in out
