@@ -94,20 +94,26 @@ def confirm_ready() -> None:
 
 def guarded_storages() -> set[int]:
     """data_ptrs of every storage owned by a known optimizer (params and state tensors) or
-    declared frozen."""
+    declared frozen. DTensors (FSDP2, tensor parallel) count by their local shard's storage: their
+    own has no data pointer."""
     with _lock:
         optimizers = list(_tracked)
-        ptrs = {t.untyped_storage().data_ptr() for t in _frozen}
+        ptrs = {_storage_ptr(t) for t in _frozen}
     for opt in optimizers:
         for group in opt.param_groups:
             for p in group["params"]:
-                ptrs.add(p.untyped_storage().data_ptr())
+                ptrs.add(_storage_ptr(p))
         for state in opt.state.values():
             for v in state.values():
                 if isinstance(v, torch.Tensor):
-                    ptrs.add(v.untyped_storage().data_ptr())
+                    ptrs.add(_storage_ptr(v))
     ptrs.discard(0)
     return ptrs
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    local = getattr(t, "_local_tensor", None)  # DTensor
+    return (local if isinstance(local, torch.Tensor) else t).untyped_storage().data_ptr()
 
 
 def _pre_hook(optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -14,6 +14,7 @@ __all__ = [
     "CheckpointerClosedError",
     "VerificationError",
     "IncompleteCheckpointError",
+    "DistributedSaveError",
 ]
 
 
@@ -61,3 +62,20 @@ class VerificationError(LazyCkptError):
 
 class IncompleteCheckpointError(LazyCkptError, RuntimeError):
     """A checkpoint folder's save never became durable (crash, or a failed write): its pending marker stays."""
+
+
+class DistributedSaveError(WriteError):
+    """A distributed save (``lazyckpt.distributed``) failed. Nothing was committed at ``path`` (the
+    message says so), except when this rank lost the coordination itself (the store's host died, or
+    the coordinator decided to commit and never confirmed): then ``path`` holds the complete new
+    checkpoint or the old state.
+
+    ``ranks`` are the ranks whose part failed or that did not report in time. On a rank whose own
+    part failed, ``__cause__`` is that rank's own error (``WriteError``, ``StaleTensorError`` ...).
+    """
+
+    def __init__(
+        self, message: str, path: str | None = None, errno: int | None = None, ranks: tuple[int, ...] = ()
+    ) -> None:
+        super().__init__(message, path=path, errno=errno)
+        self.ranks = ranks

@@ -4,7 +4,10 @@ Files go through :func:`lazyckpt.verify` (torch.save zips: every CRC32, the zip 
 walked without running it; safetensors: header, bounds, lazyckpt's CRC when present). A directory
 is searched recursively; every folder is checked for an unfinished lazyckpt folder save (a pending
 marker: ``lazyckpt.is_complete``), and an Accelerate ``save_state`` folder also for every expected
-file. Nothing from the files is executed.
+file. A distributed checkpoint folder (``lazyckpt.distributed``: a ``.lazyckpt-manifest.json``
+beside DCP's ``.metadata``) is checked as a whole by ``lazyckpt.distributed.verify_checkpoint``
+(every data file's size and CRC32, every item's bounds); a ``*.distcp`` file given alone stands
+for its folder. Nothing from the files is executed.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ class Result:
     """One line of output: a file, a folder's structure, or a path that could not be checked."""
 
     path: str
-    kind: str  # "file", "accelerate-folder", "folder", "directory", "missing" or "temporary" (a note, not checked)
+    # "file", "dcp-folder", "accelerate-folder", "folder", "directory", "missing" or "temporary" (a note, not checked)
+    kind: str
     format: str = ""
     size: int | None = None
     records: int | None = None
@@ -74,12 +78,16 @@ def check_path(path: str) -> list[Result]:
     if not os.path.exists(path):
         return [Result(path, "missing", problems=["no such file or directory"])]
     if not os.path.isdir(path):
+        if path.endswith(_DCP_SUFFIX):  # one item file of many: only its folder's manifest can vouch for it
+            return [check_dcp_folder(os.path.dirname(os.path.abspath(path)))]
         return [check_file(path)]
     results: list[Result] = []
     for directory, subdirs, _names in os.walk(path):
-        subdirs.sort()
+        staging = sorted(d for d in subdirs if _is_dcp_staging(d))
+        results.extend(_dcp_staging_note(os.path.join(directory, d)) for d in staging)
+        subdirs[:] = sorted(d for d in subdirs if d not in staging)
         results.extend(_check_directory(directory))
-    if not any(r.kind == "file" for r in results):
+    if not any(r.kind in ("file", "dcp-folder") for r in results):
         suffixes = ", ".join(f"*{s}" for s in _files.CHECKPOINT_SUFFIXES)
         results.append(Result(path, "directory", problems=[f"no checkpoint files found (looked for {suffixes})"]))
     return results
@@ -96,9 +104,36 @@ def check_file(path: str) -> Result:
     return result
 
 
+def check_dcp_folder(directory: str) -> Result:
+    """A ``lazyckpt.distributed`` checkpoint folder, checked against its manifest."""
+    from lazyckpt.distributed import verify_checkpoint  # torch.distributed.checkpoint: only when needed
+
+    report = verify_checkpoint(directory)
+    return Result(directory, "dcp-folder", report.format, report.size, report.records, list(report.problems))
+
+
+_DCP_MANIFEST = ".lazyckpt-manifest.json"  # lazyckpt.distributed._commit.MANIFEST
+_DCP_SUFFIX = ".distcp"
+
+
+def _is_dcp_staging(name: str) -> bool:
+    """A distributed save's staging folder (``.<name>.lazyckpt-dist-<token>-<n>[-old].tmp``)."""
+    return name.startswith(".") and ".lazyckpt-dist-" in name and name.endswith(".tmp")
+
+
+def _dcp_staging_note(path: str) -> Result:
+    note = (
+        "lazyckpt distributed staging folder: a save in progress, or left by a killed job "
+        "(the next distributed save into this folder removes it)"
+    )
+    return Result(path, "temporary", notes=[note])
+
+
 def _check_directory(directory: str) -> list[Result]:
     results: list[Result] = []
-    if _files.is_accelerate_folder(directory):
+    if os.path.isfile(os.path.join(directory, _DCP_MANIFEST)):
+        results.append(check_dcp_folder(directory))
+    elif _files.is_accelerate_folder(directory):
         folder = _files.check_accelerate_folder(directory)
         results.append(Result(directory, "accelerate-folder", "accelerate", records=len(folder.files),
                               problems=folder.problems))  # fmt: skip
@@ -122,7 +157,8 @@ def _line(r: Result) -> str:
         status = "NOTE"
     details = [d for d in (r.format, human_bytes(r.size) if r.size is not None else "") if d]
     if r.records is not None:
-        details.append(f"{r.records} {'files' if r.kind == 'accelerate-folder' else 'records'}")
+        unit = {"accelerate-folder": "files", "dcp-folder": "items"}.get(r.kind, "records")
+        details.append(f"{r.records} {unit}")
     text = f"{status}  {r.path}" + (f"  ({', '.join(details)})" if details else "")
     messages = r.problems or r.notes
     return text + (": " + "; ".join(messages) if messages else "")

@@ -1,0 +1,211 @@
+#!/usr/bin/env python
+"""Distributed benchmark: checkpoint sharded training state at EVERY step, several ways, in one run.
+
+N processes (gloo, CPU; or one per GPU with --device cuda) train an FSDP2 GPT (``--size 100m``: about
+100M parameters) with AdamW and save ``{model, optim, step}`` after every step with:
+
+- ``none``: no checkpoint (the baseline step time);
+- ``dcp``: ``torch.distributed.checkpoint.save`` (synchronous);
+- ``dcp_async``: ``dcp.async_save`` with ``DefaultStager`` (``staging_completion`` waited for before
+  the next optimizer step, the previous ``upload_completion`` before the next save);
+- ``dcp_async_process``: the same with ``AsyncCheckpointerType.PROCESS`` (skipped if it fails);
+- ``lazyckpt``: ``lazyckpt.distributed.DistributedCheckpointer``.
+
+Modes run interleaved, ``--rounds`` times, so drift hits all of them. The stall per checkpoint is a
+mode's time for ``--steps`` steps plus its final drain, minus the baseline's, divided by the steps.
+The storage floor is the checkpoint's bytes divided by this filesystem's fsynced write bandwidth
+(measured here once). ``--ddp`` replicates the model instead of sharding it, and prints the bytes each
+rank wrote (about 1/N each, thanks to DCP's deduplication).
+
+Usage: python benchmarks/bench_distributed.py [--nproc 2] [--size 100m] [--steps 6] [--rounds 2]
+       [--out-dir DIR] [--json FILE] [--ddp] [--modes none,dcp,dcp_async,lazyckpt]
+Not for the shared 2-core development machine: run it where nothing else runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+try:
+    from lazyckpt.cli import _gpt as gpt
+except ImportError:  # a source checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+    from lazyckpt.cli import _gpt as gpt
+
+MODES = ["none", "dcp", "dcp_async", "dcp_async_process", "lazyckpt"]
+
+
+def _model(args: argparse.Namespace, device: torch.device) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = gpt.build(args.size, device=device)
+    if not args.ddp:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.h:
+            fully_shard(block)
+        fully_shard(model)
+    return model, gpt.make_optimizer(model)
+
+
+def _state(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    return {"model": msd, "optim": osd, "step": step}
+
+
+def _run_mode(mode: str, args: argparse.Namespace, model, opt, batches, out: Path) -> float:
+    """Seconds for ``args.steps`` steps with a checkpoint after each, final drain included."""
+    import torch.distributed.checkpoint as dcp
+
+    ckpt = pending = staging = upload = None
+    if mode == "lazyckpt":
+        from lazyckpt.distributed import DistributedCheckpointer
+
+        ckpt = DistributedCheckpointer()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for i in range(args.steps):
+        gpt.train_step(model, opt, next(batches), before_step=None if staging is None else staging.result)
+        path = str(out / f"{mode}-{i}")
+        if mode == "dcp":
+            dcp.save(_state(model, opt, i), checkpoint_id=path)
+        elif mode.startswith("dcp_async"):
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+            from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+            if upload is not None:
+                upload.result()
+            kind = AsyncCheckpointerType.PROCESS if mode.endswith("process") else AsyncCheckpointerType.THREAD
+            cuda = torch.cuda.is_available()
+            stager = DefaultStager(StagingOptions(cuda, cuda, cuda, cuda))
+            response = dcp.async_save(
+                _state(model, opt, i), checkpoint_id=path, async_checkpointer_type=kind, async_stager=stager
+            )
+            # Without CUDA, DefaultStager stages inside async_save and only the upload future comes back.
+            staging = getattr(response, "staging_completion", None)
+            upload = getattr(response, "upload_completion", response)
+        elif mode == "lazyckpt":
+            pending = ckpt.save(_state(model, opt, i), path)
+    if upload is not None:
+        upload.result()
+    if pending is not None:
+        ckpt.wait()
+    dist.barrier()
+    elapsed = time.perf_counter() - t0
+    if ckpt is not None:
+        ckpt.close()
+    return elapsed
+
+
+def _rank_bytes(out: Path, mode: str, steps: int) -> dict[str, int]:
+    folder = out / f"{mode}-{steps - 1}"
+    return {p.name: p.stat().st_size for p in sorted(folder.glob("__*.distcp"))}
+
+
+def _global_bytes(obj) -> int:
+    """Tensor bytes of a state dict; a DTensor counts its global size (every rank's shards)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_global_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_global_bytes(v) for v in obj)
+    return 0
+
+
+def _floor_gbps(out: Path, nbytes: int = 256 << 20) -> float:
+    """Fsynced sequential write bandwidth of this filesystem."""
+    path = out / "floor.bin"
+    block = os.urandom(1 << 20) * 16
+    t = time.perf_counter()
+    with open(path, "wb") as fh:
+        for _ in range(nbytes // len(block)):
+            fh.write(block)
+        fh.flush()
+        os.fsync(fh.fileno())
+    gbps = nbytes / (time.perf_counter() - t) / 1e9
+    path.unlink()
+    return gbps
+
+
+def _worker(rank: int, args: argparse.Namespace, port: int, out: Path) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = torch.device(f"cuda:{rank}" if args.device == "cuda" else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=args.nproc)
+    model, opt = _model(args, device)
+    batches = gpt.BatchStream(
+        model.cfg if hasattr(model, "cfg") else gpt.config_for(args.size), seed=rank, device=device
+    )
+    for _ in range(2):  # warm-up: optimizer state exists, the guard knows the optimizer
+        gpt.train_step(model, opt, next(batches))
+    times: dict[str, list[float]] = {m: [] for m in args.modes}
+    for _ in range(args.rounds):
+        for mode in list(times):
+            try:
+                times[mode].append(_run_mode(mode, args, model, opt, batches, out))
+            except Exception as exc:  # e.g. the PROCESS checkpointer on a platform without it
+                if rank == 0:
+                    print(f"{mode}: skipped ({type(exc).__name__}: {exc})", flush=True)
+                times.pop(mode)
+            if rank == 0:
+                if args.ddp and mode in ("dcp", "lazyckpt") and mode in times:
+                    print(f"{mode}: bytes per rank file {_rank_bytes(out, mode, args.steps)}", flush=True)
+                for path in out.glob("*-*"):
+                    shutil.rmtree(path, ignore_errors=True)
+            dist.barrier()
+    if rank == 0:
+        _report(args, times, model, opt, out)
+    dist.destroy_process_group()
+
+
+def _report(args: argparse.Namespace, times: dict[str, list[float]], model, opt, out: Path) -> None:
+    base = min(times.get("none", [0.0]))
+    ckpt_bytes = _global_bytes(_state(model, opt, 0))
+    floor = ckpt_bytes / (_floor_gbps(out) * 1e9)
+    rows = {m: (min(ts) - base) / args.steps for m, ts in times.items() if m != "none"}
+    print(f"{args.nproc} ranks, {args.size}, {'DDP' if args.ddp else 'FSDP2'}: {ckpt_bytes / 1e9:.2f} GB/checkpoint")
+    print(f"baseline {base / args.steps:.3f} s/step; storage floor {floor:.3f} s/checkpoint")
+    for mode, stall in rows.items():
+        print(f"  {mode:20s} stall {stall:7.3f} s/checkpoint")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "times": times, "stall_s": rows, "floor_s": floor}))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--size", default="100m")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--ddp", action="store_true", help="replicate the model instead of sharding it")
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--out-dir", default=None)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    args.modes = [m for m in args.modes.split(",") if m]
+    out = Path(args.out_dir or tempfile.mkdtemp(prefix="bench-dist-"))
+    out.mkdir(parents=True, exist_ok=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_worker, args=(args, port, out), nprocs=args.nproc)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

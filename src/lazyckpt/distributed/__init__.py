@@ -1,0 +1,21 @@
+"""Lazy sharded checkpoints across ranks, in DCP's on-disk format, with a multi-rank atomic commit.
+
+```python
+from lazyckpt.distributed import DistributedCheckpointer
+
+ckpt = DistributedCheckpointer()                 # every rank, after init_process_group
+h = ckpt.save({"model": msd, "optim": osd, "step": step}, "ckpt/step-100")   # collective
+...                                              # forward, backward, optimizer.step()
+h.wait()                                         # committed on every rank
+ckpt.close()
+```
+
+The folder is a ``torch.distributed.checkpoint`` checkpoint (``dcp.load`` reads it with any world
+size); ``verify_checkpoint(path)`` checks it against the sizes and CRCs recorded at save time.
+"""
+
+from ..errors import DistributedSaveError
+from ._checkpointer import DistributedCheckpointer, DistributedSaveHandle
+from ._verify import verify_checkpoint
+
+__all__ = ["DistributedCheckpointer", "DistributedSaveError", "DistributedSaveHandle", "verify_checkpoint"]

@@ -1,0 +1,452 @@
+"""DistributedCheckpointer: lazy sharded saves in DCP's format, committed on every rank or none."""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import json
+import logging
+import os
+import queue
+import shutil
+import threading
+import time
+import uuid
+import weakref
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.utils import _DistWrapper
+
+from .._handle import SaveHandle
+from ..checkpointer import LazyCheckpointer
+from ..errors import CheckpointerClosedError, DistributedSaveError, LazyCkptError, SaveRefusedError
+from . import _commit
+from ._commit import RankReport
+from ._core import (
+    RankFile,
+    bind_local,
+    complete_handle,
+    confirm_ready,
+    local_outcome,
+    resolve_handle,
+    tensor_pickle,
+)
+from ._layout import RankFileLayout
+from ._plan import RankPlan, plan_save, resolve
+
+logger = logging.getLogger(__name__)
+
+
+class DistributedSaveHandle(SaveHandle):
+    """A pending distributed save (``SaveHandle``'s methods). ``wait_staged()`` concerns this rank's
+    tensors; ``wait()`` returns once the checkpoint is committed on every rank, and raises
+    ``DistributedSaveError`` on every rank if any rank's part failed. Both first confirm this
+    rank's file on the calling thread (see ``DistributedCheckpointer``: the commit waits for every
+    rank's confirmation)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self._local: SaveHandle | None = None
+
+    def staged(self) -> bool:
+        local = self._local
+        return self._staged.is_set() or (local is not None and local.staged())
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        local = self._local
+        if local is not None:
+            local.wait_staged(timeout)
+        elif not self._staged.wait(timeout):
+            raise TimeoutError(f"save to {self.path} not staged after {timeout} s")
+
+
+@dataclass(eq=False)
+class _Save:
+    n: int
+    final: str
+    staging: str
+    handle: DistributedSaveHandle
+    t0: float
+    metadata: Any = None  # coordinator: DCP Metadata, storage data filled in at commit
+    layout: RankFileLayout | None = None
+    storage: dict[Any, Any] = field(default_factory=dict)
+    file: str = ""
+    local: SaveHandle | None = None
+    error: BaseException | None = None  # this rank's part failed inside save()
+
+
+class DistributedCheckpointer:
+    """Saves sharded training state lazily on every rank, as a DCP checkpoint directory.
+
+    Construct it on every rank of ``process_group`` (default: the whole job) after
+    ``init_process_group``; it creates its own gloo group then (a collective). ``save(state, path)``
+    is collective too (every rank, same path, same order): it plans with DCP's
+    ``DefaultSavePlanner`` on the caller's thread (replicated tensors are written once, spread
+    across ranks), serializes non-tensor values, and returns. Each rank's tensors are then copied
+    and written in the background exactly as ``LazyCheckpointer`` does (the next
+    ``optimizer.step()`` waits only for this rank's pending copies), into a hidden staging folder;
+    the folder becomes ``path`` only once every rank's file is durable (two-phase commit through
+    the c10d store, never the training's process group). ``torch.distributed.checkpoint.load``
+    reads the result with any world size.
+
+    Confirmation: as with ``LazyCheckpointer``, a rank's file holding lazily copied tensors is
+    committed only after their versions were checked again, once the copies were over, on the
+    training thread: at that rank's next optimizer step or call into lazyckpt (``save()``,
+    ``wait()``, ``wait_staged()``, ``close()``, the handle's ``wait()`` / ``wait_staged()``; each
+    confirms this rank's files before it waits). So a distributed save commits after every rank's
+    next such call. A rank waiting in ``wait()`` therefore needs the other ranks to reach theirs:
+    call ``wait()`` on every rank, or let the others step; a rank that waits alone while the others
+    block in a collective it does not join (e.g. ``if rank == 0: h.wait()`` before the next
+    forward pass) stalls until ``commit_timeout`` (or the collective's own timeout), and the save
+    fails.
+
+    Failures: any rank's failure fails the save on every rank (``DistributedSaveError`` naming the
+    ranks). A rank that dies, or whose part is not durable within ``commit_timeout`` seconds after
+    this rank's is, fails the save here after ``commit_timeout`` seconds (plus the coordinator's
+    commit, if it had already decided to commit). Staging folders of dead saves are removed by the
+    next save into the same parent folder.
+
+    Args:
+        process_group: the ranks that save together (default: the default group). Only its ranks
+            are used; its backend is not (nccl is fine).
+        commit_timeout: seconds this rank waits, once its own file is durable, for the save to be
+            committed; then the save fails on every rank still waiting.
+        **options: ``LazyCheckpointer``'s options (``host_memory_budget``, ``writer_threads``,
+            ``fsync``, ``crc``, ...); ``on_backpressure`` must stay ``"block"``.
+    """
+
+    def __init__(
+        self, *, process_group: dist.ProcessGroup | None = None, commit_timeout: float = 600.0, **options: Any
+    ) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("DistributedCheckpointer needs torch.distributed initialized (init_process_group)")
+        if options.get("on_backpressure", "block") != "block":
+            raise ValueError("on_backpressure='skip' could skip a save on some ranks only; use 'block'")
+        if commit_timeout <= 0:
+            raise ValueError("commit_timeout must be positive")
+        self.commit_timeout = float(commit_timeout)
+        if process_group is None:
+            self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=max(60.0, commit_timeout)))
+        else:
+            ranks = dist.get_process_group_ranks(process_group)
+            self._group = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+        self._dist = _DistWrapper(self._group, True, 0)
+        self.rank, self.world_size = self._dist.rank, self._dist.get_world_size()
+        token = [uuid.uuid4().hex if self._dist.is_coordinator else None]
+        dist.broadcast_object_list(token, src=self._dist.global_coordinator_rank, group=self._group)
+        self._token = str(token[0])
+        with _commit._live_lock:
+            _commit.live_tokens.add(self._token)
+        self._proto = _commit.StoreProtocol(
+            dist.distributed_c10d._get_default_store(), self._token, self.rank, self.world_size
+        )
+        self._inner = LazyCheckpointer(**options)
+        self._lock = threading.Lock()
+        self._pending: list[_Save] = []
+        self._count = 0
+        self._closed = False
+        self._queue: queue.SimpleQueue[_Save | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._commit_loop, name="lazyckpt-dist-commit", daemon=True)
+        self._thread.start()
+        _open.add(self)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def save(self, state: dict[str, Any], path: str | os.PathLike[str]) -> DistributedSaveHandle:
+        """Start saving ``state`` (what ``torch.distributed.checkpoint.save`` takes) to the folder
+        ``path``; collective. Returns at once with a handle (see the class docstring).
+
+        Raises ``SaveRefusedError`` on every rank if planning fails on any (nothing written); on
+        one rank only if that rank cannot serialize its part (the save then fails on the others
+        with ``DistributedSaveError``). Unlike ``LazyCheckpointer.save``, it does not raise an
+        earlier save's error (that would break the collective): ``wait()`` and ``close()`` do.
+        """
+        t0 = time.perf_counter()
+        if self._closed:
+            raise CheckpointerClosedError("this DistributedCheckpointer is closed; create a new one")
+        # No raising of an earlier save's error here (LazyCheckpointer.save does): ranks learn a
+        # failure at slightly different moments, and a rank that raised here would leave the others
+        # waiting in the planning collective. wait() and close() raise it.
+        confirm_ready()  # earlier saves whose copies are over: this thread's ops came before
+        final = _resolve(path)
+        n, self._count = self._count, self._count + 1
+        handle = DistributedSaveHandle(final)
+
+        def prepare() -> str:  # coordinator, inside the planning collective
+            if os.path.lexists(final) and not os.path.isdir(final):
+                raise SaveRefusedError(f"{final} exists and is not a folder")
+            if os.path.isdir(final) and os.listdir(final) and not os.path.exists(os.path.join(final, ".metadata")):
+                raise SaveRefusedError(
+                    f"{final} is a folder that holds no checkpoint (no .metadata); a save replaces the folder "
+                    "at its path as a whole, so pass a path of its own (e.g. ckpt/step-100)"
+                )
+            parent = os.path.dirname(final)
+            os.makedirs(parent, exist_ok=True)
+            _commit.cleanup_leftovers(parent)
+            staging = _commit.staging_path(final, self._token, n)
+            os.mkdir(staging)
+            return staging
+
+        plan = plan_save(state, self._dist, final, prepare)
+        entry = _Save(n, final, plan.staging, handle, t0, metadata=plan.metadata)
+        with self._lock:
+            self._pending.append(entry)
+        try:
+            self._start_file(entry, plan)
+        except BaseException as exc:  # the other ranks must learn it: report, then raise here
+            if isinstance(exc, Exception) and not isinstance(exc, LazyCkptError):
+                refused = SaveRefusedError(f"rank {self.rank}: cannot save this state to {final}: {exc}")
+                refused.__cause__ = exc
+                exc = refused
+            entry.error = exc
+            entry.handle._seen_by_caller = True  # raised here, not again by wait() or close()
+            self._queue.put(entry)
+            raise exc
+        self._queue.put(entry)
+        return handle
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every save made so far is committed on every rank (or failed); raise the
+        oldest error nobody has seen (``LazyCheckpointer.raise_errors``)."""
+        with self._lock:
+            saves = list(self._pending)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for s in saves:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not s.handle._wait_done(remaining):  # confirms this rank's file first
+                raise TimeoutError(f"pending distributed saves not committed after {timeout} s")
+        self._inner.raise_errors()
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """Block until this rank's pending host copies are done (its saved tensors may change)."""
+        self._inner.wait_staged(timeout)
+
+    def close(self) -> None:
+        """Drain every pending save, stop the threads, free the buffers; raise any unseen error.
+        Not collective, but every rank should close after its last save is committed."""
+        if self._closed:
+            return
+        try:
+            with self._lock:
+                saves = list(self._pending)
+            for s in saves:
+                s.handle._wait_done()  # confirms this rank's file first
+        finally:
+            self._closed = True
+            self._queue.put(None)
+            self._thread.join()
+            _open.discard(self)
+            with _commit._live_lock:
+                _commit.live_tokens.discard(self._token)
+            try:
+                self._inner.close()  # raises the oldest unseen error: the ledger is the inner checkpointer's
+            finally:
+                if dist.is_initialized():
+                    dist.destroy_process_group(self._group)
+
+    def __enter__(self) -> DistributedCheckpointer:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except LazyCkptError:
+            logger.exception("lazyckpt: a distributed save failed while another exception was propagating")
+
+    # -- this rank's file ---------------------------------------------------------------------------
+
+    def _start_file(self, entry: _Save, plan: RankPlan) -> None:
+        tensors, byte_items = resolve(plan)
+        layout = RankFileLayout(self._inner.crc)
+        entry.file = f"__{self.rank}_0.distcp"
+        sources = []
+        for item, data in byte_items:
+            offset, length = layout.add_bytes(data)
+            entry.storage[item.index] = _StorageInfo(entry.file, offset, length)
+        for i, (item, t) in enumerate(tensors):
+            # A non-contiguous tensor is copied now (so captured now, not lazily).
+            sources.append((str(i), item.index.fqn, t if t.is_contiguous() else t.contiguous()))
+        rank_file = RankFile(self._inner, sources)
+        for (item, _), (key, _, t) in zip(tensors, sources, strict=True):
+            nbytes = t.numel() * t.element_size()
+            offset, length = layout.add_tensor(key, tensor_pickle(t), nbytes, rank_file.phases.get(key))
+            entry.storage[item.index] = _StorageInfo(entry.file, offset, length)
+        entry.layout = layout
+        path = os.path.join(entry.staging, entry.file)
+        entry.local = entry.handle._local = rank_file.start(path, layout, entry.t0)
+        bind_local(entry.handle, entry.local)
+
+    # -- the commit thread ------------------------------------------------------------------------
+
+    def _commit_loop(self) -> None:
+        while (entry := self._queue.get()) is not None:
+            try:
+                self._commit(entry)
+            except BaseException as exc:  # a store that went away (its host died), a bug: fail, go on
+                why = (
+                    f"coordinating the save failed on rank {self.rank} ({exc}); the folder holds the complete new "
+                    "checkpoint or was not replaced (e.g. the store's host, rank 0, died)"
+                )
+                try:
+                    self._finish(entry, self._error(entry, why, exc))
+                except BaseException:  # noqa: BLE001 - the loop must outlive one save
+                    logger.exception("lazyckpt: finishing the distributed save to %s failed", entry.final)
+
+    def _commit(self, entry: _Save) -> None:
+        report, own_error = self._own_report(entry)
+        self._proto.post(entry.n, report)
+        deadline = time.monotonic() + self.commit_timeout
+        if self._dist.is_coordinator:
+            outcome = self._coordinate(entry, deadline)
+        else:
+            outcome = self._follow(entry, deadline)
+            self._proto.ack(entry.n)
+        if outcome is None:
+            self._finish(entry, None)
+            return
+        message, ranks = outcome
+        cause = own_error if own_error is not None and self.rank in ranks else None
+        self._finish(entry, self._error(entry, message, cause, ranks))
+
+    def _own_report(self, entry: _Save) -> tuple[RankReport, BaseException | None]:
+        """This rank's part, once its file is committed in the staging folder (which waits for the
+        training thread to confirm it: ``local_outcome``) or failed."""
+        exc = entry.error
+        if exc is None and entry.local is not None and entry.layout is not None:
+            exc = local_outcome(entry.local)
+            if exc is None:
+                layout = entry.layout
+                return RankReport(self.rank, True, entry.file, layout.total_size, layout.file_crc, entry.storage), None
+        if exc is None:  # save() neither failed nor started the file: cannot happen
+            exc = RuntimeError(f"lazyckpt: rank {self.rank}'s file for {entry.final} was never started")
+        return RankReport(self.rank, False, error=f"{type(exc).__name__}: {exc}"), exc
+
+    def _coordinate(self, entry: _Save, deadline: float) -> tuple[str, tuple[int, ...]] | None:
+        """Coordinator: gather, write the metadata, decide, publish. None when committed."""
+        reports, missing = self._proto.gather(entry.n, deadline)
+        failed = sorted(r.rank for r in reports.values() if not r.ok)
+        if failed or missing:
+            why = "; ".join(f"rank {r}: {reports[r].error}" for r in failed)
+            if missing:
+                why = (why + "; " if why else "") + (
+                    f"rank(s) {missing} did not report a durable file within {self.commit_timeout} s "
+                    "(dead, hung, or slower than commit_timeout)"
+                )
+            decided = self._proto.decide(entry.n, "abort:" + json.dumps({"ranks": failed + missing, "why": why}))
+        else:
+            try:
+                save_id = f"{self._token}-{entry.n}"
+                _commit.write_metadata(entry.staging, entry.final, save_id, entry.metadata, reports, self._inner.fsync)
+            except Exception as exc:
+                why = f"rank {self.rank} (coordinator): writing the metadata failed: {exc}"
+                decided = self._proto.decide(entry.n, "abort:" + json.dumps({"ranks": [self.rank], "why": why}))
+            else:
+                decided = self._proto.decide(entry.n, "commit")
+        outcome: tuple[str, tuple[int, ...]] | None = None
+        if decided != "commit":
+            shutil.rmtree(entry.staging, ignore_errors=True)
+            outcome = _abort_reason(decided)
+        else:
+            try:
+                old = _commit.staging_path(entry.final, self._token, entry.n, old=True)
+                _commit.publish(entry.staging, entry.final, old, self._inner.fsync)
+            except OSError as exc:
+                if isinstance(exc, _commit.NotDurableError):
+                    why = f"rank {self.rank} (coordinator): {exc}"
+                else:
+                    shutil.rmtree(entry.staging, ignore_errors=True)
+                    why = f"nothing was committed; rank {self.rank} (coordinator) could not publish the folder: {exc}"
+                self._proto.set_result(entry.n, "err:" + why)
+                outcome = why, (self.rank,)
+            else:
+                self._proto.set_result(entry.n, "ok")
+        # Ranks that never reported may be dead (no acknowledgment to wait for) or merely slow: they
+        # still need the outcome when they get there, so the keys stay unless every rank acknowledged.
+        acked = self._proto.wait_acks(
+            entry.n, self.world_size - 1 - len(missing), time.monotonic() + self.commit_timeout
+        )
+        if acked and not missing:
+            self._proto.drop(entry.n)
+        elif not acked:
+            logger.warning("lazyckpt: not every rank acknowledged the end of the save to %s", entry.final)
+        return outcome
+
+    def _follow(self, entry: _Save, deadline: float) -> tuple[str, tuple[int, ...]] | None:
+        """Other ranks: wait for the coordinator's decision (or decide abort when it never comes)."""
+        decided = self._proto.wait_value(entry.n, "outcome", deadline)
+        if decided is None:
+            why = (
+                f"rank {self.rank} got no decision from the coordinator within {self.commit_timeout} s "
+                "after its own file was durable (a rank died, hung, or is slower than commit_timeout)"
+            )
+            decided = self._proto.decide(entry.n, "abort:" + json.dumps({"ranks": [], "why": why}))
+        if decided != "commit":
+            return _abort_reason(decided)
+        result = self._proto.wait_value(entry.n, "result", time.monotonic() + self.commit_timeout)
+        if result == "ok":
+            return None
+        if result is None:
+            return (
+                f"the coordinator decided to commit but did not confirm within {self.commit_timeout} s; "
+                f"{entry.final} holds either the complete new checkpoint or the previous state",
+                (0,),
+            )
+        return result[len("err:") :], (0,)
+
+    def _error(
+        self, entry: _Save, message: str, cause: BaseException | None, ranks: tuple[int, ...] = ()
+    ) -> DistributedSaveError:
+        err = DistributedSaveError(
+            f"distributed save to {entry.final} failed: {message}",
+            path=entry.final,
+            errno=getattr(cause, "errno", None),
+            ranks=ranks,
+        )
+        err.__cause__ = cause
+        return err
+
+    def _finish(self, entry: _Save, error: BaseException | None) -> None:
+        stats = None
+        if error is None and entry.local is not None and entry.local.stats is not None:
+            stats = dataclasses.replace(entry.local.stats, path=entry.final, durable_s=time.perf_counter() - entry.t0)
+        with self._lock:  # a wait() that no longer finds the save pending finds its error
+            if entry in self._pending:
+                self._pending.remove(entry)
+            resolved = resolve_handle(self._inner, entry.handle, stats, error)
+        if resolved:
+            complete_handle(self._inner, entry.handle)
+
+
+def _abort_reason(decided: str) -> tuple[str, tuple[int, ...]]:
+    body = json.loads(decided[len("abort:") :])
+    return "nothing was committed; " + body["why"], tuple(body["ranks"])
+
+
+def _resolve(path: str | os.PathLike[str]) -> str:
+    if not isinstance(path, (str, os.PathLike)):
+        raise SaveRefusedError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+    raw = os.fspath(path)
+    if isinstance(raw, bytes) or "://" in raw:
+        raise SaveRefusedError(f"{raw!r}: lazyckpt writes local (or shared-filesystem) folders only")
+    return os.path.abspath(raw)
+
+
+_open: weakref.WeakSet[DistributedCheckpointer] = weakref.WeakSet()
+
+
+@atexit.register
+def _drain_at_exit() -> None:
+    for ckpt in list(_open):
+        try:
+            ckpt.close()
+        except Exception as exc:  # nobody left to raise to
+            logger.error("lazyckpt: a distributed checkpoint save failed before exit: %s", exc)

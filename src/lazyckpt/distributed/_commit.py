@@ -1,0 +1,276 @@
+"""The two-phase, multi-rank commit of a checkpoint directory.
+
+Phase 1: every rank writes its ``__<rank>_0.distcp`` into a staging directory next to the final one
+(``.<name>.lazyckpt-dist-<token>-<n>.tmp``, made by the coordinator during planning) and makes it
+durable (the core's job: fsync, rename inside the staging directory, fsync of that directory).
+Each rank then posts a report (ok, with its file's size, CRC and storage data; or its error) under
+its own key in the c10d store. Phase 2: the coordinator waits for every report, writes
+``.metadata`` and the manifest into the staging directory, fsyncs them, *decides* by an atomic
+``compare_set`` of the outcome key (``commit``), renames the staging directory to the final name,
+fsyncs the parent, and posts the result. A rank whose wait runs out (``commit_timeout`` after its
+own file is durable) tries to decide ``abort`` by the same ``compare_set``; whoever sets the key
+first wins, so every rank agrees, and a checkpoint appears at the final name only when every rank's
+file was durable. The store is a TCP connection of its own, not the training's process group, so
+none of this is a collective (safe from a background thread, and with nccl training).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import json
+import logging
+import os
+import pickle
+import re
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from .._commit import fsync_dir
+
+logger = logging.getLogger(__name__)
+
+METADATA = ".metadata"
+MANIFEST = ".lazyckpt-manifest.json"
+_STAGING_RE = re.compile(r"^\..+\.lazyckpt-dist-([0-9a-f]+)-\d+(-old)?\.tmp$")
+# Waits poll the store with short requests, backing off from 5 ms to 100 ms: a blocking
+# ``store.wait`` would hold the store client's lock (one per process, shared with the training's own
+# store traffic) for the whole wait, and N ranks polling fast would load the store's host.
+_POLL_MIN_S, _POLL_MAX_S = 0.005, 0.1
+
+
+def _polls(deadline: float) -> Iterator[bool]:
+    """Yield until ``deadline`` (True while time is left), sleeping a growing interval between."""
+    delay = _POLL_MIN_S
+    while True:
+        yield time.monotonic() < deadline
+        time.sleep(delay)
+        delay = min(delay * 2, _POLL_MAX_S)
+
+
+# Tokens of the checkpointers open in this process: their staging directories are never leftovers.
+live_tokens: set[str] = set()
+_live_lock = threading.Lock()
+
+
+def staging_path(final: str, token: str, n: int, old: bool = False) -> str:
+    head, tail = os.path.split(final)
+    return os.path.join(head, f".{tail}.lazyckpt-dist-{token}-{n}{'-old' if old else ''}.tmp")
+
+
+def cleanup_leftovers(directory: str) -> list[str]:
+    """Remove staging directories of distributed saves in ``directory`` whose checkpointer is not
+    open in this process (the coordinator's): their saves died before committing."""
+    removed: list[str] = []
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return removed
+    with _live_lock:
+        live = set(live_tokens)
+    for name in names:
+        m = _STAGING_RE.match(name)
+        if m and m.group(1) not in live:
+            path = os.path.join(directory, name)
+            final = os.path.join(directory, name[1 : name.index(".lazyckpt-dist-")])
+            if m.group(2) and not os.path.lexists(final):
+                # A previous checkpoint moved aside by publish() without RENAME_EXCHANGE, and the
+                # process died before the new one took its name: put it back, never delete it.
+                os.rename(path, final)
+                logger.warning("lazyckpt: restored %s from %s (a save died while replacing it)", final, path)
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            if not os.path.lexists(path):
+                removed.append(path)
+    if removed:
+        logger.info(
+            "lazyckpt: removed %d leftover staging folder(s) of dead distributed saves in %s", len(removed), directory
+        )
+    return removed
+
+
+@dataclass
+class RankReport:
+    """What a rank posts once its part of a save is over."""
+
+    rank: int
+    ok: bool
+    file: str = ""  # relative name of its data file
+    size: int = 0
+    crc: int | None = None
+    storage_data: Any = None  # {MetadataIndex: _StorageInfo}
+    error: str = ""  # "<type>: <message>" when not ok
+
+
+class StoreProtocol:
+    """Keys of one checkpointer's saves in the c10d store (``lazyckpt/<token>/<n>/...``)."""
+
+    def __init__(self, store: Any, token: str, rank: int, world_size: int) -> None:
+        self.store, self.token, self.rank, self.world_size = store, token, rank, world_size
+
+    def _key(self, n: int, name: str) -> str:
+        return f"lazyckpt/{self.token}/{n}/{name}"
+
+    def post(self, n: int, report: RankReport) -> None:
+        self.store.set(self._key(n, f"r{report.rank}"), pickle.dumps(report))
+        if not report.ok:
+            self.store.set(self._key(n, "failed"), str(report.rank))
+        self.store.add(self._key(n, "reported"), 1)
+
+    def gather(self, n: int, deadline: float) -> tuple[dict[int, RankReport], list[int]]:
+        """Reports of every rank, or as soon as one failed; and the ranks missing at ``deadline``.
+        Two requests per poll whatever the world size: a counter and a failure flag."""
+        for time_left in _polls(deadline):
+            everyone = int(self.store.add(self._key(n, "reported"), 0)) >= self.world_size
+            if everyone or self.store.check([self._key(n, "failed")]) or not time_left:
+                break
+        reports: dict[int, RankReport] = {}
+        missing: list[int] = []
+        for r in range(self.world_size):
+            key = self._key(n, f"r{r}")
+            if self.store.check([key]):
+                reports[r] = pickle.loads(self.store.get(key))
+            else:
+                missing.append(r)
+        if any(not rep.ok for rep in reports.values()):
+            return reports, []  # decided by the failure; the others may still be on their way
+        return reports, missing
+
+    def decide(self, n: int, outcome: str) -> str:
+        """Set the outcome unless someone did first; return the outcome that holds."""
+        return bytes(self.store.compare_set(self._key(n, "outcome"), "", outcome)).decode()
+
+    def wait_value(self, n: int, name: str, deadline: float) -> str | None:
+        key = self._key(n, name)
+        for time_left in _polls(deadline):
+            if self.store.check([key]):
+                return bytes(self.store.get(key)).decode()
+            if not time_left:
+                return None
+        raise AssertionError("unreachable")
+
+    def set_result(self, n: int, result: str) -> None:
+        self.store.set(self._key(n, "result"), result)
+
+    def ack(self, n: int) -> None:
+        """A rank has read how save ``n`` ended (it needs the store no more for it)."""
+        self.store.add(self._key(n, "acks"), 1)
+
+    def wait_acks(self, n: int, expected: int, deadline: float) -> bool:
+        """Until ``expected`` ranks acknowledged, or ``deadline``. The coordinator's process often
+        hosts the store: finishing its handle (after which it may exit) before the others have read
+        the outcome would cut them off and fail a save that committed."""
+        for time_left in _polls(deadline):
+            if int(self.store.add(self._key(n, "acks"), 0)) >= expected:
+                return True
+            if not time_left:
+                return False
+        raise AssertionError("unreachable")
+
+    def drop(self, n: int) -> None:
+        """Delete save ``n``'s keys (once every rank has acknowledged)."""
+        names = [f"r{r}" for r in range(self.world_size)] + ["outcome", "result", "acks", "reported", "failed"]
+        for name in names:
+            try:
+                self.store.delete_key(self._key(n, name))
+            except Exception:  # some stores cannot delete; the keys are small
+                return
+
+
+def write_metadata(
+    staging: str, final: str, save_id: str, metadata: Any, reports: dict[int, RankReport], fsync: bool
+) -> None:
+    """``.metadata`` (DCP's pickled ``Metadata``, storage data from every rank) and the manifest of
+    per-file sizes and CRCs that ``verify_checkpoint`` checks, both durable in ``staging``."""
+    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    storage: dict[Any, Any] = {}
+    for report in reports.values():
+        storage.update(report.storage_data)
+    metadata.version = CURRENT_DCP_VERSION
+    metadata.storage_data = storage
+    metadata.storage_meta = StorageMeta(checkpoint_id=final, save_id=save_id)  # as FileSystemWriter.finish
+    blob = pickle.dumps(metadata)
+    from .._crc import crc32
+
+    files = {
+        r.file: {"size": r.size, "crc32": r.crc, "rank": r.rank} for r in sorted(reports.values(), key=lambda r: r.rank)
+    }
+    manifest = {
+        "format": "lazyckpt-dcp/1",
+        "world_size": len(reports),
+        "files": files,
+        METADATA: {"size": len(blob), "crc32": crc32(blob)},
+        "items": sorted([info.relative_path, info.offset, info.length] for info in storage.values()),
+    }
+    _write_file(os.path.join(staging, METADATA), blob, fsync)
+    _write_file(os.path.join(staging, MANIFEST), json.dumps(manifest, indent=1).encode(), fsync)
+    if fsync:
+        fsync_dir(staging)
+
+
+def _write_file(path: str, data: bytes, fsync: bool) -> None:
+    with open(path, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        if fsync:
+            os.fsync(fh.fileno())
+
+
+class NotDurableError(OSError):
+    """The new checkpoint is at its final name, but making the rename durable failed."""
+
+
+def publish(staging: str, final: str, old: str, fsync: bool) -> None:
+    """Make ``staging`` visible as ``final`` in one rename; an existing ``final`` is swapped out
+    atomically (``renameat2(RENAME_EXCHANGE)``) and deleted, so a reader sees the old checkpoint or
+    the new one, never neither (except where the kernel lacks the exchange: two renames).
+
+    Raises ``OSError`` with nothing changed at ``final``, or ``NotDurableError`` once the new
+    checkpoint is visible there but its parent's fsync failed."""
+    replaced = None
+    if os.path.lexists(final):
+        if _exchange(staging, final):
+            replaced = staging
+        else:
+            os.rename(final, old)  # no exchange: a moment with nothing at ``final``
+            try:
+                os.rename(staging, final)
+            except OSError:
+                os.rename(old, final)  # put the previous checkpoint back
+                raise
+            replaced = old
+    else:
+        os.rename(staging, final)
+    try:
+        if fsync:
+            fsync_dir(os.path.dirname(final))
+    except OSError as exc:
+        raise NotDurableError(exc.errno, f"{final} is in place but fsync of its folder failed: {exc}") from exc
+    finally:
+        if replaced is not None:
+            shutil.rmtree(replaced, ignore_errors=True)
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: str, b: str) -> bool:
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # pragma: no cover - old glibc, non-Linux
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, f"renameat2({a!r}, {b!r}, RENAME_EXCHANGE): {os.strerror(err)}")

@@ -1,0 +1,139 @@
+"""The one place the distributed package touches the core's internals.
+
+A rank's data file is one core ``Job``: its sources are the tensors this rank writes, its
+``layout`` a ``RankFileLayout`` (a ``_format.Layout``, like ``_torchfmt.TorchLayout``:
+``data_offset(key)`` and the ``_format.Layout`` protocol), and it runs on a
+``LazyCheckpointer``'s engine: same pool, same guard (the next ``optimizer.step()`` waits for this
+rank's lazy copies only), same writers, same commit of the file inside the staging directory.
+If the core's job interface changes, only this module follows. (``RankFile`` builds the sources,
+the zero-copy decision and the ``Job``; ``tensor_pickle`` serves it.)
+
+The core's save lives on in two places here. Confirmation (``Job.confirm``): a rank's file is
+committed only after its lazy tensors' versions were re-checked on the training thread once the
+copies were over; the distributed commit thread therefore waits for the file without confirming
+(``local_outcome``), and the training-thread entry points confirm (``confirm_ready``, and the
+distributed handle's ``_confirm``, ``bind_local``). Errors: one ``ErrorLedger``, the inner
+checkpointer's: a rank file's own report is claimed by the distributed save that carries it as its
+cause, and the distributed save's report is published there (``finish``).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import torch
+
+from .. import _commit, _guard
+from .._flatten import Source, flatten_torch
+from .._handle import SaveHandle, SaveStats
+from .._job import Job
+from .._pool import PAGE
+from .._torchfmt import storage_alignment
+from ..checkpointer import LazyCheckpointer, _zero_copy_candidate
+from ._layout import RankFileLayout
+
+
+def tensor_pickle(t: torch.Tensor) -> bytes:
+    """The pickle torch.save writes for a contiguous CPU tensor of ``t``'s dtype and shape whose
+    storage (key "0") holds exactly its bytes: what DCP's writer saves for every tensor item (it
+    clones views of larger storages). It depends on dtype and shape only: cached, since every save
+    of a training run has the same items."""
+    return _pickle_for(t.dtype, tuple(t.shape))
+
+
+@functools.lru_cache(maxsize=8192)
+def _pickle_for(dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
+    # torch.empty reserves address space and touches none of it.
+    pickle_bytes, sources = flatten_torch(torch.empty(shape, dtype=dtype))
+    assert [s.key for s in sources] in ([], ["0"])
+    return pickle_bytes
+
+
+class RankFile:
+    """One rank's data file on ``ckpt``'s engine: decides what is staged how, then starts the job.
+
+    ``tensors``: (layout key, name for errors, contiguous tensor). Tensors an optimizer owns are
+    copied lazily (the guard holds its next step back until they are); the rest inside ``save()``.
+    With the core's zero copy (direct I/O, CPU), large optimizer-owned tensors are written straight
+    from their memory: ``phases`` says at which position within a page their data must sit in the
+    file (the layout honours it), exactly as the core lays out a torch file.
+    """
+
+    def __init__(self, ckpt: LazyCheckpointer, tensors: list[tuple[str, str, torch.Tensor]]) -> None:
+        self.ckpt = ckpt
+        self.guarded = _guard.guarded_storages()
+        self.sources: list[Source] = []
+        for key, name, t in tensors:
+            nbytes = t.numel() * t.element_size()
+            flat = t.reshape(-1).view(torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+            self.sources.append(Source(key, flat, nbytes, [(name, t, t._version)]))
+        self.direct = ckpt._use_direct_io([s.nbytes for s in self.sources])
+        zero_copy = ckpt._use_zero_copy(self.direct, [s.device for s in self.sources])
+        self.phases: dict[str, int] = {}
+        if zero_copy and 64 % storage_alignment() == 0:
+            self.phases = {s.key: s.data_ptr % PAGE for s in self.sources if _zero_copy_candidate(s, self.guarded)}
+
+    def start(self, path: str, layout: RankFileLayout, t0: float) -> SaveHandle:
+        """Start writing ``path`` (atomically, through a temporary name beside it)."""
+        for src in self.sources:
+            src.file_offset = layout.data_offset(src.key)
+            src.live = src.key in self.phases and (src.data_ptr - src.file_offset) % PAGE == 0
+        lazy = [s for s in self.sources if s.nbytes and s.storage_ptr in self.guarded]
+        eager = [s for s in self.sources if s.nbytes and s.storage_ptr not in self.guarded]
+        job = Job(
+            path=path, tmp=_commit.temporary_path(path), fmt="torch", sources=self.sources, lazy=lazy,
+            layout=layout, file_bytes=layout.file_bytes, crc=self.ckpt.crc, fsync=self.ckpt.fsync,
+            wait_in_closure=self.ckpt.wait_in_closure, t0=t0,
+        )  # fmt: skip
+        self.ckpt._start(job, eager, self.direct)
+        job.t_returned = time.perf_counter()
+        return job.handle
+
+
+def confirm_ready() -> None:
+    """On the training thread: confirm this process's saves whose copies are over (never blocks)."""
+    _guard.confirm_ready()
+
+
+def bind_local(handle: SaveHandle, local: SaveHandle) -> None:
+    """Make ``handle``'s waits (``wait()``, ``exception(timeout)``, the checkpointer's) confirm
+    ``local``, this rank's file, on the waiting thread first: the distributed outcome needs every
+    rank's file committed, and this rank's is committed only once confirmed."""
+    handle._confirm = local._confirm  # None once the file is committed: nothing left to confirm
+
+
+def local_outcome(local: SaveHandle) -> BaseException | None:
+    """For the distributed commit thread: wait until this rank's file is committed (or failed) and
+    return its error. Does not confirm (this is not the thread that mutates the tensors: the
+    training thread's next step or call into lazyckpt confirms), and claims the file's error: the
+    distributed save reports it, as its cause. (The core publishes that error on the inner ledger
+    just before the file is done: a ``raise_errors()`` on another thread in between would raise it
+    bare; the distributed checkpointer's own waits first wait for the saves that carry it.)"""
+    local._done.wait()
+    report = local._report
+    if report is not None:
+        report.claim()
+        return report.error
+    return None
+
+
+def resolve_handle(
+    ckpt: LazyCheckpointer, handle: SaveHandle, stats: SaveStats | None, error: BaseException | None
+) -> bool:
+    """Fix a distributed save's outcome as the core fixes a job's, and publish its error on ``ckpt``'s
+    ledger, before the handle is visible as done (``complete_handle``): a wait that sees it done finds the
+    error. False if the handle was already finished."""
+    if handle.done():
+        return False
+    handle._confirm = None
+    report = handle._resolve(stats, error)
+    if report is not None:
+        ckpt._errors.publish(report)
+    return True
+
+
+def complete_handle(ckpt: LazyCheckpointer, handle: SaveHandle) -> None:
+    """Make the outcome visible; done-callbacks run on the core's callback thread, as a job's do
+    (they may wait for other saves, which the distributed commit thread commits)."""
+    ckpt._engine.callbacks.submit(handle, handle._complete())

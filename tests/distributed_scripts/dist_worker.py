@@ -1,0 +1,428 @@
+"""One rank of a multi-process DistributedCheckpointer test (CPU, gloo).
+
+Usage: dist_worker.py SCENARIO RANK WORLD PORT WORKDIR. Writes WORKDIR/result-<rank>.json
+({"ok": true, ...} or {"ok": false, "error": ...}) and exits with os._exit, so that a dead peer
+can never hang the process at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from lazyckpt.distributed import DistributedCheckpointer, DistributedSaveError
+
+SCENARIO, RANK, WORLD, PORT, WORKDIR = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+RESULT: dict = {"ok": True}
+OPTS = dict(host_memory_budget=8 << 20, chunk_bytes=1 << 20, writer_threads=2)
+
+
+def mlp(width: int = 16, depth: int = 3) -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers[:-1])
+
+
+def fsdp_model(width: int = 16) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.fsdp import fully_shard
+
+    model = mlp(width)
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, seed: int, width: int = 16) -> None:
+    g = torch.Generator().manual_seed(seed * 100 + RANK)
+    model(torch.randn(4, width, generator=g)).pow(2).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def full_dump(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
+    """The whole state at this moment, gathered (a collective), cloned."""
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+    return clone({"model": msd, "optim": osd})
+
+
+def clone(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: clone(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [clone(v) for v in obj]
+    return obj
+
+
+def compare(a, b, where: str = "") -> None:
+    """Bitwise equality of nested state; raises AssertionError naming the first difference."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), where
+        a = a.full_tensor() if hasattr(a, "full_tensor") else a
+        b = b.full_tensor() if hasattr(b, "full_tensor") else b
+        assert a.dtype == b.dtype and a.shape == b.shape, (
+            f"{where}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+        )
+        assert torch.equal(_bytes(a), _bytes(b)), where
+    elif isinstance(a, dict):
+        assert set(a) == set(b), f"{where}: keys {sorted(map(str, a))} vs {sorted(map(str, b))}"
+        for k in a:
+            compare(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            compare(x, y, f"{where}.{i}")
+    else:
+        assert a == b, f"{where}: {a!r} vs {b!r}"
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def ckpt_path(name: str) -> str:
+    return os.path.join(WORKDIR, "ckpt", name)
+
+
+def hold_staging_until_the_step() -> dict:
+    """Hold the stager until an optimizer step's guard is entered (at most 10 s: never hang), so
+    that the step must find this rank's copies pending and wait for them."""
+    import threading
+
+    import lazyckpt._engine as engine
+    import lazyckpt._job as job_mod
+
+    gate, seen = threading.Event(), {}
+    real_stage, real_release = engine.Engine._stage, job_mod.Job.release_guard
+
+    def held_stage(self, job):
+        gate.wait(10)
+        real_stage(self, job)
+
+    def release_guard(self):
+        seen.setdefault("staged", self.cpu_staged.is_set())
+        gate.set()
+        real_release(self)
+
+    engine.Engine._stage = held_stage
+    job_mod.Job.release_guard = release_guard
+    return seen
+
+
+# -- scenarios ---------------------------------------------------------------------------------------
+
+
+def scenario_fsdp() -> None:
+    """FSDP2 + AdamW: save, step at once (the guard), wait; stock dcp.load into a fresh model and
+    optimizer must give the state at save() bitwise; a dump for the single-process checks."""
+    model, opt = fsdp_model()
+    for step in range(2):
+        train_step(model, opt, step)
+    dump = full_dump(model, opt)
+    seen = hold_staging_until_the_step()
+    with DistributedCheckpointer(**OPTS) as ckpt:
+        msd, osd = get_state_dict(model, opt)
+        h = ckpt.save({"model": msd, "optim": osd, "step": 2}, ckpt_path("step-2"))
+        RESULT["staged_after_save"] = h.staged()
+        for step in range(2, 4):  # the first step right after save(): it waits for this rank's copies
+            train_step(model, opt, step)
+        stats = h.wait()
+        RESULT["guard_wait_s"] = stats.guard_wait_s
+    RESULT["staged_when_step_began"] = seen.get("staged")
+    assert not torch.equal(full_dump(model, opt)["model"]["0.weight"], dump["model"]["0.weight"]), "training moved on"
+    fresh, fresh_opt = fsdp_model()
+    train_step(fresh, fresh_opt, 99)  # optimizer state exists, with other values
+    msd, osd = get_state_dict(fresh, fresh_opt)
+    state = {"model": msd, "optim": osd, "step": -1}
+    dcp.load(state, checkpoint_id=ckpt_path("step-2"))
+    set_state_dict(fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    assert state["step"] == 2
+    compare(full_dump(fresh, fresh_opt), dump, "loaded")
+    if RANK == 0:
+        torch.save(dump, os.path.join(WORKDIR, "dump.pt"))
+
+
+def scenario_load_fsdp() -> None:
+    """Load a checkpoint saved by another world size into FSDP2 here (resharding) and compare."""
+    model, opt = fsdp_model()
+    train_step(model, opt, 99)
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd, "step": -1}
+    dcp.load(state, checkpoint_id=ckpt_path("step-2"))
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    compare(full_dump(model, opt), torch.load(os.path.join(WORKDIR, "dump.pt"), weights_only=False), "resharded")
+
+
+def scenario_ddp() -> None:
+    """Replicated state (DDP-style): every tensor written once, the bytes spread across ranks."""
+    model = mlp(width=32, depth=6)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    train_step(model, opt, 0, width=32)  # rank-dependent gradients: make the replicas equal again
+    for p in model.parameters():
+        dist.broadcast(p.data, src=0)
+    for state in opt.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor) and v.dim():
+                dist.broadcast(v, src=0)
+    dump = clone({"model": model.state_dict(), "optim": opt.state_dict()})
+    with DistributedCheckpointer(**OPTS) as ckpt:
+        h = ckpt.save({"model": model.state_dict(), "optim": opt.state_dict()}, ckpt_path("ddp"))
+        train_step(model, opt, 1, width=32)  # the step waits for this rank's copies first
+        h.wait()
+    if RANK == 0:
+        torch.save(dump, os.path.join(WORKDIR, "dump.pt"))
+
+
+def scenario_tp() -> None:
+    """A tensor-parallel pair of layers (DTensor, colwise then rowwise)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    model = parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(1)  # the same input on every rank (tensor parallel)
+    for _ in range(2):
+        model(torch.randn(4, 8, generator=g)).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    dump = full_dump(model, opt)
+    with DistributedCheckpointer(**OPTS) as ckpt:
+        msd, osd = get_state_dict(model, opt)
+        h = ckpt.save({"model": msd, "optim": osd}, ckpt_path("tp"))
+        model(torch.randn(4, 8, generator=g)).pow(2).sum().backward()
+        opt.step()
+        h.wait()
+    if RANK == 0:
+        torch.save(dump, os.path.join(WORKDIR, "dump.pt"))
+
+
+def scenario_uneven() -> None:
+    """Rank 0 holds 3 MiB (more than its 1 MiB host budget: it streams), rank 1 a few bytes; the
+    rank with little to write waits for the other, within commit_timeout."""
+    torch.manual_seed(RANK)
+    state = {f"rank{RANK}.t": torch.randn(768 * 1024 if RANK == 0 else 3), "common": {"lr": 0.5}}
+    dump = clone(state)
+    opts = dict(OPTS, host_memory_budget=1 << 20, chunk_bytes=256 << 10)
+    with DistributedCheckpointer(commit_timeout=60, **opts) as ckpt:
+        ckpt.save(state, ckpt_path("uneven")).wait()
+    torch.save(dump, os.path.join(WORKDIR, f"dump-{RANK}.pt"))
+
+
+def _patch_data_writes(action) -> None:
+    """Make this rank's first tensor-data pwrite of a .distcp file call ``action`` instead."""
+    import lazyckpt._engine as engine
+
+    real = engine.pwrite_all
+
+    def pwrite_all(fd, data, offset):
+        if len(data) >= 1024:
+            action()
+        return real(fd, data, offset)
+
+    engine.pwrite_all = pwrite_all
+
+
+def scenario_write_error() -> None:
+    """Rank 1 hits ENOSPC writing its data: both ranks' wait() fail naming rank 1; nothing at the
+    final name, no staging folder left."""
+    state = {"w": torch.randn(64, 64), f"own{RANK}": torch.randn(512)}
+    with DistributedCheckpointer(**OPTS) as ckpt:
+        if RANK == 1:
+
+            def enospc():
+                raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+            _patch_data_writes(enospc)
+        h = ckpt.save(state, ckpt_path("bad"))
+        try:
+            h.wait()
+            raise AssertionError("wait() should have failed")
+        except DistributedSaveError as exc:
+            RESULT.update(ranks=list(exc.ranks), message=str(exc), cause=type(exc.__cause__).__name__, errno=exc.errno)
+        dist.barrier()
+    RESULT["exists"] = os.path.exists(ckpt_path("bad"))
+    RESULT["listing"] = sorted(os.listdir(os.path.dirname(ckpt_path("bad"))))
+
+
+def scenario_subgroup() -> None:
+    """process_group: ranks 1 and 2 save together (group ranks 0 and 1); rank 0 takes no part."""
+    group = dist.new_group([1, 2], backend="gloo")
+    if RANK != 0:
+        state = {"shared": torch.arange(64.0), f"own{RANK}": torch.full((8,), float(RANK))}
+        with DistributedCheckpointer(process_group=group, **OPTS) as ckpt:
+            ckpt.save(state, ckpt_path("sub")).wait()
+    dist.barrier()  # rank 0 hosts the store: it stays until the others are done
+
+
+def scenario_coordinator_exits_at_once() -> None:
+    """Rank 0 (which hosts the store) exits right after its wait() returns, while rank 1 has not yet
+    read the outcome (its read is held until rank 0 either returned from wait() or is waiting for
+    the others' acknowledgments): rank 1's save must still succeed."""
+    from lazyckpt.distributed._commit import StoreProtocol
+
+    store = dist.distributed_c10d._get_default_store()
+    if RANK == 0:
+        real_wait_acks = getattr(StoreProtocol, "wait_acks", None)
+
+        def wait_acks(self, *args):
+            store.set("test/coordinator-waits-for-acks", "1")
+            return real_wait_acks(self, *args)
+
+        StoreProtocol.wait_acks = wait_acks
+    else:
+        real_wait_value = StoreProtocol.wait_value
+
+        def wait_value(self, *args):
+            flags = ["test/coordinator-waits-for-acks", "test/coordinator-returned"]
+            while not any(store.check([f]) for f in flags):  # a flag set by the other process
+                time.sleep(0.01)
+            return real_wait_value(self, *args)
+
+        StoreProtocol.wait_value = wait_value
+    ckpt = DistributedCheckpointer(**OPTS)
+    ckpt.save({"w": torch.ones(256), f"own{RANK}": torch.ones(8)}, ckpt_path("fast")).wait()
+    if RANK == 0:
+        store.set("test/coordinator-returned", "1")  # main() exits with os._exit right after
+
+
+def scenario_refusals() -> None:
+    """(a) rank 1 cannot serialize a value: SaveRefusedError there, DistributedSaveError naming rank 1
+    on rank 0; (b) the coordinator refuses the path (a file): planning fails on every rank;
+    (c) the checkpointer still works."""
+    from lazyckpt import SaveRefusedError
+
+    with DistributedCheckpointer(commit_timeout=30, **OPTS) as ckpt:
+        state = {"w": torch.ones(8), "hook": (lambda: 0) if RANK == 1 else 0}
+        try:
+            ckpt.save(state, ckpt_path("a")).wait()
+            RESULT["a"] = "ok"
+        except SaveRefusedError as exc:
+            RESULT["a"] = f"refused: {exc}"
+        except DistributedSaveError as exc:
+            RESULT["a"] = f"failed {list(exc.ranks)}: {exc}"
+        if RANK == 0:  # only the coordinator looks at the path: its refusal reaches every rank
+            with open(ckpt_path("b"), "w") as fh:
+                fh.write("a file, not a folder")
+        dist.barrier()
+        try:
+            ckpt.save({"w": torch.ones(8)}, ckpt_path("b"))
+            RESULT["b"] = "ok"
+        except SaveRefusedError as exc:
+            RESULT["b"] = f"refused: {exc}"
+        ckpt.save({"w": torch.ones(8)}, ckpt_path("c")).wait()
+    RESULT["listing"] = sorted(os.listdir(os.path.dirname(ckpt_path("c"))))
+
+
+def scenario_slow_rank() -> None:
+    """Rank 1's file is not durable within commit_timeout (its finalisation is held until the
+    coordinator has decided): both ranks fail, naming rank 1; nothing appears, nothing is left."""
+    import lazyckpt._engine as engine
+
+    store = dist.distributed_c10d._get_default_store()
+    ckpt = DistributedCheckpointer(commit_timeout=1.0, **OPTS)
+    if RANK == 1:
+        real_finalize = engine.Engine._finalize
+        outcome_key = f"lazyckpt/{ckpt._token}/0/outcome"
+
+        def held_finalize(self, job):
+            give_up = time.monotonic() + 30
+            while not store.check([outcome_key]) and time.monotonic() < give_up:  # the other process decides
+                time.sleep(0.01)
+            real_finalize(self, job)
+
+        engine.Engine._finalize = held_finalize
+    h = ckpt.save({"w": torch.ones(64), f"own{RANK}": torch.ones(8)}, ckpt_path("slow"))
+    try:
+        h.wait()
+        raise AssertionError("wait() should have failed")
+    except DistributedSaveError as exc:
+        RESULT.update(ranks=list(exc.ranks), message=str(exc))
+    dist.barrier()
+    RESULT["listing"] = sorted(os.listdir(os.path.dirname(ckpt_path("slow"))))
+    try:
+        ckpt.close()
+    except DistributedSaveError:
+        pass
+
+
+def scenario_sigkill_coordinator() -> None:
+    """The coordinator (rank 0, which also hosts the store) is SIGKILLed mid-write: rank 1's wait()
+    fails (typed) well within commit_timeout; its staging folder is left for the next save."""
+    state = {"w": torch.randn(64, 64), f"own{RANK}": torch.randn(4096)}
+    ckpt = DistributedCheckpointer(commit_timeout=30.0, **OPTS)
+    if RANK == 0:
+        _patch_data_writes(lambda: os.kill(os.getpid(), signal.SIGKILL))
+    h = ckpt.save(state, ckpt_path("killed"))
+    t = time.monotonic()
+    try:
+        h.wait()
+        raise AssertionError("wait() should have failed")
+    except DistributedSaveError as exc:
+        RESULT.update(message=str(exc), waited_s=time.monotonic() - t)
+    RESULT["listing"] = sorted(os.listdir(os.path.dirname(ckpt_path("killed"))))
+
+
+def scenario_save_after_crash() -> None:
+    """A new job's first save into the folder of a crashed one removes the crashed save's staging."""
+    with DistributedCheckpointer(**OPTS) as ckpt:
+        ckpt.save({"w": torch.ones(4)}, ckpt_path("next")).wait()
+    RESULT["listing"] = sorted(os.listdir(os.path.dirname(ckpt_path("next"))))
+
+
+def scenario_sigkill() -> None:
+    """A committed checkpoint, then a save during which rank 1 is SIGKILLed mid-write: rank 0's
+    wait() fails within commit_timeout; the new name never appears; the old checkpoint stays."""
+    state = {"w": torch.randn(64, 64), f"own{RANK}": torch.randn(4096)}
+    ckpt = DistributedCheckpointer(commit_timeout=3.0, **OPTS)
+    ckpt.save(state, ckpt_path("good")).wait()
+    if RANK == 1:
+        _patch_data_writes(lambda: os.kill(os.getpid(), signal.SIGKILL))
+    h = ckpt.save(state, ckpt_path("killed"))
+    t = time.monotonic()
+    try:
+        h.wait()
+        raise AssertionError("wait() should have failed")
+    except DistributedSaveError as exc:
+        RESULT.update(ranks=list(exc.ranks), message=str(exc), waited_s=time.monotonic() - t)
+    RESULT["exists"] = os.path.exists(ckpt_path("killed"))
+    RESULT["listing"] = sorted(os.listdir(os.path.dirname(ckpt_path("killed"))))
+
+
+SCENARIOS = {name[len("scenario_") :]: fn for name, fn in globals().items() if name.startswith("scenario_")}
+
+
+def main() -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=PORT)
+    dist.init_process_group("gloo", rank=RANK, world_size=WORLD, timeout=timedelta(seconds=60))
+    try:
+        SCENARIOS[SCENARIO]()
+    except BaseException as exc:
+        RESULT.update(ok=False, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
+    with open(os.path.join(WORKDIR, f"result-{RANK}.json"), "w") as fh:
+        json.dump(RESULT, fh)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
