@@ -17,7 +17,7 @@ The storage floor is the checkpoint's bytes divided by this filesystem's fsynced
 (measured here once). ``--ddp`` replicates the model instead of sharding it, and prints the bytes each
 rank wrote (about 1/N each, thanks to DCP's deduplication).
 
-Usage: python benchmarks/bench_distributed.py [--nproc 2] [--size 100m] [--steps 6] [--rounds 2]
+Usage: python -m benchmarks.bench_distributed [--nproc 2] [--size 100m] [--steps 6] [--rounds 2]
        [--out-dir DIR] [--json FILE] [--ddp] [--modes none,dcp,dcp_async,lazyckpt]
 Not for the shared 2-core development machine: run it where nothing else runs.
 """
@@ -38,11 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-try:
-    from lazyckpt.cli import _gpt as gpt
-except ImportError:  # a source checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-    from lazyckpt.cli import _gpt as gpt
+from benchmarks import gpt
 
 MODES = ["none", "dcp", "dcp_async", "dcp_async_process", "lazyckpt"]
 
