@@ -76,7 +76,7 @@ from accelerate.utils.other import clean_state_dict_for_safetensors
 
 from lazyckpt import LazyCheckpointer, cleanup_temporaries
 from lazyckpt._folder import MARKER_PREFIX, FolderSave, is_complete, live_markers, pending_markers
-from lazyckpt.errors import IncompleteCheckpointError
+from lazyckpt.errors import IncompleteCheckpointError, IncompleteCheckpointWarning
 
 __all__ = [
     "install",
@@ -105,10 +105,6 @@ _STOCK_ONLY_TYPES = frozenset(
     )
     if t is not None
 )
-
-
-class IncompleteCheckpointWarning(UserWarning):
-    """``load_state()`` with automatic naming skipped the newest folder because it is incomplete."""
 
 
 # --------------------------------------------------------------------------------------------------

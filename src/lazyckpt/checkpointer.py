@@ -24,16 +24,12 @@ from ._job import Job
 from ._pool import PAGE, HostBufferPool
 from ._remove import RemovalFuture, Remover
 from ._report import ErrorLedger, Report, raise_first
-from .errors import CheckpointerClosedError, LazyCkptError, SaveRefusedError, WriteError
+from .errors import BackpressureWarning, CheckpointerClosedError, LazyCkptError, SaveRefusedError, WriteError
 
 logger = logging.getLogger(__name__)
 
 Format = Literal["torch", "safetensors"]
 Backpressure = Literal["block", "skip"]
-
-
-class BackpressureWarning(UserWarning):
-    """Saves arrive faster than storage drains them."""
 
 
 def default_host_memory_budget() -> int:

@@ -14,6 +14,9 @@ __all__ = [
     "CheckpointerClosedError",
     "VerificationError",
     "IncompleteCheckpointError",
+    "BackpressureWarning",
+    "IncompleteCheckpointWarning",
+    "InspectError",
 ]
 
 
@@ -61,3 +64,15 @@ class VerificationError(LazyCkptError):
 
 class IncompleteCheckpointError(LazyCkptError, RuntimeError):
     """A checkpoint folder's save never became durable (crash, or a failed write): its pending marker stays."""
+
+
+class InspectError(Exception):
+    """``lazyckpt inspect`` cannot show a path; the CLI prints the message and exits with status 1."""
+
+
+class BackpressureWarning(UserWarning):
+    """Saves arrive faster than storage drains them."""
+
+
+class IncompleteCheckpointWarning(UserWarning):
+    """``load_state()`` with automatic naming skipped the newest folder because it is incomplete."""
