@@ -23,7 +23,7 @@ from . import _commit
 from ._crc import crc32
 from ._flatten import Source
 from ._handle import CallbackRunner
-from ._job import Job, Piece
+from ._job import Job, Piece, PieceState, WriteFrom
 from ._pool import PAGE, HostBufferPool
 from .errors import WriteError
 
@@ -201,7 +201,7 @@ class Engine:
         except BaseException as exc:  # KeyboardInterrupt, SystemExit: fail the save, finish, re-raise
             job.fail(write_error(job, "staging for", exc))
             for piece in claimed:
-                if piece.state == "claimed":
+                if piece.state is PieceState.CLAIMED:
                     self._requeue(job, piece)
             raise
 
@@ -285,7 +285,7 @@ class Engine:
                 with torch.cuda.device(piece.source.device):  # not a stray context on GPU 0
                     piece.event.synchronize()
             if not job.failed:
-                if mode == "live":
+                if mode is WriteFrom.LIVE:
                     addr = piece.source.data_ptr + piece.start
                     data = memory_at(addr, piece.nbytes)
                 else:
@@ -302,7 +302,7 @@ class Engine:
             if piece.buffer is not None:
                 self.pool.release(piece.buffer)
                 piece.buffer = None
-            if mode == "live" and job.reader_done():
+            if mode is WriteFrom.LIVE and job.reader_done():
                 self._finish_reading(job)
             if job.piece_done():
                 self._write_q.put(job)
