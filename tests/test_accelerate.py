@@ -32,7 +32,7 @@ from accelerate.utils import ProjectConfiguration  # noqa: E402
 
 import lazyckpt.accelerate as LA  # noqa: E402
 from accelerate_scripts import acc_common as C  # noqa: E402
-from lazyckpt import LazyCheckpointer, _folder  # noqa: E402
+from lazyckpt import LazyCheckpointer, _fs  # noqa: E402
 from lazyckpt.errors import WriteError  # noqa: E402
 
 pytestmark = pytest.mark.integration
@@ -671,14 +671,14 @@ def test_marker_that_cannot_be_made_durable_fails_the_save(tmp_path, installs, m
     it cannot be made durable no file of that save appears and the error reaches wait()."""
     acc, objs, _ = make()
     h = installs(acc)
-    real = _folder._fsync_file
+    real = _fs.fsync_file
 
     def failing(path):
         if os.path.basename(path).startswith(LA.PENDING_MARKER_PREFIX):
             raise OSError(5, "injected EIO on the marker")
         return real(path)
 
-    monkeypatch.setattr(_folder, "_fsync_file", failing)
+    monkeypatch.setattr(_fs, "fsync_file", failing)
     out = tmp_path / "ck"
     acc.save_state(str(out))
     with pytest.raises(WriteError, match="injected EIO"):

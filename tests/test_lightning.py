@@ -484,12 +484,12 @@ def test_link_waits_for_a_pending_save_to_the_link_path(tmp_path, monkeypatch):
 
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from lazyckpt import _engine
+    from lazyckpt import _fs
     from lazyckpt.lightning import _link_after_pending
 
     gate = threading.Event()
-    real = _engine.pwrite_all
-    monkeypatch.setattr(_engine, "pwrite_all", lambda fd, d, off: (gate.wait(30), real(fd, d, off))[1])
+    real = _fs.pwrite_all
+    monkeypatch.setattr(_fs, "pwrite_all", lambda fd, d, off: (gate.wait(30), real(fd, d, off))[1])
     plugin = LazyCheckpointIO()
     last, target = tmp_path / "last.ckpt", tmp_path / "epoch=0-step=2.ckpt"
     plugin.save_checkpoint({"w": torch.randn(1000)}, str(last))

@@ -31,3 +31,11 @@ def test_accelerate_warning_is_reexported():
 
     LA = pytest.importorskip("lazyckpt.accelerate")
     assert LA.IncompleteCheckpointWarning is errors.IncompleteCheckpointWarning
+
+
+def test_commit_is_the_filesystem_module():
+    """``lazyckpt._commit`` is the old name of ``lazyckpt._fs``: the same module, so patching either works."""
+    from lazyckpt import _commit, _fs
+
+    assert _commit is _fs
+    assert _fs.cleanup_temporaries is lazyckpt.cleanup_temporaries

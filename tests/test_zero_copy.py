@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from _util import assert_same
-from lazyckpt import LazyCheckpointer, StaleTensorError, WriteError, _engine, _job, verify
+from lazyckpt import LazyCheckpointer, StaleTensorError, WriteError, _engine, _fs, _job, verify
 
 
 def _model_and_optimizer():
@@ -166,14 +166,14 @@ def test_in_place_change_while_written_from_memory_fails_loudly(tmp_path, monkey
 
 def test_write_error_on_a_live_piece_fails_the_save_and_releases_the_guard(tmp_path, monkeypatch):
     model, opt = _model_and_optimizer()
-    real = _engine.pwrite_all
+    real = _fs.pwrite_all
 
     def failing(fd, data, offset):
         if len(data) >= 1 << 20:
             raise OSError(5, "Input/output error")
         return real(fd, data, offset)
 
-    monkeypatch.setattr(_engine, "pwrite_all", failing)
+    monkeypatch.setattr(_fs, "pwrite_all", failing)
     with LazyCheckpointer(direct_io=True) as ckpt:
         handle = ckpt.save(_state(model, opt), tmp_path / "a.pt")
         _train_step(model, opt)  # must not hang on the failed save

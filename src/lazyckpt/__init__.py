@@ -6,8 +6,8 @@ optimizer step waits only if those copies are not done; writer threads write fil
 ``torch.load`` / ``safetensors`` read, committed atomically.
 """
 
-from ._commit import cleanup_temporaries
 from ._folder import is_complete
+from ._fs import cleanup_temporaries
 from ._handle import SaveHandle, SaveStats
 from ._verify import VerifyReport, verify
 from .checkpointer import BackpressureWarning, LazyCheckpointer

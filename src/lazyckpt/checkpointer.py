@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import torch
 
-from . import _commit, _format, _guard
+from . import _format, _fs, _guard
 from ._engine import Engine, write_error
 from ._flatten import Source
 from ._handle import SaveHandle, SaveStats
@@ -198,7 +198,7 @@ class LazyCheckpointer:
                 and (src.data_ptr - src.file_offset) % PAGE == 0
             )  # fmt: skip
         job = Job(
-            path=final, tmp=_commit.temporary_path(final), fmt=format, sources=sources, lazy=lazy,
+            path=final, tmp=_fs.temporary_path(final), fmt=format, sources=sources, lazy=lazy,
             layout=layout, file_bytes=file_bytes, crc=self.crc, fsync=self.fsync,
             wait_in_closure=self.wait_in_closure, t0=t0, before_commit=before_commit,
         )  # fmt: skip
@@ -372,7 +372,7 @@ class LazyCheckpointer:
             raise SaveRefusedError(f"cannot create directory {directory}: {exc}") from exc
         if directory not in self._cleaned_dirs:
             self._cleaned_dirs.add(directory)
-            _commit.cleanup_temporaries(directory)
+            _fs.cleanup_temporaries(directory)
         return final
 
     def _use_direct_io(self, sizes: list[int]) -> bool:
@@ -389,9 +389,9 @@ class LazyCheckpointer:
     def _start(self, job: Job, eager: list[Source], direct: bool) -> None:
         """Open the temporary file, capture unguarded tensors, hand the job to the engine."""
         try:
-            job.fd = _commit.open_temporary(job.tmp, job.file_bytes)
+            job.fd = _fs.open_temporary(job.tmp, job.file_bytes)
             if direct:
-                job.dfd = _commit.open_direct(job.tmp)
+                job.dfd = _fs.open_direct(job.tmp)
         except OSError as exc:
             raise WriteError(f"cannot create {job.tmp}: {exc}", path=job.path, errno=exc.errno) from exc
         if self.pool.pin_memory and self.pool.pin_device is None and torch.cuda.is_initialized():
