@@ -686,3 +686,20 @@ def test_marker_that_cannot_be_made_durable_fails_the_save(tmp_path, installs, m
     names = os.listdir(out)
     assert LA.pending_markers(out), "the folder stays marked incomplete"
     assert not any(n.endswith((".safetensors", ".bin")) for n in names), names
+
+
+def test_install_takes_checkpointer_options(tmp_path, installs):
+    """One CheckpointerOptions passed through to the checkpointer install() creates (keywords override it)."""
+    from lazyckpt import CheckpointerOptions
+
+    acc, objs, _ = make()
+    opts = CheckpointerOptions(host_memory_budget=1 << 20, chunk_bytes=256 << 10, writer_threads=2)
+    h = installs(acc, options=opts, fsync=False)
+    assert h.checkpointer.options == CheckpointerOptions(
+        host_memory_budget=1 << 20, chunk_bytes=256 << 10, writer_threads=2, fsync=False
+    )
+    acc.save_state(str(tmp_path / "a"))
+    h.wait()
+    assert LA.is_complete(tmp_path / "a")
+    with pytest.raises(TypeError, match="not both"):
+        LA.install(acc, checkpointer=h.checkpointer, options=opts)

@@ -29,7 +29,7 @@ except ImportError:  # pragma: no cover - older Lightning
 from lightning.pytorch.loggers import CSVLogger, Logger  # noqa: E402
 from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 
-from lazyckpt import LazyCheckpointer, SaveHandle  # noqa: E402
+from lazyckpt import CheckpointerOptions, LazyCheckpointer, SaveHandle  # noqa: E402
 from lazyckpt.errors import LazyCkptError, WriteError  # noqa: E402
 from lazyckpt.lightning import LazyCheckpointIO  # noqa: E402
 from lightning_scripts.tiny_gpt import (  # noqa: E402
@@ -457,7 +457,7 @@ def test_plugin_pickles_for_spawn(tmp_path: Any) -> None:
     clone.save_checkpoint({"x": torch.ones(3)}, str(tmp_path / "p.ckpt"))
     clone.teardown()
     assert load(str(tmp_path / "p.ckpt"))["x"].sum().item() == 3
-    assert clone._options == {"writer_threads": 2, "fsync": False}
+    assert clone._options == CheckpointerOptions(writer_threads=2, fsync=False)
     assert threading.active_count() >= 1
 
 

@@ -39,3 +39,56 @@ def test_commit_is_the_filesystem_module():
 
     assert _commit is _fs
     assert _fs.cleanup_temporaries is lazyckpt.cleanup_temporaries
+
+
+def test_checkpointer_options_defaults_match_the_keywords(tmp_path):
+    import dataclasses
+
+    import pytest
+    import torch
+
+    from lazyckpt import CheckpointerOptions, LazyCheckpointer
+
+    opts = CheckpointerOptions(host_memory_budget=64 << 20, chunk_bytes=1 << 20, writer_threads=2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opts.fsync = False  # type: ignore[misc]
+    with (
+        LazyCheckpointer(opts) as a,
+        LazyCheckpointer(host_memory_budget=64 << 20, chunk_bytes=1 << 20, writer_threads=2) as b,
+    ):
+        assert a.options == b.options == opts
+        a.save({"w": torch.ones(3)}, tmp_path / "a.pt").wait()
+    with LazyCheckpointer(opts, fsync=False) as c:  # keywords override fields of options
+        assert c.options == dataclasses.replace(opts, fsync=False) and c.fsync is False
+
+
+def test_checkpointer_options_validate_like_the_constructor():
+    import pytest
+
+    from lazyckpt import CheckpointerOptions, LazyCheckpointer
+
+    for bad, match in (
+        ({"on_backpressure": "drop"}, "on_backpressure"),
+        ({"writer_threads": 0}, "writer_threads"),
+        ({"host_memory_budget": 0}, "host_memory_budget"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            CheckpointerOptions(**bad)
+        with pytest.raises(ValueError, match=match):
+            LazyCheckpointer(**bad)
+    with pytest.raises(TypeError):
+        LazyCheckpointer(no_such_option=1)
+    with pytest.raises(TypeError):
+        LazyCheckpointer(1 << 20)  # options are a CheckpointerOptions or keywords
+
+
+def test_integrations_take_checkpointer_options():
+    import pytest
+
+    from lazyckpt import CheckpointerOptions
+
+    LL = pytest.importorskip("lazyckpt.lightning")
+    plugin = LL.LazyCheckpointIO(options=CheckpointerOptions(writer_threads=2), fsync=False)
+    assert plugin._options == CheckpointerOptions(writer_threads=2, fsync=False)
+    with pytest.raises(TypeError):
+        LL.LazyCheckpointIO(object(), options=CheckpointerOptions())  # type: ignore[arg-type]

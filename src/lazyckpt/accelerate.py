@@ -74,7 +74,7 @@ from accelerate.utils import DistributedType
 from accelerate.utils.constants import RNG_STATE_NAME, SCALER_NAME
 from accelerate.utils.other import clean_state_dict_for_safetensors
 
-from lazyckpt import LazyCheckpointer, cleanup_temporaries
+from lazyckpt import CheckpointerOptions, LazyCheckpointer, cleanup_temporaries
 from lazyckpt._folder import MARKER_PREFIX, FolderSave, is_complete, live_markers, pending_markers
 from lazyckpt.errors import IncompleteCheckpointError, IncompleteCheckpointWarning
 
@@ -620,24 +620,30 @@ class AccelerateHandle:
 
 
 def install(
-    accelerator, checkpointer: LazyCheckpointer | None = None, *, load_timeout: float = 600.0, **core_options
+    accelerator,
+    checkpointer: LazyCheckpointer | None = None,
+    *,
+    options: CheckpointerOptions | None = None,
+    load_timeout: float = 600.0,
+    **core_options,
 ) -> AccelerateHandle:
     """Make ``accelerator.save_state`` lazy (same files as stock) and ``load_state`` wait for pending saves.
 
     ``checkpointer``: an existing :class:`lazyckpt.LazyCheckpointer` to use (not closed by ``remove()``);
-    otherwise one is created from ``core_options`` (``host_memory_budget``, ``writer_threads``, ``fsync``,
+    otherwise one is created from ``options`` (a :class:`lazyckpt.CheckpointerOptions`) and/or ``core_options``
+    (the same fields as keywords, overriding ``options``: ``host_memory_budget``, ``writer_threads``, ``fsync``,
     ``on_backpressure``, ``crc``, ``chunk_bytes`` ...) and closed by ``remove()``.
     ``load_timeout``: with several processes, how long ``load_state`` waits for other processes' pending
     saves into the folder it reads before treating the folder as incomplete.
     """
-    if checkpointer is not None and core_options:
+    if checkpointer is not None and (core_options or options is not None):
         raise TypeError("pass either checkpointer= or core options, not both")
     existing = _installed.get(accelerator)
     if existing is not None and not existing.removed:
         raise RuntimeError("lazyckpt.accelerate is already installed on this Accelerator; call remove() first")
     owns = checkpointer is None
     if checkpointer is None:
-        checkpointer = LazyCheckpointer(**core_options)
+        checkpointer = LazyCheckpointer(options, **core_options)
     handle = AccelerateHandle(accelerator, checkpointer, owns)
     handle.load_timeout = float(load_timeout)
     try:

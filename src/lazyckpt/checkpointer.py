@@ -21,6 +21,8 @@ from ._engine import Engine, write_error
 from ._flatten import Source
 from ._handle import SaveHandle, SaveStats
 from ._job import Job
+from ._options import Backpressure, CheckpointerOptions
+from ._options import merge as merge_options
 from ._pool import PAGE, HostBufferPool
 from ._remove import RemovalFuture, Remover
 from ._report import ErrorLedger, Report, raise_first
@@ -29,7 +31,6 @@ from .errors import BackpressureWarning, CheckpointerClosedError, LazyCkptError,
 logger = logging.getLogger(__name__)
 
 Format = Literal["torch", "safetensors"]
-Backpressure = Literal["block", "skip"]
 
 
 def default_host_memory_budget() -> int:
@@ -64,6 +65,9 @@ class LazyCheckpointer:
     checks and so cannot be detected: call ``wait_staged()`` before such writes (the Lightning and
     Accelerate integrations do this for the weight-averaging callbacks they know).
     Methods are thread-safe.
+
+    Options are given as one :class:`CheckpointerOptions` (``options=``), as keywords, or both
+    (keywords override those fields); ``self.options`` holds the result.
 
     Args:
         host_memory_budget: bytes of host buffers (pinned on CUDA) to stage through; default a
@@ -103,34 +107,24 @@ class LazyCheckpointer:
             at every step.
     """
 
-    def __init__(
-        self,
-        host_memory_budget: int | None = None,
-        writer_threads: int = 4,
-        fsync: bool = True,
-        on_backpressure: Backpressure = "block",
-        crc: bool = True,
-        wait_in_closure: bool = True,
-        chunk_bytes: int = 64 << 20,
-        pin_memory: bool | None = None,
-        direct_io: bool | None = None,
-        zero_copy: bool = True,
-        capture_in_save: bool = False,
-    ) -> None:
-        if on_backpressure not in ("block", "skip"):
-            raise ValueError(f"on_backpressure must be 'block' or 'skip', got {on_backpressure!r}")
-        if writer_threads < 1:
-            raise ValueError("writer_threads must be >= 1")
+    def __init__(self, options: CheckpointerOptions | None = None, **kwargs: Any) -> None:
+        """Options come as a :class:`CheckpointerOptions`, as keywords (the fields above), or both
+        (keywords then override those fields of ``options``)."""
+        if options is not None and not isinstance(options, CheckpointerOptions):
+            raise TypeError(
+                f"LazyCheckpointer takes a CheckpointerOptions or keyword options, got {type(options).__name__}"
+            )
+        options = merge_options(options, kwargs)
+        self.options = options
+        host_memory_budget, pin_memory = options.host_memory_budget, options.pin_memory
         budget = default_host_memory_budget() if host_memory_budget is None else int(host_memory_budget)
-        if budget < 1:
-            raise ValueError("host_memory_budget must be positive")
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self.fsync, self.crc, self.wait_in_closure = fsync, crc, wait_in_closure
-        self.on_backpressure: Backpressure = on_backpressure
-        self.pool = HostBufferPool(budget, chunk_bytes, pin)
-        self.direct_io = direct_io
-        self.zero_copy = zero_copy
-        self.capture_in_save = capture_in_save
+        self.fsync, self.crc, self.wait_in_closure = options.fsync, options.crc, options.wait_in_closure
+        self.on_backpressure: Backpressure = options.on_backpressure
+        self.pool = HostBufferPool(budget, options.chunk_bytes, pin)
+        self.direct_io = options.direct_io
+        self.zero_copy = options.zero_copy
+        self.capture_in_save = options.capture_in_save
         self.skipped_saves = 0
         self._lock = threading.Lock()
         self._jobs: list[Job] = []  # saved, not yet committed, in save() order
@@ -139,7 +133,7 @@ class LazyCheckpointer:
         self._cleaned_dirs: set[str] = set()
         self._last_warning = 0.0
         self._closed = False
-        self._engine = Engine(self.pool, writer_threads, self._job_done)
+        self._engine = Engine(self.pool, options.writer_threads, self._job_done)
         self._remover = Remover(on_failed=self._errors.publish)
         _open_checkpointers.add(self)
 

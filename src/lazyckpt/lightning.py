@@ -44,7 +44,8 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from lazyckpt import LazyCheckpointer, SaveHandle, SaveStats
+from lazyckpt import CheckpointerOptions, LazyCheckpointer, SaveHandle, SaveStats
+from lazyckpt._options import merge as _merge_options
 from lazyckpt.errors import CheckpointerClosedError, LazyCkptError, StaleTensorError
 
 __all__ = ["LazyCheckpointIO"]
@@ -182,8 +183,9 @@ class LazyCheckpointIO(_CheckpointIO):
     Args:
         checkpointer: an existing :class:`~lazyckpt.LazyCheckpointer` to use (never closed by the plugin).
         log_stats: report each checkpoint's stall, staging and write times to the Trainer's loggers.
-        **checkpointer_options: passed to ``LazyCheckpointer`` when the plugin creates its own (the
-            plugin creates it at the first save and closes it at teardown).
+        options: a :class:`~lazyckpt.CheckpointerOptions` for the ``LazyCheckpointer`` the plugin
+            creates at the first save (and closes at teardown).
+        **checkpointer_options: the same options as keywords (override fields of ``options``).
 
     The caller may keep training right after ``save_checkpoint`` returns; nothing is needed from it.
     Code that changes parameters or optimizer state in place outside ``optimizer.step()`` while a save
@@ -192,18 +194,24 @@ class LazyCheckpointIO(_CheckpointIO):
     """
 
     def __init__(
-        self, checkpointer: LazyCheckpointer | None = None, *, log_stats: bool = True, **checkpointer_options: Any
+        self,
+        checkpointer: LazyCheckpointer | None = None,
+        *,
+        options: CheckpointerOptions | None = None,
+        log_stats: bool = True,
+        **checkpointer_options: Any,
     ) -> None:
         super().__init__()
-        if checkpointer is not None and checkpointer_options:
+        if checkpointer is not None and (checkpointer_options or options is not None):
             raise TypeError("pass either an existing `checkpointer` or LazyCheckpointer options, not both")
-        if checkpointer_options.get("on_backpressure") == "skip":
+        options = _merge_options(options, checkpointer_options)
+        if options.on_backpressure == "skip":
             warnings.warn(
                 "LazyCheckpointIO(on_backpressure='skip'): a skipped save writes no file, but ModelCheckpoint "
                 "still records it (top-k, last, best_model_path may name a missing file).",
                 stacklevel=2,
             )
-        self._options = dict(checkpointer_options)
+        self._options = options
         self._log_stats = log_stats
         self._user_checkpointer = checkpointer
         self._init_runtime()
@@ -351,7 +359,7 @@ class LazyCheckpointIO(_CheckpointIO):
 
     def _checkpointer(self) -> LazyCheckpointer:
         if self._ckpt is None:
-            self._ckpt = LazyCheckpointer(**self._options)
+            self._ckpt = LazyCheckpointer(self._options)
         return self._ckpt
 
     def _on_committed(self, record: _Save, handle: SaveHandle, uploaded_from: str | None) -> None:
