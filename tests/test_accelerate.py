@@ -32,7 +32,7 @@ from accelerate.utils import ProjectConfiguration  # noqa: E402
 
 import lazyckpt.accelerate as LA  # noqa: E402
 from accelerate_scripts import acc_common as C  # noqa: E402
-from lazyckpt import LazyCheckpointer, _fs  # noqa: E402
+from lazyckpt import LazyCheckpointer, _accelerate_compat, _fs  # noqa: E402
 from lazyckpt.errors import WriteError  # noqa: E402
 
 pytestmark = pytest.mark.integration
@@ -646,7 +646,7 @@ def test_unsupported_distributed_types_keep_stock_save_state(tmp_path, installs,
     acc, objs, _ = make()
     installs(acc, checkpointer=gated)
     # pretend this setup is one lazyckpt leaves alone (FSDP, DeepSpeed, Megatron-LM, XLA)
-    monkeypatch.setattr(LA, "_STOCK_ONLY_TYPES", frozenset({acc.distributed_type}))
+    monkeypatch.setattr(_accelerate_compat, "STOCK_ONLY_TYPES", frozenset({acc.distributed_type}))
     step(acc, objs, torch.Generator().manual_seed(0))
     with caplog.at_level("WARNING", logger="lazyckpt.accelerate"):
         acc.save_state(str(tmp_path / "a"))
