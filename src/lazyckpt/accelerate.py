@@ -64,16 +64,19 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from accelerate.utils.constants import RNG_STATE_NAME, SCALER_NAME
 from accelerate.utils.other import clean_state_dict_for_safetensors
 
-from lazyckpt import CheckpointerOptions, LazyCheckpointer, cleanup_temporaries
+from lazyckpt import CheckpointerOptions, LazyCheckpointer, SaveHandle, cleanup_temporaries
 from lazyckpt._folder import MARKER_PREFIX, FolderSave, is_complete, live_markers, pending_markers
 from lazyckpt.errors import IncompleteCheckpointError, IncompleteCheckpointWarning
 
 from . import _accelerate_compat as _compat
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
 
 __all__ = [
     "install",
@@ -113,7 +116,7 @@ class _FolderSave:
         self.durable_at: float | None = None
 
     @property
-    def handles(self) -> list:
+    def handles(self) -> list[SaveHandle]:
         return self.core.handles if self.core is not None else []
 
     # -- called on the training thread, inside stock save_state -------------------------------------
@@ -126,7 +129,7 @@ class _FolderSave:
         self.folder = self.core.folder
         return self.core
 
-    def save(self, obj, f, *, save_on_each_node: bool, safe_serialization: bool) -> None:
+    def save(self, obj: Any, f: str | os.PathLike[str], *, save_on_each_node: bool, safe_serialization: bool) -> None:
         if not _compat.is_writer(save_on_each_node):
             return
         path = os.fspath(f)
@@ -149,7 +152,7 @@ class _FolderSave:
             h.add_done_callback(self._one_done)
         self._one_done(None)
 
-    def _one_done(self, _h) -> None:
+    def _one_done(self, _h: SaveHandle | None) -> None:
         with self._lock:
             self._remaining -= 1
             last = self._remaining == 0
@@ -212,7 +215,7 @@ _installed: weakref.WeakKeyDictionary[Any, AccelerateHandle] = weakref.WeakKeyDi
 class AccelerateHandle:
     """What :func:`install` returns: ``wait()`` drains pending saves, ``remove()`` restores stock behaviour."""
 
-    def __init__(self, accelerator, checkpointer: LazyCheckpointer, owns_checkpointer: bool) -> None:
+    def __init__(self, accelerator: Accelerator, checkpointer: LazyCheckpointer, owns_checkpointer: bool) -> None:
         self.accelerator = accelerator
         self.checkpointer = checkpointer
         self._owns = owns_checkpointer
@@ -325,7 +328,7 @@ class AccelerateHandle:
             self._prune()
         self.checkpointer.raise_errors()
 
-    def _save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs):
+    def _save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> Any:
         if self._removed or not self._lazy_supported():
             return self._stock_save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
         t0 = time.perf_counter()
@@ -367,7 +370,9 @@ class AccelerateHandle:
         scan = _compat.is_writer(acc.project_configuration.save_on_each_node)
         return files, scan
 
-    def _load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs):
+    def _load_state(
+        self, input_dir: str | None = None, load_kwargs: dict[str, Any] | None = None, **kwargs: Any
+    ) -> Any:
         if self._removed:
             return self._stock_load_state(input_dir, load_kwargs=load_kwargs, **kwargs)
         acc = self.accelerator
@@ -505,11 +510,11 @@ class AccelerateHandle:
     def __enter__(self) -> AccelerateHandle:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.remove()
 
     # -- internals -----------------------------------------------------------------------------------
-    def _pre_hook(self, models, weights, output_dir) -> None:
+    def _pre_hook(self, models: list[Any], weights: list[Any], output_dir: str) -> None:
         fs = _compat.active_save.get()
         if fs is not None and fs.owner is self:
             fs.begin(output_dir)
@@ -522,12 +527,12 @@ class AccelerateHandle:
 
 
 def install(
-    accelerator,
+    accelerator: Accelerator,
     checkpointer: LazyCheckpointer | None = None,
     *,
     options: CheckpointerOptions | None = None,
     load_timeout: float = 600.0,
-    **core_options,
+    **core_options: Any,
 ) -> AccelerateHandle:
     """Make ``accelerator.save_state`` lazy (same files as stock) and ``load_state`` wait for pending saves.
 
