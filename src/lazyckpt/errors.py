@@ -9,14 +9,14 @@ from __future__ import annotations
 __all__ = [
     "LazyCkptError",
     "SaveRefusedError",
+    "BackpressureWarning",
+    "IncompleteCheckpointWarning",
+    "InspectError",
     "WriteError",
     "StaleTensorError",
     "CheckpointerClosedError",
     "VerificationError",
     "IncompleteCheckpointError",
-    "BackpressureWarning",
-    "IncompleteCheckpointWarning",
-    "InspectError",
 ]
 
 
@@ -58,14 +58,6 @@ class CheckpointerClosedError(LazyCkptError, RuntimeError):
     """The checkpointer was closed; create a new one."""
 
 
-class VerificationError(LazyCkptError):
-    """A checkpoint file failed verification (bad CRC, truncated, malformed)."""
-
-
-class IncompleteCheckpointError(LazyCkptError, RuntimeError):
-    """A checkpoint folder's save never became durable (crash, or a failed write): its pending marker stays."""
-
-
 class InspectError(Exception):
     """``lazyckpt inspect`` cannot show a path; the CLI prints the message and exits with status 1."""
 
@@ -76,3 +68,11 @@ class BackpressureWarning(UserWarning):
 
 class IncompleteCheckpointWarning(UserWarning):
     """``load_state()`` with automatic naming skipped the newest folder because it is incomplete."""
+
+
+class VerificationError(LazyCkptError):
+    """A checkpoint file failed verification (bad CRC, truncated, malformed)."""
+
+
+class IncompleteCheckpointError(LazyCkptError, RuntimeError):
+    """A checkpoint folder's save never became durable (crash, or a failed write): its pending marker stays."""
