@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from lazyckpt._commit import fsync_dir
+from lazyckpt._fs import fsync_dir
 from lazyckpt.cli._probe import filesystem_of as _filesystem_of
 
 GB = 1e9

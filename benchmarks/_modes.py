@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from lazyckpt._commit import fsync_dir
+from lazyckpt._fs import fsync_dir
 
 Span = tuple[float, float, str]
 

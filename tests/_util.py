@@ -79,11 +79,11 @@ class WriteGate:
     def __init__(self, monkeypatch) -> None:
         import threading
 
-        from lazyckpt import _engine
+        from lazyckpt import _fs
 
         self.opened = threading.Event()
-        self._real = _engine.pwrite_all
-        monkeypatch.setattr(_engine, "pwrite_all", self._write)
+        self._real = _fs.pwrite_all
+        monkeypatch.setattr(_fs, "pwrite_all", self._write)
 
     def _write(self, fd, data, offset):
         self.opened.wait()

@@ -32,7 +32,7 @@ from accelerate.utils import ProjectConfiguration  # noqa: E402
 
 import lazyckpt.accelerate as LA  # noqa: E402
 from accelerate_scripts import acc_common as C  # noqa: E402
-from lazyckpt import LazyCheckpointer, _folder  # noqa: E402
+from lazyckpt import LazyCheckpointer, _accelerate_compat, _fs  # noqa: E402
 from lazyckpt.errors import WriteError  # noqa: E402
 
 pytestmark = pytest.mark.integration
@@ -646,7 +646,7 @@ def test_unsupported_distributed_types_keep_stock_save_state(tmp_path, installs,
     acc, objs, _ = make()
     installs(acc, checkpointer=gated)
     # pretend this setup is one lazyckpt leaves alone (FSDP, DeepSpeed, Megatron-LM, XLA)
-    monkeypatch.setattr(LA, "_STOCK_ONLY_TYPES", frozenset({acc.distributed_type}))
+    monkeypatch.setattr(_accelerate_compat, "STOCK_ONLY_TYPES", frozenset({acc.distributed_type}))
     step(acc, objs, torch.Generator().manual_seed(0))
     with caplog.at_level("WARNING", logger="lazyckpt.accelerate"):
         acc.save_state(str(tmp_path / "a"))
@@ -671,14 +671,14 @@ def test_marker_that_cannot_be_made_durable_fails_the_save(tmp_path, installs, m
     it cannot be made durable no file of that save appears and the error reaches wait()."""
     acc, objs, _ = make()
     h = installs(acc)
-    real = _folder._fsync_file
+    real = _fs.fsync_file
 
     def failing(path):
         if os.path.basename(path).startswith(LA.PENDING_MARKER_PREFIX):
             raise OSError(5, "injected EIO on the marker")
         return real(path)
 
-    monkeypatch.setattr(_folder, "_fsync_file", failing)
+    monkeypatch.setattr(_fs, "fsync_file", failing)
     out = tmp_path / "ck"
     acc.save_state(str(out))
     with pytest.raises(WriteError, match="injected EIO"):
@@ -686,3 +686,20 @@ def test_marker_that_cannot_be_made_durable_fails_the_save(tmp_path, installs, m
     names = os.listdir(out)
     assert LA.pending_markers(out), "the folder stays marked incomplete"
     assert not any(n.endswith((".safetensors", ".bin")) for n in names), names
+
+
+def test_install_takes_checkpointer_options(tmp_path, installs):
+    """One CheckpointerOptions passed through to the checkpointer install() creates (keywords override it)."""
+    from lazyckpt import CheckpointerOptions
+
+    acc, objs, _ = make()
+    opts = CheckpointerOptions(host_memory_budget=1 << 20, chunk_bytes=256 << 10, writer_threads=2)
+    h = installs(acc, options=opts, fsync=False)
+    assert h.checkpointer.options == CheckpointerOptions(
+        host_memory_budget=1 << 20, chunk_bytes=256 << 10, writer_threads=2, fsync=False
+    )
+    acc.save_state(str(tmp_path / "a"))
+    h.wait()
+    assert LA.is_complete(tmp_path / "a")
+    with pytest.raises(TypeError, match="not both"):
+        LA.install(acc, checkpointer=h.checkpointer, options=opts)

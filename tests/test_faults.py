@@ -18,7 +18,7 @@ from lazyckpt import (
     LazyCheckpointer,
     SaveRefusedError,
     WriteError,
-    _engine,
+    _fs,
 )
 
 PREVIOUS = {"previous": torch.arange(10)}
@@ -38,7 +38,7 @@ def _state():
 
 
 def _failing_pwrite(monkeypatch, exc, after=0):
-    real = _engine.pwrite_all
+    real = _fs.pwrite_all
     calls = {"n": 0}
 
     def fake(fd, data, offset):
@@ -47,8 +47,8 @@ def _failing_pwrite(monkeypatch, exc, after=0):
             raise exc
         return real(fd, data, offset)
 
-    monkeypatch.setattr(_engine, "pwrite_all", fake)
-    return lambda: monkeypatch.setattr(_engine, "pwrite_all", real)
+    monkeypatch.setattr(_fs, "pwrite_all", fake)
+    return lambda: monkeypatch.setattr(_fs, "pwrite_all", real)
 
 
 @pytest.mark.parametrize(
@@ -77,16 +77,16 @@ def test_write_fault_part_way(ckpt, tmp_path, monkeypatch, exc, code):
 
 def test_eio_on_fsync(ckpt, tmp_path, monkeypatch):
     _prepare(ckpt, tmp_path)
-    real = os.fsync
+    real = _fs.fsync
 
     def fsync(fd):
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(_fs, "fsync", fsync)
     with pytest.raises(WriteError) as info:
         ckpt.save(_state(), tmp_path / "c.pt").wait()
     assert info.value.errno == errno.EIO
-    monkeypatch.setattr(os, "fsync", real)
+    monkeypatch.setattr(_fs, "fsync", real)
     _assert_previous_intact(tmp_path)
 
 
@@ -258,7 +258,7 @@ def test_close_drains_pending_saves(tmp_path):
 
 
 def test_stale_temporaries_of_dead_processes_are_cleaned(tmp_path):
-    from lazyckpt._commit import host_tag
+    from lazyckpt._fs import host_tag
 
     dead = tmp_path / f".c.pt.lazyckpt-{host_tag()}-999999999-0.tmp"
     mine = tmp_path / f".c.pt.lazyckpt-{host_tag()}-{os.getpid()}-99999.tmp"

@@ -13,7 +13,7 @@ import torch
 
 import lazyckpt
 from _util import WriteGate, assert_same
-from lazyckpt import IncompleteCheckpointError, LazyCheckpointer, WriteError, _folder
+from lazyckpt import IncompleteCheckpointError, LazyCheckpointer, WriteError, _folder, _fs
 from lazyckpt._folder import MARKER_PREFIX, FolderSave, is_complete, marker_is_stale, marker_owner, pending_markers
 
 
@@ -33,8 +33,8 @@ class MarkerGate:
     def __init__(self, monkeypatch, fail: bool = False) -> None:
         self.entered, self.go, self.fail = threading.Event(), threading.Event(), fail
         self.threads: list[str] = []
-        self._real = _folder._fsync_file
-        monkeypatch.setattr(_folder, "_fsync_file", self._fsync)
+        self._real = _fs.fsync_file
+        monkeypatch.setattr(_fs, "fsync_file", self._fsync)
 
     def _fsync(self, path: str) -> None:
         if os.path.basename(path).startswith(MARKER_PREFIX):
@@ -129,8 +129,8 @@ def test_marker_fsync_runs_inline_when_no_thread_can_start(tmp_path, monkeypatch
 
 def test_end_fsyncs_the_files_written_outside_lazyckpt(tmp_path, monkeypatch):
     synced: list[str] = []
-    real = _folder._fsync_file
-    monkeypatch.setattr(_folder, "_fsync_file", lambda p: (real(p), synced.append(os.fspath(p))))
+    real = _fs.fsync_file
+    monkeypatch.setattr(_fs, "fsync_file", lambda p: (real(p), synced.append(os.fspath(p))))
     fs = FolderSave(tmp_path / "ck", submit=lambda job: job())
     rng = tmp_path / "ck" / "random_states_0.pkl"
     rng.write_bytes(b"x")

@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 
-from lazyckpt import LazyCheckpointer, _engine
+from lazyckpt import LazyCheckpointer, _fs
 from lazyckpt.checkpointer import BackpressureWarning
 from lazyckpt.errors import WriteError
 
@@ -26,7 +26,7 @@ def _failing_pwrite(monkeypatch: pytest.MonkeyPatch) -> None:
     def fail(fd: int, data: object, offset: int) -> None:
         raise OSError(errno.EIO, "injected")
 
-    monkeypatch.setattr(_engine, "pwrite_all", fail)
+    monkeypatch.setattr(_fs, "pwrite_all", fail)
 
 
 def test_failed_save_is_published_only_once_its_error_is_set(tmp_path, monkeypatch):
@@ -46,7 +46,7 @@ def test_failed_save_is_published_only_once_its_error_is_set(tmp_path, monkeypat
         _failing_pwrite(monkeypatch)
         handle = ckpt.save(_state(), tmp_path / "a.pt")
         assert published.wait(30)
-        monkeypatch.setattr(_engine, "pwrite_all", _real_pwrite_all)  # b.pt may be written
+        monkeypatch.setattr(_fs, "pwrite_all", _real_pwrite_all)  # b.pt may be written
         try:
             with pytest.raises(WriteError, match="injected"):
                 ckpt.save(_state(), tmp_path / "b.pt")
@@ -60,7 +60,7 @@ def test_failed_save_is_published_only_once_its_error_is_set(tmp_path, monkeypat
         ckpt.close()
 
 
-_real_pwrite_all = _engine.pwrite_all
+_real_pwrite_all = _fs.pwrite_all
 
 
 def test_warning_turned_error_does_not_kill_the_committer(tmp_path):
@@ -183,7 +183,7 @@ def test_done_callback_may_close_the_checkpointer(tmp_path):
 def test_writer_survives_an_unexpected_error_in_finalisation(tmp_path, monkeypatch):
     """Issue 11 item 5 (loops): an error no step expects (here: os.close raising a non-OSError) used
     to end the writer thread before it marked the file written: the committer then waited for ever."""
-    real_close = os.close
+    real_close = _fs.close
     fired: list[int] = []
 
     def close(fd: int) -> None:
@@ -193,7 +193,7 @@ def test_writer_survives_an_unexpected_error_in_finalisation(tmp_path, monkeypat
             raise RuntimeError("injected")
 
     with LazyCheckpointer(host_memory_budget=64 << 20, chunk_bytes=1 << 20, writer_threads=1) as ckpt:
-        monkeypatch.setattr(os, "close", close)
+        monkeypatch.setattr(_fs, "close", close)
         with pytest.raises(WriteError, match="injected"):
             ckpt.save(_state(), tmp_path / "a.pt").wait(30)
         ckpt.save(_state(), tmp_path / "b.pt").wait(30)  # the one writer is still there
@@ -204,13 +204,12 @@ def test_writer_survives_an_unexpected_error_in_finalisation(tmp_path, monkeypat
 def test_committer_survives_an_unexpected_error(tmp_path, monkeypatch):
     """A failing cleanup step on the committer (here: discarding a failed save's temporary) used to
     end the committer thread: that handle and every later one never completed."""
-    from lazyckpt import _commit
 
     def discard(tmp: str) -> None:
         raise RuntimeError("injected discard failure")
 
     with LazyCheckpointer(host_memory_budget=64 << 20, chunk_bytes=1 << 20) as ckpt:
-        monkeypatch.setattr(_commit, "discard", discard)
+        monkeypatch.setattr(_fs, "discard", discard)
         with pytest.raises(WriteError):
             ckpt.save(_state(), tmp_path / "a.pt", before_commit=lambda: 1 / 0).wait(30)
         monkeypatch.undo()

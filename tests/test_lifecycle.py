@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from lazyckpt import LazyCheckpointer, _engine
+from lazyckpt import LazyCheckpointer, _fs
 from lazyckpt.errors import LazyCkptError, WriteError
 
 
@@ -20,7 +20,7 @@ def _fail_writes(monkeypatch: pytest.MonkeyPatch) -> None:
     def fail(fd: int, data: object, offset: int) -> None:
         raise OSError(errno.EIO, "injected")
 
-    monkeypatch.setattr(_engine, "pwrite_all", fail)
+    monkeypatch.setattr(_fs, "pwrite_all", fail)
 
 
 def test_added_error_is_raised_once_by_the_next_call(ckpt):

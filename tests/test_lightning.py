@@ -29,7 +29,7 @@ except ImportError:  # pragma: no cover - older Lightning
 from lightning.pytorch.loggers import CSVLogger, Logger  # noqa: E402
 from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 
-from lazyckpt import LazyCheckpointer, SaveHandle  # noqa: E402
+from lazyckpt import CheckpointerOptions, LazyCheckpointer, SaveHandle  # noqa: E402
 from lazyckpt.errors import LazyCkptError, WriteError  # noqa: E402
 from lazyckpt.lightning import LazyCheckpointIO  # noqa: E402
 from lightning_scripts.tiny_gpt import (  # noqa: E402
@@ -443,7 +443,7 @@ def test_pytorch_lightning_package(tmp_path: Any) -> None:
 def test_strategy_bypass_is_reported(tmp_path: Any) -> None:
     from lightning.pytorch.strategies import FSDPStrategy
 
-    from lazyckpt.lightning import _bypass_reason
+    from lazyckpt._lightning_compat import bypass_reason as _bypass_reason
 
     assert "torch.distributed.checkpoint" in (_bypass_reason(FSDPStrategy(state_dict_type="sharded")) or "")
     assert _bypass_reason(FSDPStrategy(state_dict_type="full")) is None
@@ -457,7 +457,7 @@ def test_plugin_pickles_for_spawn(tmp_path: Any) -> None:
     clone.save_checkpoint({"x": torch.ones(3)}, str(tmp_path / "p.ckpt"))
     clone.teardown()
     assert load(str(tmp_path / "p.ckpt"))["x"].sum().item() == 3
-    assert clone._options == {"writer_threads": 2, "fsync": False}
+    assert clone._options == CheckpointerOptions(writer_threads=2, fsync=False)
     assert threading.active_count() >= 1
 
 
@@ -484,12 +484,12 @@ def test_link_waits_for_a_pending_save_to_the_link_path(tmp_path, monkeypatch):
 
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from lazyckpt import _engine
-    from lazyckpt.lightning import _link_after_pending
+    from lazyckpt import _fs
+    from lazyckpt._lightning_compat import link_after_pending as _link_after_pending
 
     gate = threading.Event()
-    real = _engine.pwrite_all
-    monkeypatch.setattr(_engine, "pwrite_all", lambda fd, d, off: (gate.wait(30), real(fd, d, off))[1])
+    real = _fs.pwrite_all
+    monkeypatch.setattr(_fs, "pwrite_all", lambda fd, d, off: (gate.wait(30), real(fd, d, off))[1])
     plugin = LazyCheckpointIO()
     last, target = tmp_path / "last.ckpt", tmp_path / "epoch=0-step=2.ckpt"
     plugin.save_checkpoint({"w": torch.randn(1000)}, str(last))

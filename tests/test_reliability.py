@@ -18,7 +18,7 @@ import torch
 
 import lazyckpt
 from _util import WriteGate, assert_same
-from lazyckpt import LazyCheckpointer, WriteError, _engine, verify
+from lazyckpt import LazyCheckpointer, WriteError, _fs, verify
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -121,14 +121,14 @@ def test_read_only_location(tmp_path):
 
 
 def _throttle(monkeypatch, seconds_per_mb: float):
-    real = _engine.pwrite_all
+    real = _fs.pwrite_all
     pause = threading.Event()
 
     def slow(fd, data, offset):
         pause.wait(len(data) / 1e6 * seconds_per_mb)  # storage speed, not a wait for our own work
         return real(fd, data, offset)
 
-    monkeypatch.setattr(_engine, "pwrite_all", slow)
+    monkeypatch.setattr(_fs, "pwrite_all", slow)
 
 
 def test_block_policy_bounds_memory_with_slow_storage(tmp_path, monkeypatch):

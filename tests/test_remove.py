@@ -13,7 +13,7 @@ import threading
 import pytest
 import torch
 
-from lazyckpt import LazyCheckpointer, _remove, cleanup_temporaries
+from lazyckpt import LazyCheckpointer, _fs, _remove, cleanup_temporaries
 
 
 def test_file_is_gone_at_once_and_deleted_after_wait(ckpt, tmp_path):
@@ -54,16 +54,15 @@ def test_missing_path_raises(ckpt, tmp_path):
 
 def _held_writes(monkeypatch):
     """Hold every pwrite until the returned event is set: saves stay pending meanwhile."""
-    from lazyckpt import _engine
 
     gate = threading.Event()
-    real = _engine.pwrite_all
+    real = _fs.pwrite_all
 
     def held(fd, data, offset):
         gate.wait(30)
         return real(fd, data, offset)
 
-    monkeypatch.setattr(_engine, "pwrite_all", held)
+    monkeypatch.setattr(_fs, "pwrite_all", held)
     return gate
 
 
@@ -103,7 +102,6 @@ def test_remove_of_a_folder_follows_every_pending_save_into_it(tmp_path, monkeyp
 def test_remove_behind_a_failed_save_of_a_new_path_has_nothing_to_delete(tmp_path, monkeypatch):
     """The path is missing when the removal's turn comes (the save failed, nothing was there): the
     removal completes quietly; the save's error is raised once, by the save's own reporting."""
-    from lazyckpt import _engine
     from lazyckpt.errors import WriteError
 
     gate = threading.Event()
@@ -112,7 +110,7 @@ def test_remove_behind_a_failed_save_of_a_new_path_has_nothing_to_delete(tmp_pat
         gate.wait(30)
         raise OSError(errno.EIO, "injected")
 
-    monkeypatch.setattr(_engine, "pwrite_all", fail)
+    monkeypatch.setattr(_fs, "pwrite_all", fail)
     with LazyCheckpointer(host_memory_budget=64 << 20, chunk_bytes=1 << 20) as ckpt:
         path = tmp_path / "a.pt"
         handle = ckpt.save({"w": torch.randn(10_000)}, path)
@@ -150,7 +148,7 @@ def test_other_filesystem_deletes_in_place(ckpt, tmp_path, monkeypatch):
     def exdev(src, dst):
         raise OSError(errno.EXDEV, "cross-device link")
 
-    monkeypatch.setattr(os, "rename", exdev)
+    monkeypatch.setattr(_fs, "rename", exdev)
     fut = ckpt.remove(path)
     assert fut.done() and not path.exists()
 

@@ -187,12 +187,12 @@ def test_direct_io_files_read_back(tmp_path, monkeypatch, direct_io, fmt):
     """O_DIRECT for whole pages, buffered partial pages and headers: the same file either way."""
     from safetensors.torch import load_file
 
-    from lazyckpt import _engine, _pool, verify
+    from lazyckpt import _fs, _pool, verify
 
     used = []
-    real = _engine.pwrite_all
+    real = _fs.pwrite_all
     monkeypatch.setattr(
-        _engine, "pwrite_all", lambda fd, data, off: (used.append((fd, len(data), off)), real(fd, data, off))
+        _fs, "pwrite_all", lambda fd, data, off: (used.append((fd, len(data), off)), real(fd, data, off))
     )
     obj = {
         "big": torch.randn(300_001),

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from _util import assert_same
-from lazyckpt import LazyCheckpointer, StaleTensorError, _engine
+from lazyckpt import LazyCheckpointer, StaleTensorError, _engine, _fs
 
 _N = 4 << 20  # floats: 16 MiB, several pieces and (zero copy) several live pieces
 
@@ -233,22 +233,21 @@ def _dead_pid() -> int:
 
 
 def test_temporary_names_carry_the_host(tmp_path):
-    from lazyckpt import _commit
 
-    tmp = _commit.temporary_path(str(tmp_path / "c.pt"))
-    assert f".lazyckpt-{_commit.host_tag()}-{os.getpid()}-" in os.path.basename(tmp)
-    assert _commit.is_temporary(tmp)
+    tmp = _fs.temporary_path(str(tmp_path / "c.pt"))
+    assert f".lazyckpt-{_fs.host_tag()}-{os.getpid()}-" in os.path.basename(tmp)
+    assert _fs.is_temporary(tmp)
 
 
 def test_cleanup_keeps_other_hosts_temporaries(tmp_path):
     """Another node's in-flight temporary whose pid happens not to run here must survive. Before the
     fix names carried no host, so every temporary with a pid dead on this host was deleted."""
-    from lazyckpt import _commit, cleanup_temporaries
+    from lazyckpt import cleanup_temporaries
 
     dead = _dead_pid()
-    here = tmp_path / f".c.pt.lazyckpt-{_commit.host_tag()}-{dead}-0.tmp"
+    here = tmp_path / f".c.pt.lazyckpt-{_fs.host_tag()}-{dead}-0.tmp"
     other = tmp_path / f".c.pt.lazyckpt-node-17.cluster-{dead}-0.tmp"
-    mine = tmp_path / f".c.pt.lazyckpt-{_commit.host_tag()}-{os.getpid()}-0.tmp"
+    mine = tmp_path / f".c.pt.lazyckpt-{_fs.host_tag()}-{os.getpid()}-0.tmp"
     for f in (here, other, mine):
         f.write_bytes(b"partial")
     assert cleanup_temporaries(tmp_path) == [str(here)]
@@ -260,16 +259,16 @@ def test_cleanup_of_old_style_names_waits_for_them_to_go_quiet(tmp_path):
     still temporaries, removed when their pid is dead here and nothing wrote them for an hour."""
     import time
 
-    from lazyckpt import _commit, cleanup_temporaries
+    from lazyckpt import cleanup_temporaries
 
     dead = _dead_pid()
     fresh = tmp_path / f".c.pt.lazyckpt-{dead}-0.tmp"
     stale = tmp_path / f".d.pt.lazyckpt-{dead}-1.tmp"
     for f in (fresh, stale):
         f.write_bytes(b"partial")
-    old = time.time() - 2 * _commit.OLD_STYLE_QUIET_S
+    old = time.time() - 2 * _fs.OLD_STYLE_QUIET_S
     os.utime(stale, (old, old))
-    assert _commit.is_temporary(fresh.name)
+    assert _fs.is_temporary(fresh.name)
     assert cleanup_temporaries(tmp_path) == [str(stale)]
     assert os.listdir(tmp_path) == [fresh.name]
 
@@ -351,7 +350,7 @@ def test_o_direct_refused_with_another_errno_falls_back(tmp_path, monkeypatch):
     import errno
     import fcntl
 
-    real = _engine.pwrite_all
+    real = _fs.pwrite_all
     refused = []
 
     def pwrite(fd, data, offset):
@@ -360,7 +359,7 @@ def test_o_direct_refused_with_another_errno_falls_back(tmp_path, monkeypatch):
             raise OSError(errno.EFAULT, "Bad address")
         return real(fd, data, offset)
 
-    monkeypatch.setattr(_engine, "pwrite_all", pwrite)
+    monkeypatch.setattr(_fs, "pwrite_all", pwrite)
     want = {"w": torch.randn(1 << 21)}
     with LazyCheckpointer(direct_io=True, zero_copy=False) as c:
         h = c.save(want, tmp_path / "c.pt")
@@ -371,9 +370,8 @@ def test_o_direct_refused_with_another_errno_falls_back(tmp_path, monkeypatch):
 
 
 def _commit_supports_direct(directory) -> bool:
-    from lazyckpt import _commit
 
-    fd = _commit.open_direct(os.path.join(directory, "c.pt"))
+    fd = _fs.open_direct(os.path.join(directory, "c.pt"))
     if fd >= 0:
         os.close(fd)
     return fd >= 0

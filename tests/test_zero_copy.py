@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from _util import assert_same
-from lazyckpt import LazyCheckpointer, StaleTensorError, WriteError, _engine, _job, verify
+from lazyckpt import LazyCheckpointer, StaleTensorError, WriteError, _engine, _fs, _job, verify
 
 
 def _model_and_optimizer():
@@ -142,7 +142,7 @@ def test_wait_staged_copies_instead_of_waiting_for_storage(tmp_path, monkeypatch
         model, ckpt, handle, want, writes = held.model, held.ckpt, held.handle, held.want, held.writes
         with pytest.raises(TimeoutError):  # the held piece is still being read from the tensor
             handle.wait_staged(timeout=0.2)
-        assert all(p.state != "queued" for p in ckpt._jobs[-1].live_pieces), "the rest was copied"
+        assert all(p.state is not _job.PieceState.QUEUED for p in ckpt._jobs[-1].live_pieces), "the rest was copied"
         writes.release.set()
         handle.wait_staged()
         with torch.no_grad():
@@ -166,14 +166,14 @@ def test_in_place_change_while_written_from_memory_fails_loudly(tmp_path, monkey
 
 def test_write_error_on_a_live_piece_fails_the_save_and_releases_the_guard(tmp_path, monkeypatch):
     model, opt = _model_and_optimizer()
-    real = _engine.pwrite_all
+    real = _fs.pwrite_all
 
     def failing(fd, data, offset):
         if len(data) >= 1 << 20:
             raise OSError(5, "Input/output error")
         return real(fd, data, offset)
 
-    monkeypatch.setattr(_engine, "pwrite_all", failing)
+    monkeypatch.setattr(_fs, "pwrite_all", failing)
     with LazyCheckpointer(direct_io=True) as ckpt:
         handle = ckpt.save(_state(model, opt), tmp_path / "a.pt")
         _train_step(model, opt)  # must not hang on the failed save

@@ -6,9 +6,10 @@ optimizer step waits only if those copies are not done; writer threads write fil
 ``torch.load`` / ``safetensors`` read, committed atomically.
 """
 
-from ._commit import cleanup_temporaries
 from ._folder import is_complete
+from ._fs import cleanup_temporaries
 from ._handle import SaveHandle, SaveStats
+from ._options import CheckpointerOptions
 from ._verify import VerifyReport, verify
 from .checkpointer import BackpressureWarning, LazyCheckpointer
 from .errors import (
@@ -26,6 +27,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BackpressureWarning",
     "CheckpointerClosedError",
+    "CheckpointerOptions",
     "IncompleteCheckpointError",
     "LazyCheckpointer",
     "LazyCkptError",

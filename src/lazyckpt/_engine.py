@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import queue
 import threading
 import time
@@ -19,11 +18,11 @@ from typing import Any
 
 import torch
 
-from . import _commit
+from . import _fs
 from ._crc import crc32
 from ._flatten import Source
 from ._handle import CallbackRunner
-from ._job import Job, Piece
+from ._job import Job, Piece, PieceState, WriteFrom
 from ._pool import PAGE, HostBufferPool
 from .errors import WriteError
 
@@ -38,17 +37,6 @@ def memory_at(addr: int, nbytes: int) -> memoryview:
     if nbytes == 0:
         return memoryview(b"")
     return memoryview((ctypes.c_char * nbytes).from_address(addr)).cast("B")
-
-
-def pwrite_all(fd: int, data: memoryview | bytes, offset: int) -> None:
-    """os.pwrite until every byte is written (pwrite may write less than asked)."""
-    view = memoryview(data)
-    while view:
-        n = os.pwrite(fd, view, offset)
-        if n <= 0:
-            raise OSError(5, f"short write at offset {offset}: wrote {n} of {len(view)} bytes")
-        view = view[n:]
-        offset += n
 
 
 def write_error(job: Job, what: str, exc: BaseException) -> WriteError:
@@ -201,7 +189,7 @@ class Engine:
         except BaseException as exc:  # KeyboardInterrupt, SystemExit: fail the save, finish, re-raise
             job.fail(write_error(job, "staging for", exc))
             for piece in claimed:
-                if piece.state == "claimed":
+                if piece.state is PieceState.CLAIMED:
                     self._requeue(job, piece)
             raise
 
@@ -285,7 +273,7 @@ class Engine:
                 with torch.cuda.device(piece.source.device):  # not a stray context on GPU 0
                     piece.event.synchronize()
             if not job.failed:
-                if mode == "live":
+                if mode is WriteFrom.LIVE:
                     addr = piece.source.data_ptr + piece.start
                     data = memory_at(addr, piece.nbytes)
                 else:
@@ -302,7 +290,7 @@ class Engine:
             if piece.buffer is not None:
                 self.pool.release(piece.buffer)
                 piece.buffer = None
-            if mode == "live" and job.reader_done():
+            if mode is WriteFrom.LIVE and job.reader_done():
                 self._finish_reading(job)
             if job.piece_done():
                 self._write_q.put(job)
@@ -317,18 +305,18 @@ class Engine:
         end = (offset + piece.nbytes) // PAGE * PAGE - offset  # up to the last one
         if job.dfd >= 0 and end > head and (addr - offset) % PAGE == 0:
             if head:
-                pwrite_all(job.fd, data[:head], offset)
+                _fs.pwrite_all(job.fd, data[:head], offset)
             try:
-                pwrite_all(job.dfd, data[head:end], offset + head)
+                _fs.pwrite_all(job.dfd, data[head:end], offset + head)
             except OSError as exc:
                 # Refused: EINVAL (the filesystem after all), EFAULT (some kernels, for pinned
                 # memory), EOPNOTSUPP ... The buffered write raises any error that is real.
                 logger.debug("lazyckpt: O_DIRECT write to %s refused (%s); writing buffered", job.tmp, exc)
-                pwrite_all(job.fd, data[head:end], offset + head)
+                _fs.pwrite_all(job.fd, data[head:end], offset + head)
             if end < piece.nbytes:
-                pwrite_all(job.fd, data[end:], offset + end)
+                _fs.pwrite_all(job.fd, data[end:], offset + end)
             return
-        pwrite_all(job.fd, data, offset)
+        _fs.pwrite_all(job.fd, data, offset)
 
     def _finalize(self, job: Job) -> None:
         # Every piece is written; a reader that copied the last live piece may still be checking
@@ -337,9 +325,9 @@ class Engine:
         try:
             if not job.failed:
                 for offset, data in job.metadata_writes():
-                    pwrite_all(job.fd, data, offset)
+                    _fs.pwrite_all(job.fd, data, offset)
                 if job.fsync:
-                    os.fsync(job.fd)
+                    _fs.fsync(job.fd)
         except BaseException as exc:
             job.fail(write_error(job, "writing", exc))
         finally:
@@ -348,7 +336,7 @@ class Engine:
                 if fd < 0:
                     continue
                 try:
-                    os.close(fd)
+                    _fs.close(fd)
                 except OSError as exc:  # a failed close can mean lost data (NFS): fail the save
                     job.fail(write_error(job, "closing", exc))
             job.written.set()
@@ -376,11 +364,11 @@ class Engine:
                 job.fail(write_error(job, "before committing", exc))
         if not job.failed:
             try:
-                _commit.commit(job.tmp, job.path, job.fsync)
+                _fs.commit(job.tmp, job.path, job.fsync)
             except BaseException as exc:
                 job.fail(write_error(job, "committing", exc))
         if job.failed:
-            _commit.discard(job.tmp)
+            _fs.discard(job.tmp)
 
     def _complete(self, job: Job) -> None:
         """Finish the handle, exactly once, whatever happened: resolve its outcome, let the

@@ -36,7 +36,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ._commit import fsync_dir, pid_alive
+from . import _fs
 from .errors import IncompleteCheckpointError, WriteError
 
 if TYPE_CHECKING:
@@ -99,7 +99,7 @@ def marker_is_stale(name: str) -> bool:
     name may belong to a save still running and is never stale.
     """
     owner = marker_owner(name)
-    return owner is not None and owner.host == socket.gethostname() and not pid_alive(owner.pid)
+    return owner is not None and owner.host == socket.gethostname() and not _fs.pid_alive(owner.pid)
 
 
 def pending_markers(folder: str | os.PathLike[str]) -> list[str]:
@@ -131,14 +131,6 @@ def is_complete(folder: str | os.PathLike[str]) -> bool:
     A folder that lazyckpt never wrote into is complete as far as lazyckpt can tell.
     """
     return os.path.isdir(folder) and not pending_markers(folder)
-
-
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class FolderSave:
@@ -175,8 +167,8 @@ class FolderSave:
 
     def _sync_marker(self) -> None:
         try:
-            _fsync_file(self.marker)
-            fsync_dir(self.folder)
+            _fs.fsync_file(self.marker)
+            _fs.fsync_dir(self.folder)
         except BaseException as exc:  # noqa: BLE001 - fails every file of this save, through before_commit
             err = WriteError(f"lazyckpt: could not make {self.marker} durable: {exc}", path=self.marker)
             err.__cause__ = exc
@@ -222,14 +214,14 @@ class FolderSave:
                 continue
             seen.add(f)
             try:
-                _fsync_file(f)
+                _fs.fsync_file(f)
             except FileNotFoundError:
                 continue
             except OSError as exc:
                 raise WriteError(f"lazyckpt: could not fsync {f}: {exc}", path=f, errno=exc.errno) from exc
         try:
-            os.unlink(self.marker)
-            fsync_dir(self.folder)
+            _fs.unlink(self.marker)
+            _fs.fsync_dir(self.folder)
         except FileNotFoundError:
             return False
         except OSError as exc:

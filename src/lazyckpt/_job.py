@@ -6,6 +6,7 @@ mutable state is behind ``_lock``. The first error wins and turns every later st
 
 from __future__ import annotations
 
+import enum
 import threading
 import time
 from collections.abc import Callable
@@ -23,6 +24,26 @@ from ._pool import Buffer
 from .errors import StaleTensorError
 
 
+class PieceState(enum.Enum):
+    """Where a live piece is; a staged (non-live) piece is always QUEUED until a writer takes it.
+
+    Live pieces go QUEUED -> WRITING (a writer reads the tensor's own memory), or
+    QUEUED -> CLAIMED -> COPIED -> WRITING (the guard copied it to a buffer before the step).
+    """
+
+    QUEUED = "queued"
+    CLAIMED = "claimed"
+    COPIED = "copied"
+    WRITING = "writing"
+
+
+class WriteFrom(enum.Enum):
+    """Which bytes a writer writes for a piece it took."""
+
+    BUFFER = "buffer"  # the piece's staged host buffer
+    LIVE = "live"  # the source tensor's own memory (zero copy)
+
+
 @dataclass(eq=False)
 class Piece:
     """Bytes [start, start + nbytes) of one source, staged in ``buffer``, bound for ``file_offset``."""
@@ -34,7 +55,7 @@ class Piece:
     buffer: Buffer | None = None
     event: Any = None  # torch.cuda.Event once the device-to-host copy is queued
     live: bool = False  # written straight from the source's memory unless the guard copies it first
-    state: str = "queued"  # live pieces: queued -> writing, or queued -> claimed -> copied -> writing
+    state: PieceState = PieceState.QUEUED
 
     @property
     def file_offset(self) -> int:
@@ -166,27 +187,27 @@ class Job:
     def claim_live(self) -> list[Piece]:
         """Live pieces no writer has started: the caller copies them now."""
         with self._lock:
-            claimed = [p for p in self.live_pieces if p.state == "queued"]
+            claimed = [p for p in self.live_pieces if p.state is PieceState.QUEUED]
             for p in claimed:
-                p.state = "claimed"
+                p.state = PieceState.CLAIMED
             return claimed
 
     def copied(self, piece: Piece) -> bool:
         """A claimed piece is in its buffer (or given up): one reader out; True for the last one."""
         with self._lock:
-            piece.state = "copied"
+            piece.state = PieceState.COPIED
             self._readers -= 1
             return self._readers == 0
 
-    def take(self, piece: Piece) -> str | None:
-        """A writer takes a piece: ``"buffer"`` (staged bytes), ``"live"`` (the tensor's own memory),
+    def take(self, piece: Piece) -> WriteFrom | None:
+        """A writer takes a piece: from its staged ``BUFFER``, from the tensor's own memory (``LIVE``),
         or None (a live piece queued twice, or being copied: its other queue entry writes it)."""
         if not piece.live:
-            return "buffer"
+            return WriteFrom.BUFFER
         with self._lock:
-            if piece.state in ("queued", "copied"):
-                mode = "live" if piece.state == "queued" else "buffer"
-                piece.state = "writing"
+            if piece.state in (PieceState.QUEUED, PieceState.COPIED):
+                mode = WriteFrom.LIVE if piece.state is PieceState.QUEUED else WriteFrom.BUFFER
+                piece.state = PieceState.WRITING
                 return mode
             return None
 

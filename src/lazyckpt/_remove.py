@@ -22,7 +22,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 
-from . import _commit
+from . import _fs
 from ._report import Report
 
 logger = logging.getLogger(__name__)
@@ -169,11 +169,11 @@ def _take_away(path: str, trash_dir: str | None) -> str | None:
     """Free the name ``path`` now: rename it to a temporary (returned), or, for a symlink or across
     filesystems, delete it in place (None). Raises ``FileNotFoundError`` as ``os.remove`` does."""
     if os.path.islink(path) or not os.path.lexists(path):
-        os.unlink(path)  # a symlink; or raise FileNotFoundError
+        _fs.unlink(path)  # a symlink; or raise FileNotFoundError
         return None
-    trash = _commit.temporary_path(os.path.join(trash_dir or os.path.dirname(path), os.path.basename(path)))
+    trash = _fs.temporary_path(os.path.join(trash_dir or os.path.dirname(path), os.path.basename(path)))
     try:
-        os.rename(path, trash)
+        _fs.rename(path, trash)
     except OSError as exc:
         if exc.errno not in (errno.EXDEV, errno.EBUSY):
             raise
@@ -186,4 +186,4 @@ def _delete(path: str) -> None:
     if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path)
     else:
-        os.unlink(path)
+        _fs.unlink(path)

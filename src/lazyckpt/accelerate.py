@@ -54,11 +54,9 @@ never imports accelerate.
 from __future__ import annotations
 
 import atexit
-import contextvars
 import logging
 import os
 import queue
-import re
 import threading
 import time
 import warnings
@@ -66,17 +64,19 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import accelerate.checkpointing as _acc_checkpointing
-from accelerate.state import PartialState
-from accelerate.utils import DistributedType
 from accelerate.utils.constants import RNG_STATE_NAME, SCALER_NAME
 from accelerate.utils.other import clean_state_dict_for_safetensors
 
-from lazyckpt import LazyCheckpointer, cleanup_temporaries
+from lazyckpt import CheckpointerOptions, LazyCheckpointer, SaveHandle, cleanup_temporaries
 from lazyckpt._folder import MARKER_PREFIX, FolderSave, is_complete, live_markers, pending_markers
-from lazyckpt.errors import IncompleteCheckpointError
+from lazyckpt.errors import IncompleteCheckpointError, IncompleteCheckpointWarning
+
+from . import _accelerate_compat as _compat
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
 
 __all__ = [
     "install",
@@ -92,105 +92,6 @@ logger = logging.getLogger("lazyckpt.accelerate")
 #: Prefix of the hidden per-process marker files that flag a folder whose lazy save is not durable yet
 #: (the core's ``lazyckpt._folder.MARKER_PREFIX``; ``pending_markers`` and ``is_complete`` are the core's too).
 PENDING_MARKER_PREFIX = MARKER_PREFIX
-
-# Distributed types whose save_state does not go through ``accelerate.checkpointing.save`` for the big
-# objects (or must convert tensors first); there install() keeps the stock, synchronous behaviour.
-_STOCK_ONLY_TYPES = frozenset(
-    t
-    for t in (
-        getattr(DistributedType, "FSDP", None),
-        getattr(DistributedType, "DEEPSPEED", None),
-        getattr(DistributedType, "MEGATRON_LM", None),
-        getattr(DistributedType, "XLA", None),
-    )
-    if t is not None
-)
-
-
-class IncompleteCheckpointWarning(UserWarning):
-    """``load_state()`` with automatic naming skipped the newest folder because it is incomplete."""
-
-
-# --------------------------------------------------------------------------------------------------
-# The process-wide patch of accelerate.checkpointing.save (reference counted, reversible)
-# --------------------------------------------------------------------------------------------------
-
-_patch_lock = threading.RLock()
-_patch_refcount = 0
-_original_save: Callable | None = None
-_active: contextvars.ContextVar[_FolderSave | None] = contextvars.ContextVar(
-    "lazyckpt_accelerate_active_save", default=None
-)
-
-
-def _dispatch_save(obj, f, save_on_each_node: bool = False, safe_serialization: bool = False):
-    """Stand-in for ``accelerate.checkpointing.save``: lazy inside a lazy save_state, stock otherwise."""
-    fs = _active.get()
-    original = _original_save
-    if fs is None or original is None or not isinstance(f, (str, os.PathLike)):
-        fn = original if original is not None else _acc_checkpointing.save
-        return fn(obj, f, save_on_each_node=save_on_each_node, safe_serialization=safe_serialization)
-    return fs.save(obj, f, save_on_each_node=save_on_each_node, safe_serialization=safe_serialization)
-
-
-def _acquire_patch() -> None:
-    global _patch_refcount, _original_save
-    with _patch_lock:
-        if _patch_refcount == 0:
-            current = _acc_checkpointing.save
-            if current is not _dispatch_save:
-                _original_save = current
-            _acc_checkpointing.save = _dispatch_save
-        _patch_refcount += 1
-
-
-def _release_patch() -> None:
-    global _patch_refcount, _original_save
-    with _patch_lock:
-        if _patch_refcount <= 0:
-            return
-        _patch_refcount -= 1
-        if _patch_refcount == 0:
-            if _acc_checkpointing.save is _dispatch_save and _original_save is not None:
-                _acc_checkpointing.save = _original_save
-            else:  # somebody patched on top of us: leave theirs in place, but stop dispatching lazily
-                logger.warning(
-                    "accelerate.checkpointing.save was replaced after lazyckpt.accelerate.install(); "
-                    "leaving the replacement in place"
-                )
-            _original_save = None
-
-
-# --------------------------------------------------------------------------------------------------
-# Helpers
-# --------------------------------------------------------------------------------------------------
-
-
-def _folder_number(folder: str) -> int:
-    # Exactly accelerate's key for sorting automatically named checkpoint folders.
-    return list(map(int, re.findall(r"[\/]?([0-9]+)(?=[^\/]*$)", folder)))[0]
-
-
-def _real(path: str | os.PathLike) -> str:
-    return os.path.realpath(os.path.abspath(os.path.expanduser(os.fspath(path))))
-
-
-def _is_writer(save_on_each_node: bool) -> bool:
-    # Same rule as accelerate.utils.other.save.
-    state = PartialState()
-    if save_on_each_node:
-        return state.is_local_main_process
-    return state.is_main_process
-
-
-def _unwrap_optimizer(opt):
-    inner = getattr(opt, "optimizer", None)
-    import torch
-
-    if isinstance(inner, torch.optim.Optimizer):
-        return inner
-    return opt if isinstance(opt, torch.optim.Optimizer) else None
-
 
 # --------------------------------------------------------------------------------------------------
 # One save_state call of one process
@@ -215,7 +116,7 @@ class _FolderSave:
         self.durable_at: float | None = None
 
     @property
-    def handles(self) -> list:
+    def handles(self) -> list[SaveHandle]:
         return self.core.handles if self.core is not None else []
 
     # -- called on the training thread, inside stock save_state -------------------------------------
@@ -223,13 +124,13 @@ class _FolderSave:
         if self.core is not None:
             return self.core
         # The marker's fsync runs on the finisher thread, so _complete (queued there later) finds it settled.
-        self.core = FolderSave(_real(output_dir), tag=self.owner.accelerator.process_index,
+        self.core = FolderSave(_compat.real_path(output_dir), tag=self.owner.accelerator.process_index,
                                submit=self.owner._finisher_submit)  # fmt: skip
         self.folder = self.core.folder
         return self.core
 
-    def save(self, obj, f, *, save_on_each_node: bool, safe_serialization: bool) -> None:
-        if not _is_writer(save_on_each_node):
+    def save(self, obj: Any, f: str | os.PathLike[str], *, save_on_each_node: bool, safe_serialization: bool) -> None:
+        if not _compat.is_writer(save_on_each_node):
             return
         path = os.fspath(f)
         core = self.begin(os.path.dirname(os.path.abspath(path)))
@@ -251,7 +152,7 @@ class _FolderSave:
             h.add_done_callback(self._one_done)
         self._one_done(None)
 
-    def _one_done(self, _h) -> None:
+    def _one_done(self, _h: SaveHandle | None) -> None:
         with self._lock:
             self._remaining -= 1
             last = self._remaining == 0
@@ -314,7 +215,7 @@ _installed: weakref.WeakKeyDictionary[Any, AccelerateHandle] = weakref.WeakKeyDi
 class AccelerateHandle:
     """What :func:`install` returns: ``wait()`` drains pending saves, ``remove()`` restores stock behaviour."""
 
-    def __init__(self, accelerator, checkpointer: LazyCheckpointer, owns_checkpointer: bool) -> None:
+    def __init__(self, accelerator: Accelerator, checkpointer: LazyCheckpointer, owns_checkpointer: bool) -> None:
         self.accelerator = accelerator
         self.checkpointer = checkpointer
         self._owns = owns_checkpointer
@@ -357,7 +258,7 @@ class AccelerateHandle:
     # -- patched methods -----------------------------------------------------------------------------
     def _lazy_supported(self) -> bool:
         acc = self.accelerator
-        if acc.distributed_type in _STOCK_ONLY_TYPES:
+        if acc.distributed_type in _compat.STOCK_ONLY_TYPES:
             if not self._warned_stock:
                 self._warned_stock = True
                 logger.warning(
@@ -370,7 +271,7 @@ class AccelerateHandle:
     def _track_new_optimizers(self) -> None:
         new = []
         for opt in self.accelerator._optimizers:
-            inner = _unwrap_optimizer(opt)
+            inner = _compat.unwrap_optimizer(opt)
             if inner is not None and id(inner) not in self._tracked:
                 self._tracked.add(id(inner))
                 self._tracked_refs.append(inner)  # keep id() unique while tracked
@@ -393,7 +294,7 @@ class AccelerateHandle:
         if len(folders) + 1 <= pc.total_limit:
             return [], True
         try:
-            folders.sort(key=_folder_number)
+            folders.sort(key=_compat.folder_number)
         except (IndexError, ValueError):
             return folders, False  # stock will fail on its own; drain conservatively
         return folders[: len(folders) + 1 - pc.total_limit], True
@@ -427,14 +328,14 @@ class AccelerateHandle:
             self._prune()
         self.checkpointer.raise_errors()
 
-    def _save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs):
+    def _save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> Any:
         if self._removed or not self._lazy_supported():
             return self._stock_save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
         t0 = time.perf_counter()
         # 1. never let stock's rmtree of old folders race their pending writes
         doomed, exact = self._doomed_folders()
         if doomed:
-            real = [_real(d) for d in doomed]
+            real = [_compat.real_path(d) for d in doomed]
             self._wait_where(lambda folder: any(folder == d or folder.startswith(d + os.sep) for d in real))
             if exact:
                 self._delete_doomed(doomed)
@@ -442,13 +343,13 @@ class AccelerateHandle:
         self._raise_unreported()
         self._track_new_optimizers()
         fs = _FolderSave(self)
-        token = _active.set(fs)
+        token = _compat.active_save.set(fs)
         aborted = True
         try:
             location = self._stock_save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
             aborted = False
         finally:
-            _active.reset(token)
+            _compat.active_save.reset(token)
             if fs.folder is not None:
                 sync, scan = self._sync_files(fs.folder)
                 with self._lock:
@@ -466,16 +367,18 @@ class AccelerateHandle:
         for i, dl in enumerate(acc._dataloaders):
             if getattr(dl, "use_stateful_dataloader", False):
                 files.append(str(out / ("dl_state_dict.bin" if i == 0 else f"dl_state_dict_{i}.bin")))
-        scan = _is_writer(acc.project_configuration.save_on_each_node)
+        scan = _compat.is_writer(acc.project_configuration.save_on_each_node)
         return files, scan
 
-    def _load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs):
+    def _load_state(
+        self, input_dir: str | None = None, load_kwargs: dict[str, Any] | None = None, **kwargs: Any
+    ) -> Any:
         if self._removed:
             return self._stock_load_state(input_dir, load_kwargs=load_kwargs, **kwargs)
         acc = self.accelerator
         pc = acc.project_configuration
         if input_dir is not None:
-            target = _real(input_dir)
+            target = _compat.real_path(input_dir)
             self._wait_where(lambda folder: folder == target)  # this process's pending saves into it
             self._wait_other_processes([target])  # and other processes' (shared files)
             markers = pending_markers(target)
@@ -487,12 +390,12 @@ class AccelerateHandle:
                 ) from self._error_for(target)
             return self._stock_load_state(input_dir, load_kwargs=load_kwargs, **kwargs)
         if pc.automatic_checkpoint_naming:
-            base = _real(os.path.join(acc.project_dir, "checkpoints"))
+            base = _compat.real_path(os.path.join(acc.project_dir, "checkpoints"))
             self._wait_where(lambda folder: os.path.dirname(folder) == base)
             folders = [os.path.join(base, f) for f in os.listdir(base)]
             self._wait_other_processes(folders)
             folders = [os.path.join(base, f) for f in os.listdir(base)]
-            folders.sort(key=_folder_number)
+            folders.sort(key=_compat.folder_number)
             complete = [f for f in folders if is_complete(f)]
             if not complete:
                 raise IncompleteCheckpointError(
@@ -589,7 +492,7 @@ class AccelerateHandle:
                         delattr(acc, name)
             if self._hook_handle is not None:
                 self._hook_handle.remove()
-            _release_patch()
+            _compat.release_patch()
             self._finisher_q.put(None)
             self._finisher.join()
             self._tracked_refs.clear()
@@ -607,12 +510,12 @@ class AccelerateHandle:
     def __enter__(self) -> AccelerateHandle:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.remove()
 
     # -- internals -----------------------------------------------------------------------------------
-    def _pre_hook(self, models, weights, output_dir) -> None:
-        fs = _active.get()
+    def _pre_hook(self, models: list[Any], weights: list[Any], output_dir: str) -> None:
+        fs = _compat.active_save.get()
         if fs is not None and fs.owner is self:
             fs.begin(output_dir)
 
@@ -624,24 +527,30 @@ class AccelerateHandle:
 
 
 def install(
-    accelerator, checkpointer: LazyCheckpointer | None = None, *, load_timeout: float = 600.0, **core_options
+    accelerator: Accelerator,
+    checkpointer: LazyCheckpointer | None = None,
+    *,
+    options: CheckpointerOptions | None = None,
+    load_timeout: float = 600.0,
+    **core_options: Any,
 ) -> AccelerateHandle:
     """Make ``accelerator.save_state`` lazy (same files as stock) and ``load_state`` wait for pending saves.
 
     ``checkpointer``: an existing :class:`lazyckpt.LazyCheckpointer` to use (not closed by ``remove()``);
-    otherwise one is created from ``core_options`` (``host_memory_budget``, ``writer_threads``, ``fsync``,
+    otherwise one is created from ``options`` (a :class:`lazyckpt.CheckpointerOptions`) and/or ``core_options``
+    (the same fields as keywords, overriding ``options``: ``host_memory_budget``, ``writer_threads``, ``fsync``,
     ``on_backpressure``, ``crc``, ``chunk_bytes`` ...) and closed by ``remove()``.
     ``load_timeout``: with several processes, how long ``load_state`` waits for other processes' pending
     saves into the folder it reads before treating the folder as incomplete.
     """
-    if checkpointer is not None and core_options:
+    if checkpointer is not None and (core_options or options is not None):
         raise TypeError("pass either checkpointer= or core options, not both")
     existing = _installed.get(accelerator)
     if existing is not None and not existing.removed:
         raise RuntimeError("lazyckpt.accelerate is already installed on this Accelerator; call remove() first")
     owns = checkpointer is None
     if checkpointer is None:
-        checkpointer = LazyCheckpointer(**core_options)
+        checkpointer = LazyCheckpointer(options, **core_options)
     handle = AccelerateHandle(accelerator, checkpointer, owns)
     handle.load_timeout = float(load_timeout)
     try:
@@ -649,7 +558,7 @@ def install(
         # Run first, so the pending marker exists before any user hook or accelerate writes a file.
         accelerator._save_model_state_pre_hook.move_to_end(hook_handle.id, last=False)
         handle._hook_handle = hook_handle
-        _acquire_patch()
+        _compat.acquire_patch()
         accelerator.save_state = handle._save_state
         accelerator.load_state = handle._load_state
     except BaseException:

@@ -16,24 +16,21 @@ from typing import Any, Literal
 
 import torch
 
-from . import _commit, _format, _guard
+from . import _format, _fs, _guard
 from ._engine import Engine, write_error
 from ._flatten import Source
 from ._handle import SaveHandle, SaveStats
 from ._job import Job
+from ._options import Backpressure, CheckpointerOptions
+from ._options import merge as merge_options
 from ._pool import PAGE, HostBufferPool
 from ._remove import RemovalFuture, Remover
 from ._report import ErrorLedger, Report, raise_first
-from .errors import CheckpointerClosedError, LazyCkptError, SaveRefusedError, WriteError
+from .errors import BackpressureWarning, CheckpointerClosedError, LazyCkptError, SaveRefusedError, WriteError
 
 logger = logging.getLogger(__name__)
 
 Format = Literal["torch", "safetensors"]
-Backpressure = Literal["block", "skip"]
-
-
-class BackpressureWarning(UserWarning):
-    """Saves arrive faster than storage drains them."""
 
 
 def default_host_memory_budget() -> int:
@@ -68,6 +65,9 @@ class LazyCheckpointer:
     checks and so cannot be detected: call ``wait_staged()`` before such writes (the Lightning and
     Accelerate integrations do this for the weight-averaging callbacks they know).
     Methods are thread-safe.
+
+    Options are given as one :class:`CheckpointerOptions` (``options=``), as keywords, or both
+    (keywords override those fields); ``self.options`` holds the result.
 
     Args:
         host_memory_budget: bytes of host buffers (pinned on CUDA) to stage through; default a
@@ -107,34 +107,24 @@ class LazyCheckpointer:
             at every step.
     """
 
-    def __init__(
-        self,
-        host_memory_budget: int | None = None,
-        writer_threads: int = 4,
-        fsync: bool = True,
-        on_backpressure: Backpressure = "block",
-        crc: bool = True,
-        wait_in_closure: bool = True,
-        chunk_bytes: int = 64 << 20,
-        pin_memory: bool | None = None,
-        direct_io: bool | None = None,
-        zero_copy: bool = True,
-        capture_in_save: bool = False,
-    ) -> None:
-        if on_backpressure not in ("block", "skip"):
-            raise ValueError(f"on_backpressure must be 'block' or 'skip', got {on_backpressure!r}")
-        if writer_threads < 1:
-            raise ValueError("writer_threads must be >= 1")
+    def __init__(self, options: CheckpointerOptions | None = None, **kwargs: Any) -> None:
+        """Options come as a :class:`CheckpointerOptions`, as keywords (the fields above), or both
+        (keywords then override those fields of ``options``)."""
+        if options is not None and not isinstance(options, CheckpointerOptions):
+            raise TypeError(
+                f"LazyCheckpointer takes a CheckpointerOptions or keyword options, got {type(options).__name__}"
+            )
+        options = merge_options(options, kwargs)
+        self.options = options
+        host_memory_budget, pin_memory = options.host_memory_budget, options.pin_memory
         budget = default_host_memory_budget() if host_memory_budget is None else int(host_memory_budget)
-        if budget < 1:
-            raise ValueError("host_memory_budget must be positive")
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self.fsync, self.crc, self.wait_in_closure = fsync, crc, wait_in_closure
-        self.on_backpressure: Backpressure = on_backpressure
-        self.pool = HostBufferPool(budget, chunk_bytes, pin)
-        self.direct_io = direct_io
-        self.zero_copy = zero_copy
-        self.capture_in_save = capture_in_save
+        self.fsync, self.crc, self.wait_in_closure = options.fsync, options.crc, options.wait_in_closure
+        self.on_backpressure: Backpressure = options.on_backpressure
+        self.pool = HostBufferPool(budget, options.chunk_bytes, pin)
+        self.direct_io = options.direct_io
+        self.zero_copy = options.zero_copy
+        self.capture_in_save = options.capture_in_save
         self.skipped_saves = 0
         self._lock = threading.Lock()
         self._jobs: list[Job] = []  # saved, not yet committed, in save() order
@@ -143,7 +133,7 @@ class LazyCheckpointer:
         self._cleaned_dirs: set[str] = set()
         self._last_warning = 0.0
         self._closed = False
-        self._engine = Engine(self.pool, writer_threads, self._job_done)
+        self._engine = Engine(self.pool, options.writer_threads, self._job_done)
         self._remover = Remover(on_failed=self._errors.publish)
         _open_checkpointers.add(self)
 
@@ -202,7 +192,7 @@ class LazyCheckpointer:
                 and (src.data_ptr - src.file_offset) % PAGE == 0
             )  # fmt: skip
         job = Job(
-            path=final, tmp=_commit.temporary_path(final), fmt=format, sources=sources, lazy=lazy,
+            path=final, tmp=_fs.temporary_path(final), fmt=format, sources=sources, lazy=lazy,
             layout=layout, file_bytes=file_bytes, crc=self.crc, fsync=self.fsync,
             wait_in_closure=self.wait_in_closure, t0=t0, before_commit=before_commit,
         )  # fmt: skip
@@ -376,7 +366,7 @@ class LazyCheckpointer:
             raise SaveRefusedError(f"cannot create directory {directory}: {exc}") from exc
         if directory not in self._cleaned_dirs:
             self._cleaned_dirs.add(directory)
-            _commit.cleanup_temporaries(directory)
+            _fs.cleanup_temporaries(directory)
         return final
 
     def _use_direct_io(self, sizes: list[int]) -> bool:
@@ -393,9 +383,9 @@ class LazyCheckpointer:
     def _start(self, job: Job, eager: list[Source], direct: bool) -> None:
         """Open the temporary file, capture unguarded tensors, hand the job to the engine."""
         try:
-            job.fd = _commit.open_temporary(job.tmp, job.file_bytes)
+            job.fd = _fs.open_temporary(job.tmp, job.file_bytes)
             if direct:
-                job.dfd = _commit.open_direct(job.tmp)
+                job.dfd = _fs.open_direct(job.tmp)
         except OSError as exc:
             raise WriteError(f"cannot create {job.tmp}: {exc}", path=job.path, errno=exc.errno) from exc
         if self.pool.pin_memory and self.pool.pin_device is None and torch.cuda.is_initialized():

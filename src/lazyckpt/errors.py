@@ -9,6 +9,9 @@ from __future__ import annotations
 __all__ = [
     "LazyCkptError",
     "SaveRefusedError",
+    "BackpressureWarning",
+    "IncompleteCheckpointWarning",
+    "InspectError",
     "WriteError",
     "StaleTensorError",
     "CheckpointerClosedError",
@@ -54,6 +57,18 @@ class StaleTensorError(LazyCkptError):
 
 class CheckpointerClosedError(LazyCkptError, RuntimeError):
     """The checkpointer was closed; create a new one."""
+
+
+class InspectError(Exception):
+    """``lazyckpt inspect`` cannot show a path; the CLI prints the message and exits with status 1."""
+
+
+class BackpressureWarning(UserWarning):
+    """Saves arrive faster than storage drains them."""
+
+
+class IncompleteCheckpointWarning(UserWarning):
+    """``load_state()`` with automatic naming skipped the newest folder because it is incomplete."""
 
 
 class VerificationError(LazyCkptError):

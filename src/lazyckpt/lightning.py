@@ -38,70 +38,17 @@ import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from types import FrameType
 from typing import Any
 
-import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-from lazyckpt import LazyCheckpointer, SaveHandle, SaveStats
+from lazyckpt import CheckpointerOptions, LazyCheckpointer, SaveHandle, SaveStats
+from lazyckpt._options import merge as _merge_options
 from lazyckpt.errors import CheckpointerClosedError, LazyCkptError, StaleTensorError
+
+from . import _lightning_compat as _compat
 
 __all__ = ["LazyCheckpointIO"]
 
 log = logging.getLogger(__name__)
-
-# -- which Lightning -------------------------------------------------------------------------------
-
-_BASE_MODULES = ("lightning.fabric.plugins.io.checkpoint_io", "lightning_fabric.plugins.io.checkpoint_io")
-
-
-def _checkpoint_io_base() -> type:
-    for name in _BASE_MODULES:
-        try:
-            module = __import__(name, fromlist=["CheckpointIO"])
-        except ImportError:
-            continue
-        return module.CheckpointIO
-    raise ImportError("lazyckpt.lightning needs Lightning: `pip install lightning` (or pytorch_lightning).")
-
-
-_CheckpointIO: Any = _checkpoint_io_base()
-
-
-def _register_with_loaded_packages() -> None:
-    """Make ``isinstance(plugin, CheckpointIO)`` true for every Lightning package already imported.
-
-    ``lightning`` and ``pytorch_lightning`` ship separate copies of ``CheckpointIO``; the plugin subclasses
-    one and registers as a virtual subclass of the other, so either Trainer accepts it.
-    """
-    for name in _BASE_MODULES:
-        module = sys.modules.get(name)
-        if module is not None and not issubclass(LazyCheckpointIO, module.CheckpointIO):
-            module.CheckpointIO.register(LazyCheckpointIO)
-
-
-def _stock_torch_io(base: type) -> Any:
-    package = base.__module__.split(".plugins.")[0]
-    module = __import__(f"{package}.plugins.io.torch_io", fromlist=["TorchCheckpointIO"])
-    return module.TorchCheckpointIO()
-
-
-def _mro_names(obj: object) -> set[str]:
-    return {cls.__name__ for cls in type(obj).__mro__}
-
-
-# Strategies that save without calling CheckpointIO.save_checkpoint.
-def _bypass_reason(strategy: object) -> str | None:
-    names = _mro_names(strategy)
-    if "DeepSpeedStrategy" in names:
-        return "DeepSpeedStrategy saves through DeepSpeed's engine"
-    if "FSDPStrategy" in names and getattr(strategy, "_state_dict_type", "full") == "sharded":
-        return "FSDPStrategy(state_dict_type='sharded') saves with torch.distributed.checkpoint"
-    if "ModelParallelStrategy" in names and getattr(strategy, "_save_distributed_checkpoint", False):
-        return "ModelParallelStrategy(save_distributed_checkpoint=True) saves with torch.distributed.checkpoint"
-    return None
-
 
 # -- bookkeeping -----------------------------------------------------------------------------------
 
@@ -157,17 +104,6 @@ class _Uploader:
                     pass
 
 
-def _split_path(path: Any) -> tuple[str, bool]:
-    """(key, is_url): local paths become absolute; other fsspec protocols stay URLs."""
-    text = os.fspath(path)
-    if "://" in text:
-        protocol = text.split("://", 1)[0]
-        if protocol not in ("file", "local"):
-            return text, True
-        text = text.split("://", 1)[1]
-    return os.path.abspath(text), False
-
-
 _STALE_NOTE = (
     "lazyckpt.lightning: a tensor of this checkpoint was changed in place outside optimizer.step() "
     "before its host copy was done, so the save was abandoned instead of writing a mixed state. Code "
@@ -176,14 +112,18 @@ _STALE_NOTE = (
 )
 
 
+_CheckpointIO: Any = _compat.checkpoint_io_base()
+
+
 class LazyCheckpointIO(_CheckpointIO):
     """A ``CheckpointIO`` that writes stock ``torch.save`` files in the background.
 
     Args:
         checkpointer: an existing :class:`~lazyckpt.LazyCheckpointer` to use (never closed by the plugin).
         log_stats: report each checkpoint's stall, staging and write times to the Trainer's loggers.
-        **checkpointer_options: passed to ``LazyCheckpointer`` when the plugin creates its own (the
-            plugin creates it at the first save and closes it at teardown).
+        options: a :class:`~lazyckpt.CheckpointerOptions` for the ``LazyCheckpointer`` the plugin
+            creates at the first save (and closes at teardown).
+        **checkpointer_options: the same options as keywords (override fields of ``options``).
 
     The caller may keep training right after ``save_checkpoint`` returns; nothing is needed from it.
     Code that changes parameters or optimizer state in place outside ``optimizer.step()`` while a save
@@ -192,22 +132,28 @@ class LazyCheckpointIO(_CheckpointIO):
     """
 
     def __init__(
-        self, checkpointer: LazyCheckpointer | None = None, *, log_stats: bool = True, **checkpointer_options: Any
+        self,
+        checkpointer: LazyCheckpointer | None = None,
+        *,
+        options: CheckpointerOptions | None = None,
+        log_stats: bool = True,
+        **checkpointer_options: Any,
     ) -> None:
         super().__init__()
-        if checkpointer is not None and checkpointer_options:
+        if checkpointer is not None and (checkpointer_options or options is not None):
             raise TypeError("pass either an existing `checkpointer` or LazyCheckpointer options, not both")
-        if checkpointer_options.get("on_backpressure") == "skip":
+        options = _merge_options(options, checkpointer_options)
+        if options.on_backpressure == "skip":
             warnings.warn(
                 "LazyCheckpointIO(on_backpressure='skip'): a skipped save writes no file, but ModelCheckpoint "
                 "still records it (top-k, last, best_model_path may name a missing file).",
                 stacklevel=2,
             )
-        self._options = dict(checkpointer_options)
+        self._options = options
         self._log_stats = log_stats
         self._user_checkpointer = checkpointer
         self._init_runtime()
-        _register_with_loaded_packages()
+        _compat.register_with_loaded_packages(LazyCheckpointIO)
         atexit.register(_drain_at_exit, weakref.ref(self))
 
     def _init_runtime(self) -> None:
@@ -225,8 +171,8 @@ class LazyCheckpointIO(_CheckpointIO):
         self._warned_bypass = False
         self._torn_down = False  # set by teardown, cleared by the next optimizer step
         self._attach_tries = 0
-        _live_plugins.add(self)
-        _install_step_hook()
+        _compat.live_plugins.add(self)
+        _compat.install_step_hook()
 
     # Spawn-based launchers (ddp_spawn) pickle the Trainer, plugins included: send the options only.
     def __getstate__(self) -> dict[str, Any]:
@@ -247,7 +193,7 @@ class LazyCheckpointIO(_CheckpointIO):
         self._raise_errors()
         trainer = self._attach()
         self._report_stats()
-        key, is_url = _split_path(path)
+        key, is_url = _compat.split_path(path)
         target = self._upload_staging_path(key) if is_url else key
         if not is_url:
             os.makedirs(os.path.dirname(key), exist_ok=True)
@@ -256,18 +202,18 @@ class LazyCheckpointIO(_CheckpointIO):
         with self._lock:
             self._saves.append(record)
         handle.add_done_callback(lambda h: self._on_committed(record, h, target if is_url else None))
-        if self._torn_down or (trainer is not None and not _is_running(trainer)):
+        if self._torn_down or (trainer is not None and not _compat.is_running(trainer)):
             # Outside fit (before it, after teardown, ddp_spawn's result collection) nothing drains
             # later: behave like the stock plugin and return with the file in place.
             self._wait_for([record])
-        elif trainer is not None and _swaps_state_after_save(trainer):
+        elif trainer is not None and _compat.swaps_state_after_save(trainer):
             handle.wait_staged()
 
     def remove_checkpoint(self, path: Any) -> None:
         """Delete ``path`` without waiting: the core orders a local delete after a pending save to it
         (and before a later one); a URL's delete waits for its pending upload."""
         self._attach()
-        key, is_url = _split_path(path)
+        key, is_url = _compat.split_path(path)
         if is_url:
             pending = self._pending_for(key)
             if pending:
@@ -292,7 +238,7 @@ class LazyCheckpointIO(_CheckpointIO):
         """Drain pending saves (their errors are raised here), then load like ``TorchCheckpointIO``."""
         self._attach()
         self.wait()
-        stock = _stock_torch_io(_CheckpointIO)
+        stock = _compat.stock_torch_io(_CheckpointIO)
         if map_location is None:
             return stock.load_checkpoint(path, weights_only=weights_only)
         return stock.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
@@ -351,7 +297,7 @@ class LazyCheckpointIO(_CheckpointIO):
 
     def _checkpointer(self) -> LazyCheckpointer:
         if self._ckpt is None:
-            self._ckpt = LazyCheckpointer(**self._options)
+            self._ckpt = LazyCheckpointer(self._options)
         return self._ckpt
 
     def _on_committed(self, record: _Save, handle: SaveHandle, uploaded_from: str | None) -> None:
@@ -471,12 +417,12 @@ class LazyCheckpointIO(_CheckpointIO):
 
     def _attach(self) -> Any:
         """Find the strategy/Trainer calling this plugin; adapt them once. Returns the Trainer or None."""
-        strategy = _find_strategy(self)
+        strategy = _compat.find_strategy(self)
         current = self._strategy_ref() if self._strategy_ref is not None else None
         if strategy is None or strategy is current:
             return self._trainer_ref() if self._trainer_ref is not None else None
         self._strategy_ref = weakref.ref(strategy)
-        reason = _bypass_reason(strategy)
+        reason = _compat.bypass_reason(strategy)
         if reason and not self._warned_bypass:
             self._warned_bypass = True
             warnings.warn(
@@ -502,19 +448,21 @@ class LazyCheckpointIO(_CheckpointIO):
                 self._checkpointer().track(opt)
         for cb in getattr(trainer, "checkpoint_callbacks", ()):
             if hasattr(cb, "file_exists") and hasattr(cb, "_fs"):
-                self._patch(cb, "file_exists", _pending_aware_file_exists(cb, plugin))
+                self._patch(cb, "file_exists", _compat.pending_aware_file_exists(cb, plugin))
             if callable(getattr(cb, "_link_checkpoint", None)):
-                self._patch(cb, "_link_checkpoint", _link_after_pending(cb._link_checkpoint, plugin))
+                self._patch(cb, "_link_checkpoint", _compat.link_after_pending(cb._link_checkpoint, plugin))
         for cb in getattr(trainer, "callbacks", ()):
-            names = _mro_names(cb)
+            names = _compat.mro_names(cb)
             if "WeightAveraging" in names:
                 for attr in ("_swap_models", "_copy_average_to_current"):
-                    self._patch(cb, attr, _staged_first(getattr(cb, attr), plugin))
+                    self._patch(cb, attr, _compat.staged_first(getattr(cb, attr), plugin))
             if "StochasticWeightAveraging" in names:
-                self._patch(cb, "transfer_weights", _staged_first(cb.transfer_weights, plugin))
+                self._patch(cb, "transfer_weights", _compat.staged_first(cb.transfer_weights, plugin))
         for logger in getattr(trainer, "loggers", ()):
-            if _logger_reads_checkpoint_files(logger):
-                self._patch(logger, "after_save_checkpoint", _durable_first(logger.after_save_checkpoint, plugin))
+            if _compat.logger_reads_checkpoint_files(logger):
+                self._patch(
+                    logger, "after_save_checkpoint", _compat.durable_first(logger.after_save_checkpoint, plugin)
+                )
 
     def _patch(self, obj: object, attr: str, replacement: Callable[..., Any]) -> None:
         if attr in vars(obj):  # already adapted (by this or another plugin): leave it
@@ -526,133 +474,6 @@ class LazyCheckpointIO(_CheckpointIO):
         for obj, attr in self._patched:
             vars(obj).pop(attr, None)
         self._patched = []
-
-
-# -- helpers bound to the plugin by weak reference -------------------------------------------------
-
-
-def _find_strategy(plugin: LazyCheckpointIO, max_depth: int = 40) -> Any:
-    frame: FrameType | None = sys._getframe(2)
-    for _ in range(max_depth):
-        if frame is None:
-            return None
-        for name in ("self", "strategy", "trainer"):
-            obj = frame.f_locals.get(name)
-            if obj is None or obj is plugin:
-                continue
-            try:
-                if getattr(obj, "_checkpoint_io", None) is plugin:
-                    return obj
-                owner = getattr(obj, "_strategy", None) if name != "trainer" else getattr(obj, "strategy", None)
-                if owner is not None and getattr(owner, "_checkpoint_io", None) is plugin:
-                    return owner
-            except Exception:  # arbitrary user objects: properties may raise
-                continue
-        frame = frame.f_back
-    return None
-
-
-_live_plugins: weakref.WeakSet[LazyCheckpointIO] = weakref.WeakSet()
-_step_hook_installed = False
-
-
-def _install_step_hook() -> None:
-    """One process-wide hook for all plugins, never removed.
-
-    Removing a global optimizer hook from a plugin's finalizer could run while torch iterates its
-    hook dict (the garbage collector runs anywhere), which raises "OrderedDict mutated during
-    iteration" inside someone's optimizer.step().
-    """
-    global _step_hook_installed
-    if not _step_hook_installed:
-        _step_hook_installed = True
-        register_optimizer_step_pre_hook(_on_optimizer_step)
-
-
-def _on_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    # Finds the Trainer at its first optimizer steps, before any checkpoint, so that strategies
-    # that bypass CheckpointIO are reported at setup rather than never.
-    for plugin in list(_live_plugins):
-        plugin._torn_down = False
-        if plugin._strategy_ref is None and plugin._attach_tries < 3:
-            plugin._attach_tries += 1
-            plugin._attach()
-    return None
-
-
-def _pending_aware_file_exists(cb: Any, plugin_ref: weakref.ref) -> Callable[..., bool]:
-    def file_exists(filepath: Any, trainer: Any) -> bool:
-        # Same contract as ModelCheckpoint.file_exists (rank 0 decides), but a file still being
-        # written counts as existing, so version suffixes (-v1) match the stock plugin.
-        plugin = plugin_ref()
-        local = False
-        if trainer.is_global_zero:
-            local = bool(cb._fs.exists(filepath))
-            if not local and plugin is not None:
-                local = _split_path(filepath)[0] in plugin.pending_paths()
-        return bool(trainer.strategy.reduce_boolean_decision(local, all=False))
-
-    return file_exists
-
-
-def _link_after_pending(method: Callable[..., Any], plugin_ref: weakref.ref) -> Callable[..., Any]:
-    """save_last="link" replaces ``last.ckpt`` with a symlink outside CheckpointIO; a lazy save to
-    ``last.ckpt`` still pending would later be renamed over that link. Let it land first."""
-
-    def link(trainer: Any, filepath: Any, linkpath: Any) -> Any:
-        plugin = plugin_ref()
-        if plugin is not None:
-            pending = plugin._pending_for(_split_path(linkpath)[0])
-            if pending:
-                plugin._wait_for(pending)
-        return method(trainer, filepath, linkpath)
-
-    return link
-
-
-def _staged_first(method: Callable[..., Any], plugin_ref: weakref.ref) -> Callable[..., Any]:
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        plugin = plugin_ref()
-        if plugin is not None:
-            plugin.wait_staged()  # these swaps write through `.data`, which `_version` does not see
-        return method(*args, **kwargs)
-
-    return wrapper
-
-
-def _durable_first(method: Callable[..., Any], plugin_ref: weakref.ref) -> Callable[..., Any]:
-    def after_save_checkpoint(checkpoint_callback: Any) -> Any:
-        plugin = plugin_ref()
-        if plugin is not None:
-            plugin.wait()  # this logger reads or uploads checkpoint files
-        return method(checkpoint_callback)
-
-    return after_save_checkpoint
-
-
-def _logger_reads_checkpoint_files(logger: Any) -> bool:
-    if getattr(logger, "_log_model", False) or getattr(logger, "_log_model_checkpoints", False):
-        return True
-    impl = type(logger).after_save_checkpoint
-    module = getattr(impl, "__module__", "") or ""
-    # Lightning's own loggers touch files only when told to log models (handled above); a third-party
-    # logger that overrides the hook may read the file, so it gets the file.
-    return not module.startswith(("lightning.", "pytorch_lightning."))
-
-
-def _is_running(trainer: Any) -> bool:
-    status = getattr(getattr(trainer, "state", None), "status", None)
-    return status is None or status == "running"
-
-
-def _swaps_state_after_save(trainer: Any) -> bool:
-    """ModelCheckpoint's manual-optimization path loads a saved state into ``pl_module.layer``, saves,
-    then loads the original back in place: the copies must be done before that restore."""
-    module = getattr(trainer, "lightning_module", None)
-    if module is None or getattr(module, "automatic_optimization", True):
-        return False
-    saved = getattr(module, "saved_models", None)
-    return isinstance(saved, dict) and bool(saved) and isinstance(getattr(module, "layer", None), torch.nn.Module)
 
 
 def _check_url_supported(url: str) -> None:

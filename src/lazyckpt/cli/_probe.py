@@ -197,7 +197,7 @@ def _payload(nbytes: int) -> bytearray:
 
 def _timed_write(directory: str, buf: bytearray, threads: int, chunk: int = 16 << 20) -> float:
     """Seconds to pwrite ``buf`` into a new file with ``threads`` threads, fsync and close it."""
-    from lazyckpt._commit import temporary_path  # a name cleanup_temporaries() removes if we get killed
+    from lazyckpt._fs import temporary_path  # a name cleanup_temporaries() removes if we get killed
 
     tmp = temporary_path(os.path.join(directory, "doctor-probe"))
     view, part = memoryview(buf), -(-len(buf) // threads)

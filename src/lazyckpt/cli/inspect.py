@@ -18,12 +18,9 @@ import struct
 import sys
 from typing import Any
 
+from ..errors import InspectError
 from . import _files, _tree
 from ._format import dump_json, human_bytes, table
-
-
-class InspectError(Exception):
-    """The file cannot be inspected; the message says what to do next."""
 
 
 def add_parser(subparsers: Any) -> None:

@@ -1,0 +1,227 @@
+"""The filesystem, in one place: every write, fsync, rename and unlink of a checkpoint goes
+through here, so fault-injection tests replace a function of this module (``pwrite_all``,
+``fsync``, ``close``, ``commit``, ``discard`` ...) instead of patching engine internals.
+
+Atomic commit: write under a temporary name in the target directory, fsync, rename, fsync dir.
+A crash at any moment leaves the previous file (or nothing) at the final name, plus at most a
+temporary file named ``.<name>.lazyckpt-<host>-<pid>-<n>.tmp`` (or a file or folder renamed there by
+``LazyCheckpointer.remove`` and not yet deleted); such leftovers of dead processes of this host are
+removed by the next checkpointer that writes to that directory, or by ``cleanup_temporaries``. The
+host is in the name because a directory may be shared by nodes: a pid says nothing about another
+node's processes (the Accelerate folder markers carry host and pid the same way).
+
+Callers look these functions up on the module at call time (``_fs.commit(...)``), never bind them
+with ``from ._fs import``, so a test's replacement takes effect everywhere.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import itertools
+import logging
+import os
+import re
+import shutil
+import socket
+import time
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_TMP_RE = re.compile(r"^\..+\.lazyckpt-(?P<host>[A-Za-z0-9._]+(?:-[A-Za-z0-9._]+)*)-(?P<pid>\d+)-\d+\.tmp$")
+_OLD_TMP_RE = re.compile(r"^\..+\.lazyckpt-(?P<pid>\d+)-\d+\.tmp$")  # before names carried the host
+# An old-style name does not say which host wrote it: it is removed only once its pid is dead here
+# and nothing has written it for this long (an in-flight save writes it, or is about to be renamed).
+OLD_STYLE_QUIET_S = 3600.0
+_counter = itertools.count()
+
+
+def host_tag() -> str:
+    """This host's name as it appears in temporary names (characters outside [A-Za-z0-9.-] -> ``_``)."""
+    return re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname()) or "localhost"
+
+
+def _load_fallocate() -> Any:
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).fallocate
+    except Exception:  # pragma: no cover - non-glibc platforms
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    return fn
+
+
+_fallocate = _load_fallocate()
+
+
+def temporary_path(final: str) -> str:
+    head, tail = os.path.split(final)
+    return os.path.join(head, f".{tail}.lazyckpt-{host_tag()}-{os.getpid()}-{next(_counter)}.tmp")
+
+
+def is_temporary(name: str) -> bool:
+    base = os.path.basename(name)
+    return _TMP_RE.match(base) is not None or _OLD_TMP_RE.match(base) is not None
+
+
+def _leftover(directory: str | os.PathLike[str], name: str) -> bool:
+    """Whether ``name`` is a temporary that its (dead) writer will never rename or delete."""
+    old = _OLD_TMP_RE.match(name)
+    if old is not None:
+        if pid_alive(int(old.group("pid"))):
+            return False
+        try:
+            return time.time() - os.lstat(os.path.join(directory, name)).st_mtime > OLD_STYLE_QUIET_S
+        except OSError:
+            return False
+    m = _TMP_RE.match(name)
+    return m is not None and m.group("host") == host_tag() and not pid_alive(int(m.group("pid")))
+
+
+def pwrite_all(fd: int, data: memoryview | bytes, offset: int) -> None:
+    """os.pwrite until every byte is written (pwrite may write less than asked)."""
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        if n <= 0:
+            raise OSError(5, f"short write at offset {offset}: wrote {n} of {len(view)} bytes")
+        view = view[n:]
+        offset += n
+
+
+def fsync(fd: int) -> None:
+    """Make a descriptor's data durable."""
+    os.fsync(fd)
+
+
+def close(fd: int) -> None:
+    """Close a descriptor; a failed close can mean lost data (NFS), so it raises."""
+    os.close(fd)
+
+
+def fsync_file(path: str) -> None:
+    """Make the data of the file at ``path`` durable (open read-only, fsync, close)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def open_temporary(tmp: str, size: int) -> int:
+    """Create ``tmp`` and reserve ``size`` bytes, so a full disk fails here rather than mid-write."""
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        reserve(fd, size)
+    except BaseException:
+        os.close(fd)
+        _unlink_quietly(tmp)
+        raise
+    return fd
+
+
+def open_direct(tmp: str) -> int:
+    """A second, O_DIRECT descriptor for page-aligned bulk writes, or -1 where unsupported (tmpfs)."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return -1
+    try:
+        return os.open(tmp, os.O_WRONLY | flag | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return -1
+
+
+def reserve(fd: int, size: int) -> None:
+    """Reserve ``size`` bytes for ``fd`` (fallocate): a full disk fails here rather than mid-write."""
+    if size <= 0:
+        return
+    # The raw syscall, not posix_fallocate: glibc's fallback writes zeros, which would double the I/O.
+    if _fallocate is not None and _fallocate(fd, 0, 0, size) == 0:
+        return
+    err = ctypes.get_errno() if _fallocate is not None else errno.EOPNOTSUPP
+    if err in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        raise OSError(err, os.strerror(err))
+    os.ftruncate(fd, size)  # filesystems without fallocate: a sparse file of the final size
+
+
+def commit(tmp: str, final: str, fsync: bool) -> None:
+    """Rename ``tmp`` over ``final`` atomically and make the rename durable."""
+    os.replace(tmp, final)
+    if fsync:
+        fsync_dir(os.path.dirname(final) or ".")
+
+
+def fsync_dir(path: str) -> None:
+    """Make the entries of directory ``path`` (a rename, a create, an unlink) durable."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def rename(src: str, dst: str) -> None:
+    """Rename ``src`` to ``dst`` (not over a directory); raises ``OSError`` (``EXDEV`` across filesystems)."""
+    os.rename(src, dst)
+
+
+def unlink(path: str) -> None:
+    """Remove the file or symlink at ``path``; raises ``FileNotFoundError`` when there is none."""
+    os.unlink(path)
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:  # pragma: no cover - logged, nothing else to do
+        logger.warning("lazyckpt: could not remove temporary file %s: %s", path, exc)
+
+
+def discard(tmp: str) -> None:
+    """Remove a failed save's temporary file; a missing one is fine, another error is logged."""
+    _unlink_quietly(tmp)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid runs on this host (permission errors count as alive)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists but is not ours
+        return True
+    return True
+
+
+def cleanup_temporaries(directory: str | os.PathLike[str]) -> list[str]:
+    """Remove lazyckpt temporary files left in ``directory`` by processes of this host that no
+    longer run.
+
+    Returns the removed paths. Temporaries of live processes (including this one) and of other
+    hosts are kept, so it is safe to call while other processes, on this host or on others sharing
+    the directory, checkpoint into it. Names from before the host was part of them
+    (``.<name>.lazyckpt-<pid>-<n>.tmp``) are removed once their pid is dead on this host and they
+    have not been written for ``OLD_STYLE_QUIET_S`` seconds.
+    """
+    removed: list[str] = []
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        if _leftover(directory, name):
+            path = os.path.join(directory, name)
+            if os.path.isdir(path) and not os.path.islink(path):  # a folder renamed away for deletion
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                _unlink_quietly(path)
+            if not os.path.lexists(path):
+                removed.append(path)
+    if removed:
+        logger.info("lazyckpt: removed %d stale temporary file(s) in %s", len(removed), directory)
+    return removed

@@ -1,0 +1,209 @@
+"""Lightning compatibility, kept apart from the adapter (``lazyckpt.lightning.LazyCheckpointIO``).
+
+Everything here knows Lightning's internals rather than its ``CheckpointIO`` contract: which
+Lightning package provides ``CheckpointIO``, the strategies that bypass it, finding the Trainer a
+plugin serves from the calling stack frames, the process-wide optimizer-step hook that finds it
+early, and the patches of callbacks and loggers that assume a synchronous plugin. Patches hold the
+plugin by weak reference.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import weakref
+from collections.abc import Callable
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+if TYPE_CHECKING:
+    from .lightning import LazyCheckpointIO
+
+# -- which Lightning -------------------------------------------------------------------------------
+
+BASE_MODULES = ("lightning.fabric.plugins.io.checkpoint_io", "lightning_fabric.plugins.io.checkpoint_io")
+
+
+def checkpoint_io_base() -> type:
+    for name in BASE_MODULES:
+        try:
+            module = __import__(name, fromlist=["CheckpointIO"])
+        except ImportError:
+            continue
+        return module.CheckpointIO
+    raise ImportError("lazyckpt.lightning needs Lightning: `pip install lightning` (or pytorch_lightning).")
+
+
+def register_with_loaded_packages(plugin_class: type) -> None:
+    """Make ``isinstance(plugin, CheckpointIO)`` true for every Lightning package already imported.
+
+    ``lightning`` and ``pytorch_lightning`` ship separate copies of ``CheckpointIO``; the plugin subclasses
+    one and registers as a virtual subclass of the other, so either Trainer accepts it.
+    """
+    for name in BASE_MODULES:
+        module = sys.modules.get(name)
+        if module is not None and not issubclass(plugin_class, module.CheckpointIO):
+            module.CheckpointIO.register(plugin_class)
+
+
+def stock_torch_io(base: type) -> Any:
+    package = base.__module__.split(".plugins.")[0]
+    module = __import__(f"{package}.plugins.io.torch_io", fromlist=["TorchCheckpointIO"])
+    return module.TorchCheckpointIO()
+
+
+def mro_names(obj: object) -> set[str]:
+    return {cls.__name__ for cls in type(obj).__mro__}
+
+
+# Strategies that save without calling CheckpointIO.save_checkpoint.
+def bypass_reason(strategy: object) -> str | None:
+    names = mro_names(strategy)
+    if "DeepSpeedStrategy" in names:
+        return "DeepSpeedStrategy saves through DeepSpeed's engine"
+    if "FSDPStrategy" in names and getattr(strategy, "_state_dict_type", "full") == "sharded":
+        return "FSDPStrategy(state_dict_type='sharded') saves with torch.distributed.checkpoint"
+    if "ModelParallelStrategy" in names and getattr(strategy, "_save_distributed_checkpoint", False):
+        return "ModelParallelStrategy(save_distributed_checkpoint=True) saves with torch.distributed.checkpoint"
+    return None
+
+
+def split_path(path: Any) -> tuple[str, bool]:
+    """(key, is_url): local paths become absolute; other fsspec protocols stay URLs."""
+    text = os.fspath(path)
+    if "://" in text:
+        protocol = text.split("://", 1)[0]
+        if protocol not in ("file", "local"):
+            return text, True
+        text = text.split("://", 1)[1]
+    return os.path.abspath(text), False
+
+
+# -- helpers bound to the plugin by weak reference -------------------------------------------------
+
+
+def find_strategy(plugin: LazyCheckpointIO, max_depth: int = 40) -> Any:
+    frame: FrameType | None = sys._getframe(2)
+    for _ in range(max_depth):
+        if frame is None:
+            return None
+        for name in ("self", "strategy", "trainer"):
+            obj = frame.f_locals.get(name)
+            if obj is None or obj is plugin:
+                continue
+            try:
+                if getattr(obj, "_checkpoint_io", None) is plugin:
+                    return obj
+                owner = getattr(obj, "_strategy", None) if name != "trainer" else getattr(obj, "strategy", None)
+                if owner is not None and getattr(owner, "_checkpoint_io", None) is plugin:
+                    return owner
+            except Exception:  # arbitrary user objects: properties may raise
+                continue
+        frame = frame.f_back
+    return None
+
+
+live_plugins: weakref.WeakSet[LazyCheckpointIO] = weakref.WeakSet()
+step_hook_installed = False
+
+
+def install_step_hook() -> None:
+    """One process-wide hook for all plugins, never removed.
+
+    Removing a global optimizer hook from a plugin's finalizer could run while torch iterates its
+    hook dict (the garbage collector runs anywhere), which raises "OrderedDict mutated during
+    iteration" inside someone's optimizer.step().
+    """
+    global step_hook_installed
+    if not step_hook_installed:
+        step_hook_installed = True
+        register_optimizer_step_pre_hook(on_optimizer_step)
+
+
+def on_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    # Finds the Trainer at its first optimizer steps, before any checkpoint, so that strategies
+    # that bypass CheckpointIO are reported at setup rather than never.
+    for plugin in list(live_plugins):
+        plugin._torn_down = False
+        if plugin._strategy_ref is None and plugin._attach_tries < 3:
+            plugin._attach_tries += 1
+            plugin._attach()
+    return None
+
+
+def pending_aware_file_exists(cb: Any, plugin_ref: weakref.ref) -> Callable[..., bool]:
+    def file_exists(filepath: Any, trainer: Any) -> bool:
+        # Same contract as ModelCheckpoint.file_exists (rank 0 decides), but a file still being
+        # written counts as existing, so version suffixes (-v1) match the stock plugin.
+        plugin = plugin_ref()
+        local = False
+        if trainer.is_global_zero:
+            local = bool(cb._fs.exists(filepath))
+            if not local and plugin is not None:
+                local = split_path(filepath)[0] in plugin.pending_paths()
+        return bool(trainer.strategy.reduce_boolean_decision(local, all=False))
+
+    return file_exists
+
+
+def link_after_pending(method: Callable[..., Any], plugin_ref: weakref.ref) -> Callable[..., Any]:
+    """save_last="link" replaces ``last.ckpt`` with a symlink outside CheckpointIO; a lazy save to
+    ``last.ckpt`` still pending would later be renamed over that link. Let it land first."""
+
+    def link(trainer: Any, filepath: Any, linkpath: Any) -> Any:
+        plugin = plugin_ref()
+        if plugin is not None:
+            pending = plugin._pending_for(split_path(linkpath)[0])
+            if pending:
+                plugin._wait_for(pending)
+        return method(trainer, filepath, linkpath)
+
+    return link
+
+
+def staged_first(method: Callable[..., Any], plugin_ref: weakref.ref) -> Callable[..., Any]:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        plugin = plugin_ref()
+        if plugin is not None:
+            plugin.wait_staged()  # these swaps write through `.data`, which `_version` does not see
+        return method(*args, **kwargs)
+
+    return wrapper
+
+
+def durable_first(method: Callable[..., Any], plugin_ref: weakref.ref) -> Callable[..., Any]:
+    def after_save_checkpoint(checkpoint_callback: Any) -> Any:
+        plugin = plugin_ref()
+        if plugin is not None:
+            plugin.wait()  # this logger reads or uploads checkpoint files
+        return method(checkpoint_callback)
+
+    return after_save_checkpoint
+
+
+def logger_reads_checkpoint_files(logger: Any) -> bool:
+    if getattr(logger, "_log_model", False) or getattr(logger, "_log_model_checkpoints", False):
+        return True
+    impl = type(logger).after_save_checkpoint
+    module = getattr(impl, "__module__", "") or ""
+    # Lightning's own loggers touch files only when told to log models (handled above); a third-party
+    # logger that overrides the hook may read the file, so it gets the file.
+    return not module.startswith(("lightning.", "pytorch_lightning."))
+
+
+def is_running(trainer: Any) -> bool:
+    status = getattr(getattr(trainer, "state", None), "status", None)
+    return status is None or status == "running"
+
+
+def swaps_state_after_save(trainer: Any) -> bool:
+    """ModelCheckpoint's manual-optimization path loads a saved state into ``pl_module.layer``, saves,
+    then loads the original back in place: the copies must be done before that restore."""
+    module = getattr(trainer, "lightning_module", None)
+    if module is None or getattr(module, "automatic_optimization", True):
+        return False
+    saved = getattr(module, "saved_models", None)
+    return isinstance(saved, dict) and bool(saved) and isinstance(getattr(module, "layer", None), torch.nn.Module)

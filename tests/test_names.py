@@ -1,0 +1,94 @@
+"""Issue 12 outcome 5: every error and warning lives in errors.py; old import paths keep working."""
+
+from __future__ import annotations
+
+import inspect
+
+import lazyckpt
+import lazyckpt.checkpointer
+import lazyckpt.cli.inspect
+import lazyckpt.errors as errors
+
+
+def test_every_error_and_warning_is_defined_in_errors():
+    for mod in (lazyckpt, lazyckpt.checkpointer, lazyckpt.cli.inspect):
+        for name, obj in vars(mod).items():
+            if inspect.isclass(obj) and issubclass(obj, BaseException) and obj.__module__.startswith("lazyckpt"):
+                assert obj.__module__ == "lazyckpt.errors", f"{mod.__name__}.{name}"
+                assert getattr(errors, name) is obj
+
+
+def test_old_import_paths_still_work():
+    from lazyckpt.checkpointer import BackpressureWarning
+    from lazyckpt.cli.inspect import InspectError
+
+    assert BackpressureWarning is errors.BackpressureWarning is lazyckpt.BackpressureWarning
+    assert InspectError is errors.InspectError
+
+
+def test_accelerate_warning_is_reexported():
+    import pytest
+
+    LA = pytest.importorskip("lazyckpt.accelerate")
+    assert LA.IncompleteCheckpointWarning is errors.IncompleteCheckpointWarning
+
+
+def test_commit_is_the_filesystem_module():
+    """``lazyckpt._commit`` is the old name of ``lazyckpt._fs``: the same module, so patching either works."""
+    from lazyckpt import _commit, _fs
+
+    assert _commit is _fs
+    assert _fs.cleanup_temporaries is lazyckpt.cleanup_temporaries
+
+
+def test_checkpointer_options_defaults_match_the_keywords(tmp_path):
+    import dataclasses
+
+    import pytest
+    import torch
+
+    from lazyckpt import CheckpointerOptions, LazyCheckpointer
+
+    opts = CheckpointerOptions(host_memory_budget=64 << 20, chunk_bytes=1 << 20, writer_threads=2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opts.fsync = False  # type: ignore[misc]
+    with (
+        LazyCheckpointer(opts) as a,
+        LazyCheckpointer(host_memory_budget=64 << 20, chunk_bytes=1 << 20, writer_threads=2) as b,
+    ):
+        assert a.options == b.options == opts
+        a.save({"w": torch.ones(3)}, tmp_path / "a.pt").wait()
+    with LazyCheckpointer(opts, fsync=False) as c:  # keywords override fields of options
+        assert c.options == dataclasses.replace(opts, fsync=False) and c.fsync is False
+
+
+def test_checkpointer_options_validate_like_the_constructor():
+    import pytest
+
+    from lazyckpt import CheckpointerOptions, LazyCheckpointer
+
+    for bad, match in (
+        ({"on_backpressure": "drop"}, "on_backpressure"),
+        ({"writer_threads": 0}, "writer_threads"),
+        ({"host_memory_budget": 0}, "host_memory_budget"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            CheckpointerOptions(**bad)
+        with pytest.raises(ValueError, match=match):
+            LazyCheckpointer(**bad)
+    with pytest.raises(TypeError):
+        LazyCheckpointer(no_such_option=1)
+    with pytest.raises(TypeError):
+        LazyCheckpointer(1 << 20)  # options are a CheckpointerOptions or keywords
+
+
+def test_integrations_take_checkpointer_options():
+    import pytest
+
+    from lazyckpt import CheckpointerOptions
+
+    LL = pytest.importorskip("lazyckpt.lightning")
+    plugin = LL.LazyCheckpointIO(options=CheckpointerOptions(writer_threads=2), fsync=False)
+    assert plugin._options == CheckpointerOptions(writer_threads=2, fsync=False)
+    with pytest.raises(TypeError):
+        LL.LazyCheckpointIO(object(), options=CheckpointerOptions())  # type: ignore[arg-type]
