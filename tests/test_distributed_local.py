@@ -207,18 +207,18 @@ def test_an_unseen_failure_is_raised_by_wait_not_by_the_next_save(dckpt, tmp_pat
     planning collective. wait() raises it, once."""
     import errno
 
-    import lazyckpt._engine as engine
+    import lazyckpt._fs as _fs
 
-    real = engine.pwrite_all
+    real = _fs.pwrite_all
 
     def enospc(fd, data, offset):
         raise OSError(errno.ENOSPC, "No space left on device (injected)")
 
-    monkeypatch.setattr(engine, "pwrite_all", enospc)
+    monkeypatch.setattr(_fs, "pwrite_all", enospc)
     h1 = dckpt.save({"w": torch.ones(1024)}, tmp_path / "a")
     h1.wait_staged()
     assert h1._done.wait(10)  # the commit thread has decided
-    monkeypatch.setattr(engine, "pwrite_all", real)
+    monkeypatch.setattr(_fs, "pwrite_all", real)
     h2 = dckpt.save({"w": torch.ones(1024)}, tmp_path / "b")  # does not raise h1's error
     with pytest.raises(DistributedSaveError, match="No space left") as info:
         dckpt.wait()
@@ -420,12 +420,12 @@ def test_a_lazy_save_is_confirmed_on_the_training_thread_never_the_commit_thread
 def _fail_writes(monkeypatch):
     import errno
 
-    import lazyckpt._engine as engine
+    import lazyckpt._fs as _fs
 
     def enospc(fd, data, offset):
         raise OSError(errno.ENOSPC, "No space left on device (injected)")
 
-    monkeypatch.setattr(engine, "pwrite_all", enospc)
+    monkeypatch.setattr(_fs, "pwrite_all", enospc)
 
 
 def test_an_error_raised_by_handle_wait_is_not_raised_again_by_wait_or_close(tmp_path, monkeypatch):

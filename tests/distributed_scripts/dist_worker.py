@@ -229,16 +229,16 @@ def scenario_uneven() -> None:
 
 def _patch_data_writes(action) -> None:
     """Make this rank's first tensor-data pwrite of a .distcp file call ``action`` instead."""
-    import lazyckpt._engine as engine
+    import lazyckpt._fs as _fs
 
-    real = engine.pwrite_all
+    real = _fs.pwrite_all
 
     def pwrite_all(fd, data, offset):
         if len(data) >= 1024:
             action()
         return real(fd, data, offset)
 
-    engine.pwrite_all = pwrite_all
+    _fs.pwrite_all = pwrite_all
 
 
 def scenario_write_error() -> None:

@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from .._commit import fsync_dir
+from .._fs import fsync_dir
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from .. import _commit, _guard
+from .. import _fs, _guard
 from .._flatten import Source, flatten_torch
 from .._handle import SaveHandle, SaveStats
 from .._job import Job
@@ -82,7 +82,7 @@ class RankFile:
         lazy = [s for s in self.sources if s.nbytes and s.storage_ptr in self.guarded]
         eager = [s for s in self.sources if s.nbytes and s.storage_ptr not in self.guarded]
         job = Job(
-            path=path, tmp=_commit.temporary_path(path), fmt="torch", sources=self.sources, lazy=lazy,
+            path=path, tmp=_fs.temporary_path(path), fmt="torch", sources=self.sources, lazy=lazy,
             layout=layout, file_bytes=layout.file_bytes, crc=self.ckpt.crc, fsync=self.ckpt.fsync,
             wait_in_closure=self.ckpt.wait_in_closure, t0=t0,
         )  # fmt: skip
