@@ -61,6 +61,17 @@ def _state(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> dic
     return {"model": msd, "optim": osd, "step": step}
 
 
+_ASYNC_GROUP: list[dist.ProcessGroup] = []
+
+
+def _async_group() -> dist.ProcessGroup:
+    """The gloo group torch's docs ask async_save to use: on the training's group, its background
+    gather/scatter interleaves with FSDP's all-gathers and gloo aborts on the size mismatch."""
+    if not _ASYNC_GROUP:
+        _ASYNC_GROUP.append(dist.new_group(backend="gloo"))
+    return _ASYNC_GROUP[0]
+
+
 def _run_mode(mode: str, args: argparse.Namespace, model, opt, batches, out: Path) -> float:
     """Seconds for ``args.steps`` steps with a checkpoint after each, final drain included."""
     import torch.distributed.checkpoint as dcp
@@ -87,8 +98,9 @@ def _run_mode(mode: str, args: argparse.Namespace, model, opt, batches, out: Pat
             cuda = torch.cuda.is_available()
             stager = DefaultStager(StagingOptions(cuda, cuda, cuda, cuda))
             response = dcp.async_save(
-                _state(model, opt, i), checkpoint_id=path, async_checkpointer_type=kind, async_stager=stager
-            )
+                _state(model, opt, i), checkpoint_id=path, async_checkpointer_type=kind, async_stager=stager,
+                process_group=_async_group(),  # its background collectives must not share the training's group
+            )  # fmt: skip
             # Without CUDA, DefaultStager stages inside async_save and only the upload future comes back.
             staging = getattr(response, "staging_completion", None)
             upload = getattr(response, "upload_completion", response)
@@ -146,6 +158,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out: Path) -> None:
     batches = gpt.BatchStream(
         model.cfg if hasattr(model, "cfg") else gpt.config_for(args.size), seed=rank, device=device
     )
+    _async_group()  # every rank creates it at the same point (new_group is collective)
     for _ in range(2):  # warm-up: optimizer state exists, the guard knows the optimizer
         gpt.train_step(model, opt, next(batches))
     times: dict[str, list[float]] = {m: [] for m in args.modes}
