@@ -37,7 +37,7 @@ from ._core import (
     tensor_pickle,
 )
 from ._layout import RankFileLayout
-from ._plan import RankPlan, plan_save, resolve
+from ._plan import PlanCache, RankPlan, plan_save, resolve
 
 logger = logging.getLogger(__name__)
 
@@ -150,6 +150,7 @@ class DistributedCheckpointer:
         self._lock = threading.Lock()
         self._pending: list[_Save] = []
         self._count = 0
+        self._plan_cache = PlanCache()  # the previous global plan: reused while no rank's local plan changes
         self._closed = False
         self._queue: queue.SimpleQueue[_Save | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._commit_loop, name="lazyckpt-dist-commit", daemon=True)
@@ -195,7 +196,7 @@ class DistributedCheckpointer:
             os.mkdir(staging)
             return staging
 
-        plan = plan_save(state, self._dist, final, prepare)
+        plan = plan_save(state, self._dist, final, prepare, self._plan_cache, n)
         entry = _Save(n, final, plan.staging, handle, t0, metadata=plan.metadata)
         with self._lock:
             self._pending.append(entry)
