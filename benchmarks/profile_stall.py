@@ -141,6 +141,20 @@ def _step_timer(phases: Phases, opt_cls: type) -> Callable[[], None]:
     return lambda: setattr(opt_cls, "step", orig)
 
 
+def _guard_timer(phases: Phases) -> Callable[[], None]:
+    """Time the guard's wait (``Job.release_guard``: copies of live pieces and the wait for pieces in flight)."""
+    from lazyckpt import _job
+
+    orig = _job.Job.release_guard
+
+    def release_guard(self: Any) -> None:
+        with phases("guard wait (part of optimizer.step)"):
+            orig(self)
+
+    _job.Job.release_guard = release_guard  # type: ignore[method-assign]
+    return lambda: setattr(_job.Job, "release_guard", orig)
+
+
 def run_core(args: argparse.Namespace, out: Path, ph: Phases) -> None:
     from lazyckpt import LazyCheckpointer
 
@@ -254,7 +268,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     ph, cpu, chunks = Phases(), ThreadCPU(), []
-    undo = [_watch_pool(chunks), _snapshot_before_close(cpu), _step_timer(ph, torch.optim.AdamW)]
+    undo = [_watch_pool(chunks), _snapshot_before_close(cpu), _step_timer(ph, torch.optim.AdamW), _guard_timer(ph)]
     try:
         with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
             cpu.begin()
