@@ -172,7 +172,10 @@ class LazyCheckpointer:
         planner = _format.get(format).flatten(obj, metadata)
         # On a memory filesystem with no core to spare, the file is written right here (see _write_in_save).
         inline = self._write_in_save(final, [s.device for s in planner.sources])
-        guarded = set() if self.capture_in_save or inline else _guard.guarded_storages()  # nothing guarded: all eager
+        # Nothing guarded: all eager. Listing the guarded storages walks every tracked optimizer's
+        # tensors: skipped for saves without tensor data (Accelerate's scheduler.bin, sampler.bin).
+        eager_only = self.capture_in_save or inline or not any(s.nbytes for s in planner.sources)
+        guarded = set() if eager_only else _guard.guarded_storages()
         direct = not inline and self._use_direct_io([s.nbytes for s in planner.sources])
         zero_copy = self._use_zero_copy(direct, [s.device for s in planner.sources])
         # Ask the format to place what will be written straight from memory where its pages line up.
