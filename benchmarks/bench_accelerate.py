@@ -204,7 +204,7 @@ def main() -> None:
             f"{disk['s']:.2f} s ({disk['gbps']:.2f} GB/s); storage floor with {args.steps} checkpoints "
             f"and a {step:.2f} s step: "
             f"{floor:.3f} s per checkpoint ({one_time / args.steps:.3f} one-time drain + {per_ckpt:.3f} per "
-            f"checkpoint); lazyckpt = floor + {lazy_rows[0]['stall_s'] - floor:+.3f} s"
+            f"checkpoint); lazyckpt = floor {lazy_rows[0]['stall_s'] - floor:+.3f} s"
         )
         rows.append({"phase": "storage-floor", "disk": disk, "stall_s": floor})
     if args.json:
