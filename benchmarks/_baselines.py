@@ -47,6 +47,35 @@ def raw_write(payload: torch.Tensor, path: Path, chunk: int = 64 << 20) -> tuple
     return dt, dc
 
 
+def storage_floor(disk_s: float, step_s: float, checkpoints: int) -> float:
+    """The least stall per checkpoint any checkpointer pays for one checkpoint after each of
+    ``checkpoints`` steps, final drain included, when the disk (``disk_s`` to write and fsync one
+    checkpoint's bytes) is the only limit and writing costs the training no CPU: the last write
+    starts after the last step (``disk_s`` once per run), and every other write that outlasts a step
+    (``step_s`` without checkpointing) delays the next one. Splits into ``one_time_drain_s / checkpoints``
+    + ``per_checkpoint_s`` (see ``floor_parts``)."""
+    one_time, per_ckpt = floor_parts(disk_s, step_s, checkpoints)
+    return one_time / checkpoints + per_ckpt
+
+
+def floor_parts(disk_s: float, step_s: float, checkpoints: int) -> tuple[float, float]:
+    """(the final drain's share: ``disk_s`` once per run, the per-checkpoint part: the disk time a
+    step cannot hide, ``(n - 1) / n * max(0, disk_s - step_s)``)."""
+    n = max(1, checkpoints)
+    return disk_s, (n - 1) / n * max(0.0, disk_s - step_s)
+
+
+def disk_write_s(directory: Path, nbytes: int, reps: int = 3) -> dict[str, Any]:
+    """The disk's own time to write ``nbytes`` sequentially (one thread, buffered) and fsync them in
+    ``directory``: median of ``reps``, with every run and the filesystem."""
+    payload = make_payload(nbytes)
+    runs = [raw_write(payload, directory / ".lazyckpt-bench-raw.bin")[0] for _ in range(reps)]
+    del payload
+    med = sorted(runs)[len(runs) // 2]
+    return {"bytes": nbytes, "s": med, "gbps": nbytes / med / GB, "runs": runs,
+            "filesystem": filesystem_of(directory)}  # fmt: skip
+
+
 def crc_throughput(payload: torch.Tensor, nbytes: int = 256 << 20, reps: int = 3) -> dict[str, Any]:
     """GB/s of zlib's and ISA-L's CRC32 over the same bytes, and which one lazyckpt uses."""
     from lazyckpt._crc import CRC_IMPL

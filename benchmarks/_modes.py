@@ -155,13 +155,17 @@ class Lazy(Mode):
 
     name = "lazyckpt"
 
-    def __init__(self, out_dir: Path, optimizer: torch.optim.Optimizer, writer_threads: int) -> None:
+    def __init__(self, out_dir: Path, optimizer: torch.optim.Optimizer, writer_threads: int,
+                 background_only: bool = False) -> None:  # fmt: skip
         super().__init__(out_dir)
         from lazyckpt import LazyCheckpointer
 
         self.ckpt = LazyCheckpointer(writer_threads=writer_threads, fsync=True, on_backpressure="block", crc=True)
         self.ckpt.track(optimizer)
-        self.path = out_dir / "lazy.pt"
+        if background_only:  # never write inside save(), even on a memory filesystem with every core busy
+            self.name = "lazyckpt-bg"
+            self.ckpt._write_in_save = lambda *_: False  # type: ignore[method-assign]
+        self.path = out_dir / ("lazy-bg.pt" if background_only else "lazy.pt")
         self.handles: list[tuple[float, Any]] = []
         self.stats: list[Any] = []
 
@@ -210,6 +214,7 @@ def make_modes(names: list[str], out_dir: Path, device: torch.device, optimizer:
         "torch.save": lambda: TorchSave(out_dir),
         "dcp": lambda: DCPAsync(out_dir, device),
         "lazyckpt": lambda: Lazy(out_dir, optimizer, writer_threads),
+        "lazyckpt-bg": lambda: Lazy(out_dir, optimizer, writer_threads, background_only=True),
     }
     return {name: factories[name]() for name in names}
 

@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 
 from . import gpt as _gpt
+from ._baselines import disk_write_s, floor_parts, storage_floor
 
 
 def main() -> None:
@@ -190,6 +191,22 @@ def main() -> None:
             if r["phase"] != "none"
         )
     )
+    # The disk's own speed for the bytes one save_state writes with lazyckpt (its files are fsynced), in the
+    # same folder: a stall at the storage floor is a disk limit, not an engine cost.
+    lazy_rows = [r for r in rows if r["phase"] == "lazyckpt"]
+    if lazy_rows and "none" in per_round:
+        disk = disk_write_s(root, ckpt_bytes)
+        step = statistics.median(per_round["none"])
+        one_time, per_ckpt = floor_parts(disk["s"], step, args.steps)
+        floor = storage_floor(disk["s"], step, args.steps)
+        print(
+            f"disk ({disk['filesystem']}): write + fsync of one checkpoint's {ckpt_bytes / 1e9:.2f} GB "
+            f"{disk['s']:.2f} s ({disk['gbps']:.2f} GB/s); storage floor with {args.steps} checkpoints "
+            f"and a {step:.2f} s step: "
+            f"{floor:.3f} s per checkpoint ({one_time / args.steps:.3f} one-time drain + {per_ckpt:.3f} per "
+            f"checkpoint); lazyckpt = floor {lazy_rows[0]['stall_s'] - floor:+.3f} s"
+        )
+        rows.append({"phase": "storage-floor", "disk": disk, "stall_s": floor})
     if args.json:
         Path(args.json).write_text(
             json.dumps(

@@ -27,6 +27,7 @@ from typing import Any
 from lazyckpt.cli._format import GB, dump_json, fmt, human_bytes, table
 
 from . import gpt as _gpt
+from ._baselines import floor_parts, storage_floor
 from ._progress import ProgressBar
 from ._run import MODES, Bench, BenchOptions
 
@@ -47,8 +48,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=None, help="repetitions of all modes (order rotates)")
     p.add_argument("--warmup", type=int, default=None, help="uncounted checkpointing steps per segment")
     p.add_argument("--batch-size", type=int, default=None)
-    p.add_argument("--modes", default=",".join(MODES), help=f"subset of {','.join(MODES)} (none always runs)")
+    p.add_argument("--modes", default=",".join(MODES[:4]), help=f"subset of {','.join(MODES)} (none always runs)")
     p.add_argument("--writer-threads", type=int, default=4, help="lazyckpt writer threads (default 4)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch.set_num_threads for training (1 on 2 cores: the spare-core regime; default: torch's)",
+    )
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--out-dir", default=None, help="where checkpoints go (default: a fresh temporary directory)")
     p.add_argument("--keep", action="store_true", help="keep the checkpoint files")
@@ -59,6 +66,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     opts = options_from(args)
     problem = _precheck(args, opts)
     if problem:
@@ -120,7 +131,8 @@ def print_report(doc: dict[str, Any]) -> None:
     cfg, summary, modes = doc["config"], doc["summary"], doc["modes"]
     model = f"{doc['params'] / 1e6:.1f}M params, {cfg['n_layer']} layers x {cfg['n_embd']}"
     print(f"checkpoint every step: {doc['options']['size']} GPT ({model}, {human_bytes(doc['ckpt_tensor_bytes'])} "
-          f"of tensors) on {doc['facts']['device']}, {doc['steps']} checkpoints x {doc['rounds']} rounds, "
+          f"of tensors) on {doc['facts']['device']}, {doc['facts']['torch_threads']} torch thread(s) on "
+          f"{doc['facts']['cpus']} CPUs, {doc['steps']} checkpoints x {doc['rounds']} rounds, "
           "median over rounds")  # fmt: skip
     peers = [m for m in modes if m != "none"]
     headers = ["mode", "step s", "stall/ckpt s", "in save() s", "final drain s", "write GB/s", "of raw disk"]
@@ -164,10 +176,18 @@ def _print_throughput(doc: dict[str, Any]) -> None:
     pressure = doc["facts"].get("cpu_pressure")
     if pressure is not None and pressure > 0.2:
         print(f"warning: some task waited for a CPU {pressure:.0%} of the time: a busy machine, noisy numbers")
-    if doc["summary"]["none"]["step_s"] and raw:
-        bound = doc["raw_write"][0]["bytes"] / (raw * GB)
-        print(f"storage bound: one checkpoint takes {bound:.2f} s to write vs {doc['summary']['none']['step_s']:.2f}"
-              " s per step; checkpointing more often than that stalls any checkpointer")  # fmt: skip
+    step = doc["summary"]["none"]["step_s"]
+    if step and raw:
+        disk = doc["raw_write"][0]["bytes"] / (raw * GB)
+        drain, per_ckpt = floor_parts(disk, step, doc["steps"])
+        floor = storage_floor(disk, step, doc["steps"])
+        print(f"storage floor: the disk writes+fsyncs one checkpoint in {disk:.2f} s, a step takes {step:.2f} s; "
+              f"with {doc['steps']} checkpoints and the final drain counted, any checkpointer stalls >= "
+              f"{floor:.3f} s per checkpoint ({drain / doc['steps']:.3f} s: the last write, once per run; "
+              f"{per_ckpt:.3f} s: disk time a step cannot hide)")  # fmt: skip
+        lazy = summary.get("lazyckpt")
+        if lazy and lazy.get("stall_s") is not None:
+            print(f"lazyckpt's stall {lazy['stall_s']:.3f} s = floor + {lazy['stall_s'] - floor:.3f} s of engine cost")
 
 
 if __name__ == "__main__":

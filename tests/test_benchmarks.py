@@ -28,6 +28,28 @@ def test_bench_core_skips_a_peer_that_is_not_available(monkeypatch, capsys):
     assert "note: dcp skipped" in out and "needs torch>=2.9" in out
 
 
+def test_bench_core_prints_the_regime_and_the_storage_floor(capsys):
+    torch = __import__("torch")
+    before = torch.get_num_threads()
+    try:
+        argv = ["--size", "tiny", "--steps", "2", "--rounds", "1", "--warmup", "0", "--modes", "lazyckpt",
+                "--threads", "1", "--no-progress"]  # fmt: skip
+        assert bench_core.main(argv) == 0
+    finally:
+        torch.set_num_threads(before)
+    out = capsys.readouterr().out
+    assert "1 torch thread(s)" in out and "storage floor:" in out and "of engine cost" in out
+
+
+def test_storage_floor_splits_the_final_drain_from_the_per_checkpoint_part():
+    from benchmarks._baselines import floor_parts, storage_floor
+
+    # a disk faster than the step: only the last write is not hidden (once per run)
+    assert floor_parts(1.0, 2.0, 5) == (1.0, 0.0) and storage_floor(1.0, 2.0, 5) == 0.2
+    # a disk slower than the step: every write but the last delays the next by disk - step
+    assert floor_parts(3.0, 2.0, 5) == (3.0, 0.8) and abs(storage_floor(3.0, 2.0, 5) - 1.4) < 1e-12
+
+
 def test_bench_core_unknown_mode_exits_1(capsys):
     assert bench_core.main(["--modes", "torch.save,nope"]) == 1
     assert "unknown mode" in capsys.readouterr().err

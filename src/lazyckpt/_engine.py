@@ -103,6 +103,25 @@ class Engine:
         stream = torch.cuda.current_stream(src.device) if src.device.type == "cuda" else None
         self._copy_source(job, src, stream)
 
+    def write_now(self, job: Job, src: Source) -> None:
+        """Write a CPU source on the caller's thread, straight from its memory, before ``save()``
+        returns (``LazyCheckpointer._write_in_save``: a memory filesystem and no core to spare).
+        Counted like any piece, so the job finalises and commits in the background as usual."""
+        for piece in self._pieces(job, src):
+            if job.failed:
+                return
+            job.piece_added()
+            try:
+                data = memory_at(src.data_ptr + piece.start, piece.nbytes)
+                crc = crc32(data) if job.crc else 0
+                job.note_write_start()
+                _fs.pwrite_all(job.fd, data, piece.file_offset)
+                job.piece_written(piece, crc)
+            except Exception as exc:
+                job.fail(write_error(job, "writing", exc))
+            finally:  # never True here: the stager marks the job fully submitted only after save()
+                job.piece_done()
+
     def _pieces(self, job: Job, src: Source, step: int = 0) -> list[Piece]:
         """Cut a source where its file offset crosses a multiple of ``step`` (default: the chunk
         size), so that each piece fits a chunk at its in-page phase (see ``HostBufferPool.alloc``)."""

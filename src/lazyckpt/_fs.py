@@ -121,6 +121,36 @@ def open_temporary(tmp: str, size: int) -> int:
     return fd
 
 
+_MEMORY_FS = frozenset({"tmpfs", "ramfs"})
+_memory_fs_of_dev: dict[int, bool] = {}
+
+
+def is_memory_filesystem(directory: str) -> bool:
+    """Whether ``directory`` is on a filesystem held in memory (tmpfs, ramfs): there a write is a
+    memory copy and fsync does nothing. Looked up once per device in ``/proc/self/mountinfo``."""
+    try:
+        dev = os.stat(directory or ".").st_dev
+    except OSError:
+        return False
+    known = _memory_fs_of_dev.get(dev)
+    if known is None:
+        known = _memory_fs_of_dev[dev] = _fstype_of_dev(dev) in _MEMORY_FS
+    return known
+
+
+def _fstype_of_dev(dev: int) -> str | None:
+    want = f"{os.major(dev)}:{os.minor(dev)}"
+    try:
+        with open("/proc/self/mountinfo") as fh:
+            for line in fh:  # "id parent maj:min root mountpoint options [optional...] - fstype source ..."
+                fields = line.split()
+                if len(fields) > 2 and fields[2] == want and " - " in line:
+                    return line.split(" - ", 1)[1].split()[0]
+    except OSError:
+        pass
+    return None
+
+
 def open_direct(tmp: str) -> int:
     """A second, O_DIRECT descriptor for page-aligned bulk writes, or -1 where unsupported (tmpfs)."""
     flag = getattr(os, "O_DIRECT", 0)

@@ -175,10 +175,12 @@ class HostBufferPool:
             else:
                 with torch.cuda.device(self.pin_device):
                     _register(tensor.data_ptr(), self.chunk_bytes)
-        else:
-            # Fault the pages in once, not during every first save; a plain memset, because torch's
-            # zero_ would run on the intra-op thread pool the training is using.
-            ctypes.memset(tensor.data_ptr(), 0, tensor.numel())
+        # Unpinned chunks are not touched here: their pages fault in when a copy first reaches them
+        # (2 MiB at a time with THP) and stay mapped for every later save. Touching the whole chunk
+        # up front made the first piece of a fresh pool pay for all of it, and on the training
+        # thread when that piece was an eager tensor of save() or the guard's copy (a first save of
+        # a few MB faulted in 64 MiB: 0.16-0.24 s under load here, per Lightning fit); and the
+        # kernel zeroes a faulted page anyway, so the memset was a second pass over the same memory.
         chunk = _Chunk(tensor)
         self._chunks.append(chunk)
         return chunk

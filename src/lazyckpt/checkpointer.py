@@ -169,9 +169,14 @@ class LazyCheckpointer:
         _guard.confirm_ready()  # earlier saves whose copies are over: this thread's ops came before
         self._raise_unreported()
         final = self._resolve(path)
-        guarded = set() if self.capture_in_save else _guard.guarded_storages()  # nothing guarded: all eager
         planner = _format.get(format).flatten(obj, metadata)
-        direct = self._use_direct_io([s.nbytes for s in planner.sources])
+        # On a memory filesystem with no core to spare, the file is written right here (see _write_in_save).
+        inline = self._write_in_save(final, [s.device for s in planner.sources])
+        # Nothing guarded: all eager. Listing the guarded storages walks every tracked optimizer's
+        # tensors: skipped for saves without tensor data (Accelerate's scheduler.bin, sampler.bin).
+        eager_only = self.capture_in_save or inline or not any(s.nbytes for s in planner.sources)
+        guarded = set() if eager_only else _guard.guarded_storages()
+        direct = not inline and self._use_direct_io([s.nbytes for s in planner.sources])
         zero_copy = self._use_zero_copy(direct, [s.device for s in planner.sources])
         # Ask the format to place what will be written straight from memory where its pages line up.
         phases = {s.key: s.data_ptr % PAGE for s in planner.sources if zero_copy and _zero_copy_candidate(s, guarded)}
@@ -196,7 +201,7 @@ class LazyCheckpointer:
             layout=layout, file_bytes=file_bytes, crc=self.crc, fsync=self.fsync,
             wait_in_closure=self.wait_in_closure, t0=t0, before_commit=before_commit,
         )  # fmt: skip
-        self._start(job, eager, direct)
+        self._start(job, eager, direct, inline)
         job.t_returned = time.perf_counter()
         return job.handle
 
@@ -380,8 +385,23 @@ class LazyCheckpointer:
         pieces would otherwise also wait for the device-to-host copies, which it need not do."""
         return direct and self.zero_copy and all(d.type != "cuda" for d in devices)
 
-    def _start(self, job: Job, eager: list[Source], direct: bool) -> None:
-        """Open the temporary file, capture unguarded tensors, hand the job to the engine."""
+    def _write_in_save(self, final: str, devices: list[torch.device]) -> bool:
+        """Whether ``save()`` writes the file itself instead of handing it to the background threads:
+        when the file goes to a memory filesystem (tmpfs, ramfs) and training uses every core.
+
+        There a write is a memory copy, the same work on any thread; on a background thread it
+        takes a core from the training's intra-op threads, which all wait at the end of each
+        parallel op for the one that lost its core, so it cost the training more than the copy
+        (measured: lazyckpt's stall on /dev/shm 1.15x torch.save's, issue 15). Written here, once,
+        straight from the tensors (no staging copy), it costs what torch.save's copy costs and no
+        more; with a core to spare (``torch.get_num_threads()`` below the usable CPUs, as in GPU
+        training) the background overlap is free and kept. CPU tensors only."""
+        if any(d.type != "cpu" for d in devices) or not _fs.is_memory_filesystem(os.path.dirname(final)):
+            return False
+        return torch.get_num_threads() >= _usable_cpus()
+
+    def _start(self, job: Job, eager: list[Source], direct: bool, inline: bool = False) -> None:
+        """Open the temporary file, capture unguarded tensors (``inline``: write them), hand the job to the engine."""
         try:
             job.fd = _fs.open_temporary(job.tmp, job.file_bytes)
             if direct:
@@ -400,7 +420,10 @@ class LazyCheckpointer:
             _guard.add(job)
         try:
             for src in eager:
-                self._engine.stage_now(job, src)
+                if inline:
+                    self._engine.write_now(job, src)
+                else:
+                    self._engine.stage_now(job, src)
         except Exception as exc:
             job.fail(write_error(job, "staging for", exc))
         except BaseException as exc:  # Ctrl-C on a full pool: the save fails cleanly, the interrupt goes on
@@ -494,6 +517,13 @@ class _QueuedRemoval:
 
 def _left(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
 
 
 _ZERO_COPY_MIN = 1 << 20  # below this, a tensor's two partial pages would be most of it
