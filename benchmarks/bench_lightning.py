@@ -59,7 +59,14 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats of the four fits")
     p.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary directory)")
+    p.add_argument("--strategy", choices=["single", "model_parallel"], default="single",
+                   help="model_parallel: ModelParallelStrategy (FSDP2), 2 processes, stock sharded save vs lazy")  # fmt: skip
     args = p.parse_args()
+    if args.strategy == "model_parallel":
+        from benchmarks._lightning_sharded import run
+
+        run(args)
+        return
     params = sum(x.numel() for x in GPT(vocab=args.vocab, dim=args.dim, layers=args.layers, heads=args.dim // 64,
                                         seq=args.seq).parameters())  # fmt: skip
     print(f"GPT {args.layers} x {args.dim}, {params / 1e6:.1f}M parameters, {args.steps} steps, "
