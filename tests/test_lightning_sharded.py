@@ -122,8 +122,9 @@ def test_model_parallel_lazy_equals_stock_and_resumes(tmp_path: Any) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_model_parallel_rank_crash_leaves_no_partial_folder(tmp_path: Any) -> None:
-    """Rank 1 dies right after handing over the step-3 saves (so it never confirms the last of
+def test_model_parallel_pending_delete_and_rank_crash(tmp_path: Any) -> None:
+    """A delete of a folder whose save is pending (forced: no rank has stepped since the save)
+    happens after that save commits, so the folder does not come back. Then rank 1 dies right after handing over the step-3 saves (so it never confirms the last of
     them, the every-3-steps callback's, which runs after the top-k one), then rank 0 is killed too
     (it would wait in the next collective): every folder at a final name is complete and
     stock-readable, and the unconfirmed one never appears."""
@@ -134,6 +135,8 @@ def test_model_parallel_rank_crash_leaves_no_partial_folder(tmp_path: Any) -> No
         procs[0].kill()
         procs[0].wait()
         procs[1].kill()
+    assert json.loads((tmp_path / "remove.json").read_text())["was_pending"]
+    assert sorted(os.listdir(tmp_path / "remove")) == ["step2.ckpt"]
     folders = []
     for sub in ("crash", "crash-every3"):
         if (tmp_path / sub).is_dir():

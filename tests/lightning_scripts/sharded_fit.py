@@ -8,7 +8,8 @@ A small GPT, FSDP2 ``fully_shard`` in ``configure_model``, ``ModelParallelStrate
   every step with top-k and ``save_last``; the lazy fit dumps the full state at each save (a
   callback, inside ``dump_checkpoint``). Then a stock resume from the lazy step-3 folder and one
   with ``ckpt_path="last"``, each to the end, and their final states.
-- ``crash``: a lazy fit in which rank 1 dies right after handing over the step-3 saves.
+- ``crash``: a 2-step lazy fit in which rank 0 deletes the step-1 folder while its save is pending;
+  then a lazy fit in which rank 1 dies right after handing over the step-3 saves.
 
 Rank 0 writes what the test compares under OUT_DIR; every rank writes ``rank<r>.json``.
 """
@@ -164,7 +165,32 @@ def case_fit(out: str) -> dict[str, Any]:
     return report
 
 
+class RemoveWhilePending(Callback):
+    """At the start of step 2, rank 0 deletes the step-1 folder while its save is certainly pending
+    (no rank has called into lazyckpt or stepped since, so it cannot have committed), through the
+    strategy as ModelCheckpoint does."""
+
+    def __init__(self, io: LazyCheckpointIO, folder: str) -> None:
+        self.io, self.folder, self.was_pending = io, folder, False
+
+    def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
+        if trainer.global_step == 1 and trainer.is_global_zero:
+            self.was_pending = self.folder in self.io.pending_paths() and not os.path.exists(self.folder)
+            trainer.strategy.remove_checkpoint(self.folder)
+
+
 def case_crash(out: str) -> dict[str, Any]:
+    L.seed_everything(0, verbose=False)
+    io = LazyCheckpointIO()
+    remover = RemoveWhilePending(io, os.path.join(out, "remove", "step1.ckpt"))
+    ckpt = ModelCheckpoint(dirpath=os.path.join(out, "remove"), filename="step{step}", auto_insert_metric_name=False,
+                           every_n_train_steps=1, save_top_k=-1)  # fmt: skip
+    t = L.Trainer(accelerator="cpu", devices=2, strategy=ModelParallelStrategy(), max_steps=2, plugins=[io],
+                  callbacks=[ckpt, remover], logger=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    t.fit(ShardedGPT())
+    if t.is_global_zero:
+        with open(os.path.join(out, "remove.json"), "w") as f:
+            json.dump({"was_pending": remover.was_pending}, f)
     L.seed_everything(0, verbose=False)
     t = trainer(out, "crash", [LazyCheckpointIO()], [DieAfterSave()])
     t.fit(ShardedGPT())
