@@ -60,7 +60,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats of the four fits")
     p.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary directory)")
     p.add_argument("--strategy", choices=["single", "model_parallel"], default="single",
-                   help="model_parallel: ModelParallelStrategy (FSDP2), 2 processes, stock sharded save vs lazy")  # fmt: skip
+                   help="model_parallel: ModelParallelStrategy (FSDP2), 2 ranks, stock sharded vs lazy")  # fmt: skip
     args = p.parse_args()
     if args.strategy == "model_parallel":
         from benchmarks._lightning_sharded import run
