@@ -121,6 +121,22 @@ def test_model_parallel_lazy_equals_stock_and_resumes(tmp_path: Any) -> None:
 
 
 @pytest.mark.timeout(300)
+def test_model_parallel_write_error_on_one_rank_reaches_fit_on_every_rank(tmp_path: Any) -> None:
+    procs = _start(tmp_path, "fault")
+    try:
+        codes = [p.wait(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert codes == [0, 0], _logs(tmp_path)
+    for rank in (0, 1):
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert report["raised"] == "DistributedSaveError" and report["ranks"] == [1], report
+        assert "No space left" in report["message"] or rank == 0, report
+    assert [n for n in os.listdir(tmp_path / "fault") if not n.startswith(".")] == []  # nothing committed
+
+
+@pytest.mark.timeout(300)
 def test_model_parallel_pending_delete_and_rank_crash(tmp_path: Any) -> None:
     """A delete of a folder whose save is pending (forced: no rank has stepped since the save)
     happens after that save commits, so the folder does not come back. Then rank 1 dies right

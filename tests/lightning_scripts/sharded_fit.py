@@ -11,6 +11,8 @@ A small GPT, FSDP2 ``fully_shard`` in ``configure_model``, ``ModelParallelStrate
 - ``crash``: a 2-step lazy fit in which rank 0 deletes the step-1 folder while its save is pending;
   then a lazy fit in which rank 1 dies right after handing over the step-3 saves.
 
+- ``fault``: a lazy fit in which every write of rank 1 fails with ENOSPC.
+
 Rank 0 writes what the test compares under OUT_DIR; every rank writes ``rank<r>.json``.
 """
 
@@ -196,9 +198,34 @@ def case_crash(out: str) -> dict[str, Any]:
     return {}
 
 
+def case_fault(out: str) -> dict[str, Any]:
+    """Rank 1's writes fail (ENOSPC, injected at lazyckpt's one write call): fit() must raise on
+    every rank once teardown has drained them."""
+    import errno
+
+    from lazyckpt import _fs
+    from lazyckpt.distributed import DistributedSaveError
+
+    if int(os.environ["LOCAL_RANK"]) == 1:
+
+        def no_space(fd: int, data: Any, offset: int) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+        _fs.pwrite_all = no_space  # type: ignore[assignment]
+    ckpt = ModelCheckpoint(dirpath=os.path.join(out, "fault"), every_n_train_steps=1, save_top_k=-1)
+    t = L.Trainer(accelerator="cpu", devices=2, strategy=ModelParallelStrategy(), max_steps=2,
+                  plugins=[LazyCheckpointIO()], callbacks=[ckpt], logger=False, enable_progress_bar=False,
+                  enable_model_summary=False)  # fmt: skip
+    try:
+        t.fit(ShardedGPT())
+    except DistributedSaveError as exc:
+        return {"raised": type(exc).__name__, "ranks": list(exc.ranks), "message": str(exc)}
+    return {"raised": None}
+
+
 def main() -> None:
     out, case = sys.argv[1], sys.argv[2]
-    report = case_fit(out) if case == "fit" else case_crash(out)
+    report = {"fit": case_fit, "crash": case_crash, "fault": case_fault}[case](out)
     report["rank"] = int(os.environ["LOCAL_RANK"])
     with open(os.path.join(out, f"rank{report['rank']}.json"), "w") as f:
         json.dump(report, f)
