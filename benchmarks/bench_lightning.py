@@ -97,9 +97,16 @@ def main() -> None:
         default=None,
         help="torch.set_num_threads (1 on 2 cores: the spare-core regime; default: torch's)",
     )
+    p.add_argument("--strategy", choices=["single", "model_parallel"], default="single",
+                   help="model_parallel: ModelParallelStrategy (FSDP2), 2 ranks, stock sharded vs lazy")  # fmt: skip
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.strategy == "model_parallel":
+        from benchmarks._lightning_sharded import run
+
+        run(args)
+        return
     params = sum(x.numel() for x in GPT(vocab=args.vocab, dim=args.dim, layers=args.layers, heads=args.dim // 64,
                                         seq=args.seq).parameters())  # fmt: skip
     print(f"GPT {args.layers} x {args.dim}, {params / 1e6:.1f}M parameters, {args.steps} steps, "

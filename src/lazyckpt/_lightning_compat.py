@@ -131,6 +131,7 @@ def on_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) 
         if plugin._strategy_ref is None and plugin._attach_tries < 3:
             plugin._attach_tries += 1
             plugin._attach()
+        plugin._install_sharded()
     return None
 
 

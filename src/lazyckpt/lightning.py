@@ -45,6 +45,7 @@ from lazyckpt._options import merge as _merge_options
 from lazyckpt.errors import CheckpointerClosedError, LazyCkptError, StaleTensorError
 
 from . import _lightning_compat as _compat
+from . import _lightning_sharded as _sharded
 
 __all__ = ["LazyCheckpointIO"]
 
@@ -171,6 +172,8 @@ class LazyCheckpointIO(_CheckpointIO):
         self._warned_bypass = False
         self._torn_down = False  # set by teardown, cleared by the next optimizer step
         self._attach_tries = 0
+        self._sharded: _sharded.ShardedSaves | None = None  # ModelParallelStrategy / sharded FSDP saves
+        self._sharded_seen: weakref.ref | None = None  # the last strategy the step hook looked at
         _compat.live_plugins.add(self)
         _compat.install_step_hook()
 
@@ -214,6 +217,8 @@ class LazyCheckpointIO(_CheckpointIO):
         (and before a later one); a URL's delete waits for its pending upload."""
         self._attach()
         key, is_url = _compat.split_path(path)
+        if not is_url and self._sharded is not None and self._sharded.defer_removal(key):
+            return  # a sharded save to this folder is pending: deleted once it commits
         if is_url:
             pending = self._pending_for(key)
             if pending:
@@ -254,12 +259,18 @@ class LazyCheckpointIO(_CheckpointIO):
             self._drain(raise_errors=handling is None)
         finally:
             self._unpatch()
-            self._trainer_ref = self._strategy_ref = None
+            self._trainer_ref = self._strategy_ref = self._sharded_seen = None
             self._torn_down = True
             self._attach_tries = 0
             self._release_resources()
 
     def _release_resources(self) -> None:
+        sharded, self._sharded = self._sharded, None
+        if sharded is not None:
+            try:
+                sharded.close()  # drained by _drain: raises nothing new
+            except LazyCkptError as exc:
+                log.error("lazyckpt: closing the sharded checkpointer: %s", exc)
         with self._lock:
             uploader, self._uploader = self._uploader, None
         if uploader is not None:
@@ -285,8 +296,9 @@ class LazyCheckpointIO(_CheckpointIO):
 
     def pending_paths(self) -> set[str]:
         """Paths (absolute, or URLs) whose saves are not yet durable."""
+        sharded = self._sharded.pending_paths() if self._sharded is not None else set()
         with self._lock:
-            return {r.key for r in self._saves if not r.done.done()}
+            return {r.key for r in self._saves if not r.done.done()} | sharded
 
     @property
     def checkpointer(self) -> LazyCheckpointer | None:
@@ -353,6 +365,8 @@ class LazyCheckpointIO(_CheckpointIO):
         deadline = None if timeout is None else time.monotonic() + timeout
         error: BaseException | None = None
         try:
+            if self._sharded is not None:  # every rank drains: a sharded commit needs them all
+                self._sharded.wait(timeout)
             if self._ckpt is not None:  # saves durable, deletes done; raises the first unseen error
                 self._ckpt.wait(timeout)
             with self._lock:
@@ -422,7 +436,7 @@ class LazyCheckpointIO(_CheckpointIO):
         if strategy is None or strategy is current:
             return self._trainer_ref() if self._trainer_ref is not None else None
         self._strategy_ref = weakref.ref(strategy)
-        reason = _compat.bypass_reason(strategy)
+        reason = None if _sharded.sharded_state_key(strategy) else _compat.bypass_reason(strategy)
         if reason and not self._warned_bypass:
             self._warned_bypass = True
             warnings.warn(
@@ -463,6 +477,49 @@ class LazyCheckpointIO(_CheckpointIO):
                 self._patch(
                     logger, "after_save_checkpoint", _compat.durable_first(logger.after_save_checkpoint, plugin)
                 )
+
+    def _install_sharded(self) -> None:
+        """Called by the optimizer-step hook at every step on every rank: strategies that save with
+        DCP themselves get their saves routed through a ``DistributedCheckpointer`` (see
+        ``_lightning_sharded``). Only from here, never from a rank-0-only call (``remove_checkpoint``):
+        every rank must switch at the same step, or the ranks' saves would not meet."""
+        seen = self._sharded_seen() if self._sharded_seen is not None else None
+        if seen is not None and (_sharded.sharded_state_key(seen) is None or "save_checkpoint" in vars(seen)):
+            return  # nothing to do, or already installed
+        strategy = _compat.find_strategy(self)
+        if strategy is None:
+            return
+        self._sharded_seen = weakref.ref(strategy)
+        key = _sharded.sharded_state_key(strategy)
+        if key is not None:
+            self._adapt_sharded(strategy, key)
+
+    def _adapt_sharded(self, strategy: Any, key: str) -> None:
+        plugin = weakref.ref(self)
+        stock_teardown = strategy.teardown
+
+        def save_checkpoint(checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+            if storage_options is not None:
+                raise TypeError(f"`storage_options` is not supported by {type(strategy).__name__} (it uses DCP).")
+            io = plugin()
+            if io is None:
+                raise CheckpointerClosedError("the LazyCheckpointIO serving this strategy is gone")
+            if io._sharded is None:
+                io._sharded = _sharded.ShardedSaves(io._options)
+            io._sharded.save(strategy, checkpoint, filepath, key)
+
+        def teardown() -> None:
+            try:
+                io = plugin()
+                if io is not None:
+                    io.teardown()
+            finally:
+                stock_teardown()
+
+        self._patch(strategy, "save_checkpoint", save_checkpoint)
+        self._patch(strategy, "teardown", teardown)
+        for name, method in _sharded.lazy_state_methods(strategy).items():
+            self._patch(strategy, name, method)
 
     def _patch(self, obj: object, attr: str, replacement: Callable[..., Any]) -> None:
         if attr in vars(obj):  # already adapted (by this or another plugin): leave it

@@ -13,6 +13,7 @@ import threading
 import time
 import uuid
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -78,6 +79,7 @@ class _Save:
     file: str = ""
     local: SaveHandle | None = None
     error: BaseException | None = None  # this rank's part failed inside save()
+    extra_files: dict[str, bytes] = field(default_factory=dict)  # coordinator: written beside .metadata
 
 
 class DistributedCheckpointer:
@@ -161,9 +163,15 @@ class DistributedCheckpointer:
     def closed(self) -> bool:
         return self._closed
 
-    def save(self, state: dict[str, Any], path: str | os.PathLike[str]) -> DistributedSaveHandle:
+    def save(
+        self, state: dict[str, Any], path: str | os.PathLike[str], *, extra_files: Mapping[str, bytes] | None = None
+    ) -> DistributedSaveHandle:
         """Start saving ``state`` (what ``torch.distributed.checkpoint.save`` takes) to the folder
         ``path``; collective. Returns at once with a handle (see the class docstring).
+
+        ``extra_files``: small files (name -> bytes) that the coordinator (rank 0 of the group)
+        writes into the folder with ``.metadata``, so they appear atomically with the checkpoint
+        and are listed in its manifest (Lightning's ``meta.pt``); ignored on other ranks.
 
         Raises ``SaveRefusedError`` on every rank if planning fails on any (nothing written); on
         one rank only if that rank cannot serialize its part (the save then fails on the others
@@ -198,6 +206,8 @@ class DistributedCheckpointer:
 
         plan = plan_save(state, self._dist, final, prepare, self._plan_cache, n)
         entry = _Save(n, final, plan.staging, handle, t0, metadata=plan.metadata)
+        if self._dist.is_coordinator and extra_files:
+            entry.extra_files = {_extra_name(name): bytes(data) for name, data in extra_files.items()}
         with self._lock:
             self._pending.append(entry)
         try:
@@ -349,7 +359,9 @@ class DistributedCheckpointer:
         else:
             try:
                 save_id = f"{self._token}-{entry.n}"
-                _commit.write_metadata(entry.staging, entry.final, save_id, entry.metadata, reports, self._inner.fsync)
+                _commit.write_metadata(
+                    entry.staging, entry.final, save_id, entry.metadata, reports, self._inner.fsync, entry.extra_files
+                )
             except Exception as exc:
                 why = f"rank {self.rank} (coordinator): writing the metadata failed: {exc}"
                 decided = self._proto.decide(entry.n, "abort:" + json.dumps({"ranks": [self.rank], "why": why}))
@@ -433,6 +445,12 @@ class DistributedCheckpointer:
 def _abort_reason(decided: str) -> tuple[str, tuple[int, ...]]:
     body = json.loads(decided[len("abort:") :])
     return "nothing was committed; " + body["why"], tuple(body["ranks"])
+
+
+def _extra_name(name: str) -> str:
+    if not name or os.path.basename(name) != name or name.startswith(".") or name.endswith(".distcp"):
+        raise SaveRefusedError(f"extra file name {name!r}: a plain file name, not hidden, not .distcp")
+    return name
 
 
 def _resolve(path: str | os.PathLike[str]) -> str:

@@ -183,10 +183,17 @@ class StoreProtocol:
 
 
 def write_metadata(
-    staging: str, final: str, save_id: str, metadata: Any, reports: dict[int, RankReport], fsync: bool
+    staging: str,
+    final: str,
+    save_id: str,
+    metadata: Any,
+    reports: dict[int, RankReport],
+    fsync: bool,
+    extra_files: dict[str, bytes] | None = None,
 ) -> None:
-    """``.metadata`` (DCP's pickled ``Metadata``, storage data from every rank) and the manifest of
-    per-file sizes and CRCs that ``verify_checkpoint`` checks, both durable in ``staging``."""
+    """``.metadata`` (DCP's pickled ``Metadata``, storage data from every rank), the caller's
+    ``extra_files``, and the manifest of per-file sizes and CRCs that ``verify_checkpoint`` checks,
+    all durable in ``staging``."""
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
     from torch.distributed.checkpoint.metadata import StorageMeta
 
@@ -202,6 +209,9 @@ def write_metadata(
     files = {
         r.file: {"size": r.size, "crc32": r.crc, "rank": r.rank} for r in sorted(reports.values(), key=lambda r: r.rank)
     }
+    for name, data in (extra_files or {}).items():
+        _write_file(os.path.join(staging, name), data, fsync)
+        files[name] = {"size": len(data), "crc32": crc32(data), "rank": None}
     manifest = {
         "format": "lazyckpt-dcp/1",
         "world_size": len(reports),

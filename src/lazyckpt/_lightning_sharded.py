@@ -1,0 +1,181 @@
+"""The sharded path of ``LazyCheckpointIO``: Lightning strategies that save with DCP themselves.
+
+``ModelParallelStrategy`` (FSDP2 / tensor parallel through a DeviceMesh, with
+``save_distributed_checkpoint=True``, the default) and ``FSDPStrategy(state_dict_type="sharded")``
+never call ``CheckpointIO.save_checkpoint``: their ``save_checkpoint`` calls
+``torch.distributed.checkpoint.save`` on every rank and then ``torch.save``s the rest of the
+checkpoint as ``meta.pt`` on rank 0. When ``LazyCheckpointIO`` finds such a strategy, it replaces
+a few of that strategy instance's methods (instance attributes, removed at teardown; the class is
+untouched):
+
+- ``save_checkpoint``: the same folder through a :class:`~lazyckpt.distributed.DistributedCheckpointer`
+  (created at the first save, on every rank, closed at teardown): ``.metadata``,
+  ``__<rank>_0.distcp`` and ``meta.pt`` (written by rank 0 inside the staging folder, so it
+  appears atomically with the rest), plus lazyckpt's hidden manifest. Returns once the state is
+  captured; the copies and writes overlap the next steps.
+- ``teardown``: drains every pending save on every rank first (these strategies' ``teardown``
+  does not call ``CheckpointIO.teardown``); errors of any rank are raised there on every rank.
+- ``ModelParallelStrategy.lightning_module_state_dict`` / ``optimizer_state``: the same sharded
+  state without ``cpu_offload``, so that on GPUs the device-to-host copies are lazy too (stock
+  copies every shard to the host inside ``dump_checkpoint``). On CPU both give the same tensors.
+
+Deleting a folder (``ModelCheckpoint``'s top-k, the previous ``last``) runs on rank 0 only: a
+folder whose save is still pending is deleted right after that save commits, on lazyckpt's
+callback thread, unless a later save to the same path comes first (it replaces the folder).
+
+Concurrency contract: ``save``, ``defer_removal``, ``wait`` and ``close`` run on the training
+thread; commit callbacks run on lazyckpt's callback thread and touch only ``_lock``-guarded state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+import tempfile
+import threading
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ._options import CheckpointerOptions
+from .errors import LazyCkptError
+
+if TYPE_CHECKING:
+    from .distributed import DistributedCheckpointer, DistributedSaveHandle
+
+log = logging.getLogger(__name__)
+
+META = "meta.pt"  # lightning.fabric.utilities.load._METADATA_FILENAME
+
+
+class ShardedSaves:
+    """One plugin's sharded saves: a ``DistributedCheckpointer`` and the removals waiting for it."""
+
+    def __init__(self, options: CheckpointerOptions) -> None:
+        self._options = options
+        self._ckpt: DistributedCheckpointer | None = None
+        self._lock = threading.Lock()
+        self._pending: dict[DistributedSaveHandle, str] = {}  # handle -> folder, until committed
+        self._removals: dict[str, bool] = {}  # folder -> still wanted (rank 0: deferred deletes)
+
+    @property
+    def checkpointer(self) -> DistributedCheckpointer | None:
+        return self._ckpt
+
+    def save(self, strategy: Any, checkpoint: dict[str, Any], filepath: Any, state_key: str) -> None:
+        """What the strategy's ``save_checkpoint`` does, lazily. Collective (every rank)."""
+        path = os.path.abspath(os.fspath(strategy.broadcast(filepath)))
+        with self._lock:
+            if path in self._removals:  # this save replaces the folder: the pending delete is moot
+                self._removals[path] = False
+        converted = {state_key: checkpoint.pop("state_dict")}
+        converted.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        extra = None
+        if strategy.global_rank == 0:
+            extra = {META: _torch_save_bytes(checkpoint)}
+            if os.path.isfile(path) and not os.path.islink(path):
+                os.remove(path)  # as stock: a full-state file at this path gives way to the folder
+        handle = self._checkpointer().save(converted, path, extra_files=extra)
+        with self._lock:
+            self._pending[handle] = path
+        handle.add_done_callback(self._on_done)
+
+    def pending_paths(self) -> set[str]:
+        with self._lock:
+            return set(self._pending.values())
+
+    def defer_removal(self, path: str) -> bool:
+        """If a save to ``path`` is pending, delete the folder once it commits; True if deferred."""
+        with self._lock:
+            if path not in self._pending.values():
+                return False
+            self._removals[path] = True
+            return True
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Every save committed on every rank, every deferred delete done; raise the first error.
+        Call it on every rank: a commit needs every rank's confirmation."""
+        if self._ckpt is not None:
+            self._ckpt.wait(timeout)
+
+    def close(self) -> None:
+        ckpt, self._ckpt = self._ckpt, None
+        if ckpt is not None:
+            ckpt.close()
+
+    def _checkpointer(self) -> DistributedCheckpointer:
+        if self._ckpt is None:
+            from .distributed import DistributedCheckpointer
+
+            options = {f.name: getattr(self._options, f.name) for f in dataclasses.fields(self._options)}
+            self._ckpt = DistributedCheckpointer(**options)
+        return self._ckpt
+
+    def _on_done(self, handle: Any) -> None:
+        """lazyckpt's callback thread, after the save committed (or failed) on this rank."""
+        with self._lock:
+            path = self._pending.pop(handle, None)
+            if path is None or path in self._pending.values():  # the last pending save to it decides
+                return
+            wanted = self._removals.pop(path, False)
+        if not wanted:
+            return
+        try:
+            _remove_folder(path)
+        except OSError as exc:
+            err = LazyCkptError(f"lazyckpt: deleting the old checkpoint {path} failed: {exc}")
+            err.__cause__ = exc
+            ckpt = self._ckpt
+            if ckpt is not None:
+                ckpt._inner.add_error(err)
+            else:
+                log.error("%s", err)
+
+
+def sharded_state_key(strategy: object) -> str | None:
+    """The key under which a Trainer strategy that saves with DCP puts the model's state, or None
+    when it saves through ``CheckpointIO`` (Fabric's strategies are not handled here)."""
+    mro = type(strategy).__mro__
+    if not any(c.__module__.startswith(("lightning.pytorch.", "pytorch_lightning.")) for c in mro):
+        return None
+    names = {c.__name__ for c in mro}
+    if "ModelParallelStrategy" in names and getattr(strategy, "_save_distributed_checkpoint", False):
+        return "state_dict"
+    if "FSDPStrategy" in names and getattr(strategy, "_state_dict_type", "full") == "sharded":
+        return "model"
+    return None
+
+
+def lazy_state_methods(strategy: Any) -> dict[str, Any]:
+    """``ModelParallelStrategy``'s state-dict methods without ``cpu_offload`` (same values)."""
+    if "ModelParallelStrategy" not in {c.__name__ for c in type(strategy).__mro__}:
+        return {}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    def lightning_module_state_dict() -> dict[str, Any]:
+        return get_model_state_dict(strategy.model, options=StateDictOptions(cpu_offload=False))
+
+    def optimizer_state(optimizer: Any) -> dict[str, Any]:
+        inner = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
+        return get_optimizer_state_dict(strategy.model, inner, options=StateDictOptions(cpu_offload=False))
+
+    return {"lightning_module_state_dict": lightning_module_state_dict, "optimizer_state": optimizer_state}
+
+
+def _torch_save_bytes(obj: Any) -> bytes:
+    # torch.save names the archive inside the zip after the file ("meta/data.pkl"); saving to a
+    # file of that name keeps meta.pt what stock writes (but for the random serialization id).
+    with tempfile.TemporaryDirectory(prefix="lazyckpt-meta-") as tmp:
+        target = os.path.join(tmp, META)
+        torch.save(obj, target)
+        with open(target, "rb") as fh:
+            return fh.read()
+
+
+def _remove_folder(path: str) -> None:
+    if os.path.islink(path) or os.path.isfile(path):
+        os.remove(path)
+    elif os.path.isdir(path):
+        shutil.rmtree(path)
