@@ -98,10 +98,13 @@ def worker(out: str, args: argparse.Namespace) -> None:
         trainer.fit(model)
         return time.perf_counter() - t0
 
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
     rank = int(os.environ["LOCAL_RANK"])
     warm = fit("lazy", 2, os.path.join(out, "warm"))
     if rank == 0:
-        print(f"GPT {args.layers} x {args.dim}, {args.steps} steps, 2 ranks; warm-up fit {warm:.1f} s", flush=True)
+        print(f"GPT {args.layers} x {args.dim}, {args.steps} steps, 2 ranks, {torch.get_num_threads()} torch "
+              f"thread(s) each on {os.cpu_count()} CPUs; warm-up fit {warm:.1f} s", flush=True)  # fmt: skip
     runs: dict[str, list[float]] = {m: [] for m in MODES}
     for rep in range(args.repeats):
         for mode in MODES[rep % 3 :] + MODES[: rep % 3]:
