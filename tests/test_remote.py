@@ -1,0 +1,277 @@
+"""Saves to URLs: the remote tier (``_remote.py``) against ``memory://`` and a real S3 API (moto's
+server on 127.0.0.1, started here), with faults injected by an HTTP proxy between s3fs and moto."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import fsspec
+import pytest
+import torch
+
+import lazyckpt
+from lazyckpt import BackpressureWarning, LazyCheckpointer
+from lazyckpt import _remote as remote
+from lazyckpt.errors import UploadError
+
+from _s3server import FaultProxy, is_part
+from _util import assert_same
+
+s3fs = pytest.importorskip("s3fs", reason="needs the s3 extra (pip install -e '.[test,s3]')")
+moto_server = pytest.importorskip("moto.server", reason="needs moto[server] (the test extra)")
+
+BUCKET = "ckpts"
+PART = 5 << 20
+
+
+@pytest.fixture(scope="module")
+def moto():
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield port
+    server.stop()
+
+
+def _options(endpoint: str) -> dict:
+    # One attempt per request inside botocore/s3fs: lazyckpt's own retries are what is tested.
+    return {
+        "key": "testing", "secret": "testing", "skip_instance_cache": True,
+        "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
+        "config_kwargs": {"retries": {"total_max_attempts": 1}},
+    }  # fmt: skip
+
+
+@pytest.fixture
+def s3(moto, request):
+    """(storage_options, s3fs filesystem) on a fresh bucket."""
+    opts = _options(f"http://127.0.0.1:{moto}")
+    fs = s3fs.S3FileSystem(**opts)
+    name = f"{BUCKET}-{request.node.name.lower().replace('_', '-')[:40]}"
+    fs.call_s3("create_bucket", Bucket=name)
+    yield opts, fs, name
+    fs.rm(name, recursive=True)
+
+
+@pytest.fixture
+def proxy(moto):
+    p = FaultProxy(moto)
+    yield p
+    p.close()
+
+
+@pytest.fixture(autouse=True)
+def fast_backoff(monkeypatch):
+    monkeypatch.setattr(remote, "_BACKOFF_S", 0.01)
+
+
+def _state(nbytes: int = 1 << 20, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(nbytes // 4, generator=g), "step": seed}
+
+
+def _load(fs, path: str) -> dict:
+    return torch.load(io.BytesIO(fs.cat(path)), weights_only=True)
+
+
+def _ckpt(tmp_path, **kw) -> LazyCheckpointer:
+    return LazyCheckpointer(fsync=False, host_memory_budget=64 << 20, chunk_bytes=8 << 20, local_dir=str(tmp_path / "tier"), **kw)
+
+
+# -- memory:// ------------------------------------------------------------------------------------
+
+
+def test_memory_url_round_trip_and_stages(tmp_path):
+    fs = fsspec.filesystem("memory")
+    state = _state()
+    with _ckpt(tmp_path) as ck:
+        h = ck.save(state, "memory://t1/run/step-1.pt")
+        local = h.wait_local()
+        assert h.staged() and h.local()
+        stats = h.wait()
+        assert h.done() and stats.path == "memory://t1/run/step-1.pt"
+        assert stats.file_bytes == local.file_bytes and stats.durable_s >= stats.local_s
+        assert ck.pending_paths() == set()
+    assert_same(_load(fs, "/t1/run/step-1.pt"), state)
+    assert not [p for p in fs.ls("/t1/run", detail=False) if "lazyckpt" in p]  # no temporary key left
+    assert not (tmp_path / "tier").exists() or not list((tmp_path / "tier" / ".uploads").glob("*"))
+
+
+def test_memory_two_saves_to_one_url_land_in_order_then_remove(tmp_path):
+    fs = fsspec.filesystem("memory")
+    with _ckpt(tmp_path) as ck:
+        ck.save(_state(seed=1), "memory://t2/a.pt")
+        h2 = ck.save(_state(seed=2), "memory://t2/a.pt")
+        removed = ck.remove("memory://t2/a.pt")  # queued behind both uploads
+        ck.save(_state(seed=3), "memory://t2/b.pt")
+        removed.result(timeout=60)
+        h2.wait()
+        ck.wait()
+    assert not fs.exists("/t2/a.pt")
+    assert _load(fs, "/t2/b.pt")["step"] == 3
+
+
+def test_keep_local_mirrors_the_url(tmp_path):
+    with _ckpt(tmp_path, keep_local=True) as ck:
+        ck.save(_state(seed=4), "memory://t3/run/last.pt").wait()
+    kept = tmp_path / "tier" / "memory" / "t3" / "run" / "last.pt"
+    assert torch.load(kept, weights_only=True)["step"] == 4
+
+
+def test_file_url_and_refused_url(tmp_path):
+    with _ckpt(tmp_path) as ck:
+        ck.save(_state(seed=5), f"file://{tmp_path}/out/x.pt").wait()
+        with pytest.raises(lazyckpt.SaveRefusedError, match="no usable filesystem|pip install"):
+            ck.save(_state(), "nosuchproto://x/y.pt")
+    assert torch.load(tmp_path / "out" / "x.pt", weights_only=True)["step"] == 5
+
+
+def test_transient_classification():
+    from botocore.exceptions import ClientError
+
+    def client_error(status: int, code: str = "X") -> ClientError:
+        return ClientError({"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
+
+    assert remote.transient(client_error(500)) and remote.transient(client_error(503))
+    assert remote.transient(client_error(400, "SlowDown")) and remote.transient(client_error(429))
+    assert not remote.transient(client_error(403)) and not remote.transient(client_error(404))
+    wrapped = OSError("translated")
+    wrapped.__cause__ = client_error(502)
+    assert remote.transient(wrapped)
+    assert remote.transient(ConnectionResetError()) and not remote.transient(PermissionError())
+
+
+# -- S3 (moto server) -----------------------------------------------------------------------------
+
+
+def test_s3_single_and_multipart_uploads(tmp_path, s3):
+    opts, fs, bucket = s3
+    small, big = _state(1 << 20, 1), _state(13 << 20, 2)  # one PutObject; 3 parts of 5 MiB
+    with _ckpt(tmp_path, storage_options=opts, upload_part_bytes=PART, upload_threads=4) as ck:
+        h1 = ck.save(small, f"s3://{bucket}/run/small.pt")
+        h2 = ck.save(big, f"s3://{bucket}/run/big.pt")
+        assert h2.wait().upload_s > 0
+        h1.wait()
+    assert_same(_load(fs, f"{bucket}/run/small.pt"), small)
+    assert_same(_load(fs, f"{bucket}/run/big.pt"), big)
+    assert not fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads")
+
+
+def test_s3_500s_for_a_while_then_success(tmp_path, s3, proxy):
+    opts, fs, bucket = s3
+    rule = proxy.add("fail", is_part, times=4, status=500)
+    state = _state(12 << 20, 3)
+    popts = _options(proxy.endpoint)
+    with _ckpt(tmp_path, storage_options=popts, upload_part_bytes=PART, upload_threads=2) as ck:
+        ck.save(state, f"s3://{bucket}/r/ok.pt").wait()
+    assert rule.hits == 4
+    assert_same(_load(fs, f"{bucket}/r/ok.pt"), state)
+    assert not fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads")
+
+
+def test_s3_connection_cut_mid_part(tmp_path, s3, proxy):
+    opts, fs, bucket = s3
+    rule = proxy.add("cut", is_part, times=2)
+    state = _state(12 << 20, 4)
+    with _ckpt(tmp_path, storage_options=_options(proxy.endpoint), upload_part_bytes=PART) as ck:
+        ck.save(state, f"s3://{bucket}/r/cut.pt").wait()
+    assert rule.hits == 2
+    assert_same(_load(fs, f"{bucket}/r/cut.pt"), state)
+
+
+def test_s3_retries_exhausted_leave_previous_object_and_no_upload(tmp_path, s3, proxy):
+    opts, fs, bucket = s3
+    url = f"s3://{bucket}/r/model.pt"
+    old = _state(1 << 20, 5)
+    with _ckpt(tmp_path, storage_options=opts) as ck:
+        ck.save(old, url).wait()
+    proxy.add("fail", is_part, times=1000, status=503)
+    with _ckpt(tmp_path, storage_options=_options(proxy.endpoint), upload_part_bytes=PART, upload_retries=2) as ck:
+        h = ck.save(_state(12 << 20, 6), url)
+        with pytest.raises(UploadError) as err:
+            h.wait()
+        assert err.value.url == url and err.value.attempts == 3
+        assert err.value.local_path and os.path.exists(err.value.local_path)  # nothing lost
+        ck.wait()  # reported once: by handle.wait()
+    assert_same(_load(fs, f"{bucket}/r/model.pt"), old)
+    assert not fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads")
+
+
+def test_s3_permanent_error_is_typed_and_reported_by_wait(tmp_path, s3):
+    opts, _fs, _bucket = s3
+    with _ckpt(tmp_path, storage_options=opts) as ck:
+        ck.save(_state(), "s3://no-such-bucket-here/x.pt")
+        with pytest.raises(UploadError, match="no-such-bucket-here") as err:
+            ck.wait()
+        assert err.value.attempts == 1
+
+
+def test_s3_backlog_bound_skips_with_numbers(tmp_path, s3, proxy):
+    opts, fs, bucket = s3
+    hold = proxy.add("hold", lambda m, p: m == "PUT", times=1)
+    with _ckpt(tmp_path, storage_options=_options(proxy.endpoint), upload_backlog_bytes=1, on_backpressure="skip") as ck:
+        first = ck.save(_state(seed=7), f"s3://{bucket}/b/1.pt")
+        first.wait_local()
+        hold.arrived.wait(60)  # the upload is in flight and held: 1 MB waits for upload
+        with pytest.warns(BackpressureWarning, match=r"GB on local disk still waiting for upload, bound"):
+            skipped = ck.save(_state(seed=8), f"s3://{bucket}/b/2.pt")
+        assert skipped.wait().skipped and ck.skipped_saves == 1
+        hold.released.set()  # the held request's connection is closed: the upload retries
+        first.wait()
+    assert _load(fs, f"{bucket}/b/1.pt")["step"] == 7 and not fs.exists(f"{bucket}/b/2.pt")
+
+
+def test_s3_killed_process_mid_upload(tmp_path, s3, proxy):
+    """A process killed mid multipart upload: no object at the new key, the old one intact; the
+    next checkpointer writing that key aborts the dead upload."""
+    opts, fs, bucket = s3
+    url = f"s3://{bucket}/k/model.pt"
+    old = _state(1 << 20, 9)
+    with _ckpt(tmp_path, storage_options=opts) as ck:
+        ck.save(old, url).wait()
+    held = proxy.add("hold", lambda m, p: is_part(m, p) and "partNumber=2" in p, times=1)
+    script = textwrap.dedent(f"""
+        import torch, lazyckpt
+        ck = lazyckpt.LazyCheckpointer(fsync=False, local_dir={str(tmp_path / "child")!r},
+                                       storage_options={_options(proxy.endpoint)!r}, upload_part_bytes={PART})
+        ck.save({{"w": torch.ones(3 << 20)}}, {url!r})
+        ck.wait()
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    child = subprocess.Popen([sys.executable, "-c", script], env=env)
+    try:
+        assert held.arrived.wait(120), "the child never reached part 2"
+        child.kill()
+    finally:
+        child.wait(60)
+    assert_same(_load(fs, f"{bucket}/k/model.pt"), old)
+    assert len(fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", [])) == 1
+    held.released.set()
+    new = _state(12 << 20, 10)
+    with _ckpt(tmp_path, storage_options=opts, upload_part_bytes=PART) as ck:
+        ck.save(new, url).wait()
+    assert_same(_load(fs, f"{bucket}/k/model.pt"), new)
+    assert not fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads")
+
+
+def test_no_credentials_in_logs(tmp_path, s3, caplog, proxy):
+    opts, _fs, bucket = s3
+    popts = {**_options(proxy.endpoint), "key": "AKIASECRETKEYID", "secret": "sup3r-s3cret"}
+    proxy.add("fail", is_part, times=2)
+    caplog.set_level("DEBUG", logger="lazyckpt")
+    with _ckpt(tmp_path, storage_options=popts, upload_part_bytes=PART) as ck:
+        ck.save(_state(12 << 20, 11), f"s3://{bucket}/c/x.pt").wait()
+    text = caplog.text
+    assert "retrying" in text and "AKIASECRETKEYID" not in text and "sup3r-s3cret" not in text
+
+
+def test_warnings_on_lazyckpt_threads_are_errors(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with _ckpt(tmp_path) as ck:
+            ck.save(_state(), "memory://t9/x.pt").wait()
