@@ -11,7 +11,9 @@ import textwrap
 import warnings
 
 import fsspec
+import moto.server as moto_server  # the test extra: never skipped (CI installs it through bootstrap)
 import pytest
+import s3fs
 import torch
 
 import lazyckpt
@@ -22,8 +24,6 @@ from lazyckpt.errors import UploadError
 from _s3server import FaultProxy, is_part
 from _util import assert_same
 
-s3fs = pytest.importorskip("s3fs", reason="needs the s3 extra (pip install -e '.[test,s3]')")
-moto_server = pytest.importorskip("moto.server", reason="needs moto[server] (the test extra)")
 
 BUCKET = "ckpts"
 PART = 5 << 20
