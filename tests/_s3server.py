@@ -121,7 +121,9 @@ class FaultProxy:
         for k, v in resp.getheaders():
             if k.lower() not in ("connection", "transfer-encoding", "content-length", "server", "date"):
                 h.send_header(k, v)
-        h.send_header("Content-Length", resp.getheader("Content-Length", "0") if h.command == "HEAD" else str(len(data)))
+        h.send_header(
+            "Content-Length", resp.getheader("Content-Length", "0") if h.command == "HEAD" else str(len(data))
+        )
         h.end_headers()
         if h.command != "HEAD":
             h.wfile.write(data)

@@ -17,13 +17,11 @@ import s3fs
 import torch
 
 import lazyckpt
+from _s3server import FaultProxy, is_part
+from _util import assert_same
 from lazyckpt import BackpressureWarning, LazyCheckpointer
 from lazyckpt import _remote as remote
 from lazyckpt.errors import UploadError
-
-from _s3server import FaultProxy, is_part
-from _util import assert_same
-
 
 BUCKET = "ckpts"
 PART = 5 << 20
@@ -80,7 +78,9 @@ def _load(fs, path: str) -> dict:
 
 
 def _ckpt(tmp_path, **kw) -> LazyCheckpointer:
-    return LazyCheckpointer(fsync=False, host_memory_budget=64 << 20, chunk_bytes=8 << 20, local_dir=str(tmp_path / "tier"), **kw)
+    return LazyCheckpointer(
+        fsync=False, host_memory_budget=64 << 20, chunk_bytes=8 << 20, local_dir=str(tmp_path / "tier"), **kw
+    )
 
 
 # -- memory:// ------------------------------------------------------------------------------------
@@ -214,7 +214,9 @@ def test_s3_permanent_error_is_typed_and_reported_by_wait(tmp_path, s3):
 def test_s3_backlog_bound_skips_with_numbers(tmp_path, s3, proxy):
     opts, fs, bucket = s3
     hold = proxy.add("hold", lambda m, p: m == "PUT", times=1)
-    with _ckpt(tmp_path, storage_options=_options(proxy.endpoint), upload_backlog_bytes=1, on_backpressure="skip") as ck:
+    with _ckpt(
+        tmp_path, storage_options=_options(proxy.endpoint), upload_backlog_bytes=1, on_backpressure="skip"
+    ) as ck:
         first = ck.save(_state(seed=7), f"s3://{bucket}/b/1.pt")
         first.wait_local()
         hold.arrived.wait(60)  # the upload is in flight and held: 1 MB waits for upload

@@ -203,7 +203,7 @@ class RemoteTier:
         with self._cond:
             return {i.url for i in self._pending if isinstance(i, _Upload)}
 
-    def pending_handles(self, url: str | None = None) -> list[RemoteSaveHandle]:
+    def pending_handles(self, url: str | None = None) -> list[SaveHandle]:
         with self._cond:
             return [i.handle for i in self._pending if isinstance(i, _Upload) and url in (None, i.url)]
 

@@ -280,6 +280,7 @@ class LazyCheckpointer:
 
     def wait_path(self, path: str | os.PathLike[str], timeout: float | None = None) -> None:
         """Block until every pending save to ``path`` is durable; raise its error if it failed."""
+        handles: list[SaveHandle]
         if _remote.is_url(path):
             handles = self._remote.pending_handles(str(path)) if self._remote is not None else []
         else:
