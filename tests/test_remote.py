@@ -22,6 +22,7 @@ from _util import assert_same
 from lazyckpt import BackpressureWarning, LazyCheckpointer
 from lazyckpt import _remote as remote
 from lazyckpt.errors import UploadError
+from lazyckpt.lightning import LazyCheckpointIO
 
 BUCKET = "ckpts"
 PART = 5 << 20
@@ -277,3 +278,55 @@ def test_warnings_on_lazyckpt_threads_are_errors(tmp_path):
         warnings.simplefilter("error")
         with _ckpt(tmp_path) as ck:
             ck.save(_state(), "memory://t9/x.pt").wait()
+
+
+# -- Lightning: ModelCheckpoint(dirpath="s3://...") ----------------------------------------------
+
+
+@pytest.fixture
+def s3_env(s3, monkeypatch):
+    """Stock Lightning reaches the bucket through fsspec's defaults: the environment."""
+    opts, fs, bucket = s3
+    monkeypatch.setenv("AWS_ENDPOINT_URL", opts["client_kwargs"]["endpoint_url"])
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    s3fs.S3FileSystem.clear_instance_cache()
+    yield fs, bucket
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
+@pytest.mark.integration
+def test_lightning_s3_dirpath_topk_last_and_resume(tmp_path, s3_env):
+    pytest.importorskip("lightning")
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_scripts.tiny_gpt import RecordingLazyIO, TinyGPT, trainer_kwargs
+
+    fs, bucket = s3_env
+    config = dict(every_n_train_steps=1, save_top_k=2, monitor="step", mode="max", save_last=True)
+
+    def fit(io, dirpath, **kw):
+        L.seed_everything(0, verbose=False)
+        ckpt_path = kw.pop("ckpt_path", None)
+        plugins = [io] if io is not None else []
+        trainer = L.Trainer(default_root_dir=tmp_path, plugins=plugins, callbacks=[ModelCheckpoint(dirpath=dirpath,
+                            **config)], **trainer_kwargs(**kw))  # fmt: skip
+        trainer.fit(TinyGPT(), ckpt_path=ckpt_path)
+        return trainer
+
+    fit(None, f"s3://{bucket}/stock", max_epochs=1)
+    io = RecordingLazyIO()
+    fit(io, f"s3://{bucket}/lazy", max_epochs=1)
+    names = lambda d: sorted(os.path.basename(p) for p in fs.ls(d, detail=False, refresh=True))  # noqa: E731
+    assert names(f"{bucket}/lazy") == names(f"{bucket}/stock") and len(names(f"{bucket}/lazy")) == 3
+    last = f"s3://{bucket}/lazy/last.ckpt"
+    assert_same(io.expected[last][-1], _load(fs, f"{bucket}/lazy/last.ckpt"))
+    assert not fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads")
+    # Resume from the bucket, by stock Lightning, with and without the plugin.
+    resumed = fit(None, f"s3://{bucket}/resumed-stock", max_epochs=2, ckpt_path=last)
+    assert resumed.global_step == 2 * io.expected[last][-1]["global_step"]
+    resumed = fit(LazyCheckpointIO(), f"s3://{bucket}/resumed-lazy", max_epochs=2, ckpt_path=last)
+    assert resumed.global_step == 2 * io.expected[last][-1]["global_step"]
+    assert "last.ckpt" in names(f"{bucket}/resumed-lazy")
