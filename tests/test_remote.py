@@ -330,3 +330,27 @@ def test_lightning_s3_dirpath_topk_last_and_resume(tmp_path, s3_env):
     resumed = fit(LazyCheckpointIO(), f"s3://{bucket}/resumed-lazy", max_epochs=2, ckpt_path=last)
     assert resumed.global_step == 2 * io.expected[last][-1]["global_step"]
     assert "last.ckpt" in names(f"{bucket}/resumed-lazy")
+
+
+# -- verify ----------------------------------------------------------------------------------------
+
+
+def test_verify_s3_objects_streaming(tmp_path, s3_env, capsys):
+    from lazyckpt.cli import main
+
+    fs, bucket = s3_env
+    with _ckpt(tmp_path, upload_part_bytes=PART) as ck:
+        ck.save(_state(12 << 20, 12), f"s3://{bucket}/v/big.pt")
+        ck.save({"w": torch.ones(1000)}, f"s3://{bucket}/v/w.safetensors", format="safetensors")
+    assert lazyckpt.verify(f"s3://{bucket}/v/big.pt").ok
+    assert lazyckpt.verify(f"s3://{bucket}/v/w.safetensors").ok
+    assert main(["verify", f"s3://{bucket}/v/"]) == 0
+    assert "2 of 2 OK" in capsys.readouterr().out
+    data = bytearray(fs.cat(f"{bucket}/v/big.pt"))
+    data[len(data) // 2] ^= 0xFF  # a flipped byte inside the tensor data
+    fs.pipe(f"{bucket}/v/bad.pt", bytes(data))
+    report = lazyckpt.verify(f"s3://{bucket}/v/bad.pt")
+    assert not report.ok and "CRC32 mismatch" in report.problems[0]
+    assert main(["verify", "-q", f"s3://{bucket}/v/bad.pt", f"s3://{bucket}/v/missing.pt"]) == 1
+    out = capsys.readouterr().out
+    assert "CRC32 mismatch" in out and "no such object" in out

@@ -251,6 +251,7 @@ class RemoteTier:
 
     def _delete(self, item: _Deletion) -> None:
         try:
+            _invalidate(item.fs, item.rpath)  # a listing cached before the upload must not hide it
             if item.fs.exists(item.rpath):
                 _retry(f"delete of {item.url}", lambda: item.fs.rm(item.rpath, recursive=True), item.url, self.options)
             item.future.set_result(None)
@@ -309,10 +310,19 @@ class RemoteTier:
         _discard_local(item.local_path)
 
     def _transfer(self, item: _Upload) -> None:
-        if _is_s3(item.fs):
-            _S3Upload(item.fs, item.rpath, item.url, item.local_path, self.options, self._parts).run(self._started_at)
-        else:
-            _generic_upload(item.fs, item.rpath, item.url, item.local_path, self.options)
+        try:
+            if _is_s3(item.fs):
+                upload = _S3Upload(item.fs, item.rpath, item.url, item.local_path, self.options, self._parts)
+                upload.run(self._started_at)
+            else:
+                _generic_upload(item.fs, item.rpath, item.url, item.local_path, self.options)
+        finally:  # fsspec instances are shared (Lightning's ModelCheckpoint lists through the same one)
+            _invalidate(item.fs, item.rpath)
+
+
+def _invalidate(fs: Any, rpath: str) -> None:
+    with contextlib.suppress(Exception):
+        fs.invalidate_cache(rpath)
 
 
 def _discard_local(local_path: str) -> None:
