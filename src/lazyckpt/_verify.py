@@ -20,7 +20,7 @@ import os
 import pickle
 import zipfile
 from dataclasses import dataclass, field, replace
-from typing import Any, Union
+from typing import Any
 
 from . import _remote, _safetensorsfmt
 from ._crc import crc32
@@ -109,7 +109,7 @@ class _RangeReader:
         return bytes(self.fh.read(stop - start))
 
 
-Bytes = Union[mmap.mmap, _RangeReader]
+Bytes = mmap.mmap | _RangeReader
 
 
 def _crc(mm: Bytes, start: int, stop: int, value: int = 0) -> int:
