@@ -178,6 +178,12 @@ class RemoteTier:
             self.wait_s += time.monotonic() - t
             return True
 
+    def take_wait_s(self) -> float:
+        """Seconds ``admit`` waited since the last call (the caller warns with them)."""
+        with self._cond:
+            waited, self.wait_s = self.wait_s, 0.0
+        return waited
+
     def backlog(self) -> int:
         with self._cond:
             return self._backlog

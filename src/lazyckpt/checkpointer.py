@@ -394,8 +394,7 @@ class LazyCheckpointer:
         return tier.register(url, fs, rpath, local, nbytes, t0)
 
     def _warn_if_upload_backpressure(self, tier: _remote.RemoteTier) -> None:
-        with self._lock:
-            waited, tier.wait_s = tier.wait_s, 0.0
+        waited = tier.take_wait_s()
         if waited <= 0.5:
             return
         rate = tier.uploaded_bytes / tier.upload_s / 1e9 if tier.upload_s else 0.0
