@@ -40,7 +40,9 @@ class SaveHandle:
     ``wait_staged()`` returns once the host copies are done: from then on the caller may change the
     saved tensors freely. ``wait()`` returns once the file is durable at its final path and raises
     the save's error (typed, cause chained) if it failed; an error raised here is not raised again
-    by the checkpointer's ``wait()``, ``save()`` or ``close()``.
+    by the checkpointer's ``wait()``, ``save()`` or ``close()``. A URL save's handle has one stage
+    more (``lazyckpt._remote.RemoteSaveHandle``): ``local()`` / ``wait_local()`` once the local copy
+    is committed, ``done()`` / ``wait()`` once the object is complete in the store.
 
     Done-callbacks run on a lazyckpt callback thread, never on the committer, so a callback may wait
     for other saves (``handle.wait()``, the checkpointer's ``wait()``), ``remove()`` or ``close()``.

@@ -105,6 +105,19 @@ class LazyCheckpointer:
             back. Costs the overlap with forward/backward; storage still overlaps training. A
             checkpointer-wide option rather than a per-save flag: such training updates that way
             at every step.
+
+    Remote storage: ``path`` may be a URL (``s3://bucket/key``, any fsspec URL). The save is the
+    local save above into ``local_dir``, then a background upload (README, "Remote storage"); the
+    handle's ``done()`` means the object is complete in the store, ``local()`` the local copy.
+
+        local_dir: the local tier (default: a temporary directory, removed at ``close()``).
+        keep_local: keep the uploaded file at ``<local_dir>/<protocol>/<key>`` (fast restart).
+        storage_options: passed to ``fsspec.url_to_fs`` (credentials, ``client_kwargs``); never logged.
+        upload_threads: parts uploaded at once (S3 multipart).
+        upload_part_bytes: multipart part size (>= 5 MiB); files up to one part are one PUT.
+        upload_retries: retries per request on transient errors before ``UploadError``.
+        upload_backlog_bytes: local bytes waiting for upload before a URL save waits (or is skipped
+            with ``on_backpressure="skip"``); default half the local tier's free space.
     """
 
     def __init__(self, options: CheckpointerOptions | None = None, **kwargs: Any) -> None:
