@@ -19,9 +19,8 @@ import torch
 import lazyckpt
 from _s3server import FaultProxy, is_part
 from _util import assert_same
-from lazyckpt import BackpressureWarning, LazyCheckpointer
+from lazyckpt import BackpressureWarning, LazyCheckpointer, UploadError
 from lazyckpt import _remote as remote
-from lazyckpt.errors import UploadError
 from lazyckpt.lightning import LazyCheckpointIO
 
 BUCKET = "ckpts"
