@@ -228,6 +228,31 @@ def test_s3_backlog_bound_skips_with_numbers(tmp_path, s3, proxy):
     assert _load(fs, f"{bucket}/b/1.pt")["step"] == 7 and not fs.exists(f"{bucket}/b/2.pt")
 
 
+def test_s3_backlog_bound_blocks_and_warns_with_numbers(tmp_path, s3, proxy, monkeypatch):
+    opts, fs, bucket = s3
+    monkeypatch.setattr(remote, "WARN_AFTER_S", 0.0)
+    hold = proxy.add("hold", lambda m, p: m == "PUT", times=1)
+    with _ckpt(tmp_path, storage_options=_options(proxy.endpoint), upload_backlog_bytes=1) as ck:
+        first = ck.save(_state(seed=12), f"s3://{bucket}/b/1.pt")
+        first.wait_local()
+        assert hold.arrived.wait(60)
+        tier = ck._remote
+        real_wait = tier._cond.wait
+        blocked = []
+
+        def wait(timeout=None):  # the second save is blocked on the backlog: let the upload go on
+            blocked.append(True)
+            hold.released.set()
+            return real_wait(timeout)
+
+        monkeypatch.setattr(tier._cond, "wait", wait)
+        with pytest.warns(BackpressureWarning, match=r"uploads fall behind: save\(\) waited .* GB of local copies"):
+            second = ck.save(_state(seed=13), f"s3://{bucket}/b/2.pt")
+        assert blocked and first.done()  # it returned only after the first upload ended
+        second.wait()
+    assert _load(fs, f"{bucket}/b/2.pt")["step"] == 13
+
+
 def test_s3_killed_process_mid_upload(tmp_path, s3, proxy):
     """A process killed mid multipart upload: no object at the new key, the old one intact; the
     next checkpointer writing that key aborts the dead upload."""

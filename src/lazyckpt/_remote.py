@@ -51,6 +51,7 @@ _BACKOFF_S = 0.25  # first retry delay; doubles per attempt, at most _BACKOFF_MA
 _BACKOFF_MAX_S = 20.0
 _PERMANENT = (PermissionError, FileNotFoundError, IsADirectoryError, NotADirectoryError, ValueError, TypeError)
 _UPLOADS = ".uploads"  # inside local_dir: one folder per pending URL save
+WARN_AFTER_S = 0.5  # a URL save that waited longer than this for uploads warns (tests lower it)
 
 
 def is_url(path: object) -> bool:

@@ -408,7 +408,7 @@ class LazyCheckpointer:
 
     def _warn_if_upload_backpressure(self, tier: _remote.RemoteTier) -> None:
         waited = tier.take_wait_s()
-        if waited <= 0.5:
+        if waited <= _remote.WARN_AFTER_S:
             return
         rate = tier.uploaded_bytes / tier.upload_s / 1e9 if tier.upload_s else 0.0
         warnings.warn(
