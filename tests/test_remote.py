@@ -286,6 +286,24 @@ def test_s3_killed_process_mid_upload(tmp_path, s3, proxy):
     assert not fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads")
 
 
+def test_s3_uploads_drain_at_interpreter_exit(tmp_path, s3):
+    """A script that saves and exits without wait(): the uploads finish before the interpreter goes
+    (atexit alone is too late for s3fs: its HTTP client cannot schedule work any more)."""
+    opts, fs, bucket = s3
+    script = textwrap.dedent(f"""
+        import torch, lazyckpt
+        ck = lazyckpt.LazyCheckpointer(fsync=False, local_dir={str(tmp_path / "child")!r},
+                                       storage_options={opts!r}, upload_part_bytes={PART})
+        ck.save({{"w": torch.ones(3 << 20)}}, "s3://{bucket}/exit/big.pt")
+        ck.save({{"w": torch.ones(10)}}, "s3://{bucket}/exit/small.pt")
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "failed" not in done.stderr, done.stderr
+    assert_same(_load(fs, f"{bucket}/exit/big.pt"), {"w": torch.ones(3 << 20)})
+    assert_same(_load(fs, f"{bucket}/exit/small.pt"), {"w": torch.ones(10)})
+
+
 def test_no_credentials_in_logs(tmp_path, s3, caplog, proxy):
     opts, _fs, bucket = s3
     popts = {**_options(proxy.endpoint), "key": "AKIASECRETKEYID", "secret": "sup3r-s3cret"}

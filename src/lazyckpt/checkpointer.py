@@ -381,6 +381,8 @@ class LazyCheckpointer:
         with self._lock:
             if self._remote is None:
                 self._remote = _remote.RemoteTier(self.options, self._errors.publish, self._engine.callbacks)
+                ref = weakref.ref(self)
+                _remote.before_interpreter_shutdown(lambda: _close_at_exit(ref()))
             return self._remote
 
     def _save_url(self, obj: Any, url: str, t0: float, **kwargs: Any) -> SaveHandle:
@@ -593,3 +595,13 @@ def _drain_at_exit() -> None:
             ckpt.close()
         except Exception as exc:  # nobody left to raise to
             logger.error("lazyckpt: a checkpoint save failed before exit: %s", exc)
+
+
+def _close_at_exit(ckpt: LazyCheckpointer | None) -> None:
+    """A checkpointer with uploads, at interpreter shutdown (before ``atexit``: see ``_remote``)."""
+    if ckpt is None or ckpt.closed:
+        return
+    try:
+        ckpt.close()
+    except Exception as exc:  # nobody left to raise to
+        logger.error("lazyckpt: a checkpoint save or upload failed before exit: %s", exc)
