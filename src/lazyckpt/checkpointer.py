@@ -427,8 +427,7 @@ class LazyCheckpointer:
         raw = os.fspath(path)
         if isinstance(raw, bytes) or "://" in raw:
             raise SaveRefusedError(
-                f"{raw!r}: lazyckpt writes local files only. Save locally and upload the committed file "
-                "(e.g. from handle.add_done_callback), or use the framework's own remote checkpointing."
+                f"{raw!r}: a bytes path, or a URL given as a path object; pass URLs (s3://...) as str"
             )
         final = os.path.abspath(raw)
         if os.path.isdir(final):
