@@ -116,6 +116,15 @@ def test_memory_two_saves_to_one_url_land_in_order_then_remove(tmp_path):
     assert _load(fs, "/t2/b.pt")["step"] == 3
 
 
+def test_refused_url_save_leaves_nothing(tmp_path):
+    with _ckpt(tmp_path) as ck:
+        with pytest.raises(lazyckpt.SaveRefusedError):
+            ck.save({"f": lambda: 0}, "memory://t4/x.pt")
+        assert not list((tmp_path / "tier" / ".uploads").iterdir())
+        assert ck.pending_paths() == set()
+    assert not fsspec.filesystem("memory").exists("/t4/x.pt")
+
+
 def test_keep_local_mirrors_the_url(tmp_path):
     with _ckpt(tmp_path, keep_local=True) as ck:
         ck.save(_state(seed=4), "memory://t3/run/last.pt").wait()

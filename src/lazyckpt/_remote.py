@@ -273,7 +273,7 @@ class RemoteTier:
         if local.exception() is not None or stats is None or stats.skipped:
             handle._adopt(local)
             self._callbacks.submit(handle, handle._complete())
-            _discard_local(item.local_path)
+            discard_local(item.local_path)
             return
         t = time.perf_counter()
         error: UploadError | None = None
@@ -305,7 +305,7 @@ class RemoteTier:
 
     def _finish_local(self, item: _Upload) -> None:
         if not self.options.keep_local:
-            _discard_local(item.local_path)
+            discard_local(item.local_path)
             return
         proto = item.url.split("://", 1)[0]
         mirror = os.path.join(self.local_dir, proto, item.rpath.lstrip("/"))
@@ -314,7 +314,7 @@ class RemoteTier:
             os.replace(item.local_path, mirror)
         except OSError as exc:
             logger.warning("lazyckpt: could not keep the local copy of %s at %s: %s", item.url, mirror, exc)
-        _discard_local(item.local_path)
+        discard_local(item.local_path)
 
     def _transfer(self, item: _Upload) -> None:
         try:
@@ -347,7 +347,7 @@ def before_interpreter_shutdown(fn: Callable[[], None]) -> None:
         logger.debug("lazyckpt: interpreter shutting down; uploads drain at exit only")
 
 
-def _discard_local(local_path: str) -> None:
+def discard_local(local_path: str) -> None:
     with contextlib.suppress(OSError):
         os.unlink(local_path)
     with contextlib.suppress(OSError):

@@ -351,9 +351,9 @@ class LazyCheckpointer:
                 self._remote.wait()
         finally:
             self._closed = True
-            if self._remote is not None:
-                self._remote.close()
             self._engine.stop()
+            if self._remote is not None:  # after the engine: its uploads wait for local commits
+                self._remote.close()
             self._remover.stop()
             self.pool.close()
             _open_checkpointers.discard(self)
@@ -401,7 +401,12 @@ class LazyCheckpointer:
             )
             return self._skipped(url, 0, t0)
         self._warn_if_upload_backpressure(tier)
-        local = self.save(obj, tier.local_path(rpath), **kwargs)
+        local_path = tier.local_path(rpath)
+        try:
+            local = self.save(obj, local_path, **kwargs)
+        except BaseException:
+            _remote.discard_local(local_path)
+            raise
         with self._lock:
             nbytes = next((j.file_bytes for j in self._jobs if j.handle is local), 0)
         if not nbytes and local.stats is not None:
