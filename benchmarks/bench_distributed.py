@@ -17,8 +17,13 @@ The storage floor is the checkpoint's bytes divided by this filesystem's fsynced
 (measured here once). ``--ddp`` replicates the model instead of sharding it, and prints the bytes each
 rank wrote (about 1/N each, thanks to DCP's deduplication).
 
-Usage: python -m benchmarks.bench_distributed [--nproc 2] [--size 100m] [--steps 6] [--rounds 2]
-       [--out-dir DIR] [--json FILE] [--ddp] [--modes none,dcp,dcp_async,lazyckpt]
+Usage: python -m benchmarks.bench_distributed [--nproc 2] [--size 100m] [--steps 6] [--rounds 3]
+       [--threads N] [--out-dir DIR] [--json FILE] [--ddp] [--modes none,dcp,dcp_async,lazyckpt]
+
+Figures are medians over the rounds. Each mode also shows the CPU seconds per step, summed over the
+ranks, of the training threads, of lazyckpt's threads and of the rest (torch's pool, gloo, DCP's
+async thread): on a machine whose cores the training already fills, a background save's CPU time
+is taken from training, and the stall can be no lower than that share.
 Not for the shared 2-core development machine: run it where nothing else runs.
 """
 
@@ -29,10 +34,13 @@ import json
 import os
 import shutil
 import socket
+import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -72,8 +80,29 @@ def _async_group() -> dist.ProcessGroup:
     return _ASYNC_GROUP[0]
 
 
-def _run_mode(mode: str, args: argparse.Namespace, model, opt, batches, out: Path) -> float:
-    """Seconds for ``args.steps`` steps with a checkpoint after each, final drain included."""
+def _thread_cpu() -> dict[str, float]:
+    """CPU seconds (user + system) of this process's threads, by role: the training (main) thread,
+    lazyckpt's threads, and the rest (torch's intra-op pool, gloo, DCP's async thread)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    main = threading.main_thread().native_id
+    out = {"train": 0.0, "lazyckpt": 0.0, "other": 0.0}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        cpu = (int(fields[11]) + int(fields[12])) / tick
+        name = names.get(int(tid), "")
+        role = "train" if int(tid) == main else "lazyckpt" if name.startswith("lazyckpt") else "other"
+        out[role] += cpu
+    return out
+
+
+def _run_mode(mode: str, args: argparse.Namespace, model, opt, batches, out: Path) -> tuple[float, dict[str, float]]:
+    """Seconds for ``args.steps`` steps with a checkpoint after each, final drain included, and the
+    CPU seconds each role's threads spent meanwhile."""
     import torch.distributed.checkpoint as dcp
 
     ckpt = pending = staging = upload = None
@@ -82,6 +111,7 @@ def _run_mode(mode: str, args: argparse.Namespace, model, opt, batches, out: Pat
 
         ckpt = DistributedCheckpointer()
     dist.barrier()
+    cpu0 = _thread_cpu()
     t0 = time.perf_counter()
     for i in range(args.steps):
         gpt.train_step(model, opt, next(batches), before_step=None if staging is None else staging.result)
@@ -112,9 +142,10 @@ def _run_mode(mode: str, args: argparse.Namespace, model, opt, batches, out: Pat
         ckpt.wait()
     dist.barrier()
     elapsed = time.perf_counter() - t0
+    cpu1 = _thread_cpu()
     if ckpt is not None:
         ckpt.close()
-    return elapsed
+    return elapsed, {k: cpu1[k] - cpu0[k] for k in cpu0}
 
 
 def _rank_bytes(out: Path, mode: str, steps: int) -> dict[str, int]:
@@ -150,6 +181,8 @@ def _floor_gbps(out: Path, nbytes: int = 256 << 20) -> float:
 
 def _worker(rank: int, args: argparse.Namespace, port: int, out: Path) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device(f"cuda:{rank}" if args.device == "cuda" else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -162,10 +195,13 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out: Path) -> None:
     for _ in range(2):  # warm-up: optimizer state exists, the guard knows the optimizer
         gpt.train_step(model, opt, next(batches))
     times: dict[str, list[float]] = {m: [] for m in args.modes}
+    cpus: dict[str, list[dict[str, float]]] = {m: [] for m in args.modes}
     for _ in range(args.rounds):
         for mode in list(times):
             try:
-                times[mode].append(_run_mode(mode, args, model, opt, batches, out))
+                elapsed, cpu = _run_mode(mode, args, model, opt, batches, out)
+                times[mode].append(elapsed)
+                cpus[mode].append(cpu)
             except Exception as exc:  # e.g. the PROCESS checkpointer on a platform without it
                 if rank == 0:
                     print(f"{mode}: skipped ({type(exc).__name__}: {exc})", flush=True)
@@ -176,22 +212,48 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out: Path) -> None:
                 for path in out.glob("*-*"):
                     shutil.rmtree(path, ignore_errors=True)
             dist.barrier()
+    gathered: list[Any] = [None] * args.nproc
+    dist.all_gather_object(gathered, cpus)
     if rank == 0:
-        _report(args, times, model, opt, out)
+        _report(args, times, gathered, model, opt, out)
     dist.destroy_process_group()
 
 
-def _report(args: argparse.Namespace, times: dict[str, list[float]], model, opt, out: Path) -> None:
-    base = min(times.get("none", [0.0]))
+def _report(args: argparse.Namespace, times: dict[str, list[float]], cpus: list[Any], model, opt, out: Path) -> None:
+    """Medians over rounds. CPU: per checkpoint, summed over ranks, by thread role."""
+    base = statistics.median(times.get("none", [0.0]))
     ckpt_bytes = _global_bytes(_state(model, opt, 0))
-    floor = ckpt_bytes / (_floor_gbps(out) * 1e9)
-    rows = {m: (min(ts) - base) / args.steps for m, ts in times.items() if m != "none"}
-    print(f"{args.nproc} ranks, {args.size}, {'DDP' if args.ddp else 'FSDP2'}: {ckpt_bytes / 1e9:.2f} GB/checkpoint")
-    print(f"baseline {base / args.steps:.3f} s/step; storage floor {floor:.3f} s/checkpoint")
-    for mode, stall in rows.items():
-        print(f"  {mode:20s} stall {stall:7.3f} s/checkpoint")
+    gbps = _floor_gbps(out)
+    floor = ckpt_bytes / (gbps * 1e9)
+    rows = {m: (statistics.median(ts) - base) / args.steps for m, ts in times.items() if m != "none"}
+    cpu = {
+        m: {k: statistics.median(sum(r[m][i][k] for r in cpus) for i in range(len(times[m]))) / args.steps
+            for k in ("train", "lazyckpt", "other")}
+        for m in times
+    }  # fmt: skip
+    regime = f"torch threads per rank: {torch.get_num_threads()}, cores: {os.cpu_count()}"
+    kind = "DDP" if args.ddp else "FSDP2"
+    print(f"{args.nproc} ranks, {args.size}, {kind}: {ckpt_bytes / 1e9:.2f} GB/checkpoint; {regime}")
+    print(
+        f"baseline {base / args.steps:.3f} s/step; disk write+fsync {gbps:.2f} GB/s, so the storage floor "
+        f"(bytes / that) is {floor:.3f} s/checkpoint; medians of {args.rounds} rounds"
+    )
+    head = f"  {'mode':20s} {'stall s/ckpt':>12s} {'x dcp':>6s} {'x async':>7s}"
+    print(f"{head}   CPU s/step (all ranks): train  lazyckpt  other")
+    for mode in times:
+        stall = rows.get(mode, 0.0)
+        x_dcp, x_async = (f"{stall / rows[ref]:.2f}" if rows.get(ref) else "-" for ref in ("dcp", "dcp_async"))
+        c = cpu[mode]
+        print(
+            f"  {mode:20s} {stall:12.3f} {x_dcp:>6s} {x_async:>7s}"
+            f"   {c['train']:28.2f} {c['lazyckpt']:9.2f} {c['other']:6.2f}"
+        )
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "times": times, "stall_s": rows, "floor_s": floor}))
+        Path(args.json).write_text(
+            json.dumps(
+                {"args": vars(args), "times": times, "cpu": cpu, "stall_s": rows, "floor_s": floor, "gbps": gbps}
+            )
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -199,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--size", default="100m")
     p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=0, help="torch threads per rank (default: torch's own)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--ddp", action="store_true", help="replicate the model instead of sharding it")
     p.add_argument("--modes", default=",".join(MODES))

@@ -62,7 +62,7 @@ def main() -> None:
             if save:
                 accelerator.save_state()
             times.append(time.perf_counter() - t0)
-        return times[1:]  # the first step of a phase warms things up
+        return times[1:] if len(times) > 1 else times  # the first step of a phase warms things up
 
     say = accelerator.print
     say(

@@ -241,6 +241,16 @@ def test_refusals_reach_every_rank_and_the_checkpointer_stays_usable(tmp_path):
     assert r0["listing"] == ["b", "c"], r0["listing"]
 
 
+def test_a_rank_waiting_alone_commits_while_the_others_block_in_their_forward_pass(tmp_path):
+    """Rank 0 in wait(), rank 1 in an FSDP all-gather that waits for rank 0: rank 1 confirms its
+    file at its forward pass (the pre-hook), so the save commits at once instead of failing after
+    commit_timeout (20 s here)."""
+    r0, r1 = launch("lone_waiter", 2, tmp_path)
+    assert r1["confirmed_before_forward"] is False, r1  # the window was forced: only the hook confirms
+    assert r0["waited_s"] < 15, r0
+    assert r0["verified"] and r1["verified"]
+
+
 def test_a_rank_slower_than_commit_timeout_fails_the_save_on_every_rank_alike(tmp_path):
     r0, r1 = launch("slow_rank", 2, tmp_path)
     for res in (r0, r1):

@@ -517,3 +517,51 @@ def test_cli_verify_checks_a_distributed_folder_with_its_manifest(dckpt, tmp_pat
     assert main(["verify", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert "FAIL" in out and "CRC32 mismatch" in out and "0 of 1 OK, 1 FAILED" in out
+
+
+def test_the_global_plan_is_reused_while_the_state_keeps_its_structure(tmp_path, monkeypatch):
+    """Saves of the same structure reuse the previous plan (no plans exchanged, no shard offsets
+    recomputed); a changed shape or a new key plans afresh. Every checkpoint loads as saved."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    calls = {"local": 0, "global": 0}
+    real_local, real_global = DefaultSavePlanner.create_local_plan, DefaultSavePlanner.create_global_plan
+
+    def local_plan(self):
+        calls["local"] += 1
+        return real_local(self)
+
+    def global_plan(self, plans):
+        calls["global"] += 1
+        return real_global(self, plans)
+
+    monkeypatch.setattr(DefaultSavePlanner, "create_local_plan", local_plan)
+    monkeypatch.setattr(DefaultSavePlanner, "create_global_plan", global_plan)
+    mesh = init_device_mesh("cpu", (1,))
+    w = distribute_tensor(torch.arange(32.0).reshape(8, 4), mesh, [Shard(0)])
+    saved = []
+    with DistributedCheckpointer() as c:
+
+        def save(name, state):
+            c.save(state, tmp_path / name).wait()
+            saved.append((name, {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in state.items()}))
+            saved[-1][1].update({k: v.clone() for k, v in saved[-1][1].items() if isinstance(v, torch.Tensor)})
+            return dict(calls)
+
+        assert save("a", {"w": w, "t": torch.ones(5), "step": 1}) == {"local": 1, "global": 1}
+        w._local_tensor.add_(1)
+        assert save("b", {"w": w, "t": torch.full((5,), 2.0), "step": 2}) == {"local": 1, "global": 1}
+        assert save("c", {"w": w, "t": torch.ones(6), "step": 3}) == {"local": 2, "global": 2}  # a shape changed
+        assert save("d", {"w": w, "t": torch.ones(6), "step": 4, "extra": 7}) == {"local": 3, "global": 3}  # a key
+        assert save("e", {"w": w, "t": torch.ones(6), "step": 5, "extra": 8}) == {"local": 3, "global": 3}
+    for name, expected in saved:
+        like = {k: (torch.empty_like(v) if isinstance(v, torch.Tensor) else None) for k, v in expected.items()}
+        dcp.load(like, checkpoint_id=str(tmp_path / name))
+        for k, v in expected.items():
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(like[k], v), (name, k)
+            else:
+                assert like[k] == v, (name, k)
+        assert verify_checkpoint(tmp_path / name).ok

@@ -81,6 +81,10 @@ def wait_all() -> None:
             discard(job)
 
 
+def has_pending() -> bool:
+    return bool(_pending)
+
+
 def confirm_ready() -> None:
     """Confirm every pending save whose copies are over, on the calling thread (never blocks)."""
     if not _pending:

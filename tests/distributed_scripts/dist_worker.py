@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from lazyckpt.distributed import DistributedCheckpointer, DistributedSaveError
+from lazyckpt.distributed import DistributedCheckpointer, DistributedSaveError, verify_checkpoint
 
 SCENARIO, RANK, WORLD, PORT, WORKDIR = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
 RESULT: dict = {"ok": True}
@@ -362,6 +362,30 @@ def scenario_slow_rank() -> None:
         ckpt.close()
     except DistributedSaveError:
         pass
+
+
+def scenario_lone_waiter() -> None:
+    """Rank 0 waits for the commit alone, before its next forward pass; rank 1 goes straight into
+    its forward pass, whose FSDP all-gather waits for rank 0. Rank 1's copies are over before that
+    forward begins, and it calls nothing of lazyckpt's: the only way its file gets confirmed, so that
+    the save can commit and rank 0's wait() can return, is the forward pre-hook. Without it, rank 0
+    waits until commit_timeout and the save fails."""
+    model, opt = fsdp_model()
+    train_step(model, opt, 0)
+    ckpt = DistributedCheckpointer(commit_timeout=20.0, **OPTS)
+    msd, osd = get_state_dict(model, opt)
+    h = ckpt.save({"model": msd, "optim": osd}, ckpt_path("lone"))
+    t = time.monotonic()
+    if RANK == 0:
+        h.wait()
+        RESULT["waited_s"] = time.monotonic() - t
+    else:
+        job = ckpt._inner._jobs[-1]
+        assert job.read_done.wait(30), "copies not over"
+        RESULT["confirmed_before_forward"] = job.confirmed.is_set()
+    train_step(model, opt, 1)
+    ckpt.close()
+    RESULT["verified"] = verify_checkpoint(ckpt_path("lone")).ok
 
 
 def scenario_sigkill_coordinator() -> None:

@@ -30,13 +30,14 @@ from ._core import (
     RankFile,
     bind_local,
     complete_handle,
+    confirm_in_forward,
     confirm_ready,
     local_outcome,
     resolve_handle,
     tensor_pickle,
 )
 from ._layout import RankFileLayout
-from ._plan import RankPlan, plan_save, resolve
+from ._plan import PlanCache, RankPlan, plan_save, resolve
 
 logger = logging.getLogger(__name__)
 
@@ -95,14 +96,15 @@ class DistributedCheckpointer:
 
     Confirmation: as with ``LazyCheckpointer``, a rank's file holding lazily copied tensors is
     committed only after their versions were checked again, once the copies were over, on the
-    training thread: at that rank's next optimizer step or call into lazyckpt (``save()``,
-    ``wait()``, ``wait_staged()``, ``close()``, the handle's ``wait()`` / ``wait_staged()``; each
-    confirms this rank's files before it waits). So a distributed save commits after every rank's
-    next such call. A rank waiting in ``wait()`` therefore needs the other ranks to reach theirs:
-    call ``wait()`` on every rank, or let the others step; a rank that waits alone while the others
-    block in a collective it does not join (e.g. ``if rank == 0: h.wait()`` before the next
-    forward pass) stalls until ``commit_timeout`` (or the collective's own timeout), and the save
-    fails.
+    training thread: at that rank's next optimizer step, module forward pass (a global forward
+    pre-hook, present only while a save is pending) or call into lazyckpt (``save()``, ``wait()``,
+    ``wait_staged()``, ``close()``, the handle's ``wait()`` / ``wait_staged()``; each confirms this
+    rank's files before it waits). So a distributed save commits after every rank's next such
+    point once its copies are over. A rank waiting alone in ``wait()`` (``if rank == 0:
+    h.wait()``) is fine while the others train on; it stalls only if another rank blocks, with
+    its copies over, in a collective that waits for it without a forward pass or step in between
+    (e.g. an explicit ``all_reduce`` right after ``save()``): then the save fails after
+    ``commit_timeout``. Call ``wait()`` on every rank to rule that out.
 
     Failures: any rank's failure fails the save on every rank (``DistributedSaveError`` naming the
     ranks). A rank that dies, or whose part is not durable within ``commit_timeout`` seconds after
@@ -148,6 +150,7 @@ class DistributedCheckpointer:
         self._lock = threading.Lock()
         self._pending: list[_Save] = []
         self._count = 0
+        self._plan_cache = PlanCache()  # the previous global plan: reused while no rank's local plan changes
         self._closed = False
         self._queue: queue.SimpleQueue[_Save | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._commit_loop, name="lazyckpt-dist-commit", daemon=True)
@@ -193,7 +196,7 @@ class DistributedCheckpointer:
             os.mkdir(staging)
             return staging
 
-        plan = plan_save(state, self._dist, final, prepare)
+        plan = plan_save(state, self._dist, final, prepare, self._plan_cache, n)
         entry = _Save(n, final, plan.staging, handle, t0, metadata=plan.metadata)
         with self._lock:
             self._pending.append(entry)
@@ -284,6 +287,7 @@ class DistributedCheckpointer:
         path = os.path.join(entry.staging, entry.file)
         entry.local = entry.handle._local = rank_file.start(path, layout, entry.t0)
         bind_local(entry.handle, entry.local)
+        confirm_in_forward()
 
     # -- the commit thread ------------------------------------------------------------------------
 

@@ -20,9 +20,13 @@ cause, and the distributed save's report is published there (``finish``).
 from __future__ import annotations
 
 import functools
+import threading
 import time
+from typing import Any
 
 import torch
+from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.utils.hooks import RemovableHandle
 
 from .. import _fs, _guard
 from .._flatten import Source, flatten_torch
@@ -94,6 +98,36 @@ class RankFile:
 def confirm_ready() -> None:
     """On the training thread: confirm this process's saves whose copies are over (never blocks)."""
     _guard.confirm_ready()
+
+
+_hook_lock = threading.Lock()
+_forward_hook: RemovableHandle | None = None
+
+
+def confirm_in_forward() -> None:
+    """Until this process's pending saves are confirmed, also confirm them (``confirm_ready``) at
+    the start of every module's forward pass, through a global forward pre-hook that removes
+    itself once nothing is pending (so it costs nothing outside a save's window).
+
+    Why: the distributed commit needs every rank's confirmation, and a rank confirms only when its
+    training thread calls into lazyckpt. Without this, a rank waiting in ``wait()`` while the
+    others run a forward pass whose collectives (FSDP's all-gathers) wait for it would stall until
+    ``commit_timeout``: with it, the others confirm as soon as any module's forward starts after
+    their copies are over, before they block in such a collective."""
+    global _forward_hook
+    with _hook_lock:
+        if _forward_hook is None:
+            _forward_hook = register_module_forward_pre_hook(_confirm_hook)
+
+
+def _confirm_hook(module: torch.nn.Module, args: Any) -> None:
+    global _forward_hook
+    _guard.confirm_ready()
+    if not _guard.has_pending():
+        with _hook_lock:
+            if _forward_hook is not None and not _guard.has_pending():
+                _forward_hook.remove()
+                _forward_hook = None
 
 
 def bind_local(handle: SaveHandle, local: SaveHandle) -> None:

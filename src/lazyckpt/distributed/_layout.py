@@ -63,8 +63,8 @@ class RankFileLayout:
             pad = -self.total_size % 64
             if pad:
                 self.add_bytes(bytes(pad))
-            phases = {"0": (phase - self.total_size) % PAGE}
-        zip_layout = plan("archive", pickle_bytes, [("0", nbytes)], phases=phases)
+            phases = (("0", (phase - self.total_size) % PAGE),)
+        zip_layout = _item_zip(pickle_bytes, nbytes, phases)
         item = _TensorItem(key, self.total_size, zip_layout, nbytes)
         self._tensors[key] = item
         self.total_size += zip_layout.total_size
@@ -115,6 +115,14 @@ class RankFileLayout:
         if end != self.total_size:
             raise AssertionError(f"segments end at {end}, file is {self.total_size} bytes")
         return crc
+
+
+@functools.lru_cache(maxsize=16384)
+def _item_zip(pickle_bytes: bytes, nbytes: int, phases: tuple[tuple[str, int], ...] | None) -> TorchLayout:
+    """One tensor item's zip, which does not depend on where the item sits in the file: cached,
+    since a training run saves the same shapes every time (``TorchLayout`` is never mutated; items
+    of one shape share a serialization id, which torch only records)."""
+    return plan("archive", pickle_bytes, [("0", nbytes)], phases=dict(phases) if phases else None)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -10,7 +10,9 @@ every rank as ``SaveRefusedError`` (DCP's ``CheckpointException`` is a ``BaseExc
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import hashlib
 import io
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,8 +21,9 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 from torch.distributed.checkpoint.utils import _DistWrapper
+from torch.distributed.tensor import DTensor
 
 from ..errors import SaveRefusedError
 
@@ -33,17 +36,56 @@ class RankPlan:
     items: list[WriteItem]  # what this rank writes (replicated items: only those assigned to it)
     staging: str  # the staging directory the coordinator made
     metadata: Metadata | None  # the coordinator's global metadata (storage data filled in at commit)
+    cached: bool = False  # the global plan was the previous one's (no plans exchanged)
 
 
-def plan_save(state: dict[str, Any], wrapper: _DistWrapper, final: str, prepare: Callable[[], str]) -> RankPlan:
+@dataclass
+class PlanCache:
+    """The last global plan, per rank: a training run saves the same structure every time, and
+    exchanging ~1000 write items between ranks (pickled, gathered, planned, scattered, unpickled)
+    is most of ``save()``'s time on the training thread. Valid while every rank's local plan is
+    the one it had then (compared by digest); the coordinator's ``metadata`` is copied per save
+    (the commit fills in its storage data)."""
+
+    digest: bytes = b""
+    round: int = -1  # the save number whose full planning filled this cache
+    items: list[WriteItem] | None = None
+    metadata: Metadata | None = None
+    local_key: bytes | None = None  # _state_key of the state the local plan below was made for
+    local_plan: SavePlan | None = None
+
+
+def plan_save(
+    state: dict[str, Any],
+    wrapper: _DistWrapper,
+    final: str,
+    prepare: Callable[[], str],
+    cache: PlanCache | None = None,
+    round_no: int = 0,
+) -> RankPlan:
     """Collective over ``wrapper``'s group. ``prepare`` runs on the coordinator only, inside the
-    collective (so its failure reaches every rank): it returns the staging directory."""
+    collective (so its failure reaches every rank): it returns the staging directory.
+
+    With ``cache``: one small collective first (each rank's local-plan digest and the round its
+    cache is from); if every rank's plan is unchanged since the same round, the cached global plan
+    is used and nothing else is exchanged; otherwise the full planning runs and refills the cache."""
     planner = DefaultSavePlanner()
     metadata: Metadata | None = None
+    local: list[Any] = []
 
     def local_step() -> Any:
-        planner.set_up_planner(state, StorageMeta(checkpoint_id=final), wrapper.is_coordinator)
-        return planner.create_local_plan()
+        if not local:
+            planner.set_up_planner(state, StorageMeta(checkpoint_id=final), wrapper.is_coordinator)
+            key = _state_key(planner.state_dict) if cache is not None else None
+            if cache is not None and key is not None and key == cache.local_key and cache.local_plan is not None:
+                # DefaultSavePlanner.create_local_plan, without recomputing every shard's offsets
+                planner.plan = dataclasses.replace(cache.local_plan, planner_data=planner.mappings)
+            else:
+                planner.create_local_plan()
+                if cache is not None:
+                    cache.local_key, cache.local_plan = key, planner.plan
+            local.append(planner.plan)
+        return local[0]
 
     def global_step(plans: list[Any]) -> list[Any]:
         nonlocal metadata
@@ -51,7 +93,24 @@ def plan_save(state: dict[str, Any], wrapper: _DistWrapper, final: str, prepare:
         staging = prepare()
         return [dataclasses.replace(p, storage_data=staging) for p in plans]
 
+    def probe() -> tuple[bool, int]:
+        digest = _digest(local_step().items)
+        assert cache is not None
+        return cache.items is not None and cache.digest == digest, cache.round
+
+    def decide(answers: list[tuple[bool, int]]) -> str | None:
+        rounds = {r for _, r in answers}
+        if all(hit for hit, _ in answers) and len(rounds) == 1:
+            return prepare()
+        return None
+
     try:
+        if cache is not None:
+            staging = wrapper.all_reduce("plan", probe, decide)
+            if staging is not None:
+                assert cache.items is not None
+                meta = copy.copy(cache.metadata) if wrapper.is_coordinator else None
+                return RankPlan(planner, cache.items, staging, meta, cached=True)
         central = wrapper.reduce_scatter("plan", local_step, global_step)
     except BaseException as exc:  # CheckpointException derives from BaseException
         if isinstance(exc, Exception) and not isinstance(exc, SaveRefusedError):  # the collective itself
@@ -64,7 +123,49 @@ def plan_save(state: dict[str, Any], wrapper: _DistWrapper, final: str, prepare:
         raise SaveRefusedError(
             f"planning the save to {final} failed on rank(s) {ranks}; nothing was written:\n{exc}"
         ) from exc
-    return RankPlan(planner, planner.finish_plan(central).items, central.storage_data, metadata)
+    items = planner.finish_plan(central).items
+    if cache is not None:
+        cache.digest = _digest(local[0].items)
+        cache.round, cache.items, cache.metadata = round_no, items, copy.copy(metadata)
+    return RankPlan(planner, items, central.storage_data, metadata)
+
+
+def _state_key(flat: dict[str, Any]) -> bytes | None:
+    """A digest of what DCP's local plan depends on in a flattened state dict: each entry's name
+    and kind; a tensor's shape and properties; a DTensor's also its mesh and placements (its shard
+    follows from them). None (no caching) for anything else that holds tensors (ShardedTensor)."""
+    h = hashlib.sha256()
+    for fqn, obj in flat.items():
+        if isinstance(obj, DTensor):
+            local = obj._local_tensor
+            desc: tuple[Any, ...] = (
+                "D", tuple(obj.shape), repr(obj.placements), id(obj.device_mesh), tuple(local.shape),
+                str(local.dtype), str(local.layout), local.requires_grad, local.is_pinned(),
+            )  # fmt: skip
+        elif type(obj) is torch.Tensor or type(obj) is torch.nn.Parameter:
+            desc = ("T", tuple(obj.shape), str(obj.dtype), str(obj.layout), obj.requires_grad, obj.is_pinned())
+        elif isinstance(obj, torch.Tensor) or hasattr(obj, "__create_write_items__"):
+            return None
+        else:
+            desc = ("B",)  # a BYTE_IO item, whatever the value
+        h.update(repr((fqn, desc)).encode())
+    return h.digest()
+
+
+def _digest(items: list[WriteItem]) -> bytes:
+    """What a local plan says, as a digest (pickling the items costs ~10x more: ``TensorProperties``
+    pickles slowly)."""
+    h = hashlib.sha256()
+    for it in items:
+        td = it.tensor_data
+        tensor = None
+        if td is not None:
+            p = td.properties
+            props = (str(p.dtype), str(p.layout), p.requires_grad, str(p.memory_format), p.pin_memory)
+            tensor = (tuple(td.size), tuple(td.chunk.offsets), tuple(td.chunk.sizes), props)
+        offset = None if it.index.offset is None else tuple(it.index.offset)
+        h.update(repr((it.index.fqn, offset, it.index.index, it.type.value, tensor)).encode())
+    return h.digest()
 
 
 def resolve(plan: RankPlan) -> tuple[list[tuple[WriteItem, torch.Tensor]], list[tuple[WriteItem, bytes]]]:
@@ -72,8 +173,14 @@ def resolve(plan: RankPlan) -> tuple[list[tuple[WriteItem, torch.Tensor]], list[
     now (``torch.save`` bytes, as DCP writes them: the snapshot of those values)."""
     tensors: list[tuple[WriteItem, torch.Tensor]] = []
     byte_items: list[tuple[WriteItem, bytes]] = []
+    flat = plan.planner.state_dict
     for item in plan.items:
-        data = plan.planner.resolve_data(item)
+        obj = flat.get(item.index.fqn)
+        data: torch.Tensor | io.BytesIO
+        if isinstance(obj, DTensor) and item.type != WriteItemType.BYTE_IO:
+            data = obj._local_tensor  # what resolve_data's to_local() gives, without an autograd call each
+        else:
+            data = plan.planner.resolve_data(item)
         if item.type == WriteItemType.BYTE_IO:
             assert isinstance(data, io.BytesIO)
             byte_items.append((item, data.getvalue()))
