@@ -272,7 +272,8 @@ class LazyCheckpointer:
         self._check_open()
         if _remote.is_url(path):
             url = str(path)
-            return self._remote_tier().remove(url, *_remote.filesystem(url, self.options.storage_options))
+            tier = self._remote_tier()
+            return tier.remove(url, *tier.resolve(url))
         target = os.path.abspath(os.fspath(path))
         trash = None if trash_dir is None else os.path.abspath(os.fspath(trash_dir))
         inside = target.rstrip(os.sep) + os.sep
@@ -388,8 +389,8 @@ class LazyCheckpointer:
     def _save_url(self, obj: Any, url: str, t0: float, **kwargs: Any) -> SaveHandle:
         """A URL save: the local save into the remote tier's folder, then its upload (``_remote.py``)."""
         self._check_open()
-        fs, rpath = _remote.filesystem(url, self.options.storage_options)
         tier = self._remote_tier()
+        fs, rpath = tier.resolve(url)
         if not tier.admit(skip=self.on_backpressure == "skip"):
             self.skipped_saves += 1
             warnings.warn(
