@@ -103,7 +103,8 @@ class UploadError(WriteError):
     object there (if any) is the previous one, and the multipart upload was aborted.
 
     ``url`` is the URL that was not written (``path`` too); ``attempts`` how many times the last
-    failing request was tried; ``local_path`` the local copy, when it was kept (``keep_local``).
+    failing request was tried; ``local_path`` the local copy, kept after the failure (until
+    ``close()`` when ``local_dir`` is the default temporary directory).
     """
 
     def __init__(
