@@ -15,6 +15,7 @@ import moto.server as moto_server  # the test extra: never skipped (CI installs 
 import pytest
 import s3fs
 import torch
+from fsspec.implementations.memory import MemoryFileSystem
 
 import lazyckpt
 from _s3server import FaultProxy, is_part
@@ -138,6 +139,44 @@ def test_file_url_and_refused_url(tmp_path):
         with pytest.raises(lazyckpt.SaveRefusedError, match="no usable filesystem|pip install"):
             ck.save(_state(), "nosuchproto://x/y.pt")
     assert torch.load(tmp_path / "out" / "x.pt", weights_only=True)["step"] == 5
+
+
+class FlakyMemoryFS(MemoryFileSystem):
+    """memory:// whose put_file raises ``errors`` first, in order (fault injection by subclass)."""
+
+    protocol = "flakymem"
+    errors: list[BaseException] = []
+
+    @classmethod
+    def _strip_protocol(cls, path):
+        return super()._strip_protocol(path.removeprefix("flakymem://"))
+
+    def put_file(self, lpath, rpath, *args, **kwargs):
+        if FlakyMemoryFS.errors:
+            raise FlakyMemoryFS.errors.pop(0)
+        return super().put_file(lpath, rpath, *args, **kwargs)
+
+
+@pytest.fixture
+def flaky(monkeypatch):
+    fsspec.register_implementation("flakymem", FlakyMemoryFS, clobber=True)
+    monkeypatch.setattr(FlakyMemoryFS, "errors", [])
+    return FlakyMemoryFS
+
+
+def test_generic_backend_retries_then_typed_error_and_nothing_visible(tmp_path, flaky):
+    fs = fsspec.filesystem("memory")
+    flaky.errors = [ConnectionResetError("reset"), TimeoutError("slow")]
+    with _ckpt(tmp_path) as ck:
+        ck.save(_state(seed=20), "flakymem://g1/ok.pt").wait()
+        assert not flaky.errors  # both transient errors were retried
+        flaky.errors = [PermissionError("denied")]
+        h = ck.save(_state(seed=21), "flakymem://g1/denied.pt")
+        with pytest.raises(UploadError, match="denied") as err:
+            h.wait()
+        assert err.value.attempts == 1
+    assert _load(fs, "/g1/ok.pt")["step"] == 20
+    assert sorted(fs.ls("/g1", detail=False)) == ["/g1/ok.pt"]  # no final key, no temporary key
 
 
 def test_transient_classification():
