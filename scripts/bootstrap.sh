@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv (once) with torch first (a CPU build unless LAZYCKPT_TORCH says otherwise), then
-# lazyckpt with its test, lightning and accelerate extras. Safe to run again: it only fills gaps.
+# lazyckpt with its test, lightning, accelerate and s3 extras (the test extra has moto[server]). Safe to run again: it only fills gaps.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${LAZYCKPT_VENV:-.venv}
@@ -12,4 +12,4 @@ fi
 "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 # torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
 "$VENV/bin/python" -m pip install -q "$TORCH_SPEC"
-"$VENV/bin/python" -m pip install -q -e ".[test,lightning,accelerate]"
+"$VENV/bin/python" -m pip install -q -e ".[test,lightning,accelerate,s3]"

@@ -18,6 +18,7 @@ from .errors import (
     LazyCkptError,
     SaveRefusedError,
     StaleTensorError,
+    UploadError,
     VerificationError,
     WriteError,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "SaveRefusedError",
     "SaveStats",
     "StaleTensorError",
+    "UploadError",
     "VerificationError",
     "WriteError",
     "VerifyReport",

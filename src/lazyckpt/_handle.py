@@ -28,6 +28,10 @@ class SaveStats:
     write_gbps: float  # bytes / write_s / 1e9
     guard_wait_s: float  # time optimizer steps waited for this save's copies
     skipped: bool = False  # True when on_backpressure="skip" dropped this save
+    # URL saves (``path`` is the URL): durable_s is then until the object is complete in the store
+    local_s: float = 0.0  # until the local copy was committed
+    upload_s: float = 0.0  # the upload alone
+    upload_gbps: float = 0.0  # file_bytes / upload_s / 1e9
 
 
 class SaveHandle:
@@ -36,7 +40,9 @@ class SaveHandle:
     ``wait_staged()`` returns once the host copies are done: from then on the caller may change the
     saved tensors freely. ``wait()`` returns once the file is durable at its final path and raises
     the save's error (typed, cause chained) if it failed; an error raised here is not raised again
-    by the checkpointer's ``wait()``, ``save()`` or ``close()``.
+    by the checkpointer's ``wait()``, ``save()`` or ``close()``. A URL save's handle has one stage
+    more (``lazyckpt._remote.RemoteSaveHandle``): ``local()`` / ``wait_local()`` once the local copy
+    is committed, ``done()`` / ``wait()`` once the object is complete in the store.
 
     Done-callbacks run on a lazyckpt callback thread, never on the committer, so a callback may wait
     for other saves (``handle.wait()``, the checkpointer's ``wait()``), ``remove()`` or ``close()``.
@@ -71,6 +77,16 @@ class SaveHandle:
     def staged(self) -> bool:
         """True once the host copies are done (or the save failed)."""
         return self._staged.is_set()
+
+    def local(self) -> bool:
+        """True once the file is committed on local disk (or the save failed). For a local save
+        the same as ``done()``; for a URL save, before the upload ends."""
+        return self._done.is_set()
+
+    def wait_local(self, timeout: float | None = None) -> SaveStats:
+        """Block until the local file is committed; return its stats or raise its error. For a
+        local save the same as ``wait()``."""
+        return self.wait(timeout)
 
     def wait_staged(self, timeout: float | None = None) -> None:
         """Block until the live tensors are no longer read; raises TimeoutError on timeout.
@@ -138,6 +154,10 @@ class SaveHandle:
         if self._report is not None and self._seen_by_caller:
             self._report.claim()  # the caller already got an exception for it (save() interrupted)
         return self._report
+
+    def _adopt(self, other: SaveHandle) -> None:
+        """Take ``other``'s finished outcome as this handle's (the same report: claimed once)."""
+        self._stats, self._error, self._report = other._stats, other._error, other._report
 
     def _complete(self) -> list[Callable[[SaveHandle], object]]:
         """Make the outcome visible; return the callbacks to run (off the committer)."""

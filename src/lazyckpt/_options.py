@@ -29,6 +29,14 @@ class CheckpointerOptions:
     direct_io: bool | None = None
     zero_copy: bool = True
     capture_in_save: bool = False
+    # remote storage (saves to URLs, ``_remote.py``)
+    local_dir: str | None = None
+    keep_local: bool = False
+    storage_options: dict[str, Any] | None = None
+    upload_threads: int = 8
+    upload_part_bytes: int = 32 << 20
+    upload_retries: int = 6
+    upload_backlog_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.on_backpressure not in ("block", "skip"):
@@ -37,6 +45,12 @@ class CheckpointerOptions:
             raise ValueError("writer_threads must be >= 1")
         if self.host_memory_budget is not None and int(self.host_memory_budget) < 1:
             raise ValueError("host_memory_budget must be positive")
+        if self.upload_threads < 1:
+            raise ValueError("upload_threads must be >= 1")
+        if self.upload_part_bytes < 5 << 20:
+            raise ValueError("upload_part_bytes must be >= 5 MiB (S3's smallest multipart part)")
+        if self.upload_retries < 0:
+            raise ValueError("upload_retries must be >= 0")
 
 
 def merge(options: CheckpointerOptions | None, kwargs: dict[str, Any]) -> CheckpointerOptions:

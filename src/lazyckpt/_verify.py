@@ -6,6 +6,10 @@ what torch.save's layout rules give for the same names and sizes, so a flipped b
 found, and so is a truncated file. The pickle is walked with an unpickler that builds stubs
 instead of importing anything, to check that every storage it references exists and is big
 enough. safetensors files: header, offsets and sizes; the data CRC when lazyckpt wrote it.
+
+A URL (``s3://bucket/run/step-100.pt``, any fsspec URL) is checked the same way, streaming: the
+object is read through ranged reads (headers, the central directory, each record's data once for
+its CRC, in 8 MiB blocks), never downloaded to disk.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import zipfile
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from . import _safetensorsfmt
+from . import _remote, _safetensorsfmt
 from ._crc import crc32
 from ._torchfmt import Record, central_directory, padded_local_header, record_at, zip64_extra
 from .errors import VerificationError
@@ -45,30 +49,84 @@ class VerifyReport:
             raise VerificationError(f"{self.path}: " + "; ".join(self.problems))
 
 
-def verify(path: str | os.PathLike[str]) -> VerifyReport:
-    """Check a torch.save or safetensors file written by lazyckpt or by the stock tools."""
+def verify(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> VerifyReport:
+    """Check a torch.save or safetensors file written by lazyckpt or by the stock tools.
+
+    ``path`` may be a URL (``s3://...``; ``storage_options`` go to fsspec): read by ranged reads,
+    never downloaded to disk."""
     path = os.fspath(path)
+    if _remote.is_url(path):
+        return _verify_url(path, storage_options)
     size = os.path.getsize(path)
     report = VerifyReport(path, "unknown", size)
     if size == 0:
         report.problems.append("empty file")
         return report
     with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        if mm[:4] == b"PK\x03\x04":
-            report.format = "torch"
-            _verify_torch(path, mm, report)
-        else:
-            report.format = "safetensors"
-            _verify_safetensors(mm, report)
+        _verify_bytes(path, mm, report)
     return report
+
+
+def _verify_bytes(source: Any, mm: Bytes, report: VerifyReport) -> None:
+    if mm[:4] == b"PK\x03\x04":
+        report.format = "torch"
+        _verify_torch(source, mm, report)
+    else:
+        report.format = "safetensors"
+        _verify_safetensors(mm, report)
+
+
+def _verify_url(url: str, storage_options: dict[str, Any] | None) -> VerifyReport:
+    fs, rpath = _remote.filesystem(url, storage_options)
+    fs.invalidate_cache(rpath)  # a cached listing may predate the object
+    size = int(fs.size(rpath))
+    report = VerifyReport(url, "unknown", size)
+    if size == 0:
+        report.problems.append("empty object")
+        return report
+    with fs.open(rpath, "rb", block_size=_BLOCK) as fh:
+        _verify_bytes(fh, _RangeReader(fh, size), report)
+    return report
+
+
+_BLOCK = 8 << 20
+
+
+class _RangeReader:
+    """The slicing that verify does on an mmap, as ranged reads of an fsspec file."""
+
+    def __init__(self, fh: Any, size: int) -> None:
+        self.fh, self.size = fh, size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, key: slice) -> bytes:
+        start, stop, _ = key.indices(self.size)
+        if stop <= start:
+            return b""
+        self.fh.seek(start)
+        return bytes(self.fh.read(stop - start))
+
+
+Bytes = mmap.mmap | _RangeReader
+
+
+def _crc(mm: Bytes, start: int, stop: int, value: int = 0) -> int:
+    """CRC32 of ``mm[start:stop]``: in place for an mmap, in blocks for ranged reads."""
+    if isinstance(mm, mmap.mmap):
+        return crc32(memoryview(mm)[start:stop], value)
+    for at in range(start, stop, _BLOCK):
+        value = crc32(mm[at : min(stop, at + _BLOCK)], value)
+    return value
 
 
 # torch.save -------------------------------------------------------------------------------------
 
 
-def _verify_torch(path: str, mm: mmap.mmap, report: VerifyReport) -> None:
+def _verify_torch(source: Any, mm: Bytes, report: VerifyReport) -> None:
     try:
-        with zipfile.ZipFile(path) as zf:
+        with zipfile.ZipFile(source) as zf:
             infos = zf.infolist()
     except (zipfile.BadZipFile, OSError, ValueError) as exc:
         report.problems.append(f"not a readable zip (truncated or corrupt end records): {exc}")
@@ -92,7 +150,7 @@ def _verify_torch(path: str, mm: mmap.mmap, report: VerifyReport) -> None:
     _check_pickle(mm, records, report)
 
 
-def _alignment(mm: mmap.mmap, infos: list[zipfile.ZipInfo]) -> int:
+def _alignment(mm: Bytes, infos: list[zipfile.ZipInfo]) -> int:
     for info in infos:
         if info.filename.endswith("/.storage_alignment") and info.file_size < 16:
             start = info.header_offset + 30 + len(info.orig_filename.encode())
@@ -105,7 +163,7 @@ def _alignment(mm: mmap.mmap, infos: list[zipfile.ZipInfo]) -> int:
 
 
 def _check_record(
-    mm: mmap.mmap,
+    mm: Bytes,
     info: zipfile.ZipInfo,
     cursor: int,
     alignment: int,
@@ -144,7 +202,7 @@ def _check_record(
         return f"{info.filename}: local header corrupt (bytes {cursor}-{cursor + len(header)})"
     if data_offset + size > len(mm):
         return f"{info.filename}: data runs past the end of the file (truncated)"
-    crc = crc32(memoryview(mm)[data_offset : data_offset + size]) if size else 0
+    crc = _crc(mm, data_offset, data_offset + size) if size else 0
     if crc != info.CRC:
         return f"{info.filename}: CRC32 mismatch (stored {info.CRC:08x}, data {crc:08x})"
     rec = replace(rec, crc=crc)
@@ -205,7 +263,7 @@ def _element_size(storage_type: str) -> int:
         return 1
 
 
-def _check_pickle(mm: mmap.mmap, records: list[Record], report: VerifyReport) -> None:
+def _check_pickle(mm: Bytes, records: list[Record], report: VerifyReport) -> None:
     by_name = {r.name.decode().split("/", 1)[-1]: r for r in records}
     pkl = by_name.get("data.pkl")
     if pkl is None:
@@ -233,7 +291,7 @@ _ST_SIZES = {
 }  # fmt: skip
 
 
-def _verify_safetensors(mm: mmap.mmap, report: VerifyReport) -> None:
+def _verify_safetensors(mm: Bytes, report: VerifyReport) -> None:
     size = len(mm)
     if size < 8:
         report.problems.append("too short for a safetensors header")
@@ -280,15 +338,14 @@ def _verify_safetensors(mm: mmap.mmap, report: VerifyReport) -> None:
     _check_safetensors_crc(mm, report)
 
 
-def _check_safetensors_crc(mm: mmap.mmap, report: VerifyReport) -> None:
+def _check_safetensors_crc(mm: Bytes, report: VerifyReport) -> None:
     prefix, at = _safetensorsfmt.PREFIX, _safetensorsfmt.CRC_AT
     damaged = sum(a != b for a, b in zip(mm[8:at], prefix, strict=True))
     if damaged == 0:
         stored = mm[at : at + 8].decode("ascii", "replace")
-        view = memoryview(mm)
-        crc = crc32(view[:at])
+        crc = _crc(mm, 0, at)
         crc = crc32(b"00000000", crc)
-        crc = crc32(view[at + 8 :], crc)
+        crc = _crc(mm, at + 8, len(mm), crc)
         if f"{crc:08x}" != stored:
             report.problems.append(f"CRC32 mismatch (stored {stored}, file {crc:08x})")
     elif damaged <= 2:  # one or two flipped bytes inside lazyckpt's integrity field itself

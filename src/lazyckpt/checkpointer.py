@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import torch
 
-from . import _format, _fs, _guard
+from . import _format, _fs, _guard, _remote
 from ._engine import Engine, write_error
 from ._flatten import Source
 from ._handle import SaveHandle, SaveStats
@@ -105,6 +105,19 @@ class LazyCheckpointer:
             back. Costs the overlap with forward/backward; storage still overlaps training. A
             checkpointer-wide option rather than a per-save flag: such training updates that way
             at every step.
+
+    Remote storage: ``path`` may be a URL (``s3://bucket/key``, any fsspec URL). The save is the
+    local save above into ``local_dir``, then a background upload (README, "Remote storage"); the
+    handle's ``done()`` means the object is complete in the store, ``local()`` the local copy.
+
+        local_dir: the local tier (default: a temporary directory, removed at ``close()``).
+        keep_local: keep the uploaded file at ``<local_dir>/<protocol>/<key>`` (fast restart).
+        storage_options: passed to ``fsspec.url_to_fs`` (credentials, ``client_kwargs``); never logged.
+        upload_threads: parts uploaded at once (S3 multipart).
+        upload_part_bytes: multipart part size (>= 5 MiB); files up to one part are one PUT.
+        upload_retries: retries per request on transient errors before ``UploadError``.
+        upload_backlog_bytes: local bytes waiting for upload before a URL save waits (or is skipped
+            with ``on_backpressure="skip"``); default half the local tier's free space.
     """
 
     def __init__(self, options: CheckpointerOptions | None = None, **kwargs: Any) -> None:
@@ -135,6 +148,7 @@ class LazyCheckpointer:
         self._closed = False
         self._engine = Engine(self.pool, options.writer_threads, self._job_done)
         self._remover = Remover(on_failed=self._errors.publish)
+        self._remote: _remote.RemoteTier | None = None  # URL saves: started by the first one
         _open_checkpointers.add(self)
 
     # -- public API -------------------------------------------------------------------------------
@@ -165,6 +179,8 @@ class LazyCheckpointer:
         once the copies were over (see the class docstring); ``handle.done()`` stays False until then.
         """
         t0 = time.perf_counter()
+        if _remote.is_url(path):
+            return self._save_url(obj, str(path), t0, format=format, metadata=metadata, before_commit=before_commit)
         self._check_open()
         _guard.confirm_ready()  # earlier saves whose copies are over: this thread's ops came before
         self._raise_unreported()
@@ -219,6 +235,8 @@ class LazyCheckpointer:
             self._remover.wait(_left(deadline))
         except TimeoutError:
             raise TimeoutError(f"pending removals not done after {timeout} s") from None
+        if self._remote is not None and not self._remote.wait(_left(deadline)):
+            raise TimeoutError(f"pending uploads not done after {timeout} s")
         self._raise_unreported()
 
     def raise_errors(self) -> None:
@@ -257,6 +275,10 @@ class LazyCheckpointer:
         future (``result()`` / ``exception()``).
         """
         self._check_open()
+        if _remote.is_url(path):
+            url = str(path)
+            tier = self._remote_tier()
+            return tier.remove(url, *tier.resolve(url))
         target = os.path.abspath(os.fspath(path))
         trash = None if trash_dir is None else os.path.abspath(os.fspath(trash_dir))
         inside = target.rstrip(os.sep) + os.sep
@@ -277,16 +299,21 @@ class LazyCheckpointer:
 
     def wait_path(self, path: str | os.PathLike[str], timeout: float | None = None) -> None:
         """Block until every pending save to ``path`` is durable; raise its error if it failed."""
-        final = os.path.abspath(os.fspath(path))
-        with self._lock:
-            handles = [j.handle for j in self._jobs if j.path == final]
+        handles: list[SaveHandle]
+        if _remote.is_url(path):
+            handles = self._remote.pending_handles(str(path)) if self._remote is not None else []
+        else:
+            final = os.path.abspath(os.fspath(path))
+            with self._lock:
+                handles = [j.handle for j in self._jobs if j.path == final]
         for handle in handles:
             handle.wait(timeout)
 
     def pending_paths(self) -> set[str]:
-        """Final paths of saves not yet committed."""
+        """Final paths of saves not yet committed (URLs: not yet complete in the store)."""
         with self._lock:
-            return {j.path for j in self._jobs}
+            paths = {j.path for j in self._jobs}
+        return paths | (self._remote.pending_urls() if self._remote is not None else set())
 
     def track(self, *optimizers: torch.optim.Optimizer) -> None:
         """Declare optimizers whose parameters and state are guarded by their ``step()``.
@@ -326,9 +353,13 @@ class LazyCheckpointer:
             for job in jobs:
                 job.handle._wait_done()
             self._remover.wait()
+            if self._remote is not None:
+                self._remote.wait()
         finally:
             self._closed = True
             self._engine.stop()
+            if self._remote is not None:  # after the engine: its uploads wait for local commits
+                self._remote.close()
             self._remover.stop()
             self.pool.close()
             _open_checkpointers.discard(self)
@@ -352,14 +383,62 @@ class LazyCheckpointer:
         if self._closed:
             raise CheckpointerClosedError("this LazyCheckpointer is closed; create a new one")
 
+    def _remote_tier(self) -> _remote.RemoteTier:
+        with self._lock:
+            if self._remote is None:
+                self._remote = _remote.RemoteTier(self.options, self._errors.publish, self._engine.callbacks)
+                ref = weakref.ref(self)
+                _remote.before_interpreter_shutdown(lambda: _close_at_exit(ref()))
+            return self._remote
+
+    def _save_url(self, obj: Any, url: str, t0: float, **kwargs: Any) -> SaveHandle:
+        """A URL save: the local save into the remote tier's folder, then its upload (``_remote.py``)."""
+        self._check_open()
+        tier = self._remote_tier()
+        fs, rpath = tier.resolve(url)
+        if not tier.admit(skip=self.on_backpressure == "skip"):
+            self.skipped_saves += 1
+            warnings.warn(
+                f"lazyckpt: skipped save to {url}: {tier.backlog() / 1e9:.2f} GB on local disk still waiting "
+                f"for upload, bound {tier.backlog_bound / 1e9:.2f} GB ({self.skipped_saves} skipped so far). "
+                "Save less often, raise upload_backlog_bytes, or give uploads more bandwidth.",
+                BackpressureWarning,
+                stacklevel=3,
+            )
+            return self._skipped(url, 0, t0)
+        self._warn_if_upload_backpressure(tier)
+        local_path = tier.local_path(rpath)
+        try:
+            local = self.save(obj, local_path, **kwargs)
+        except BaseException:
+            _remote.discard_local(local_path)
+            raise
+        with self._lock:
+            nbytes = next((j.file_bytes for j in self._jobs if j.handle is local), 0)
+        if not nbytes and local.stats is not None:
+            nbytes = local.stats.file_bytes
+        return tier.register(url, fs, rpath, local, nbytes, t0)
+
+    def _warn_if_upload_backpressure(self, tier: _remote.RemoteTier) -> None:
+        waited = tier.take_wait_s()
+        if waited <= _remote.WARN_AFTER_S:
+            return
+        rate = tier.uploaded_bytes / tier.upload_s / 1e9 if tier.upload_s else 0.0
+        warnings.warn(
+            f"lazyckpt: uploads fall behind: save() waited {waited:.2f} s for {tier.backlog() / 1e9:.2f} GB of "
+            f"local copies to upload (bound {tier.backlog_bound / 1e9:.2f} GB, uploads ran at {rate:.2f} GB/s). "
+            "Save less often, raise upload_backlog_bytes or upload_threads, or use on_backpressure='skip'.",
+            BackpressureWarning,
+            stacklevel=4,
+        )
+
     def _resolve(self, path: str | os.PathLike[str]) -> str:
         if not isinstance(path, (str, os.PathLike)):
             raise SaveRefusedError(f"path must be a str or os.PathLike, got {type(path).__name__}")
         raw = os.fspath(path)
         if isinstance(raw, bytes) or "://" in raw:
             raise SaveRefusedError(
-                f"{raw!r}: lazyckpt writes local files only. Save locally and upload the committed file "
-                "(e.g. from handle.add_done_callback), or use the framework's own remote checkpointing."
+                f"{raw!r}: a bytes path, or a URL given as a path object; pass URLs (s3://...) as str"
             )
         final = os.path.abspath(raw)
         if os.path.isdir(final):
@@ -551,3 +630,13 @@ def _drain_at_exit() -> None:
             ckpt.close()
         except Exception as exc:  # nobody left to raise to
             logger.error("lazyckpt: a checkpoint save failed before exit: %s", exc)
+
+
+def _close_at_exit(ckpt: LazyCheckpointer | None) -> None:
+    """A checkpointer with uploads, at interpreter shutdown (before ``atexit``: see ``_remote``)."""
+    if ckpt is None or ckpt.closed:
+        return
+    try:
+        ckpt.close()
+    except Exception as exc:  # nobody left to raise to
+        logger.error("lazyckpt: a checkpoint save or upload failed before exit: %s", exc)

@@ -94,3 +94,23 @@ class DistributedSaveError(WriteError):
     ) -> None:
         super().__init__(message, path=path, errno=errno)
         self.ranks = ranks
+
+
+class UploadError(WriteError):
+    """Uploading a checkpoint to its URL failed (``LazyCheckpointer.save(obj, "s3://...")``): the
+    retries ran out on transient errors (HTTP 5xx, throttling, connection resets) or the store
+    refused for good (credentials, missing bucket). Nothing was made visible at ``url``: the
+    object there (if any) is the previous one, and the multipart upload was aborted.
+
+    ``url`` is the URL that was not written (``path`` too); ``attempts`` how many times the last
+    failing request was tried; ``local_path`` the local copy, kept after the failure (until
+    ``close()`` when ``local_dir`` is the default temporary directory).
+    """
+
+    def __init__(
+        self, message: str, url: str, attempts: int = 0, local_path: str | None = None, errno: int | None = None
+    ) -> None:
+        super().__init__(message, path=url, errno=errno)
+        self.url = url
+        self.attempts = attempts
+        self.local_path = local_path

@@ -24,13 +24,10 @@ averaging swaps wait for pending copies, checkpoint-uploading loggers wait for p
 from __future__ import annotations
 
 import atexit
-import itertools
 import logging
 import os
-import queue
 import shutil
 import sys
-import tempfile
 import threading
 import time
 import warnings
@@ -62,47 +59,6 @@ class _Save:
     handle: SaveHandle
     step: int | None
     done: Future = field(default_factory=Future)  # finished (errors go to the core's ledger, not here)
-
-
-class _Uploader:
-    """One daemon thread that copies committed local files to fsspec URLs, in commit order.
-
-    A plain thread rather than an executor: done-callbacks may submit during interpreter exit,
-    after ``concurrent.futures`` stops accepting work.
-    """
-
-    def __init__(self, on_error: Callable[[BaseException], None]) -> None:
-        self._on_error = on_error  # the checkpointer's add_error: reported once, like a failed save
-        self._queue: queue.Queue[tuple[str, str, Future] | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="lazyckpt-upload", daemon=True)
-        self._thread.start()
-
-    def submit(self, local: str, url: str, done: Future) -> None:
-        self._queue.put((local, url, done))
-
-    def stop(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
-
-    def _run(self) -> None:
-        from fsspec.core import url_to_fs
-
-        while (item := self._queue.get()) is not None:
-            local, url, done = item
-            try:
-                fs, remote = url_to_fs(url)
-                fs.makedirs(os.path.dirname(remote), exist_ok=True)
-                fs.put_file(local, remote)
-            except BaseException as exc:  # noqa: BLE001 - reaches the user through the checkpointer
-                err = LazyCkptError(f"lazyckpt: upload of {local} to {url} failed: {exc}")
-                err.__cause__ = exc
-                self._on_error(err)
-            finally:
-                done.set_result(None)
-                try:
-                    os.remove(local)
-                except OSError:
-                    pass
 
 
 _STALE_NOTE = (
@@ -163,9 +119,6 @@ class LazyCheckpointIO(_CheckpointIO):
         self._saves: list[_Save] = []  # not yet reported to the caller, in save order
         self._finished: list[tuple[_Save, SaveStats]] = []  # stats not yet sent to loggers
         self.stats: list[SaveStats] = []  # every completed save of this plugin, in completion order
-        self._uploader: _Uploader | None = None
-        self._upload_dir: str | None = None
-        self._counter = itertools.count()
         self._strategy_ref: weakref.ref | None = None
         self._trainer_ref: weakref.ref | None = None
         self._patched: list[tuple[object, str]] = []
@@ -197,14 +150,13 @@ class LazyCheckpointIO(_CheckpointIO):
         trainer = self._attach()
         self._report_stats()
         key, is_url = _compat.split_path(path)
-        target = self._upload_staging_path(key) if is_url else key
         if not is_url:
             os.makedirs(os.path.dirname(key), exist_ok=True)
-        handle = self._checkpointer().save(checkpoint, target)
+        handle = self._checkpointer().save(checkpoint, key)  # a URL: local tier, then upload (core)
         record = _Save(key=key, handle=handle, step=getattr(trainer, "global_step", None))
         with self._lock:
             self._saves.append(record)
-        handle.add_done_callback(lambda h: self._on_committed(record, h, target if is_url else None))
+        handle.add_done_callback(lambda h: self._on_committed(record, h))
         if self._torn_down or (trainer is not None and not _compat.is_running(trainer)):
             # Outside fit (before it, after teardown, ddp_spawn's result collection) nothing drains
             # later: behave like the stock plugin and return with the file in place.
@@ -213,28 +165,22 @@ class LazyCheckpointIO(_CheckpointIO):
             handle.wait_staged()
 
     def remove_checkpoint(self, path: Any) -> None:
-        """Delete ``path`` without waiting: the core orders a local delete after a pending save to it
-        (and before a later one); a URL's delete waits for its pending upload."""
+        """Delete ``path`` without waiting: the core orders a delete after a pending save to it
+        (and before a later one); for a URL, after its upload."""
         self._attach()
         key, is_url = _compat.split_path(path)
         if not is_url and self._sharded is not None and self._sharded.defer_removal(key):
             return  # a sharded save to this folder is pending: deleted once it commits
-        if is_url:
-            pending = self._pending_for(key)
-            if pending:
-                self._wait_for(pending)
-            _delete(key, is_url=True)
-            return
         ckpt = self._ckpt
         if ckpt is None or ckpt.closed:
-            _delete(key, is_url=False)
+            _delete(key, is_url=is_url)
             return
         try:
             ckpt.remove(key)
         except FileNotFoundError:
             pass  # as the stock plugin: nothing to delete
         except CheckpointerClosedError:  # closed meanwhile (a user checkpointer, closed by its owner)
-            _delete(key, is_url=False)
+            _delete(key, is_url=is_url)
         log.debug("lazyckpt: removed checkpoint %s", key)
 
     def load_checkpoint(
@@ -271,13 +217,6 @@ class LazyCheckpointIO(_CheckpointIO):
                 sharded.close()  # drained by _drain: raises nothing new
             except LazyCkptError as exc:
                 log.error("lazyckpt: closing the sharded checkpointer: %s", exc)
-        with self._lock:
-            uploader, self._uploader = self._uploader, None
-        if uploader is not None:
-            uploader.stop()
-        if self._upload_dir is not None:
-            shutil.rmtree(self._upload_dir, ignore_errors=True)
-            self._upload_dir = None
         if self._ckpt is not None and self._user_checkpointer is None:
             ckpt, self._ckpt = self._ckpt, None
             ckpt.close()
@@ -312,8 +251,9 @@ class LazyCheckpointIO(_CheckpointIO):
             self._ckpt = LazyCheckpointer(self._options)
         return self._ckpt
 
-    def _on_committed(self, record: _Save, handle: SaveHandle, uploaded_from: str | None) -> None:
-        """Runs on a lazyckpt thread once the local file is committed or the save failed."""
+    def _on_committed(self, record: _Save, handle: SaveHandle) -> None:
+        """Runs on a lazyckpt thread once the file is committed (a URL: complete in the store) or
+        the save failed."""
         stats = handle.stats
         if handle.exception() is not None or stats is None:  # the core reports it, once
             record.done.set_result(None)
@@ -335,10 +275,7 @@ class LazyCheckpointIO(_CheckpointIO):
             stats.write_gbps,
             stats.bytes,
         )
-        if uploaded_from is None:
-            record.done.set_result(None)
-        else:
-            self._uploader_thread().submit(uploaded_from, record.key, record.done)
+        record.done.set_result(None)
 
     def _pending_for(self, key: str) -> list[_Save]:
         """This plugin's saves to ``key`` not yet durable, in save order."""
@@ -386,18 +323,6 @@ class LazyCheckpointIO(_CheckpointIO):
         if raise_errors:
             raise error
         log.error("lazyckpt: background save failed: %s", error, exc_info=error)
-
-    def _uploader_thread(self) -> _Uploader:
-        with self._lock:
-            if self._uploader is None:
-                self._uploader = _Uploader(self._checkpointer().add_error)
-            return self._uploader
-
-    def _upload_staging_path(self, url: str) -> str:
-        _check_url_supported(url)
-        if self._upload_dir is None:
-            self._upload_dir = tempfile.mkdtemp(prefix="lazyckpt-upload-")
-        return os.path.join(self._upload_dir, f"{next(self._counter):06d}-{os.path.basename(url)}")
 
     # -- telemetry ---------------------------------------------------------------------------------
 
@@ -531,18 +456,6 @@ class LazyCheckpointIO(_CheckpointIO):
         for obj, attr in self._patched:
             vars(obj).pop(attr, None)
         self._patched = []
-
-
-def _check_url_supported(url: str) -> None:
-    try:
-        from fsspec.core import url_to_fs
-
-        url_to_fs(url)
-    except Exception as exc:
-        raise LazyCkptError(
-            f"lazyckpt.lightning cannot save to {url!r}: fsspec has no usable filesystem for it ({exc}). "
-            "Install the fsspec backend (s3fs, gcsfs, ...) or save to a local path."
-        ) from exc
 
 
 def _explain(exc: BaseException) -> None:
