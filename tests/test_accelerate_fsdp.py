@@ -100,6 +100,19 @@ def test_fsdp_sharded_write_error_reaches_wait_on_every_process(tmp_path):
         assert ".metadata" not in res["optimizer"], res["optimizer"]  # never committed
 
 
+def test_forced_fsdp_save_state_marks_the_folder_until_the_shards_commit(tmp_path):
+    """save_state / load_state in FSDP mode, on CPU only by forcing the mode (see the worker)."""
+    results = launch("save_state_forced", 2, tmp_path)
+    for r, res in enumerate(results):
+        assert res["during"] == {"pytorch_model_fsdp_0": [], "optimizer_0": []}, (r, res["during"])
+        assert f".lazyckpt-pending-{r}" in " ".join(res["during_out"]), res["during_out"]
+        assert f"random_states_{r}.pkl" in res["during_out"], res["during_out"]
+        assert not res["complete_during"] and res["complete_after"], res
+        assert res["after"] == {"pytorch_model_fsdp_0": DCP_FILES, "optimizer_0": DCP_FILES}, (r, res["after"])
+        assert not any(n.startswith(".lazyckpt-pending-") for n in res["out"]), res["out"]
+        assert res["model_equal"] and res["optim_equal"], res
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fsdp_save_state_on_gpu_is_lazy_and_load_state_restores(tmp_path):

@@ -189,6 +189,44 @@ def scenario_write_error() -> None:
     acc.wait_for_everyone()
 
 
+def scenario_save_state_forced() -> None:
+    """The whole save_state / load_state path on CPU by forcing the accelerator into FSDP mode
+    (accelerate itself never does that on CPU): a stand-in for the GPU run, not a user setup. The
+    folder stays marked incomplete until the sharded sub-folders are committed."""
+    from accelerate.utils import DistributedType
+
+    acc = Accelerator(cpu=True)
+    model, opt = fsdp_model()
+    acc._models.append(model)  # what prepare() registers (it would wrap the model in DDP here)
+    opt = acc.prepare_optimizer(opt)
+    acc.state.distributed_type = DistributedType.FSDP
+    acc.state.fsdp_plugin = plugin()
+    for s in range(2):
+        train_step(model, opt, s)
+    handle = lazyckpt.accelerate.install(acc, **OPTS)
+    dump = full_dump(model, opt.optimizer)
+    release = hold_data_writes()
+    out = os.path.join(WORKDIR, "ckpt")
+    acc.save_state(out)
+    RESULT["during"] = {d: listing(os.path.join(out, d)) for d in ("pytorch_model_fsdp_0", "optimizer_0")}
+    RESULT["during_out"] = listing(out)
+    RESULT["complete_during"] = lazyckpt.accelerate.is_complete(out)
+    for s in range(2, 5):
+        train_step(model, opt, s)
+    release.set()
+    handle.wait()
+    acc.wait_for_everyone()  # the other process's marker is gone too
+    RESULT["after"] = {d: listing(os.path.join(out, d)) for d in ("pytorch_model_fsdp_0", "optimizer_0")}
+    RESULT["out"] = listing(out)
+    RESULT["complete_after"] = lazyckpt.accelerate.is_complete(out)
+    acc.load_state(out)
+    loaded = full_dump(model, opt.optimizer)
+    RESULT["model_equal"] = same(loaded["model"], dump["model"])
+    RESULT["optim_equal"] = same(loaded["optim"], dump["optim"])
+    handle.remove()
+    acc.wait_for_everyone()
+
+
 def scenario_gpu() -> None:
     """A real FSDP Accelerator on CUDA (``ACCELERATE_USE_FSDP``): save_state is lazy, load_state
     restores the state at the save (GPU only: accelerate refuses FSDP on CPU)."""
