@@ -81,6 +81,7 @@ def test_fsdp_sharded_saves_are_lazy_and_load_with_stock_accelerate(tmp_path):
         assert res["during"] == {"pytorch_model_fsdp_0": [], "optimizer_0": []}, (r, res["during"])
         assert res["after"] == {"pytorch_model_fsdp_0": DCP_FILES, "optimizer_0": DCP_FILES}, (r, res["after"])
         assert res["out"] == ["optimizer_0", "pytorch_model_fsdp_0"], res["out"]
+        assert res["offload_restored"], "the plugin's offload_to_cpu must be as before the call"
         assert res["trained_on"], "training after the save should have changed the model"
         assert res["model_equal"] and res["optim_equal"], res
         # after remove(), accelerate's function is stock again: dcp's own FileSystemWriter files

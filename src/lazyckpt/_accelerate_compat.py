@@ -2,7 +2,11 @@
 
 Everything here knows Accelerate's internals rather than its public API: the distributed types
 whose ``save_state`` bypasses ``accelerate.checkpointing.save``, the process-wide (reference
-counted, reversible) patch of that function, accelerate's folder numbering and writer rule.
+counted, reversible) patch of that function, accelerate's folder numbering and writer rule, and
+the route of FSDP ``SHARDED_STATE_DICT`` saves: wrappers of accelerate's ``save_fsdp_model`` /
+``save_fsdp_optimizer`` and a dispatcher in place of ``torch.distributed.checkpoint.save`` that hands
+exactly their call, for an installed accelerator, to ``lazyckpt.accelerate`` (patched and restored
+with the ``checkpointing.save`` patch).
 """
 
 from __future__ import annotations
@@ -87,10 +91,18 @@ def _wrap_fsdp_save(original: Callable[..., Any]) -> Callable[..., Any]:
         route = route_for(accelerator)
         if route is None:
             return original(fsdp_plugin, accelerator, *args, **kwargs)
+        # FSDP2: the same sharded state without ``offload_to_cpu`` (accelerate's default for sharded
+        # saves), so that on GPUs the device-to-host copies are lazy too instead of inside this call.
+        config: Any = getattr(fsdp_plugin, "state_dict_config", None)
+        offload = getattr(fsdp_plugin, "fsdp_version", 1) == 2 and getattr(config, "offload_to_cpu", False) is True
         token = active_dcp.set(route)
+        if offload:
+            config.offload_to_cpu = False
         try:
             return original(fsdp_plugin, accelerator, *args, **kwargs)
         finally:
+            if offload:
+                config.offload_to_cpu = True
             active_dcp.reset(token)
 
     wrapper.__lazyckpt_wrapped__ = original  # type: ignore[attr-defined]

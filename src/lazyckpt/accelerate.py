@@ -42,6 +42,10 @@ How it works (checked against accelerate 1.15):
   are drained first, so deletion never races a pending write; the kept folders are the stock ones. They are
   then renamed out of ``checkpoints/`` (to a hidden temporary name in the project folder) and deleted in the
   background: freeing 1 GB of fsynced files took 0.2 s inside stock's ``rmtree`` here.
+* FSDP ``SHARDED_STATE_DICT``: the ``torch.distributed.checkpoint.save`` calls of accelerate's ``save_fsdp_model``
+  / ``save_fsdp_optimizer`` (collective, every process) are routed to a ``lazyckpt.distributed.DistributedCheckpointer``
+  owned by the handle: the same ``pytorch_model_fsdp_<i>`` / ``optimizer_<i>`` folders, committed whole once every
+  process's part is durable; the save_state folder's marker waits for them; ``wait()`` raises their errors.
 * The pending marker is fsynced in the background, and no lazily written file of that save is renamed to its
   final name before the marker is durable. The small files stock writes itself (RNG states, scaler, custom
   objects) are not ordered against it: after a crash right at the start of a save, a folder may hold some of

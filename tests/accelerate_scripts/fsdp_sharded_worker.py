@@ -140,6 +140,7 @@ def scenario_routed() -> None:
     fsdp_utils.save_fsdp_model(fsdp, acc, model, out)
     fsdp_utils.save_fsdp_optimizer(fsdp, acc, opt, model, out)
     RESULT["during"] = {d: listing(os.path.join(out, d)) for d in ("pytorch_model_fsdp_0", "optimizer_0")}
+    RESULT["offload_restored"] = fsdp.state_dict_config.offload_to_cpu is True
     for s in range(2, 5):  # the first step waits for this process's pending copies only
         train_step(model, opt, s)
     release.set()
