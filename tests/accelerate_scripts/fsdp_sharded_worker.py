@@ -240,7 +240,7 @@ def scenario_gpu() -> None:
     for s in range(2):
         train_step(model, opt, s, "cuda")
     handle = lazyckpt.accelerate.install(acc, **OPTS)
-    dump = full_dump(model, opt)
+    dump = full_dump(model, opt.optimizer)
     release = hold_data_writes()
     out = os.path.join(WORKDIR, "ckpt")
     acc.save_state(out)
@@ -253,7 +253,7 @@ def scenario_gpu() -> None:
     RESULT["after"] = {d: listing(os.path.join(out, d)) for d in ("pytorch_model_fsdp_0", "optimizer_0")}
     RESULT["out"] = listing(out)
     acc.load_state(out)
-    loaded = full_dump(model, opt)
+    loaded = full_dump(model, opt.optimizer)
     RESULT["model_equal"] = same(loaded["model"], dump["model"])
     RESULT["optim_equal"] = same(loaded["optim"], dump["optim"])
     handle.remove()
