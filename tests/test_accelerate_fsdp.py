@@ -84,7 +84,8 @@ def test_fsdp_sharded_saves_are_lazy_and_load_with_stock_accelerate(tmp_path):
         assert res["offload_restored"], "the plugin's offload_to_cpu must be as before the call"
         assert res["trained_on"], "training after the save should have changed the model"
         assert res["model_equal"] and res["optim_equal"], res
-        # after remove(), accelerate's function is stock again: dcp's own FileSystemWriter files
+        # a dcp.save of the user's own is not taken over; after remove(), accelerate's is stock again
+        assert ".lazyckpt-manifest.json" not in res["plain"] and ".metadata" in res["plain"], res["plain"]
         assert ".lazyckpt-manifest.json" not in res["stock"] and ".metadata" in res["stock"], res["stock"]
     # DCP's own reader reads the folder's metadata (the model under accelerate's "model" key)
     import torch.distributed.checkpoint as dcp

@@ -109,7 +109,7 @@ def _wrap_fsdp_save(original: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def _dispatch_dcp_save(state_dict: Any, **kwargs: Any) -> Any:
+def _dispatch_dcp_save(*args: Any, **kwargs: Any) -> Any:
     """Stand-in for ``torch.distributed.checkpoint.save``: routed to lazyckpt only for the call
     accelerate's FSDP save functions make (a plain ``FileSystemWriter``, the default planner, the
     default group), inside a wrapped call for an installed accelerator; stock otherwise."""
@@ -120,11 +120,13 @@ def _dispatch_dcp_save(state_dict: Any, **kwargs: Any) -> Any:
     original = _original_dcp_save
     writer = kwargs.get("storage_writer")
     planner = kwargs.get("planner")
+    state_dict = args[0] if len(args) == 1 else kwargs.get("state_dict")
     if (
         route is not None
         and original is not None
         and isinstance(state_dict, dict)
-        and set(kwargs) <= {"storage_writer", "planner"}
+        and len(args) + ("state_dict" in kwargs) == 1
+        and set(kwargs) <= {"state_dict", "storage_writer", "planner"}
         and type(writer) is FileSystemWriter
         and (planner is None or type(planner) is DefaultSavePlanner)
     ):
@@ -135,7 +137,7 @@ def _dispatch_dcp_save(state_dict: Any, **kwargs: Any) -> Any:
             active_dcp.reset(token)
         return None  # accelerate ignores dcp.save's Metadata
     fn = original if original is not None else _dcp().save
-    return fn(state_dict, **kwargs)
+    return fn(*args, **kwargs)
 
 
 def _dcp() -> Any:

@@ -155,7 +155,12 @@ def scenario_routed() -> None:
     loaded = full_dump(model, opt)
     RESULT["model_equal"] = same(loaded["model"], dump["model"])
     RESULT["optim_equal"] = same(loaded["optim"], dump["optim"])
-    # not installed: a dcp.save outside accelerate's functions, and after remove(), is stock
+    # a dcp.save outside accelerate's functions, and accelerate's after remove(), are stock
+    import torch.distributed.checkpoint as dcp
+
+    plain = os.path.join(WORKDIR, "plain")
+    dcp.save({"x": torch.ones(4)}, storage_writer=dcp.FileSystemWriter(plain))
+    RESULT["plain"] = listing(plain)
     handle.remove()
     fsdp_utils.save_fsdp_model(fsdp, acc, model, os.path.join(WORKDIR, "stock"))
     RESULT["stock"] = listing(os.path.join(WORKDIR, "stock", "pytorch_model_fsdp_0"))
