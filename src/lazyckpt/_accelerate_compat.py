@@ -2,12 +2,18 @@
 
 Everything here knows Accelerate's internals rather than its public API: the distributed types
 whose ``save_state`` bypasses ``accelerate.checkpointing.save``, the process-wide (reference
-counted, reversible) patch of that function, accelerate's folder numbering and writer rule.
+counted, reversible) patch of that function, accelerate's folder numbering and writer rule, and
+the route of FSDP ``SHARDED_STATE_DICT`` saves: wrappers of accelerate's ``save_fsdp_model`` /
+``save_fsdp_optimizer`` and a dispatcher in place of ``torch.distributed.checkpoint.save`` that hands
+exactly their call, for an installed accelerator, to ``lazyckpt.accelerate`` (patched and restored
+with the ``checkpointing.save`` patch).
 """
 
 from __future__ import annotations
 
 import contextvars
+import functools
+import importlib
 import logging
 import os
 import re
@@ -49,6 +55,14 @@ _original_save: Callable[..., Any] | None = None
 active_save: contextvars.ContextVar[_FolderSave | None] = contextvars.ContextVar(
     "lazyckpt_accelerate_active_save", default=None
 )
+# Set while accelerate's save_fsdp_model / save_fsdp_optimizer run for an installed accelerator: the
+# function that takes their ``torch.distributed.checkpoint.save(state, path)`` over.
+DcpRoute = Callable[[dict[str, Any], str], None]
+active_dcp: contextvars.ContextVar[DcpRoute | None] = contextvars.ContextVar(
+    "lazyckpt_accelerate_active_dcp", default=None
+)
+# Looks up the route of an accelerator (set by lazyckpt.accelerate: its installed handle's, or None).
+route_for: Callable[[Any], DcpRoute | None] = lambda accelerator: None  # noqa: E731
 
 
 def _dispatch_save(obj: Any, f: Any, save_on_each_node: bool = False, safe_serialization: bool = False) -> Any:
@@ -61,6 +75,104 @@ def _dispatch_save(obj: Any, f: Any, save_on_each_node: bool = False, safe_seria
     return fs.save(obj, f, save_on_each_node=save_on_each_node, safe_serialization=safe_serialization)
 
 
+# FSDP SHARDED_STATE_DICT: accelerate's save_fsdp_model / save_fsdp_optimizer (looked up by name in
+# these modules: accelerator.save_state uses accelerate.accelerator's) are wrapped so that, for an
+# installed accelerator, the dcp.save they call goes to lazyckpt; dcp.save itself is wrapped so that
+# it routes only inside such a call, for the exact writer and planner accelerate builds.
+_FSDP_FUNCS = ("save_fsdp_model", "save_fsdp_optimizer")
+_FSDP_MODULES = ("accelerate.utils.fsdp_utils", "accelerate.utils", "accelerate.accelerator")
+_fsdp_originals: dict[tuple[str, str], Any] = {}  # (module, name) -> what was there before
+_original_dcp_save: Callable[..., Any] | None = None
+
+
+def _wrap_fsdp_save(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def wrapper(fsdp_plugin: Any, accelerator: Any, *args: Any, **kwargs: Any) -> Any:
+        route = route_for(accelerator)
+        if route is None:
+            return original(fsdp_plugin, accelerator, *args, **kwargs)
+        # FSDP2: the same sharded state without ``offload_to_cpu`` (accelerate's default for sharded
+        # saves), so that on GPUs the device-to-host copies are lazy too instead of inside this call.
+        config: Any = getattr(fsdp_plugin, "state_dict_config", None)
+        offload = getattr(fsdp_plugin, "fsdp_version", 1) == 2 and getattr(config, "offload_to_cpu", False) is True
+        token = active_dcp.set(route)
+        if offload:
+            config.offload_to_cpu = False
+        try:
+            return original(fsdp_plugin, accelerator, *args, **kwargs)
+        finally:
+            if offload:
+                config.offload_to_cpu = True
+            active_dcp.reset(token)
+
+    wrapper.__lazyckpt_wrapped__ = original  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _dispatch_dcp_save(*args: Any, **kwargs: Any) -> Any:
+    """Stand-in for ``torch.distributed.checkpoint.save``: routed to lazyckpt only for the call
+    accelerate's FSDP save functions make (a plain ``FileSystemWriter``, the default planner, the
+    default group), inside a wrapped call for an installed accelerator; stock otherwise."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    route = active_dcp.get()
+    original = _original_dcp_save
+    writer = kwargs.get("storage_writer")
+    planner = kwargs.get("planner")
+    state_dict = args[0] if len(args) == 1 else kwargs.get("state_dict")
+    if (
+        route is not None
+        and original is not None
+        and isinstance(state_dict, dict)
+        and len(args) + ("state_dict" in kwargs) == 1
+        and set(kwargs) <= {"state_dict", "storage_writer", "planner"}
+        and type(writer) is FileSystemWriter
+        and (planner is None or type(planner) is DefaultSavePlanner)
+    ):
+        token = active_dcp.set(None)  # one routing per call; nothing inside routes again
+        try:
+            route(state_dict, os.fspath(writer.path))
+        finally:
+            active_dcp.reset(token)
+        return None  # accelerate ignores dcp.save's Metadata
+    fn = original if original is not None else _dcp().save
+    return fn(*args, **kwargs)
+
+
+def _dcp() -> Any:
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
+
+
+def _patch_fsdp() -> None:
+    global _original_dcp_save
+    dcp = _dcp()
+    if dcp.save is not _dispatch_dcp_save:
+        _original_dcp_save = dcp.save
+        dcp.save = _dispatch_dcp_save
+    for mod_name in _FSDP_MODULES:
+        mod = importlib.import_module(mod_name)
+        for name in _FSDP_FUNCS:
+            current = getattr(mod, name, None)
+            if current is None or hasattr(current, "__lazyckpt_wrapped__"):
+                continue
+            _fsdp_originals[(mod_name, name)] = current
+            setattr(mod, name, _wrap_fsdp_save(current))
+
+
+def _unpatch_fsdp() -> None:
+    dcp = _dcp()
+    if dcp.save is _dispatch_dcp_save and _original_dcp_save is not None:
+        dcp.save = _original_dcp_save  # (kept: a replacement made on top of ours may still call ours)
+    for (mod_name, name), original in list(_fsdp_originals.items()):
+        mod = importlib.import_module(mod_name)
+        if getattr(getattr(mod, name, None), "__lazyckpt_wrapped__", None) is original:
+            setattr(mod, name, original)
+    _fsdp_originals.clear()
+
+
 def acquire_patch() -> None:
     global _patch_refcount, _original_save
     with _patch_lock:
@@ -69,6 +181,7 @@ def acquire_patch() -> None:
             if current is not _dispatch_save:
                 _original_save = current
             _acc_checkpointing.save = _dispatch_save
+            _patch_fsdp()
         _patch_refcount += 1
 
 
@@ -87,6 +200,7 @@ def release_patch() -> None:
                     "leaving the replacement in place"
                 )
             _original_save = None
+            _unpatch_fsdp()
 
 
 def folder_number(folder: str) -> int:
@@ -104,6 +218,15 @@ def is_writer(save_on_each_node: bool) -> bool:
     if save_on_each_node:
         return state.is_local_main_process
     return state.is_main_process
+
+
+def is_sharded_fsdp(accelerator: Any) -> bool:
+    """An FSDP accelerator whose plugin saves ``SHARDED_STATE_DICT`` (through DCP)."""
+    fsdp = getattr(DistributedType, "FSDP", None)
+    if fsdp is None or accelerator.distributed_type != fsdp:
+        return False
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    return getattr(getattr(plugin, "state_dict_type", None), "name", None) == "SHARDED_STATE_DICT"
 
 
 def unwrap_optimizer(opt: Any) -> torch.optim.Optimizer | None:

@@ -42,6 +42,10 @@ How it works (checked against accelerate 1.15):
   are drained first, so deletion never races a pending write; the kept folders are the stock ones. They are
   then renamed out of ``checkpoints/`` (to a hidden temporary name in the project folder) and deleted in the
   background: freeing 1 GB of fsynced files took 0.2 s inside stock's ``rmtree`` here.
+* FSDP ``SHARDED_STATE_DICT``: the ``torch.distributed.checkpoint.save`` calls of accelerate's ``save_fsdp_model``
+  / ``save_fsdp_optimizer`` (collective, every process) are routed to a ``lazyckpt.distributed.DistributedCheckpointer``
+  owned by the handle: the same ``pytorch_model_fsdp_<i>`` / ``optimizer_<i>`` folders, committed whole once every
+  process's part is durable; the save_state folder's marker waits for them; ``wait()`` raises their errors.
 * The pending marker is fsynced in the background, and no lazily written file of that save is renamed to its
   final name before the marker is durable. The small files stock writes itself (RNG states, scaler, custom
   objects) are not ordered against it: after a crash right at the start of a save, a folder may hold some of
@@ -54,6 +58,7 @@ never imports accelerate.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import queue
@@ -77,6 +82,8 @@ from . import _accelerate_compat as _compat
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
+
+    from lazyckpt.distributed import DistributedCheckpointer
 
 __all__ = [
     "install",
@@ -105,6 +112,7 @@ class _FolderSave:
         self.owner = owner
         self.folder: str | None = None
         self.core: FolderSave | None = None  # the marker and this process's lazy files of the save
+        self.dist_handles: list[SaveHandle] = []  # FSDP sharded folders (DistributedCheckpointer saves)
         self.sync_files: list[str] = []
         self.scan_folder = False
         self.aborted = False
@@ -117,7 +125,7 @@ class _FolderSave:
 
     @property
     def handles(self) -> list[SaveHandle]:
-        return self.core.handles if self.core is not None else []
+        return (self.core.handles if self.core is not None else []) + self.dist_handles
 
     # -- called on the training thread, inside stock save_state -------------------------------------
     def begin(self, output_dir: str | os.PathLike) -> FolderSave:
@@ -212,6 +220,16 @@ class _FolderSave:
 _installed: weakref.WeakKeyDictionary[Any, AccelerateHandle] = weakref.WeakKeyDictionary()
 
 
+def _route_for(accelerator: Any) -> Callable[[dict[str, Any], str], None] | None:
+    handle = _installed.get(accelerator) if accelerator is not None else None
+    if handle is None or handle.removed:
+        return None
+    return handle._route_dcp_save
+
+
+_compat.route_for = _route_for
+
+
 class AccelerateHandle:
     """What :func:`install` returns: ``wait()`` drains pending saves, ``remove()`` restores stock behaviour."""
 
@@ -237,6 +255,7 @@ class AccelerateHandle:
         self.load_timeout = 600.0  # seconds load_state waits for other processes' pending saves
         self.last_save_state_s: float | None = None  # seconds the last save_state call blocked
         self._trash_cleaned: set[str] = set()
+        self._dist: DistributedCheckpointer | None = None  # FSDP sharded saves: created at the first one
 
     # -- background finisher -------------------------------------------------------------------------
     def _finisher_loop(self) -> None:
@@ -258,7 +277,7 @@ class AccelerateHandle:
     # -- patched methods -----------------------------------------------------------------------------
     def _lazy_supported(self) -> bool:
         acc = self.accelerator
-        if acc.distributed_type in _compat.STOCK_ONLY_TYPES:
+        if acc.distributed_type in _compat.STOCK_ONLY_TYPES and not _compat.is_sharded_fsdp(acc):
             if not self._warned_stock:
                 self._warned_stock = True
                 logger.warning(
@@ -357,6 +376,30 @@ class AccelerateHandle:
                 fs.finish(sync, scan, aborted)
             self.last_save_state_s = time.perf_counter() - t0
         return location
+
+    def _route_dcp_save(self, state_dict: dict[str, Any], path: str) -> None:
+        """What accelerate's ``save_fsdp_model`` / ``save_fsdp_optimizer`` would save with
+        ``dcp.save(state_dict, storage_writer=FileSystemWriter(path))``, lazily, on every process
+        (collective, as dcp.save is): the same folder through a ``DistributedCheckpointer``."""
+        if self._removed:
+            raise RuntimeError("lazyckpt.accelerate: routing a save after remove()")  # not reached: unrouted
+        fs = _compat.active_save.get()
+        if fs is not None and fs.owner is not self:
+            fs = None
+        if fs is not None:  # inside an installed save_state: the output folder's marker waits for it too
+            fs.begin(os.path.dirname(os.path.abspath(path)))
+        ckpt = self._dist_checkpointer()
+        handle = ckpt.save(state_dict, path)
+        if fs is not None:
+            fs.dist_handles.append(handle)
+
+    def _dist_checkpointer(self) -> DistributedCheckpointer:
+        if self._dist is None:
+            from lazyckpt.distributed import DistributedCheckpointer
+
+            opts = dataclasses.replace(self.checkpointer.options, on_backpressure="block")
+            self._dist = DistributedCheckpointer(**{f.name: getattr(opts, f.name) for f in dataclasses.fields(opts)})
+        return self._dist
 
     def _sync_files(self, folder: str) -> tuple[list[str], bool]:
         acc = self.accelerator
@@ -460,6 +503,8 @@ class AccelerateHandle:
         for fs in todo:
             fs.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
         self.checkpointer.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if self._dist is not None:  # every FSDP sharded save committed on every process (or its error)
+            self._dist.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
         with self._lock:
             self._prune()
 
@@ -502,6 +547,12 @@ class AccelerateHandle:
                 pass
             if _installed.get(acc) is self:
                 del _installed[acc]
+            try:
+                if self._dist is not None:
+                    dist_ckpt, self._dist = self._dist, None
+                    dist_ckpt.close()
+            except BaseException as exc:  # noqa: BLE001 - drained above; reported if nothing else was
+                error = error or exc
             if self._owns:
                 self.checkpointer.close()
         if error is not None:
