@@ -456,8 +456,12 @@ class LazyCheckpointer:
     def _use_direct_io(self, sizes: list[int]) -> bool:
         if self.direct_io is not None:
             return self.direct_io
+        # Direct I/O when most bytes are in tensors of 1 MiB or more (smaller pieces are written
+        # buffered anyway). An average-size rule failed FSDP2 shards of a ~100M GPT on 2 ranks
+        # (0.61 GB in 593 tensors: 1.03 MB on average), whose buffered writes then cost ~4x the CPU.
         nbytes = sum(sizes)
-        return nbytes >= 16 << 20 and nbytes // max(1, len(sizes)) >= 1 << 20
+        large = sum(n for n in sizes if n >= 1 << 20)
+        return nbytes >= 16 << 20 and 2 * large >= nbytes
 
     def _use_zero_copy(self, direct: bool, devices: list[torch.device]) -> bool:
         """Saves that also hold CUDA tensors stage everything: the guard's host-side wait for live
