@@ -85,6 +85,9 @@ def plan_save(
                 if cache is not None:
                     cache.local_key, cache.local_plan = key, planner.plan
             local.append(planner.plan)
+            # The local plan follows from the state key, so the key identifies it; without one
+            # (a ShardedTensor in the state), a digest of the plan's items does.
+            local.append(key if key is not None or cache is None else _digest(planner.plan.items))
         return local[0]
 
     def global_step(plans: list[Any]) -> list[Any]:
@@ -94,7 +97,8 @@ def plan_save(
         return [dataclasses.replace(p, storage_data=staging) for p in plans]
 
     def probe() -> tuple[bool, int]:
-        digest = _digest(local_step().items)
+        local_step()
+        digest = local[1]
         assert cache is not None
         return cache.items is not None and cache.digest == digest, cache.round
 
@@ -125,7 +129,7 @@ def plan_save(
         ) from exc
     items = planner.finish_plan(central).items
     if cache is not None:
-        cache.digest = _digest(local[0].items)
+        cache.digest = local[1]
         cache.round, cache.items, cache.metadata = round_no, items, copy.copy(metadata)
     return RankPlan(planner, items, central.storage_data, metadata)
 
