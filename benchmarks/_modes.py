@@ -8,7 +8,9 @@ when work ran in the background (``background``), as ``(start, end, what)`` perf
 
 from __future__ import annotations
 
+import mmap
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -150,6 +152,85 @@ class DCPAsync(Mode):
         self.stager.close()
 
 
+class WriteOnly(Mode):
+    """Not a checkpointer: the disk's part of any background checkpointer, measured in place.
+
+    After each step a background thread writes as many bytes as one checkpoint from a buffer the
+    training never touches (O_DIRECT where the filesystem takes it, as lazyckpt does; otherwise
+    buffered), 64 MiB per call, then fsyncs: no copy, no CRC, no pickling, no consistency. A save
+    first waits for the previous write (one file at a time, as the storage floor assumes). Its stall
+    is the floor *measured*: the final drain plus whatever the write itself takes from the training
+    on this machine (kernel I/O work, interrupts, memory traffic), which the computed floor assumes
+    is zero. lazyckpt's stall minus this one is the engine's own cost."""
+
+    name = "write-only"
+    CHUNK = 64 << 20
+
+    def __init__(self, out_dir: Path) -> None:
+        super().__init__(out_dir)
+        self.path = out_dir / "write-only.bin"
+        self.buf: mmap.mmap | None = None  # page-aligned, as O_DIRECT needs
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def _buffer(self, nbytes: int) -> mmap.mmap:
+        size = -(-nbytes // self.CHUNK) * self.CHUNK
+        if self.buf is None or len(self.buf) != size:
+            self.buf = mmap.mmap(-1, size)
+            block = os.urandom(1 << 20)
+            for off in range(0, size, len(block)):
+                self.buf[off : off + len(block)] = block
+        return self.buf
+
+    def _write(self, nbytes: int) -> None:
+        buf, t = self._buffer(nbytes), time.perf_counter()
+        try:
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o644)
+            except OSError:  # tmpfs and others refuse O_DIRECT
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                view, off = memoryview(buf), 0
+                while off < nbytes:  # O_DIRECT wants lengths in whole pages: the last one is rounded up
+                    n = -(-min(self.CHUNK, nbytes - off) // 4096) * 4096
+                    off += os.write(fd, view[off : off + n])
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except BaseException as exc:
+            self.error = exc
+        end = time.perf_counter()
+        self.background.append((t, end, "write"))
+        self.write_gbps.append(nbytes / max(end - t, 1e-9) / 1e9)
+
+    def _join(self, what: str) -> None:
+        if self.thread is not None:
+            t = time.perf_counter()
+            self.thread.join()
+            t1 = time.perf_counter()
+            self.thread = None
+            if what == "wait":
+                self.wait_s.append(t1 - t)
+            self._blocked(t, t1, what)
+        if self.error is not None:
+            raise RuntimeError("write-only: the write failed") from self.error
+
+    def save(self, state: dict[str, Any], nbytes: int) -> None:
+        self._join("wait")
+        t = time.perf_counter()
+        self._buffer(nbytes)
+        self.thread = threading.Thread(target=self._write, args=(nbytes,), name="write-only", daemon=True)
+        self.thread.start()
+        self.call_s.append(time.perf_counter() - t)
+
+    def drain(self) -> None:
+        self._join("drain")
+
+    def close(self) -> None:
+        self.drain()
+        self.path.unlink(missing_ok=True)
+
+
 class Lazy(Mode):
     """LazyCheckpointer(fsync=True, crc=True, on_backpressure="block") with the optimizer tracked."""
 
@@ -213,6 +294,7 @@ def make_modes(names: list[str], out_dir: Path, device: torch.device, optimizer:
         "none": lambda: Mode(out_dir),
         "torch.save": lambda: TorchSave(out_dir),
         "dcp": lambda: DCPAsync(out_dir, device),
+        "write-only": lambda: WriteOnly(out_dir),
         "lazyckpt": lambda: Lazy(out_dir, optimizer, writer_threads),
         "lazyckpt-bg": lambda: Lazy(out_dir, optimizer, writer_threads, background_only=True),
     }

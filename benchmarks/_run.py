@@ -33,7 +33,9 @@ logger = logging.getLogger(__name__)
 
 GB = 1e9
 # lazyckpt-bg: lazyckpt with the write inside save() on memory filesystems turned off (an A/B of that choice)
-MODES = ("none", "torch.save", "dcp", "lazyckpt", "lazyckpt-bg")
+# write-only: no checkpointer, the disk's write in the background (the storage floor measured in place)
+MODES = ("none", "torch.save", "dcp", "write-only", "lazyckpt", "lazyckpt-bg")
+DEFAULT_MODES = ("none", "torch.save", "dcp", "write-only", "lazyckpt")
 # counted steps, rounds, warm-up steps per segment, per model size
 DEFAULTS = {"tiny": (10, 3, 2), "small": (6, 4, 1), "100m": (5, 4, 1), "1b": (4, 2, 1)}
 
@@ -45,7 +47,7 @@ class BenchOptions:
     rounds: int | None = None
     warmup: int | None = None
     batch_size: int | None = None
-    modes: tuple[str, ...] = MODES[:4]
+    modes: tuple[str, ...] = DEFAULT_MODES
     writer_threads: int = 4
     device: str = "cpu"
     out_dir: str | None = None
@@ -166,6 +168,7 @@ class Bench:
         mode.reset_metrics()
         gc.collect()
         steps: list[tuple[float, float]] = []
+        sched0 = thread_sched()
         c0, t0 = time.process_time(), time.perf_counter()
         for _ in range(self.steps):
             ts = time.perf_counter()
@@ -174,11 +177,15 @@ class Bench:
             steps.append((ts, time.perf_counter()))
             self._tick(f"round {round_no + 1}: {mode.name}")
         td = time.perf_counter()
+        sched1 = thread_sched()
         mode.drain()
         self._sync()
         t1 = time.perf_counter()
         res = {"total_s": t1 - t0, "drain_s": t1 - td, "cpu_s": time.process_time() - c0,
                "step_s": [e - s for s, e in steps], **mode.metrics()}  # fmt: skip
+        if sched0 and sched1:  # the training thread over the steps (its saves included, not the drain)
+            res["train_cpu_s"] = (sched1[0] - sched0[0]) / self.steps
+            res["train_runqueue_s"] = (sched1[1] - sched0[1]) / self.steps
         res["timeline"] = timeline(mode, steps, t0, td, t1)
         return res
 
@@ -261,6 +268,17 @@ class Bench:
         }  # fmt: skip
 
 
+def thread_sched() -> tuple[float, float] | None:
+    """The calling thread's (CPU seconds, seconds runnable but waiting for a CPU) from
+    ``/proc/thread-self/schedstat``; None where the kernel does not keep it."""
+    try:
+        with open("/proc/thread-self/schedstat") as fh:
+            run_ns, wait_ns = fh.read().split()[:2]
+        return int(run_ns) / 1e9, int(wait_ns) / 1e9
+    except (OSError, ValueError):
+        return None
+
+
 def timeline(mode: Mode, steps: list[tuple[float, float]], t0: float, t_drain: float, t1: float) -> dict[str, Any]:
     """Per step: compute vs blocked seconds; spans relative to the segment start (for the plot)."""
     blocked = [(s - t0, e - t0, what) for s, e, what in mode.blocked if e >= t0]
@@ -290,6 +308,8 @@ def summarize(results: dict[str, list[dict[str, Any]]], raw_runs: list[dict[str,
             "drain_s": _median([x["drain_s"] for x in runs]),
             "write_gbps": _median([x.get("write_gbps") for x in runs]),
             "extra_cpu_s": _median([(res["cpu_s"] - c) / steps for res, c in zip(runs, cpu_base, strict=True)]),
+            "train_cpu_s": _median([x.get("train_cpu_s") for x in runs]),
+            "train_runqueue_s": _median([x.get("train_runqueue_s") for x in runs]),
         }  # fmt: skip
         s["write_vs_raw"] = s["write_gbps"] / raw_gbps if s["write_gbps"] and raw_gbps else None
     none_step = summary["none"]["step_s"]

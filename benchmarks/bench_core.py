@@ -29,7 +29,7 @@ from lazyckpt.cli._format import GB, dump_json, fmt, human_bytes, table
 from . import gpt as _gpt
 from ._baselines import floor_parts, storage_floor
 from ._progress import ProgressBar
-from ._run import MODES, Bench, BenchOptions
+from ._run import DEFAULT_MODES, MODES, Bench, BenchOptions
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=None, help="repetitions of all modes (order rotates)")
     p.add_argument("--warmup", type=int, default=None, help="uncounted checkpointing steps per segment")
     p.add_argument("--batch-size", type=int, default=None)
-    p.add_argument("--modes", default=",".join(MODES[:4]), help=f"subset of {','.join(MODES)} (none always runs)")
+    p.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"subset of {','.join(MODES)} (none always runs)")
     p.add_argument("--writer-threads", type=int, default=4, help="lazyckpt writer threads (default 4)")
     p.add_argument(
         "--threads",
@@ -135,7 +135,8 @@ def print_report(doc: dict[str, Any]) -> None:
           f"{doc['facts']['cpus']} CPUs, {doc['steps']} checkpoints x {doc['rounds']} rounds, "
           "median over rounds")  # fmt: skip
     peers = [m for m in modes if m != "none"]
-    headers = ["mode", "step s", "stall/ckpt s", "in save() s", "final drain s", "write GB/s", "of raw disk"]
+    headers = ["mode", "step s", "stall/ckpt s", "in save() s", "final drain s", "train CPU s", "runqueue s",
+               "write GB/s", "of raw disk"]  # fmt: skip
     headers += [f"vs {p}" for p in peers]
     rows = []
     for m in modes:
@@ -143,6 +144,7 @@ def print_report(doc: dict[str, Any]) -> None:
         ratios = [("" if p == m or m == "none" else _ratio(s["stall_s"], doc["ratios"][m].get(p))) for p in peers]
         vs_raw = "" if s["write_vs_raw"] is None else f"{s['write_vs_raw']:.0%}"
         rows.append([m, fmt(s["step_s"]), fmt(s["stall_s"], 3), fmt(s["save_call_s"], 3), fmt(s["drain_s"]),
+                     fmt(s.get("train_cpu_s")), fmt(s.get("train_runqueue_s"), 3),
                      "" if m == "none" else fmt(s["write_gbps"]), vs_raw, *ratios])  # fmt: skip
     table(headers, rows)
     print()
@@ -150,7 +152,10 @@ def print_report(doc: dict[str, Any]) -> None:
     for mode, why in doc["skipped"].items():
         print(f"note: {mode} skipped: {why}")
     print("# stall/ckpt: extra time per checkpoint vs no checkpointing; vs X: this stall / X's stall (lower is "
-          "better); write GB/s: bytes / time spent writing, during training")  # fmt: skip
+          "better); train CPU s / runqueue s: per step, the training thread's CPU seconds and seconds it was "
+          "runnable but waited for a CPU (/proc/thread-self/schedstat; saves included); write GB/s: bytes / time "
+          "spent writing, during training; write-only: not a checkpointer, the same bytes written and fsynced "
+          "in the background from an untouched buffer (the storage floor, measured in place)")  # fmt: skip
 
 
 def _ratio(stall: float | None, x: float | None) -> str:
@@ -187,7 +192,13 @@ def _print_throughput(doc: dict[str, Any]) -> None:
               f"{per_ckpt:.3f} s: disk time a step cannot hide)")  # fmt: skip
         lazy = summary.get("lazyckpt")
         if lazy and lazy.get("stall_s") is not None:
-            print(f"lazyckpt's stall {lazy['stall_s']:.3f} s = floor + {lazy['stall_s'] - floor:.3f} s of engine cost")
+            print(f"lazyckpt's stall {lazy['stall_s']:.3f} s = floor + {lazy['stall_s'] - floor:.3f} s")
+        wo = summary.get("write-only")
+        if wo and wo.get("stall_s") is not None:
+            print(f"write-only (the disk's write in the background, nothing else) stalls {wo['stall_s']:.3f} s = "
+                  f"floor + {wo['stall_s'] - floor:.3f} s: what writing itself takes from training here")  # fmt: skip
+            if lazy and lazy.get("stall_s") is not None:
+                print(f"lazyckpt's stall = write-only's + {lazy['stall_s'] - wo['stall_s']:.3f} s of engine cost")
 
 
 if __name__ == "__main__":
