@@ -59,9 +59,11 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import logging
 import os
 import queue
+import shutil
 import threading
 import time
 import warnings
@@ -74,9 +76,15 @@ from typing import TYPE_CHECKING, Any
 from accelerate.utils.constants import RNG_STATE_NAME, SCALER_NAME
 from accelerate.utils.other import clean_state_dict_for_safetensors
 
-from lazyckpt import CheckpointerOptions, LazyCheckpointer, SaveHandle, cleanup_temporaries
+from lazyckpt import CheckpointerOptions, LazyCheckpointer, SaveHandle, _remote_folder, cleanup_temporaries
 from lazyckpt._folder import MARKER_PREFIX, FolderSave, is_complete, live_markers, pending_markers
-from lazyckpt.errors import IncompleteCheckpointError, IncompleteCheckpointWarning
+from lazyckpt._remote import before_interpreter_shutdown, is_url
+from lazyckpt.errors import (
+    BackpressureWarning,
+    IncompleteCheckpointError,
+    IncompleteCheckpointWarning,
+    SaveRefusedError,
+)
 
 from . import _accelerate_compat as _compat
 
@@ -111,6 +119,7 @@ class _FolderSave:
     def __init__(self, owner: AccelerateHandle) -> None:
         self.owner = owner
         self.folder: str | None = None
+        self.url: str | None = None  # save_state to a URL: the local folder is uploaded once complete
         self.core: FolderSave | None = None  # the marker and this process's lazy files of the save
         self.dist_handles: list[SaveHandle] = []  # FSDP sharded folders (DistributedCheckpointer saves)
         self.sync_files: list[str] = []
@@ -168,6 +177,7 @@ class _FolderSave:
             self.owner._finisher_submit(self._complete)
 
     def _complete(self) -> None:
+        upload = False
         try:
             for h in self.handles:
                 exc = h.exception()
@@ -175,17 +185,37 @@ class _FolderSave:
                     self.error = exc
             if self.error is None and not self.aborted and self.folder is not None:
                 self._make_durable()
+                upload = self.url is not None
             elif self.error is not None:
                 logger.error(
                     "lazyckpt: save into %s failed; the folder stays marked incomplete: %r", self.folder, self.error
                 )
         except BaseException as exc:  # noqa: BLE001 - reported once by the checkpointer (wait, next save)
-            self.owner.checkpointer.add_error(exc)  # before done: a wait() that sees done finds it
-            if self.error is None:
-                self.error = exc
+            self._fail(exc)
         finally:
-            self.durable_at = time.perf_counter()
-            self.done.set()
+            if upload and self.error is None:  # the next stage, on its own thread (uploads are slow)
+                self.owner._uploader.submit(self._upload)
+            else:
+                self._end()
+
+    def _upload(self) -> None:
+        """The local folder is complete: its files to the URL, the manifest last (``_remote_folder``)."""
+        try:
+            assert self.folder is not None and self.url is not None
+            _remote_folder.upload(self.owner.checkpointer, self.folder, self.url)
+        except BaseException as exc:  # noqa: BLE001 - an UploadError, reported once by the checkpointer
+            self._fail(exc)
+        finally:
+            self._end()
+
+    def _fail(self, exc: BaseException) -> None:
+        self.owner.checkpointer.add_error(exc)  # before done: a wait() that sees done finds it
+        if self.error is None:
+            self.error = exc
+
+    def _end(self) -> None:
+        self.durable_at = time.perf_counter()
+        self.done.set()
 
     def _make_durable(self) -> None:
         """Every lazy file committed: fsync what stock wrote itself, then end the core's folder save."""
@@ -211,6 +241,36 @@ class _FolderSave:
         if not self.done.wait(left):
             raise TimeoutError(f"lazyckpt: save into {self.folder} not durable after {timeout} s")
         return self.error
+
+
+class _SerialWorker:
+    """One named daemon thread running jobs in submission order; inline once stopped."""
+
+    def __init__(self, name: str) -> None:
+        self._q: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            try:
+                job()
+            except BaseException:  # noqa: BLE001
+                logger.exception("lazyckpt.accelerate: %s job failed", self._thread.name)
+
+    def submit(self, job: Callable[[], None]) -> None:
+        if self._thread.is_alive():
+            self._q.put(job)
+        else:  # after remove(): run inline
+            job()
+
+    def stop(self) -> None:
+        self._q.put(None)
+        if self._thread is not threading.current_thread():
+            self._thread.join()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -243,9 +303,9 @@ class AccelerateHandle:
         self._tracked_refs: list = []
         self._removed = False
         self._warned_stock = False
-        self._finisher_q: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._finisher = threading.Thread(target=self._finisher_loop, name="lazyckpt-accelerate-finisher", daemon=True)
-        self._finisher.start()
+        self._finisher = _SerialWorker("lazyckpt-accelerate-finisher")  # marker fsyncs, folder completion
+        self._uploader = _SerialWorker("lazyckpt-accelerate-upload")  # folders saved to URLs, in save order
+        self._exit_hooked = False
         # What save_state/load_state resolve to now (normally the class methods), and whether the instance
         # already had its own attribute (restored as is by remove()).
         self._stock_save_state = accelerator.save_state
@@ -253,26 +313,14 @@ class AccelerateHandle:
         self._prev_attrs = {n: vars(accelerator)[n] for n in ("save_state", "load_state") if n in vars(accelerator)}
         self._hook_handle = None
         self.load_timeout = 600.0  # seconds load_state waits for other processes' pending saves
+        self.max_pending_uploads = 2  # folders saved to URLs waiting for upload before save_state waits
         self.last_save_state_s: float | None = None  # seconds the last save_state call blocked
         self._trash_cleaned: set[str] = set()
         self._dist: DistributedCheckpointer | None = None  # FSDP sharded saves: created at the first one
 
     # -- background finisher -------------------------------------------------------------------------
-    def _finisher_loop(self) -> None:
-        while True:
-            job = self._finisher_q.get()
-            if job is None:
-                return
-            try:
-                job()
-            except BaseException:  # noqa: BLE001
-                logger.exception("lazyckpt.accelerate finisher job failed")
-
     def _finisher_submit(self, job: Callable[[], None]) -> None:
-        if self._finisher.is_alive():
-            self._finisher_q.put(job)
-        else:  # after remove(): run inline
-            job()
+        self._finisher.submit(job)
 
     # -- patched methods -----------------------------------------------------------------------------
     def _lazy_supported(self) -> bool:
@@ -348,9 +396,15 @@ class AccelerateHandle:
         self.checkpointer.raise_errors()
 
     def _save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> Any:
+        url = self._url_target(output_dir)
         if self._removed or not self._lazy_supported():
+            if url is not None:
+                raise SaveRefusedError(f"lazyckpt.accelerate: save_state to a URL ({url}) needs the lazy path")
             return self._stock_save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
         t0 = time.perf_counter()
+        if url is not None:  # saved into a fresh local folder, uploaded once complete (_FolderSave._upload)
+            self._admit_upload(url)
+            output_dir = _remote_folder.local_folder(self.checkpointer, url)
         # 1. never let stock's rmtree of old folders race their pending writes
         doomed, exact = self._doomed_folders()
         if doomed:
@@ -362,6 +416,7 @@ class AccelerateHandle:
         self._raise_unreported()
         self._track_new_optimizers()
         fs = _FolderSave(self)
+        fs.url = url
         token = _compat.active_save.set(fs)
         aborted = True
         try:
@@ -375,7 +430,47 @@ class AccelerateHandle:
                     self._saves.append(fs)
                 fs.finish(sync, scan, aborted)
             self.last_save_state_s = time.perf_counter() - t0
-        return location
+        return url if url is not None else location
+
+    def _url_target(self, output_dir: Any) -> str | None:
+        """The URL ``save_state`` writes to, or None for a local folder; refuses what cannot work."""
+        acc = self.accelerator
+        if acc.project_configuration.automatic_checkpoint_naming:
+            if is_url(str(acc.project_dir)):  # stock would makedirs a local folder named "s3:"
+                raise SaveRefusedError(
+                    f"lazyckpt.accelerate: automatic_checkpoint_naming with a URL project_dir ({acc.project_dir}) "
+                    "is not supported; call save_state(output_dir='s3://...') with explicit names instead"
+                )
+            return None
+        if not (isinstance(output_dir, str) and is_url(output_dir)):
+            return None
+        if acc.num_processes > 1:
+            raise SaveRefusedError(
+                f"lazyckpt.accelerate: save_state to a URL ({output_dir}) with {acc.num_processes} processes is not "
+                "supported yet (one process only); save to a shared local folder and upload it"
+            )
+        if not self._exit_hooked:  # s3fs cannot upload from a plain atexit hook (see _remote)
+            self._exit_hooked = True
+            before_interpreter_shutdown(functools.partial(_drain_at_exit, weakref.ref(self)))
+        return output_dir.rstrip("/")
+
+    def _admit_upload(self, url: str) -> None:
+        """Bound the local disk: at most ``max_pending_uploads`` folders saved to URLs wait for their
+        upload; the next save_state to a URL waits for the oldest (and warns with the numbers)."""
+        with self._lock:
+            pending = [fs for fs in self._saves if fs.url is not None and not fs.done.is_set()]
+        if len(pending) < self.max_pending_uploads:
+            return
+        t = time.monotonic()
+        for fs in pending[: len(pending) - self.max_pending_uploads + 1]:
+            fs.wait()
+        warnings.warn(
+            f"lazyckpt.accelerate: save_state to {url} waited {time.monotonic() - t:.2f} s for uploads: "
+            f"{len(pending)} folder(s) were still waiting for upload, bound {self.max_pending_uploads} "
+            "(max_pending_uploads). Save less often or give uploads more bandwidth.",
+            BackpressureWarning,
+            stacklevel=4,
+        )
 
     def _route_dcp_save(self, state_dict: dict[str, Any], path: str) -> None:
         """What accelerate's ``save_fsdp_model`` / ``save_fsdp_optimizer`` would save with
@@ -420,6 +515,8 @@ class AccelerateHandle:
             return self._stock_load_state(input_dir, load_kwargs=load_kwargs, **kwargs)
         acc = self.accelerator
         pc = acc.project_configuration
+        if isinstance(input_dir, str) and is_url(input_dir):
+            return self._load_url(input_dir.rstrip("/"), load_kwargs=load_kwargs, **kwargs)
         if input_dir is not None:
             target = _compat.real_path(input_dir)
             self._wait_where(lambda folder: folder == target)  # this process's pending saves into it
@@ -456,6 +553,24 @@ class AccelerateHandle:
                 warnings.warn(msg, IncompleteCheckpointWarning, stacklevel=2)
             return self._stock_load_state(chosen, load_kwargs=load_kwargs, **kwargs)
         return self._stock_load_state(input_dir, load_kwargs=load_kwargs, **kwargs)
+
+    def _load_url(self, url: str, load_kwargs: dict[str, Any] | None, **kwargs: Any) -> Any:
+        """Wait for this process's saves to ``url``, download the files its manifest names into the
+        local tier (``IncompleteCheckpointError`` without a manifest), stock load_state from there."""
+        with self._lock:
+            mine = [fs for fs in self._saves if fs.url == url]
+        for fs in mine:
+            fs.wait()
+        dest = _remote_folder.local_folder(self.checkpointer, url)
+        try:
+            try:
+                _remote_folder.download(self.checkpointer, url, dest)
+            except IncompleteCheckpointError as exc:
+                failed = next((fs.error for fs in reversed(mine) if fs.error is not None), None)
+                raise exc from failed
+            return self._stock_load_state(dest, load_kwargs=load_kwargs, **kwargs)
+        finally:
+            shutil.rmtree(os.path.dirname(dest), ignore_errors=True)
 
     def _wait_other_processes(self, folders: list[str]) -> None:
         """Wait until no other live process has a pending save into ``folders`` (bounded by load_timeout).
@@ -538,8 +653,8 @@ class AccelerateHandle:
             if self._hook_handle is not None:
                 self._hook_handle.remove()
             _compat.release_patch()
-            self._finisher_q.put(None)
-            self._finisher.join()
+            self._finisher.stop()
+            self._uploader.stop()
             self._tracked_refs.clear()
             try:
                 atexit.unregister(self._atexit)
@@ -575,6 +690,12 @@ class AccelerateHandle:
             self.wait()
         except BaseException as exc:  # noqa: BLE001
             logger.error("lazyckpt.accelerate: a checkpoint save failed: %r", exc)
+
+
+def _drain_at_exit(ref: weakref.ref[AccelerateHandle]) -> None:
+    handle = ref()
+    if handle is not None and not handle.removed:
+        handle._atexit()
 
 
 def install(
@@ -613,7 +734,8 @@ def install(
         accelerator.save_state = handle._save_state
         accelerator.load_state = handle._load_state
     except BaseException:
-        handle._finisher_q.put(None)
+        handle._finisher.stop()
+        handle._uploader.stop()
         if owns:
             checkpointer.close()
         raise

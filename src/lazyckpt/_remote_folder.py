@@ -1,0 +1,128 @@
+"""Folder checkpoints at URLs: every file of a complete local folder uploaded, then a manifest, last.
+
+An object store has no folder rename, so a multi-file checkpoint (an Accelerate ``save_state``
+folder) cannot appear at once. The files are uploaded one by one (each one complete or absent, as
+any URL save: ``RemoteTier.transfer``), and the folder counts as a checkpoint only once
+``<url>/.lazyckpt-complete`` exists: a small JSON manifest naming every file and its size, uploaded
+after all of them. Saving again to the same URL deletes the old manifest before any file changes,
+so a reader sees the old checkpoint whole, or no checkpoint, never a mix. Readers (``download``,
+``lazyckpt verify``) refuse a prefix without a manifest and read only the files it names.
+
+Runs on the caller's thread (integrations call it from a background thread). The core's own
+names only; no framework is imported here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import shutil
+from typing import TYPE_CHECKING, Any
+
+from . import _remote
+from .errors import IncompleteCheckpointError, UploadError
+
+if TYPE_CHECKING:
+    from .checkpointer import LazyCheckpointer
+
+MANIFEST = ".lazyckpt-complete"
+_FORMAT = "lazyckpt-folder/1"
+_SKIP_PREFIX = ".lazyckpt-"  # markers and temporaries of the local folder protocol: never uploaded
+
+
+def _join(base: str, rel: str) -> str:
+    return base.rstrip("/") + "/" + rel
+
+
+def local_folder(checkpointer: LazyCheckpointer, url: str) -> str:
+    """A fresh folder in the checkpointer's local tier for one folder save to ``url``."""
+    tier = checkpointer._remote_tier()
+    _fs, rpath = tier.resolve(url)
+    path = tier.local_path(rpath)  # <local_dir>/.uploads/<pid>-<n>/<name>: its parent is fresh
+    os.makedirs(path)
+    return path
+
+
+def files_of(folder: str) -> list[str]:
+    """Relative paths (``/``-separated) of the folder's files, markers and temporaries left out."""
+    out = []
+    for root, dirs, names in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in sorted(names):
+            if name.startswith(_SKIP_PREFIX) or name.startswith("."):
+                continue
+            out.append(os.path.relpath(os.path.join(root, name), folder).replace(os.sep, "/"))
+    return out
+
+
+def upload(checkpointer: LazyCheckpointer, folder: str, url: str) -> dict[str, Any]:
+    """Upload the complete local ``folder`` to ``url``, the manifest last; returns the manifest.
+
+    Raises ``UploadError`` (the local folder is then kept, and named in the error). On success the
+    local copy is removed, or kept at ``<local_dir>/<protocol>/<key>`` with ``keep_local``."""
+    tier = checkpointer._remote_tier()
+    fs, rpath = tier.resolve(url)
+    manifest_url, manifest_rpath = _join(url, MANIFEST), _join(rpath, MANIFEST)
+    files: list[str] = []
+    done: list[str] = []
+    try:
+        tier.delete_object(manifest_url, fs, manifest_rpath)  # no old manifest while files change
+        files = files_of(folder)
+        for rel in files:
+            tier.transfer(_join(url, rel), fs, _join(rpath, rel), os.path.join(folder, rel))
+            done.append(rel)
+        manifest = {"format": _FORMAT, "files": {rel: os.path.getsize(os.path.join(folder, rel)) for rel in files}}
+        local_manifest = os.path.join(folder, MANIFEST)
+        with open(local_manifest, "w") as fh:
+            json.dump(manifest, fh, indent=1, sort_keys=True)
+        tier.transfer(manifest_url, fs, manifest_rpath, local_manifest)
+    except Exception as exc:
+        for rel in done:  # tidy, best effort: without the manifest they are no checkpoint anyway
+            with contextlib.suppress(Exception):
+                tier.delete_object(_join(url, rel), fs, _join(rpath, rel))
+        raise UploadError(
+            f"upload of the folder checkpoint {url} failed ({exc}); no manifest was written, so {url} holds "
+            f"no checkpoint; the local copy is kept at {folder}",
+            url, attempts=getattr(exc, "attempts", 0), local_path=folder,
+        ) from exc  # fmt: skip
+    for rel in [*files, MANIFEST]:
+        tier.finish_local(_join(url, rel), _join(rpath, rel), os.path.join(folder, rel))
+    shutil.rmtree(os.path.dirname(folder), ignore_errors=True)  # the save's own <pid>-<n> folder
+    return manifest
+
+
+def read_manifest(fs: Any, rpath: str, url: str) -> dict[str, Any]:
+    """The manifest of the folder checkpoint at ``url``; ``IncompleteCheckpointError`` without one."""
+    _remote._invalidate(fs, rpath)
+    try:
+        with fs.open(_join(rpath, MANIFEST), "rb") as fh:
+            manifest = json.loads(fh.read())
+    except FileNotFoundError:
+        raise IncompleteCheckpointError(
+            f"lazyckpt: {url!r} holds no complete folder checkpoint: its manifest {MANIFEST} is missing "
+            "(the save never finished its upload, or the prefix was not written by lazyckpt)."
+        ) from None
+    if manifest.get("format") != _FORMAT or not isinstance(manifest.get("files"), dict):
+        raise IncompleteCheckpointError(f"lazyckpt: {_join(url, MANIFEST)!r} is not a lazyckpt folder manifest")
+    return manifest
+
+
+def download(checkpointer: LazyCheckpointer, url: str, dest: str) -> list[str]:
+    """Copy the folder checkpoint at ``url`` (the files its manifest names) into ``dest``."""
+    tier = checkpointer._remote_tier()
+    fs, rpath = tier.resolve(url)
+    manifest = read_manifest(fs, rpath, url)
+    out = []
+    for rel, size in manifest["files"].items():
+        local = os.path.join(dest, *rel.split("/"))
+        os.makedirs(os.path.dirname(local), exist_ok=True)
+        _remote._retry(f"download of {_join(url, rel)}", functools.partial(fs.get_file, _join(rpath, rel), local),
+                       url, checkpointer.options)  # fmt: skip
+        if os.path.getsize(local) != size:
+            raise IncompleteCheckpointError(
+                f"lazyckpt: {_join(url, rel)!r} has {os.path.getsize(local)} bytes, its manifest says {size}"
+            )
+        out.append(local)
+    return out
