@@ -26,14 +26,34 @@ from _s3server import FaultProxy  # noqa: E402
 from accelerate_scripts import acc_common as C  # noqa: E402
 from lazyckpt import _remote, _remote_folder  # noqa: E402
 from lazyckpt.errors import IncompleteCheckpointError, SaveRefusedError, UploadError  # noqa: E402
-from test_accelerate import fresh_accelerate_state, installs, make, split, step  # noqa: E402, F401
+from test_accelerate import STOCK_SAVE, make, split, step  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(autouse=True)
-def fast_backoff(monkeypatch):
+def fast_backoff_fresh_state(monkeypatch):
     monkeypatch.setattr(_remote, "_BACKOFF_S", 0.01)
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+@pytest.fixture
+def installs():
+    """install() that is always undone (a deliberately failed save may raise from remove())."""
+    made = []
+    yield lambda acc, **kw: made.append(LA.install(acc, **kw)) or made[-1]
+    for h in made:
+        try:
+            h.remove()
+        except Exception:  # noqa: BLE001
+            pass
+    import accelerate.checkpointing
+
+    assert accelerate.checkpointing.save is STOCK_SAVE
 
 
 @pytest.fixture(scope="module")
