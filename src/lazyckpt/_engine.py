@@ -95,6 +95,33 @@ class Engine:
         self._commit_q.put(job)
         self._stage_q.put(job)
 
+    @staticmethod
+    def open(job: Job) -> bool:
+        """Create the job's temporary file (and reserve its size) unless done; True when it is open.
+
+        Runs on the first thread that needs the file: a writer (the caller of ``save()`` never
+        waits for it: on a journaling filesystem creating and fallocating a file can block for
+        0.1-0.4 s while an earlier checkpoint is being written and fsynced), or ``save()`` itself
+        for a memory filesystem. A failure fails the job (``WriteError``, errno kept) before any
+        byte is written: a full disk is still found before the data, by the reservation."""
+        if job.opened:
+            return job.fd >= 0
+        with job.open_lock:
+            if not job.opened:
+                try:
+                    if not job.failed:
+                        job.fd = _fs.open_temporary(job.tmp, job.file_bytes)
+                        if job.direct:
+                            job.dfd = _fs.open_direct(job.tmp)
+                except Exception as exc:
+                    code = getattr(exc, "errno", None)
+                    err = WriteError(f"cannot create {job.tmp}: {exc}", path=job.path, errno=code)
+                    err.__cause__ = exc
+                    job.fail(err)
+                finally:
+                    job.opened = True
+        return job.fd >= 0
+
     def stage_now(self, job: Job, src: Source) -> None:
         """Capture a source on the caller's thread (tensors no optimizer guards).
 
@@ -107,6 +134,7 @@ class Engine:
         """Write a CPU source on the caller's thread, straight from its memory, before ``save()``
         returns (``LazyCheckpointer._write_in_save``: a memory filesystem and no core to spare).
         Counted like any piece, so the job finalises and commits in the background as usual."""
+        self.open(job)
         for piece in self._pieces(job, src):
             if job.failed:
                 return
@@ -291,7 +319,7 @@ class Engine:
             if piece.event is not None:
                 with torch.cuda.device(piece.source.device):  # not a stray context on GPU 0
                     piece.event.synchronize()
-            if not job.failed:
+            if self.open(job) and not job.failed:
                 if mode is WriteFrom.LIVE:
                     addr = piece.source.data_ptr + piece.start
                     data = memory_at(addr, piece.nbytes)
@@ -342,7 +370,7 @@ class Engine:
         # versions (a few instructions away: it depends on no writer).
         job.read_done.wait()
         try:
-            if not job.failed:
+            if self.open(job) and not job.failed:  # a job without tensor data opens it here
                 for offset, data in job.metadata_writes():
                     _fs.pwrite_all(job.fd, data, offset)
                 if job.fsync:

@@ -89,6 +89,11 @@ class Job:
         self.before_commit = before_commit
         self.fd = -1
         self.dfd = -1  # O_DIRECT descriptor of the same file, when used
+        # The temporary file is created by whichever thread first needs it (Engine.open: a writer,
+        # or save() itself on a memory filesystem), never blocking the caller on the journal.
+        self.direct = False  # open an O_DIRECT descriptor too
+        self.open_lock = threading.Lock()
+        self.opened = False
         self._lock = threading.Lock()
         self.error: BaseException | None = None
         self._outstanding = 0
