@@ -182,6 +182,20 @@ class LazyCheckpointer:
         t0 = time.perf_counter()
         if _remote.is_url(path):
             return self._save_url(obj, str(path), t0, format=format, metadata=metadata, before_commit=before_commit)
+        return self._save_file(obj, path, t0, format, metadata, before_commit, named_as=os.fspath(path))
+
+    def _save_file(
+        self,
+        obj: Any,
+        path: str | os.PathLike[str],
+        t0: float,
+        format: Format,
+        metadata: dict[str, str] | None,
+        before_commit: Callable[[], object] | None,
+        named_as: str,
+    ) -> SaveHandle:
+        """``save()`` to a local ``path``; torch names the archive's records after ``named_as``'s stem
+        (the path as given, or the URL a local copy is for)."""
         self._check_open()
         _guard.confirm_ready()  # earlier saves whose copies are over: this thread's ops came before
         self._raise_unreported()
@@ -197,7 +211,7 @@ class LazyCheckpointer:
         zero_copy = self._use_zero_copy(direct, [s.device for s in planner.sources])
         # Ask the format to place what will be written straight from memory where its pages line up.
         phases = {s.key: s.data_ptr % PAGE for s in planner.sources if zero_copy and _zero_copy_candidate(s, guarded)}
-        layout = planner.plan(os.fspath(path), phases, crc=self.crc)  # as given: torch names records after it
+        layout = planner.plan(named_as, phases, crc=self.crc)
         sources, file_bytes = planner.sources, layout.file_bytes
         nbytes = sum(s.nbytes for s in sources)
         if self._should_skip(nbytes, final):
@@ -408,9 +422,9 @@ class LazyCheckpointer:
             )
             return self._skipped(url, 0, t0)
         self._warn_if_upload_backpressure(tier)
-        local_path = tier.local_path(rpath)
+        local_path = tier.local_file(rpath)
         try:
-            local = self.save(obj, local_path, **kwargs)
+            local = self._save_file(obj, local_path, t0, named_as=url, **kwargs)
         except BaseException:
             _remote.discard_local(local_path)
             raise
