@@ -275,9 +275,7 @@ class RemoteTier:
 
     def _delete(self, item: _Deletion) -> None:
         try:
-            _invalidate(item.fs, item.rpath)  # a listing cached before the upload must not hide it
-            if item.fs.exists(item.rpath):
-                _retry(f"delete of {item.url}", lambda: item.fs.rm(item.rpath, recursive=True), item.url, self.options)
+            self.delete_object(item.url, item.fs, item.rpath)
             item.future.set_result(None)
         except BaseException as exc:  # noqa: BLE001 - reaches the caller through the future / the ledger
             self._publish(Report(exc))
@@ -295,18 +293,15 @@ class RemoteTier:
         t = time.perf_counter()
         error: UploadError | None = None
         try:
-            self._transfer(item)
+            self.transfer(item.url, item.fs, item.rpath, item.local_path)
         except UploadError as exc:
             error = exc
-        except Exception as exc:  # noqa: BLE001 - anything else is a bug or a permanent error: typed anyway
-            error = UploadError(f"upload of {item.url} failed: {exc}", item.url)
-            error.__cause__ = exc
         upload_s = time.perf_counter() - t
         if error is None:
             with self._cond:
                 self.uploaded_bytes += stats.file_bytes
                 self.upload_s += upload_s
-            self._finish_local(item)
+            self.finish_local(item.url, item.rpath, item.local_path)
             now = time.perf_counter() - item.t0
             stats = replace(
                 stats, path=item.url, durable_s=now, local_s=stats.durable_s, upload_s=upload_s,
@@ -320,28 +315,43 @@ class RemoteTier:
             self._publish(report)  # before the handle is done: whoever sees it done finds the error
         self._callbacks.submit(handle, handle._complete())
 
-    def _finish_local(self, item: _Upload) -> None:
+    def finish_local(self, url: str, rpath: str, local_path: str) -> None:
+        """After ``url`` was uploaded from ``local_path``: keep the local copy at
+        ``<local_dir>/<protocol>/<key>`` (``keep_local``), else delete it."""
         if not self.options.keep_local:
-            discard_local(item.local_path)
+            discard_local(local_path)
             return
-        proto = item.url.split("://", 1)[0]
-        mirror = os.path.join(self.local_dir, proto, item.rpath.lstrip("/"))
+        proto = url.split("://", 1)[0]
+        mirror = os.path.join(self.local_dir, proto, rpath.lstrip("/"))
         try:
             os.makedirs(os.path.dirname(mirror), exist_ok=True)
-            os.replace(item.local_path, mirror)
+            os.replace(local_path, mirror)
         except OSError as exc:
-            logger.warning("lazyckpt: could not keep the local copy of %s at %s: %s", item.url, mirror, exc)
-        discard_local(item.local_path)
+            logger.warning("lazyckpt: could not keep the local copy of %s at %s: %s", url, mirror, exc)
+        discard_local(local_path)
 
-    def _transfer(self, item: _Upload) -> None:
+    def transfer(self, url: str, fs: Any, rpath: str, local_path: str) -> None:
+        """Upload ``local_path`` to ``url`` on the calling thread (S3: one PutObject or a multipart
+        upload whose parts run on the tier's part threads, aborted on failure; other backends: a
+        hidden temporary key, then a move). Raises ``UploadError`` (any other error is wrapped)."""
         try:
-            if _is_s3(item.fs):
-                upload = _S3Upload(item.fs, item.rpath, item.url, item.local_path, self.options, self._parts)
-                upload.run(self._started_at)
+            if _is_s3(fs):
+                _S3Upload(fs, rpath, url, local_path, self.options, self._parts).run(self._started_at)
             else:
-                _generic_upload(item.fs, item.rpath, item.url, item.local_path, self.options)
+                _generic_upload(fs, rpath, url, local_path, self.options)
+        except UploadError:
+            raise
+        except Exception as exc:  # a bug or a permanent error: typed anyway
+            raise UploadError(f"upload of {url} failed: {exc}", url) from exc
         finally:  # fsspec instances are shared (Lightning's ModelCheckpoint lists through the same one)
-            _invalidate(item.fs, item.rpath)
+            _invalidate(fs, rpath)
+
+    def delete_object(self, url: str, fs: Any, rpath: str) -> None:
+        """Delete ``url`` on the calling thread if it exists (retried); ``UploadError`` on failure."""
+        _invalidate(fs, rpath)  # a listing cached before the upload must not hide it
+        if fs.exists(rpath):
+            _retry(f"delete of {url}", lambda: fs.rm(rpath, recursive=True), url, self.options)
+        _invalidate(fs, rpath)
 
 
 def _invalidate(fs: Any, rpath: str) -> None:
