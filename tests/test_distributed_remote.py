@@ -1,0 +1,163 @@
+"""DistributedCheckpointer saving to URLs: ``memory://`` in this process (a 1-rank gloo group), and
+``s3://`` on moto's server (started here) with 2 real ranks, loaded back by stock DCP through
+``FsspecReader``; failed uploads leave no ``.metadata`` and fail every rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import fsspec
+import pytest
+import torch
+from fsspec.implementations.memory import MemoryFileSystem
+
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available():
+    pytest.skip("torch.distributed unavailable", allow_module_level=True)
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader  # noqa: E402
+
+from lazyckpt import UploadError  # noqa: E402
+from lazyckpt import _remote as remote  # noqa: E402
+from lazyckpt.distributed import DistributedCheckpointer, DistributedUploadError  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+@pytest.fixture(scope="module")
+def one_rank_group():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def fast_backoff(monkeypatch):
+    monkeypatch.setattr(remote, "_BACKOFF_S", 0.01)
+
+
+def _dckpt(tmp_path, **kw) -> DistributedCheckpointer:
+    return DistributedCheckpointer(
+        host_memory_budget=4 << 20, chunk_bytes=1 << 20, commit_timeout=20, fsync=False,
+        local_dir=str(tmp_path / "tier"), **kw,
+    )  # fmt: skip
+
+
+def _state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(64, 64, generator=g), "b": torch.randn(300, generator=g), "meta": {"step": seed}}
+
+
+def _load(url: str, like: dict, **storage_options) -> dict:
+    state = {k: (torch.empty_like(v) if isinstance(v, torch.Tensor) else {"step": -1}) for k, v in like.items()}
+    dcp.load(state, storage_reader=FsspecReader(url, **storage_options), no_dist=True)
+    return state
+
+
+def _same(a: dict, b: dict) -> bool:
+    return all(torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
+
+
+def _names(fs, prefix: str) -> list[str]:
+    fs.invalidate_cache()
+    return sorted(os.path.basename(p) for p in fs.find(prefix))
+
+
+# -- memory:// (one rank) ----------------------------------------------------------------------------
+
+
+def test_memory_url_round_trip_stages_keep_local_and_overwrite(one_rank_group, tmp_path):
+    fs = fsspec.filesystem("memory")
+    url = "memory://dr1/run/step-1"
+    first, second = _state(1), _state(2)
+    with _dckpt(tmp_path, keep_local=True) as ckpt:
+        h = ckpt.save(first, url, extra_files={"meta.pt": b"extra"})
+        local = h.wait_local()
+        assert h.local() and local.path.endswith("__0_0.distcp")
+        stats = h.wait()
+        assert h.done() and stats.path == url and stats.upload_s > 0 and stats.durable_s >= stats.local_s
+        assert _names(fs, "/dr1/run/step-1") == [".lazyckpt-manifest.json", ".metadata", "__0_0.distcp", "meta.pt"]
+        assert _same(_load(url, first), first)
+        ckpt.save(second, url).wait()  # the same prefix again: replaced
+    assert _same(_load(url, second), second)
+    assert fs.cat("/dr1/run/step-1/meta.pt") == b"extra"  # not part of the second save: left as it was
+    kept = tmp_path / "tier" / "memory" / "dr1" / "run" / "step-1"
+    assert sorted(os.listdir(kept)) == [".lazyckpt-manifest.json", ".metadata", "__0_0.distcp", "meta.pt"]
+    dcp.load(state := {k: torch.empty_like(v) for k, v in second.items() if k != "meta"}, checkpoint_id=str(kept))
+    assert torch.equal(state["w"], second["w"])
+    uploads = tmp_path / "tier" / ".uploads"
+    assert not uploads.exists() or not list(uploads.iterdir())  # nothing left of the local folders
+
+
+class FailingMemoryFS(MemoryFileSystem):
+    """memory:// whose put_file refuses the names in ``refuse`` (fault injection by subclass)."""
+
+    protocol = "failmem"
+    refuse: tuple[str, ...] = ()
+
+    @classmethod
+    def _strip_protocol(cls, path):
+        return super()._strip_protocol(path.removeprefix("failmem://"))
+
+    def put_file(self, lpath, rpath, *args, **kwargs):
+        if os.path.basename(lpath) in FailingMemoryFS.refuse:
+            raise PermissionError(f"refused: {os.path.basename(lpath)} (injected)")
+        return super().put_file(lpath, rpath, *args, **kwargs)
+
+
+@pytest.fixture
+def failing(monkeypatch):
+    fsspec.register_implementation("failmem", FailingMemoryFS, clobber=True)
+    monkeypatch.setattr(FailingMemoryFS, "refuse", ())
+    return FailingMemoryFS
+
+
+@pytest.mark.parametrize("refused", ["__0_0.distcp", ".metadata"])
+def test_memory_failed_upload_leaves_no_metadata_and_the_other_prefix_intact(
+    one_rank_group, tmp_path, failing, refused
+):
+    fs = fsspec.filesystem("memory")
+    good, bad = "failmem://dr2/run/good", "failmem://dr2/run/bad"
+    with _dckpt(tmp_path) as ckpt:
+        ckpt.save(_state(3), good).wait()
+        ckpt.save(_state(4), bad).wait()  # a checkpoint at the prefix the failing save replaces
+        failing.refuse = (refused,)
+        h = ckpt.save(_state(5), bad)
+        with pytest.raises(DistributedUploadError, match="refused") as err:
+            h.wait()
+        assert isinstance(err.value, UploadError) and err.value.ranks == (0,)
+        assert err.value.url == bad and isinstance(err.value.__cause__, UploadError)
+        if refused == "__0_0.distcp":  # this rank's own file failed: its local copy is kept
+            assert err.value.local_path and os.listdir(err.value.local_path) == ["__0_0.distcp"]
+        ckpt.wait()  # reported once, by the handle
+    assert _names(fs, "/dr2/run/bad") == []  # the previous checkpoint there was hidden first; nothing new
+    assert _same(_load(good, _state(3)), _state(3))
+
+
+def test_verify_a_distributed_checkpoint_by_url(one_rank_group, tmp_path, capsys):
+    from lazyckpt.cli import main
+    from lazyckpt.distributed import verify_checkpoint
+
+    fs = fsspec.filesystem("memory")
+    url = "memory://dr3/run/step-7"
+    with _dckpt(tmp_path) as ckpt:
+        ckpt.save(_state(7), url).wait()
+    report = verify_checkpoint(url)
+    assert report.ok and report.records == 3, report.problems
+    assert main(["verify", "memory://dr3/run/"]) == 0
+    assert "1 of 1 OK" in capsys.readouterr().out
+    data = bytearray(fs.cat("/dr3/run/step-7/__0_0.distcp"))
+    data[len(data) // 2] ^= 0xFF
+    fs.pipe("/dr3/run/step-7/__0_0.distcp", bytes(data))
+    assert "CRC32 mismatch" in verify_checkpoint(url).problems[0]
+    fs.rm("/dr3/run/step-7/.metadata")
+    problems = verify_checkpoint(url).problems
+    assert any("no .metadata" in p for p in problems), problems
+    assert main(["verify", "-q", url]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and json.dumps(url)[1:-1] in out
