@@ -10,6 +10,7 @@ import socket
 
 import fsspec
 import pytest
+import s3fs
 import torch
 from fsspec.implementations.memory import MemoryFileSystem
 
@@ -19,9 +20,11 @@ if not dist.is_available():
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader  # noqa: E402
 
+from _s3server import FaultProxy, moto_server, s3_options  # noqa: E402
 from lazyckpt import UploadError  # noqa: E402
 from lazyckpt import _remote as remote  # noqa: E402
-from lazyckpt.distributed import DistributedCheckpointer, DistributedUploadError  # noqa: E402
+from lazyckpt.distributed import DistributedCheckpointer, DistributedUploadError, verify_checkpoint  # noqa: E402
+from test_distributed import launch  # noqa: E402 - the 2-rank launcher (distributed_scripts/dist_worker.py)
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -141,7 +144,6 @@ def test_memory_failed_upload_leaves_no_metadata_and_the_other_prefix_intact(
 
 def test_verify_a_distributed_checkpoint_by_url(one_rank_group, tmp_path, capsys):
     from lazyckpt.cli import main
-    from lazyckpt.distributed import verify_checkpoint
 
     fs = fsspec.filesystem("memory")
     url = "memory://dr3/run/step-7"
@@ -161,3 +163,66 @@ def test_verify_a_distributed_checkpoint_by_url(one_rank_group, tmp_path, capsys
     assert main(["verify", "-q", url]) == 1
     out = capsys.readouterr().out
     assert "FAIL" in out and json.dumps(url)[1:-1] in out
+
+
+# -- s3:// on moto's server, 2 ranks ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def moto():
+    with moto_server() as port:
+        yield port
+
+
+@pytest.fixture
+def s3_bucket(moto, request, monkeypatch):
+    """A fresh bucket; the ranks get its storage options (direct, and through a fault proxy)."""
+    options = s3_options(f"http://127.0.0.1:{moto}")
+    fs = s3fs.S3FileSystem(**options)
+    bucket = f"dist-{request.node.name.lower().replace('_', '-')[:40]}"
+    fs.call_s3("create_bucket", Bucket=bucket)
+    proxy = FaultProxy(moto)
+    config = {"bucket": bucket, "options": options, "proxy_options": s3_options(proxy.endpoint)}
+    monkeypatch.setenv("LAZYCKPT_TEST_S3", json.dumps(config))
+    yield fs, bucket, options, proxy
+    proxy.close()
+    fs.rm(bucket, recursive=True)
+
+
+def test_fsdp2_two_ranks_to_s3_loaded_by_stock_dcp_through_fsspec(tmp_path, s3_bucket, capsys):
+    """FSDP2 + AdamW on 2 ranks saved to s3://; the workers load it back with stock dcp.load through
+    FsspecReader and compare bitwise; here, one process loads the model (no_dist) and verifies."""
+    from lazyckpt.cli import main
+
+    fs, bucket, options, _ = s3_bucket
+    results = launch("fsdp_s3", 2, tmp_path, timeout=180)
+    for r in results:
+        assert r["staged_after_save"] is False, r  # lazy on every rank, as to a local folder
+        assert r["local_tier"] == [], r["local_tier"]  # local copies discarded once uploaded
+    prefix = f"{bucket}/run/step-2"
+    assert _names(fs, prefix) == [".lazyckpt-manifest.json", ".metadata", "__0_0.distcp", "__1_0.distcp"]
+    dump = torch.load(tmp_path / "dump.pt", weights_only=False)
+    model_sd = {k: torch.empty_like(v) for k, v in dump["model"].items()}
+    dcp.load({"model": model_sd}, storage_reader=FsspecReader(f"s3://{prefix}", **options), no_dist=True)
+    assert all(torch.equal(model_sd[k], dump["model"][k]) for k in model_sd)
+    assert main(["verify", "--storage-options", json.dumps(options), f"s3://{bucket}/run/"]) == 0
+    assert "1 of 1 OK" in capsys.readouterr().out
+    assert not fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads")
+
+
+def test_one_rank_upload_failing_for_good_fails_every_rank_and_leaves_no_metadata(tmp_path, s3_bucket):
+    fs, bucket, options, proxy = s3_bucket
+    proxy.add("fail", lambda method, path: method == "PUT" and "/run/bad/" in path, times=10_000, status=500)
+    r0, r1 = launch("s3_upload_fails", 2, tmp_path, timeout=180)
+    for r in (r0, r1):
+        assert r["ranks"] == [1] and "rank 1" in r["message"], r
+        assert r["waited_s"] < 30, r  # no hang: the failure is reported, not waited out
+    assert r1["cause"] == "UploadError" and r1["kept"] == ["__1_0.distcp"], r1  # its local copy is kept
+    assert r0["cause"] == "NoneType" and r0["local_path"] is None
+    assert _names(fs, f"{bucket}/run/bad") == []  # no .metadata, and rank 0's uploaded file deleted
+    assert not fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads")  # rank 1's aborted
+    good = torch.load(tmp_path / "good.pt", weights_only=True)
+    like = {"w": torch.empty_like(good["w"]), "own0": torch.empty_like(good["own0"])}
+    dcp.load(like, storage_reader=FsspecReader(f"s3://{bucket}/run/good", **options), no_dist=True)
+    assert torch.equal(like["w"], good["w"]) and torch.equal(like["own0"], good["own0"])
+    assert verify_checkpoint(f"s3://{bucket}/run/good", options).ok
