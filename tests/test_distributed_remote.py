@@ -142,6 +142,19 @@ def test_memory_failed_upload_leaves_no_metadata_and_the_other_prefix_intact(
     assert _same(_load(good, _state(3)), _state(3))
 
 
+def test_memory_refused_save_uploads_nothing_and_the_next_save_works(one_rank_group, tmp_path):
+    from lazyckpt import SaveRefusedError
+
+    fs = fsspec.filesystem("memory")
+    url = "memory://dr4/run/x"
+    with _dckpt(tmp_path) as ckpt:
+        with pytest.raises(SaveRefusedError):
+            ckpt.save({"w": torch.ones(8), "f": lambda: 0}, url)
+        assert _names(fs, "/dr4") == []
+        ckpt.save(_state(6), url).wait()
+    assert _same(_load(url, _state(6)), _state(6))
+
+
 def test_verify_a_distributed_checkpoint_by_url(one_rank_group, tmp_path, capsys):
     from lazyckpt.cli import main
 

@@ -159,13 +159,27 @@ class DistributedCheckpointer:
     commit, if it had already decided to commit). Staging folders of dead saves are removed by the
     next save into the same parent folder.
 
+    URLs: ``path`` may be a URL (``s3://bucket/run/step-100``, any fsspec URL; the options
+    ``local_dir``, ``keep_local``, ``storage_options``, ``upload_*`` are ``LazyCheckpointer``'s).
+    Each rank writes its file into a folder of its own under ``local_dir`` (its node's disk) exactly
+    as above, then uploads it from the commit thread; the coordinator uploads ``.metadata`` last,
+    once every rank's file is complete in the store, so a reader (``FsspecReader``,
+    ``verify_checkpoint``) sees the whole checkpoint or no ``.metadata``; the data objects may
+    appear before it. A previous checkpoint at the same URL stops being visible (its ``.metadata``
+    is deleted first) when the save starts. A failed upload fails the save on every rank with
+    ``DistributedUploadError``, and the objects uploaded are deleted. Training never waits for the
+    uploads; ``handle.local()`` says this rank's file is on local disk, ``done()`` that the
+    checkpoint is in the store.
+
     Args:
         process_group: the ranks that save together (default: the default group). Only its ranks
             are used; its backend is not (nccl is fine).
-        commit_timeout: seconds this rank waits, once its own file is durable, for the save to be
-            committed; then the save fails on every rank still waiting.
+        commit_timeout: seconds this rank waits, once its own file is durable (for a URL: uploaded),
+            for the save to be committed; then the save fails on every rank still waiting. For
+            URLs it must cover the slowest rank's upload beyond the fastest's.
         **options: ``LazyCheckpointer``'s options (``host_memory_budget``, ``writer_threads``,
-            ``fsync``, ``crc``, ...); ``on_backpressure`` must stay ``"block"``.
+            ``fsync``, ``crc``, ``local_dir``, ``storage_options``, ...); ``on_backpressure`` must
+            stay ``"block"``.
     """
 
     def __init__(
@@ -212,7 +226,7 @@ class DistributedCheckpointer:
         self, state: dict[str, Any], path: str | os.PathLike[str], *, extra_files: Mapping[str, bytes] | None = None
     ) -> DistributedSaveHandle:
         """Start saving ``state`` (what ``torch.distributed.checkpoint.save`` takes) to the folder
-        ``path``; collective. Returns at once with a handle (see the class docstring).
+        ``path`` (or URL); collective. Returns at once with a handle (see the class docstring).
 
         ``extra_files``: small files (name -> bytes) that the coordinator (rank 0 of the group)
         writes into the folder with ``.metadata``, so they appear atomically with the checkpoint
@@ -380,7 +394,7 @@ class DistributedCheckpointer:
 
     def _commit(self, entry: _Save) -> None:
         remote = entry.remote
-        if remote is not None and self._dist.is_coordinator:
+        if entry.handle.remote and self._dist.is_coordinator:
             self._hide_previous(entry)
         report, own_error = self._own_report(entry)
         if remote is not None and report.ok:
@@ -420,7 +434,9 @@ class DistributedCheckpointer:
     def _hide_previous(self, entry: _Save) -> None:
         """Coordinator, first thing: no previous checkpoint at the prefix may point at the new data
         objects. Then the other ranks may upload (the "cleared" key)."""
-        assert entry.remote is not None
+        if entry.remote is None:  # save() failed here: this rank's report fails the save
+            self._proto.set_cleared(entry.n, "err:the coordinator's part failed")
+            return
         try:
             entry.remote.hide_previous()
         except Exception as exc:  # noqa: BLE001 - reported as this rank's upload failure
