@@ -239,3 +239,20 @@ def test_one_rank_upload_failing_for_good_fails_every_rank_and_leaves_no_metadat
     dcp.load(like, storage_reader=FsspecReader(f"s3://{bucket}/run/good", **options), no_dist=True)
     assert torch.equal(like["w"], good["w"]) and torch.equal(like["own0"], good["own0"])
     assert verify_checkpoint(f"s3://{bucket}/run/good", options).ok
+
+
+def test_a_rank_killed_mid_upload_leaves_no_metadata_and_the_previous_checkpoint(tmp_path, s3_bucket):
+    fs, bucket, options, _ = s3_bucket
+    (r0, _) = launch("s3_sigkill", 2, tmp_path, timeout=180, expect_dead=(1,))
+    assert r0["ranks"] == [1] and "did not report" in r0["message"], r0
+    assert 2.5 < r0["waited_s"] < 30, r0["waited_s"]  # commit_timeout is 3 s
+    assert _names(fs, f"{bucket}/run/killed") == []  # rank 0 deleted its upload; rank 1's never completed
+    # The dead rank's multipart upload stays until a later upload to that key aborts it.
+    assert [u["Key"] for u in fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", [])] == [
+        "run/killed/__1_0.distcp"
+    ]
+    good = torch.load(tmp_path / "good.pt", weights_only=True)
+    assert verify_checkpoint(f"s3://{bucket}/run/good", options).ok
+    like = {"w": torch.empty_like(good["w"])}
+    dcp.load(like, storage_reader=FsspecReader(f"s3://{bucket}/run/good", **options), no_dist=True)
+    assert torch.equal(like["w"], good["w"])

@@ -214,6 +214,37 @@ def scenario_s3_upload_fails() -> None:
         torch.save(state, os.path.join(WORKDIR, "good.pt"))
 
 
+def scenario_s3_sigkill() -> None:
+    """A committed checkpoint at run/good, then a save to run/killed during which rank 1 is
+    SIGKILLed mid multipart upload (before its part 2): rank 0 fails within commit_timeout, no
+    .metadata appears at run/killed, and run/good stays intact."""
+    import lazyckpt._remote as remote
+
+    bucket, options, _ = s3_test_config()
+    opts = dict(OPTS, storage_options=options, upload_part_bytes=5 << 20, local_dir=os.path.join(WORKDIR, f"t{RANK}"))
+    state = {"w": torch.arange(4096.0), f"own{RANK}": torch.randn((12 << 20) // 4 if RANK == 1 else 100)}
+    ckpt = DistributedCheckpointer(commit_timeout=3.0, **opts)
+    ckpt.save(state, f"s3://{bucket}/run/good").wait()
+    if RANK == 1:
+        real_part = remote._S3Upload._part
+
+        def part(self, fd, upload_id, number, offset, nbytes):
+            if number == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real_part(self, fd, upload_id, number, offset, nbytes)
+
+        remote._S3Upload._part = part
+    h = ckpt.save(state, f"s3://{bucket}/run/killed")
+    t = time.monotonic()
+    try:
+        h.wait()
+        raise AssertionError("wait() should have failed")
+    except DistributedSaveError as exc:
+        RESULT.update(ranks=list(exc.ranks), message=str(exc), waited_s=time.monotonic() - t)
+    if RANK == 0:
+        torch.save(state, os.path.join(WORKDIR, "good.pt"))
+
+
 def scenario_load_fsdp() -> None:
     """Load a checkpoint saved by another world size into FSDP2 here (resharding) and compare."""
     model, opt = fsdp_model()
