@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 
 import fsspec
@@ -67,8 +68,19 @@ def _same(a: dict, b: dict) -> bool:
 
 
 def _names(fs, prefix: str) -> list[str]:
+    """Object names under ``prefix``, a data file's per-save tag dropped (``__0_0.<tag>.distcp``)."""
     fs.invalidate_cache()
-    return sorted(os.path.basename(p) for p in fs.find(prefix))
+    return sorted(_kind(os.path.basename(p)) for p in fs.find(prefix))
+
+
+def _kind(name: str) -> str:
+    return re.sub(r"^(__\d+_0)\.[0-9a-f]+-\d+\.distcp$", r"\1.distcp", name)
+
+
+def _data_file(fs, prefix: str, rank: int = 0) -> str:
+    fs.invalidate_cache()
+    (path,) = [p for p in fs.find(prefix) if os.path.basename(p).startswith(f"__{rank}_0.")]
+    return path
 
 
 # -- memory:// (one rank) ----------------------------------------------------------------------------
@@ -81,16 +93,17 @@ def test_memory_url_round_trip_stages_keep_local_and_overwrite(one_rank_group, t
     with _dckpt(tmp_path, keep_local=True) as ckpt:
         h = ckpt.save(first, url, extra_files={"meta.pt": b"extra"})
         local = h.wait_local()
-        assert h.local() and local.path.endswith("__0_0.distcp")
+        assert h.local() and _kind(os.path.basename(local.path)) == "__0_0.distcp"
         stats = h.wait()
         assert h.done() and stats.path == url and stats.upload_s > 0 and stats.durable_s >= stats.local_s
         assert _names(fs, "/dr1/run/step-1") == [".lazyckpt-manifest.json", ".metadata", "__0_0.distcp", "meta.pt"]
         assert _same(_load(url, first), first)
-        ckpt.save(second, url).wait()  # the same prefix again: replaced
+        ckpt.save(second, url).wait()  # the same prefix again: replaced, the first save's data file deleted
     assert _same(_load(url, second), second)
+    assert _names(fs, "/dr1/run/step-1") == [".lazyckpt-manifest.json", ".metadata", "__0_0.distcp", "meta.pt"]
     assert fs.cat("/dr1/run/step-1/meta.pt") == b"extra"  # not part of the second save: left as it was
     kept = tmp_path / "tier" / "memory" / "dr1" / "run" / "step-1"
-    assert sorted(os.listdir(kept)) == [".lazyckpt-manifest.json", ".metadata", "__0_0.distcp", "meta.pt"]
+    assert sorted(map(_kind, os.listdir(kept))) == [".lazyckpt-manifest.json", ".metadata", "__0_0.distcp", "meta.pt"]
     dcp.load(state := {k: torch.empty_like(v) for k, v in second.items() if k != "meta"}, checkpoint_id=str(kept))
     assert torch.equal(state["w"], second["w"])
     uploads = tmp_path / "tier" / ".uploads"
@@ -108,7 +121,7 @@ class FailingMemoryFS(MemoryFileSystem):
         return super()._strip_protocol(path.removeprefix("failmem://"))
 
     def put_file(self, lpath, rpath, *args, **kwargs):
-        if os.path.basename(lpath) in FailingMemoryFS.refuse:
+        if os.path.basename(lpath).startswith(FailingMemoryFS.refuse):
             raise PermissionError(f"refused: {os.path.basename(lpath)} (injected)")
         return super().put_file(lpath, rpath, *args, **kwargs)
 
@@ -120,7 +133,7 @@ def failing(monkeypatch):
     return FailingMemoryFS
 
 
-@pytest.mark.parametrize("refused", ["__0_0.distcp", ".metadata"])
+@pytest.mark.parametrize("refused", ["__0_0.", ".metadata"])
 def test_memory_failed_upload_leaves_no_metadata_and_the_other_prefix_intact(
     one_rank_group, tmp_path, failing, refused
 ):
@@ -135,11 +148,16 @@ def test_memory_failed_upload_leaves_no_metadata_and_the_other_prefix_intact(
             h.wait()
         assert isinstance(err.value, UploadError) and err.value.ranks == (0,)
         assert err.value.url == bad and isinstance(err.value.__cause__, UploadError)
-        if refused == "__0_0.distcp":  # this rank's own file failed: its local copy is kept
-            assert err.value.local_path and os.listdir(err.value.local_path) == ["__0_0.distcp"]
+        if refused == "__0_0.":  # this rank's own file failed: its local copy is kept
+            assert err.value.local_path and list(map(_kind, os.listdir(err.value.local_path))) == ["__0_0.distcp"]
         ckpt.wait()  # reported once, by the handle
-    assert _names(fs, "/dr2/run/bad") == []  # the previous checkpoint there was hidden first; nothing new
-    assert _same(_load(good, _state(3)), _state(3))
+    assert _same(_load(good, _state(3)), _state(3))  # another prefix: untouched
+    if refused == "__0_0.":  # a data file failed: the previous checkpoint at the prefix is still whole
+        assert _same(_load(bad, _state(4)), _state(4))
+        assert verify_checkpoint(bad).ok
+        assert _names(fs, "/dr2/run/bad") == [".lazyckpt-manifest.json", ".metadata", "__0_0.distcp"]
+    else:  # .metadata failed after the manifest was replaced: the previous one is hidden, nothing left
+        assert _names(fs, "/dr2/run/bad") == []
 
 
 def test_memory_refused_save_uploads_nothing_and_the_next_save_works(one_rank_group, tmp_path):
@@ -166,9 +184,10 @@ def test_verify_a_distributed_checkpoint_by_url(one_rank_group, tmp_path, capsys
     assert report.ok and report.records == 3, report.problems
     assert main(["verify", "memory://dr3/run/"]) == 0
     assert "1 of 1 OK" in capsys.readouterr().out
-    data = bytearray(fs.cat("/dr3/run/step-7/__0_0.distcp"))
+    data_file = _data_file(fs, "/dr3/run/step-7")
+    data = bytearray(fs.cat(data_file))
     data[len(data) // 2] ^= 0xFF
-    fs.pipe("/dr3/run/step-7/__0_0.distcp", bytes(data))
+    fs.pipe(data_file, bytes(data))
     assert "CRC32 mismatch" in verify_checkpoint(url).problems[0]
     fs.rm("/dr3/run/step-7/.metadata")
     problems = verify_checkpoint(url).problems
@@ -230,7 +249,9 @@ def test_one_rank_upload_failing_for_good_fails_every_rank_and_leaves_no_metadat
     for r in (r0, r1):
         assert r["ranks"] == [1] and "rank 1" in r["message"], r
         assert r["waited_s"] < 30, r  # no hang: the failure is reported, not waited out
-    assert r1["cause"] == "UploadError" and r1["kept"] == ["__1_0.distcp"], r1  # its local copy is kept
+    assert r1["cause"] == "UploadError" and list(map(_kind, r1["kept"])) == ["__1_0.distcp"], (
+        r1
+    )  # its local copy is kept
     assert r0["cause"] == "NoneType" and r0["local_path"] is None
     assert _names(fs, f"{bucket}/run/bad") == []  # no .metadata, and rank 0's uploaded file deleted
     assert not fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads")  # rank 1's aborted
@@ -247,10 +268,8 @@ def test_a_rank_killed_mid_upload_leaves_no_metadata_and_the_previous_checkpoint
     assert r0["ranks"] == [1] and "did not report" in r0["message"], r0
     assert 2.5 < r0["waited_s"] < 30, r0["waited_s"]  # commit_timeout is 3 s
     assert _names(fs, f"{bucket}/run/killed") == []  # rank 0 deleted its upload; rank 1's never completed
-    # The dead rank's multipart upload stays until a later upload to that key aborts it.
-    assert [u["Key"] for u in fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", [])] == [
-        "run/killed/__1_0.distcp"
-    ]
+    # The dead rank's multipart upload (part 1 may be in) was aborted by the coordinator.
+    assert not fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads")
     good = torch.load(tmp_path / "good.pt", weights_only=True)
     assert verify_checkpoint(f"s3://{bucket}/run/good", options).ok
     like = {"w": torch.empty_like(good["w"])}

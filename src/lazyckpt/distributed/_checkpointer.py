@@ -113,7 +113,6 @@ class _Save:
     error: BaseException | None = None  # this rank's part failed inside save()
     extra_files: dict[str, bytes] = field(default_factory=dict)  # coordinator: written beside .metadata
     remote: RemoteFolder | None = None  # a save to a URL: its objects and this rank's local folder
-    hide_error: UploadError | None = None  # coordinator: the previous .metadata could not be deleted
 
 
 @dataclass
@@ -165,9 +164,11 @@ class DistributedCheckpointer:
     as above, then uploads it from the commit thread; the coordinator uploads ``.metadata`` last,
     once every rank's file is complete in the store, so a reader (``FsspecReader``,
     ``verify_checkpoint``) sees the whole checkpoint or no ``.metadata``; the data objects may
-    appear before it. A previous checkpoint at the same URL stops being visible (its ``.metadata``
-    is deleted first) when the save starts. A failed upload fails the save on every rank with
-    ``DistributedUploadError``, and the objects uploaded are deleted. Training never waits for the
+    appear before it (they have names of their own per save). A previous checkpoint at the same
+    URL stays whole until the new ``.metadata`` replaces it, then its data files are deleted;
+    with ``extra_files``, which replace its own, it is hidden just before they are uploaded. A
+    failed upload fails the save on every rank with ``DistributedUploadError``, and the objects
+    uploaded are deleted. Training never waits for the
     uploads; ``handle.local()`` says this rank's file is on local disk, ``done()`` that the
     checkpoint is in the store.
 
@@ -357,7 +358,10 @@ class DistributedCheckpointer:
     def _start_file(self, entry: _Save, plan: RankPlan) -> None:
         tensors, byte_items = resolve(plan)
         layout = RankFileLayout(self._inner.crc)
-        entry.file = f"__{self.rank}_0.distcp"
+        # To a URL, every save's data files have names of their own: a previous checkpoint at the
+        # same prefix stays whole (its .metadata names its own files) until .metadata is replaced.
+        unique = f".{self._token[:16]}-{entry.n}" if entry.remote is not None else ""
+        entry.file = f"__{self.rank}_0{unique}.distcp"
         sources = []
         for item, data in byte_items:
             offset, length = layout.add_bytes(data)
@@ -394,8 +398,6 @@ class DistributedCheckpointer:
 
     def _commit(self, entry: _Save) -> None:
         remote = entry.remote
-        if entry.handle.remote and self._dist.is_coordinator:
-            self._hide_previous(entry)
         report, own_error = self._own_report(entry)
         if remote is not None and report.ok:
             report, own_error = self._upload_own(entry, report)
@@ -431,40 +433,11 @@ class DistributedCheckpointer:
 
     # -- saves to URLs (``_upload.py``) -----------------------------------------------------------
 
-    def _hide_previous(self, entry: _Save) -> None:
-        """Coordinator, first thing: no previous checkpoint at the prefix may point at the new data
-        objects. Then the other ranks may upload (the "cleared" key)."""
-        if entry.remote is None:  # save() failed here: this rank's report fails the save
-            self._proto.set_cleared(entry.n, "err:the coordinator's part failed")
-            return
-        try:
-            entry.remote.hide_previous()
-        except Exception as exc:  # noqa: BLE001 - reported as this rank's upload failure
-            err = exc if isinstance(exc, UploadError) else UploadError(f"{exc}", entry.remote.url)
-            if err is not exc:
-                err.__cause__ = exc
-            entry.hide_error = err
-            self._proto.set_cleared(entry.n, f"err:{err}")
-        else:
-            self._proto.set_cleared(entry.n, "ok")
-
     def _upload_own(self, entry: _Save, report: RankReport) -> tuple[RankReport, BaseException | None]:
-        """Upload this rank's durable file (after the coordinator cleared the prefix)."""
+        """Upload this rank's durable file (a name of its own: nothing visible changes)."""
         remote = entry.remote
         assert remote is not None
         try:
-            if entry.hide_error is not None:
-                raise entry.hide_error
-            if not self._dist.is_coordinator:
-                cleared = self._proto.wait_value(entry.n, "cleared", time.monotonic() + self.commit_timeout)
-                if cleared is None:
-                    raise UploadError(
-                        f"rank {self.rank}: not uploaded: the coordinator did not clear {remote.url} within "
-                        f"{self.commit_timeout} s",
-                        remote.url,
-                    )
-                if cleared != "ok":  # the coordinator's own report fails the save: nothing to upload
-                    return report, None
             remote.upload(entry.file)
         except UploadError as exc:
             exc.local_path = remote.local
@@ -472,23 +445,33 @@ class DistributedCheckpointer:
         return report, None
 
     def _upload_metadata_files(self, entry: _Save) -> None:
-        """Coordinator, every rank's file in the store: the extra files and the manifest (not yet a
-        checkpoint: ``.metadata`` is uploaded after the decision, last)."""
-        assert entry.remote is not None
+        """Coordinator, every rank's file in the store: the extra files and the manifest, which
+        replace a previous checkpoint's at this prefix (``.metadata`` follows, after the decision).
+        Extra files (Lightning's ``meta.pt``) belong to the checkpoint as a whole: a previous
+        checkpoint here is hidden (its ``.metadata`` deleted) before they are replaced."""
+        remote = entry.remote
+        assert remote is not None
+        if entry.extra_files:
+            remote.hide_previous()
         for name in entry.extra_files:
-            entry.remote.upload(name)
-        entry.remote.upload(_commit.MANIFEST)
+            remote.upload(name)
+        remote.upload(_commit.MANIFEST)
 
-    def _publish_remote(self, entry: _Save) -> _Outcome | None:
-        """Coordinator, after deciding "commit": upload ``.metadata``, which makes it a checkpoint."""
-        assert entry.remote is not None
+    def _publish_remote(self, entry: _Save, reports: dict[int, RankReport]) -> _Outcome | None:
+        """Coordinator, after deciding "commit": upload ``.metadata``, which makes it a checkpoint
+        (replacing a previous one at the prefix in one PUT), then delete the previous checkpoint's
+        data files (best effort)."""
+        remote = entry.remote
+        assert remote is not None
         try:
-            entry.remote.upload(_commit.METADATA)
+            remote.upload(_commit.METADATA)
         except UploadError as exc:
-            entry.remote.remove_uploaded()  # .metadata first, before the others learn the failure
+            remote.remove_uploaded()  # .metadata first (the failed PUT may have landed), before the others learn
             why = f"nothing was committed; rank {self.rank} (coordinator) could not upload .metadata: {exc}"
             self._proto.set_result(entry.n, "err:" + why)
             return _Outcome(why, (self.rank,), upload=True, cause=exc)
+        remote.remove_stale({r.file for r in reports.values()})
+        remote.abort_unfinished()  # before the result: then the others may start their next save
         self._proto.set_result(entry.n, "ok")
         return None
 
@@ -508,6 +491,8 @@ class DistributedCheckpointer:
                 )
             upload = any(reports[r].upload_failed for r in failed)
             body = {"ranks": failed + missing, "why": why, "upload": upload}
+            if entry.remote is not None:  # before the decision: then the others may start their next save
+                entry.remote.abort_unfinished()
             decided = self._proto.decide(entry.n, "abort:" + json.dumps(body))
         else:
             try:
@@ -531,7 +516,7 @@ class DistributedCheckpointer:
             outcome = _abort_reason(decided)
             outcome.cause = own_exc
         elif entry.remote is not None:
-            outcome = self._publish_remote(entry)
+            outcome = self._publish_remote(entry, reports)
         else:
             try:
                 old = _commit.staging_path(entry.final, self._token, entry.n, old=True)

@@ -158,11 +158,6 @@ class StoreProtocol:
     def set_result(self, n: int, result: str) -> None:
         self.store.set(self._key(n, "result"), result)
 
-    def set_cleared(self, n: int, value: str) -> None:
-        """Coordinator of a save to a URL: the previous ``.metadata`` at the prefix is gone ("ok"),
-        or could not be removed ("err:..."); the other ranks upload only after "ok"."""
-        self.store.set(self._key(n, "cleared"), value)
-
     def ack(self, n: int) -> None:
         """A rank has read how save ``n`` ended (it needs the store no more for it)."""
         self.store.add(self._key(n, "acks"), 1)
@@ -180,8 +175,7 @@ class StoreProtocol:
 
     def drop(self, n: int) -> None:
         """Delete save ``n``'s keys (once every rank has acknowledged)."""
-        names = [f"r{r}" for r in range(self.world_size)]
-        names += ["outcome", "result", "acks", "reported", "failed", "cleared"]
+        names = [f"r{r}" for r in range(self.world_size)] + ["outcome", "result", "acks", "reported", "failed"]
         for name in names:
             try:
                 self.store.delete_key(self._key(n, name))
