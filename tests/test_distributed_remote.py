@@ -133,7 +133,7 @@ def failing(monkeypatch):
     return FailingMemoryFS
 
 
-@pytest.mark.parametrize("refused", ["__0_0.", ".metadata"])
+@pytest.mark.parametrize("refused", ["__0_0.", ".lazyckpt-manifest", ".metadata"])
 def test_memory_failed_upload_leaves_no_metadata_and_the_other_prefix_intact(
     one_rank_group, tmp_path, failing, refused
 ):
@@ -156,7 +156,7 @@ def test_memory_failed_upload_leaves_no_metadata_and_the_other_prefix_intact(
         assert _same(_load(bad, _state(4)), _state(4))
         assert verify_checkpoint(bad).ok
         assert _names(fs, "/dr2/run/bad") == [".lazyckpt-manifest.json", ".metadata", "__0_0.distcp"]
-    else:  # .metadata failed after the manifest was replaced: the previous one is hidden, nothing left
+    else:  # the manifest or .metadata failed (shared keys touched): the previous one is hidden, nothing left
         assert _names(fs, "/dr2/run/bad") == []
 
 

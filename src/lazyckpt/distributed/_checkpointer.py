@@ -504,6 +504,8 @@ class DistributedCheckpointer:
                     self._upload_metadata_files(entry)
             except Exception as exc:
                 own_exc = exc
+                if entry.remote is not None:  # shared keys touched: clean up before the others move on
+                    entry.remote.remove_uploaded()
                 why = f"rank {self.rank} (coordinator): writing the metadata failed: {exc}"
                 body = {"ranks": [self.rank], "why": why, "upload": isinstance(exc, UploadError)}
                 decided = self._proto.decide(entry.n, "abort:" + json.dumps(body))
