@@ -8,6 +8,9 @@ import json
 import os
 import re
 import socket
+import subprocess
+import sys
+import textwrap
 
 import fsspec
 import pytest
@@ -275,3 +278,27 @@ def test_a_rank_killed_mid_upload_leaves_no_metadata_and_the_previous_checkpoint
     like = {"w": torch.empty_like(good["w"])}
     dcp.load(like, storage_reader=FsspecReader(f"s3://{bucket}/run/good", **options), no_dist=True)
     assert torch.equal(like["w"], good["w"])
+
+
+def test_a_script_that_exits_without_wait_still_commits_its_upload(tmp_path, s3_bucket):
+    """One rank, a 12 MiB multipart upload, no wait() or close(): the checkpointer is closed before
+    the interpreter shuts down (atexit alone is too late for s3fs), so .metadata lands."""
+    fs, bucket, options, _ = s3_bucket
+    script = textwrap.dedent(f"""
+        import socket, torch, torch.distributed as dist
+        from lazyckpt.distributed import DistributedCheckpointer
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=0, world_size=1)
+        ckpt = DistributedCheckpointer(fsync=False, local_dir={str(tmp_path / "tier")!r},
+                                       storage_options={options!r}, upload_part_bytes={5 << 20})
+        ckpt.save({{"w": torch.ones(3 << 20)}}, "s3://{bucket}/exit/ckpt")
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "failed" not in done.stderr, done.stderr
+    assert ".metadata" in _names(fs, f"{bucket}/exit/ckpt")
+    like = {"w": torch.zeros(3 << 20)}
+    dcp.load(like, storage_reader=FsspecReader(f"s3://{bucket}/exit/ckpt", **options), no_dist=True)
+    assert torch.equal(like["w"], torch.ones(3 << 20))
