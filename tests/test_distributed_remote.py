@@ -258,7 +258,9 @@ def test_one_rank_upload_failing_for_good_fails_every_rank_and_leaves_no_metadat
     assert r0["cause"] == "NoneType" and r0["local_path"] is None
     assert _names(fs, f"{bucket}/run/bad") == []  # no .metadata, and rank 0's uploaded file deleted
     assert not fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads")  # rank 1's aborted
-    good = torch.load(tmp_path / "good.pt", weights_only=True)
+    good = torch.load(tmp_path / "good.pt", weights_only=True)  # the second save to run/good
+    names = [".lazyckpt-manifest.json", ".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert _names(fs, f"{bucket}/run/good") == names  # the first save's data files were deleted
     like = {"w": torch.empty_like(good["w"]), "own0": torch.empty_like(good["own0"])}
     dcp.load(like, storage_reader=FsspecReader(f"s3://{bucket}/run/good", **options), no_dist=True)
     assert torch.equal(like["w"], good["w"]) and torch.equal(like["own0"], good["own0"])

@@ -185,7 +185,8 @@ def fsdp_round_trip(path: str, opts: dict, reader_options: dict | None = None) -
 def scenario_s3_upload_fails() -> None:
     """A committed checkpoint at run/good, then a save to run/bad whose rank 1 uploads through the
     fault proxy, which answers 500 to every PUT under run/bad/ (rank 1's file is a multipart
-    upload): both ranks fail with DistributedUploadError naming rank 1; nothing at run/bad."""
+    upload): both ranks fail with DistributedUploadError naming rank 1; nothing at run/bad. Then
+    run/good saved again with other values."""
     import lazyckpt._remote as remote
     from lazyckpt import UploadError
     from lazyckpt.distributed import DistributedUploadError
@@ -210,6 +211,8 @@ def scenario_s3_upload_fails() -> None:
             RESULT.update(ranks=list(exc.ranks), message=str(exc), cause=type(exc.__cause__).__name__)
             RESULT.update(local_path=exc.local_path, waited_s=time.monotonic() - t)
             RESULT["kept"] = sorted(os.listdir(exc.local_path)) if exc.local_path else None
+        state = {"w": torch.arange(4096.0) + 1, f"own{RANK}": own + 1}
+        ckpt.save(state, f"s3://{bucket}/run/good").wait()  # the same prefix again: replaced whole
     if RANK == 0:
         torch.save(state, os.path.join(WORKDIR, "good.pt"))
 
