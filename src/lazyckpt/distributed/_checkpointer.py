@@ -63,14 +63,14 @@ class DistributedSaveHandle(SaveHandle):
     committed on its local disk; ``done()`` / ``wait()`` once the checkpoint is committed in the
     store (every rank's file uploaded, then ``.metadata``)."""
 
-    def __init__(self, path: str, remote: bool = False) -> None:
+    def __init__(self, path: str, url: str | None = None) -> None:
         super().__init__(path)
-        self.remote = remote
+        self.url = url  # a save to a URL (as ``RemoteSaveHandle.url``); None for a local folder
         self._local: SaveHandle | None = None
 
     def local(self) -> bool:
         local = self._local
-        if not self.remote or local is None:
+        if self.url is None or local is None:
             return self.done()
         return local.done()
 
@@ -78,7 +78,7 @@ class DistributedSaveHandle(SaveHandle):
         """This rank's file committed on local disk: its stats (for a local save: ``wait()``). If
         it failed, the distributed save's error, once every rank knows it."""
         local = self._local
-        if not self.remote or local is None:
+        if self.url is None or local is None:
             return self.wait(timeout)
         if not local._wait_done(timeout):  # confirms this rank's file first
             raise TimeoutError(f"this rank's part of {self.path} not on local disk after {timeout} s")
@@ -248,7 +248,7 @@ class DistributedCheckpointer:
         final = _resolve(path)
         url = _remote.is_url(final)
         n, self._count = self._count, self._count + 1
-        handle = DistributedSaveHandle(final, remote=url)
+        handle = DistributedSaveHandle(final, url=final if url else None)
 
         def prepare() -> str:  # coordinator, inside the planning collective
             if url:
