@@ -7,14 +7,38 @@ moto unchanged. Rules match on the method and the query (``uploadId``/``partNumb
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 Match = Callable[[str, str], bool]  # (method, path with query) -> applies
+
+
+@contextlib.contextmanager
+def moto_server() -> Iterator[int]:
+    """moto's S3 server on 127.0.0.1 (a thread of this process; subprocesses reach it too): its port."""
+    import moto.server
+
+    server = moto.server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        yield server.get_host_and_port()[1]
+    finally:
+        server.stop()
+
+
+def s3_options(endpoint: str) -> dict:
+    """s3fs storage options for the test server: dummy keys, one attempt per request inside
+    botocore/s3fs (lazyckpt's own retries are what is tested)."""
+    return {
+        "key": "testing", "secret": "testing", "skip_instance_cache": True,
+        "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
+        "config_kwargs": {"retries": {"total_max_attempts": 1}},
+    }  # fmt: skip
 
 
 def is_part(method: str, path: str) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -166,3 +167,59 @@ def test_model_parallel_pending_delete_and_rank_crash(tmp_path: Any) -> None:
         step = _meta(path)["global_step"]
         assert step <= 3, (path, step)
         _load_dcp(path, tmp_path)  # stock DCP reads it
+
+
+@pytest.fixture
+def s3_dir(tmp_path: Any, monkeypatch: Any) -> Any:
+    """An s3:// prefix on moto's server; endpoint and credentials in the environment (stock
+    ModelCheckpoint and the ranks reach the bucket through fsspec's defaults)."""
+    s3fs = pytest.importorskip("s3fs")
+    from _s3server import moto_server
+
+    with moto_server() as port:
+        for name, value in (("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}"), ("AWS_ACCESS_KEY_ID", "testing"),
+                            ("AWS_SECRET_ACCESS_KEY", "testing"), ("AWS_DEFAULT_REGION", "us-east-1")):  # fmt: skip
+            monkeypatch.setenv(name, value)
+        s3fs.S3FileSystem.clear_instance_cache()
+        fs = s3fs.S3FileSystem()
+        fs.call_s3("create_bucket", Bucket="sharded")
+        monkeypatch.setenv("LAZYCKPT_TEST_S3_DIR", "s3://sharded/run")
+        yield fs
+        s3fs.S3FileSystem.clear_instance_cache()
+
+
+@pytest.mark.timeout(300)
+def test_model_parallel_model_checkpoint_to_s3(tmp_path: Any, s3_dir: Any) -> None:
+    """ModelCheckpoint(dirpath="s3://...") with ModelParallelStrategy and LazyCheckpointIO: the
+    folders ModelCheckpoint keeps (top-2 + last) are complete prefixes, the deleted ones are gone,
+    and each holds the state of its step (read by DCP's FsspecReader)."""
+    import io
+
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    procs = _start(tmp_path, "s3")
+    try:
+        codes = [p.wait(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert codes == [0, 0], _logs(tmp_path)
+    fs = s3_dir
+    fs.invalidate_cache()
+    names = sorted(os.path.basename(p) for p in fs.ls("sharded/run", detail=False))
+    assert [n.rsplit("-", 1)[-1] for n in names] == ["step=3.ckpt", "step=4.ckpt", "last.ckpt"], names  # top-2
+    dumps = torch.load(tmp_path / "dumps.pt", weights_only=False)
+    for name in names:
+        prefix = f"sharded/run/{name}"
+        # To a URL, data files carry a per-save tag (__<rank>_0.<tag>.distcp): drop it.
+        objects = sorted(re.sub(r"^(__\d_0)\..+\.distcp$", r"\1.distcp", os.path.basename(p)) for p in fs.find(prefix))
+        assert objects == sorted(STOCK_FILES | {".lazyckpt-manifest.json"}), objects  # no earlier save's files
+        assert verify_checkpoint(f"s3://{prefix}").ok
+        meta = torch.load(io.BytesIO(fs.cat(f"{prefix}/meta.pt")), weights_only=False)
+        state: dict[str, Any] = {}
+        reader = FsspecReader(f"s3://{prefix}")
+        _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+        assert_same(_sorted(state), _sorted(dumps[meta["global_step"]]), f"{name} vs the state at its step")
+    assert not fs.call_s3("list_multipart_uploads", Bucket="sharded").get("Uploads")

@@ -11,14 +11,14 @@ import textwrap
 import warnings
 
 import fsspec
-import moto.server as moto_server  # the test extra: never skipped (CI installs it through bootstrap)
+import moto.server  # noqa: F401 - the test extra: never skipped (CI installs it through bootstrap)
 import pytest
 import s3fs
 import torch
 from fsspec.implementations.memory import MemoryFileSystem
 
 import lazyckpt
-from _s3server import FaultProxy, is_part
+from _s3server import FaultProxy, is_part, moto_server, s3_options
 from _util import assert_same
 from lazyckpt import BackpressureWarning, LazyCheckpointer, UploadError
 from lazyckpt import _remote as remote
@@ -30,20 +30,11 @@ PART = 5 << 20
 
 @pytest.fixture(scope="module")
 def moto():
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield port
-    server.stop()
+    with moto_server() as port:
+        yield port
 
 
-def _options(endpoint: str) -> dict:
-    # One attempt per request inside botocore/s3fs: lazyckpt's own retries are what is tested.
-    return {
-        "key": "testing", "secret": "testing", "skip_instance_cache": True,
-        "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
-        "config_kwargs": {"retries": {"total_max_attempts": 1}},
-    }  # fmt: skip
+_options = s3_options
 
 
 @pytest.fixture

@@ -23,6 +23,12 @@ Deleting a folder (``ModelCheckpoint``'s top-k, the previous ``last``) runs on r
 folder whose save is still pending is deleted right after that save commits, on lazyckpt's
 callback thread, unless a later save to the same path comes first (it replaces the folder).
 
+``ModelCheckpoint(dirpath="s3://...")`` (any fsspec URL): the folder is a URL prefix, saved by the
+``DistributedCheckpointer`` to that URL (every rank uploads its file, rank 0 ``meta.pt`` and
+``.metadata`` last); a delete removes ``.metadata`` first, then the rest of the prefix. Stock
+Lightning cannot resume from it (its loader reads local folders only): load it with DCP's
+``FsspecReader``.
+
 Concurrency contract: ``save``, ``defer_removal``, ``wait`` and ``close`` run on the training
 thread; commit callbacks run on lazyckpt's callback thread and touch only ``_lock``-guarded state.
 """
@@ -39,6 +45,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from . import _lightning_compat as _compat
+from . import _remote
 from ._options import CheckpointerOptions
 from .errors import LazyCkptError
 
@@ -66,7 +74,7 @@ class ShardedSaves:
 
     def save(self, strategy: Any, checkpoint: dict[str, Any], filepath: Any, state_key: str) -> None:
         """What the strategy's ``save_checkpoint`` does, lazily. Collective (every rank)."""
-        path = os.path.abspath(os.fspath(strategy.broadcast(filepath)))
+        path, is_url = _compat.split_path(strategy.broadcast(filepath))
         with self._lock:
             if path in self._removals:  # this save replaces the folder: the pending delete is moot
                 self._removals[path] = False
@@ -75,7 +83,7 @@ class ShardedSaves:
         extra = None
         if strategy.global_rank == 0:
             extra = {META: _torch_save_bytes(checkpoint)}
-            if os.path.isfile(path) and not os.path.islink(path):
+            if not is_url and os.path.isfile(path) and not os.path.islink(path):
                 os.remove(path)  # as stock: a full-state file at this path gives way to the folder
         handle = self._checkpointer().save(converted, path, extra_files=extra)
         with self._lock:
@@ -123,7 +131,7 @@ class ShardedSaves:
         if not wanted:
             return
         try:
-            _remove_folder(path)
+            _remove_folder(path, self._options.storage_options)
         except OSError as exc:
             err = LazyCkptError(f"lazyckpt: deleting the old checkpoint {path} failed: {exc}")
             err.__cause__ = exc
@@ -174,7 +182,11 @@ def _torch_save_bytes(obj: Any) -> bytes:
             return fh.read()
 
 
-def _remove_folder(path: str) -> None:
+def _remove_folder(path: str, storage_options: dict[str, Any] | None = None) -> None:
+    if _remote.is_url(path):
+        fs, rpath = _remote.filesystem(path, storage_options)
+        _remote.remove_prefix(fs, rpath)
+        return
     if os.path.islink(path) or os.path.isfile(path):
         os.remove(path)
     elif os.path.isdir(path):

@@ -359,11 +359,25 @@ class RemoteTier:
             _invalidate(fs, rpath)
 
     def delete_object(self, url: str, fs: Any, rpath: str) -> None:
-        """Delete ``url`` on the calling thread if it exists (retried); ``UploadError`` on failure."""
-        _invalidate(fs, rpath)  # a listing cached before the upload must not hide it
-        if fs.exists(rpath):
-            _retry(f"delete of {url}", lambda: fs.rm(rpath, recursive=True), url, self.options)
-        _invalidate(fs, rpath)
+        """Delete ``url`` on the calling thread if it exists (retried; a prefix as a whole, see
+        ``remove_prefix``); ``UploadError`` on failure."""
+        _retry(f"delete of {url}", lambda: remove_prefix(fs, rpath), url, self.options)
+
+
+def remove_prefix(fs: Any, rpath: str) -> None:
+    """Delete the object or every object under the prefix ``rpath``, if any. A distributed
+    checkpoint's prefix loses its ``.metadata`` first (a folder checkpoint its ``.lazyckpt-complete``
+    manifest, ``_remote_folder``), so that it stops being a checkpoint before its data objects go
+    (there is no atomic delete of many objects)."""
+    _invalidate(fs, rpath)  # a listing cached before an upload must not hide it
+    if fs.isdir(rpath):
+        for name in (".metadata", ".lazyckpt-complete"):
+            marker = f"{rpath.rstrip('/')}/{name}"
+            if fs.exists(marker):
+                fs.rm(marker)
+    if fs.exists(rpath):
+        fs.rm(rpath, recursive=True)
+    _invalidate(fs, rpath)
 
 
 def _invalidate(fs: Any, rpath: str) -> None:

@@ -18,6 +18,8 @@ __all__ = [
     "VerificationError",
     "IncompleteCheckpointError",
     "DistributedSaveError",
+    "UploadError",
+    "DistributedUploadError",
 ]
 
 
@@ -112,5 +114,31 @@ class UploadError(WriteError):
     ) -> None:
         super().__init__(message, path=url, errno=errno)
         self.url = url
+        self.attempts = attempts
+        self.local_path = local_path
+
+
+class DistributedUploadError(DistributedSaveError, UploadError):
+    """A distributed save to a URL (``DistributedCheckpointer.save(state, "s3://...")``) failed
+    because a rank's upload failed (or the coordinator's upload of ``.metadata``). Raised on every
+    rank; ``ranks`` names the ranks whose upload failed. Nothing was made visible at ``url``: no
+    ``.metadata`` object was written, and the data objects uploaded were deleted (best effort).
+
+    On a rank whose own upload failed, ``__cause__`` is its ``UploadError`` and ``local_path`` its
+    local folder (kept); elsewhere ``local_path`` is None.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        url: str,
+        ranks: tuple[int, ...] = (),
+        attempts: int = 0,
+        local_path: str | None = None,
+        errno: int | None = None,
+    ) -> None:
+        WriteError.__init__(self, message, path=url, errno=errno)
+        self.url = url
+        self.ranks = ranks
         self.attempts = attempts
         self.local_path = local_path

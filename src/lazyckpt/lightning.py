@@ -39,6 +39,7 @@ from typing import Any
 
 from lazyckpt import CheckpointerOptions, LazyCheckpointer, SaveHandle, SaveStats
 from lazyckpt._options import merge as _merge_options
+from lazyckpt._remote import remove_prefix
 from lazyckpt.errors import CheckpointerClosedError, LazyCkptError, StaleTensorError
 
 from . import _lightning_compat as _compat
@@ -169,7 +170,7 @@ class LazyCheckpointIO(_CheckpointIO):
         (and before a later one); for a URL, after its upload."""
         self._attach()
         key, is_url = _compat.split_path(path)
-        if not is_url and self._sharded is not None and self._sharded.defer_removal(key):
+        if self._sharded is not None and self._sharded.defer_removal(key):
             return  # a sharded save to this folder is pending: deleted once it commits
         ckpt = self._ckpt
         if ckpt is None or ckpt.closed:
@@ -468,8 +469,7 @@ def _delete(key: str, is_url: bool) -> None:
         from fsspec.core import url_to_fs
 
         fs, remote = url_to_fs(key)
-        if fs.exists(remote):
-            fs.rm(remote, recursive=True)
+        remove_prefix(fs, remote)  # a distributed checkpoint's .metadata first
         return
     if os.path.islink(key) or os.path.isfile(key):
         os.remove(key)

@@ -131,14 +131,33 @@ def hold_staging_until_the_step() -> dict:
 def scenario_fsdp() -> None:
     """FSDP2 + AdamW: save, step at once (the guard), wait; stock dcp.load into a fresh model and
     optimizer must give the state at save() bitwise; a dump for the single-process checks."""
+    fsdp_round_trip(ckpt_path("step-2"), OPTS)
+
+
+def s3_test_config() -> tuple[str, dict, dict]:
+    """(bucket, storage options, storage options through the fault proxy) from the test process."""
+    config = json.loads(os.environ["LAZYCKPT_TEST_S3"])
+    return config["bucket"], config["options"], config["proxy_options"]
+
+
+def scenario_fsdp_s3() -> None:
+    """scenario_fsdp to s3:// (moto): every rank uploads its file, .metadata last; stock dcp.load
+    through FsspecReader on both ranks."""
+    bucket, options, _ = s3_test_config()
+    opts = dict(OPTS, storage_options=options, local_dir=os.path.join(WORKDIR, f"tier-{RANK}"))
+    fsdp_round_trip(f"s3://{bucket}/run/step-2", opts, reader_options=options)
+    RESULT["local_tier"] = sorted(os.listdir(os.path.join(WORKDIR, f"tier-{RANK}")))
+
+
+def fsdp_round_trip(path: str, opts: dict, reader_options: dict | None = None) -> None:
     model, opt = fsdp_model()
     for step in range(2):
         train_step(model, opt, step)
     dump = full_dump(model, opt)
     seen = hold_staging_until_the_step()
-    with DistributedCheckpointer(**OPTS) as ckpt:
+    with DistributedCheckpointer(**opts) as ckpt:
         msd, osd = get_state_dict(model, opt)
-        h = ckpt.save({"model": msd, "optim": osd, "step": 2}, ckpt_path("step-2"))
+        h = ckpt.save({"model": msd, "optim": osd, "step": 2}, path)
         RESULT["staged_after_save"] = h.staged()
         for step in range(2, 4):  # the first step right after save(): it waits for this rank's copies
             train_step(model, opt, step)
@@ -150,12 +169,83 @@ def scenario_fsdp() -> None:
     train_step(fresh, fresh_opt, 99)  # optimizer state exists, with other values
     msd, osd = get_state_dict(fresh, fresh_opt)
     state = {"model": msd, "optim": osd, "step": -1}
-    dcp.load(state, checkpoint_id=ckpt_path("step-2"))
+    if reader_options is None:
+        dcp.load(state, checkpoint_id=path)
+    else:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        dcp.load(state, storage_reader=FsspecReader(path, **reader_options))
     set_state_dict(fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     assert state["step"] == 2
     compare(full_dump(fresh, fresh_opt), dump, "loaded")
     if RANK == 0:
         torch.save(dump, os.path.join(WORKDIR, "dump.pt"))
+
+
+def scenario_s3_upload_fails() -> None:
+    """A committed checkpoint at run/good, then a save to run/bad whose rank 1 uploads through the
+    fault proxy, which answers 500 to every PUT under run/bad/ (rank 1's file is a multipart
+    upload): both ranks fail with DistributedUploadError naming rank 1; nothing at run/bad. Then
+    run/good saved again with other values."""
+    import lazyckpt._remote as remote
+    from lazyckpt import UploadError
+    from lazyckpt.distributed import DistributedUploadError
+
+    remote._BACKOFF_S = 0.01
+    bucket, options, proxy_options = s3_test_config()
+    opts = dict(
+        OPTS, storage_options=options if RANK == 0 else proxy_options, upload_retries=1,
+        upload_part_bytes=5 << 20, local_dir=os.path.join(WORKDIR, f"tier-{RANK}"),
+    )  # fmt: skip
+    own = torch.randn((12 << 20) // 4 if RANK == 1 else 100)  # rank 1: three 5 MiB parts
+    state = {"w": torch.arange(4096.0), f"own{RANK}": own}
+    with DistributedCheckpointer(commit_timeout=60, **opts) as ckpt:
+        ckpt.save(state, f"s3://{bucket}/run/good").wait()
+        h = ckpt.save(state, f"s3://{bucket}/run/bad")
+        t = time.monotonic()
+        try:
+            h.wait()
+            raise AssertionError("wait() should have failed")
+        except DistributedUploadError as exc:
+            assert isinstance(exc, UploadError) and isinstance(exc, DistributedSaveError)
+            RESULT.update(ranks=list(exc.ranks), message=str(exc), cause=type(exc.__cause__).__name__)
+            RESULT.update(local_path=exc.local_path, waited_s=time.monotonic() - t)
+            RESULT["kept"] = sorted(os.listdir(exc.local_path)) if exc.local_path else None
+        state = {"w": torch.arange(4096.0) + 1, f"own{RANK}": own + 1}
+        ckpt.save(state, f"s3://{bucket}/run/good").wait()  # the same prefix again: replaced whole
+    if RANK == 0:
+        torch.save(state, os.path.join(WORKDIR, "good.pt"))
+
+
+def scenario_s3_sigkill() -> None:
+    """A committed checkpoint at run/good, then a save to run/killed during which rank 1 is
+    SIGKILLed mid multipart upload (before its part 2): rank 0 fails within commit_timeout, no
+    .metadata appears at run/killed, and run/good stays intact."""
+    import lazyckpt._remote as remote
+
+    bucket, options, _ = s3_test_config()
+    opts = dict(OPTS, storage_options=options, upload_part_bytes=5 << 20, local_dir=os.path.join(WORKDIR, f"t{RANK}"))
+    state = {"w": torch.arange(4096.0), f"own{RANK}": torch.randn((12 << 20) // 4 if RANK == 1 else 100)}
+    ckpt = DistributedCheckpointer(commit_timeout=3.0, **opts)
+    ckpt.save(state, f"s3://{bucket}/run/good").wait()
+    if RANK == 1:
+        real_part = remote._S3Upload._part
+
+        def part(self, fd, upload_id, number, offset, nbytes):
+            if number == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real_part(self, fd, upload_id, number, offset, nbytes)
+
+        remote._S3Upload._part = part
+    h = ckpt.save(state, f"s3://{bucket}/run/killed")
+    t = time.monotonic()
+    try:
+        h.wait()
+        raise AssertionError("wait() should have failed")
+    except DistributedSaveError as exc:
+        RESULT.update(ranks=list(exc.ranks), message=str(exc), waited_s=time.monotonic() - t)
+    if RANK == 0:
+        torch.save(state, os.path.join(WORKDIR, "good.pt"))
 
 
 def scenario_load_fsdp() -> None:

@@ -12,6 +12,9 @@ A small GPT, FSDP2 ``fully_shard`` in ``configure_model``, ``ModelParallelStrate
   then a lazy fit in which rank 1 dies right after handing over the step-3 saves.
 
 - ``fault``: a lazy fit in which every write of rank 1 fails with ENOSPC.
+- ``s3``: a 4-step lazy fit with ``ModelCheckpoint(dirpath=$LAZYCKPT_TEST_S3_DIR)`` (an ``s3://``
+  prefix on the test's moto server, credentials and endpoint from the ``AWS_*`` environment),
+  top-2 and ``save_last``; the full state dumped at each save, as in ``fit``.
 
 Rank 0 writes what the test compares under OUT_DIR; every rank writes ``rank<r>.json``.
 """
@@ -223,9 +226,24 @@ def case_fault(out: str) -> dict[str, Any]:
     return {"raised": None}
 
 
+def case_s3(out: str) -> dict[str, Any]:
+    L.seed_everything(0, verbose=False)
+    dump = DumpAtSave()
+    topk = ModelCheckpoint(dirpath=os.environ["LAZYCKPT_TEST_S3_DIR"], every_n_train_steps=1, save_top_k=2,
+                           monitor="step", mode="max", save_last=True)  # fmt: skip
+    t = L.Trainer(accelerator="cpu", devices=2, strategy=ModelParallelStrategy(), max_steps=4,
+                  plugins=[LazyCheckpointIO(local_dir=os.path.join(out, f"tier-{os.environ['LOCAL_RANK']}"))],
+                  callbacks=[topk, dump], logger=False, enable_progress_bar=False,
+                  enable_model_summary=False)  # fmt: skip
+    t.fit(ShardedGPT())
+    if t.is_global_zero:
+        torch.save(dump.dumps, os.path.join(out, "dumps.pt"))
+    return {"best_k": sorted(os.path.basename(k) for k in topk.best_k_models)}
+
+
 def main() -> None:
     out, case = sys.argv[1], sys.argv[2]
-    report = {"fit": case_fit, "crash": case_crash, "fault": case_fault}[case](out)
+    report = {"fit": case_fit, "crash": case_crash, "fault": case_fault, "s3": case_s3}[case](out)
     report["rank"] = int(os.environ["LOCAL_RANK"])
     with open(os.path.join(out, f"rank{report['rank']}.json"), "w") as f:
         json.dump(report, f)

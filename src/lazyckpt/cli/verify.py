@@ -11,7 +11,9 @@ for its folder. Nothing from the files is executed.
 
 A URL (``s3://bucket/run/step-100.pt``, any fsspec URL) is checked by ranged reads, never
 downloaded to disk; a URL prefix (``s3://bucket/run/``) checks every checkpoint object under it
-(hidden keys, such as a lazyckpt upload's temporary key on non-S3 stores, are skipped).
+(hidden keys, such as a lazyckpt upload's temporary key on non-S3 stores, are skipped). A prefix
+holding a distributed checkpoint (``.metadata``, ``*.distcp``, the manifest) is checked as one
+folder: without ``.metadata`` (uploaded last) it is not a committed checkpoint.
 Credentials and endpoints come from the environment (``AWS_*``), or ``--storage-options JSON``.
 """
 
@@ -116,12 +118,17 @@ def check_url(url: str, storage_options: dict[str, Any] | None = None) -> list[R
                 return [Result(url, "missing", problems=["no such object"])]
             return [check_file(url, storage_options)]
         protocol = url.split("://", 1)[0]
-        found = sorted(p for p in fs.find(rpath) if _files.is_checkpoint_name(os.path.basename(p)))
+        keys = fs.find(rpath)
+        dcp = sorted({os.path.dirname(p) for p in keys if _is_dcp_object(os.path.basename(p))})
+        found = sorted(
+            p for p in keys if _files.is_checkpoint_name(os.path.basename(p)) and os.path.dirname(p) not in dcp
+        )
     except Exception as exc:  # noqa: BLE001 - one line per argument, whatever the store said
         return [Result(url, "missing", problems=[f"cannot read: {exc}"])]
-    if not found:
+    if not found and not dcp:
         return [Result(url, "directory", problems=["no checkpoint objects found under this prefix"])]
-    return [check_file(f"{protocol}://{p.lstrip('/')}", storage_options) for p in found]
+    results = [check_dcp_folder(f"{protocol}://{p.lstrip('/')}", storage_options) for p in dcp]
+    return results + [check_file(f"{protocol}://{p.lstrip('/')}", storage_options) for p in found]
 
 
 def check_file(path: str, storage_options: dict[str, Any] | None = None) -> Result:
@@ -135,16 +142,24 @@ def check_file(path: str, storage_options: dict[str, Any] | None = None) -> Resu
     return result
 
 
-def check_dcp_folder(directory: str) -> Result:
-    """A ``lazyckpt.distributed`` checkpoint folder, checked against its manifest."""
+def check_dcp_folder(directory: str, storage_options: dict[str, Any] | None = None) -> Result:
+    """A ``lazyckpt.distributed`` checkpoint folder (or URL prefix), checked against its manifest."""
     from lazyckpt.distributed import verify_checkpoint  # torch.distributed.checkpoint: only when needed
 
-    report = verify_checkpoint(directory)
+    try:
+        report = verify_checkpoint(directory, storage_options)
+    except OSError as exc:
+        return Result(directory, "dcp-folder", problems=[f"cannot read: {exc}"])
     return Result(directory, "dcp-folder", report.format, report.size, report.records, list(report.problems))
 
 
 _DCP_MANIFEST = ".lazyckpt-manifest.json"  # lazyckpt.distributed._commit.MANIFEST
 _DCP_SUFFIX = ".distcp"
+
+
+def _is_dcp_object(name: str) -> bool:
+    """An object of a distributed checkpoint at a URL (its prefix is checked as one folder)."""
+    return name in (_DCP_MANIFEST, ".metadata") or name.endswith(_DCP_SUFFIX)
 
 
 def _is_dcp_staging(name: str) -> bool:

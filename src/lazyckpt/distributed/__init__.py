@@ -12,10 +12,21 @@ ckpt.close()
 
 The folder is a ``torch.distributed.checkpoint`` checkpoint (``dcp.load`` reads it with any world
 size); ``verify_checkpoint(path)`` checks it against the sizes and CRCs recorded at save time.
+
+``path`` may be a URL (``s3://bucket/run/step-100``, any fsspec URL): every rank saves its file on
+local disk as above, uploads it in the background, and the coordinator uploads ``.metadata`` last,
+once every rank's file is in the store (``FsspecReader`` reads it; a failed upload raises
+``DistributedUploadError`` on every rank and leaves no ``.metadata``).
 """
 
-from ..errors import DistributedSaveError
+from ..errors import DistributedSaveError, DistributedUploadError
 from ._checkpointer import DistributedCheckpointer, DistributedSaveHandle
 from ._verify import verify_checkpoint
 
-__all__ = ["DistributedCheckpointer", "DistributedSaveError", "DistributedSaveHandle", "verify_checkpoint"]
+__all__ = [
+    "DistributedCheckpointer",
+    "DistributedSaveError",
+    "DistributedSaveHandle",
+    "DistributedUploadError",
+    "verify_checkpoint",
+]

@@ -22,9 +22,17 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.utils import _DistWrapper
 
-from .._handle import SaveHandle
+from .. import _remote
+from .._handle import SaveHandle, SaveStats
 from ..checkpointer import LazyCheckpointer
-from ..errors import CheckpointerClosedError, DistributedSaveError, LazyCkptError, SaveRefusedError
+from ..errors import (
+    CheckpointerClosedError,
+    DistributedSaveError,
+    DistributedUploadError,
+    LazyCkptError,
+    SaveRefusedError,
+    UploadError,
+)
 from . import _commit
 from ._commit import RankReport
 from ._core import (
@@ -39,6 +47,7 @@ from ._core import (
 )
 from ._layout import RankFileLayout
 from ._plan import PlanCache, RankPlan, plan_save, resolve
+from ._upload import RemoteFolder
 
 logger = logging.getLogger(__name__)
 
@@ -48,11 +57,34 @@ class DistributedSaveHandle(SaveHandle):
     tensors; ``wait()`` returns once the checkpoint is committed on every rank, and raises
     ``DistributedSaveError`` on every rank if any rank's part failed. Both first confirm this
     rank's file on the calling thread (see ``DistributedCheckpointer``: the commit waits for every
-    rank's confirmation)."""
+    rank's confirmation).
 
-    def __init__(self, path: str) -> None:
+    A save to a URL has one stage more: ``local()`` / ``wait_local()`` once this rank's file is
+    committed on its local disk; ``done()`` / ``wait()`` once the checkpoint is committed in the
+    store (every rank's file uploaded, then ``.metadata``)."""
+
+    def __init__(self, path: str, url: str | None = None) -> None:
         super().__init__(path)
+        self.url = url  # a save to a URL (as ``RemoteSaveHandle.url``); None for a local folder
         self._local: SaveHandle | None = None
+
+    def local(self) -> bool:
+        local = self._local
+        if self.url is None or local is None:
+            return self.done()
+        return local.done()
+
+    def wait_local(self, timeout: float | None = None) -> SaveStats:
+        """This rank's file committed on local disk: its stats (for a local save: ``wait()``). If
+        it failed, the distributed save's error, once every rank knows it."""
+        local = self._local
+        if self.url is None or local is None:
+            return self.wait(timeout)
+        if not local._wait_done(timeout):  # confirms this rank's file first
+            raise TimeoutError(f"this rank's part of {self.path} not on local disk after {timeout} s")
+        if local.exception() is not None or local.stats is None:
+            return self.wait()
+        return local.stats
 
     def staged(self) -> bool:
         local = self._local
@@ -80,6 +112,18 @@ class _Save:
     local: SaveHandle | None = None
     error: BaseException | None = None  # this rank's part failed inside save()
     extra_files: dict[str, bytes] = field(default_factory=dict)  # coordinator: written beside .metadata
+    remote: RemoteFolder | None = None  # a save to a URL: its objects and this rank's local folder
+
+
+@dataclass
+class _Outcome:
+    """Why a save failed, as every rank learns it."""
+
+    message: str
+    ranks: tuple[int, ...]
+    upload: bool = False  # a save to a URL failed because an upload failed
+    undo: bool = True  # no .metadata is visible: the objects this rank uploaded may be deleted
+    cause: BaseException | None = None  # the coordinator's own error when it failed the save itself
 
 
 class DistributedCheckpointer:
@@ -114,13 +158,29 @@ class DistributedCheckpointer:
     commit, if it had already decided to commit). Staging folders of dead saves are removed by the
     next save into the same parent folder.
 
+    URLs: ``path`` may be a URL (``s3://bucket/run/step-100``, any fsspec URL; the options
+    ``local_dir``, ``keep_local``, ``storage_options``, ``upload_*`` are ``LazyCheckpointer``'s).
+    Each rank writes its file into a folder of its own under ``local_dir`` (its node's disk) exactly
+    as above, then uploads it from the commit thread; the coordinator uploads ``.metadata`` last,
+    once every rank's file is complete in the store, so a reader (``FsspecReader``,
+    ``verify_checkpoint``) sees the whole checkpoint or no ``.metadata``; the data objects may
+    appear before it (they have names of their own per save). A previous checkpoint at the same
+    URL stays whole until the new ``.metadata`` replaces it, then its data files are deleted;
+    with ``extra_files``, which replace its own, it is hidden just before they are uploaded. A
+    failed upload fails the save on every rank with ``DistributedUploadError``, and the objects
+    uploaded are deleted. Training never waits for the
+    uploads; ``handle.local()`` says this rank's file is on local disk, ``done()`` that the
+    checkpoint is in the store.
+
     Args:
         process_group: the ranks that save together (default: the default group). Only its ranks
             are used; its backend is not (nccl is fine).
-        commit_timeout: seconds this rank waits, once its own file is durable, for the save to be
-            committed; then the save fails on every rank still waiting.
+        commit_timeout: seconds this rank waits, once its own file is durable (for a URL: uploaded),
+            for the save to be committed; then the save fails on every rank still waiting. For
+            URLs it must cover the slowest rank's upload beyond the fastest's.
         **options: ``LazyCheckpointer``'s options (``host_memory_budget``, ``writer_threads``,
-            ``fsync``, ``crc``, ...); ``on_backpressure`` must stay ``"block"``.
+            ``fsync``, ``crc``, ``local_dir``, ``storage_options``, ...); ``on_backpressure`` must
+            stay ``"block"``.
     """
 
     def __init__(
@@ -167,7 +227,7 @@ class DistributedCheckpointer:
         self, state: dict[str, Any], path: str | os.PathLike[str], *, extra_files: Mapping[str, bytes] | None = None
     ) -> DistributedSaveHandle:
         """Start saving ``state`` (what ``torch.distributed.checkpoint.save`` takes) to the folder
-        ``path``; collective. Returns at once with a handle (see the class docstring).
+        ``path`` (or URL); collective. Returns at once with a handle (see the class docstring).
 
         ``extra_files``: small files (name -> bytes) that the coordinator (rank 0 of the group)
         writes into the folder with ``.metadata``, so they appear atomically with the checkpoint
@@ -186,10 +246,13 @@ class DistributedCheckpointer:
         # waiting in the planning collective. wait() and close() raise it.
         confirm_ready()  # earlier saves whose copies are over: this thread's ops came before
         final = _resolve(path)
+        url = _remote.is_url(final)
         n, self._count = self._count, self._count + 1
-        handle = DistributedSaveHandle(final)
+        handle = DistributedSaveHandle(final, url=final if url else None)
 
         def prepare() -> str:  # coordinator, inside the planning collective
+            if url:
+                return ""  # no shared folder: every rank makes its own, on its node's disk
             if os.path.lexists(final) and not os.path.isdir(final):
                 raise SaveRefusedError(f"{final} exists and is not a folder")
             if os.path.isdir(final) and os.listdir(final) and not os.path.exists(os.path.join(final, ".metadata")):
@@ -211,6 +274,9 @@ class DistributedCheckpointer:
         with self._lock:
             self._pending.append(entry)
         try:
+            if url:
+                entry.remote = RemoteFolder.create(self._tier(), final)
+                entry.staging = entry.remote.local
             self._start_file(entry, plan)
         except BaseException as exc:  # the other ranks must learn it: report, then raise here
             if isinstance(exc, Exception) and not isinstance(exc, LazyCkptError):
@@ -277,10 +343,25 @@ class DistributedCheckpointer:
 
     # -- this rank's file ---------------------------------------------------------------------------
 
+    def _tier(self) -> _remote.RemoteTier:
+        """The inner checkpointer's remote tier (``local_dir``, part threads), made by the first save
+        to a URL. Uploads run on the commit thread: this checkpointer is closed before the
+        interpreter's shutdown (see ``_remote.before_interpreter_shutdown``), after which s3fs could
+        not upload; the hook registered here runs before the inner checkpointer's (reverse order)."""
+        first = self._inner._remote is None
+        tier = self._inner._remote_tier()
+        if first:
+            ref = weakref.ref(self)
+            _remote.before_interpreter_shutdown(lambda: _close_at_exit(ref()))
+        return tier
+
     def _start_file(self, entry: _Save, plan: RankPlan) -> None:
         tensors, byte_items = resolve(plan)
         layout = RankFileLayout(self._inner.crc)
-        entry.file = f"__{self.rank}_0.distcp"
+        # To a URL, every save's data files have names of their own: a previous checkpoint at the
+        # same prefix stays whole (its .metadata names its own files) until .metadata is replaced.
+        unique = f".{self._token[:16]}-{entry.n}" if entry.remote is not None else ""
+        entry.file = f"__{self.rank}_0{unique}.distcp"
         sources = []
         for item, data in byte_items:
             offset, length = layout.add_bytes(data)
@@ -316,7 +397,10 @@ class DistributedCheckpointer:
                     logger.exception("lazyckpt: finishing the distributed save to %s failed", entry.final)
 
     def _commit(self, entry: _Save) -> None:
+        remote = entry.remote
         report, own_error = self._own_report(entry)
+        if remote is not None and report.ok:
+            report, own_error = self._upload_own(entry, report)
         self._proto.post(entry.n, report)
         deadline = time.monotonic() + self.commit_timeout
         if self._dist.is_coordinator:
@@ -324,12 +408,15 @@ class DistributedCheckpointer:
         else:
             outcome = self._follow(entry, deadline)
             self._proto.ack(entry.n)
+        if remote is not None:
+            if outcome is not None and outcome.undo:
+                remote.remove_uploaded()
+            remote.finish_local(keep=isinstance(own_error, UploadError))
         if outcome is None:
             self._finish(entry, None)
             return
-        message, ranks = outcome
-        cause = own_error if own_error is not None and self.rank in ranks else None
-        self._finish(entry, self._error(entry, message, cause, ranks))
+        cause = outcome.cause or (own_error if own_error is not None and self.rank in outcome.ranks else None)
+        self._finish(entry, self._error(entry, outcome.message, cause, outcome.ranks, outcome.upload))
 
     def _own_report(self, entry: _Save) -> tuple[RankReport, BaseException | None]:
         """This rank's part, once its file is committed in the staging folder (which waits for the
@@ -344,9 +431,56 @@ class DistributedCheckpointer:
             exc = RuntimeError(f"lazyckpt: rank {self.rank}'s file for {entry.final} was never started")
         return RankReport(self.rank, False, error=f"{type(exc).__name__}: {exc}"), exc
 
-    def _coordinate(self, entry: _Save, deadline: float) -> tuple[str, tuple[int, ...]] | None:
+    # -- saves to URLs (``_upload.py``) -----------------------------------------------------------
+
+    def _upload_own(self, entry: _Save, report: RankReport) -> tuple[RankReport, BaseException | None]:
+        """Upload this rank's durable file (a name of its own: nothing visible changes)."""
+        remote = entry.remote
+        assert remote is not None
+        try:
+            remote.upload(entry.file)
+        except UploadError as exc:
+            exc.local_path = remote.local
+            return RankReport(self.rank, False, error=f"{type(exc).__name__}: {exc}", upload_failed=True), exc
+        return report, None
+
+    def _upload_metadata_files(self, entry: _Save) -> None:
+        """Coordinator, every rank's file in the store: the extra files and the manifest, which
+        replace a previous checkpoint's at this prefix (``.metadata`` follows, after the decision).
+        Extra files (Lightning's ``meta.pt``) belong to the checkpoint as a whole: a previous
+        checkpoint here is hidden (its ``.metadata`` deleted) before they are replaced."""
+        remote = entry.remote
+        assert remote is not None
+        if entry.extra_files:
+            remote.hide_previous()
+        for name in entry.extra_files:
+            remote.upload(name)
+        remote.upload(_commit.MANIFEST)
+
+    def _publish_remote(self, entry: _Save, reports: dict[int, RankReport]) -> _Outcome | None:
+        """Coordinator, after deciding "commit": upload ``.metadata``, which makes it a checkpoint
+        (replacing a previous one at the prefix in one PUT), then delete the previous checkpoint's
+        data files (best effort)."""
+        remote = entry.remote
+        assert remote is not None
+        try:
+            remote.upload(_commit.METADATA)
+        except UploadError as exc:
+            remote.remove_uploaded()  # .metadata first (the failed PUT may have landed), before the others learn
+            why = f"nothing was committed; rank {self.rank} (coordinator) could not upload .metadata: {exc}"
+            self._proto.set_result(entry.n, "err:" + why)
+            return _Outcome(why, (self.rank,), upload=True, cause=exc)
+        remote.remove_stale({r.file for r in reports.values()})
+        remote.abort_unfinished()  # before the result: then the others may start their next save
+        self._proto.set_result(entry.n, "ok")
+        return None
+
+    # -- the commit -------------------------------------------------------------------------------
+
+    def _coordinate(self, entry: _Save, deadline: float) -> _Outcome | None:
         """Coordinator: gather, write the metadata, decide, publish. None when committed."""
         reports, missing = self._proto.gather(entry.n, deadline)
+        own_exc: Exception | None = None
         failed = sorted(r.rank for r in reports.values() if not r.ok)
         if failed or missing:
             why = "; ".join(f"rank {r}: {reports[r].error}" for r in failed)
@@ -355,22 +489,36 @@ class DistributedCheckpointer:
                     f"rank(s) {missing} did not report a durable file within {self.commit_timeout} s "
                     "(dead, hung, or slower than commit_timeout)"
                 )
-            decided = self._proto.decide(entry.n, "abort:" + json.dumps({"ranks": failed + missing, "why": why}))
+            upload = any(reports[r].upload_failed for r in failed)
+            body = {"ranks": failed + missing, "why": why, "upload": upload}
+            if entry.remote is not None:  # before the decision: then the others may start their next save
+                entry.remote.abort_unfinished()
+            decided = self._proto.decide(entry.n, "abort:" + json.dumps(body))
         else:
             try:
                 save_id = f"{self._token}-{entry.n}"
                 _commit.write_metadata(
                     entry.staging, entry.final, save_id, entry.metadata, reports, self._inner.fsync, entry.extra_files
                 )
+                if entry.remote is not None:
+                    self._upload_metadata_files(entry)
             except Exception as exc:
+                own_exc = exc
+                if entry.remote is not None:  # shared keys touched: clean up before the others move on
+                    entry.remote.remove_uploaded()
                 why = f"rank {self.rank} (coordinator): writing the metadata failed: {exc}"
-                decided = self._proto.decide(entry.n, "abort:" + json.dumps({"ranks": [self.rank], "why": why}))
+                body = {"ranks": [self.rank], "why": why, "upload": isinstance(exc, UploadError)}
+                decided = self._proto.decide(entry.n, "abort:" + json.dumps(body))
             else:
                 decided = self._proto.decide(entry.n, "commit")
-        outcome: tuple[str, tuple[int, ...]] | None = None
+        outcome: _Outcome | None = None
         if decided != "commit":
-            shutil.rmtree(entry.staging, ignore_errors=True)
+            if entry.remote is None:
+                shutil.rmtree(entry.staging, ignore_errors=True)
             outcome = _abort_reason(decided)
+            outcome.cause = own_exc
+        elif entry.remote is not None:
+            outcome = self._publish_remote(entry, reports)
         else:
             try:
                 old = _commit.staging_path(entry.final, self._token, entry.n, old=True)
@@ -382,7 +530,7 @@ class DistributedCheckpointer:
                     shutil.rmtree(entry.staging, ignore_errors=True)
                     why = f"nothing was committed; rank {self.rank} (coordinator) could not publish the folder: {exc}"
                 self._proto.set_result(entry.n, "err:" + why)
-                outcome = why, (self.rank,)
+                outcome = _Outcome(why, (self.rank,), cause=exc)
             else:
                 self._proto.set_result(entry.n, "ok")
         # Ranks that never reported may be dead (no acknowledgment to wait for) or merely slow: they
@@ -396,7 +544,7 @@ class DistributedCheckpointer:
             logger.warning("lazyckpt: not every rank acknowledged the end of the save to %s", entry.final)
         return outcome
 
-    def _follow(self, entry: _Save, deadline: float) -> tuple[str, tuple[int, ...]] | None:
+    def _follow(self, entry: _Save, deadline: float) -> _Outcome | None:
         """Other ranks: wait for the coordinator's decision (or decide abort when it never comes)."""
         decided = self._proto.wait_value(entry.n, "outcome", deadline)
         if decided is None:
@@ -411,29 +559,45 @@ class DistributedCheckpointer:
         if result == "ok":
             return None
         if result is None:
-            return (
+            return _Outcome(
                 f"the coordinator decided to commit but did not confirm within {self.commit_timeout} s; "
                 f"{entry.final} holds either the complete new checkpoint or the previous state",
                 (0,),
+                undo=False,
             )
-        return result[len("err:") :], (0,)
+        # To a URL, publishing is uploading .metadata: its failure is an upload failure.
+        return _Outcome(result[len("err:") :], (0,), upload=entry.remote is not None)
 
     def _error(
-        self, entry: _Save, message: str, cause: BaseException | None, ranks: tuple[int, ...] = ()
+        self,
+        entry: _Save,
+        message: str,
+        cause: BaseException | None,
+        ranks: tuple[int, ...] = (),
+        upload: bool = False,
     ) -> DistributedSaveError:
-        err = DistributedSaveError(
-            f"distributed save to {entry.final} failed: {message}",
-            path=entry.final,
-            errno=getattr(cause, "errno", None),
-            ranks=ranks,
-        )
+        message = f"distributed save to {entry.final} failed: {message}"
+        errno = getattr(cause, "errno", None)
+        err: DistributedSaveError
+        if upload:
+            err = DistributedUploadError(
+                message, entry.final, ranks=ranks, attempts=getattr(cause, "attempts", 0),
+                local_path=getattr(cause, "local_path", None), errno=errno,
+            )  # fmt: skip
+        else:
+            err = DistributedSaveError(message, path=entry.final, errno=errno, ranks=ranks)
         err.__cause__ = cause
         return err
 
     def _finish(self, entry: _Save, error: BaseException | None) -> None:
         stats = None
-        if error is None and entry.local is not None and entry.local.stats is not None:
-            stats = dataclasses.replace(entry.local.stats, path=entry.final, durable_s=time.perf_counter() - entry.t0)
+        local = entry.local.stats if entry.local is not None else None
+        if error is None and local is not None:
+            stats = dataclasses.replace(local, path=entry.final, durable_s=time.perf_counter() - entry.t0)
+            remote = entry.remote
+            if remote is not None:
+                gbps = remote.upload_bytes / remote.upload_s / 1e9 if remote.upload_s > 0 else 0.0
+                stats = dataclasses.replace(stats, local_s=local.durable_s, upload_s=remote.upload_s, upload_gbps=gbps)
         with self._lock:  # a wait() that no longer finds the save pending finds its error
             if entry in self._pending:
                 self._pending.remove(entry)
@@ -442,9 +606,9 @@ class DistributedCheckpointer:
             complete_handle(self._inner, entry.handle)
 
 
-def _abort_reason(decided: str) -> tuple[str, tuple[int, ...]]:
+def _abort_reason(decided: str) -> _Outcome:
     body = json.loads(decided[len("abort:") :])
-    return "nothing was committed; " + body["why"], tuple(body["ranks"])
+    return _Outcome("nothing was committed; " + body["why"], tuple(body["ranks"]), upload=bool(body.get("upload")))
 
 
 def _extra_name(name: str) -> str:
@@ -457,8 +621,10 @@ def _resolve(path: str | os.PathLike[str]) -> str:
     if not isinstance(path, (str, os.PathLike)):
         raise SaveRefusedError(f"path must be a str or os.PathLike, got {type(path).__name__}")
     raw = os.fspath(path)
-    if isinstance(raw, bytes) or "://" in raw:
-        raise SaveRefusedError(f"{raw!r}: lazyckpt writes local (or shared-filesystem) folders only")
+    if isinstance(raw, bytes):
+        raise SaveRefusedError(f"{raw!r}: a str path or URL, not bytes")
+    if _remote.is_url(raw):
+        return raw.rstrip("/")
     return os.path.abspath(raw)
 
 
@@ -468,7 +634,13 @@ _open: weakref.WeakSet[DistributedCheckpointer] = weakref.WeakSet()
 @atexit.register
 def _drain_at_exit() -> None:
     for ckpt in list(_open):
-        try:
-            ckpt.close()
-        except Exception as exc:  # nobody left to raise to
-            logger.error("lazyckpt: a distributed checkpoint save failed before exit: %s", exc)
+        _close_at_exit(ckpt)
+
+
+def _close_at_exit(ckpt: DistributedCheckpointer | None) -> None:
+    if ckpt is None:
+        return
+    try:
+        ckpt.close()
+    except Exception as exc:  # nobody left to raise to
+        logger.error("lazyckpt: a distributed checkpoint save failed before exit: %s", exc)

@@ -105,6 +105,7 @@ class RankReport:
     crc: int | None = None
     storage_data: Any = None  # {MetadataIndex: _StorageInfo}
     error: str = ""  # "<type>: <message>" when not ok
+    upload_failed: bool = False  # a save to a URL: this rank's upload failed (not its local file)
 
 
 class StoreProtocol:
