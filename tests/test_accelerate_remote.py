@@ -100,7 +100,7 @@ def _same(got, want):
     C.assert_same(got["torch_rng"], want["torch_rng"], "torch_rng")
 
 
-def test_memory_url_same_files_as_stock_manifest_last_and_restored(tmp_path, installs, monkeypatch):
+def test_memory_url_same_files_as_stock_manifest_last_restored_and_verified(tmp_path, installs, monkeypatch, capsys):
     acc, objs, customs = make(second_model=True, custom=1)
     gen = torch.Generator().manual_seed(0)
     step(acc, objs, gen)
@@ -125,6 +125,16 @@ def test_memory_url_same_files_as_stock_manifest_last_and_restored(tmp_path, ins
     assert order[-1] == _remote_folder.MANIFEST and sorted(order[:-1]) == C.file_tree(tmp_path / "stock")
     assert not [p for p in (tmp_path / "tier" / ".uploads").rglob("*") if p.is_file()]  # removed after upload
     _same(_restore("memory://acc/run/ckpt-1", None, tmp_path, second_model=True, custom=1), want)
+
+    # lazyckpt verify: the manifest and every checkpoint file it names; without it, incomplete
+    from lazyckpt.cli import main
+
+    assert main(["verify", "memory://acc/run/"]) == 0
+    out = capsys.readouterr().out
+    assert "memory://acc/run/ckpt-1  (manifest" in out and "model.safetensors" in out and "FAIL" not in out
+    mem.rm(f"/acc/run/ckpt-1/{_remote_folder.MANIFEST}")
+    assert main(["verify", "memory://acc/run/ckpt-1"]) == 1
+    assert "manifest .lazyckpt-complete is missing" in capsys.readouterr().out
 
 
 def test_s3_round_trip_and_failed_upload_leaves_nothing_loadable(tmp_path, installs, bucket, moto):

@@ -126,3 +126,24 @@ def download(checkpointer: LazyCheckpointer, url: str, dest: str) -> list[str]:
             )
         out.append(local)
     return out
+
+
+def check(fs: Any, rpath: str, url: str) -> tuple[list[str], list[str], int]:
+    """For ``lazyckpt verify``: (problems, URLs of the files the manifest names, their total size).
+    Every named file must exist with its size; a prefix without a manifest is incomplete."""
+    try:
+        manifest = read_manifest(fs, rpath, url)
+    except IncompleteCheckpointError as exc:
+        return [str(exc)], [], 0
+    problems, urls, total = [], [], 0
+    for rel, size in sorted(manifest["files"].items()):
+        try:
+            actual = fs.info(_join(rpath, rel))["size"]
+        except FileNotFoundError:
+            problems.append(f"{rel}: named by the manifest, missing from the store")
+            continue
+        if actual != size:
+            problems.append(f"{rel}: {actual} bytes in the store, the manifest says {size}")
+        urls.append(_join(url, rel))
+        total += size
+    return problems, urls, total

@@ -13,7 +13,10 @@ A URL (``s3://bucket/run/step-100.pt``, any fsspec URL) is checked by ranged rea
 downloaded to disk; a URL prefix (``s3://bucket/run/``) checks every checkpoint object under it
 (hidden keys, such as a lazyckpt upload's temporary key on non-S3 stores, are skipped). A prefix
 holding a distributed checkpoint (``.metadata``, ``*.distcp``, the manifest) is checked as one
-folder: without ``.metadata`` (uploaded last) it is not a committed checkpoint.
+folder: without ``.metadata`` (uploaded last) it is not a committed checkpoint. A folder checkpoint
+uploaded by lazyckpt (an Accelerate ``save_state`` folder: ``.lazyckpt-complete``, uploaded last,
+names every file and its size) is checked against that manifest, and an Accelerate folder at a URL
+without one is incomplete.
 Credentials and endpoints come from the environment (``AWS_*``), or ``--storage-options JSON``.
 """
 
@@ -120,15 +123,36 @@ def check_url(url: str, storage_options: dict[str, Any] | None = None) -> list[R
         protocol = url.split("://", 1)[0]
         keys = fs.find(rpath)
         dcp = sorted({os.path.dirname(p) for p in keys if _is_dcp_object(os.path.basename(p))})
+        # folder checkpoints: a manifest, or Accelerate's per-process RNG files (then incomplete without one)
+        folders = sorted({os.path.dirname(p) for p in keys if _is_folder_object(os.path.basename(p))} - set(dcp))
         found = sorted(
-            p for p in keys if _files.is_checkpoint_name(os.path.basename(p)) and os.path.dirname(p) not in dcp
+            p
+            for p in keys
+            if _files.is_checkpoint_name(os.path.basename(p)) and os.path.dirname(p) not in (*dcp, *folders)
         )
     except Exception as exc:  # noqa: BLE001 - one line per argument, whatever the store said
         return [Result(url, "missing", problems=[f"cannot read: {exc}"])]
-    if not found and not dcp:
+    if not found and not dcp and not folders:
         return [Result(url, "directory", problems=["no checkpoint objects found under this prefix"])]
     results = [check_dcp_folder(f"{protocol}://{p.lstrip('/')}", storage_options) for p in dcp]
+    for p in folders:
+        results.extend(check_url_folder(fs, p, f"{protocol}://{p.lstrip('/')}", storage_options))
     return results + [check_file(f"{protocol}://{p.lstrip('/')}", storage_options) for p in found]
+
+
+def check_url_folder(fs: Any, rpath: str, url: str, storage_options: dict[str, Any] | None) -> list[Result]:
+    """A folder checkpoint at a URL: its manifest (every named file present, with its size), then
+    each checkpoint file it names (CRCs by ranged reads)."""
+    from lazyckpt import _remote_folder
+
+    problems, urls, total = _remote_folder.check(fs, rpath, url)
+    folder = Result(url, "folder", "manifest", total, len(urls), problems)
+    files = [check_file(u, storage_options) for u in urls if _files.is_checkpoint_name(os.path.basename(u))]
+    return [folder, *files]
+
+
+def _is_folder_object(name: str) -> bool:
+    return name == ".lazyckpt-complete" or (name.startswith("random_states_") and name.endswith(".pkl"))
 
 
 def check_file(path: str, storage_options: dict[str, Any] | None = None) -> Result:
@@ -203,7 +227,7 @@ def _line(r: Result) -> str:
         status = "NOTE"
     details = [d for d in (r.format, human_bytes(r.size) if r.size is not None else "") if d]
     if r.records is not None:
-        unit = {"accelerate-folder": "files", "dcp-folder": "items"}.get(r.kind, "records")
+        unit = {"accelerate-folder": "files", "folder": "files", "dcp-folder": "items"}.get(r.kind, "records")
         details.append(f"{r.records} {unit}")
     text = f"{status}  {r.path}" + (f"  ({', '.join(details)})" if details else "")
     messages = r.problems or r.notes
