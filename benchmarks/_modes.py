@@ -155,20 +155,23 @@ class DCPAsync(Mode):
 class WriteOnly(Mode):
     """Not a checkpointer: the disk's part of any background checkpointer, measured in place.
 
-    After each step a background thread writes as many bytes as one checkpoint from a buffer the
-    training never touches (O_DIRECT where the filesystem takes it, as lazyckpt does; otherwise
-    buffered), 64 MiB per call, then fsyncs: no copy, no CRC, no pickling, no consistency. A save
-    first waits for the previous write (one file at a time, as the storage floor assumes). Its stall
-    is the floor *measured*: the final drain plus whatever the write itself takes from the training
-    on this machine (kernel I/O work, interrupts, memory traffic), which the computed floor assumes
-    is zero. lazyckpt's stall minus this one is the engine's own cost."""
+    After each step, ``writers`` background threads (lazyckpt's writer count, so the disk sees the
+    same queue depth) write as many bytes as one checkpoint from a buffer the training never
+    touches, 64 MiB per call at their own offsets (O_DIRECT where the filesystem takes it, as
+    lazyckpt does; otherwise buffered), then one fsync: no copy, no CRC, no pickling, no
+    consistency. A save first waits for the previous write (one file at a time, as the storage
+    floor assumes). Its stall is the floor *measured*: the final drain plus whatever the write
+    itself takes from the training on this machine (kernel I/O work, interrupts, memory traffic),
+    which the computed floor assumes is zero. lazyckpt's stall minus this one is the engine's own
+    cost."""
 
     name = "write-only"
     CHUNK = 64 << 20
 
-    def __init__(self, out_dir: Path) -> None:
+    def __init__(self, out_dir: Path, writers: int = 4) -> None:
         super().__init__(out_dir)
         self.path = out_dir / "write-only.bin"
+        self.writers = max(1, writers)
         self.buf: mmap.mmap | None = None  # page-aligned, as O_DIRECT needs
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
@@ -190,10 +193,23 @@ class WriteOnly(Mode):
             except OSError:  # tmpfs and others refuse O_DIRECT
                 fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
-                view, off = memoryview(buf), 0
-                while off < nbytes:  # O_DIRECT wants lengths in whole pages: the last one is rounded up
-                    n = -(-min(self.CHUNK, nbytes - off) // 4096) * 4096
-                    off += os.write(fd, view[off : off + n])
+                view = memoryview(buf)
+                offsets = list(range(0, nbytes, self.CHUNK))
+
+                def write_some(k: int) -> None:
+                    for off in offsets[k :: self.writers]:
+                        # O_DIRECT wants lengths in whole pages: the last one is rounded up
+                        n = -(-min(self.CHUNK, nbytes - off) // 4096) * 4096
+                        done = 0
+                        while done < n:
+                            done += os.pwrite(fd, view[off + done : off + n], off + done)
+
+                threads = [threading.Thread(target=write_some, args=(k,)) for k in range(1, self.writers)]
+                for th in threads:
+                    th.start()
+                write_some(0)
+                for th in threads:
+                    th.join()
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -294,7 +310,7 @@ def make_modes(names: list[str], out_dir: Path, device: torch.device, optimizer:
         "none": lambda: Mode(out_dir),
         "torch.save": lambda: TorchSave(out_dir),
         "dcp": lambda: DCPAsync(out_dir, device),
-        "write-only": lambda: WriteOnly(out_dir),
+        "write-only": lambda: WriteOnly(out_dir, writer_threads),
         "lazyckpt": lambda: Lazy(out_dir, optimizer, writer_threads),
         "lazyckpt-bg": lambda: Lazy(out_dir, optimizer, writer_threads, background_only=True),
     }

@@ -13,13 +13,16 @@ that run the same training steps:
 * ``lazyckpt``  the same call after ``lazyckpt.accelerate.install(accelerator)`` (fsync + atomic rename)
 * ``lazyckpt-copy`` (only with ``--phases``): the same with ``LazyCheckpointer(zero_copy=False)``, which
   stages every tensor through a host copy instead of writing large ones straight from memory
+* ``lazyckpt-nofsync`` (only with ``--phases``): ``LazyCheckpointer(fsync=False, direct_io=False)``, stock's
+  durability (the page cache, no fsync; atomic renames kept): the same I/O as stock, off the training thread
 
 All phases save with automatic checkpoint naming and ``total_limit=2`` (old folders deleted), into their
 own project folder. The phases are interleaved ``--rounds`` times (none, stock, lazyckpt, none, ...) so
 machine drift hits all of them. The first ``--warmup`` steps of every phase are not timed (lazyckpt's warm-up
 saves are drained before the timed steps); lazyckpt uses one LazyCheckpointer for the whole run, so its host
-buffers stay allocated as in a long run. After each phase ``os.sync()`` flushes dirty pages, untimed, so no
-phase's writeback slows the next one (stock never fsyncs; lazyckpt has already).
+buffers stay allocated as in a long run. After each phase ``os.sync()`` flushes dirty pages, so no phase's
+writeback slows the next one (stock never fsyncs; lazyckpt has already); it is timed apart, and the last
+column counts it: the stall of a checkpoint as durable as lazyckpt's.
 
 step time of a phase in a round = (its timed steps + the time to drain lazyckpt's last pending save) / steps
 (a step = batch, forward, backward, optimizer.step, scheduler.step, zero_grad, and save_state);
@@ -102,6 +105,9 @@ def main() -> None:
     # in a long training run; install(checkpointer=...) / remove() around each phase leave it open.
     ckpt = LazyCheckpointer()
     ckpt_copy = LazyCheckpointer(zero_copy=False) if "lazyckpt-copy" in args.phases else None
+    # stock's durability: through the page cache, no fsync (atomic renames kept): the same I/O as stock, off the step
+    ckpt_nofsync = LazyCheckpointer(fsync=False, direct_io=False) if "lazyckpt-nofsync" in args.phases else None
+    by_phase = {"lazyckpt": ckpt, "lazyckpt-copy": ckpt_copy, "lazyckpt-nofsync": ckpt_nofsync}
     phases = [p.strip() for p in args.phases.split(",") if p.strip()]
     times: dict[str, list[float]] = {p: [] for p in phases}
     blocked: dict[str, list[float]] = {p: [] for p in phases}
@@ -109,6 +115,7 @@ def main() -> None:
     # work that did not overlap training is counted too
     per_round: dict[str, list[float]] = {p: [] for p in phases}
     cpu_round: dict[str, list[float]] = {p: [] for p in phases}  # process CPU seconds (all threads) per step
+    synced: dict[str, list[float]] = {p: [] for p in phases}  # seconds of the os.sync() after the phase
     for rnd in range(args.rounds):
         for phase in phases:
             folder = root / phase
@@ -117,7 +124,7 @@ def main() -> None:
             acc.project_configuration.iteration = 0
             handle = None
             if phase.startswith("lazyckpt"):
-                handle = lazyckpt.accelerate.install(acc, checkpointer=ckpt if phase == "lazyckpt" else ckpt_copy)
+                handle = lazyckpt.accelerate.install(acc, checkpointer=by_phase[phase])
             for i in range(args.warmup + args.steps):
                 if i == args.warmup:
                     if handle is not None:
@@ -138,17 +145,19 @@ def main() -> None:
             drain = time.perf_counter() - t0
             if handle is not None:
                 handle.remove()
+            t0 = time.perf_counter()
             os.sync()  # nothing of this phase spills into the next one (stock's page cache included)
+            synced[phase].append(time.perf_counter() - t0)  # what stock leaves to the kernel to write
             per_round[phase].append((sum(times[phase][-args.steps :]) + drain) / args.steps)
             cpu_round[phase].append((time.process_time() - cpu0) / args.steps)
             print(
-                f"round {rnd} {phase:9s} step {per_round[phase][-1]:.3f} s (final drain {drain:.2f} s), "
+                f"round {rnd} {phase:16s} step {per_round[phase][-1]:.3f} s (final drain {drain:.2f} s), "
                 f"cpu {cpu_round[phase][-1]:.2f} s/step",
                 flush=True,
             )
-    ckpt.close()
-    if ckpt_copy is not None:
-        ckpt_copy.close()
+    for c in by_phase.values():
+        if c is not None:
+            c.close()
 
     rows = []
     for phase in phases:
@@ -163,6 +172,15 @@ def main() -> None:
                 "stall_rounds_s": paired,
                 "save_state_call_s": statistics.median(blocked[phase]) if phase != "none" else 0.0,
                 "cpu_s_per_step": statistics.fmean(cpu_round[phase]),
+                # durable as lazyckpt's files are: the os.sync() after the phase counted too
+                "stall_synced_s": statistics.median(
+                    [
+                        a + s / args.steps - b
+                        for a, s, b in zip(
+                            per_round[phase], synced[phase], per_round.get("none", [0.0] * args.rounds), strict=True
+                        )
+                    ]  # fmt: skip
+                ),
                 "n": len(times[phase]),
             }
         )
@@ -170,18 +188,21 @@ def main() -> None:
     print()
     print(
         "| phase | step (s) | stall per checkpoint (s) | stall vs stock | stall, timed steps only (s) | vs stock "
-        "| inside save_state (s) | CPU per step (s) |"
+        "| inside save_state (s) | CPU per step (s) | stall, os.sync() after the phase counted (s) | vs stock |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        ratio = ratio2 = ""
+        ratio = ratio2 = ratio3 = ""
+        if stock and stock["stall_synced_s"] > 0 and r["phase"] != "none":
+            ratio3 = f"{r['stall_synced_s'] / stock['stall_synced_s']:.2f}x"
         if stock and stock["stall_s"] > 0 and r["phase"] != "none":
             ratio = f"{r['stall_s'] / stock['stall_s']:.2f}x"
         if stock and stock["stall_steps_s"] > 0 and r["phase"] != "none":
             ratio2 = f"{r['stall_steps_s'] / stock['stall_steps_s']:.2f}x"
         print(
             f"| {r['phase']} | {r['step_s']:.3f} | {r['stall_s']:+.3f} | {ratio} "
-            f"| {r['stall_steps_s']:+.3f} | {ratio2} | {r['save_state_call_s']:.3f} | {r['cpu_s_per_step']:.2f} |"
+            f"| {r['stall_steps_s']:+.3f} | {ratio2} | {r['save_state_call_s']:.3f} | {r['cpu_s_per_step']:.2f} "
+            f"| {r['stall_synced_s']:+.3f} | {ratio3} |"
         )
     print(
         "stall per round (s): "
