@@ -192,7 +192,10 @@ def _print_throughput(doc: dict[str, Any]) -> None:
               f"{per_ckpt:.3f} s: disk time a step cannot hide)")  # fmt: skip
         lazy = summary.get("lazyckpt")
         if lazy and lazy.get("stall_s") is not None:
-            print(f"lazyckpt's stall {lazy['stall_s']:.3f} s = floor + {lazy['stall_s'] - floor:.3f} s")
+            print(
+                f"lazyckpt's stall {lazy['stall_s']:.3f} s = floor + {lazy['stall_s'] - floor:.3f} s of engine cost "
+                "and of what the write itself takes from training here (the write-only mode measures that)"
+            )
         wo = summary.get("write-only")
         if wo and wo.get("stall_s") is not None:
             print(f"write-only (the disk's write in the background, nothing else) stalls {wo['stall_s']:.3f} s = "

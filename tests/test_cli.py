@@ -383,16 +383,16 @@ def test_bench_tiny_end_to_end(tmp_path):
               str(tmp_path / "ckpt"), "--json", str(out_json), "--plot", str(png), "--no-progress")  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     out = res.stdout
-    for mode in ("none", "torch.save", "dcp", "lazyckpt"):
+    for mode in ("none", "torch.save", "dcp", "write-only", "lazyckpt"):
         assert any(line.startswith(mode + " ") for line in out.splitlines()), out
-    assert "vs torch.save" in out and "raw disk:" in out and "of raw disk" in out
+    assert "vs torch.save" in out and "raw disk:" in out and "of raw disk" in out and "of engine cost" in out
     doc = json.loads(out_json.read_text())
-    assert doc["modes"] == ["none", "torch.save", "dcp", "lazyckpt"]
+    assert doc["modes"] == ["none", "torch.save", "dcp", "write-only", "lazyckpt"]
     for mode in doc["modes"]:
         steps = doc["timeline"][mode]["steps"]
         assert len(steps) == 2 and all(s["compute"] >= 0 and s["blocked"] >= 0 for s in steps)
     assert {w for _, _, w in doc["timeline"]["lazyckpt"]["background"]} == {"stage", "write"}
-    assert set(doc["ratios"]["lazyckpt"]) <= {"torch.save", "dcp"}
+    assert set(doc["ratios"]["lazyckpt"]) <= {"torch.save", "dcp", "write-only"}
     assert doc["summary"]["raw_write_gbps"] > 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -182,7 +182,7 @@ class LazyCheckpointer:
         t0 = time.perf_counter()
         if _remote.is_url(path):
             return self._save_url(obj, str(path), t0, format=format, metadata=metadata, before_commit=before_commit)
-        return self._save_file(obj, path, t0, format, metadata, before_commit, named_as=os.fspath(path))
+        return self._save_file(obj, path, t0, format, metadata, before_commit)
 
     def _save_file(
         self,
@@ -192,10 +192,10 @@ class LazyCheckpointer:
         format: Format,
         metadata: dict[str, str] | None,
         before_commit: Callable[[], object] | None,
-        named_as: str,
+        named_as: str | None = None,
     ) -> SaveHandle:
         """``save()`` to a local ``path``; torch names the archive's records after ``named_as``'s stem
-        (the path as given, or the URL a local copy is for)."""
+        (default: the path as given; for a URL save's local copy, the URL)."""
         self._check_open()
         _guard.confirm_ready()  # earlier saves whose copies are over: this thread's ops came before
         self._raise_unreported()
@@ -211,7 +211,7 @@ class LazyCheckpointer:
         zero_copy = self._use_zero_copy(direct, [s.device for s in planner.sources])
         # Ask the format to place what will be written straight from memory where its pages line up.
         phases = {s.key: s.data_ptr % PAGE for s in planner.sources if zero_copy and _zero_copy_candidate(s, guarded)}
-        layout = planner.plan(named_as, phases, crc=self.crc)
+        layout = planner.plan(os.fspath(path) if named_as is None else named_as, phases, crc=self.crc)
         sources, file_bytes = planner.sources, layout.file_bytes
         nbytes = sum(s.nbytes for s in sources)
         if self._should_skip(nbytes, final):

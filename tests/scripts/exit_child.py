@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 
@@ -19,5 +18,5 @@ for i in range(5):
     opt.step()
     ckpt.save({"step": i, "w": model.weight}, f"{out}/ckpt-{i}.pt")
     if mode == "sigint" and i == 4:
-        os.kill(os.getpid(), signal.SIGINT)  # KeyboardInterrupt in the training loop, saves pending
+        signal.raise_signal(signal.SIGINT)  # to this thread (os.kill may pick another): KeyboardInterrupt here
 print("LEAVING", flush=True)
