@@ -10,6 +10,9 @@ import torch
 import lazyckpt
 
 out, mode = sys.argv[1], sys.argv[2]
+# Python leaves SIGINT ignored when it starts with it ignored (a background job of a non-interactive
+# shell, as CI may run it): Ctrl-C must raise KeyboardInterrupt here whatever the parent did.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 ckpt = lazyckpt.LazyCheckpointer(host_memory_budget=1 << 20, chunk_bytes=128 << 10)
 model = torch.nn.Linear(512, 512)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
