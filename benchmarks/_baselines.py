@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from lazyckpt._fs import fsync_dir
 from lazyckpt.cli._probe import filesystem_of as _filesystem_of
+from lazyckpt.storage.fs import fsync_dir
 
 GB = 1e9
 
@@ -78,7 +78,7 @@ def disk_write_s(directory: Path, nbytes: int, reps: int = 3) -> dict[str, Any]:
 
 def crc_throughput(payload: torch.Tensor, nbytes: int = 256 << 20, reps: int = 3) -> dict[str, Any]:
     """GB/s of zlib's and ISA-L's CRC32 over the same bytes, and which one lazyckpt uses."""
-    from lazyckpt._crc import CRC_IMPL
+    from lazyckpt.formats.crc import CRC_IMPL
 
     mv = memoryview(payload.numpy()).cast("B")[: min(nbytes, payload.numel())]  # type: ignore[arg-type]
     out: dict[str, Any] = {"bytes": len(mv), "isal": None, "lazyckpt_backend": CRC_IMPL}

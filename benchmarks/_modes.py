@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from lazyckpt._fs import fsync_dir
+from lazyckpt.storage.fs import fsync_dir
 
 Span = tuple[float, float, str]
 

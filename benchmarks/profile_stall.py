@@ -100,7 +100,7 @@ class Phases:
 
 def _watch_pool(chunks: list[tuple[str, float, int]]) -> Callable[[], None]:
     """Record every host-buffer chunk the pool creates (thread, seconds, bytes); returns the undo."""
-    from lazyckpt import _pool
+    from lazyckpt.core import pool as _pool
 
     orig = _pool.HostBufferPool._new_chunk
 
@@ -143,7 +143,7 @@ def _step_timer(phases: Phases, opt_cls: type) -> Callable[[], None]:
 
 def _guard_timer(phases: Phases) -> Callable[[], None]:
     """Time the guard's wait (``Job.release_guard``: copies of live pieces and the wait for pieces in flight)."""
-    from lazyckpt import _job
+    from lazyckpt.core import job as _job
 
     orig = _job.Job.release_guard
 

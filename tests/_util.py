@@ -79,7 +79,7 @@ class WriteGate:
     def __init__(self, monkeypatch) -> None:
         import threading
 
-        from lazyckpt import _fs
+        from lazyckpt.storage import fs as _fs
 
         self.opened = threading.Event()
         self._real = _fs.pwrite_all

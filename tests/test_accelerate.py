@@ -32,8 +32,10 @@ from accelerate.utils import ProjectConfiguration  # noqa: E402
 
 import lazyckpt.accelerate as LA  # noqa: E402
 from accelerate_scripts import acc_common as C  # noqa: E402
-from lazyckpt import LazyCheckpointer, _accelerate_compat, _fs  # noqa: E402
+from lazyckpt import LazyCheckpointer  # noqa: E402
+from lazyckpt.accelerate import _compat as _accelerate_compat  # noqa: E402
 from lazyckpt.errors import WriteError  # noqa: E402
+from lazyckpt.storage import fs as _fs  # noqa: E402
 
 pytestmark = pytest.mark.integration
 

@@ -1,7 +1,7 @@
 """lazyckpt.accelerate: ``save_state("s3://...")`` / ``load_state("s3://...")`` (one process, CPU).
 
 A folder checkpoint at a URL is its files, uploaded once the local folder is complete, and a
-manifest (``.lazyckpt-complete``) uploaded last (``lazyckpt._remote_folder``). Checked against a real
+manifest (``.lazyckpt-complete``) uploaded last (``lazyckpt.commit.remote_folder``). Checked against a real
 S3 API (moto's server on 127.0.0.1, started here; faults from the proxy in ``_s3server``) and
 ``memory://``: the same files as a stock ``save_state`` to a local folder, the state at the moment of
 the call restored by ``load_state`` from the URL, and nothing loadable when an upload failed.
@@ -24,8 +24,9 @@ from fsspec.implementations.memory import MemoryFileSystem  # noqa: E402
 import lazyckpt.accelerate as LA  # noqa: E402
 from _s3server import FaultProxy  # noqa: E402
 from accelerate_scripts import acc_common as C  # noqa: E402
-from lazyckpt import _remote, _remote_folder  # noqa: E402
+from lazyckpt.commit import remote_folder as _remote_folder  # noqa: E402
 from lazyckpt.errors import IncompleteCheckpointError, SaveRefusedError, UploadError  # noqa: E402
+from lazyckpt.storage import remote as _remote  # noqa: E402
 from test_accelerate import STOCK_SAVE, make, split, step  # noqa: E402
 
 pytestmark = pytest.mark.integration

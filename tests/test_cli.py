@@ -154,8 +154,8 @@ def test_verify_accelerate_folder_complete_and_incomplete(tmp_path):
 
 
 def test_verify_and_inspect_a_folder_checkpoint_of_any_kind(tmp_path, capsys):
-    """The core's folder protocol (lazyckpt._folder): any folder with a pending marker is incomplete."""
-    from lazyckpt._folder import FolderSave
+    """The core's folder protocol (lazyckpt.commit.folder): any folder with a pending marker is incomplete."""
+    from lazyckpt.commit.folder import FolderSave
 
     folder = tmp_path / "step_10"
     fs = FolderSave(folder, tag=0, submit=lambda job: job())

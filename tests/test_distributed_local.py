@@ -90,8 +90,8 @@ def test_optimizer_owned_tensors_are_lazy_and_the_step_waits_for_them(tmp_path):
     copy pending, the step waited for it, and the checkpoint holds the weights at save()."""
     import threading
 
-    import lazyckpt._engine as engine
-    import lazyckpt._job as job_mod
+    import lazyckpt.core.engine as engine
+    import lazyckpt.core.job as job_mod
 
     model = torch.nn.Linear(64, 64)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
@@ -128,7 +128,7 @@ def test_optimizer_owned_tensors_are_lazy_and_the_step_waits_for_them(tmp_path):
 def test_in_place_change_before_the_copy_fails_the_save_typed(tmp_path):
     import threading
 
-    import lazyckpt._engine as engine
+    import lazyckpt.core.engine as engine
 
     model = torch.nn.Linear(8, 8)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
@@ -207,7 +207,7 @@ def test_an_unseen_failure_is_raised_by_wait_not_by_the_next_save(dckpt, tmp_pat
     planning collective. wait() raises it, once."""
     import errno
 
-    import lazyckpt._fs as _fs
+    import lazyckpt.storage.fs as _fs
 
     real = _fs.pwrite_all
 
@@ -271,8 +271,8 @@ def test_zero_copy_writes_large_optimizer_tensors_from_their_memory(tmp_path, mo
     import json
     import pickle
 
-    import lazyckpt._engine as engine
-    from lazyckpt._pool import PAGE
+    import lazyckpt.core.engine as engine
+    from lazyckpt.core.pool import PAGE
 
     model = torch.nn.Linear(1024, 512)  # a 2 MiB weight
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
@@ -369,7 +369,7 @@ def _record_confirmations(monkeypatch) -> list[str]:
     """Names of the threads that re-checked a save's versions once its copies were over."""
     import threading
 
-    import lazyckpt._job as job_mod
+    import lazyckpt.core.job as job_mod
 
     threads: list[str] = []
     real_verify = job_mod.Job._verify
@@ -420,7 +420,7 @@ def test_a_lazy_save_is_confirmed_on_the_training_thread_never_the_commit_thread
 def _fail_writes(monkeypatch):
     import errno
 
-    import lazyckpt._fs as _fs
+    import lazyckpt.storage.fs as _fs
 
     def enospc(fd, data, offset):
         raise OSError(errno.ENOSPC, "No space left on device (injected)")

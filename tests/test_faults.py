@@ -13,14 +13,8 @@ import pytest
 import torch
 
 from _util import assert_same
-from lazyckpt import (
-    BackpressureWarning,
-    CheckpointerClosedError,
-    LazyCheckpointer,
-    SaveRefusedError,
-    WriteError,
-    _fs,
-)
+from lazyckpt import BackpressureWarning, CheckpointerClosedError, LazyCheckpointer, SaveRefusedError, WriteError
+from lazyckpt.storage import fs as _fs
 
 PREVIOUS = {"previous": torch.arange(10)}
 
@@ -259,7 +253,7 @@ def test_close_drains_pending_saves(tmp_path):
 
 
 def test_stale_temporaries_of_dead_processes_are_cleaned(tmp_path):
-    from lazyckpt._fs import host_tag
+    from lazyckpt.storage.fs import host_tag
 
     dead = tmp_path / f".c.pt.lazyckpt-{host_tag()}-999999999-0.tmp"
     mine = tmp_path / f".c.pt.lazyckpt-{host_tag()}-{os.getpid()}-99999.tmp"

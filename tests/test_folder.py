@@ -1,4 +1,4 @@
-"""Folder checkpoints in the core (lazyckpt._folder): marker durable before any file commits, end, is_complete."""
+"""Folder checkpoints in the core (lazyckpt.commit.folder): marker durable before any file commits, end, is_complete."""
 
 from __future__ import annotations
 
@@ -13,8 +13,17 @@ import torch
 
 import lazyckpt
 from _util import WriteGate, assert_same
-from lazyckpt import IncompleteCheckpointError, LazyCheckpointer, WriteError, _folder, _fs
-from lazyckpt._folder import MARKER_PREFIX, FolderSave, is_complete, marker_is_stale, marker_owner, pending_markers
+from lazyckpt import IncompleteCheckpointError, LazyCheckpointer, WriteError
+from lazyckpt.commit import folder as _folder
+from lazyckpt.commit.folder import (
+    MARKER_PREFIX,
+    FolderSave,
+    is_complete,
+    marker_is_stale,
+    marker_owner,
+    pending_markers,
+)
+from lazyckpt.storage import fs as _fs
 
 
 @pytest.fixture

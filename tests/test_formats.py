@@ -12,7 +12,9 @@ import torch
 from safetensors.torch import load_file
 
 from _util import assert_same
-from lazyckpt import LazyCheckpointer, SaveRefusedError, _format, _torchfmt, verify
+from lazyckpt import LazyCheckpointer, SaveRefusedError, verify
+from lazyckpt.formats import base as _format
+from lazyckpt.formats import torch_zip as _torchfmt
 
 
 @pytest.mark.parametrize("crc", [True, False])

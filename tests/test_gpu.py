@@ -122,7 +122,7 @@ _SLEEP_CYCLES = 2_000_000_000  # torch.cuda._sleep spins this many GPU clock cyc
 def _delay_copy_stream(monkeypatch, cycles=_SLEEP_CYCLES):
     """Queue a long sleep on the copy stream before a job's device-to-host copies: nothing on the
     host waits for it, so anything racing the copies gets a ~1 s window for sure."""
-    from lazyckpt import _engine
+    from lazyckpt.core import engine as _engine
 
     real = _engine.Engine._copy_source
     delayed = set()

@@ -13,9 +13,10 @@ import warnings
 import pytest
 import torch
 
-from lazyckpt import LazyCheckpointer, _fs
+from lazyckpt import LazyCheckpointer
 from lazyckpt.checkpointer import BackpressureWarning
 from lazyckpt.errors import WriteError
+from lazyckpt.storage import fs as _fs
 
 
 def _state() -> dict[str, torch.Tensor]:

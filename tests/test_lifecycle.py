@@ -8,8 +8,9 @@ import threading
 import pytest
 import torch
 
-from lazyckpt import LazyCheckpointer, _fs
+from lazyckpt import LazyCheckpointer
 from lazyckpt.errors import LazyCkptError, WriteError
+from lazyckpt.storage import fs as _fs
 
 
 def _state() -> dict[str, torch.Tensor]:

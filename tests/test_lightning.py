@@ -443,7 +443,7 @@ def test_pytorch_lightning_package(tmp_path: Any) -> None:
 def test_strategy_bypass_is_reported(tmp_path: Any) -> None:
     from lightning.pytorch.strategies import FSDPStrategy
 
-    from lazyckpt._lightning_compat import bypass_reason as _bypass_reason
+    from lazyckpt.lightning._compat import bypass_reason as _bypass_reason
 
     assert "torch.distributed.checkpoint" in (_bypass_reason(FSDPStrategy(state_dict_type="sharded")) or "")
     assert _bypass_reason(FSDPStrategy(state_dict_type="full")) is None
@@ -484,8 +484,8 @@ def test_link_waits_for_a_pending_save_to_the_link_path(tmp_path, monkeypatch):
 
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from lazyckpt import _fs
-    from lazyckpt._lightning_compat import link_after_pending as _link_after_pending
+    from lazyckpt.lightning._compat import link_after_pending as _link_after_pending
+    from lazyckpt.storage import fs as _fs
 
     gate = threading.Event()
     real = _fs.pwrite_all

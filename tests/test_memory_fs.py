@@ -18,8 +18,9 @@ import torch
 
 import lazyckpt
 from _util import assert_same
-from lazyckpt import LazyCheckpointer, WriteError, _fs
+from lazyckpt import LazyCheckpointer, WriteError
 from lazyckpt.checkpointer import _usable_cpus
+from lazyckpt.storage import fs as _fs
 
 SHM = "/dev/shm"
 pytestmark = pytest.mark.skipif(

@@ -33,11 +33,11 @@ def test_accelerate_warning_is_reexported():
     assert LA.IncompleteCheckpointWarning is errors.IncompleteCheckpointWarning
 
 
-def test_commit_is_the_filesystem_module():
-    """``lazyckpt._commit`` is the old name of ``lazyckpt._fs``: the same module, so patching either works."""
-    from lazyckpt import _commit, _fs
+def test_cleanup_temporaries_is_the_filesystem_modules():
+    """``lazyckpt.cleanup_temporaries`` is ``lazyckpt.storage.fs``'s (the old alias module ``lazyckpt._commit``
+    is gone with the package layout)."""
+    from lazyckpt.storage import fs as _fs
 
-    assert _commit is _fs
     assert _fs.cleanup_temporaries is lazyckpt.cleanup_temporaries
 
 

@@ -18,7 +18,8 @@ import torch
 
 import lazyckpt
 from _util import WriteGate, assert_same
-from lazyckpt import LazyCheckpointer, WriteError, _fs, verify
+from lazyckpt import LazyCheckpointer, WriteError, verify
+from lazyckpt.storage import fs as _fs
 
 SCRIPTS = Path(__file__).parent / "scripts"
 

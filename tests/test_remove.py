@@ -13,7 +13,9 @@ import threading
 import pytest
 import torch
 
-from lazyckpt import LazyCheckpointer, _fs, _remove, cleanup_temporaries
+from lazyckpt import LazyCheckpointer, cleanup_temporaries
+from lazyckpt.core import removal as _remove
+from lazyckpt.storage import fs as _fs
 
 
 def test_file_is_gone_at_once_and_deleted_after_wait(ckpt, tmp_path):
@@ -167,7 +169,7 @@ def test_trash_of_a_killed_process_is_cleaned(tmp_path):
     cleanup_temporaries in that directory removes it (folders included)."""
     code = (
         "import os, sys, torch\n"
-        "from lazyckpt import LazyCheckpointer, _remove\n"
+        "from lazyckpt import LazyCheckpointer\nfrom lazyckpt.core import removal as _remove\n"
         "_remove._delete = lambda p: os._exit(0)\n"  # die in the background delete
         "c = LazyCheckpointer(host_memory_budget=1 << 24, chunk_bytes=1 << 20)\n"
         "d = os.path.join(sys.argv[1], 'checkpoints', 'checkpoint_0')\n"

@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from _util import assert_same
-from lazyckpt import LazyCheckpointer, _torchfmt
+from lazyckpt import LazyCheckpointer
+from lazyckpt.formats import torch_zip as _torchfmt
 
 ODD_DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16,
@@ -187,7 +188,9 @@ def test_direct_io_files_read_back(tmp_path, monkeypatch, direct_io, fmt):
     """O_DIRECT for whole pages, buffered partial pages and headers: the same file either way."""
     from safetensors.torch import load_file
 
-    from lazyckpt import _fs, _pool, verify
+    from lazyckpt import verify
+    from lazyckpt.core import pool as _pool
+    from lazyckpt.storage import fs as _fs
 
     used = []
     real = _fs.pwrite_all

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from _util import assert_same
-from lazyckpt import LazyCheckpointer, StaleTensorError, _engine, _fs
+from lazyckpt import LazyCheckpointer, StaleTensorError
+from lazyckpt.core import engine as _engine
+from lazyckpt.storage import fs as _fs
 
 _N = 4 << 20  # floats: 16 MiB, several pieces and (zero copy) several live pieces
 
@@ -321,7 +323,7 @@ def test_pinned_pool_pins_exactly_its_chunks_and_unpins_on_close(monkeypatch):
     """Pinned chunks are registered memory of exactly chunk_bytes, unregistered by close(). Before
     the fix they came from torch.empty(pin_memory=True) (rounded to a power of two by the caching
     host allocator, kept after close; on this CPU build it raised)."""
-    from lazyckpt import _pool
+    from lazyckpt.core import pool as _pool
 
     registered: dict[int, int] = {}
     unregistered: list[int] = []

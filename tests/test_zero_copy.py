@@ -20,7 +20,10 @@ import pytest
 import torch
 
 from _util import assert_same
-from lazyckpt import LazyCheckpointer, StaleTensorError, WriteError, _engine, _fs, _job, verify
+from lazyckpt import LazyCheckpointer, StaleTensorError, WriteError, verify
+from lazyckpt.core import engine as _engine
+from lazyckpt.core import job as _job
+from lazyckpt.storage import fs as _fs
 
 
 def _model_and_optimizer():
@@ -283,7 +286,7 @@ def test_ctrl_c_in_the_guard_copy_fails_the_save_without_hanging(tmp_path, monke
 
 
 def test_phase_padding_that_would_overflow_the_extra_field_falls_back(monkeypatch):
-    from lazyckpt import _torchfmt
+    from lazyckpt.formats import torch_zip as _torchfmt
 
     monkeypatch.setattr(_torchfmt, "PAGE", 1 << 16)  # 64 KiB pages: up to 65535 bytes of padding
     name = b"archive/data/" + b"9" * 19  # the data would start at 66: phase 64 needs 65534 bytes of padding

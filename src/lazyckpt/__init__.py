@@ -6,11 +6,12 @@ optimizer step waits only if those copies are not done; writer threads write fil
 ``torch.load`` / ``safetensors`` read, committed atomically.
 """
 
-from ._folder import is_complete
-from ._fs import cleanup_temporaries
-from ._handle import SaveHandle, SaveStats
-from ._options import CheckpointerOptions
-from ._verify import VerifyReport, verify
+from lazyckpt.commit.folder import is_complete
+from lazyckpt.core.handle import SaveHandle, SaveStats
+from lazyckpt.options import CheckpointerOptions
+from lazyckpt.recovery.verify import VerifyReport, verify
+from lazyckpt.storage.fs import cleanup_temporaries
+
 from .checkpointer import BackpressureWarning, LazyCheckpointer
 from .errors import (
     CheckpointerClosedError,

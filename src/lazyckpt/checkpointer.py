@@ -17,16 +17,20 @@ from typing import Any, Literal
 
 import torch
 
-from . import _format, _fs, _guard, _remote
-from ._engine import Engine, write_error
-from ._flatten import Source
-from ._handle import SaveHandle, SaveStats
-from ._job import Job
-from ._options import Backpressure, CheckpointerOptions
-from ._options import merge as merge_options
-from ._pool import PAGE, HostBufferPool
-from ._remove import RemovalFuture, Remover
-from ._report import ErrorLedger, Report, raise_first
+from lazyckpt.core import guard as _guard
+from lazyckpt.core.engine import Engine, write_error
+from lazyckpt.core.handle import SaveHandle, SaveStats
+from lazyckpt.core.job import Job
+from lazyckpt.core.pool import PAGE, HostBufferPool
+from lazyckpt.core.removal import RemovalFuture, Remover
+from lazyckpt.core.report import ErrorLedger, Report, raise_first
+from lazyckpt.formats import base as _format
+from lazyckpt.formats.flatten import Source
+from lazyckpt.options import Backpressure, CheckpointerOptions
+from lazyckpt.options import merge as merge_options
+from lazyckpt.storage import fs as _fs
+from lazyckpt.storage import remote as _remote
+
 from .errors import BackpressureWarning, CheckpointerClosedError, LazyCkptError, SaveRefusedError, WriteError
 
 logger = logging.getLogger(__name__)

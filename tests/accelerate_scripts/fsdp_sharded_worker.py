@@ -101,7 +101,7 @@ def listing(folder: str) -> list[str]:
 def hold_data_writes() -> threading.Event:
     """Hold this process's checkpoint data writes (lazyckpt's pwrite) until the event is set:
     forces the window in which stock dcp.save would have finished and a lazy save has not."""
-    import lazyckpt._fs as _fs
+    import lazyckpt.storage.fs as _fs
 
     real = _fs.pwrite_all
     release = threading.Event()
@@ -115,7 +115,7 @@ def hold_data_writes() -> threading.Event:
 
 
 def fail_data_writes() -> None:
-    import lazyckpt._fs as _fs
+    import lazyckpt.storage.fs as _fs
 
     def enospc(fd, data, offset):
         raise OSError(errno.ENOSPC, "No space left on device (injected)")

@@ -105,8 +105,8 @@ def hold_staging_until_the_step() -> dict:
     that the step must find this rank's copies pending and wait for them."""
     import threading
 
-    import lazyckpt._engine as engine
-    import lazyckpt._job as job_mod
+    import lazyckpt.core.engine as engine
+    import lazyckpt.core.job as job_mod
 
     gate, seen = threading.Event(), {}
     real_stage, real_release = engine.Engine._stage, job_mod.Job.release_guard
@@ -187,7 +187,7 @@ def scenario_s3_upload_fails() -> None:
     fault proxy, which answers 500 to every PUT under run/bad/ (rank 1's file is a multipart
     upload): both ranks fail with DistributedUploadError naming rank 1; nothing at run/bad. Then
     run/good saved again with other values."""
-    import lazyckpt._remote as remote
+    import lazyckpt.storage.remote as remote
     from lazyckpt import UploadError
     from lazyckpt.distributed import DistributedUploadError
 
@@ -221,7 +221,7 @@ def scenario_s3_sigkill() -> None:
     """A committed checkpoint at run/good, then a save to run/killed during which rank 1 is
     SIGKILLed mid multipart upload (before its part 2): rank 0 fails within commit_timeout, no
     .metadata appears at run/killed, and run/good stays intact."""
-    import lazyckpt._remote as remote
+    import lazyckpt.storage.remote as remote
 
     bucket, options, _ = s3_test_config()
     opts = dict(OPTS, storage_options=options, upload_part_bytes=5 << 20, local_dir=os.path.join(WORKDIR, f"t{RANK}"))
@@ -319,7 +319,7 @@ def scenario_uneven() -> None:
 
 def _patch_data_writes(action) -> None:
     """Make this rank's first tensor-data pwrite of a .distcp file call ``action`` instead."""
-    import lazyckpt._fs as _fs
+    import lazyckpt.storage.fs as _fs
 
     real = _fs.pwrite_all
 
@@ -423,7 +423,7 @@ def scenario_refusals() -> None:
 def scenario_slow_rank() -> None:
     """Rank 1's file is not durable within commit_timeout (its finalisation is held until the
     coordinator has decided): both ranks fail, naming rank 1; nothing appears, nothing is left."""
-    import lazyckpt._engine as engine
+    import lazyckpt.core.engine as engine
 
     store = dist.distributed_c10d._get_default_store()
     ckpt = DistributedCheckpointer(commit_timeout=1.0, **OPTS)

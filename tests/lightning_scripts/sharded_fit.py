@@ -206,8 +206,8 @@ def case_fault(out: str) -> dict[str, Any]:
     every rank once teardown has drained them."""
     import errno
 
-    from lazyckpt import _fs
     from lazyckpt.distributed import DistributedSaveError
+    from lazyckpt.storage import fs as _fs
 
     if int(os.environ["LOCAL_RANK"]) == 1:
 

@@ -6,8 +6,8 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from lazyckpt._folder import marker_is_stale, pending_markers
-from lazyckpt._fs import is_temporary
+from lazyckpt.commit.folder import marker_is_stale, pending_markers
+from lazyckpt.storage.fs import is_temporary
 
 #: File name endings treated as checkpoint files when a directory is given.
 CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors", ".pkl")

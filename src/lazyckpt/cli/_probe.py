@@ -26,7 +26,7 @@ def versions() -> dict[str, Any]:
     import torch
 
     from lazyckpt import __version__
-    from lazyckpt._crc import CRC_IMPL
+    from lazyckpt.formats.crc import CRC_IMPL
 
     out: dict[str, Any] = {"python": platform.python_version(), "lazyckpt": __version__, "torch": torch.__version__,
                            "torch_cuda": torch.version.cuda, "crc32": CRC_IMPL}  # fmt: skip
@@ -197,7 +197,7 @@ def _payload(nbytes: int) -> bytearray:
 
 def _timed_write(directory: str, buf: bytearray, threads: int, chunk: int = 16 << 20) -> float:
     """Seconds to pwrite ``buf`` into a new file with ``threads`` threads, fsync and close it."""
-    from lazyckpt._fs import temporary_path  # a name cleanup_temporaries() removes if we get killed
+    from lazyckpt.storage.fs import temporary_path  # a name cleanup_temporaries() removes if we get killed
 
     tmp = temporary_path(os.path.join(directory, "doctor-probe"))
     view, part = memoryview(buf), -(-len(buf) // threads)

@@ -111,7 +111,7 @@ def check_path(path: str) -> list[Result]:
 
 def check_url(url: str, storage_options: dict[str, Any] | None = None) -> list[Result]:
     """An object in a store (checked by ranged reads), or every checkpoint object under a prefix."""
-    from lazyckpt._remote import filesystem
+    from lazyckpt.storage.remote import filesystem
 
     try:
         fs, rpath = filesystem(url, storage_options)
@@ -143,7 +143,7 @@ def check_url(url: str, storage_options: dict[str, Any] | None = None) -> list[R
 def check_url_folder(fs: Any, rpath: str, url: str, storage_options: dict[str, Any] | None) -> list[Result]:
     """A folder checkpoint at a URL: its manifest (every named file present, with its size), then
     each checkpoint file it names (CRCs by ranged reads)."""
-    from lazyckpt import _remote_folder
+    from lazyckpt.commit import remote_folder as _remote_folder
 
     problems, urls, total = _remote_folder.check(fs, rpath, url)
     folder = Result(url, "folder", "manifest", total, len(urls), problems)

@@ -22,8 +22,9 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.utils import _DistWrapper
 
-from .. import _remote
-from .._handle import SaveHandle, SaveStats
+from lazyckpt.core.handle import SaveHandle, SaveStats
+from lazyckpt.storage import remote as _remote
+
 from ..checkpointer import LazyCheckpointer
 from ..errors import (
     CheckpointerClosedError,

@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from .._fs import fsync_dir
+from lazyckpt.storage.fs import fsync_dir
 
 logger = logging.getLogger(__name__)
 
@@ -205,7 +205,7 @@ def write_metadata(
     metadata.storage_data = storage
     metadata.storage_meta = StorageMeta(checkpoint_id=final, save_id=save_id)  # as FileSystemWriter.finish
     blob = pickle.dumps(metadata)
-    from .._crc import crc32
+    from lazyckpt.formats.crc import crc32
 
     files = {
         r.file: {"size": r.size, "crc32": r.crc, "rank": r.rank} for r in sorted(reports.values(), key=lambda r: r.rank)

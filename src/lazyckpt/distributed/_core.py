@@ -28,12 +28,14 @@ import torch
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-from .. import _fs, _guard
-from .._flatten import Source, flatten_torch
-from .._handle import SaveHandle, SaveStats
-from .._job import Job
-from .._pool import PAGE
-from .._torchfmt import storage_alignment
+from lazyckpt.core import guard as _guard
+from lazyckpt.core.handle import SaveHandle, SaveStats
+from lazyckpt.core.job import Job
+from lazyckpt.core.pool import PAGE
+from lazyckpt.formats.flatten import Source, flatten_torch
+from lazyckpt.formats.torch_zip import storage_alignment
+from lazyckpt.storage import fs as _fs
+
 from ..checkpointer import LazyCheckpointer, _zero_copy_candidate
 from ._layout import RankFileLayout
 

@@ -16,9 +16,9 @@ import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .._crc import _multmodp, _x2nmodp, crc32
-from .._pool import PAGE
-from .._torchfmt import TorchLayout, plan
+from lazyckpt.core.pool import PAGE
+from lazyckpt.formats.crc import _multmodp, _x2nmodp, crc32
+from lazyckpt.formats.torch_zip import TorchLayout, plan
 
 
 @dataclass

@@ -21,8 +21,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import _remote
-from .._remote import RemoteTier
+from lazyckpt.storage import remote as _remote
+from lazyckpt.storage.remote import RemoteTier
+
 from ._commit import METADATA
 
 _DATA_SUFFIX = ".distcp"

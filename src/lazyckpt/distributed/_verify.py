@@ -15,9 +15,10 @@ import mmap
 import os
 from typing import Any
 
-from .. import _remote
-from .._crc import crc32
-from .._verify import VerifyReport
+from lazyckpt.formats.crc import crc32
+from lazyckpt.recovery.verify import VerifyReport
+from lazyckpt.storage import remote as _remote
+
 from ._commit import MANIFEST, METADATA
 
 _BLOCK = 64 << 20

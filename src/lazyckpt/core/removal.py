@@ -22,8 +22,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 
-from . import _fs
-from ._report import Report
+from lazyckpt.core.report import Report
+from lazyckpt.storage import fs as _fs
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.serialization import location_tag, normalize_storage_type
 
-from .errors import SaveRefusedError
+from lazyckpt.errors import SaveRefusedError
 
 _PICKLE_PROTOCOL = 2  # torch.serialization.DEFAULT_PROTOCOL
 _PLAIN_TENSOR_TYPES: tuple[type, ...] = (torch.Tensor, torch.nn.Parameter)

@@ -21,11 +21,11 @@ import os
 import shutil
 from typing import TYPE_CHECKING, Any
 
-from . import _remote
-from .errors import IncompleteCheckpointError, UploadError
+from lazyckpt.errors import IncompleteCheckpointError, UploadError
+from lazyckpt.storage import remote as _remote
 
 if TYPE_CHECKING:
-    from .checkpointer import LazyCheckpointer
+    from lazyckpt.checkpointer import LazyCheckpointer
 
 MANIFEST = ".lazyckpt-complete"
 _FORMAT = "lazyckpt-folder/1"

@@ -22,10 +22,11 @@ import zipfile
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from . import _remote, _safetensorsfmt
-from ._crc import crc32
-from ._torchfmt import Record, central_directory, padded_local_header, record_at, zip64_extra
-from .errors import VerificationError
+from lazyckpt.errors import VerificationError
+from lazyckpt.formats import safetensors_file as _safetensorsfmt
+from lazyckpt.formats.crc import crc32
+from lazyckpt.formats.torch_zip import Record, central_directory, padded_local_header, record_at, zip64_extra
+from lazyckpt.storage import remote as _remote
 
 __all__ = ["VerifyReport", "verify"]
 

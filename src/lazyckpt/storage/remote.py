@@ -38,10 +38,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
-from ._handle import CallbackRunner, SaveHandle, SaveStats
-from ._options import CheckpointerOptions
-from ._report import Report
-from .errors import SaveRefusedError, UploadError
+from lazyckpt.core.handle import CallbackRunner, SaveHandle, SaveStats
+from lazyckpt.core.report import Report
+from lazyckpt.errors import SaveRefusedError, UploadError
+from lazyckpt.options import CheckpointerOptions
 
 logger = logging.getLogger(__name__)
 

@@ -15,13 +15,13 @@ from typing import Any
 
 import torch
 
-from . import _guard
-from ._crc import crc32_combine
-from ._flatten import Source
-from ._format import Layout
-from ._handle import SaveHandle, SaveStats
-from ._pool import Buffer
-from .errors import StaleTensorError
+from lazyckpt.core import guard as _guard
+from lazyckpt.core.handle import SaveHandle, SaveStats
+from lazyckpt.core.pool import Buffer
+from lazyckpt.errors import StaleTensorError
+from lazyckpt.formats.base import Layout
+from lazyckpt.formats.crc import crc32_combine
+from lazyckpt.formats.flatten import Source
 
 
 class PieceState(enum.Enum):

@@ -38,12 +38,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lazyckpt import CheckpointerOptions, LazyCheckpointer, SaveHandle, SaveStats
-from lazyckpt._options import merge as _merge_options
-from lazyckpt._remote import remove_prefix
 from lazyckpt.errors import CheckpointerClosedError, LazyCkptError, StaleTensorError
-
-from . import _lightning_compat as _compat
-from . import _lightning_sharded as _sharded
+from lazyckpt.lightning import _compat, _sharded
+from lazyckpt.options import merge as _merge_options
+from lazyckpt.storage.remote import remove_prefix
 
 __all__ = ["LazyCheckpointIO"]
 

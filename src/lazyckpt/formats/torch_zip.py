@@ -21,10 +21,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ._crc import crc32
-from ._flatten import Source, flatten_torch
-from ._pool import PAGE
-from .errors import SaveRefusedError
+from lazyckpt.core.pool import PAGE
+from lazyckpt.errors import SaveRefusedError
+from lazyckpt.formats.crc import crc32
+from lazyckpt.formats.flatten import Source, flatten_torch
 
 _U32 = 0xFFFFFFFF  # the "see zip64 extra" marker
 _ZIP64_LIMIT = _U32  # sizes/offsets from here on need zip64 fields (tests lower it)

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ._report import Report
+from lazyckpt.core.report import Report
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ class SaveHandle:
     saved tensors freely. ``wait()`` returns once the file is durable at its final path and raises
     the save's error (typed, cause chained) if it failed; an error raised here is not raised again
     by the checkpointer's ``wait()``, ``save()`` or ``close()``. A URL save's handle has one stage
-    more (``lazyckpt._remote.RemoteSaveHandle``): ``local()`` / ``wait_local()`` once the local copy
+    more (``lazyckpt.storage.remote.RemoteSaveHandle``): ``local()`` / ``wait_local()`` once the local copy
     is committed, ``done()`` / ``wait()`` once the object is complete in the store.
 
     Done-callbacks run on a lazyckpt callback thread, never on the committer, so a callback may wait

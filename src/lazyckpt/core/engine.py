@@ -18,13 +18,13 @@ from typing import Any
 
 import torch
 
-from . import _fs
-from ._crc import crc32
-from ._flatten import Source
-from ._handle import CallbackRunner
-from ._job import Job, Piece, PieceState, WriteFrom
-from ._pool import PAGE, HostBufferPool
-from .errors import WriteError
+from lazyckpt.core.handle import CallbackRunner
+from lazyckpt.core.job import Job, Piece, PieceState, WriteFrom
+from lazyckpt.core.pool import PAGE, HostBufferPool
+from lazyckpt.errors import WriteError
+from lazyckpt.formats.crc import crc32
+from lazyckpt.formats.flatten import Source
+from lazyckpt.storage import fs as _fs
 
 logger = logging.getLogger(__name__)
 

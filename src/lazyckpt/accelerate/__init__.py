@@ -31,7 +31,7 @@ How it works (checked against accelerate 1.15):
   the next real ``optimizer.step()`` (steps skipped for gradient accumulation never reach it).
 * Every process marks a folder it is saving into with a hidden ``.lazyckpt-pending-*`` file, created and
   made durable before any checkpoint file, and removed (then the folder fsynced) only once all of that
-  process's files of that save are durable: the core's folder protocol (``lazyckpt._folder.FolderSave``,
+  process's files of that save are durable: the core's folder protocol (``lazyckpt.commit.folder.FolderSave``,
   ``lazyckpt.is_complete``), with the process index as the marker's tag. A folder without such a marker
   holds exactly the files stock Accelerate writes. ``load_state`` waits for pending saves (this process's
   through their handles, other processes' by watching their markers), refuses an incomplete folder with
@@ -51,7 +51,7 @@ How it works (checked against accelerate 1.15):
   objects) are not ordered against it: after a crash right at the start of a save, a folder may hold some of
   those and no marker; it then lacks the model and optimizer files, so loading it fails loudly.
 
-Only the public lazyckpt API and the core's folder protocol (``lazyckpt._folder``) are used here; the core
+Only the public lazyckpt API and the core's folder protocol (``lazyckpt.commit.folder``) are used here; the core
 never imports accelerate.
 """
 
@@ -76,17 +76,17 @@ from typing import TYPE_CHECKING, Any
 from accelerate.utils.constants import RNG_STATE_NAME, SCALER_NAME
 from accelerate.utils.other import clean_state_dict_for_safetensors
 
-from lazyckpt import CheckpointerOptions, LazyCheckpointer, SaveHandle, _remote_folder, cleanup_temporaries
-from lazyckpt._folder import MARKER_PREFIX, FolderSave, is_complete, live_markers, pending_markers
-from lazyckpt._remote import before_interpreter_shutdown, is_url
+from lazyckpt import CheckpointerOptions, LazyCheckpointer, SaveHandle, cleanup_temporaries
+from lazyckpt.accelerate import _compat
+from lazyckpt.commit import remote_folder as _remote_folder
+from lazyckpt.commit.folder import MARKER_PREFIX, FolderSave, is_complete, live_markers, pending_markers
 from lazyckpt.errors import (
     BackpressureWarning,
     IncompleteCheckpointError,
     IncompleteCheckpointWarning,
     SaveRefusedError,
 )
-
-from . import _accelerate_compat as _compat
+from lazyckpt.storage.remote import before_interpreter_shutdown, is_url
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -105,7 +105,7 @@ __all__ = [
 logger = logging.getLogger("lazyckpt.accelerate")
 
 #: Prefix of the hidden per-process marker files that flag a folder whose lazy save is not durable yet
-#: (the core's ``lazyckpt._folder.MARKER_PREFIX``; ``pending_markers`` and ``is_complete`` are the core's too).
+#: (the core's ``lazyckpt.commit.folder.MARKER_PREFIX``; ``pending_markers`` and ``is_complete`` are the core's too).
 PENDING_MARKER_PREFIX = MARKER_PREFIX
 
 # --------------------------------------------------------------------------------------------------

@@ -45,13 +45,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import _lightning_compat as _compat
-from . import _remote
-from ._options import CheckpointerOptions
-from .errors import LazyCkptError
+from lazyckpt.errors import LazyCkptError
+from lazyckpt.lightning import _compat
+from lazyckpt.options import CheckpointerOptions
+from lazyckpt.storage import remote as _remote
 
 if TYPE_CHECKING:
-    from .distributed import DistributedCheckpointer, DistributedSaveHandle
+    from lazyckpt.distributed import DistributedCheckpointer, DistributedSaveHandle
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ class ShardedSaves:
 
     def _checkpointer(self) -> DistributedCheckpointer:
         if self._ckpt is None:
-            from .distributed import DistributedCheckpointer
+            from lazyckpt.distributed import DistributedCheckpointer
 
             options = {f.name: getattr(self._options, f.name) for f in dataclasses.fields(self._options)}
             self._ckpt = DistributedCheckpointer(**options)

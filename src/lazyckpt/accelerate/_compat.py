@@ -27,7 +27,7 @@ from accelerate.state import PartialState
 from accelerate.utils import DistributedType
 
 if TYPE_CHECKING:
-    from .accelerate import _FolderSave
+    from lazyckpt.accelerate import _FolderSave
 
 logger = logging.getLogger("lazyckpt.accelerate")
 

@@ -36,12 +36,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from . import _fs
-from .errors import IncompleteCheckpointError, WriteError
+from lazyckpt.errors import IncompleteCheckpointError, WriteError
+from lazyckpt.storage import fs as _fs
 
 if TYPE_CHECKING:
-    from ._handle import SaveHandle
-    from .checkpointer import LazyCheckpointer
+    from lazyckpt.checkpointer import LazyCheckpointer
+    from lazyckpt.core.handle import SaveHandle
 
 __all__ = [
     "MARKER_PREFIX",

@@ -20,7 +20,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 if TYPE_CHECKING:
-    from .lightning import LazyCheckpointIO
+    from lazyckpt.lightning import LazyCheckpointIO
 
 # -- which Lightning -------------------------------------------------------------------------------
 

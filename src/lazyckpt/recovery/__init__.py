@@ -1,0 +1,1 @@
+"""Reading checkpoints back: verification of files, folders and URLs."""
