@@ -19,7 +19,7 @@ import torch
 import lazyckpt
 from _util import assert_same
 from lazyckpt import LazyCheckpointer, WriteError
-from lazyckpt.checkpointer import _usable_cpus
+from lazyckpt.core.plan import usable_cpus as _usable_cpus
 from lazyckpt.storage import fs as _fs
 
 SHM = "/dev/shm"

@@ -235,10 +235,12 @@ def test_direct_io_is_chosen_by_where_the_bytes_are_not_by_the_average_size():
     """Most bytes in tensors of >= 1 MiB: direct I/O, even when many small tensors pull the average
     below 1 MiB (FSDP2 shards of a ~100M GPT on 2 ranks: 1.03 MB on average, and buffered writes
     cost them ~4x the CPU). Small checkpoints, or ones made mostly of small tensors: buffered."""
+    from lazyckpt.core.plan import use_direct_io
+
     with LazyCheckpointer() as c:
         mib = 1 << 20
-        assert c._use_direct_io([2 * mib] * 300 + [4096] * 300)  # average ~1.0 MB
-        assert not c._use_direct_io([512 << 10] * 100)  # 50 MiB, all in small tensors
-        assert not c._use_direct_io([4 * mib, 4 * mib])  # 8 MiB in all
-        assert not c._use_direct_io([20 * mib] + [512 << 10] * 50)  # less than half in large tensors
-        assert c._use_direct_io([20 * mib] + [512 << 10] * 30)
+        assert use_direct_io(c.options.direct_io, [2 * mib] * 300 + [4096] * 300)  # average ~1.0 MB
+        assert not use_direct_io(c.options.direct_io, [512 << 10] * 100)  # 50 MiB, all in small tensors
+        assert not use_direct_io(c.options.direct_io, [4 * mib, 4 * mib])  # 8 MiB in all
+        assert not use_direct_io(c.options.direct_io, [20 * mib] + [512 << 10] * 50)  # less than half in large tensors
+        assert use_direct_io(c.options.direct_io, [20 * mib] + [512 << 10] * 30)

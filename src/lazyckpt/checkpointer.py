@@ -21,7 +21,8 @@ from lazyckpt.core import guard as _guard
 from lazyckpt.core.engine import Engine, write_error
 from lazyckpt.core.handle import SaveHandle, SaveStats
 from lazyckpt.core.job import Job
-from lazyckpt.core.pool import PAGE, HostBufferPool
+from lazyckpt.core.plan import SavePlan
+from lazyckpt.core.pool import HostBufferPool
 from lazyckpt.core.removal import RemovalFuture, Remover
 from lazyckpt.core.report import ErrorLedger, Report, raise_first
 from lazyckpt.formats import base as _format
@@ -205,38 +206,19 @@ class LazyCheckpointer:
         self._raise_unreported()
         final = self._resolve(path)
         planner = _format.get(format).flatten(obj, metadata)
-        # On a memory filesystem with no core to spare, the file is written right here (see _write_in_save).
-        inline = self._write_in_save(final, [s.device for s in planner.sources])
-        # Nothing guarded: all eager. Listing the guarded storages walks every tracked optimizer's
-        # tensors: skipped for saves without tensor data (Accelerate's scheduler.bin, sampler.bin).
-        eager_only = self.capture_in_save or inline or not any(s.nbytes for s in planner.sources)
-        guarded = set() if eager_only else _guard.guarded_storages()
-        direct = not inline and self._use_direct_io([s.nbytes for s in planner.sources])
-        zero_copy = self._use_zero_copy(direct, [s.device for s in planner.sources])
-        # Ask the format to place what will be written straight from memory where its pages line up.
-        phases = {s.key: s.data_ptr % PAGE for s in planner.sources if zero_copy and _zero_copy_candidate(s, guarded)}
-        layout = planner.plan(os.fspath(path) if named_as is None else named_as, phases, crc=self.crc)
+        plan = SavePlan.decide(self.options, planner.sources, final)
+        layout = planner.plan(os.fspath(path) if named_as is None else named_as, plan.phases, crc=self.crc)
         sources, file_bytes = planner.sources, layout.file_bytes
         nbytes = sum(s.nbytes for s in sources)
         if self._should_skip(nbytes, final):
             return self._skipped(final, nbytes, t0)
-        lazy: list[Source] = []
-        eager: list[Source] = []
-        for src in sources:  # empty storages need neither
-            if src.nbytes:
-                (lazy if src.storage_ptr in guarded else eager).append(src)
-            # Straight from the tensor's memory when its whole pages can go through O_DIRECT from
-            # there: a torch file is laid out for it (phases above); safetensors only by chance.
-            src.live = (
-                zero_copy and _zero_copy_candidate(src, guarded)
-                and (src.data_ptr - src.file_offset) % PAGE == 0
-            )  # fmt: skip
+        lazy, eager = plan.split(sources)
         job = Job(
             path=final, tmp=_fs.temporary_path(final), fmt=format, sources=sources, lazy=lazy,
             layout=layout, file_bytes=file_bytes, crc=self.crc, fsync=self.fsync,
             wait_in_closure=self.wait_in_closure, t0=t0, before_commit=before_commit,
         )  # fmt: skip
-        self._start(job, eager, direct, inline)
+        self.run_job(job, eager, plan.direct, plan.inline)
         job.t_returned = time.perf_counter()
         return job.handle
 
@@ -472,38 +454,9 @@ class LazyCheckpointer:
             _fs.cleanup_temporaries(directory)
         return final
 
-    def _use_direct_io(self, sizes: list[int]) -> bool:
-        if self.direct_io is not None:
-            return self.direct_io
-        # Direct I/O when most bytes are in tensors of 1 MiB or more (smaller pieces are written
-        # buffered anyway). An average-size rule failed FSDP2 shards of a ~100M GPT on 2 ranks
-        # (0.61 GB in 593 tensors: 1.03 MB on average), whose buffered writes then cost ~4x the CPU.
-        nbytes = sum(sizes)
-        large = sum(n for n in sizes if n >= 1 << 20)
-        return nbytes >= 16 << 20 and 2 * large >= nbytes
-
-    def _use_zero_copy(self, direct: bool, devices: list[torch.device]) -> bool:
-        """Saves that also hold CUDA tensors stage everything: the guard's host-side wait for live
-        pieces would otherwise also wait for the device-to-host copies, which it need not do."""
-        return direct and self.zero_copy and all(d.type != "cuda" for d in devices)
-
-    def _write_in_save(self, final: str, devices: list[torch.device]) -> bool:
-        """Whether ``save()`` writes the file itself instead of handing it to the background threads:
-        when the file goes to a memory filesystem (tmpfs, ramfs) and training uses every core.
-
-        There a write is a memory copy, the same work on any thread; on a background thread it
-        takes a core from the training's intra-op threads, which all wait at the end of each
-        parallel op for the one that lost its core, so it cost the training more than the copy
-        (measured: lazyckpt's stall on /dev/shm 1.15x torch.save's, issue 15). Written here, once,
-        straight from the tensors (no staging copy), it costs what torch.save's copy costs and no
-        more; with a core to spare (``torch.get_num_threads()`` below the usable CPUs, as in GPU
-        training) the background overlap is free and kept. CPU tensors only."""
-        if any(d.type != "cpu" for d in devices) or not _fs.is_memory_filesystem(os.path.dirname(final)):
-            return False
-        return torch.get_num_threads() >= _usable_cpus()
-
-    def _start(self, job: Job, eager: list[Source], direct: bool, inline: bool = False) -> None:
-        """Capture unguarded tensors (``inline``: write them), hand the job to the engine. The
+    def run_job(self, job: Job, eager: list[Source], direct: bool, inline: bool = False) -> None:
+        """Internal API (the distributed checkpointer's rank files use it too): capture unguarded
+        tensors (``inline``: write them), register the job with the guard, hand it to the engine. The
         temporary file is created by the first writer that needs it (``Engine.open``): creating and
         fallocating it can wait 0.1-0.4 s on the filesystem's journal while the previous checkpoint
         is being written; on a memory filesystem (no journal) it is created here."""
@@ -625,25 +578,6 @@ class _QueuedRemoval:
 
 def _left(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
-
-
-def _usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
-
-
-_ZERO_COPY_MIN = 1 << 20  # below this, a tensor's two partial pages would be most of it
-
-
-def _zero_copy_candidate(src: Source, guarded: set[int]) -> bool:
-    """A CPU tensor an optimizer owns (so it changes only in a step the guard holds back), large,
-    and 64-byte aligned like every CPU allocation of torch's (its file offset must be too)."""
-    return (
-        src.device.type == "cpu" and src.storage_ptr in guarded
-        and src.nbytes >= _ZERO_COPY_MIN and src.data_ptr % 64 == 0
-    )  # fmt: skip
 
 
 _open_checkpointers: weakref.WeakSet[LazyCheckpointer] = weakref.WeakSet()

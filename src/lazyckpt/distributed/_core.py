@@ -31,12 +31,12 @@ from torch.utils.hooks import RemovableHandle
 from lazyckpt.core import guard as _guard
 from lazyckpt.core.handle import SaveHandle, SaveStats
 from lazyckpt.core.job import Job
-from lazyckpt.core.pool import PAGE
+from lazyckpt.core.plan import SavePlan
 from lazyckpt.formats.flatten import Source, flatten_torch
 from lazyckpt.formats.torch_zip import storage_alignment
 from lazyckpt.storage import fs as _fs
 
-from ..checkpointer import LazyCheckpointer, _zero_copy_candidate
+from ..checkpointer import LazyCheckpointer
 from ._layout import RankFileLayout
 
 
@@ -68,31 +68,29 @@ class RankFile:
 
     def __init__(self, ckpt: LazyCheckpointer, tensors: list[tuple[str, str, torch.Tensor]]) -> None:
         self.ckpt = ckpt
-        self.guarded = _guard.guarded_storages()
         self.sources: list[Source] = []
         for key, name, t in tensors:
             nbytes = t.numel() * t.element_size()
             flat = t.reshape(-1).view(torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
             self.sources.append(Source(key, flat, nbytes, [(name, t, t._version)]))
-        self.direct = ckpt._use_direct_io([s.nbytes for s in self.sources])
-        zero_copy = ckpt._use_zero_copy(self.direct, [s.device for s in self.sources])
-        self.phases: dict[str, int] = {}
-        if zero_copy and 64 % storage_alignment() == 0:
-            self.phases = {s.key: s.data_ptr % PAGE for s in self.sources if _zero_copy_candidate(s, self.guarded)}
+        # Rank files are never written inside save(): their folder is committed by the coordinator.
+        self.plan = SavePlan.decide(ckpt.options, self.sources, "", allow_inline=False, capture_in_save=False)
+        if 64 % storage_alignment() != 0:  # the layout cannot honour page phases: no zero copy
+            self.plan.phases = {}
+            self.plan.zero_copy = False
+        self.phases = self.plan.phases
 
     def start(self, path: str, layout: RankFileLayout, t0: float) -> SaveHandle:
         """Start writing ``path`` (atomically, through a temporary name beside it)."""
         for src in self.sources:
             src.file_offset = layout.data_offset(src.key)
-            src.live = src.key in self.phases and (src.data_ptr - src.file_offset) % PAGE == 0
-        lazy = [s for s in self.sources if s.nbytes and s.storage_ptr in self.guarded]
-        eager = [s for s in self.sources if s.nbytes and s.storage_ptr not in self.guarded]
+        lazy, eager = self.plan.split(self.sources)
         job = Job(
             path=path, tmp=_fs.temporary_path(path), fmt="torch", sources=self.sources, lazy=lazy,
             layout=layout, file_bytes=layout.file_bytes, crc=self.ckpt.crc, fsync=self.ckpt.fsync,
             wait_in_closure=self.ckpt.wait_in_closure, t0=t0,
         )  # fmt: skip
-        self.ckpt._start(job, eager, self.direct)
+        self.ckpt.run_job(job, eager, self.plan.direct)
         job.t_returned = time.perf_counter()
         return job.handle
 
