@@ -31,9 +31,9 @@ def _no_leaked_threads():
     yield
     leaked = [t.name for t in threading.enumerate() if t.name.startswith("lazyckpt-")]
     if leaked:
-        from lazyckpt.checkpointer import _open_checkpointers
+        from lazyckpt.core import exit as _exit
 
-        for c in list(_open_checkpointers):
+        for c in _exit.registered(_exit.CORE):
             try:
                 c.close()
             except Exception:

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import atexit
 import errno
 import logging
 import os
 import threading
 import time
 import warnings
-import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -17,6 +15,7 @@ from typing import Any, Literal
 
 import torch
 
+from lazyckpt.core import exit as _exit
 from lazyckpt.core import guard as _guard
 from lazyckpt.core.engine import Engine, write_error
 from lazyckpt.core.handle import SaveHandle, SaveStats
@@ -155,7 +154,7 @@ class LazyCheckpointer:
         self._engine = Engine(self.pool, options.writer_threads, self._job_done)
         self._remover = Remover(on_failed=self._errors.publish)
         self._remote: _remote.RemoteTier | None = None  # URL saves: started by the first one
-        _open_checkpointers.add(self)
+        _exit.register(self, _close_at_exit, layer=_exit.CORE)
 
     # -- public API -------------------------------------------------------------------------------
 
@@ -363,7 +362,7 @@ class LazyCheckpointer:
                 self._remote.close()
             self._remover.stop()
             self.pool.close()
-            _open_checkpointers.discard(self)
+            _exit.unregister(self)
         self._raise_unreported()
 
     def __enter__(self) -> LazyCheckpointer:
@@ -388,8 +387,7 @@ class LazyCheckpointer:
         with self._lock:
             if self._remote is None:
                 self._remote = _remote.RemoteTier(self.options, self._errors.publish, self._engine.callbacks)
-                ref = weakref.ref(self)
-                _remote.before_interpreter_shutdown(lambda: _close_at_exit(ref()))
+                _exit.register(self, _close_at_exit, layer=_exit.CORE, early=True)  # uploads: see core/exit.py
             return self._remote
 
     def _save_url(self, obj: Any, url: str, t0: float, **kwargs: Any) -> SaveHandle:
@@ -580,24 +578,9 @@ def _left(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
-_open_checkpointers: weakref.WeakSet[LazyCheckpointer] = weakref.WeakSet()
-# A forked child has none of the parent's lazyckpt threads: draining its copies at exit would hang.
-os.register_at_fork(after_in_child=_open_checkpointers.clear)
-
-
-@atexit.register
-def _drain_at_exit() -> None:
+def _close_at_exit(ckpt: LazyCheckpointer) -> None:
     """Interpreter exit (Fabric never calls teardown): finish what was saved, say what failed."""
-    for ckpt in list(_open_checkpointers):
-        try:
-            ckpt.close()
-        except Exception as exc:  # nobody left to raise to
-            logger.error("lazyckpt: a checkpoint save failed before exit: %s", exc)
-
-
-def _close_at_exit(ckpt: LazyCheckpointer | None) -> None:
-    """A checkpointer with uploads, at interpreter shutdown (before ``atexit``: see ``_remote``)."""
-    if ckpt is None or ckpt.closed:
+    if ckpt.closed:
         return
     try:
         ckpt.close()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import json
 import logging
@@ -12,7 +11,6 @@ import shutil
 import threading
 import time
 import uuid
-import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -22,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.utils import _DistWrapper
 
+from lazyckpt.core import exit as _exit
 from lazyckpt.core.handle import SaveHandle, SaveStats
 from lazyckpt.storage import remote as _remote
 
@@ -218,7 +217,7 @@ class DistributedCheckpointer:
         self._queue: queue.SimpleQueue[_Save | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._commit_loop, name="lazyckpt-dist-commit", daemon=True)
         self._thread.start()
-        _open.add(self)
+        _exit.register(self, _close_at_exit, layer=_exit.DISTRIBUTED)
 
     @property
     def closed(self) -> bool:
@@ -321,7 +320,7 @@ class DistributedCheckpointer:
             self._closed = True
             self._queue.put(None)
             self._thread.join()
-            _open.discard(self)
+            _exit.unregister(self)
             with _commit._live_lock:
                 _commit.live_tokens.discard(self._token)
             try:
@@ -352,8 +351,7 @@ class DistributedCheckpointer:
         first = self._inner._remote is None
         tier = self._inner._remote_tier()
         if first:
-            ref = weakref.ref(self)
-            _remote.before_interpreter_shutdown(lambda: _close_at_exit(ref()))
+            _exit.register(self, _close_at_exit, layer=_exit.DISTRIBUTED, early=True)
         return tier
 
     def _start_file(self, entry: _Save, plan: RankPlan) -> None:
@@ -629,18 +627,7 @@ def _resolve(path: str | os.PathLike[str]) -> str:
     return os.path.abspath(raw)
 
 
-_open: weakref.WeakSet[DistributedCheckpointer] = weakref.WeakSet()
-
-
-@atexit.register
-def _drain_at_exit() -> None:
-    for ckpt in list(_open):
-        _close_at_exit(ckpt)
-
-
-def _close_at_exit(ckpt: DistributedCheckpointer | None) -> None:
-    if ckpt is None:
-        return
+def _close_at_exit(ckpt: DistributedCheckpointer) -> None:
     try:
         ckpt.close()
     except Exception as exc:  # nobody left to raise to
