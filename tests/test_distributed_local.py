@@ -217,7 +217,7 @@ def test_an_unseen_failure_is_raised_by_wait_not_by_the_next_save(dckpt, tmp_pat
     monkeypatch.setattr(_fs, "pwrite_all", enospc)
     h1 = dckpt.save({"w": torch.ones(1024)}, tmp_path / "a")
     h1.wait_staged()
-    assert h1._done.wait(10)  # the commit thread has decided
+    assert h1.wait_finished(10)  # the commit thread has decided
     monkeypatch.setattr(_fs, "pwrite_all", real)
     h2 = dckpt.save({"w": torch.ones(1024)}, tmp_path / "b")  # does not raise h1's error
     with pytest.raises(DistributedSaveError, match="No space left") as info:
@@ -394,7 +394,7 @@ def test_a_lazy_save_is_confirmed_on_the_training_thread_never_the_commit_thread
     c = DistributedCheckpointer(host_memory_budget=4 << 20, chunk_bytes=1 << 20, commit_timeout=30)
     try:
         h = c.save({"model": model.state_dict()}, tmp_path / "c")
-        job = h._local._confirm.__self__  # the rank file's core job (a bound Job method)
+        job = h._local._o.confirm.__self__  # the rank file's core job (its bound confirmation hook)
         assert job.lazy and job.read_done.wait(10)  # copies over: only a confirmation is missing
         assert not h.done()
         if entry == "handle.wait":
@@ -405,10 +405,10 @@ def test_a_lazy_save_is_confirmed_on_the_training_thread_never_the_commit_thread
             c.close()
         elif entry == "wait_staged":
             c.wait_staged(timeout=20)
-            h._done.wait(20)  # not a confirming wait: wait_staged() did it
+            h.wait_finished(20)  # not a confirming wait: wait_staged() did it
         else:
             c.save({"w": torch.ones(2)}, tmp_path / "d")
-            h._done.wait(20)
+            h.wait_finished(20)
         assert h.done() and h.exception() is None
     finally:
         if not c.closed:

@@ -106,7 +106,7 @@ def test_zero_byte_write_is_an_error(ckpt, tmp_path, monkeypatch):
 def test_unobserved_error_surfaces_from_next_save(ckpt, tmp_path, monkeypatch):
     heal = _failing_pwrite(monkeypatch, OSError(errno.ENOSPC, "full"))
     h = ckpt.save(_state(), tmp_path / "a.pt")
-    h._done.wait()  # wait for the failure without observing it (as a user who never calls h.wait())
+    h.wait_finished()  # wait for the failure without observing it (as a user who never calls h.wait())
     heal()
     with pytest.raises(WriteError):
         ckpt.save(_state(), tmp_path / "b.pt")

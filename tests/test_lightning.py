@@ -30,6 +30,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger  # noqa: E402
 from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 
 from lazyckpt import CheckpointerOptions, LazyCheckpointer, SaveHandle  # noqa: E402
+from lazyckpt.core.handle import Completion  # noqa: E402
 from lazyckpt.errors import LazyCkptError, WriteError  # noqa: E402
 from lazyckpt.lightning import LazyCheckpointIO  # noqa: E402
 from lightning_scripts.tiny_gpt import (  # noqa: E402
@@ -218,15 +219,15 @@ class FailingCheckpointer(LazyCheckpointer):
 
     def save(self, obj: Any, path: Any, format: str = "torch", metadata: Any = None) -> SaveHandle:
         real = super().save(obj, os.fspath(path) + ".real", format)
-        fake = SaveHandle(os.path.abspath(os.fspath(path)))
+        fake = Completion(os.path.abspath(os.fspath(path)))
 
         def fail(_h: SaveHandle) -> None:
-            err = WriteError("injected disk failure", path=fake.path)
+            err = WriteError("injected disk failure", path=fake.handle.path)
             self.add_error(err)  # as the core publishes a failed save's error, before its handle is done
-            fake._finish(None, err)
+            fake.finish(None, err)
 
         real.add_done_callback(fail)
-        return fake
+        return fake.handle
 
 
 def test_background_error_reaches_fit(tmp_path: Any) -> None:

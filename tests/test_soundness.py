@@ -68,7 +68,7 @@ def test_in_place_op_straddling_the_end_of_the_copy_never_commits_a_torn_file(tm
             c.track(opt)
             want = p.detach().clone()
             h = c.save({"p": p}, tmp_path / f"c{i}.pt")
-            done = threading.Thread(target=lambda h=h, finish=finish: (h._staged.wait(30), finish.set()))
+            done = threading.Thread(target=lambda h=h, finish=finish: (h._o.staged.wait(30), finish.set()))
             done.start()  # "the kernel" ends once every reader is through, checks included
             _straddling_mul_(p, inside, finish)
             done.join()
@@ -132,7 +132,7 @@ def test_step_after_copies_finished_is_not_reported_stale(tmp_path):
     with LazyCheckpointer() as c:
         c.track(opt)
         h = c.save({"p": p}, tmp_path / "c.pt")
-        h._staged.wait(30)  # staged, not yet confirmed
+        h._o.staged.wait(30)  # staged, not yet confirmed
         p.grad = torch.ones_like(p)
         opt.step()
         h.wait()

@@ -18,7 +18,7 @@ import torch
 from lazyckpt.core import exit as _exit
 from lazyckpt.core import guard as _guard
 from lazyckpt.core.engine import Engine, write_error
-from lazyckpt.core.handle import SaveHandle, SaveStats
+from lazyckpt.core.handle import CallbackRunner, Completion, SaveHandle, SaveStats
 from lazyckpt.core.job import Job
 from lazyckpt.core.plan import SavePlan
 from lazyckpt.core.pool import HostBufferPool
@@ -229,7 +229,7 @@ class LazyCheckpointer:
             jobs = list(self._jobs)
         deadline = None if timeout is None else time.monotonic() + timeout
         for job in jobs:
-            if not job.handle._wait_done(_left(deadline)):
+            if not job.handle.wait_done(_left(deadline)):
                 raise TimeoutError(f"pending saves not durable after {timeout} s")
         try:
             self._remover.wait(_left(deadline))
@@ -238,6 +238,16 @@ class LazyCheckpointer:
         if self._remote is not None and not self._remote.wait(_left(deadline)):
             raise TimeoutError(f"pending uploads not done after {timeout} s")
         self._raise_unreported()
+
+    def publish(self, report: Report) -> None:
+        """Internal API (saves made on this checkpointer's behalf: the distributed commit): put a
+        failed save's report on this checkpointer's ledger, to be claimed once."""
+        self._errors.publish(report)
+
+    @property
+    def callbacks(self) -> CallbackRunner:
+        """Internal API: the thread that runs this checkpointer's done-callbacks."""
+        return self._engine.callbacks
 
     def raise_errors(self) -> None:
         """Raise the oldest background error nobody has seen yet (a failed save or removal, or one
@@ -351,7 +361,7 @@ class LazyCheckpointer:
             with self._lock:
                 jobs = list(self._jobs)
             for job in jobs:
-                job.handle._wait_done()
+                job.handle.wait_done()
             self._remover.wait()
             if self._remote is not None:
                 self._remote.wait()
@@ -487,7 +497,7 @@ class LazyCheckpointer:
             job.fail(write_error(job, "staging for", exc))
         except BaseException as exc:  # Ctrl-C on a full pool: the save fails cleanly, the interrupt goes on
             job.fail(write_error(job, "staging for", exc))
-            job.handle._seen_by_caller = True  # the caller sees the interrupt itself, not this save's error again
+            job.completion.caller_saw_error()  # the caller sees the interrupt itself, not this save's error again
             self._engine.submit(job)  # the engine unlinks the temporary file and releases the guard
             raise
         self._engine.submit(job)
@@ -502,8 +512,8 @@ class LazyCheckpointer:
         """
         with self._lock:
             self._jobs.remove(job)
-            if job.handle._report is not None:
-                self._errors.publish(job.handle._report)
+            if job.completion.report is not None:
+                self._errors.publish(job.completion.report)
             ready = []
             for queued in self._removals:
                 queued.behind.discard(job)
@@ -540,10 +550,9 @@ class LazyCheckpointer:
         return True
 
     def _skipped(self, final: str, nbytes: int, t0: float) -> SaveHandle:
-        handle = SaveHandle(final)
-        stats = SaveStats(final, 0, 0, time.perf_counter() - t0, 0.0, 0.0, 0.0, 0.0, 0.0, skipped=True)
-        handle._finish(stats, None)
-        return handle
+        completion = Completion(final)
+        completion.finish(SaveStats(final, 0, 0, time.perf_counter() - t0, 0.0, 0.0, 0.0, 0.0, 0.0, skipped=True), None)
+        return completion.handle
 
     def _warn_if_backpressure(self) -> None:
         """Caller's thread only: a warning filter set to "error" must not end a lazyckpt thread."""

@@ -14,6 +14,7 @@ from torch import nn
 from _util import assert_same
 from benchmarks import gpt
 from lazyckpt import LazyCheckpointer, SaveHandle
+from lazyckpt.core.handle import Completion
 from lazyckpt.lightning import LazyCheckpointIO
 
 __all__ = ["TinyGPT", "RecordingLazyIO", "DeferredCommitCheckpointer", "assert_same", "load", "trainer_kwargs"]
@@ -115,25 +116,25 @@ class DeferredCommitCheckpointer(LazyCheckpointer):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self._held: list[tuple[SaveHandle, SaveHandle, str]] = []
+        self._held: list[tuple[SaveHandle, Completion, str]] = []
 
     def save(self, obj: Any, path: Any, format: str = "torch", metadata: Any = None) -> SaveHandle:
         self._release()
         final = os.path.abspath(os.fspath(path))
         real = super().save(obj, final + ".held", format)
-        fake = SaveHandle(final)
+        fake = Completion(final)
         self._held.append((real, fake, final + ".held"))
-        return fake
+        return fake.handle
 
     def _release(self) -> None:
         held, self._held = self._held, []
         for real, fake, tmp in held:
             try:
                 stats = real.wait()
-                os.replace(tmp, fake.path)
-                fake._finish(stats, None)
+                os.replace(tmp, fake.handle.path)
+                fake.finish(stats, None)
             except BaseException as exc:
-                fake._finish(None, exc)
+                fake.finish(None, exc)
 
     def wait(self, timeout: float | None = None) -> None:
         self._release()

@@ -262,7 +262,7 @@ class Engine:
                     src.release()
             job.t_staged = time.perf_counter()
         finally:
-            job.handle._set_staged()
+            job.completion.staged()
             job.reading_over()
 
     def _copy_source(self, job: Job, src: Source, stream: torch.cuda.Stream | None) -> None:
@@ -421,23 +421,22 @@ class Engine:
         """Finish the handle, exactly once, whatever happened: resolve its outcome, let the
         checkpointer publish it (and run removals queued behind it), then make it visible and hand
         its callbacks to the callback thread (callbacks may wait for saves this thread commits)."""
-        handle = job.handle
-        if handle.done():
+        completion = job.completion
+        if completion.handle.done():
             return
         try:
-            handle._resolve(None if job.failed else job.stats(time.perf_counter()), job.error)
+            completion.resolve(None if job.failed else job.stats(time.perf_counter()), job.error)
         except BaseException as exc:  # noqa: BLE001 - stats of a committed file; keep the file, say why
             logger.exception("lazyckpt: stats of %s failed", job.path)
-            handle._resolve(None, write_error(job, "finishing", exc))
+            completion.resolve(None, write_error(job, "finishing", exc))
         try:
-            self._on_done(job)
+            self._on_done(job)  # the checkpointer publishes the report: before the handle is done
         except BaseException:  # noqa: BLE001 - the handle must complete regardless
             logger.exception("lazyckpt: bookkeeping after %s failed", job.path)
-        self.callbacks.submit(handle, handle._complete())
+        completion.complete(self.callbacks)
         job.sources.clear()
         job.lazy.clear()
         job.live_pieces.clear()
-        handle._settle = handle._confirm = None
 
     def owns_current_thread(self) -> bool:
         """True on one of this engine's threads (the callback thread included)."""

@@ -7,7 +7,8 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from lazyckpt.core.report import Report
 
@@ -34,6 +35,24 @@ class SaveStats:
     upload_gbps: float = 0.0  # file_bytes / upload_s / 1e9
 
 
+@dataclass(eq=False)
+class Outcome:
+    """What one save's ``SaveHandle`` shows and its ``Completion`` changes: shared by the two, touched
+    by nothing else. ``settle`` / ``confirm``: the producer's hooks that a waiting thread runs first
+    (copy what is still live; check versions on this thread, see ``Job.confirm``)."""
+
+    staged: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    stats: SaveStats | None = None
+    error: BaseException | None = None
+    report: Report | None = None  # the error, until someone has seen it
+    seen_by_caller: bool = False  # save() itself raised for this save (KeyboardInterrupt)
+    callbacks: list[Callable[[SaveHandle], object]] = field(default_factory=list)
+    settle: Callable[[float | None], None] | None = None
+    confirm: Callable[[float | None], None] | None = None
+
+
 class SaveHandle:
     """A pending save. Thread-safe; every method may be called from any thread.
 
@@ -46,42 +65,39 @@ class SaveHandle:
 
     Done-callbacks run on a lazyckpt callback thread, never on the committer, so a callback may wait
     for other saves (``handle.wait()``, the checkpointer's ``wait()``), ``remove()`` or ``close()``.
+    Only the save's producer, through its ``Completion``, changes a handle's state.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, outcome: Outcome | None = None) -> None:
         self.path = path
-        self._staged = threading.Event()
-        self._done = threading.Event()
-        self._lock = threading.Lock()
-        self._error: BaseException | None = None
-        self._report: Report | None = None  # the error, until someone has seen it
-        self._seen_by_caller = False  # save() itself raised for this save (KeyboardInterrupt)
-        self._stats: SaveStats | None = None
-        self._callbacks: list[Callable[[SaveHandle], object]] = []
-        self._settle: Callable[[float | None], None] | None = None  # set by the job: copy what is live
-        self._confirm: Callable[[float | None], None] | None = None  # set by the job: check versions here
+        self._o = Outcome() if outcome is None else outcome
 
     def __repr__(self) -> str:
-        state = "failed" if self._error else "done" if self._done.is_set() else "pending"
+        state = "failed" if self._o.error else "done" if self._o.done.is_set() else "pending"
         return f"<SaveHandle {self.path!r} {state}>"
 
     @property
     def reported(self) -> bool:
         """True once the save's error reached someone (this handle or the checkpointer)."""
-        return self._report is not None and self._report.claimed
+        return self._o.report is not None and self._o.report.claimed
+
+    @property
+    def report(self) -> Report | None:
+        """Internal API: the failed save's ``Report`` (claimed once, shared with the ledger), once done."""
+        return self._o.report if self._o.done.is_set() else None
 
     def done(self) -> bool:
         """True once the save is committed or has failed."""
-        return self._done.is_set()
+        return self._o.done.is_set()
 
     def staged(self) -> bool:
         """True once the host copies are done (or the save failed)."""
-        return self._staged.is_set()
+        return self._o.staged.is_set()
 
     def local(self) -> bool:
         """True once the file is committed on local disk (or the save failed). For a local save
         the same as ``done()``; for a URL save, before the upload ends."""
-        return self._done.is_set()
+        return self._o.done.is_set()
 
     def wait_local(self, timeout: float | None = None) -> SaveStats:
         """Block until the local file is committed; return its stats or raise its error. For a
@@ -94,84 +110,146 @@ class SaveHandle:
         Tensors still waiting to be written straight from their memory are copied now (on this
         thread), so this waits for memory copies, not for storage."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        settle = self._settle
+        settle = self._o.settle
         if settle is not None:  # also once staged: it confirms the save on this thread (Job.confirm)
             settle(timeout)
-        if not self._staged.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
+        if not self._o.staged.wait(_left(deadline)):
             raise TimeoutError(f"save to {self.path} not staged after {timeout} s")
 
     def wait(self, timeout: float | None = None) -> SaveStats:
         """Block until the save is durable (``timeout=None``: for ever; else ``TimeoutError``);
         return its stats or raise its error."""
-        if not self._wait_done(timeout):
+        if not self.wait_done(timeout):
             raise TimeoutError(f"save to {self.path} not durable after {timeout} s")
-        if self._report is not None:
-            self._report.claim()
-            raise self._report.error
-        if self._stats is None:  # cannot happen: a handle is done with stats or an error
+        if self._o.report is not None:
+            self._o.report.claim()
+            raise self._o.report.error
+        if self._o.stats is None:  # cannot happen: a handle is done with stats or an error
             raise RuntimeError(f"lazyckpt: save to {self.path} finished without stats or error")
-        return self._stats
+        return self._o.stats
 
     def exception(self, timeout: float | None = 0) -> BaseException | None:
         """The save's error (None on success); does not count as seen, so the checkpointer still
         reports it once. ``timeout=0`` (default): do not wait, None while pending; otherwise wait
         that many seconds (``None``: for ever), then ``TimeoutError`` if still pending."""
-        if timeout != 0 and not self._wait_done(timeout):
+        if timeout != 0 and not self.wait_done(timeout):
             raise TimeoutError(f"save to {self.path} not done after {timeout} s")
-        return self._error if self._done.is_set() else None
+        return self._o.error if self._o.done.is_set() else None
 
     @property
     def stats(self) -> SaveStats | None:
-        return self._stats
+        return self._o.stats
 
     def add_done_callback(self, fn: Callable[[SaveHandle], object]) -> None:
         """Call ``fn(handle)`` once the save is done (at once, on this thread, if it is); exceptions
         are logged. Callbacks of one checkpointer run one at a time, in commit order."""
-        with self._lock:
-            if not self._done.is_set():
-                self._callbacks.append(fn)
+        with self._o.lock:
+            if not self._o.done.is_set():
+                self._o.callbacks.append(fn)
                 return
         _call(fn, self)
 
-    def _wait_done(self, timeout: float | None = None) -> bool:
-        """Wait for the commit, which waits for the save to be confirmed by a thread that called into
-        lazyckpt after the copies (see ``Job.confirm``): confirm it on this thread first."""
+    def wait_done(self, timeout: float | None = None) -> bool:
+        """Wait until the save is committed or failed, without raising its error: True then, False
+        when ``timeout`` runs out. The commit waits for the save to be confirmed by a thread that
+        called into lazyckpt after the copies (see ``Job.confirm``): this confirms it on this
+        thread first, so a thread waiting for its own save never waits for itself."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        confirm = self._confirm
-        if confirm is not None and not self._done.is_set():
+        self.confirm(timeout)
+        return self._o.done.wait(_left(deadline))
+
+    def confirm(self, timeout: float | None = None) -> None:
+        """Internal API: confirm the save on this thread once its copies are over (waiting for them
+        at most ``timeout``); nothing once it is done. Every wait runs it first."""
+        confirm = self._o.confirm
+        if confirm is not None and not self._o.done.is_set():
             confirm(timeout)
-        return self._done.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
-    # -- engine side ------------------------------------------------------------------------------
+    def wait_finished(self, timeout: float | None = None) -> bool:
+        """Internal API, for producer threads (an upload, a distributed commit): wait for the outcome
+        WITHOUT confirming. Such a thread is not the one that mutates the tensors, so its check
+        would prove nothing; the training thread's next call into lazyckpt confirms."""
+        return self._o.done.wait(timeout)
 
-    def _set_staged(self) -> None:
-        self._staged.set()
 
-    def _resolve(self, stats: SaveStats | None, error: BaseException | None) -> Report | None:
-        """Fix the outcome (not yet visible as done); the report is published before ``_complete``."""
-        self._stats, self._error = stats, error
-        self._report = None if error is None else Report(error)
-        if self._report is not None and self._seen_by_caller:
-            self._report.claim()  # the caller already got an exception for it (save() interrupted)
-        return self._report
+class Completion:
+    """The producer's side of one save: the only way to change its handle's state.
 
-    def _adopt(self, other: SaveHandle) -> None:
-        """Take ``other``'s finished outcome as this handle's (the same report: claimed once)."""
-        self._stats, self._error, self._report = other._stats, other._error, other._report
+    The protocol every producer follows (the engine's committer for a file, the remote tier for an
+    upload, the distributed commit for a checkpoint folder, ``save()`` for a skipped save):
+    ``staged()`` when the host copies are done; then ``finish``: resolve the outcome, publish its
+    error (before anyone can see the handle done, so whoever sees it finished finds the error),
+    make it visible, run the done-callbacks (on the callback thread when one is given: callbacks
+    may wait for saves the finishing thread commits).
+    """
 
-    def _complete(self) -> list[Callable[[SaveHandle], object]]:
-        """Make the outcome visible; return the callbacks to run (off the committer)."""
-        with self._lock:
-            self._staged.set()
-            self._done.set()
-            callbacks, self._callbacks = self._callbacks, []
-        return callbacks
+    def __init__(self, path: str, handle_type: type[SaveHandle] | None = None, **handle_args: Any) -> None:
+        """``handle_type``: a ``SaveHandle`` subclass taking ``(path, outcome=..., **handle_args)``
+        (a URL save's, a distributed save's)."""
+        self._o = Outcome()
+        self.handle = (handle_type or SaveHandle)(path, outcome=self._o, **handle_args)
 
-    def _finish(self, stats: SaveStats | None, error: BaseException | None) -> None:
-        """Resolve, complete and run the callbacks here (handles no lazyckpt thread finishes)."""
-        self._resolve(stats, error)
-        for fn in self._complete():
-            _call(fn, self)
+    @property
+    def report(self) -> Report | None:
+        """The failed save's report, once resolved."""
+        return self._o.report
+
+    def bind(
+        self,
+        settle: Callable[[float | None], None] | None = None,
+        confirm: Callable[[float | None], None] | None = None,
+    ) -> None:
+        """Hooks a waiting thread runs first (``wait_staged``: ``settle``; every wait: ``confirm``)."""
+        self._o.settle, self._o.confirm = settle, confirm
+
+    def staged(self) -> None:
+        self._o.staged.set()
+
+    def caller_saw_error(self) -> None:
+        """``save()`` itself raised for this save (an interrupt): its error is not reported again."""
+        self._o.seen_by_caller = True
+
+    def resolve(self, stats: SaveStats | None, error: BaseException | None) -> Report | None:
+        """Fix the outcome (not yet visible as done); its report is to be published before ``complete``."""
+        self._o.stats, self._o.error = stats, error
+        self._o.report = None if error is None else Report(error)
+        if self._o.report is not None and self._o.seen_by_caller:
+            self._o.report.claim()  # the caller already got an exception for it (save() interrupted)
+        return self._o.report
+
+    def adopt(self, other: SaveHandle) -> None:
+        """Resolve as ``other``'s finished outcome (the same report: claimed once)."""
+        self._o.stats, self._o.error, self._o.report = other.stats, other.exception(), other.report
+
+    def complete(self, runner: CallbackRunner | None = None) -> None:
+        """Make the outcome visible; the done-callbacks go to ``runner`` (or run here)."""
+        with self._o.lock:
+            self._o.staged.set()
+            self._o.done.set()
+            callbacks, self._o.callbacks = self._o.callbacks, []
+            self._o.settle = self._o.confirm = None
+        if runner is not None:
+            runner.submit(self.handle, callbacks)
+        else:
+            for fn in callbacks:
+                _call(fn, self.handle)
+
+    def finish(
+        self,
+        stats: SaveStats | None,
+        error: BaseException | None,
+        publish: Callable[[Report], None] | None = None,
+        runner: CallbackRunner | None = None,
+    ) -> None:
+        """The whole protocol: resolve, publish the error, complete."""
+        report = self.resolve(stats, error)
+        if report is not None and publish is not None:
+            publish(report)
+        self.complete(runner)
+
+
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 def _call(fn: Callable[[SaveHandle], object], handle: SaveHandle) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from lazyckpt.core import guard as _guard
-from lazyckpt.core.handle import SaveHandle, SaveStats
+from lazyckpt.core.handle import Completion, SaveStats
 from lazyckpt.core.pool import Buffer
 from lazyckpt.errors import StaleTensorError
 from lazyckpt.formats.base import Layout
@@ -79,7 +79,8 @@ class Job:
         t0: float,
         before_commit: Callable[[], object] | None = None,
     ) -> None:
-        self.handle = SaveHandle(path)
+        self.completion = Completion(path)  # the engine finishes it; save() returns its handle
+        self.handle = self.completion.handle
         self.path, self.tmp, self.fmt = path, tmp, fmt
         self.sources, self.lazy = sources, lazy
         self.layout = layout
@@ -127,8 +128,7 @@ class Job:
         self.live_pieces: list[Piece] = []
         self.read_done = threading.Event()
         self.settle: Callable[[Job], None] | None = None  # Engine.settle: copy what is not written yet
-        self.handle._settle = self._settle_for_wait
-        self.handle._confirm = self._confirm_for_wait
+        self.completion.bind(settle=self._settle_for_wait, confirm=self._confirm_for_wait)
 
     # -- errors -----------------------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.utils import _DistWrapper
 
 from lazyckpt.core import exit as _exit
-from lazyckpt.core.handle import SaveHandle, SaveStats
+from lazyckpt.core.handle import Completion, Outcome, SaveHandle, SaveStats
 from lazyckpt.storage import remote as _remote
 
 from ..checkpointer import LazyCheckpointer
@@ -63,8 +63,8 @@ class DistributedSaveHandle(SaveHandle):
     committed on its local disk; ``done()`` / ``wait()`` once the checkpoint is committed in the
     store (every rank's file uploaded, then ``.metadata``)."""
 
-    def __init__(self, path: str, url: str | None = None) -> None:
-        super().__init__(path)
+    def __init__(self, path: str, outcome: Outcome | None = None, url: str | None = None) -> None:
+        super().__init__(path, outcome)
         self.url = url  # a save to a URL (as ``RemoteSaveHandle.url``); None for a local folder
         self._local: SaveHandle | None = None
 
@@ -80,7 +80,7 @@ class DistributedSaveHandle(SaveHandle):
         local = self._local
         if self.url is None or local is None:
             return self.wait(timeout)
-        if not local._wait_done(timeout):  # confirms this rank's file first
+        if not local.wait_done(timeout):  # confirms this rank's file first
             raise TimeoutError(f"this rank's part of {self.path} not on local disk after {timeout} s")
         if local.exception() is not None or local.stats is None:
             return self.wait()
@@ -88,14 +88,14 @@ class DistributedSaveHandle(SaveHandle):
 
     def staged(self) -> bool:
         local = self._local
-        return self._staged.is_set() or (local is not None and local.staged())
+        return super().staged() or (local is not None and local.staged())
 
     def wait_staged(self, timeout: float | None = None) -> None:
         local = self._local
         if local is not None:
             local.wait_staged(timeout)
-        elif not self._staged.wait(timeout):
-            raise TimeoutError(f"save to {self.path} not staged after {timeout} s")
+        else:
+            super().wait_staged(timeout)
 
 
 @dataclass(eq=False)
@@ -113,6 +113,7 @@ class _Save:
     error: BaseException | None = None  # this rank's part failed inside save()
     extra_files: dict[str, bytes] = field(default_factory=dict)  # coordinator: written beside .metadata
     remote: RemoteFolder | None = None  # a save to a URL: its objects and this rank's local folder
+    completion: Completion | None = None  # of ``handle``: the commit thread finishes it
 
 
 @dataclass
@@ -248,7 +249,8 @@ class DistributedCheckpointer:
         final = _resolve(path)
         url = _remote.is_url(final)
         n, self._count = self._count, self._count + 1
-        handle = DistributedSaveHandle(final, url=final if url else None)
+        completion = Completion(final, DistributedSaveHandle, url=final if url else None)
+        handle: DistributedSaveHandle = completion.handle  # type: ignore[assignment]
 
         def prepare() -> str:  # coordinator, inside the planning collective
             if url:
@@ -268,7 +270,7 @@ class DistributedCheckpointer:
             return staging
 
         plan = plan_save(state, self._dist, final, prepare, self._plan_cache, n)
-        entry = _Save(n, final, plan.staging, handle, t0, metadata=plan.metadata)
+        entry = _Save(n, final, plan.staging, handle, t0, metadata=plan.metadata, completion=completion)
         if self._dist.is_coordinator and extra_files:
             entry.extra_files = {_extra_name(name): bytes(data) for name, data in extra_files.items()}
         with self._lock:
@@ -284,7 +286,7 @@ class DistributedCheckpointer:
                 refused.__cause__ = exc
                 exc = refused
             entry.error = exc
-            entry.handle._seen_by_caller = True  # raised here, not again by wait() or close()
+            completion.caller_saw_error()  # raised here, not again by wait() or close()
             self._queue.put(entry)
             raise exc
         self._queue.put(entry)
@@ -298,7 +300,7 @@ class DistributedCheckpointer:
         deadline = None if timeout is None else time.monotonic() + timeout
         for s in saves:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not s.handle._wait_done(remaining):  # confirms this rank's file first
+            if not s.handle.wait_done(remaining):  # confirms this rank's file first
                 raise TimeoutError(f"pending distributed saves not committed after {timeout} s")
         self._inner.raise_errors()
 
@@ -315,7 +317,7 @@ class DistributedCheckpointer:
             with self._lock:
                 saves = list(self._pending)
             for s in saves:
-                s.handle._wait_done()  # confirms this rank's file first
+                s.handle.wait_done()  # confirms this rank's file first
         finally:
             self._closed = True
             self._queue.put(None)
@@ -376,7 +378,8 @@ class DistributedCheckpointer:
         entry.layout = layout
         path = os.path.join(entry.staging, entry.file)
         entry.local = entry.handle._local = rank_file.start(path, layout, entry.t0)
-        bind_local(entry.handle, entry.local)
+        assert entry.completion is not None
+        bind_local(entry.completion, entry.local)
         confirm_in_forward()
 
     # -- the commit thread ------------------------------------------------------------------------
@@ -600,9 +603,10 @@ class DistributedCheckpointer:
         with self._lock:  # a wait() that no longer finds the save pending finds its error
             if entry in self._pending:
                 self._pending.remove(entry)
-            resolved = resolve_handle(self._inner, entry.handle, stats, error)
+            assert entry.completion is not None
+            resolved = resolve_handle(self._inner, entry.completion, stats, error)
         if resolved:
-            complete_handle(self._inner, entry.handle)
+            complete_handle(self._inner, entry.completion)
 
 
 def _abort_reason(decided: str) -> _Outcome:

@@ -29,7 +29,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from lazyckpt.core import guard as _guard
-from lazyckpt.core.handle import SaveHandle, SaveStats
+from lazyckpt.core.handle import Completion, SaveHandle, SaveStats
 from lazyckpt.core.job import Job
 from lazyckpt.core.plan import SavePlan
 from lazyckpt.formats.flatten import Source, flatten_torch
@@ -130,11 +130,11 @@ def _confirm_hook(module: torch.nn.Module, args: Any) -> None:
                 _forward_hook = None
 
 
-def bind_local(handle: SaveHandle, local: SaveHandle) -> None:
-    """Make ``handle``'s waits (``wait()``, ``exception(timeout)``, the checkpointer's) confirm
-    ``local``, this rank's file, on the waiting thread first: the distributed outcome needs every
-    rank's file committed, and this rank's is committed only once confirmed."""
-    handle._confirm = local._confirm  # None once the file is committed: nothing left to confirm
+def bind_local(completion: Completion, local: SaveHandle) -> None:
+    """Make the distributed handle's waits (``wait()``, ``exception(timeout)``, the checkpointer's)
+    confirm ``local``, this rank's file, on the waiting thread first: the distributed outcome needs
+    every rank's file committed, and this rank's is committed only once confirmed."""
+    completion.bind(confirm=local.confirm)  # a no-op once the file is committed
 
 
 def local_outcome(local: SaveHandle) -> BaseException | None:
@@ -144,8 +144,8 @@ def local_outcome(local: SaveHandle) -> BaseException | None:
     distributed save reports it, as its cause. (The core publishes that error on the inner ledger
     just before the file is done: a ``raise_errors()`` on another thread in between would raise it
     bare; the distributed checkpointer's own waits first wait for the saves that carry it.)"""
-    local._done.wait()
-    report = local._report
+    local.wait_finished()
+    report = local.report
     if report is not None:
         report.claim()
         return report.error
@@ -153,21 +153,21 @@ def local_outcome(local: SaveHandle) -> BaseException | None:
 
 
 def resolve_handle(
-    ckpt: LazyCheckpointer, handle: SaveHandle, stats: SaveStats | None, error: BaseException | None
+    ckpt: LazyCheckpointer, completion: Completion, stats: SaveStats | None, error: BaseException | None
 ) -> bool:
     """Fix a distributed save's outcome as the core fixes a job's, and publish its error on ``ckpt``'s
     ledger, before the handle is visible as done (``complete_handle``): a wait that sees it done finds the
     error. False if the handle was already finished."""
-    if handle.done():
+    if completion.handle.done():
         return False
-    handle._confirm = None
-    report = handle._resolve(stats, error)
+    completion.bind()  # nothing left to confirm
+    report = completion.resolve(stats, error)
     if report is not None:
-        ckpt._errors.publish(report)
+        ckpt.publish(report)
     return True
 
 
-def complete_handle(ckpt: LazyCheckpointer, handle: SaveHandle) -> None:
+def complete_handle(ckpt: LazyCheckpointer, completion: Completion) -> None:
     """Make the outcome visible; done-callbacks run on the core's callback thread, as a job's do
     (they may wait for other saves, which the distributed commit thread commits)."""
-    ckpt._engine.callbacks.submit(handle, handle._complete())
+    completion.complete(ckpt.callbacks)

@@ -38,7 +38,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
-from lazyckpt.core.handle import CallbackRunner, SaveHandle, SaveStats
+from lazyckpt.core.handle import CallbackRunner, Completion, Outcome, SaveHandle, SaveStats
 from lazyckpt.core.report import Report
 from lazyckpt.errors import SaveRefusedError, UploadError
 from lazyckpt.options import CheckpointerOptions
@@ -83,8 +83,8 @@ class RemoteSaveHandle(SaveHandle):
     """The handle of a URL save: staged (host copies done), local (the local copy is committed),
     done (the object is complete in the store). Staging and confirmation are the local save's."""
 
-    def __init__(self, url: str, local_handle: SaveHandle) -> None:
-        super().__init__(url)
+    def __init__(self, url: str, outcome: Outcome | None = None, *, local_handle: SaveHandle) -> None:
+        super().__init__(url, outcome)
         self.url = url
         self.local_handle = local_handle
 
@@ -100,11 +100,11 @@ class RemoteSaveHandle(SaveHandle):
     def wait_local(self, timeout: float | None = None) -> SaveStats:
         return self.local_handle.wait(timeout)
 
-    def _wait_done(self, timeout: float | None = None) -> bool:
+    def wait_done(self, timeout: float | None = None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
-        if not self.local_handle._wait_done(timeout):  # confirms the local save on this thread
+        if not self.local_handle.wait_done(timeout):  # confirms the local save on this thread
             return False
-        return self._done.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return self.wait_finished(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
 
 @dataclass(eq=False)
@@ -113,9 +113,13 @@ class _Upload:
     fs: Any
     rpath: str
     local_path: str
-    handle: RemoteSaveHandle
+    completion: Completion  # of a RemoteSaveHandle
     nbytes: int  # counted in the backlog until the upload ends
     t0: float  # perf_counter at save()
+
+    @property
+    def handle(self) -> RemoteSaveHandle:
+        return self.completion.handle  # type: ignore[return-value]
 
 
 @dataclass(eq=False)
@@ -218,8 +222,9 @@ class RemoteTier:
             return self._backlog
 
     def register(self, url: str, fs: Any, rpath: str, local: SaveHandle, nbytes: int, t0: float) -> RemoteSaveHandle:
-        handle = RemoteSaveHandle(url, local)
-        item = _Upload(url, fs, rpath, local.path, handle, nbytes, t0)
+        completion = Completion(url, RemoteSaveHandle, local_handle=local)
+        item = _Upload(url, fs, rpath, local.path, completion, nbytes, t0)
+        handle = item.handle
         with self._cond:
             self._pending.append(item)
             self._backlog += nbytes
@@ -294,12 +299,12 @@ class RemoteTier:
             item.future.set_exception(exc)
 
     def _upload(self, item: _Upload) -> None:
-        handle, local = item.handle, item.handle.local_handle
-        local._done.wait()  # committed by the local engine; confirmed by the training's thread, never here
+        local = item.handle.local_handle
+        local.wait_finished()  # committed by the local engine; confirmed by the training's thread, never here
         stats = local.stats
         if local.exception() is not None or stats is None or stats.skipped:
-            handle._adopt(local)
-            self._callbacks.submit(handle, handle._complete())
+            item.completion.adopt(local)
+            item.completion.complete(self._callbacks)
             discard_local(item.local_path)
             return
         t = time.perf_counter()
@@ -322,10 +327,8 @@ class RemoteTier:
             logger.debug("lazyckpt: uploaded %s (%d bytes) in %.3f s", item.url, stats.file_bytes, upload_s)
         else:
             error.local_path = item.local_path  # kept: nothing is lost, the caller may upload it again
-        report = handle._resolve(None if error else stats, error)
-        if report is not None:
-            self._publish(report)  # before the handle is done: whoever sees it done finds the error
-        self._callbacks.submit(handle, handle._complete())
+        # published before the handle is done: whoever sees it done finds the error
+        item.completion.finish(None if error else stats, error, self._publish, self._callbacks)
 
     def finish_local(self, url: str, rpath: str, local_path: str) -> None:
         """After ``url`` was uploaded from ``local_path``: keep the local copy at
