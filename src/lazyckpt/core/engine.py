@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
 from lazyckpt.core.handle import CallbackRunner
 from lazyckpt.core.job import Job, Piece, PieceState, WriteFrom
 from lazyckpt.core.pool import PAGE, HostBufferPool
+from lazyckpt.core.workers import Worker
 from lazyckpt.errors import WriteError
 from lazyckpt.formats.crc import crc32
 from lazyckpt.formats.flatten import Source
@@ -28,7 +27,6 @@ from lazyckpt.storage import fs as _fs
 
 logger = logging.getLogger(__name__)
 
-_STOP = None
 _LIVE_PIECE = 8 << 20  # a live piece: short enough that an optimizer step rarely waits for one in flight
 
 
@@ -47,18 +45,12 @@ def write_error(job: Job, what: str, exc: BaseException) -> WriteError:
     return err
 
 
-def _survive(step: Callable[[Any], None], item: Any, job: Job, then: Callable[[], None] | None = None) -> None:
-    """Run one item of a thread loop; an unexpected error fails that item's job, never the thread
-    (a dead lazyckpt thread would hang every later wait() and the exit drain)."""
-    try:
-        step(item)
-    except BaseException as exc:  # noqa: BLE001 - the loop must outlive one item
-        logger.exception("lazyckpt: %s failed unexpectedly for %s", threading.current_thread().name, job.path)
-        try:
-            job.fail(write_error(job, "processing", exc))
-        finally:
-            if then is not None:
-                then()
+def _item_failed(item: Job | Piece, exc: BaseException) -> None:
+    """A worker's unexpected error fails that item's job, never the thread (a dead lazyckpt thread
+    would hang every later wait() and the exit drain)."""
+    job = item if isinstance(item, Job) else item.job
+    logger.error("lazyckpt: %s failed unexpectedly for %s", threading.current_thread().name, job.path, exc_info=exc)
+    job.fail(write_error(job, "processing", exc))
 
 
 def _new_event() -> torch.cuda.Event:
@@ -71,29 +63,22 @@ class Engine:
     def __init__(self, pool: HostBufferPool, writer_threads: int, on_done: Callable[[Job], None]) -> None:
         self.pool = pool
         self._on_done = on_done
-        self._stage_q: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
-        self._write_q: queue.SimpleQueue[Piece | Job | None] = queue.SimpleQueue()
-        self._commit_q: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._copy_streams: dict[torch.device, torch.cuda.Stream] = {}
-        self._threads = [threading.Thread(target=self._stage_loop, name="lazyckpt-stager", daemon=True)]
-        self._threads += [
-            threading.Thread(target=self._write_loop, name=f"lazyckpt-writer-{i}", daemon=True)
-            for i in range(writer_threads)
-        ]
-        self._threads.append(threading.Thread(target=self._commit_loop, name="lazyckpt-committer", daemon=True))
-        self._writers = writer_threads
+        self._stager: Worker[Job] = Worker("lazyckpt-stager", self._stage, on_error=_item_failed)
+        self._writers: Worker[Piece | Job] = Worker(
+            "lazyckpt-writer", self._write_item, threads=writer_threads, numbered=True, on_error=_item_failed
+        )
+        self._committer: Worker[Job] = Worker("lazyckpt-committer", self._commit_one)
         self._stopped = False
         self.callbacks = CallbackRunner()  # done-callbacks: never on the committer (they may wait)
-        for t in self._threads:
-            t.start()
 
     # -- called from save() -----------------------------------------------------------------------
 
     def submit(self, job: Job) -> None:
         """Queue a job whose file is open and whose eager sources are staged."""
         job.settle = self.settle
-        self._commit_q.put(job)
-        self._stage_q.put(job)
+        self._committer.submit(job)
+        self._stager.submit(job)
 
     @staticmethod
     def open(job: Job) -> bool:
@@ -163,10 +148,6 @@ class Engine:
 
     # -- staging ----------------------------------------------------------------------------------
 
-    def _stage_loop(self) -> None:
-        while (job := self._stage_q.get()) is not _STOP:
-            _survive(self._stage, job, job)
-
     def _stage(self, job: Job) -> None:
         cpu = [s for s in job.lazy if s.device.type != "cuda"]
         cuda = [s for s in job.lazy if s.device.type == "cuda"]
@@ -201,7 +182,7 @@ class Engine:
             if job.reader_done():
                 self._finish_reading(job)
             if job.all_submitted():
-                self._write_q.put(job)
+                self._writers.submit(job)
 
     def _queue_live(self, job: Job, src: Source) -> None:
         """Queue a CPU source to be written straight from its memory (no staging copy): its file
@@ -212,7 +193,7 @@ class Engine:
         for piece in self._pieces(job, src, min(_LIVE_PIECE, self.pool.chunk_bytes)):
             piece.live = True
             job.add_live(piece)
-            self._write_q.put(piece)
+            self._writers.submit(piece)
 
     def settle(self, job: Job) -> None:
         """Copy every live piece of ``job`` that no writer has started into a pool buffer (on the
@@ -246,7 +227,7 @@ class Engine:
             if job.copied(piece):
                 self._finish_reading(job)
         finally:
-            self._write_q.put(piece)
+            self._writers.submit(piece)
 
     @staticmethod
     def _finish_reading(job: Job) -> None:
@@ -275,7 +256,7 @@ class Engine:
             try:
                 self._copy_piece(job, src, piece, stream)
             finally:  # even on Ctrl-C: a writer returns the buffer (the job has failed by then)
-                self._write_q.put(piece)
+                self._writers.submit(piece)
 
     def _copy_piece(self, job: Job, src: Source, piece: Piece, stream: torch.cuda.Stream | None) -> None:
         assert piece.buffer is not None
@@ -302,13 +283,15 @@ class Engine:
 
     # -- writing ----------------------------------------------------------------------------------
 
-    def _write_loop(self) -> None:
-        while (item := self._write_q.get()) is not _STOP:
-            if isinstance(item, Job):
-                # the committer waits for `written`: let it discard the failed file
-                _survive(self._finalize, item, item, then=item.written.set)
-            else:
-                _survive(self._write_piece, item, item.job)
+    def _write_item(self, item: Piece | Job) -> None:
+        if not isinstance(item, Job):
+            self._write_piece(item)
+            return
+        try:
+            self._finalize(item)
+        except BaseException as exc:  # noqa: BLE001 - failed first, then `written`: the committer
+            _item_failed(item, exc)  # waits for `written`, then discards the failed file
+            item.written.set()
 
     def _write_piece(self, piece: Piece) -> None:
         job = piece.job
@@ -340,7 +323,7 @@ class Engine:
             if mode is WriteFrom.LIVE and job.reader_done():
                 self._finish_reading(job)
             if job.piece_done():
-                self._write_q.put(job)
+                self._writers.submit(job)
 
     @staticmethod
     def _write_data(job: Job, piece: Piece, data: memoryview, addr: int) -> None:
@@ -390,15 +373,14 @@ class Engine:
 
     # -- commit -----------------------------------------------------------------------------------
 
-    def _commit_loop(self) -> None:
-        while (job := self._commit_q.get()) is not _STOP:
-            try:
-                self._commit(job)
-            except BaseException as exc:  # noqa: BLE001 - the loop must outlive one job
-                logger.exception("lazyckpt: committing %s failed unexpectedly", job.path)
-                job.fail(write_error(job, "committing", exc))
-            finally:
-                self._complete(job)
+    def _commit_one(self, job: Job) -> None:
+        try:
+            self._commit(job)
+        except BaseException as exc:  # noqa: BLE001 - the worker must outlive one job
+            logger.exception("lazyckpt: committing %s failed unexpectedly", job.path)
+            job.fail(write_error(job, "committing", exc))
+        finally:
+            self._complete(job)
 
     def _commit(self, job: Job) -> None:
         job.written.wait()
@@ -440,7 +422,8 @@ class Engine:
 
     def owns_current_thread(self) -> bool:
         """True on one of this engine's threads (the callback thread included)."""
-        return threading.current_thread() in self._threads or self.callbacks.owns_current_thread()
+        workers = (self._stager, self._writers, self._committer)
+        return any(w.owns_current_thread() for w in workers) or self.callbacks.owns_current_thread()
 
     # -- shutdown ---------------------------------------------------------------------------------
 
@@ -451,12 +434,7 @@ class Engine:
             self.callbacks.stop()
             return
         self._stopped = True
-        self._stage_q.put(_STOP)
-        self._commit_q.put(_STOP)
-        for t in self._threads[:1]:
-            t.join()
-        for _ in range(self._writers):
-            self._write_q.put(_STOP)
-        for t in self._threads[1:]:
-            t.join()
+        self._stager.stop()  # first: it queues pieces for the writers
+        self._writers.stop()
+        self._committer.stop()
         self.callbacks.stop()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -11,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lazyckpt.core.report import Report
+from lazyckpt.core.workers import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -252,6 +252,11 @@ def _left(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
+def _run_callbacks(item: tuple[SaveHandle, list[Callable[[SaveHandle], object]]]) -> None:
+    for fn in item[1]:
+        _call(fn, item[0])
+
+
 def _call(fn: Callable[[SaveHandle], object], handle: SaveHandle) -> None:
     # BaseException too: a SystemExit from a callback must not end a lazyckpt thread.
     try:
@@ -268,50 +273,18 @@ class CallbackRunner:
     """
 
     def __init__(self) -> None:
-        self._q: queue.SimpleQueue[tuple[SaveHandle, list[Callable[[SaveHandle], object]]] | None] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._stopped = False
+        self._worker: Worker[tuple[SaveHandle, list[Callable[[SaveHandle], object]]]] = Worker(
+            "lazyckpt-callbacks", _run_callbacks, lazy=True
+        )
 
     def submit(self, handle: SaveHandle, callbacks: list[Callable[[SaveHandle], object]]) -> None:
-        if not callbacks:
-            return
-        with self._lock:
-            if not self._stopped and self._started():
-                self._q.put((handle, callbacks))
-                return
-        for fn in callbacks:
-            _call(fn, handle)
+        if callbacks and not self._worker.submit((handle, callbacks)):
+            for fn in callbacks:
+                _call(fn, handle)
 
     def owns_current_thread(self) -> bool:
-        return self._thread is not None and threading.current_thread() is self._thread
+        return self._worker.owns_current_thread()
 
     def stop(self) -> None:
         """Run what is queued, then end the thread; from a callback, do not wait for itself."""
-        with self._lock:
-            self._stopped = True
-            thread = self._thread
-        if thread is None:
-            return
-        self._q.put(None)
-        if thread is not threading.current_thread():
-            thread.join()
-
-    def _started(self) -> bool:
-        # caller holds _lock
-        if self._thread is not None:
-            return True
-        thread = threading.Thread(target=self._run, name="lazyckpt-callbacks", daemon=True)
-        try:
-            thread.start()
-        except RuntimeError:
-            logger.debug("lazyckpt: no callback thread; running done-callbacks inline", exc_info=True)
-            return False
-        self._thread = thread
-        return True
-
-    def _run(self) -> None:
-        while (item := self._q.get()) is not None:
-            handle, callbacks = item
-            for fn in callbacks:
-                _call(fn, handle)
+        self._worker.stop()

@@ -15,7 +15,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import queue
 import shutil
 import threading
 from collections.abc import Callable
@@ -23,6 +22,7 @@ from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 
 from lazyckpt.core.report import Report
+from lazyckpt.core.workers import Worker
 from lazyckpt.storage import fs as _fs
 
 logger = logging.getLogger(__name__)
@@ -61,11 +61,11 @@ class Remover:
 
     def __init__(self, on_failed: Callable[[Report], None] = lambda _r: None) -> None:
         self._on_failed = on_failed
-        self._q: queue.SimpleQueue[tuple[str, RemovalFuture] | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
         self._pending: list[RemovalFuture] = []
-        self._stopped = False
+        self._worker: Worker[tuple[str, RemovalFuture]] = Worker(
+            "lazyckpt-remover", lambda item: self._delete_into(*item), lazy=True
+        )  # one failed deletion never ends the thread: _delete_into catches everything
 
     def remove(self, path: str, trash_dir: str | None = None) -> RemovalFuture:
         """Take ``path`` away from its name now (``FileNotFoundError`` and other ``OSError``s are
@@ -109,13 +109,8 @@ class Remover:
             raise TimeoutError(f"{len(not_done)} deletion(s) not done after {timeout} s")
 
     def stop(self) -> None:
-        """Let the thread finish what is queued (the sentinel comes last), then join it."""
-        with self._lock:
-            self._stopped = True
-            thread, self._thread = self._thread, None
-        if thread is not None:
-            self._q.put(None)
-            thread.join()
+        """Let the thread finish what is queued, then join it."""
+        self._worker.stop()
 
     def _free(self, trash: str | None, done: RemovalFuture) -> None:
         """Delete ``trash`` on the thread (started BEFORE the future is queued for it), or here
@@ -124,26 +119,11 @@ class Remover:
             done.set_result(None)
             return
         with self._lock:
-            if not self._stopped and self._thread_running():
-                if done not in self._pending:
-                    self._pending = [f for f in self._pending if not f.done()]
-                    self._pending.append(done)
-                self._q.put((trash, done))
-                return
-        self._delete_into(trash, done)
-
-    def _thread_running(self) -> bool:
-        # caller holds _lock
-        if self._thread is not None and self._thread.is_alive():
-            return True
-        thread = threading.Thread(target=self._run, name="lazyckpt-remover", daemon=True)
-        try:
-            thread.start()
-        except RuntimeError:
-            logger.debug("lazyckpt: no remover thread; deleting inline", exc_info=True)
-            return False
-        self._thread = thread
-        return True
+            if done not in self._pending:
+                self._pending = [f for f in self._pending if not f.done()]
+                self._pending.append(done)
+        if not self._worker.submit((trash, done)):
+            self._delete_into(trash, done)
 
     def _fail(self, done: RemovalFuture, exc: BaseException) -> None:
         logger.warning("lazyckpt: could not remove: %s", exc)
@@ -158,11 +138,6 @@ class Remover:
             self._fail(done, exc)
         else:
             done.set_result(None)
-
-    def _run(self) -> None:
-        # One failed deletion must not end the thread: _delete_into catches everything.
-        while (item := self._q.get()) is not None:
-            self._delete_into(*item)
 
 
 def _take_away(path: str, trash_dir: str | None) -> str | None:
