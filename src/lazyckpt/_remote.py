@@ -34,12 +34,12 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from ._handle import CallbackRunner, SaveHandle, SaveStats
 from ._options import CheckpointerOptions
+from ._remove import RemovalFuture
 from ._report import Report
 from .errors import SaveRefusedError, UploadError
 
@@ -123,7 +123,8 @@ class _Deletion:
     url: str
     fs: Any
     rpath: str
-    future: Future = field(default_factory=Future)
+    # The local path's future type: an error fetched through it is claimed, so wait() does not raise it again.
+    future: RemovalFuture = field(default_factory=RemovalFuture)
 
 
 class RemoteTier:
@@ -226,7 +227,7 @@ class RemoteTier:
         self._queue.put(item)
         return handle
 
-    def remove(self, url: str, fs: Any, rpath: str) -> Future:
+    def remove(self, url: str, fs: Any, rpath: str) -> RemovalFuture:
         """Delete ``url`` after every upload queued before (in particular, to it)."""
         item = _Deletion(url, fs, rpath)
         with self._cond:
@@ -290,7 +291,9 @@ class RemoteTier:
             self.delete_object(item.url, item.fs, item.rpath)
             item.future.set_result(None)
         except BaseException as exc:  # noqa: BLE001 - reaches the caller through the future / the ledger
-            self._publish(Report(exc))
+            # One report, shared by the future and the ledger: whichever is asked first claims it.
+            item.future._report = Report(exc)
+            self._publish(item.future._report)  # before the future is done: whoever sees it done finds it
             item.future.set_exception(exc)
 
     def _upload(self, item: _Upload) -> None:
