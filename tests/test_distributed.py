@@ -43,10 +43,15 @@ def _free_port() -> int:
 
 
 def launch(
-    scenario: str, world: int, workdir: Path, timeout: float = 90, expect_dead: tuple[int, ...] = ()
+    scenario: str,
+    world: int,
+    workdir: Path,
+    timeout: float = 90,
+    expect_dead: tuple[int, ...] = (),
+    env: dict[str, str] | None = None,
 ) -> list[dict]:
     """Run ``scenario`` on ``world`` ranks; return each rank's result (None for ranks in ``expect_dead``)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", TORCH_CPP_LOG_LEVEL="ERROR")
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", TORCH_CPP_LOG_LEVEL="ERROR", **(env or {}))
     env["PYTHONPATH"] = os.pathsep.join(p for p in [str(SRC), env.get("PYTHONPATH", "")] if p)
     port = str(_free_port())
     procs = [
@@ -196,6 +201,36 @@ def test_write_error_on_one_rank_fails_every_rank(tmp_path):
         assert res["listing"] == [], res["listing"]  # the staging folder is gone too
     assert results[1]["cause"] == "WriteError" and results[1]["errno"] == errno.ENOSPC
     assert results[0]["cause"] == "NoneType"
+
+
+def test_a_full_memory_filesystem_on_one_rank_fails_every_rank_alike_from_wait(tmp_path):
+    """Issue 20 item 7: on tmpfs the file is created inside save(); ENOSPC there on rank 1 is not
+    raised by save() (only SaveRefusedError is): every rank's handle.wait() raises the same
+    DistributedSaveError naming rank 1, and wait() does not raise it a second time."""
+    import errno
+
+    from lazyckpt import _fs
+
+    shm = "/dev/shm"
+    if not (os.path.isdir(shm) and os.access(shm, os.W_OK) and _fs.is_memory_filesystem(shm)):
+        pytest.skip("no writable tmpfs at /dev/shm")
+    folder = Path(shm) / f"lazyckpt-test-dist-{os.getpid()}-{tmp_path.name}"
+    folder.mkdir()
+    try:
+        results = launch("memory_fs_full", 2, tmp_path, env={"LAZYCKPT_TEST_SHM": str(folder)})
+    finally:
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
+    assert results[1]["created_in_save"], "the injected ENOSPC was not met"
+    for res in results:
+        assert res["save_raised"] is None, res["save_raised"]
+        got = res["handle"]
+        assert got is not None and got["type"] == "DistributedSaveError" and got["ranks"] == [1], got
+        assert "rank 1" in got["message"] and "No space left" in got["message"], got["message"]
+        assert res["wait"] is None  # raised once, by the handle
+        assert res["listing"] == ["ok"], res["listing"]  # no staging folder left
+    assert results[1]["handle"]["cause"] == "WriteError" and results[1]["handle"]["errno"] == errno.ENOSPC
 
 
 def test_sigkill_of_a_rank_fails_the_other_within_the_timeout(tmp_path):

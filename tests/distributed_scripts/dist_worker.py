@@ -353,6 +353,49 @@ def scenario_write_error() -> None:
     RESULT["listing"] = sorted(os.listdir(os.path.dirname(ckpt_path("bad"))))
 
 
+def scenario_memory_fs_full() -> None:
+    """On a memory filesystem (the file is created inside save()), rank 1's disk is full when its
+    file is created: save() returns on both ranks (it raises only SaveRefusedError), and both
+    ranks' handle.wait() and wait() raise the same DistributedSaveError naming rank 1."""
+    import lazyckpt._fs as _fs
+    from lazyckpt import SaveRefusedError, WriteError
+
+    folder = os.environ["LAZYCKPT_TEST_SHM"]
+    assert _fs.is_memory_filesystem(folder)
+    state = {"w": torch.randn(64, 64), f"own{RANK}": torch.randn(512)}
+    created_in_save = []
+    with DistributedCheckpointer(**OPTS) as ckpt:
+        if RANK == 1:
+            real = _fs.open_temporary
+
+            def full(path, size):
+                created_in_save.append(True)
+                raise OSError(errno.ENOSPC, "No space left on device (injected)", path)
+
+            _fs.open_temporary = full
+        try:
+            h = ckpt.save(state, os.path.join(folder, "full"))
+        except (SaveRefusedError, WriteError) as exc:
+            RESULT["save_raised"] = f"{type(exc).__name__}: {exc}"
+            raise
+        if RANK == 1:
+            _fs.open_temporary = real
+        RESULT["save_raised"] = None
+        for name, call in (("handle", h.wait), ("wait", ckpt.wait)):
+            try:
+                call()
+                RESULT[name] = None
+            except DistributedSaveError as exc:
+                RESULT[name] = {
+                    "type": type(exc).__name__, "ranks": list(exc.ranks), "message": str(exc),
+                    "cause": type(exc.__cause__).__name__, "errno": getattr(exc.__cause__, "errno", None),
+                }  # fmt: skip
+        RESULT["created_in_save"] = bool(created_in_save)
+        dist.barrier()
+        ckpt.save(state, os.path.join(folder, "ok")).wait()  # usable again
+    RESULT["listing"] = sorted(os.listdir(folder))
+
+
 def scenario_subgroup() -> None:
     """process_group: ranks 1 and 2 save together (group ranks 0 and 1); rank 0 takes no part."""
     group = dist.new_group([1, 2], backend="gloo")

@@ -32,6 +32,7 @@ from ..errors import (
     LazyCkptError,
     SaveRefusedError,
     UploadError,
+    WriteError,
 )
 from . import _commit
 from ._commit import RankReport
@@ -235,7 +236,11 @@ class DistributedCheckpointer:
 
         Raises ``SaveRefusedError`` on every rank if planning fails on any (nothing written); on
         one rank only if that rank cannot serialize its part (the save then fails on the others
-        with ``DistributedSaveError``). Unlike ``LazyCheckpointer.save``, it does not raise an
+        with ``DistributedSaveError``). Nothing else: an I/O error on this rank, even one met
+        inside ``save()`` (a full memory filesystem, where the file is created here), fails the
+        save on every rank alike, with ``DistributedSaveError`` naming this rank from the handle's
+        ``wait()`` and the checkpointer's ``wait()`` / ``close()`` (its ``__cause__`` here is the
+        ``WriteError``). Unlike ``LazyCheckpointer.save``, it does not raise an
         earlier save's error (that would break the collective): ``wait()`` and ``close()`` do.
         """
         t0 = time.perf_counter()
@@ -278,15 +283,16 @@ class DistributedCheckpointer:
                 entry.remote = RemoteFolder.create(self._tier(), final)
                 entry.staging = entry.remote.local
             self._start_file(entry, plan)
-        except BaseException as exc:  # the other ranks must learn it: report, then raise here
-            if isinstance(exc, Exception) and not isinstance(exc, LazyCkptError):
-                refused = SaveRefusedError(f"rank {self.rank}: cannot save this state to {final}: {exc}")
-                refused.__cause__ = exc
-                exc = refused
+        except BaseException as exc:  # the other ranks must learn it: report it (the commit thread)
+            exc = _classify_start_error(exc, self.rank, final)
             entry.error = exc
-            entry.handle._seen_by_caller = True  # raised here, not again by wait() or close()
-            self._queue.put(entry)
-            raise exc
+            if not isinstance(exc, Exception) or isinstance(exc, SaveRefusedError):
+                entry.handle._seen_by_caller = True  # raised here, not again by wait() or close()
+                self._queue.put(entry)
+                raise exc
+            # An I/O failure (a full memory filesystem, where the file is created inside save()) is
+            # the save's outcome, not a refusal: every rank gets the same DistributedSaveError from
+            # the same call (handle.wait() / wait()), as when the write fails in the background.
         self._queue.put(entry)
         return handle
 
@@ -604,6 +610,20 @@ class DistributedCheckpointer:
             resolved = resolve_handle(self._inner, entry.handle, stats, error)
         if resolved:
             complete_handle(self._inner, entry.handle)
+
+
+def _classify_start_error(exc: BaseException, rank: int, final: str) -> BaseException:
+    """What starting this rank's file raised, typed: ``SaveRefusedError`` for what cannot be
+    serialized (raised by ``save()``), ``WriteError`` for I/O (the save's outcome, in the handle),
+    an interrupt as it is."""
+    if not isinstance(exc, Exception) or isinstance(exc, LazyCkptError):
+        return exc
+    if isinstance(exc, OSError):
+        err: LazyCkptError = WriteError(f"rank {rank}: cannot write its part of {final}: {exc}", final, exc.errno)
+    else:
+        err = SaveRefusedError(f"rank {rank}: cannot save this state to {final}: {exc}")
+    err.__cause__ = exc
+    return err
 
 
 def _abort_reason(decided: str) -> _Outcome:
