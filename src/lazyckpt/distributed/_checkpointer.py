@@ -206,9 +206,18 @@ class DistributedCheckpointer:
         self._token = str(token[0])
         with _commit._live_lock:
             _commit.live_tokens.add(self._token)
-        self._proto = _commit.StoreProtocol(
-            dist.distributed_c10d._get_default_store(), self._token, self.rank, self.world_size
+        store = dist.distributed_c10d._get_default_store()
+        self._proto = _commit.StoreProtocol(store, self._token, self.rank, self.world_size)
+        # A heartbeat of its own (not the commit thread, which may wait long for a slow rank's own
+        # file): a dead or vanished rank fails the save on the others within seconds.
+        self._liveness = _commit.Liveness(store, self._token, self.rank, self.world_size)
+        self._liveness.beat()
+        self._store_host = _store_host_rank(self._group, self.rank)
+        self._stop_heartbeat = threading.Event()
+        self._heartbeat = threading.Thread(
+            target=self._liveness.run, args=(self._stop_heartbeat,), name="lazyckpt-dist-heartbeat", daemon=True
         )
+        self._heartbeat.start()
         self._inner = LazyCheckpointer(**options)
         self._lock = threading.Lock()
         self._pending: list[_Save] = []
@@ -326,6 +335,9 @@ class DistributedCheckpointer:
             self._closed = True
             self._queue.put(None)
             self._thread.join()
+            self._stop_heartbeat.set()
+            self._heartbeat.join()
+            self._liveness.stop()
             _open.discard(self)
             with _commit._live_lock:
                 _commit.live_tokens.discard(self._token)
@@ -393,12 +405,14 @@ class DistributedCheckpointer:
             try:
                 self._commit(entry)
             except BaseException as exc:  # a store that went away (its host died), a bug: fail, go on
+                host = self._store_host
+                lost = isinstance(exc, (dist.DistError, OSError)) and host is not None and host != self.rank
                 why = (
                     f"coordinating the save failed on rank {self.rank} ({exc}); the folder holds the complete new "
-                    "checkpoint or was not replaced (e.g. the store's host, rank 0, died)"
-                )
+                    "checkpoint or was not replaced"
+                ) + (f" (the store's host, rank {host}, died)" if lost else " (e.g. the store's host died)")
                 try:
-                    self._finish(entry, self._error(entry, why, exc))
+                    self._finish(entry, self._error(entry, why, exc, (host,) if lost and host is not None else ()))
                 except BaseException:  # noqa: BLE001 - the loop must outlive one save
                     logger.exception("lazyckpt: finishing the distributed save to %s failed", entry.final)
 
@@ -485,18 +499,23 @@ class DistributedCheckpointer:
 
     def _coordinate(self, entry: _Save, deadline: float) -> _Outcome | None:
         """Coordinator: gather, write the metadata, decide, publish. None when committed."""
-        reports, missing = self._proto.gather(entry.n, deadline)
+        reports, missing, dead = self._proto.gather(entry.n, deadline, self._liveness)
         own_exc: Exception | None = None
         failed = sorted(r.rank for r in reports.values() if not r.ok)
         if failed or missing:
             why = "; ".join(f"rank {r}: {reports[r].error}" for r in failed)
-            if missing:
+            if dead:
+                why = (why + "; " if why else "") + (
+                    f"rank(s) {dead} died or vanished (no heartbeat in the store for {_commit.DEAD_AFTER_S} s) "
+                    "before reporting a durable file"
+                )
+            elif missing:
                 why = (why + "; " if why else "") + (
                     f"rank(s) {missing} did not report a durable file within {self.commit_timeout} s "
-                    "(dead, hung, or slower than commit_timeout)"
+                    "(hung, or slower than commit_timeout)"
                 )
             upload = any(reports[r].upload_failed for r in failed)
-            body = {"ranks": failed + missing, "why": why, "upload": upload}
+            body = {"ranks": failed + (dead or missing), "why": why, "upload": upload}
             if entry.remote is not None:  # before the decision: then the others may start their next save
                 entry.remote.abort_unfinished()
             decided = self._proto.decide(entry.n, "abort:" + json.dumps(body))
@@ -541,9 +560,8 @@ class DistributedCheckpointer:
                 self._proto.set_result(entry.n, "ok")
         # Ranks that never reported may be dead (no acknowledgment to wait for) or merely slow: they
         # still need the outcome when they get there, so the keys stay unless every rank acknowledged.
-        acked = self._proto.wait_acks(
-            entry.n, self.world_size - 1 - len(missing), time.monotonic() + self.commit_timeout
-        )
+        others = [r for r in range(self.world_size) if r != self.rank and r not in missing]
+        acked = self._proto.wait_acks(entry.n, others, time.monotonic() + self.commit_timeout, self._liveness)
         if acked and not missing:
             self._proto.drop(entry.n)
         elif not acked:
@@ -552,21 +570,31 @@ class DistributedCheckpointer:
 
     def _follow(self, entry: _Save, deadline: float) -> _Outcome | None:
         """Other ranks: wait for the coordinator's decision (or decide abort when it never comes)."""
-        decided = self._proto.wait_value(entry.n, "outcome", deadline)
+        decided = self._proto.wait_value(entry.n, "outcome", deadline, self._liveness, 0)
         if decided is None:
-            why = (
-                f"rank {self.rank} got no decision from the coordinator within {self.commit_timeout} s "
-                "after its own file was durable (a rank died, hung, or is slower than commit_timeout)"
-            )
-            decided = self._proto.decide(entry.n, "abort:" + json.dumps({"ranks": [], "why": why}))
+            if self._liveness.dead([0]):
+                why = (
+                    "rank 0 (the coordinator) died or vanished (no heartbeat in the store for "
+                    f"{_commit.DEAD_AFTER_S} s) before deciding"
+                )
+                body = {"ranks": [0], "why": why}
+            else:
+                why = (
+                    f"rank {self.rank} got no decision from the coordinator within {self.commit_timeout} s "
+                    "after its own file was durable (a rank hung, or is slower than commit_timeout)"
+                )
+                body = {"ranks": [], "why": why}
+            decided = self._proto.decide(entry.n, "abort:" + json.dumps(body))
         if decided != "commit":
             return _abort_reason(decided)
-        result = self._proto.wait_value(entry.n, "result", time.monotonic() + self.commit_timeout)
+        result = self._proto.wait_value(entry.n, "result", time.monotonic() + self.commit_timeout, self._liveness, 0)
         if result == "ok":
             return None
         if result is None:
+            died = self._liveness.dead([0])
+            when = "died before confirming" if died else f"did not confirm within {self.commit_timeout} s"
             return _Outcome(
-                f"the coordinator decided to commit but did not confirm within {self.commit_timeout} s; "
+                f"the coordinator (rank 0) decided to commit but {when}; "
                 f"{entry.final} holds either the complete new checkpoint or the previous state",
                 (0,),
                 undo=False,
@@ -610,6 +638,16 @@ class DistributedCheckpointer:
             resolved = resolve_handle(self._inner, entry.handle, stats, error)
         if resolved:
             complete_handle(self._inner, entry.handle)
+
+
+def _store_host_rank(group: dist.ProcessGroup, rank: int) -> int | None:
+    """The rank (in ``group``) whose process hosts the c10d store, when it is known: global rank 0
+    under ``init_method`` tcp:// or env:// (its death takes the store with it); None under
+    torchrun, whose agent hosts the store (a dead rank 0 is then found by its heartbeat)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        return None
+    ranks = dist.get_process_group_ranks(group)
+    return ranks.index(0) if 0 in ranks else None
 
 
 def _classify_start_error(exc: BaseException, rank: int, final: str) -> BaseException:
