@@ -34,7 +34,7 @@ def test_accelerate_warning_is_reexported():
 
 
 def test_cleanup_temporaries_is_the_filesystem_modules():
-    """``lazyckpt.cleanup_temporaries`` is ``lazyckpt.storage.fs``'s (the old alias module ``lazyckpt._commit``
+    """``lazyckpt.cleanup_temporaries`` is ``lazyckpt.storage.fs``'s (the old alias module ``_commit``
     is gone with the package layout)."""
     from lazyckpt.storage import fs as _fs
 

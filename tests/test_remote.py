@@ -170,6 +170,54 @@ def test_generic_backend_retries_then_typed_error_and_nothing_visible(tmp_path, 
     assert sorted(fs.ls("/g1", detail=False)) == ["/g1/ok.pt"]  # no final key, no temporary key
 
 
+class DenyingRemoveFS(MemoryFileSystem):
+    """memory:// whose rm fails for good once ``deny`` is set (a permission error is not retried)."""
+
+    protocol = "denyrm"
+    deny = False
+
+    @classmethod
+    def _strip_protocol(cls, path):
+        return super()._strip_protocol(path.removeprefix("denyrm://"))
+
+    def rm(self, path, *args, **kwargs):
+        if DenyingRemoveFS.deny:
+            raise PermissionError(f"injected: may not delete {path}")
+        return super().rm(path, *args, **kwargs)
+
+
+@pytest.fixture
+def denying_rm(monkeypatch):
+    fsspec.register_implementation("denyrm", DenyingRemoveFS, clobber=True)
+    monkeypatch.setattr(DenyingRemoveFS, "deny", False)
+    return DenyingRemoveFS
+
+
+def test_a_failed_url_removal_claimed_by_its_future_is_not_raised_again_by_wait(tmp_path, denying_rm):
+    with _ckpt(tmp_path) as ck:
+        ck.save(_state(seed=30), "denyrm://d1/a.pt").wait()
+        denying_rm.deny = True
+        fut = ck.remove("denyrm://d1/a.pt")
+        with pytest.raises(UploadError, match="injected"):
+            fut.result(timeout=60)
+        ck.wait()  # claimed by its owner: not raised a second time
+        assert isinstance(fut.exception(), UploadError)  # the future still holds it
+    # close() (the with block) raised nothing either
+
+
+def test_a_failed_url_removal_not_claimed_by_its_future_is_raised_once_by_wait(tmp_path, denying_rm):
+    with _ckpt(tmp_path) as ck:
+        ck.save(_state(seed=31), "denyrm://d2/a.pt").wait()
+        denying_rm.deny = True
+        fut = ck.remove("denyrm://d2/a.pt")
+        with pytest.raises(UploadError, match="injected"):
+            ck.wait()
+        assert fut.done()
+        ck.wait()  # once
+        with pytest.raises(UploadError, match="injected"):
+            fut.result()  # the owner may still read its own future
+
+
 def test_transient_classification():
     from botocore.exceptions import ClientError
 

@@ -353,6 +353,49 @@ def scenario_write_error() -> None:
     RESULT["listing"] = sorted(os.listdir(os.path.dirname(ckpt_path("bad"))))
 
 
+def scenario_memory_fs_full() -> None:
+    """On a memory filesystem (the file is created inside save()), rank 1's disk is full when its
+    file is created: save() returns on both ranks (it raises only SaveRefusedError), and both
+    ranks' handle.wait() and wait() raise the same DistributedSaveError naming rank 1."""
+    import lazyckpt.storage.fs as _fs
+    from lazyckpt import SaveRefusedError, WriteError
+
+    folder = os.environ["LAZYCKPT_TEST_SHM"]
+    assert _fs.is_memory_filesystem(folder)
+    state = {"w": torch.randn(64, 64), f"own{RANK}": torch.randn(512)}
+    created_in_save = []
+    with DistributedCheckpointer(**OPTS) as ckpt:
+        if RANK == 1:
+            real = _fs.open_temporary
+
+            def full(path, size):
+                created_in_save.append(True)
+                raise OSError(errno.ENOSPC, "No space left on device (injected)", path)
+
+            _fs.open_temporary = full
+        try:
+            h = ckpt.save(state, os.path.join(folder, "full"))
+        except (SaveRefusedError, WriteError) as exc:
+            RESULT["save_raised"] = f"{type(exc).__name__}: {exc}"
+            raise
+        if RANK == 1:
+            _fs.open_temporary = real
+        RESULT["save_raised"] = None
+        for name, call in (("handle", h.wait), ("wait", ckpt.wait)):
+            try:
+                call()
+                RESULT[name] = None
+            except DistributedSaveError as exc:
+                RESULT[name] = {
+                    "type": type(exc).__name__, "ranks": list(exc.ranks), "message": str(exc),
+                    "cause": type(exc.__cause__).__name__, "errno": getattr(exc.__cause__, "errno", None),
+                }  # fmt: skip
+        RESULT["created_in_save"] = bool(created_in_save)
+        dist.barrier()
+        ckpt.save(state, os.path.join(folder, "ok")).wait()  # usable again
+    RESULT["listing"] = sorted(os.listdir(folder))
+
+
 def scenario_subgroup() -> None:
     """process_group: ranks 1 and 2 save together (group ranks 0 and 1); rank 0 takes no part."""
     group = dist.new_group([1, 2], backend="gloo")
@@ -490,7 +533,7 @@ def scenario_sigkill_coordinator() -> None:
         h.wait()
         raise AssertionError("wait() should have failed")
     except DistributedSaveError as exc:
-        RESULT.update(message=str(exc), waited_s=time.monotonic() - t)
+        RESULT.update(message=str(exc), waited_s=time.monotonic() - t, ranks=list(exc.ranks))
     RESULT["listing"] = sorted(os.listdir(os.path.dirname(ckpt_path("killed"))))
 
 
@@ -520,12 +563,80 @@ def scenario_sigkill() -> None:
     RESULT["listing"] = sorted(os.listdir(os.path.dirname(ckpt_path("killed"))))
 
 
+def scenario_sigkill_detected() -> None:
+    """Rank 1 is SIGKILLed mid-write; commit_timeout is 120 s: rank 0's wait() fails naming rank 1
+    as soon as its heartbeat has stopped (seconds), not after commit_timeout."""
+    state = {"w": torch.randn(64, 64), f"own{RANK}": torch.randn(4096)}
+    ckpt = DistributedCheckpointer(commit_timeout=120.0, **OPTS)
+    if RANK == 1:
+        _patch_data_writes(lambda: os.kill(os.getpid(), signal.SIGKILL))
+    h = ckpt.save(state, ckpt_path("killed"))
+    t = time.monotonic()
+    try:
+        h.wait()
+        raise AssertionError("wait() should have failed")
+    except DistributedSaveError as exc:
+        RESULT.update(ranks=list(exc.ranks), message=str(exc), waited_s=time.monotonic() - t)
+    RESULT["listing"] = sorted(os.listdir(os.path.dirname(ckpt_path("killed"))))
+
+
+def scenario_sigkill_coordinator_detected() -> None:
+    """As scenario_sigkill_coordinator, but the store outlives rank 0 (hosted by the test process,
+    as torchrun's agent hosts it): rank 1 learns of the death from rank 0's stopped heartbeat and
+    fails naming rank 0, well within commit_timeout (120 s)."""
+    state = {"w": torch.randn(64, 64), f"own{RANK}": torch.randn(4096)}
+    ckpt = DistributedCheckpointer(commit_timeout=120.0, **OPTS)
+    if RANK == 0:
+        _patch_data_writes(lambda: os.kill(os.getpid(), signal.SIGKILL))
+    h = ckpt.save(state, ckpt_path("killed"))
+    t = time.monotonic()
+    try:
+        h.wait()
+        raise AssertionError("wait() should have failed")
+    except DistributedSaveError as exc:
+        RESULT.update(ranks=list(exc.ranks), message=str(exc), waited_s=time.monotonic() - t)
+    RESULT["listing"] = sorted(os.listdir(os.path.dirname(ckpt_path("killed"))))
+
+
+def scenario_slow_alive_rank() -> None:
+    """Rank 1's file is held (its finalisation waits on an Event) for three times the time after
+    which a silent rank counts as dead, well within commit_timeout (60 s): rank 1 is alive (its
+    heartbeat runs), so the save commits on both ranks."""
+    import threading
+
+    import lazyckpt.core.engine as engine
+    from lazyckpt.distributed import _commit
+
+    _commit.DEAD_AFTER_S = 1.0  # on both ranks: a false "dead" would show within the hold
+    ckpt = DistributedCheckpointer(commit_timeout=60.0, **OPTS)
+    if RANK == 1:
+        real_finalize = engine.Engine._finalize
+        never_set = threading.Event()
+
+        def held_finalize(self, job):
+            never_set.wait(3 * _commit.DEAD_AFTER_S)  # slow, not dead: bounded
+            real_finalize(self, job)
+
+        engine.Engine._finalize = held_finalize
+    t = time.monotonic()
+    ckpt.save({"w": torch.ones(64), f"own{RANK}": torch.ones(8)}, ckpt_path("slow")).wait()
+    RESULT["waited_s"] = time.monotonic() - t
+    ckpt.close()
+    RESULT["verified"] = verify_checkpoint(ckpt_path("slow")).ok
+
+
 SCENARIOS = {name[len("scenario_") :]: fn for name, fn in globals().items() if name.startswith("scenario_")}
 
 
 def main() -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=PORT)
-    dist.init_process_group("gloo", rank=RANK, world_size=WORLD, timeout=timedelta(seconds=60))
+    store_port = os.environ.get("LAZYCKPT_TEST_STORE_PORT")
+    if store_port:  # the store is hosted by the test process (as torchrun's agent hosts it)
+        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+        store = dist.TCPStore("127.0.0.1", int(store_port), WORLD, is_master=False, timeout=timedelta(seconds=60))
+        dist.init_process_group("gloo", store=store, rank=RANK, world_size=WORLD, timeout=timedelta(seconds=60))
+    else:
+        dist.init_process_group("gloo", rank=RANK, world_size=WORLD, timeout=timedelta(seconds=60))
     try:
         SCENARIOS[SCENARIO]()
     except BaseException as exc:

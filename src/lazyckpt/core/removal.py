@@ -51,6 +51,13 @@ class RemovalFuture(Future):  # type: ignore[type-arg]
             self._report.claim()
         return exc
 
+    def fail(self, exc: BaseException, publish: Callable[[Report], None]) -> None:
+        """The producer's side: publish the failure's report (claimed once: by this future's
+        ``result()``/``exception()`` or by the ledger), then complete the future with it."""
+        self._report = Report(exc)
+        publish(self._report)  # before the future is done: whoever sees it done finds the error
+        self.set_exception(exc)
+
 
 class Remover:
     """One daemon thread deleting renamed paths in order; ``wait()`` drains it.
@@ -127,9 +134,7 @@ class Remover:
 
     def _fail(self, done: RemovalFuture, exc: BaseException) -> None:
         logger.warning("lazyckpt: could not remove: %s", exc)
-        done._report = Report(exc)
-        self._on_failed(done._report)
-        done.set_exception(exc)
+        done.fail(exc, self._on_failed)
 
     def _delete_into(self, trash: str, done: RemovalFuture) -> None:
         try:

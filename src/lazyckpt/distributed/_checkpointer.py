@@ -32,6 +32,7 @@ from ..errors import (
     LazyCkptError,
     SaveRefusedError,
     UploadError,
+    WriteError,
 )
 from . import _commit
 from ._commit import RankReport
@@ -206,9 +207,18 @@ class DistributedCheckpointer:
         self._token = str(token[0])
         with _commit._live_lock:
             _commit.live_tokens.add(self._token)
-        self._proto = _commit.StoreProtocol(
-            dist.distributed_c10d._get_default_store(), self._token, self.rank, self.world_size
+        store = dist.distributed_c10d._get_default_store()
+        self._proto = _commit.StoreProtocol(store, self._token, self.rank, self.world_size)
+        # A heartbeat of its own (not the commit thread, which may wait long for a slow rank's own
+        # file): a dead or vanished rank fails the save on the others within seconds.
+        self._liveness = _commit.Liveness(store, self._token, self.rank, self.world_size)
+        self._liveness.beat()
+        self._store_host = _store_host_rank(self._group, self.rank)
+        self._stop_heartbeat = threading.Event()
+        self._heartbeat = threading.Thread(
+            target=self._liveness.run, args=(self._stop_heartbeat,), name="lazyckpt-dist-heartbeat", daemon=True
         )
+        self._heartbeat.start()
         self._inner = LazyCheckpointer(**options)
         self._lock = threading.Lock()
         self._pending: list[_Save] = []
@@ -236,7 +246,11 @@ class DistributedCheckpointer:
 
         Raises ``SaveRefusedError`` on every rank if planning fails on any (nothing written); on
         one rank only if that rank cannot serialize its part (the save then fails on the others
-        with ``DistributedSaveError``). Unlike ``LazyCheckpointer.save``, it does not raise an
+        with ``DistributedSaveError``). Nothing else: an I/O error on this rank, even one met
+        inside ``save()`` (a full memory filesystem, where the file is created here), fails the
+        save on every rank alike, with ``DistributedSaveError`` naming this rank from the handle's
+        ``wait()`` and the checkpointer's ``wait()`` / ``close()`` (its ``__cause__`` here is the
+        ``WriteError``). Unlike ``LazyCheckpointer.save``, it does not raise an
         earlier save's error (that would break the collective): ``wait()`` and ``close()`` do.
         """
         t0 = time.perf_counter()
@@ -280,15 +294,16 @@ class DistributedCheckpointer:
                 entry.remote = RemoteFolder.create(self._tier(), final)
                 entry.staging = entry.remote.local
             self._start_file(entry, plan)
-        except BaseException as exc:  # the other ranks must learn it: report, then raise here
-            if isinstance(exc, Exception) and not isinstance(exc, LazyCkptError):
-                refused = SaveRefusedError(f"rank {self.rank}: cannot save this state to {final}: {exc}")
-                refused.__cause__ = exc
-                exc = refused
+        except BaseException as exc:  # the other ranks must learn it: report it (the commit thread)
+            exc = _classify_start_error(exc, self.rank, final)
             entry.error = exc
-            completion.caller_saw_error()  # raised here, not again by wait() or close()
-            self._queue.put(entry)
-            raise exc
+            if not isinstance(exc, Exception) or isinstance(exc, SaveRefusedError):
+                completion.caller_saw_error()  # raised here, not again by wait() or close()
+                self._queue.put(entry)
+                raise exc
+            # An I/O failure (a full memory filesystem, where the file is created inside save()) is
+            # the save's outcome, not a refusal: every rank gets the same DistributedSaveError from
+            # the same call (handle.wait() / wait()), as when the write fails in the background.
         self._queue.put(entry)
         return handle
 
@@ -322,6 +337,9 @@ class DistributedCheckpointer:
             self._closed = True
             self._queue.put(None)
             self._thread.join()
+            self._stop_heartbeat.set()
+            self._heartbeat.join()
+            self._liveness.stop()
             _exit.unregister(self)
             with _commit._live_lock:
                 _commit.live_tokens.discard(self._token)
@@ -389,12 +407,14 @@ class DistributedCheckpointer:
             try:
                 self._commit(entry)
             except BaseException as exc:  # a store that went away (its host died), a bug: fail, go on
+                host = self._store_host
+                lost = isinstance(exc, (dist.DistError, OSError)) and host is not None and host != self.rank
                 why = (
                     f"coordinating the save failed on rank {self.rank} ({exc}); the folder holds the complete new "
-                    "checkpoint or was not replaced (e.g. the store's host, rank 0, died)"
-                )
+                    "checkpoint or was not replaced"
+                ) + (f" (the store's host, rank {host}, died)" if lost else " (e.g. the store's host died)")
                 try:
-                    self._finish(entry, self._error(entry, why, exc))
+                    self._finish(entry, self._error(entry, why, exc, (host,) if lost and host is not None else ()))
                 except BaseException:  # noqa: BLE001 - the loop must outlive one save
                     logger.exception("lazyckpt: finishing the distributed save to %s failed", entry.final)
 
@@ -481,18 +501,23 @@ class DistributedCheckpointer:
 
     def _coordinate(self, entry: _Save, deadline: float) -> _Outcome | None:
         """Coordinator: gather, write the metadata, decide, publish. None when committed."""
-        reports, missing = self._proto.gather(entry.n, deadline)
+        reports, missing, dead = self._proto.gather(entry.n, deadline, self._liveness)
         own_exc: Exception | None = None
         failed = sorted(r.rank for r in reports.values() if not r.ok)
         if failed or missing:
             why = "; ".join(f"rank {r}: {reports[r].error}" for r in failed)
-            if missing:
+            if dead:
+                why = (why + "; " if why else "") + (
+                    f"rank(s) {dead} died or vanished (no heartbeat in the store for {_commit.DEAD_AFTER_S} s) "
+                    "before reporting a durable file"
+                )
+            elif missing:
                 why = (why + "; " if why else "") + (
                     f"rank(s) {missing} did not report a durable file within {self.commit_timeout} s "
-                    "(dead, hung, or slower than commit_timeout)"
+                    "(hung, or slower than commit_timeout)"
                 )
             upload = any(reports[r].upload_failed for r in failed)
-            body = {"ranks": failed + missing, "why": why, "upload": upload}
+            body = {"ranks": failed + (dead or missing), "why": why, "upload": upload}
             if entry.remote is not None:  # before the decision: then the others may start their next save
                 entry.remote.abort_unfinished()
             decided = self._proto.decide(entry.n, "abort:" + json.dumps(body))
@@ -537,9 +562,8 @@ class DistributedCheckpointer:
                 self._proto.set_result(entry.n, "ok")
         # Ranks that never reported may be dead (no acknowledgment to wait for) or merely slow: they
         # still need the outcome when they get there, so the keys stay unless every rank acknowledged.
-        acked = self._proto.wait_acks(
-            entry.n, self.world_size - 1 - len(missing), time.monotonic() + self.commit_timeout
-        )
+        others = [r for r in range(self.world_size) if r != self.rank and r not in missing]
+        acked = self._proto.wait_acks(entry.n, others, time.monotonic() + self.commit_timeout, self._liveness)
         if acked and not missing:
             self._proto.drop(entry.n)
         elif not acked:
@@ -548,21 +572,31 @@ class DistributedCheckpointer:
 
     def _follow(self, entry: _Save, deadline: float) -> _Outcome | None:
         """Other ranks: wait for the coordinator's decision (or decide abort when it never comes)."""
-        decided = self._proto.wait_value(entry.n, "outcome", deadline)
+        decided = self._proto.wait_value(entry.n, "outcome", deadline, self._liveness, 0)
         if decided is None:
-            why = (
-                f"rank {self.rank} got no decision from the coordinator within {self.commit_timeout} s "
-                "after its own file was durable (a rank died, hung, or is slower than commit_timeout)"
-            )
-            decided = self._proto.decide(entry.n, "abort:" + json.dumps({"ranks": [], "why": why}))
+            if self._liveness.dead([0]):
+                why = (
+                    "rank 0 (the coordinator) died or vanished (no heartbeat in the store for "
+                    f"{_commit.DEAD_AFTER_S} s) before deciding"
+                )
+                body = {"ranks": [0], "why": why}
+            else:
+                why = (
+                    f"rank {self.rank} got no decision from the coordinator within {self.commit_timeout} s "
+                    "after its own file was durable (a rank hung, or is slower than commit_timeout)"
+                )
+                body = {"ranks": [], "why": why}
+            decided = self._proto.decide(entry.n, "abort:" + json.dumps(body))
         if decided != "commit":
             return _abort_reason(decided)
-        result = self._proto.wait_value(entry.n, "result", time.monotonic() + self.commit_timeout)
+        result = self._proto.wait_value(entry.n, "result", time.monotonic() + self.commit_timeout, self._liveness, 0)
         if result == "ok":
             return None
         if result is None:
+            died = self._liveness.dead([0])
+            when = "died before confirming" if died else f"did not confirm within {self.commit_timeout} s"
             return _Outcome(
-                f"the coordinator decided to commit but did not confirm within {self.commit_timeout} s; "
+                f"the coordinator (rank 0) decided to commit but {when}; "
                 f"{entry.final} holds either the complete new checkpoint or the previous state",
                 (0,),
                 undo=False,
@@ -607,6 +641,30 @@ class DistributedCheckpointer:
             resolved = resolve_handle(self._inner, entry.completion, stats, error)
         if resolved:
             complete_handle(self._inner, entry.completion)
+
+
+def _store_host_rank(group: dist.ProcessGroup, rank: int) -> int | None:
+    """The rank (in ``group``) whose process hosts the c10d store, when it is known: global rank 0
+    under ``init_method`` tcp:// or env:// (its death takes the store with it); None under
+    torchrun, whose agent hosts the store (a dead rank 0 is then found by its heartbeat)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        return None
+    ranks = dist.get_process_group_ranks(group)
+    return ranks.index(0) if 0 in ranks else None
+
+
+def _classify_start_error(exc: BaseException, rank: int, final: str) -> BaseException:
+    """What starting this rank's file raised, typed: ``SaveRefusedError`` for what cannot be
+    serialized (raised by ``save()``), ``WriteError`` for I/O (the save's outcome, in the handle),
+    an interrupt as it is."""
+    if not isinstance(exc, Exception) or isinstance(exc, LazyCkptError):
+        return exc
+    if isinstance(exc, OSError):
+        err: LazyCkptError = WriteError(f"rank {rank}: cannot write its part of {final}: {exc}", final, exc.errno)
+    else:
+        err = SaveRefusedError(f"rank {rank}: cannot save this state to {final}: {exc}")
+    err.__cause__ = exc
+    return err
 
 
 def _abort_reason(decided: str) -> _Outcome:

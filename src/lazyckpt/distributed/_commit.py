@@ -53,6 +53,65 @@ def _polls(deadline: float) -> Iterator[bool]:
         delay = min(delay * 2, _POLL_MAX_S)
 
 
+# Liveness: every rank's heartbeat thread bumps a counter of its own in the store every
+# HEARTBEAT_S; a rank whose counter has not moved for DEAD_AFTER_S (by the observer's own clock: no
+# clock is compared across hosts) is dead or cut off. It is a thread of its own, not the commit
+# thread, which may wait minutes for a slow rank's own file: a slow rank stays alive, and only
+# commit_timeout fails it. DEAD_AFTER_S leaves room for a process whose threads are starved for a
+# few seconds (a long call holding the GIL) before calling it dead.
+HEARTBEAT_S, DEAD_AFTER_S = 0.5, 6.0
+
+
+class Liveness:
+    """One checkpointer's heartbeat (``beat``, on its own thread) and its view of the others'."""
+
+    def __init__(self, store: Any, token: str, rank: int, world_size: int) -> None:
+        self.store, self.token, self.rank, self.world_size = store, token, rank, world_size
+        self._seen: dict[int, tuple[int, float, float]] = {}  # rank -> (counter, when it moved, looked up)
+        self._lock = threading.Lock()
+
+    def key(self, rank: int) -> str:
+        return f"lazyckpt/{self.token}/alive/r{rank}"
+
+    def beat(self) -> None:
+        self.store.add(self.key(self.rank), 1)
+
+    def run(self, stop: threading.Event) -> None:
+        """Beat every ``HEARTBEAT_S`` until ``stop``; a failed request (the store's host gone) is
+        retried at the next beat: the commit thread learns of a lost store by itself."""
+        while not stop.wait(HEARTBEAT_S):
+            try:
+                self.beat()
+            except Exception as exc:  # noqa: BLE001 - the heartbeat must outlive a store hiccup
+                logger.debug("lazyckpt: heartbeat of rank %d failed: %s", self.rank, exc)
+
+    def stop(self) -> None:
+        try:
+            self.store.delete_key(self.key(self.rank))
+        except Exception:  # some stores cannot delete; the key is small
+            pass
+
+    def dead(self, ranks: list[int] | range) -> list[int]:
+        """Those of ``ranks`` whose heartbeat stopped. Each rank's counter is looked up at most
+        every ``HEARTBEAT_S`` (the polls in between stay at their two requests)."""
+        now = time.monotonic()
+        dead = []
+        with self._lock:
+            for r in ranks:
+                if r == self.rank:
+                    continue
+                value, moved, looked = self._seen.get(r, (-1, now, 0.0))
+                if now - looked >= HEARTBEAT_S:
+                    current = int(self.store.add(self.key(r), 0))
+                    if current != value:
+                        value, moved = current, now
+                    looked = now
+                self._seen[r] = (value, moved, looked)
+                if now - moved > DEAD_AFTER_S:
+                    dead.append(r)
+        return dead
+
+
 # Tokens of the checkpointers open in this process: their staging directories are never leftovers.
 live_tokens: set[str] = set()
 _live_lock = threading.Lock()
@@ -123,12 +182,18 @@ class StoreProtocol:
             self.store.set(self._key(n, "failed"), str(report.rank))
         self.store.add(self._key(n, "reported"), 1)
 
-    def gather(self, n: int, deadline: float) -> tuple[dict[int, RankReport], list[int]]:
-        """Reports of every rank, or as soon as one failed; and the ranks missing at ``deadline``.
-        Two requests per poll whatever the world size: a counter and a failure flag."""
+    def gather(
+        self, n: int, deadline: float, liveness: Liveness | None = None
+    ) -> tuple[dict[int, RankReport], list[int], list[int]]:
+        """Reports of every rank, or as soon as one failed or a rank that has not reported is
+        dead; the ranks missing then, and the dead among them. Two requests per poll whatever the
+        world size (a counter and a failure flag), plus the liveness look-up every ``HEARTBEAT_S``."""
+        dead: list[int] = []
         for time_left in _polls(deadline):
             everyone = int(self.store.add(self._key(n, "reported"), 0)) >= self.world_size
             if everyone or self.store.check([self._key(n, "failed")]) or not time_left:
+                break
+            if liveness is not None and (dead := self._dead_unreported(n, liveness)):
                 break
         reports: dict[int, RankReport] = {}
         missing: list[int] = []
@@ -139,19 +204,27 @@ class StoreProtocol:
             else:
                 missing.append(r)
         if any(not rep.ok for rep in reports.values()):
-            return reports, []  # decided by the failure; the others may still be on their way
-        return reports, missing
+            return reports, [], []  # decided by the failure; the others may still be on their way
+        return reports, missing, [r for r in dead if r in missing]
+
+    def _dead_unreported(self, n: int, liveness: Liveness) -> list[int]:
+        dead = liveness.dead(range(self.world_size))
+        return [r for r in dead if not self.store.check([self._key(n, f"r{r}")])]
 
     def decide(self, n: int, outcome: str) -> str:
         """Set the outcome unless someone did first; return the outcome that holds."""
         return bytes(self.store.compare_set(self._key(n, "outcome"), "", outcome)).decode()
 
-    def wait_value(self, n: int, name: str, deadline: float) -> str | None:
+    def wait_value(
+        self, n: int, name: str, deadline: float, liveness: Liveness | None = None, writer: int = 0
+    ) -> str | None:
+        """The key's value, or None at ``deadline`` or once ``writer`` (the rank that would set
+        it) is dead (``liveness``; check ``liveness.dead([writer])`` to tell which)."""
         key = self._key(n, name)
         for time_left in _polls(deadline):
             if self.store.check([key]):
                 return bytes(self.store.get(key)).decode()
-            if not time_left:
+            if not time_left or (liveness is not None and liveness.dead([writer])):
                 return None
         raise AssertionError("unreachable")
 
@@ -160,22 +233,29 @@ class StoreProtocol:
 
     def ack(self, n: int) -> None:
         """A rank has read how save ``n`` ended (it needs the store no more for it)."""
+        self.store.set(self._key(n, f"a{self.rank}"), "1")  # who: a dead rank is not waited for
         self.store.add(self._key(n, "acks"), 1)
 
-    def wait_acks(self, n: int, expected: int, deadline: float) -> bool:
-        """Until ``expected`` ranks acknowledged, or ``deadline``. The coordinator's process often
-        hosts the store: finishing its handle (after which it may exit) before the others have read
-        the outcome would cut them off and fail a save that committed."""
+    def wait_acks(self, n: int, ranks: list[int], deadline: float, liveness: Liveness | None = None) -> bool:
+        """Until every one of ``ranks`` acknowledged (True), or ``deadline`` or every rank but dead
+        ones (``liveness``) did (False). The
+        coordinator's process often hosts the store: finishing its handle (after which it may exit)
+        before the others have read the outcome would cut them off and fail a save that committed."""
         for time_left in _polls(deadline):
-            if int(self.store.add(self._key(n, "acks"), 0)) >= expected:
+            if int(self.store.add(self._key(n, "acks"), 0)) >= len(ranks):
                 return True
+            if liveness is not None and (dead := liveness.dead(ranks)):
+                alive = [r for r in ranks if r not in dead]
+                if all(self.store.check([self._key(n, f"a{r}")]) for r in alive):
+                    return False  # the dead will never acknowledge: stop waiting, keep the keys
             if not time_left:
                 return False
         raise AssertionError("unreachable")
 
     def drop(self, n: int) -> None:
         """Delete save ``n``'s keys (once every rank has acknowledged)."""
-        names = [f"r{r}" for r in range(self.world_size)] + ["outcome", "result", "acks", "reported", "failed"]
+        names = [f"r{r}" for r in range(self.world_size)] + [f"a{r}" for r in range(self.world_size)]
+        names += ["outcome", "result", "acks", "reported", "failed"]
         for name in names:
             try:
                 self.store.delete_key(self._key(n, name))

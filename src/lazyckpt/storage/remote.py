@@ -34,11 +34,11 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from lazyckpt.core.handle import CallbackRunner, Completion, Outcome, SaveHandle, SaveStats
+from lazyckpt.core.removal import RemovalFuture
 from lazyckpt.core.report import Report
 from lazyckpt.errors import SaveRefusedError, UploadError
 from lazyckpt.options import CheckpointerOptions
@@ -127,7 +127,8 @@ class _Deletion:
     url: str
     fs: Any
     rpath: str
-    future: Future = field(default_factory=Future)
+    # The local path's future type: an error fetched through it is claimed, so wait() does not raise it again.
+    future: RemovalFuture = field(default_factory=RemovalFuture)
 
 
 class RemoteTier:
@@ -231,7 +232,7 @@ class RemoteTier:
         self._queue.put(item)
         return handle
 
-    def remove(self, url: str, fs: Any, rpath: str) -> Future:
+    def remove(self, url: str, fs: Any, rpath: str) -> RemovalFuture:
         """Delete ``url`` after every upload queued before (in particular, to it)."""
         item = _Deletion(url, fs, rpath)
         with self._cond:
@@ -295,8 +296,7 @@ class RemoteTier:
             self.delete_object(item.url, item.fs, item.rpath)
             item.future.set_result(None)
         except BaseException as exc:  # noqa: BLE001 - reaches the caller through the future / the ledger
-            self._publish(Report(exc))
-            item.future.set_exception(exc)
+            item.future.fail(exc, self._publish)  # one report, shared by the future and the ledger
 
     def _upload(self, item: _Upload) -> None:
         local = item.handle.local_handle
