@@ -287,7 +287,7 @@ class LazyCheckpointer:
         self._check_open()
         if _remote.is_url(path):
             url = str(path)
-            tier = self._remote_tier()
+            tier = self.remote_tier()
             return tier.remove(url, *tier.resolve(url))
         target = os.path.abspath(os.fspath(path))
         trash = None if trash_dir is None else os.path.abspath(os.fspath(trash_dir))
@@ -393,7 +393,8 @@ class LazyCheckpointer:
         if self._closed:
             raise CheckpointerClosedError("this LazyCheckpointer is closed; create a new one")
 
-    def _remote_tier(self) -> _remote.RemoteTier:
+    def remote_tier(self) -> _remote.RemoteTier:
+        """Internal API: the remote tier (local folder, upload threads), made at the first use."""
         with self._lock:
             if self._remote is None:
                 self._remote = _remote.RemoteTier(self.options, self._errors.publish, self._engine.callbacks)
@@ -403,7 +404,7 @@ class LazyCheckpointer:
     def _save_url(self, obj: Any, url: str, t0: float, **kwargs: Any) -> SaveHandle:
         """A URL save: the local save into the remote tier's folder, then its upload (``_remote.py``)."""
         self._check_open()
-        tier = self._remote_tier()
+        tier = self.remote_tier()
         fs, rpath = tier.resolve(url)
         if not tier.admit(skip=self.on_backpressure == "skip"):
             self.skipped_saves += 1

@@ -14,13 +14,12 @@ names only; no framework is imported here.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import os
-import shutil
 from typing import TYPE_CHECKING, Any
 
+from lazyckpt.commit.prefix import Prefix
 from lazyckpt.errors import IncompleteCheckpointError, UploadError
 from lazyckpt.storage import remote as _remote
 
@@ -38,7 +37,7 @@ def _join(base: str, rel: str) -> str:
 
 def local_folder(checkpointer: LazyCheckpointer, url: str) -> str:
     """A fresh folder in the checkpointer's local tier for one folder save to ``url``."""
-    tier = checkpointer._remote_tier()
+    tier = checkpointer.remote_tier()
     _fs, rpath = tier.resolve(url)
     path = tier.local_path(rpath)  # <local_dir>/.uploads/<pid>-<n>/<name>: its parent is fresh
     os.makedirs(path)
@@ -58,44 +57,35 @@ def files_of(folder: str) -> list[str]:
 
 
 def upload(checkpointer: LazyCheckpointer, folder: str, url: str) -> dict[str, Any]:
-    """Upload the complete local ``folder`` to ``url``, the manifest last; returns the manifest.
+    """Upload the complete local ``folder`` to ``url``, the manifest last (``commit/prefix.py``);
+    returns the manifest.
 
     Raises ``UploadError`` (the local folder is then kept, and named in the error). On success the
     local copy is removed, or kept at ``<local_dir>/<protocol>/<key>`` with ``keep_local``."""
-    tier = checkpointer._remote_tier()
-    fs, rpath = tier.resolve(url)
-    manifest_url, manifest_rpath = _join(url, MANIFEST), _join(rpath, MANIFEST)
-    files: list[str] = []
-    done: list[str] = []
+    prefix = Prefix.at(checkpointer.remote_tier(), url, MANIFEST, local=folder)
     try:
-        tier.delete_object(manifest_url, fs, manifest_rpath)  # no old manifest while files change
+        prefix.hide_previous()  # no old manifest while files change
         files = files_of(folder)
         for rel in files:
-            tier.transfer(_join(url, rel), fs, _join(rpath, rel), os.path.join(folder, rel))
-            done.append(rel)
+            prefix.upload(rel)
         manifest = {"format": _FORMAT, "files": {rel: os.path.getsize(os.path.join(folder, rel)) for rel in files}}
-        local_manifest = os.path.join(folder, MANIFEST)
-        with open(local_manifest, "w") as fh:
+        with open(os.path.join(folder, MANIFEST), "w") as fh:
             json.dump(manifest, fh, indent=1, sort_keys=True)
-        tier.transfer(manifest_url, fs, manifest_rpath, local_manifest)
+        prefix.upload(MANIFEST)
     except Exception as exc:
-        for rel in done:  # tidy, best effort: without the manifest they are no checkpoint anyway
-            with contextlib.suppress(Exception):
-                tier.delete_object(_join(url, rel), fs, _join(rpath, rel))
+        prefix.remove_uploaded()  # tidy, best effort: without the manifest they are no checkpoint anyway
         raise UploadError(
             f"upload of the folder checkpoint {url} failed ({exc}); no manifest was written, so {url} holds "
             f"no checkpoint; the local copy is kept at {folder}",
             url, attempts=getattr(exc, "attempts", 0), local_path=folder,
         ) from exc  # fmt: skip
-    for rel in [*files, MANIFEST]:
-        tier.finish_local(_join(url, rel), _join(rpath, rel), os.path.join(folder, rel))
-    shutil.rmtree(os.path.dirname(folder), ignore_errors=True)  # the save's own <pid>-<n> folder
+    prefix.finish_local()  # the save's own <pid>-<n> folder goes too
     return manifest
 
 
 def read_manifest(fs: Any, rpath: str, url: str) -> dict[str, Any]:
     """The manifest of the folder checkpoint at ``url``; ``IncompleteCheckpointError`` without one."""
-    _remote._invalidate(fs, rpath)
+    _remote.invalidate(fs, rpath)
     try:
         with fs.open(_join(rpath, MANIFEST), "rb") as fh:
             manifest = json.loads(fh.read())
@@ -111,14 +101,14 @@ def read_manifest(fs: Any, rpath: str, url: str) -> dict[str, Any]:
 
 def download(checkpointer: LazyCheckpointer, url: str, dest: str) -> list[str]:
     """Copy the folder checkpoint at ``url`` (the files its manifest names) into ``dest``."""
-    tier = checkpointer._remote_tier()
+    tier = checkpointer.remote_tier()
     fs, rpath = tier.resolve(url)
     manifest = read_manifest(fs, rpath, url)
     out = []
     for rel, size in manifest["files"].items():
         local = os.path.join(dest, *rel.split("/"))
         os.makedirs(os.path.dirname(local), exist_ok=True)
-        _remote._retry(f"download of {_join(url, rel)}", functools.partial(fs.get_file, _join(rpath, rel), local),
+        _remote.retry(f"download of {_join(url, rel)}", functools.partial(fs.get_file, _join(rpath, rel), local),
                        url, checkpointer.options)  # fmt: skip
         if os.path.getsize(local) != size:
             raise IncompleteCheckpointError(

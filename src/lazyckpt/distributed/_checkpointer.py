@@ -366,13 +366,10 @@ class DistributedCheckpointer:
     def _tier(self) -> _remote.RemoteTier:
         """The inner checkpointer's remote tier (``local_dir``, part threads), made by the first save
         to a URL. Uploads run on the commit thread: this checkpointer is closed before the
-        interpreter's shutdown (see ``_remote.before_interpreter_shutdown``), after which s3fs could
-        not upload; the hook registered here runs before the inner checkpointer's (reverse order)."""
-        first = self._inner._remote is None
-        tier = self._inner._remote_tier()
-        if first:
-            _exit.register(self, _close_at_exit, layer=_exit.DISTRIBUTED, early=True)
-        return tier
+        interpreter's shutdown (``core/exit.py``'s early drain), after which s3fs could not upload;
+        the distributed layer drains before the inner checkpointer's."""
+        _exit.register(self, _close_at_exit, layer=_exit.DISTRIBUTED, early=True)  # again: updates
+        return self._inner.remote_tier()
 
     def _start_file(self, entry: _Save, plan: RankPlan) -> None:
         tensors, byte_items = resolve(plan)

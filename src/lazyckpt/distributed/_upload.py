@@ -16,11 +16,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
-import time
-from dataclasses import dataclass, field
-from typing import Any
 
+from lazyckpt.commit.prefix import Prefix
 from lazyckpt.storage import remote as _remote
 from lazyckpt.storage.remote import RemoteTier
 
@@ -31,67 +28,28 @@ _DATA_SUFFIX = ".distcp"
 logger = logging.getLogger(__name__)
 
 
-@dataclass(eq=False)
-class RemoteFolder:
-    """The objects of one save under ``url`` that this rank uploads, and its local folder."""
-
-    url: str  # the checkpoint's URL, no trailing slash
-    fs: Any
-    rpath: str  # the prefix inside ``fs``
-    tier: RemoteTier
-    local: str  # this rank's local folder (its files, and the coordinator's metadata)
-    uploaded: list[str] = field(default_factory=list)  # names this rank uploaded (or tried to), in order
-    shared: bool = False  # keys a previous checkpoint here also uses were touched (.metadata, manifest, extras)
-    upload_s: float = 0.0
-    upload_bytes: int = 0
+class RemoteFolder(Prefix):
+    """The objects of one save under ``url`` that this rank uploads, and its local folder: the
+    prefix protocol (``commit/prefix.py``) with ``.metadata`` last, plus DCP's housekeeping (the
+    previous checkpoint's data files, unfinished multipart uploads, the ``keep_local`` mirror)."""
 
     @classmethod
     def create(cls, tier: RemoteTier, url: str) -> RemoteFolder:
         """Resolve ``url`` (cached fsspec instance) and make this rank's local folder."""
-        url = url.rstrip("/")
-        fs, rpath = tier.resolve(url)
-        local = tier.local_path(rpath)  # <local_dir>/.uploads/<pid>-<n>/<name>: its parent is new
-        os.mkdir(local)
-        return cls(url, fs, rpath.rstrip("/"), tier, local)
-
-    def _object(self, name: str) -> tuple[str, str]:
-        return f"{self.url}/{name}", f"{self.rpath}/{name}"
+        base = Prefix.at(tier, url, METADATA)
+        return cls(base.url, base.fs, base.rpath, tier, base.local, METADATA)
 
     def upload(self, name: str) -> None:
-        """Upload the local file ``name`` to ``<url>/<name>``; ``UploadError`` on failure."""
-        url, key = self._object(name)
-        path = os.path.join(self.local, name)
-        t = time.perf_counter()
-        self.uploaded.append(name)  # before: a failed save deletes the key even if this attempt failed
-        self.shared = self.shared or not name.endswith(_DATA_SUFFIX)
-        self.tier.transfer(url, self.fs, key, path)
-        self.upload_s += time.perf_counter() - t
-        self.upload_bytes += os.path.getsize(path)
-
-    def hide_previous(self) -> None:
-        """Delete a previous checkpoint's ``.metadata`` at this prefix (what makes it a checkpoint),
-        before keys it shares with the new one are replaced. ``UploadError`` on failure."""
-        self.shared = True
-        url, key = self._object(METADATA)
-        self.tier.delete_object(url, self.fs, key)
+        self.shared = self.shared or not name.endswith(_DATA_SUFFIX)  # extras, manifest, .metadata
+        super().upload(name)
 
     def remove_uploaded(self) -> None:
-        """After a failed save: delete the keys this rank uploaded or tried to (best effort). Its own
-        data files only, unless keys shared with a previous checkpoint here were touched: then that
-        one is no longer whole: ``.metadata`` goes first (the failed PUT of it may have landed), and
-        its data files last."""
-        names = [n for n in self.uploaded if n != METADATA]
-        if self.shared:
-            names.insert(0, METADATA)
-        for name in names:
-            url, key = self._object(name)
-            try:
-                self.tier.delete_object(url, self.fs, key)
-            except Exception as exc:  # noqa: BLE001 - the save's own error is the one to report
-                logger.warning("lazyckpt: could not delete %s after a failed distributed save: %s", url, exc)
-        if self.shared:  # the hidden previous checkpoint's data files too: nothing names them any more
+        """After a failed save: the prefix protocol's cleanup; when keys shared with a previous
+        checkpoint here were touched, that one is no longer whole: its data files go too."""
+        shared = self.shared
+        super().remove_uploaded()
+        if shared:  # nothing names the hidden previous checkpoint's data files any more
             self.remove_stale(set())
-        self.uploaded.clear()
 
     def remove_stale(self, keep: set[str]) -> None:
         """Coordinator, once the new ``.metadata`` is in place: delete the data files at this prefix
@@ -105,7 +63,7 @@ class RemoteFolder:
             return
         for name in names:
             if name.endswith(_DATA_SUFFIX) and name not in keep:
-                url, key = self._object(name)
+                url, key = self.object(name)
                 try:
                     self.tier.delete_object(url, self.fs, key)
                 except Exception as exc:  # noqa: BLE001 - housekeeping only
@@ -115,7 +73,7 @@ class RemoteFolder:
         """Coordinator, while no rank of this checkpointer uploads to the prefix any more (before
         the outcome is published): abort every unfinished multipart upload of a data file directly
         under it (a killed rank's, of this save or an earlier one). S3 only; best effort."""
-        if not _remote._is_s3(self.fs):
+        if not _remote.is_s3(self.fs):
             return
         try:
             bucket, key, _ = self.fs.split_path(self.rpath)
@@ -128,17 +86,12 @@ class RemoteFolder:
         except Exception as exc:  # noqa: BLE001 - housekeeping only
             logger.debug("lazyckpt: listing unfinished uploads under %s failed: %s", self.url, exc)
 
-    def finish_local(self, keep: bool) -> None:
-        """The local folder once the save ended: kept as it is (``keep``: this rank's upload failed,
-        the error names it); else every uploaded file goes to the tier's ``keep_local`` mirror
-        (``<local_dir>/<protocol>/<key>``) or is deleted, and the folder is removed."""
+    def finish_local(self, keep: bool = False, folder: str | None = None) -> None:
+        """The prefix protocol's local cleanup, then (``keep_local``) this rank's data files of
+        earlier saves to this prefix leave the mirror."""
         if keep:
             return
-        for name in self.uploaded:
-            url, key = self._object(name)
-            self.tier.finish_local(url, key, os.path.join(self.local, name))
-        with contextlib.suppress(OSError):
-            shutil.rmtree(os.path.dirname(self.local))
+        super().finish_local(keep, folder)
         if self.tier.options.keep_local:
             self._drop_stale_mirrored()
 

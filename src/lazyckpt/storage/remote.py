@@ -75,7 +75,7 @@ def filesystem(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, s
         ) from exc
 
 
-def _is_s3(fs: Any) -> bool:
+def is_s3(fs: Any) -> bool:
     return any(c.__name__ == "S3FileSystem" for c in type(fs).__mro__) and hasattr(fs, "call_s3")
 
 
@@ -350,7 +350,7 @@ class RemoteTier:
         upload whose parts run on the tier's part threads, aborted on failure; other backends: a
         hidden temporary key, then a move). Raises ``UploadError`` (any other error is wrapped)."""
         try:
-            if _is_s3(fs):
+            if is_s3(fs):
                 _S3Upload(fs, rpath, url, local_path, self.options, self._parts).run(self._started_at)
             else:
                 _generic_upload(fs, rpath, url, local_path, self.options)
@@ -359,12 +359,12 @@ class RemoteTier:
         except Exception as exc:  # a bug or a permanent error: typed anyway
             raise UploadError(f"upload of {url} failed: {exc}", url) from exc
         finally:  # fsspec instances are shared (Lightning's ModelCheckpoint lists through the same one)
-            _invalidate(fs, rpath)
+            invalidate(fs, rpath)
 
     def delete_object(self, url: str, fs: Any, rpath: str) -> None:
         """Delete ``url`` on the calling thread if it exists (retried; a prefix as a whole, see
         ``remove_prefix``); ``UploadError`` on failure."""
-        _retry(f"delete of {url}", lambda: remove_prefix(fs, rpath), url, self.options)
+        retry(f"delete of {url}", lambda: remove_prefix(fs, rpath), url, self.options)
 
 
 def remove_prefix(fs: Any, rpath: str) -> None:
@@ -372,7 +372,7 @@ def remove_prefix(fs: Any, rpath: str) -> None:
     checkpoint's prefix loses its ``.metadata`` first (a folder checkpoint its ``.lazyckpt-complete``
     manifest, ``_remote_folder``), so that it stops being a checkpoint before its data objects go
     (there is no atomic delete of many objects)."""
-    _invalidate(fs, rpath)  # a listing cached before an upload must not hide it
+    invalidate(fs, rpath)  # a listing cached before an upload must not hide it
     if fs.isdir(rpath):
         for name in (".metadata", ".lazyckpt-complete"):
             marker = f"{rpath.rstrip('/')}/{name}"
@@ -380,10 +380,10 @@ def remove_prefix(fs: Any, rpath: str) -> None:
                 fs.rm(marker)
     if fs.exists(rpath):
         fs.rm(rpath, recursive=True)
-    _invalidate(fs, rpath)
+    invalidate(fs, rpath)
 
 
-def _invalidate(fs: Any, rpath: str) -> None:
+def invalidate(fs: Any, rpath: str) -> None:
     with contextlib.suppress(Exception):
         fs.invalidate_cache(rpath)
 
@@ -435,9 +435,9 @@ def _generic_upload(fs: Any, rpath: str, url: str, local_path: str, options: Che
     tmp = f"{parent}/.{name}.lazyckpt-upload-{os.getpid()}-{random.getrandbits(32):08x}.tmp"
     try:
         if parent:
-            _retry(f"makedirs for {url}", lambda: fs.makedirs(parent, exist_ok=True), url, options)
-        _retry(f"upload of {url}", lambda: fs.put_file(local_path, tmp), url, options)
-        _retry(f"move into {url}", lambda: fs.mv(tmp, rpath), url, options)
+            retry(f"makedirs for {url}", lambda: fs.makedirs(parent, exist_ok=True), url, options)
+        retry(f"upload of {url}", lambda: fs.put_file(local_path, tmp), url, options)
+        retry(f"move into {url}", lambda: fs.mv(tmp, rpath), url, options)
     except BaseException:
         with contextlib.suppress(Exception):
             fs.rm(tmp)
@@ -454,7 +454,7 @@ class _S3Upload:
         self.bucket, self.key, _ = fs.split_path(rpath)
 
     def call(self, what: str, method: str, **kwargs: Any) -> Any:
-        return _retry(what, lambda: self.fs.call_s3(method, **kwargs), self.url, self.options)
+        return retry(what, lambda: self.fs.call_s3(method, **kwargs), self.url, self.options)
 
     def run(self, tier_started: float) -> None:
         fd = os.open(self.local_path, os.O_RDONLY)
@@ -490,7 +490,7 @@ class _S3Upload:
             )
             return str(out["ETag"])
 
-        return _retry(f"part {number} of {self.url}", send, self.url, self.options)
+        return retry(f"part {number} of {self.url}", send, self.url, self.options)
 
     def _abort(self, upload_id: str) -> None:
         try:
@@ -556,7 +556,7 @@ def transient(exc: BaseException) -> bool:
     return not isinstance(exc, _PERMANENT)
 
 
-def _retry(what: str, fn: Callable[[], T], url: str, options: CheckpointerOptions) -> T:
+def retry(what: str, fn: Callable[[], T], url: str, options: CheckpointerOptions) -> T:
     attempts = options.upload_retries + 1
     for attempt in range(1, attempts + 1):
         try:
