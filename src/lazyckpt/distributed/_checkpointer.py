@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import queue
@@ -35,7 +34,7 @@ from ..errors import (
     WriteError,
 )
 from . import _commit
-from ._commit import RankReport
+from ._commit import COMMIT, Decision, RankReport, Result
 from ._core import (
     RankFile,
     bind_local,
@@ -487,11 +486,11 @@ class DistributedCheckpointer:
         except UploadError as exc:
             remote.remove_uploaded()  # .metadata first (the failed PUT may have landed), before the others learn
             why = f"nothing was committed; rank {self.rank} (coordinator) could not upload .metadata: {exc}"
-            self._proto.set_result(entry.n, "err:" + why)
+            self._proto.set_result(entry.n, Result(False, why))
             return _Outcome(why, (self.rank,), upload=True, cause=exc)
         remote.remove_stale({r.file for r in reports.values()})
         remote.abort_unfinished()  # before the result: then the others may start their next save
-        self._proto.set_result(entry.n, "ok")
+        self._proto.set_result(entry.n, Result(True))
         return None
 
     # -- the commit -------------------------------------------------------------------------------
@@ -514,10 +513,9 @@ class DistributedCheckpointer:
                     "(hung, or slower than commit_timeout)"
                 )
             upload = any(reports[r].upload_failed for r in failed)
-            body = {"ranks": failed + (dead or missing), "why": why, "upload": upload}
             if entry.remote is not None:  # before the decision: then the others may start their next save
                 entry.remote.abort_unfinished()
-            decided = self._proto.decide(entry.n, "abort:" + json.dumps(body))
+            decided = self._proto.decide(entry.n, Decision.abort(why, failed + (dead or missing), upload))
         else:
             try:
                 save_id = f"{self._token}-{entry.n}"
@@ -531,12 +529,11 @@ class DistributedCheckpointer:
                 if entry.remote is not None:  # shared keys touched: clean up before the others move on
                     entry.remote.remove_uploaded()
                 why = f"rank {self.rank} (coordinator): writing the metadata failed: {exc}"
-                body = {"ranks": [self.rank], "why": why, "upload": isinstance(exc, UploadError)}
-                decided = self._proto.decide(entry.n, "abort:" + json.dumps(body))
+                decided = self._proto.decide(entry.n, Decision.abort(why, [self.rank], isinstance(exc, UploadError)))
             else:
-                decided = self._proto.decide(entry.n, "commit")
+                decided = self._proto.decide(entry.n, COMMIT)
         outcome: _Outcome | None = None
-        if decided != "commit":
+        if not decided.commit:
             if entry.remote is None:
                 shutil.rmtree(entry.staging, ignore_errors=True)
             outcome = _abort_reason(decided)
@@ -553,10 +550,10 @@ class DistributedCheckpointer:
                 else:
                     shutil.rmtree(entry.staging, ignore_errors=True)
                     why = f"nothing was committed; rank {self.rank} (coordinator) could not publish the folder: {exc}"
-                self._proto.set_result(entry.n, "err:" + why)
+                self._proto.set_result(entry.n, Result(False, why))
                 outcome = _Outcome(why, (self.rank,), cause=exc)
             else:
-                self._proto.set_result(entry.n, "ok")
+                self._proto.set_result(entry.n, Result(True))
         # Ranks that never reported may be dead (no acknowledgment to wait for) or merely slow: they
         # still need the outcome when they get there, so the keys stay unless every rank acknowledged.
         others = [r for r in range(self.world_size) if r != self.rank and r not in missing]
@@ -569,25 +566,25 @@ class DistributedCheckpointer:
 
     def _follow(self, entry: _Save, deadline: float) -> _Outcome | None:
         """Other ranks: wait for the coordinator's decision (or decide abort when it never comes)."""
-        decided = self._proto.wait_value(entry.n, "outcome", deadline, self._liveness, 0)
+        decided = self._proto.wait_decision(entry.n, deadline, self._liveness)
         if decided is None:
             if self._liveness.dead([0]):
                 why = (
                     "rank 0 (the coordinator) died or vanished (no heartbeat in the store for "
                     f"{_commit.DEAD_AFTER_S} s) before deciding"
                 )
-                body = {"ranks": [0], "why": why}
+                ranks = [0]
             else:
                 why = (
                     f"rank {self.rank} got no decision from the coordinator within {self.commit_timeout} s "
                     "after its own file was durable (a rank hung, or is slower than commit_timeout)"
                 )
-                body = {"ranks": [], "why": why}
-            decided = self._proto.decide(entry.n, "abort:" + json.dumps(body))
-        if decided != "commit":
+                ranks = []
+            decided = self._proto.decide(entry.n, Decision.abort(why, ranks))
+        if not decided.commit:
             return _abort_reason(decided)
-        result = self._proto.wait_value(entry.n, "result", time.monotonic() + self.commit_timeout, self._liveness, 0)
-        if result == "ok":
+        result = self._proto.wait_result(entry.n, time.monotonic() + self.commit_timeout, self._liveness)
+        if result is not None and result.ok:
             return None
         if result is None:
             died = self._liveness.dead([0])
@@ -599,7 +596,7 @@ class DistributedCheckpointer:
                 undo=False,
             )
         # To a URL, publishing is uploading .metadata: its failure is an upload failure.
-        return _Outcome(result[len("err:") :], (0,), upload=entry.remote is not None)
+        return _Outcome(result.why, (0,), upload=entry.remote is not None)
 
     def _error(
         self,
@@ -664,9 +661,8 @@ def _classify_start_error(exc: BaseException, rank: int, final: str) -> BaseExce
     return err
 
 
-def _abort_reason(decided: str) -> _Outcome:
-    body = json.loads(decided[len("abort:") :])
-    return _Outcome("nothing was committed; " + body["why"], tuple(body["ranks"]), upload=bool(body.get("upload")))
+def _abort_reason(decided: Decision) -> _Outcome:
+    return _Outcome("nothing was committed; " + decided.why, decided.ranks, upload=decided.upload)
 
 
 def _extra_name(name: str) -> str:

@@ -167,6 +167,51 @@ class RankReport:
     upload_failed: bool = False  # a save to a URL: this rank's upload failed (not its local file)
 
 
+@dataclass(frozen=True)
+class Decision:
+    """How the coordinator (or a rank that gave up waiting for it) decided save ``n``: the first
+    decision set in the store holds (``StoreProtocol.decide``)."""
+
+    commit: bool
+    why: str = ""  # an abort's reason, as every rank reports it
+    ranks: tuple[int, ...] = ()  # the ranks that failed or vanished (empty: unknown)
+    upload: bool = False  # a save to a URL aborted because an upload failed
+
+    @classmethod
+    def abort(cls, why: str, ranks: list[int] | tuple[int, ...], upload: bool = False) -> Decision:
+        return cls(False, why, tuple(ranks), upload)
+
+    def encode(self) -> str:
+        if self.commit:
+            return "commit"
+        return "abort:" + json.dumps({"why": self.why, "ranks": list(self.ranks), "upload": self.upload})
+
+    @classmethod
+    def decode(cls, raw: str) -> Decision:
+        if raw == "commit":
+            return COMMIT
+        body = json.loads(raw.removeprefix("abort:"))
+        return cls.abort(body["why"], body["ranks"], bool(body.get("upload")))
+
+
+COMMIT = Decision(True)
+
+
+@dataclass(frozen=True)
+class Result:
+    """How publishing a committed save ended (the coordinator's rename, or its ``.metadata`` upload)."""
+
+    ok: bool
+    why: str = ""
+
+    def encode(self) -> str:
+        return "ok" if self.ok else "err:" + self.why
+
+    @classmethod
+    def decode(cls, raw: str) -> Result:
+        return cls(True) if raw == "ok" else cls(False, raw.removeprefix("err:"))
+
+
 class StoreProtocol:
     """Keys of one checkpointer's saves in the c10d store (``lazyckpt/<token>/<n>/...``)."""
 
@@ -211,9 +256,19 @@ class StoreProtocol:
         dead = liveness.dead(range(self.world_size))
         return [r for r in dead if not self.store.check([self._key(n, f"r{r}")])]
 
-    def decide(self, n: int, outcome: str) -> str:
-        """Set the outcome unless someone did first; return the outcome that holds."""
-        return bytes(self.store.compare_set(self._key(n, "outcome"), "", outcome)).decode()
+    def decide(self, n: int, decision: Decision) -> Decision:
+        """Set the decision unless someone did first; return the decision that holds."""
+        return Decision.decode(bytes(self.store.compare_set(self._key(n, "outcome"), "", decision.encode())).decode())
+
+    def wait_decision(self, n: int, deadline: float, liveness: Liveness | None = None) -> Decision | None:
+        """The coordinator's decision, or None at ``deadline`` or once it is dead."""
+        raw = self.wait_value(n, "outcome", deadline, liveness, 0)
+        return None if raw is None else Decision.decode(raw)
+
+    def wait_result(self, n: int, deadline: float, liveness: Liveness | None = None) -> Result | None:
+        """How the coordinator's publishing ended, or None at ``deadline`` or once it is dead."""
+        raw = self.wait_value(n, "result", deadline, liveness, 0)
+        return None if raw is None else Result.decode(raw)
 
     def wait_value(
         self, n: int, name: str, deadline: float, liveness: Liveness | None = None, writer: int = 0
@@ -228,8 +283,8 @@ class StoreProtocol:
                 return None
         raise AssertionError("unreachable")
 
-    def set_result(self, n: int, result: str) -> None:
-        self.store.set(self._key(n, "result"), result)
+    def set_result(self, n: int, result: Result) -> None:
+        self.store.set(self._key(n, "result"), result.encode())
 
     def ack(self, n: int) -> None:
         """A rank has read how save ``n`` ended (it needs the store no more for it)."""
