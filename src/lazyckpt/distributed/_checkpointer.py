@@ -154,10 +154,11 @@ class DistributedCheckpointer:
     ``commit_timeout``. Call ``wait()`` on every rank to rule that out.
 
     Failures: any rank's failure fails the save on every rank (``DistributedSaveError`` naming the
-    ranks). A rank that dies, or whose part is not durable within ``commit_timeout`` seconds after
-    this rank's is, fails the save here after ``commit_timeout`` seconds (plus the coordinator's
-    commit, if it had already decided to commit). Staging folders of dead saves are removed by the
-    next save into the same parent folder.
+    ranks). A rank that dies or vanishes (its heartbeat in the c10d store stops) fails the save on
+    the others within seconds, naming it. A live rank whose part is not durable within
+    ``commit_timeout`` seconds after this rank's is fails the save here after ``commit_timeout``
+    seconds (plus the coordinator's commit, if it had already decided to commit). Staging folders
+    of dead saves are removed by the next save into the same parent folder.
 
     URLs: ``path`` may be a URL (``s3://bucket/run/step-100``, any fsspec URL; the options
     ``local_dir``, ``keep_local``, ``storage_options``, ``upload_*`` are ``LazyCheckpointer``'s).
@@ -336,9 +337,11 @@ class DistributedCheckpointer:
             self._closed = True
             self._queue.put(None)
             self._thread.join()
+            # Bounded: a beat in flight against a store whose host died may block for the store's
+            # timeout (the thread is a daemon). The counter key stays (tiny): deleting it would be
+            # one more request to a store that may be gone.
             self._stop_heartbeat.set()
-            self._heartbeat.join()
-            self._liveness.stop()
+            self._heartbeat.join(timeout=5.0)
             _exit.unregister(self)
             with _commit._live_lock:
                 _commit.live_tokens.discard(self._token)

@@ -85,12 +85,6 @@ class Liveness:
             except Exception as exc:  # noqa: BLE001 - the heartbeat must outlive a store hiccup
                 logger.debug("lazyckpt: heartbeat of rank %d failed: %s", self.rank, exc)
 
-    def stop(self) -> None:
-        try:
-            self.store.delete_key(self.key(self.rank))
-        except Exception:  # some stores cannot delete; the key is small
-            pass
-
     def dead(self, ranks: list[int] | range) -> list[int]:
         """Those of ``ranks`` whose heartbeat stopped. Each rank's counter is looked up at most
         every ``HEARTBEAT_S`` (the polls in between stay at their two requests)."""
