@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import queue
 import shutil
 import threading
 import time
@@ -21,6 +20,7 @@ from torch.distributed.checkpoint.utils import _DistWrapper
 
 from lazyckpt.core import exit as _exit
 from lazyckpt.core.handle import Completion, Outcome, SaveHandle, SaveStats
+from lazyckpt.core.workers import Worker
 from lazyckpt.storage import remote as _remote
 
 from ..checkpointer import LazyCheckpointer
@@ -225,9 +225,7 @@ class DistributedCheckpointer:
         self._count = 0
         self._plan_cache = PlanCache()  # the previous global plan: reused while no rank's local plan changes
         self._closed = False
-        self._queue: queue.SimpleQueue[_Save | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._commit_loop, name="lazyckpt-dist-commit", daemon=True)
-        self._thread.start()
+        self._committer: Worker[_Save] = Worker("lazyckpt-dist-commit", self._commit_one)
         _exit.register(self, _close_at_exit, layer=_exit.DISTRIBUTED)
 
     @property
@@ -299,12 +297,12 @@ class DistributedCheckpointer:
             entry.error = exc
             if not isinstance(exc, Exception) or isinstance(exc, SaveRefusedError):
                 completion.caller_saw_error()  # raised here, not again by wait() or close()
-                self._queue.put(entry)
+                self._committer.submit(entry)
                 raise exc
             # An I/O failure (a full memory filesystem, where the file is created inside save()) is
             # the save's outcome, not a refusal: every rank gets the same DistributedSaveError from
             # the same call (handle.wait() / wait()), as when the write fails in the background.
-        self._queue.put(entry)
+        self._committer.submit(entry)
         return handle
 
     def wait(self, timeout: float | None = None) -> None:
@@ -335,8 +333,7 @@ class DistributedCheckpointer:
                 s.handle.wait_done()  # confirms this rank's file first
         finally:
             self._closed = True
-            self._queue.put(None)
-            self._thread.join()
+            self._committer.stop()
             # Bounded: a beat in flight against a store whose host died may block for the store's
             # timeout (the thread is a daemon). The counter key stays (tiny): deleting it would be
             # one more request to a store that may be gone.
@@ -401,21 +398,20 @@ class DistributedCheckpointer:
 
     # -- the commit thread ------------------------------------------------------------------------
 
-    def _commit_loop(self) -> None:
-        while (entry := self._queue.get()) is not None:
+    def _commit_one(self, entry: _Save) -> None:
+        try:
+            self._commit(entry)
+        except BaseException as exc:  # a store that went away (its host died), a bug: fail, go on
+            host = self._store_host
+            lost = isinstance(exc, (dist.DistError, OSError)) and host is not None and host != self.rank
+            why = (
+                f"coordinating the save failed on rank {self.rank} ({exc}); the folder holds the complete new "
+                "checkpoint or was not replaced"
+            ) + (f" (the store's host, rank {host}, died)" if lost else " (e.g. the store's host died)")
             try:
-                self._commit(entry)
-            except BaseException as exc:  # a store that went away (its host died), a bug: fail, go on
-                host = self._store_host
-                lost = isinstance(exc, (dist.DistError, OSError)) and host is not None and host != self.rank
-                why = (
-                    f"coordinating the save failed on rank {self.rank} ({exc}); the folder holds the complete new "
-                    "checkpoint or was not replaced"
-                ) + (f" (the store's host, rank {host}, died)" if lost else " (e.g. the store's host died)")
-                try:
-                    self._finish(entry, self._error(entry, why, exc, (host,) if lost and host is not None else ()))
-                except BaseException:  # noqa: BLE001 - the loop must outlive one save
-                    logger.exception("lazyckpt: finishing the distributed save to %s failed", entry.final)
+                self._finish(entry, self._error(entry, why, exc, (host,) if lost and host is not None else ()))
+            except BaseException:  # noqa: BLE001 - the loop must outlive one save
+                logger.exception("lazyckpt: finishing the distributed save to %s failed", entry.final)
 
     def _commit(self, entry: _Save) -> None:
         remote = entry.remote

@@ -27,7 +27,6 @@ import contextlib
 import itertools
 import logging
 import os
-import queue
 import random
 import shutil
 import tempfile
@@ -40,6 +39,7 @@ from typing import Any, TypeVar
 from lazyckpt.core.handle import CallbackRunner, Completion, Outcome, SaveHandle, SaveStats
 from lazyckpt.core.removal import RemovalFuture
 from lazyckpt.core.report import Report
+from lazyckpt.core.workers import Worker
 from lazyckpt.errors import SaveRefusedError, UploadError
 from lazyckpt.options import CheckpointerOptions
 
@@ -163,10 +163,8 @@ class RemoteTier:
         self.upload_s = 0.0
         self._counter = itertools.count()
         self._filesystems: dict[str, Any] = {}
-        self._queue: queue.SimpleQueue[_Upload | _Deletion | None] = queue.SimpleQueue()
         self._parts = _PartPool(options.upload_threads)
-        self._thread = threading.Thread(target=self._run, name="lazyckpt-upload", daemon=True)
-        self._thread.start()
+        self._uploads: Worker[_Upload | _Deletion] = Worker("lazyckpt-upload", self._run_item)
 
     # -- caller side ------------------------------------------------------------------------------
 
@@ -229,7 +227,7 @@ class RemoteTier:
         with self._cond:
             self._pending.append(item)
             self._backlog += nbytes
-        self._queue.put(item)
+        self._uploads.submit(item)
         return handle
 
     def remove(self, url: str, fs: Any, rpath: str) -> RemovalFuture:
@@ -237,7 +235,7 @@ class RemoteTier:
         item = _Deletion(url, fs, rpath)
         with self._cond:
             self._pending.append(item)
-        self._queue.put(item)
+        self._uploads.submit(item)
         return item.future
 
     def pending_urls(self) -> set[str]:
@@ -262,9 +260,7 @@ class RemoteTier:
 
     def close(self) -> None:
         """Finish what is queued, stop the threads, remove the local tier's temporary files."""
-        self._queue.put(None)
-        if self._thread is not threading.current_thread():
-            self._thread.join()
+        self._uploads.stop()
         self._parts.stop()
         if self._owns_dir and not self.options.keep_local:
             shutil.rmtree(self.local_dir, ignore_errors=True)
@@ -275,21 +271,20 @@ class RemoteTier:
 
     # -- upload thread ----------------------------------------------------------------------------
 
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            try:
-                if isinstance(item, _Deletion):
-                    self._delete(item)
-                else:
-                    self._upload(item)
-            except BaseException:  # noqa: BLE001 - the loop survives one failed item
-                logger.exception("lazyckpt: remote tier item for %s failed", item.url)
-            finally:
-                with self._cond:
-                    self._pending.remove(item)
-                    if isinstance(item, _Upload):
-                        self._backlog -= item.nbytes
-                    self._cond.notify_all()
+    def _run_item(self, item: _Upload | _Deletion) -> None:
+        try:
+            if isinstance(item, _Deletion):
+                self._delete(item)
+            else:
+                self._upload(item)
+        except BaseException:  # noqa: BLE001 - the worker survives one failed item
+            logger.exception("lazyckpt: remote tier item for %s failed", item.url)
+        finally:
+            with self._cond:
+                self._pending.remove(item)
+                if isinstance(item, _Upload):
+                    self._backlog -= item.nbytes
+                self._cond.notify_all()
 
     def _delete(self, item: _Deletion) -> None:
         try:
@@ -575,15 +570,12 @@ def retry(what: str, fn: Callable[[], T], url: str, options: CheckpointerOptions
 
 
 class _PartPool:
-    """Named daemon threads that run parts (a plain queue: usable at interpreter exit, unlike an executor)."""
+    """Named daemon threads that run parts (a ``Worker``: usable at interpreter exit, unlike an executor)."""
 
     def __init__(self, threads: int) -> None:
-        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._threads = [
-            threading.Thread(target=self._run, name=f"lazyckpt-upload-part-{i}", daemon=True) for i in range(threads)
-        ]
-        for t in self._threads:
-            t.start()
+        self._worker: Worker[Callable[[], None]] = Worker(
+            "lazyckpt-upload-part", lambda task: task(), threads=threads, numbered=True
+        )
 
     def map(self, fn: Callable[[Any], T], items: list[Any]) -> list[T]:
         """``[fn(i) for i in items]`` in parallel; the first error is raised once every started call
@@ -605,7 +597,8 @@ class _PartPool:
                     lock.notify_all()
 
         for index, item in enumerate(items):
-            self._queue.put(lambda index=index, item=item: task(index, item))  # type: ignore[misc]
+            if not self._worker.submit(lambda index=index, item=item: task(index, item)):  # type: ignore[misc]
+                task(index, item)  # stopped (interpreter exit): run it here
         with lock:
             while left[0]:
                 lock.wait()
@@ -614,12 +607,4 @@ class _PartPool:
         return results
 
     def stop(self) -> None:
-        for _ in self._threads:
-            self._queue.put(None)
-        for t in self._threads:
-            if t is not threading.current_thread():
-                t.join()
-
-    def _run(self) -> None:
-        while (task := self._queue.get()) is not None:
-            task()
+        self._worker.stop()
