@@ -96,7 +96,7 @@ def test_fabric_load_with_a_stock_loader_without_weights_only(
 
 
 def test_pytorch_lightning_only_install_saves_and_resumes(tmp_path: Any) -> None:
-    """``lightning`` made unimportable: the plugin must build on ``lightning_fabric`` and serve ``pytorch_lightning``."""
+    """``lightning`` unimportable: the plugin builds on ``lightning_fabric`` and serves ``pytorch_lightning``."""
     pytest.importorskip("pytorch_lightning")
     script = textwrap.dedent(
         f"""

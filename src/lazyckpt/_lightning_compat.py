@@ -71,8 +71,8 @@ def stock_load(stock: Any, path: Any, map_location: Any | None, weights_only: bo
     return stock.load_checkpoint(path, **kwargs)
 
 
-@functools.lru_cache(maxsize=None)
-def _takes_weights_only(stock_class: type) -> bool:
+@functools.cache
+def _takes_weights_only(stock_class: Any) -> bool:
     params = inspect.signature(stock_class.load_checkpoint).parameters
     return "weights_only" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
