@@ -66,14 +66,14 @@ def stock_load(stock: Any, path: Any, map_location: Any | None, weights_only: bo
     kwargs: dict[str, Any] = {}
     if map_location is not None:
         kwargs["map_location"] = map_location
-    if _takes_weights_only(type(stock)):
+    if _takes_weights_only(type(stock).load_checkpoint):
         kwargs["weights_only"] = weights_only
     return stock.load_checkpoint(path, **kwargs)
 
 
 @functools.cache
-def _takes_weights_only(stock_class: Any) -> bool:
-    params = inspect.signature(stock_class.load_checkpoint).parameters
+def _takes_weights_only(load_checkpoint: Callable[..., Any]) -> bool:
+    params = inspect.signature(load_checkpoint).parameters
     return "weights_only" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
