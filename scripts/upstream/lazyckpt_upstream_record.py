@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any
 
 import pytest
 
 _PATH = os.environ.get("LAZYCKPT_UPSTREAM_RECORD")
 _reports: dict[str, list[Any]] = {}
+TIMEOUT = re.compile(r"Failed: Timeout \(?>[0-9.]+s\)?[^\n]*")  # pytest-timeout's message (signal method)
 
 
 def _write(row: dict[str, Any]) -> None:
@@ -36,8 +38,8 @@ def outcome_of(reports: list[Any]) -> tuple[str, str]:
     """passed | failed | error | hung | skipped | xfailed | xpassed, and the first error line."""
     for rep in reports:
         text = getattr(rep, "longreprtext", "") or ""
-        if rep.failed and "Timeout >" in text:  # pytest-timeout's "Failed: Timeout >120.0s"
-            return "hung", first_error_line(text)
+        if rep.failed and TIMEOUT.search(text):  # the first E line may be a chained cause: name the timeout
+            return "hung", TIMEOUT.search(text).group(0)
     for rep in reports:
         if rep.failed:
             kind = "failed" if rep.when == "call" else "error"
@@ -61,5 +63,7 @@ def pytest_runtest_logreport(report: Any) -> None:
 
 
 def pytest_runtest_logfinish(nodeid: str, location: Any) -> None:
-    outcome, message = outcome_of(_reports.pop(nodeid, []))
-    _write({"nodeid": nodeid, "event": "end", "outcome": outcome, "message": message})
+    reports = _reports.pop(nodeid, [])
+    outcome, message = outcome_of(reports)
+    seconds = round(sum(getattr(rep, "duration", 0.0) for rep in reports), 2)
+    _write({"nodeid": nodeid, "event": "end", "outcome": outcome, "message": message, "seconds": seconds})
