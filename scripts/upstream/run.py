@@ -6,7 +6,7 @@
 
 Modes run one after another (no -x, no xdist, -p no:cacheprovider). Each test has a per-test timeout
 (pytest-timeout, signal method: a hang fails that test as "hung" and the run goes on); a run the timeout cannot
-break (no new outcome for --timeout + 120 s) is killed, the running test counted as hung, and the run resumed
+break (no new outcome for --timeout + --stuck-after s) is killed, the running test counted as hung, and the run resumed
 without the tests already recorded. Per-test outcomes go to DIR/<suite>-<mode>.jsonl so modes can be diffed test
 by test; DIR/summary.md holds the table and the differences from the control (Lightning: its own
 AsyncCheckpointIO; Accelerate: stock). Exit status 0 whatever the tests do: this is a measurement.
@@ -146,7 +146,9 @@ def pytest_cmd(suite: Suite, cwd: Path, timeout: float, skip: list[str]) -> list
     return cmd
 
 
-def run_mode(suite: Suite, mode: str, cwd: Path, out: Path, timeout: float, env_extra: dict[str, str]) -> dict:
+def run_mode(
+    suite: Suite, mode: str, cwd: Path, out: Path, timeout: float, env_extra: dict[str, str], stuck_after: float = 120.0
+) -> dict:
     record = out / f"{suite.name}-{mode}.jsonl"
     record.unlink(missing_ok=True)
     env = dict(os.environ, LAZYCKPT_UPSTREAM_MODE=mode, LAZYCKPT_UPSTREAM_RECORD=str(record), **env_extra)
@@ -162,7 +164,7 @@ def run_mode(suite: Suite, mode: str, cwd: Path, out: Path, timeout: float, env_
             proc = subprocess.Popen(
                 cmd, cwd=cwd, env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True
             )
-            killed = watch(proc, record, timeout + 120)
+            killed = watch(proc, record, timeout + stuck_after)
         if not killed:
             break
         done, started = read_rows(record)
@@ -253,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--suites", nargs="+", default=list(SUITES), choices=list(SUITES))
     ap.add_argument("--modes", nargs="+", help="default: each suite's modes (stock lazy [async])")
     ap.add_argument("--timeout", type=float, default=120.0, help="per-test timeout in seconds")
+    ap.add_argument("--stuck-after", type=float, default=120.0, help="kill a run silent for timeout + this (s)")
     ap.add_argument("--out", default="build/upstream")
     ap.add_argument("--lightning-src")
     ap.add_argument("--accelerate-src")
@@ -268,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             cwd, extra = lightning_tests(args.lightning_src), {}
         modes = [m for m in (args.modes or suite.modes) if m in suite.modes]
-        results[name] = {m: run_mode(suite, m, cwd, out, args.timeout, extra) for m in modes}
+        results[name] = {m: run_mode(suite, m, cwd, out, args.timeout, extra, args.stuck_after) for m in modes}
     report = [f"## Upstream suites, per-test timeout {args.timeout:g} s\n", table(results)]
     report += [differences(SUITES[n], by_mode) for n, by_mode in results.items()]
     text = "\n".join(report) + "\n"
