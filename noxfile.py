@@ -36,14 +36,43 @@ def core(session: nox.Session) -> None:
     session.run("pytest", *skip, *session.posargs)
 
 
+# The supported range (README "Supported versions"): the oldest and newest of each framework, and an install
+# with only the standalone pytorch_lightning package (no `lightning`).
+FRAMEWORK_PINS = {
+    "oldest": ("lightning==2.5.6", "accelerate==1.13.0"),
+    "newest": ("lightning", "accelerate"),
+    "pl_only": ("pytorch_lightning", "accelerate"),
+}
+
+
 @nox.session(python=PYTHON)
-@nox.parametrize(
-    "pins", [("lightning==2.6.0", "accelerate==1.15.0"), ("lightning", "accelerate")], ids=["oldest", "newest"]
-)
+@nox.parametrize("pins", list(FRAMEWORK_PINS.values()), ids=list(FRAMEWORK_PINS))
 def frameworks(session: nox.Session, pins: tuple[str, ...]) -> None:
-    """Integration tests against the oldest and newest supported Lightning and Accelerate."""
+    """Integration tests on the oldest and newest supported Lightning and Accelerate, and pytorch_lightning alone."""
     _install(session, "test", pins=pins + ("safetensors",))
+    if "pytorch_lightning" in pins:  # tests that need `lightning` skip; the pytorch_lightning-only test runs
+        session.run("python", "-c", "import importlib.util as u; assert u.find_spec('lightning') is None")
     session.run("pytest", "-m", "integration", *session.posargs)
+
+
+# What the upstream test files import that our extras do not install.
+UPSTREAM_TEST_DEPS = ("parameterized", "cloudpickle>=1.3,<3.2", "tensorboardX", "jsonargparse[signatures]")
+
+
+@nox.session(python=PYTHON)
+def upstream(session: nox.Session) -> None:
+    """Lightning's and Accelerate's own checkpoint tests: stock, with lazyckpt injected, and with the control.
+
+    Accelerate's tests come from the sdist of the installed version (downloaded here). Lightning's sdist has no
+    tests: check the repository out at the installed tag and point LAZYCKPT_LIGHTNING_SRC at it (its tests/ is
+    used; nothing of it is copied into this repository). Long (~10 min without hangs): not a default session.
+    """
+    _install(session, "test", "lightning", "accelerate")
+    session.install(*UPSTREAM_TEST_DEPS)
+    suites = ["accelerate", "lightning", "fabric"] if os.environ.get("LAZYCKPT_LIGHTNING_SRC") else ["accelerate"]
+    if suites == ["accelerate"]:
+        session.warn("LAZYCKPT_LIGHTNING_SRC unset: Lightning's and Fabric's suites skipped")
+    session.run("python", "scripts/upstream/run.py", "--suites", *suites, *session.posargs)
 
 
 @nox.session(venv_backend="none")

@@ -189,9 +189,7 @@ class LazyCheckpointIO(_CheckpointIO):
         self._attach()
         self.wait()
         stock = _compat.stock_torch_io(_CheckpointIO)
-        if map_location is None:
-            return stock.load_checkpoint(path, weights_only=weights_only)
-        return stock.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        return _compat.stock_load(stock, path, map_location, weights_only)
 
     def teardown(self) -> None:
         """Make every pending save durable; raise the first background error.

@@ -9,6 +9,8 @@ plugin by weak reference.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import sys
 import weakref
@@ -53,6 +55,26 @@ def stock_torch_io(base: type) -> Any:
     package = base.__module__.split(".plugins.")[0]
     module = __import__(f"{package}.plugins.io.torch_io", fromlist=["TorchCheckpointIO"])
     return module.TorchCheckpointIO()
+
+
+def stock_load(stock: Any, path: Any, map_location: Any | None, weights_only: bool | None) -> dict[str, Any]:
+    """``stock.load_checkpoint`` with only the arguments its signature has.
+
+    Lightning < 2.6's ``TorchCheckpointIO.load_checkpoint(path, map_location)`` has no ``weights_only``; its
+    callers never pass one either, so the stock loader's own default is what that version does.
+    """
+    kwargs: dict[str, Any] = {}
+    if map_location is not None:
+        kwargs["map_location"] = map_location
+    if _takes_weights_only(type(stock).load_checkpoint):
+        kwargs["weights_only"] = weights_only
+    return stock.load_checkpoint(path, **kwargs)
+
+
+@functools.cache
+def _takes_weights_only(load_checkpoint: Callable[..., Any]) -> bool:
+    params = inspect.signature(load_checkpoint).parameters
+    return "weights_only" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def mro_names(obj: object) -> set[str]:
