@@ -27,7 +27,7 @@ def test_pytorch_lightning_only_install_saves_and_resumes(tmp_path: Any) -> None
         import torch
         from pytorch_lightning.callbacks import ModelCheckpoint
         from lazyckpt.lightning import LazyCheckpointIO
-        import lazyckpt._lightning_compat as compat
+        import lazyckpt.lightning._compat as compat
         assert compat.checkpoint_io_base().__module__.startswith("lightning_fabric."), compat.checkpoint_io_base()
 
         class Model(pl.LightningModule):

@@ -17,8 +17,9 @@ L = pytest.importorskip("lightning")
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
-from lazyckpt import LazyCheckpointer, _lightning_compat  # noqa: E402
+from lazyckpt import LazyCheckpointer  # noqa: E402
 from lazyckpt.lightning import LazyCheckpointIO  # noqa: E402
+from lazyckpt.lightning import _compat as _lightning_compat  # noqa: E402
 from lightning_scripts.tiny_gpt import TinyGPT, trainer_kwargs  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
