@@ -22,6 +22,7 @@ from .errors import (
     VerificationError,
     WriteError,
 )
+from .levels import Found, Level, LevelError, MemoryLevelWarning, latest, load
 
 __version__ = "0.1.0"
 
@@ -29,9 +30,13 @@ __all__ = [
     "BackpressureWarning",
     "CheckpointerClosedError",
     "CheckpointerOptions",
+    "Found",
     "IncompleteCheckpointError",
     "LazyCheckpointer",
     "LazyCkptError",
+    "Level",
+    "LevelError",
+    "MemoryLevelWarning",
     "SaveHandle",
     "SaveRefusedError",
     "SaveStats",
@@ -42,5 +47,7 @@ __all__ = [
     "VerifyReport",
     "cleanup_temporaries",
     "is_complete",
+    "latest",
+    "load",
     "verify",
 ]
