@@ -86,8 +86,9 @@ class LevelsHandle(SaveHandle):
             failures = [self._failures[k] for k in sorted(self._failures)]
             if failures:
                 error = failures[0]
-                for other in failures[1:] if hasattr(error, "add_note") else []:  # Python >= 3.11
-                    error.add_note(f"lazyckpt: also failed: {other}")
+                if hasattr(error, "add_note"):  # Python >= 3.11
+                    for other in failures[1:]:
+                        error.add_note(f"lazyckpt: also failed: {other}")
             report = self._resolve(stats, error)
             if report is not None:
                 self._owner.publish(report)
