@@ -36,7 +36,11 @@ def digest(state: dict) -> str:
     for part in ("model", "opt"):
         for key, value in _flat(state[part]):
             h.update(key.encode())
-            h.update(value.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes() if torch.is_tensor(value) else repr(value).encode())
+            h.update(
+                value.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+                if torch.is_tensor(value)
+                else repr(value).encode()
+            )
     h.update(str(state["step"]).encode())
     return h.hexdigest()
 
