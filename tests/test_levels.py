@@ -155,10 +155,11 @@ def test_corrupt_memory_copy_is_skipped_then_a_wiped_memory_level_falls_back_to_
             want[i] = copy.deepcopy(s := step(i))
             ck.save(s, step=i)
     newest = levels[0].file(4)
-    data = bytearray(open(newest, "rb").read())
-    data[len(data) // 2] ^= 0xFF
-    with open(newest, "wb") as fh:
-        fh.write(data)
+    with open(newest, "r+b") as fh:  # a byte flipped in the middle of the newest memory copy
+        fh.seek(os.path.getsize(newest) // 2)
+        byte = fh.read(1)
+        fh.seek(-1, os.SEEK_CUR)
+        fh.write(bytes([byte[0] ^ 0xFF]))
     with pytest.warns(IncompleteCheckpointWarning, match="step-00000004.pt"):
         found = lazyckpt.latest(ck.levels)
     assert (found.step, found.level, found.path) == (4, 1, levels[1].file(4))  # the same step, from disk
