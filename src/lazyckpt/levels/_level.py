@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import _remote
-from ..errors import WriteError
+from ..errors import LevelError, MemoryLevelWarning
+
+__all__ = ["Level", "LevelError", "MemoryLevelWarning", "as_level", "list_steps", "step_name"]
 
 STEP_RE = re.compile(r"^step-(\d{8,})\.pt$")
 
@@ -96,23 +98,3 @@ def list_steps(level: Level, storage_options: dict[str, Any] | None = None) -> d
         if m := STEP_RE.match(name):
             out[int(m.group(1))] = f"{level.path.rstrip('/')}/{name}"
     return out
-
-
-class LevelError(WriteError):
-    """A level's copy of a checkpoint failed (the faster levels' copies are unaffected).
-
-    ``level`` is the index of the level in the checkpointer's ``levels``, ``level_path`` its folder
-    or URL, ``step`` the step, ``path`` the file (or object) that was not written, ``errno`` the OS
-    error number when the cause was an ``OSError``. The cause is chained."""
-
-    def __init__(
-        self, message: str, level: int, level_path: str, step: int, path: str, errno: int | None = None
-    ) -> None:
-        super().__init__(message, path=path, errno=errno)
-        self.level = level
-        self.level_path = level_path
-        self.step = step
-
-
-class MemoryLevelWarning(UserWarning):
-    """A memory level (tmpfs) would hold more than the stated fraction of RAM."""
