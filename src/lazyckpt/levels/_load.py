@@ -2,14 +2,18 @@
 record's CRC32 while reading, return what ``torch.load`` returns.
 
 Data flow: the zip's central directory and local headers are read first (``zipfile``, a few small
-reads); then the whole file is read into ONE host buffer by ``threads`` threads, in pieces of
-``piece_bytes`` (``os.preadv`` straight into the buffer for a file; ranged reads for a URL). Each
-thread computes the CRC32 of the parts of records its piece holds (ISA-L when installed; both it and
-the reads release the GIL), and the pieces' CRCs are joined per record with ``crc32_combine``. A
-mismatch raises ``VerificationError`` naming the record before anything is unpickled. Then
-``torch.load`` unpickles from that buffer (one memory copy per storage, no more reads), with
-``weights_only`` (default True, as torch's) and ``map_location`` passed through. The buffer, the
-threads and the file descriptor belong to the call and are gone when it returns.
+reads); then the whole file is read by ``threads`` threads in pieces of ``piece_bytes``
+(``os.preadv``), each thread computing the CRC32 of the record parts its piece holds (ISA-L when
+installed; the reads and the CRC release the GIL); the pieces' CRCs are joined per record with
+``crc32_combine``, and a mismatch raises ``VerificationError`` naming the record before anything is
+unpickled. A local file is read into one scratch buffer per thread: the pass leaves the file in the
+page cache (a tmpfs file is there anyway), and ``torch.load(path, mmap=True)`` then maps it, with no
+copy (the tensors are copy-on-write pages of the file: a file removed later stays allocated until
+they are freed). A URL is read by ranged reads into ONE host buffer, which ``torch.load`` unpickles
+(one memory copy per storage). ``weights_only`` (default True, as torch's) and ``map_location`` are
+passed through. The buffers, the threads and the file descriptor belong to the call. A checkpoint
+file is never changed after its commit (lazyckpt and torch.save rename complete files into place), so
+the bytes checked are the bytes mapped.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import io
 import os
 import struct
+import threading
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -50,18 +55,22 @@ def load(
     memory to the device as ``torch.load`` hands it over (non-blocking copies; one synchronize at
     the end). A file that is not a zip (torch's legacy format) is handed to ``torch.load`` as is."""
     path = path_or_found.path if isinstance(path_or_found, Found) else os.fspath(path_or_found)
-    with _open(path, storage_options) as source:
-        buf = bytearray(source.size)
-        view = memoryview(buf)
-        records = _records(source, path) if _is_zip(source) else None
-        _read_all(source, view, records if verify else None, path, max(1, threads), piece_bytes)
     location, finish = _device_mapper(map_location)
-    result = torch.load(
-        _BufferFile(view),  # type: ignore[arg-type]  # a seekable binary file
-        map_location=location,
-        weights_only=weights_only,
-        **torch_load_kwargs,
-    )
+    threads = max(1, threads)
+    if _remote.is_url(path):  # the object into one host buffer, then unpickled from there
+        with _UrlSource(path, storage_options) as source:
+            view = memoryview(bytearray(source.size))
+            records = _records(source, path) if _is_zip(source) else None
+            _read_all(source, view, records if verify else None, path, threads, piece_bytes)
+        buffer: Any = _BufferFile(view)  # a seekable binary file (typeshed's IO[bytes] is wider)
+        result = torch.load(buffer, map_location=location, weights_only=weights_only, **torch_load_kwargs)
+    else:
+        with _FileSource(path) as source:
+            zipped = _is_zip(source)
+            records = _records(source, path) if zipped else None
+            _read_all(source, None, records if verify else None, path, threads, piece_bytes)
+        # The parallel pass left the file in the page cache (tmpfs: it is there anyway): map it, no copy.
+        result = torch.load(path, map_location=location, weights_only=weights_only, mmap=zipped, **torch_load_kwargs)
     finish()
     return result
 
@@ -180,22 +189,31 @@ def _records(source: _FileSource, path: str) -> list[_Record]:
 
 
 def _read_all(
-    source: _FileSource, view: memoryview, records: list[_Record] | None, path: str, threads: int, piece: int
+    source: _FileSource, view: memoryview | None, records: list[_Record] | None, path: str, threads: int, piece: int
 ) -> None:
-    """Fill ``view`` with the file, ``threads`` pieces at a time; check the records' CRCs."""
-    size = len(view)
+    """Read the whole file, ``threads`` pieces at a time, into ``view`` (None: into one scratch
+    buffer per thread, for the page cache's sake); check the records' CRCs."""
+    size = source.size
     starts = list(range(0, size, piece))
     checked = [r for r in records or [] if r.stored and r.stop > r.start]
+    scratch = threading.local()
 
     def task(start: int) -> list[tuple[int, int, int]]:
         stop = min(size, start + piece)
-        source.read_into(view[start:stop], start)
+        if view is not None:
+            target = view[start:stop]
+        else:
+            if getattr(scratch, "buf", None) is None:
+                scratch.buf = memoryview(bytearray(min(piece, size)))
+            target = scratch.buf[: stop - start]
+        source.read_into(target, start)
         # (record index, bytes, crc) of each record part in this piece, for crc32_combine
         return [
-            (i, min(stop, r.stop) - max(start, r.start), crc32(view[max(start, r.start) : min(stop, r.stop)]))
+            (i, min(stop, r.stop) - max(start, r.start),
+             crc32(target[max(start, r.start) - start : min(stop, r.stop) - start]))
             for i, r in enumerate(checked)
             if r.start < stop and r.stop > start
-        ]
+        ]  # fmt: skip
 
     with ThreadPoolExecutor(max_workers=min(threads, max(1, len(starts))), thread_name_prefix="lazyckpt-load") as ex:
         parts = list(ex.map(task, starts))  # in file order; raises the first read error
@@ -209,12 +227,12 @@ def _read_all(
                 f"{path}: record {record.name}: CRC32 {value:08x}, the zip says {record.crc:08x} (corrupt data)"
             )
     if records is not None and len(checked) < len([r for r in records if r.stop > r.start]):
-        _check_compressed(view, path)
+        _check_compressed(source, path)
 
 
-def _check_compressed(view: memoryview, path: str) -> None:
+def _check_compressed(source: _FileSource, path: str) -> None:
     """Compressed records (not written by torch.save, but a zip may hold them): zipfile checks them."""
-    with zipfile.ZipFile(_BufferFile(view)) as zf:
+    with zipfile.ZipFile(_Reader(source)) as zf:
         bad = zf.testzip()
     if bad is not None:
         raise VerificationError(f"{path}: record {bad}: CRC mismatch")
