@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .. import _remote
+from .. import _fs, _remote
 from .._crc import crc32, crc32_combine
 from ..errors import VerificationError
 from ._latest import Found
@@ -68,7 +68,8 @@ def load(
         with _FileSource(path) as source:
             zipped = _is_zip(source)
             records = _records(source, path) if zipped else None
-            _read_all(source, None, records if verify else None, path, threads, piece_bytes)
+            if verify or not _fs.is_memory_filesystem(os.path.dirname(os.path.abspath(path))):
+                _read_all(source, None, records if verify else None, path, threads, piece_bytes)
         # The parallel pass left the file in the page cache (tmpfs: it is there anyway): map it, no copy.
         result = torch.load(path, map_location=location, weights_only=weights_only, mmap=zipped, **torch_load_kwargs)
     finish()
