@@ -295,3 +295,51 @@ def test_s3_level_against_the_test_s3_server(mem, tmp_path, s3):
     assert found.step == 2 and found.path == f"{url}-only/step-00000002.pt"
     assert_same(lazyckpt.load(found, storage_options=opts), want[2])
     assert not any(n.endswith(".pt") for _, _, files in os.walk(tmp_path / "local2") for n in files)
+
+
+def test_block_backpressure_waits_for_the_slow_level_and_warns(mem, tmp_path, monkeypatch):
+    from lazyckpt.levels import _multi
+
+    monkeypatch.setattr(_multi, "WARN_AFTER_S", 0.0)  # any wait warns
+    entered, release = threading.Event(), threading.Event()
+    real = _copy.copy_file
+
+    def held(src, dst, fsync):
+        entered.set()
+        assert release.wait(60)
+        real(src, dst, fsync)
+
+    monkeypatch.setattr(_copy, "copy_file", held)
+    levels = [Level(mem, every=1, keep=5), Level(tmp_path / "disk", every=1, backlog=1)]
+    step = _train()
+    with LazyCheckpointer(levels=levels) as ck:
+        waiting = threading.Event()
+        confirm = ck.wait_staged
+
+        def about_to_wait(timeout=None):  # _admit confirms the pending saves, then waits for a slot
+            confirm(timeout)
+            waiting.set()
+
+        monkeypatch.setattr(ck, "wait_staged", about_to_wait)
+        h1 = ck.save(step(1), step=1)
+        assert entered.wait(60)
+        s2, caught, out = step(2), [], {}
+
+        def second() -> None:
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always")
+                out["h"] = ck.save(s2, step=2)
+            caught.extend(w)
+
+        t = threading.Thread(target=second)
+        t.start()
+        assert waiting.wait(60)
+        assert "h" not in out  # save(step=2) waits for level 1's backlog
+        release.set()
+        t.join(60)
+        assert not t.is_alive()
+        out["h"].wait()
+        h1.wait()
+        assert out["h"].levels_done == [0, 1]
+    msgs = [str(w.message) for w in caught if issubclass(w.category, BackpressureWarning)]
+    assert msgs and "level 1" in msgs[0] and "backlog bound 1" in msgs[0], msgs
