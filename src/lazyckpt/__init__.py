@@ -23,6 +23,7 @@ from .errors import (
     VerificationError,
     WriteError,
 )
+from .levels import Found, Level, LevelError, MemoryLevelWarning, latest, load
 
 __version__ = "0.1.0"
 
@@ -30,9 +31,13 @@ __all__ = [
     "BackpressureWarning",
     "CheckpointerClosedError",
     "CheckpointerOptions",
+    "Found",
     "IncompleteCheckpointError",
     "LazyCheckpointer",
     "LazyCkptError",
+    "Level",
+    "LevelError",
+    "MemoryLevelWarning",
     "SaveHandle",
     "SaveRefusedError",
     "SaveStats",
@@ -43,5 +48,7 @@ __all__ = [
     "VerifyReport",
     "cleanup_temporaries",
     "is_complete",
+    "latest",
+    "load",
     "verify",
 ]

@@ -32,6 +32,8 @@ from lazyckpt.storage import fs as _fs
 from lazyckpt.storage import remote as _remote
 
 from .errors import BackpressureWarning, CheckpointerClosedError, LazyCkptError, SaveRefusedError, WriteError
+from .levels import Level
+from .levels._multi import MultiLevel
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +156,7 @@ class LazyCheckpointer:
         self._engine = Engine(self.pool, options.writer_threads, self._job_done)
         self._remover = Remover(on_failed=self._errors.publish)
         self._remote: _remote.RemoteTier | None = None  # URL saves: started by the first one
+        self._levels: MultiLevel | None = None if options.levels is None else MultiLevel(self, options.levels, options)
         _exit.register(self, _close_at_exit, layer=_exit.CORE)
 
     # -- public API -------------------------------------------------------------------------------
@@ -162,13 +165,20 @@ class LazyCheckpointer:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def levels(self) -> tuple[Level, ...]:
+        """The levels given at construction (``()`` without); ``lazyckpt.latest(ckpt.levels)``."""
+        return () if self._levels is None else self._levels.levels
+
     def save(
         self,
         obj: Any,
-        path: str | os.PathLike[str],
+        path: str | os.PathLike[str] | None = None,
         format: Format = "torch",
         metadata: dict[str, str] | None = None,
         before_commit: Callable[[], object] | None = None,
+        *,
+        step: int | None = None,
     ) -> SaveHandle:
         """Start saving ``obj`` to ``path``; returns a handle at once (see the class docstring).
 
@@ -182,11 +192,34 @@ class LazyCheckpointer:
         is committed only after a later call into lazyckpt (the next optimizer step, ``save()``,
         ``wait_staged()``, ``wait()``, ``handle.wait()``, ``close()``) has re-checked their versions
         once the copies were over (see the class docstring); ``handle.done()`` stays False until then.
+
+        With ``levels=[...]`` at construction, ``save(obj, step=n)`` (no path) saves to every level
+        due at ``n`` and returns one handle, done once each has its copy (``lazyckpt.levels``).
         """
+        if path is None or step is not None:
+            return self._save_step(obj, path, step, format, metadata, before_commit)
         t0 = time.perf_counter()
         if _remote.is_url(path):
             return self._save_url(obj, str(path), t0, format=format, metadata=metadata, before_commit=before_commit)
         return self._save_file(obj, path, t0, format, metadata, before_commit)
+
+    def _save_step(
+        self, obj: Any, path: Any, step: int | None, format: str, metadata: Any, before_commit: Any
+    ) -> SaveHandle:
+        """``save(obj, step=n)`` with levels; refuses the mixes that have no meaning."""
+        if path is not None:
+            raise SaveRefusedError("save(obj, path) takes no step=; save(obj, step=n) takes no path (levels decide)")
+        if self._levels is None or step is None:
+            raise SaveRefusedError(
+                "save(obj) needs a path (save(obj, 'ckpt.pt')), or levels=[Level(...), ...] at construction "
+                "and a step (save(obj, step=n))"
+            )
+        if format != "torch" or metadata is not None or before_commit is not None:
+            raise SaveRefusedError(
+                "save(obj, step=n) writes torch files; format, metadata and before_commit are not taken"
+            )
+        self._check_open()
+        return self._levels.save(obj, step)
 
     def _save_file(
         self,
@@ -225,9 +258,11 @@ class LazyCheckpointer:
         """Block until every save made so far is durable and every ``remove()`` has run, then raise
         the oldest background error nobody has seen (see ``raise_errors``). ``timeout``: seconds
         (``None``: no limit); ``TimeoutError`` when they are not all done by then."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self._levels is not None:  # first: its copies end with retention removals
+            self._levels.drain(_left(deadline))
         with self._lock:
             jobs = list(self._jobs)
-        deadline = None if timeout is None else time.monotonic() + timeout
         for job in jobs:
             if not job.handle.wait_done(_left(deadline)):
                 raise TimeoutError(f"pending saves not durable after {timeout} s")
@@ -256,7 +291,7 @@ class LazyCheckpointer:
         is decided: ``save()``, ``wait()`` and ``close()`` call it, and so do the integrations. An
         error already raised by ``handle.wait()`` or fetched from a removal's future is not raised
         again; one raised here is still raised by its own ``handle.wait()``."""
-        raise_first(self._errors.take())
+        raise_first(self._errors.take() + (self._levels.take_errors() if self._levels is not None else []))
 
     def add_error(self, error: BaseException) -> None:
         """Hand over a background error of the caller's own (an integration's upload, or a folder
@@ -358,6 +393,8 @@ class LazyCheckpointer:
             self._engine.stop()  # joins a callback thread that closed us from inside
             return
         try:
+            if self._levels is not None:  # its copies feed on this checkpointer's saves and removals
+                self._levels.drain()
             with self._lock:
                 jobs = list(self._jobs)
             for job in jobs:
@@ -367,6 +404,8 @@ class LazyCheckpointer:
                 self._remote.wait()
         finally:
             self._closed = True
+            if self._levels is not None:
+                self._levels.close()
             self._engine.stop()
             if self._remote is not None:  # after the engine: its uploads wait for local commits
                 self._remote.close()

@@ -20,6 +20,8 @@ __all__ = [
     "DistributedSaveError",
     "UploadError",
     "DistributedUploadError",
+    "LevelError",
+    "MemoryLevelWarning",
 ]
 
 
@@ -142,3 +144,23 @@ class DistributedUploadError(DistributedSaveError, UploadError):
         self.ranks = ranks
         self.attempts = attempts
         self.local_path = local_path
+
+
+class LevelError(WriteError):
+    """A level's copy of a checkpoint failed (the faster levels' copies are unaffected).
+
+    ``level`` is the index of the level in the checkpointer's ``levels``, ``level_path`` its folder
+    or URL, ``step`` the step, ``path`` the file (or object) that was not written, ``errno`` the OS
+    error number when the cause was an ``OSError``. The cause is chained."""
+
+    def __init__(
+        self, message: str, level: int, level_path: str, step: int, path: str, errno: int | None = None
+    ) -> None:
+        super().__init__(message, path=path, errno=errno)
+        self.level = level
+        self.level_path = level_path
+        self.step = step
+
+
+class MemoryLevelWarning(UserWarning):
+    """A memory level (tmpfs) would hold more than the stated fraction of RAM."""

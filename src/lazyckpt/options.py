@@ -37,6 +37,8 @@ class CheckpointerOptions:
     upload_part_bytes: int = 32 << 20
     upload_retries: int = 6
     upload_backlog_bytes: int | None = None
+    # multi-level checkpoints (``lazyckpt.levels``): ``save(obj, step=n)`` saves to the levels due at n
+    levels: tuple[Any, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.on_backpressure not in ("block", "skip"):
@@ -51,6 +53,13 @@ class CheckpointerOptions:
             raise ValueError("upload_part_bytes must be >= 5 MiB (S3's smallest multipart part)")
         if self.upload_retries < 0:
             raise ValueError("upload_retries must be >= 0")
+        if self.levels is not None:
+            from lazyckpt.levels import Level  # the levels package imports this module
+
+            levels = tuple(self.levels)
+            if not levels or not all(isinstance(lv, Level) for lv in levels):
+                raise TypeError("levels must be a non-empty list of lazyckpt.Level")
+            object.__setattr__(self, "levels", levels)
 
 
 def merge(options: CheckpointerOptions | None, kwargs: dict[str, Any]) -> CheckpointerOptions:

@@ -1,0 +1,107 @@
+"""``LevelsHandle``: the one handle ``save(obj, step=)`` returns, done when every due level has its copy.
+
+Parts: the source save (the fastest due level's file, or a staging file when that level is a URL)
+and one copy per slower due level that was admitted. The handle is done once every part is; its
+``wait()`` raises the source save's error (the same report as the core's: reported once) or else
+the first ``LevelError`` (the other levels' errors as notes), published to the multi-level
+ledger before the handle is visible as done, so a later ``save()`` / ``close()`` finds it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from lazyckpt.core.handle import Completion, Outcome, SaveHandle, SaveStats
+
+if TYPE_CHECKING:
+    from ._multi import MultiLevel
+
+SOURCE = -1  # the part key of a staging file that is no level's copy
+
+
+class LevelsHandle(SaveHandle):
+    """A multi-level save. ``step``: its step; ``levels_done``: the level indices holding a complete
+    copy once done; ``levels_skipped``: due levels whose copy was skipped (``on_backpressure="skip"``).
+    ``staged()`` / ``wait_staged()`` / ``local()`` / ``wait_local()`` are the fastest level's save's."""
+
+    def __init__(self, path: str, outcome: Outcome | None = None, *, step: int, source: SaveHandle) -> None:
+        super().__init__(path, outcome)
+        self.step = step
+        self.levels_done: list[int] = []
+        self.levels_skipped: list[int] = []
+        self._source = source
+
+    def staged(self) -> bool:
+        return self._source.staged()
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        self._source.wait_staged(timeout)
+
+    def local(self) -> bool:
+        return self._source.done()
+
+    def wait_local(self, timeout: float | None = None) -> SaveStats:
+        return self._source.wait(timeout)
+
+    def wait_done(self, timeout: float | None = None) -> bool:
+        """The source save commits only once a thread calling into lazyckpt confirmed it after its
+        copies: confirm it here (its ``wait_staged``), then wait for every level."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self.done():
+            try:
+                self._source.wait_staged(timeout)
+            except TimeoutError:
+                return False
+        return self.wait_finished(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+
+class Parts:
+    """The producer's side of one ``LevelsHandle``: its parts (the source save, one copy per
+    admitted slower level); the last part to end finishes the handle through its ``Completion``."""
+
+    def __init__(self, path: str, step: int, source: SaveHandle, parts: list[int], owner: MultiLevel, t0: float):
+        self.completion = Completion(path, LevelsHandle, step=step, source=source)
+        self.handle: LevelsHandle = self.completion.handle  # type: ignore[assignment]
+        self._source = source
+        self._parts = set(parts)
+        self._failures: dict[int, BaseException] = {}
+        self._owner = owner
+        self._t0 = t0
+        self._lock = threading.Lock()
+
+    def part_done(self, part: int, error: BaseException | None = None, written: bool = True) -> None:
+        """A part ended (any lazyckpt thread): ``error`` a LevelError, ``written`` False when no copy
+        was made because the source save failed or was skipped."""
+        with self._lock:
+            self._parts.discard(part)
+            if error is not None:
+                self._failures[part] = error
+            elif written and part != SOURCE:
+                self.handle.levels_done.append(part)
+            last = not self._parts
+        if last:
+            self._finish_all()
+
+    def _finish_all(self) -> None:
+        if self._source.exception() is not None:
+            self.completion.adopt(self._source)  # the core published that report: claimed once, by either
+        else:
+            stats = self._source.stats
+            if stats is not None:
+                stats = dataclasses.replace(stats, path=self.handle.path, durable_s=time.perf_counter() - self._t0)
+            error = None
+            failures = [self._failures[k] for k in sorted(self._failures)]
+            if failures:
+                error = failures[0]
+                if hasattr(error, "add_note"):  # Python >= 3.11
+                    for other in failures[1:]:
+                        error.add_note(f"lazyckpt: also failed: {other}")
+            report = self.completion.resolve(stats, error)
+            if report is not None:
+                self._owner.publish(report)
+        self.handle.levels_done.sort()
+        self._owner.forget(self.handle)
+        self.completion.complete(self._owner.callbacks)

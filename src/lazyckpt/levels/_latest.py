@@ -1,0 +1,83 @@
+"""``latest(levels)``: the newest step complete at some level, verified; the fastest level holding it.
+
+Works on names and files only (``_level.list_steps`` and ``lazyckpt.verify``), not on who wrote
+them: a restarted process, another node, or a later distributed saver's files are read the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from lazyckpt.recovery.verify import verify as verify_file
+
+from ..errors import IncompleteCheckpointWarning
+from ._level import Level, as_level, list_steps
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Found:
+    """What ``latest()`` found: the file (or URL) ``path``, its ``step``, and ``level``, the index
+    of its level in the list given to ``latest()``."""
+
+    path: str
+    step: int
+    level: int
+
+
+def latest(
+    levels: Iterable[Level | str | os.PathLike[str]],
+    storage_options: dict[str, Any] | None = None,
+    verify: bool = True,
+) -> Found | None:
+    """The newest step that is complete at some level and passes verification (every CRC; a URL
+    by ranged reads); among the levels holding that step, the first one given (the fastest).
+
+    A copy that fails verification (torn, corrupt, truncated) is skipped with an
+    ``IncompleteCheckpointWarning`` naming it, and the next candidate is tried: the same step at a
+    slower level, then older steps. ``None`` when no level holds a complete checkpoint. A level
+    that cannot be listed (a missing bucket, no credentials) is skipped with a warning.
+    ``verify=False`` trusts the names (each is made by an atomic rename or object creation)."""
+    candidates: list[tuple[int, int, str]] = []
+    for index, entry in enumerate(levels):
+        level = as_level(entry)
+        try:
+            steps = list_steps(level, storage_options)
+        except Exception as exc:  # an unreachable level must not hide the others
+            warnings.warn(
+                f"lazyckpt.latest: cannot list level {index} ({level.path}): {exc}",
+                IncompleteCheckpointWarning,
+                stacklevel=2,
+            )
+            continue
+        candidates.extend((step, index, path) for step, path in steps.items())
+    candidates.sort(key=lambda c: (-c[0], c[1]))
+    for step, index, path in candidates:
+        if not verify:
+            return Found(path, step, index)
+        problem = _problem(path, storage_options)
+        if problem is None:
+            return Found(path, step, index)
+        warnings.warn(
+            f"lazyckpt.latest: skipping {path} (level {index}, step {step}): {problem}",
+            IncompleteCheckpointWarning,
+            stacklevel=2,
+        )
+    return None
+
+
+def _problem(path: str, storage_options: dict[str, Any] | None) -> str | None:
+    """Why ``path`` is not a complete checkpoint, or None when it is."""
+    try:
+        report = verify_file(path, storage_options)
+    except FileNotFoundError:  # removed by retention since the listing
+        return "gone since it was listed"
+    except Exception as exc:  # unreadable: not a checkpoint to resume from
+        return f"cannot be read: {exc}"
+    return None if report.ok else "; ".join(report.problems)

@@ -1,0 +1,297 @@
+"""``load()``: read a torch.save zip file (lazyckpt's or torch's) with parallel reads, check every
+record's CRC32 while reading, return what ``torch.load`` returns.
+
+Data flow: the zip's central directory and local headers are read first (``zipfile``, a few small
+reads); then the whole file is read by ``threads`` threads in pieces of ``piece_bytes``
+(``os.preadv``), each thread computing the CRC32 of the record parts its piece holds (ISA-L when
+installed; the reads and the CRC release the GIL); the pieces' CRCs are joined per record with
+``crc32_combine``, and a mismatch raises ``VerificationError`` naming the record before anything is
+unpickled. A local file is read into one scratch buffer per thread: the pass leaves the file in the
+page cache (a tmpfs file is there anyway), and ``torch.load(path, mmap=True)`` then maps it, with no
+copy (the tensors are copy-on-write pages of the file: a file removed later stays allocated until
+they are freed). A URL is read by ranged reads into ONE host buffer, which ``torch.load`` unpickles
+(one memory copy per storage). ``weights_only`` (default True, as torch's) and ``map_location`` are
+passed through. The buffers, the threads and the file descriptor belong to the call. A checkpoint
+file is never changed after its commit (lazyckpt and torch.save rename complete files into place), so
+the bytes checked are the bytes mapped.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import struct
+import threading
+import zipfile
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from lazyckpt.formats.crc import crc32, crc32_combine
+from lazyckpt.storage import fs as _fs
+from lazyckpt.storage import remote as _remote
+
+from ..errors import VerificationError
+from ._latest import Found
+
+_LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # zip local file header, 30 bytes
+PIECE_BYTES = 32 << 20
+
+
+def load(
+    path_or_found: Found | str | os.PathLike[str],
+    map_location: Any = None,
+    weights_only: bool = True,
+    verify: bool = True,
+    storage_options: dict[str, Any] | None = None,
+    threads: int = 8,
+    piece_bytes: int = PIECE_BYTES,
+    **torch_load_kwargs: Any,
+) -> Any:
+    """What ``torch.load(path, map_location=..., weights_only=...)`` returns, read in parallel and,
+    with ``verify=True``, with every CRC checked (``VerificationError`` on a mismatch).
+
+    ``path_or_found``: a ``latest()`` result, a file path, or a URL (``storage_options`` go to
+    fsspec). ``map_location="cuda"`` (or a CUDA device) copies each storage through pinned host
+    memory to the device as ``torch.load`` hands it over (non-blocking copies; one synchronize at
+    the end). A file that is not a zip (torch's legacy format) is handed to ``torch.load`` as is."""
+    path = path_or_found.path if isinstance(path_or_found, Found) else os.fspath(path_or_found)
+    location, finish = _device_mapper(map_location)
+    threads = max(1, threads)
+    if _remote.is_url(path):  # the object into one host buffer, then unpickled from there
+        with _UrlSource(path, storage_options) as source:
+            view = memoryview(bytearray(source.size))
+            records = _records(source, path) if _is_zip(source) else None
+            _read_all(source, view, records if verify else None, path, threads, piece_bytes)
+        buffer: Any = _BufferFile(view)  # a seekable binary file (typeshed's IO[bytes] is wider)
+        result = torch.load(buffer, map_location=location, weights_only=weights_only, **torch_load_kwargs)
+    else:
+        with _FileSource(path) as source:
+            zipped = _is_zip(source)
+            records = _records(source, path) if zipped else None
+            if verify or not _fs.is_memory_filesystem(os.path.dirname(os.path.abspath(path))):
+                _read_all(source, None, records if verify else None, path, threads, piece_bytes)
+        # The parallel pass left the file in the page cache (tmpfs: it is there anyway): map it, no copy.
+        result = torch.load(path, map_location=location, weights_only=weights_only, mmap=zipped, **torch_load_kwargs)
+    finish()
+    return result
+
+
+# -- sources ----------------------------------------------------------------------------------------
+
+
+class _FileSource:
+    def __init__(self, path: str) -> None:
+        self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        self.size = os.fstat(self.fd).st_size
+
+    def read_into(self, view: memoryview, offset: int) -> None:
+        while view:
+            n = os.preadv(self.fd, [view], offset)
+            if n <= 0:
+                raise VerificationError(f"file ended at byte {offset} while reading it (truncated meanwhile?)")
+            view, offset = view[n:], offset + n
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def __enter__(self) -> _FileSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _UrlSource(_FileSource):
+    def __init__(self, url: str, storage_options: dict[str, Any] | None) -> None:
+        self.fs, self.rpath = _remote.filesystem(url, storage_options)
+        self.size = int(self.fs.size(self.rpath))
+
+    def read_into(self, view: memoryview, offset: int) -> None:
+        data = self.fs.cat_file(self.rpath, start=offset, end=offset + len(view))
+        if len(data) != len(view):
+            raise VerificationError(f"short ranged read at {offset}: {len(data)} of {len(view)} bytes")
+        view[:] = data
+
+    def close(self) -> None:
+        pass
+
+
+def _open(path: str, storage_options: dict[str, Any] | None) -> _FileSource:
+    return _UrlSource(path, storage_options) if _remote.is_url(path) else _FileSource(path)
+
+
+class _Reader(io.RawIOBase):
+    """A seekable file over ``source`` for ``zipfile`` (the central directory and local headers)."""
+
+    def __init__(self, source: _FileSource) -> None:
+        self.source, self.pos = source, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.pos = offset if whence == 0 else self.pos + offset if whence == 1 else self.source.size + offset
+        return self.pos
+
+    def readinto(self, b: Any) -> int:
+        n = max(0, min(len(b), self.source.size - self.pos))
+        if n:
+            self.source.read_into(memoryview(b).cast("B")[:n], self.pos)
+            self.pos += n
+        return n
+
+
+def _is_zip(source: _FileSource) -> bool:
+    if source.size < 4:
+        return False
+    head = bytearray(4)
+    source.read_into(memoryview(head), 0)
+    return bytes(head) == b"PK\x03\x04"
+
+
+# -- records ----------------------------------------------------------------------------------------
+
+
+class _Record:
+    __slots__ = ("name", "start", "stop", "crc", "stored")
+
+    def __init__(self, name: str, start: int, stop: int, crc: int, stored: bool) -> None:
+        self.name, self.start, self.stop, self.crc, self.stored = name, start, stop, crc, stored
+
+
+def _records(source: _FileSource, path: str) -> list[_Record]:
+    """Each record's data range and CRC, from the central directory and the local headers."""
+    try:
+        with zipfile.ZipFile(_Reader(source)) as zf:
+            infos = zf.infolist()
+    except (zipfile.BadZipFile, OSError, EOFError) as exc:
+        raise VerificationError(f"{path}: not a readable zip file: {exc}") from exc
+    out = []
+    header = bytearray(_LOCAL_HEADER.size)
+    for info in infos:
+        if info.header_offset + len(header) > source.size:
+            raise VerificationError(f"{path}: record {info.filename}: local header beyond the end of the file")
+        source.read_into(memoryview(header), info.header_offset)
+        sig, *_, name_len, extra_len = _LOCAL_HEADER.unpack(header)
+        if sig != b"PK\x03\x04":
+            raise VerificationError(f"{path}: record {info.filename}: bad local header")
+        start = info.header_offset + len(header) + name_len + extra_len
+        stop = start + info.compress_size
+        if stop > source.size:
+            raise VerificationError(f"{path}: record {info.filename}: data runs past the end of the file (truncated)")
+        out.append(_Record(info.filename, start, stop, info.CRC, info.compress_type == zipfile.ZIP_STORED))
+    return out
+
+
+def _read_all(
+    source: _FileSource, view: memoryview | None, records: list[_Record] | None, path: str, threads: int, piece: int
+) -> None:
+    """Read the whole file, ``threads`` pieces at a time, into ``view`` (None: into one scratch
+    buffer per thread, for the page cache's sake); check the records' CRCs."""
+    size = source.size
+    starts = list(range(0, size, piece))
+    checked = [r for r in records or [] if r.stored and r.stop > r.start]
+    scratch = threading.local()
+
+    def task(start: int) -> list[tuple[int, int, int]]:
+        stop = min(size, start + piece)
+        if view is not None:
+            target = view[start:stop]
+        else:
+            if getattr(scratch, "buf", None) is None:
+                scratch.buf = memoryview(bytearray(min(piece, size)))
+            target = scratch.buf[: stop - start]
+        source.read_into(target, start)
+        # (record index, bytes, crc) of each record part in this piece, for crc32_combine
+        return [
+            (i, min(stop, r.stop) - max(start, r.start),
+             crc32(target[max(start, r.start) - start : min(stop, r.stop) - start]))
+            for i, r in enumerate(checked)
+            if r.start < stop and r.stop > start
+        ]  # fmt: skip
+
+    with ThreadPoolExecutor(max_workers=min(threads, max(1, len(starts))), thread_name_prefix="lazyckpt-load") as ex:
+        parts = list(ex.map(task, starts))  # in file order; raises the first read error
+    crcs = [0] * len(checked)
+    for piece_parts in parts:
+        for i, nbytes, value in piece_parts:
+            crcs[i] = crc32_combine(crcs[i], value, nbytes)
+    for record, value in zip(checked, crcs, strict=True):
+        if value != record.crc:
+            raise VerificationError(
+                f"{path}: record {record.name}: CRC32 {value:08x}, the zip says {record.crc:08x} (corrupt data)"
+            )
+    if records is not None and len(checked) < len([r for r in records if r.stop > r.start]):
+        _check_compressed(source, path)
+
+
+def _check_compressed(source: _FileSource, path: str) -> None:
+    """Compressed records (not written by torch.save, but a zip may hold them): zipfile checks them."""
+    with zipfile.ZipFile(_Reader(source)) as zf:
+        bad = zf.testzip()
+    if bad is not None:
+        raise VerificationError(f"{path}: record {bad}: CRC mismatch")
+
+
+class _BufferFile(io.RawIOBase):
+    """The file's bytes in memory as a seekable file for ``torch.load`` (``readinto`` copies each
+    record straight into its storage)."""
+
+    def __init__(self, view: memoryview) -> None:
+        self.view, self.pos = view, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.pos = offset if whence == 0 else self.pos + offset if whence == 1 else len(self.view) + offset
+        return self.pos
+
+    def readinto(self, b: Any) -> int:
+        chunk = self.view[self.pos : self.pos + len(b)]
+        memoryview(b).cast("B")[: len(chunk)] = chunk
+        self.pos += len(chunk)
+        return len(chunk)
+
+
+# -- devices ----------------------------------------------------------------------------------------
+
+
+def _device_mapper(map_location: Any) -> tuple[Any, Any]:
+    """(map_location for torch.load, what to run after it). CUDA: through pinned host buffers."""
+    target = map_location
+    if isinstance(target, str) and target.startswith("cuda"):
+        target = torch.device(target)
+    if not isinstance(target, torch.device) or target.type != "cuda":
+        return map_location, lambda: None
+    device = target if target.index is not None else torch.device("cuda", torch.cuda.current_device())
+    staged: list[torch.UntypedStorage] = []  # pinned buffers in flight: kept alive until the sync
+
+    def to_device(storage: torch.UntypedStorage, location: str) -> torch.UntypedStorage:
+        nbytes = storage.nbytes()
+        pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).untyped_storage()
+        pinned.copy_(storage)
+        out = torch.empty(nbytes, dtype=torch.uint8, device=device).untyped_storage()
+        out.copy_(pinned, non_blocking=True)
+        staged.append(pinned)
+        return out
+
+    def finish() -> None:
+        torch.cuda.current_stream(device).synchronize()
+        staged.clear()
+
+    return to_device, finish

@@ -1,0 +1,346 @@
+"""Multi-level checkpoints (``LazyCheckpointer(levels=...)``, ``latest()``, ``load()``), single process."""
+
+from __future__ import annotations
+
+import copy
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import uuid
+import warnings
+
+import pytest
+import torch
+
+import lazyckpt
+from _util import assert_same
+from lazyckpt import BackpressureWarning, LazyCheckpointer, Level, LevelError, SaveRefusedError
+from lazyckpt.errors import IncompleteCheckpointWarning
+from lazyckpt.levels import _copy
+from lazyckpt.storage import fs as _fs
+
+SCRIPTS = os.path.join(os.path.dirname(__file__), "levels_scripts")
+
+
+@pytest.fixture
+def mem():
+    """A memory level's folder on /dev/shm (tmpfs), removed afterwards."""
+    path = f"/dev/shm/lazyckpt-test-{uuid.uuid4().hex[:12]}"
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _train():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64))
+    opt = torch.optim.Adam(model.parameters())
+
+    def step(i: int) -> dict:
+        model(torch.randn(4, 64)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        return {"model": model.state_dict(), "opt": opt.state_dict(), "step": i}
+
+    return step
+
+
+def test_each_due_level_gets_the_state_at_save_even_as_training_goes_on(mem, tmp_path):
+    levels = [Level(mem, every=1, keep=10), Level(tmp_path / "disk", every=3)]
+    step, want, handles = _train(), {}, []
+    with LazyCheckpointer(levels=levels) as ck:
+        for i in range(1, 8):
+            state = step(i)  # the previous save's tensors change here, at once
+            want[i] = copy.deepcopy(state)
+            handles.append(ck.save(state, step=i))
+        for h in handles:
+            h.wait()
+    assert sorted(os.listdir(mem)) == [f"step-{i:08d}.pt" for i in range(1, 8)]
+    assert sorted(os.listdir(tmp_path / "disk")) == ["step-00000003.pt", "step-00000006.pt"]
+    for i in range(1, 8):
+        assert_same(torch.load(levels[0].file(i)), want[i])
+    for i in (3, 6):
+        assert_same(torch.load(levels[1].file(i)), want[i])
+    assert handles[5].levels_done == [0, 1] and handles[4].levels_done == [0]
+    assert handles[5].path == levels[0].file(6)
+
+
+def test_save_dispatch_refusals_and_plain_paths(mem, tmp_path):
+    with LazyCheckpointer() as ck, pytest.raises(SaveRefusedError, match="needs a path"):
+        ck.save({"a": 1})
+    with LazyCheckpointer(levels=[Level(mem, keep=1)]) as ck:
+        with pytest.raises(SaveRefusedError, match="step"):
+            ck.save({"a": 1})
+        with pytest.raises(SaveRefusedError, match="no step"):
+            ck.save({"a": 1}, tmp_path / "x.pt", step=1)
+        ck.save({"a": torch.ones(2)}, tmp_path / "x.pt").wait()  # save(obj, path) as before
+    assert_same(torch.load(tmp_path / "x.pt"), {"a": torch.ones(2)})
+    with LazyCheckpointer(levels=[Level(mem, every=5, keep=1)]) as ck:
+        h = ck.save({"a": 1}, step=3)  # no level due
+        assert h.done() and h.wait().skipped
+    with pytest.raises(TypeError):
+        LazyCheckpointer(levels=["/tmp/not-a-level"])
+
+
+def test_retention_keeps_the_newest_n(mem, tmp_path):
+    levels = [Level(mem, every=1, keep=2), Level(tmp_path / "disk", every=2, keep=1)]
+    step = _train()
+    with LazyCheckpointer(levels=levels) as ck:
+        for i in range(1, 10):
+            ck.save(step(i), step=i)
+    assert sorted(os.listdir(mem)) == ["step-00000008.pt", "step-00000009.pt"]
+    assert sorted(os.listdir(tmp_path / "disk")) == ["step-00000008.pt"]
+
+
+def test_retention_never_removes_a_file_a_slower_level_still_copies(mem, tmp_path, monkeypatch):
+    """The disk copy of step 2 is held inside copy_file; meanwhile the memory level (keep=1)
+    commits steps 3 and 4: its step-2 file feeds the copy and must stay until the copy is done."""
+    disk = tmp_path / "disk"
+    levels = [Level(mem, every=1, keep=1), Level(disk, every=2, keep=1, backlog=4)]
+    entered, release = threading.Event(), threading.Event()
+    real = _copy.copy_file
+
+    def held(src, dst, fsync):
+        entered.set()
+        assert release.wait(60)
+        real(src, dst, fsync)
+
+    monkeypatch.setattr(_copy, "copy_file", held)
+    step, want = _train(), {}
+    with LazyCheckpointer(levels=levels) as ck:
+        ck.save(step(1), step=1).wait()
+        want[2] = copy.deepcopy(s2 := step(2))
+        h2 = ck.save(s2, step=2)
+        assert entered.wait(60)
+        ck.save(step(3), step=3).wait()
+        assert os.path.exists(levels[0].file(2)), "the copy's source was removed while it was read"
+        assert not os.path.exists(levels[0].file(1))
+        release.set()
+        h2.wait()
+    assert_same(torch.load(levels[1].file(2)), want[2])
+    assert sorted(os.listdir(mem)) == ["step-00000003.pt"]  # removed once the copy was done
+
+
+def test_a_rollback_makes_later_steps_of_the_old_timeline_go(mem):
+    levels = [Level(mem, every=1, keep=5)]
+    step = _train()
+    with LazyCheckpointer(levels=levels) as ck:
+        for i in range(1, 6):
+            ck.save(step(i), step=i)
+    with LazyCheckpointer(levels=levels) as ck:  # restarted from step 2 (say step 3 was bad)
+        ck.save(step(3), step=3)
+    assert sorted(os.listdir(mem)) == ["step-00000001.pt", "step-00000002.pt", "step-00000003.pt"]
+
+
+def test_sigkilled_training_restarts_from_the_newest_complete_step(mem, tmp_path):
+    expect = tmp_path / "expect"
+    expect.mkdir()
+    results = tmp_path / "results.jsonl"
+    cmd = [sys.executable, os.path.join(SCRIPTS, "kill_driver.py"), mem, str(tmp_path / "disk"), str(expect),
+           str(results), "22", "7"]  # fmt: skip
+    subprocess.run(cmd, check=True, timeout=240)
+    entries = [json.loads(line) for line in results.read_text().splitlines()]
+    assert len(entries) >= 20, entries  # a check per restart (a kill may land before one)
+    assert all(e["ok"] for e in entries), [e for e in entries if not e["ok"]]
+    assert entries[-1]["found"] is not None and entries[-1]["found"][0] > 10
+
+
+def test_corrupt_memory_copy_is_skipped_then_a_wiped_memory_level_falls_back_to_disk(mem, tmp_path):
+    levels = [Level(mem, every=1, keep=2), Level(tmp_path / "disk", every=2, keep=2)]
+    step, want = _train(), {}
+    with LazyCheckpointer(levels=levels) as ck:
+        for i in range(1, 5):
+            want[i] = copy.deepcopy(s := step(i))
+            ck.save(s, step=i)
+    newest = levels[0].file(4)
+    with open(newest, "r+b") as fh:  # a byte flipped in the middle of the newest memory copy
+        fh.seek(os.path.getsize(newest) // 2)
+        byte = fh.read(1)
+        fh.seek(-1, os.SEEK_CUR)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.warns(IncompleteCheckpointWarning, match="step-00000004.pt"):
+        found = lazyckpt.latest(ck.levels)
+    assert (found.step, found.level, found.path) == (4, 1, levels[1].file(4))  # the same step, from disk
+    assert_same(lazyckpt.load(found), want[4])
+    shutil.rmtree(mem)  # a reboot
+    found = lazyckpt.latest([mem, str(tmp_path / "disk")])
+    assert (found.step, found.level) == (4, 1)
+    shutil.rmtree(tmp_path / "disk")
+    assert lazyckpt.latest(levels) is None
+
+
+def test_enospc_on_the_disk_level_only(mem, tmp_path, monkeypatch):
+    disk = str(tmp_path / "disk")
+    real = _fs.open_temporary
+
+    def full_disk(tmp, size):
+        if tmp.startswith(disk):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(tmp, size)
+
+    monkeypatch.setattr(_fs, "open_temporary", full_disk)
+    levels = [Level(mem, every=1, keep=2), Level(disk, every=2)]
+    step, want = _train(), {}
+    ck = LazyCheckpointer(levels=levels)
+    ck.save(step(1), step=1).wait()
+    h = ck.save(step(2), step=2)
+    with pytest.raises(LevelError, match="level 1") as info:
+        h.wait()
+    assert info.value.level == 1 and info.value.errno == errno.ENOSPC and info.value.step == 2
+    assert isinstance(info.value.__cause__, OSError)
+    assert h.levels_done == [0]
+    want[3] = copy.deepcopy(s := step(3))
+    ck.save(s, step=3).wait()  # the memory level keeps working; the error was reported once
+    ck.save(step(4), step=4)  # the next disk copy fails too, unseen: raised by close()
+    with pytest.raises(LevelError, match="step 4"):
+        ck.close()
+    assert_same(torch.load(levels[0].file(3)), want[3])
+    assert os.listdir(disk) == []  # no partial file, no temporary left
+
+
+def test_unseen_level_error_is_raised_once_by_the_next_save(mem, tmp_path, monkeypatch):
+    disk = str(tmp_path / "disk")
+    real = _fs.open_temporary
+    monkeypatch.setattr(
+        _fs, "open_temporary",
+        lambda tmp, size: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")) if tmp.startswith(disk)
+        else real(tmp, size),
+    )  # fmt: skip
+    step = _train()
+    ck = LazyCheckpointer(levels=[Level(mem, every=1, keep=2), Level(disk, every=2)])
+    h = ck.save(step(2), step=2)
+    h.exception(timeout=60)  # done; not seen
+    with pytest.raises(LevelError):
+        ck.save(step(3), step=3)
+    ck.save(step(4), step=4).exception(timeout=60)
+    monkeypatch.setattr(_fs, "open_temporary", real)
+    with pytest.raises(LevelError):  # step 4's disk copy failed; nobody saw it
+        ck.close()
+    assert h.exception() is not None
+
+
+def test_skip_backpressure_skips_only_the_slow_level(mem, tmp_path, monkeypatch):
+    entered, release = threading.Event(), threading.Event()
+    real = _copy.copy_file
+
+    def held(src, dst, fsync):
+        entered.set()
+        assert release.wait(60)
+        real(src, dst, fsync)
+
+    monkeypatch.setattr(_copy, "copy_file", held)
+    levels = [Level(mem, every=1, keep=5), Level(tmp_path / "disk", every=1, backlog=1)]
+    step = _train()
+    with LazyCheckpointer(levels=levels, on_backpressure="skip") as ck:
+        h1 = ck.save(step(1), step=1)
+        assert entered.wait(60)
+        with pytest.warns(BackpressureWarning, match=r"skipped level 1 .* 1 earlier copies .* backlog bound 1"):
+            h2 = ck.save(step(2), step=2)
+        h2.wait()
+        assert h2.levels_done == [0] and h2.levels_skipped == [1]
+        release.set()
+        h1.wait()
+    assert os.path.exists(levels[0].file(2)) and not os.path.exists(levels[1].file(2))
+    assert os.path.exists(levels[1].file(1))
+
+
+def test_memory_level_warns_at_the_first_save_with_numbers(mem, monkeypatch):
+    monkeypatch.setattr(_copy, "memory_total", lambda: 1 << 20)
+    with LazyCheckpointer(levels=[Level(mem, every=1, keep=2)]) as ck:
+        with pytest.warns(lazyckpt.MemoryLevelWarning, match=r"GB .* more than 50% of RAM"):
+            ck.save({"w": torch.zeros(1 << 18)}, step=1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ck.save({"w": torch.zeros(1 << 18)}, step=2)  # once
+
+
+@pytest.fixture(scope="module")
+def s3():
+    import s3fs
+
+    from _s3server import moto_server, s3_options
+
+    with moto_server() as port:
+        opts = s3_options(f"http://127.0.0.1:{port}")
+        fs = s3fs.S3FileSystem(**opts)
+        fs.call_s3("create_bucket", Bucket="levels")
+        yield opts, fs
+
+
+def test_s3_level_against_the_test_s3_server(mem, tmp_path, s3):
+    opts, fs = s3
+    url = f"s3://levels/{uuid.uuid4().hex[:8]}"
+    levels = [Level(mem, every=1, keep=2), Level(url, every=2, keep=2)]
+    step, want = _train(), {}
+    with LazyCheckpointer(levels=levels, storage_options=opts, local_dir=str(tmp_path / "local")) as ck:
+        for i in range(1, 8):
+            want[i] = copy.deepcopy(s := step(i))
+            h = ck.save(s, step=i)
+        h.wait()
+        assert h.levels_done == [0]
+    names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(url.removeprefix("s3://"), refresh=True))
+    assert names == ["step-00000004.pt", "step-00000006.pt"]  # keep=2 at the S3 level
+    shutil.rmtree(mem)  # the node is lost: only the object store is left
+    found = lazyckpt.latest(levels, storage_options=opts)
+    assert (found.step, found.level, found.path) == (6, 1, f"{url}/step-00000006.pt")
+    assert_same(lazyckpt.load(found, storage_options=opts), want[6])
+    # an S3 level as the fastest due one: a local staging file, uploaded, removed
+    only = [Level(f"{url}-only", every=1, keep=1)]
+    with LazyCheckpointer(levels=only, storage_options=opts, local_dir=str(tmp_path / "local2")) as ck:
+        ck.save(want[1], step=1)
+        ck.save(want[2], step=2).wait()
+    found = lazyckpt.latest(only, storage_options=opts)
+    assert found.step == 2 and found.path == f"{url}-only/step-00000002.pt"
+    assert_same(lazyckpt.load(found, storage_options=opts), want[2])
+    assert not any(n.endswith(".pt") for _, _, files in os.walk(tmp_path / "local2") for n in files)
+
+
+def test_block_backpressure_waits_for_the_slow_level_and_warns(mem, tmp_path, monkeypatch):
+    from lazyckpt.levels import _multi
+
+    monkeypatch.setattr(_multi, "WARN_AFTER_S", 0.0)  # any wait warns
+    entered, release = threading.Event(), threading.Event()
+    real = _copy.copy_file
+
+    def held(src, dst, fsync):
+        entered.set()
+        assert release.wait(60)
+        real(src, dst, fsync)
+
+    monkeypatch.setattr(_copy, "copy_file", held)
+    levels = [Level(mem, every=1, keep=5), Level(tmp_path / "disk", every=1, backlog=1)]
+    step = _train()
+    with LazyCheckpointer(levels=levels) as ck:
+        waiting = threading.Event()
+        confirm = ck.wait_staged
+
+        def about_to_wait(timeout=None):  # _admit confirms the pending saves, then waits for a slot
+            confirm(timeout)
+            waiting.set()
+
+        monkeypatch.setattr(ck, "wait_staged", about_to_wait)
+        h1 = ck.save(step(1), step=1)
+        assert entered.wait(60)
+        s2, caught, out = step(2), [], {}
+
+        def second() -> None:
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always")
+                out["h"] = ck.save(s2, step=2)
+            caught.extend(w)
+
+        t = threading.Thread(target=second)
+        t.start()
+        assert waiting.wait(60)
+        assert "h" not in out  # save(step=2) waits for level 1's backlog
+        release.set()
+        t.join(60)
+        assert not t.is_alive()
+        out["h"].wait()
+        h1.wait()
+        assert out["h"].levels_done == [0, 1]
+    msgs = [str(w.message) for w in caught if issubclass(w.category, BackpressureWarning)]
+    assert msgs and "level 1" in msgs[0] and "backlog bound 1" in msgs[0], msgs
