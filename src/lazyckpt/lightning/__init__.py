@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lazyckpt import CheckpointerOptions, LazyCheckpointer, SaveHandle, SaveStats
+from lazyckpt.core import guard as _guard
 from lazyckpt.errors import CheckpointerClosedError, LazyCkptError, StaleTensorError
 from lazyckpt.lightning import _compat, _sharded
 from lazyckpt.options import merge as _merge_options
@@ -156,10 +157,13 @@ class LazyCheckpointIO(_CheckpointIO):
         with self._lock:
             self._saves.append(record)
         handle.add_done_callback(lambda h: self._on_committed(record, h))
-        if self._torn_down or (trainer is not None and not _compat.is_running(trainer)):
-            # Outside fit (before it, after teardown, ddp_spawn's result collection) nothing drains
-            # later: behave like the stock plugin and return with the file in place.
+        if self._outside_fit(trainer):
+            # Outside a running fit (before it, after teardown, validate/test/predict, an exception
+            # checkpoint, ddp_spawn's result collection) no optimizer step or teardown may come to
+            # finish it: behave like the stock plugin and return with the file in place.
             self._wait_for([record])
+            if self._torn_down or not _compat.in_fit(trainer):
+                self._release_resources()  # no thread outlives a save made outside any fit
         elif trainer is not None and _compat.swaps_state_after_save(trainer):
             handle.wait_staged()
 
@@ -206,6 +210,17 @@ class LazyCheckpointIO(_CheckpointIO):
             self._torn_down = True
             self._attach_tries = 0
             self._release_resources()
+
+    def _outside_fit(self, trainer: Any) -> bool:
+        """True unless this save comes from a running ``fit`` of a Trainer, or from Fabric."""
+        if self._torn_down:
+            return True
+        if trainer is not None:
+            return not (_compat.in_fit(trainer) and _compat.is_running(trainer))
+        # No Trainer found: Fabric (saves stay lazy, drained at load/exit), or a Trainer's strategy
+        # whose module is not attached yet (a save before fit).
+        strategy = self._strategy_ref() if self._strategy_ref is not None else None
+        return strategy is not None and _compat.is_trainer_strategy(strategy)
 
     def _release_resources(self) -> None:
         sharded, self._sharded = self._sharded, None
@@ -281,8 +296,12 @@ class LazyCheckpointIO(_CheckpointIO):
 
     def _wait_for(self, records: list[_Save], deadline: float | None = None) -> None:
         for record in records:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            record.done.result(left)  # never fails: errors are in the core's ledger
+            # The core commits a save with lazily copied tensors only once a thread that may change
+            # them confirms it after the copies (docs/ARCHITECTURE.md, "The guard"); this thread is
+            # that thread, so waiting without confirming would wait for itself. The handle's wait
+            # confirms; ``exception`` does it without claiming the error (the ledger reports it).
+            record.handle.exception(None if deadline is None else _left(deadline))
+            record.done.result(None if deadline is None else _left(deadline))  # our callback ran
         self._raise_errors()
 
     def _raise_errors(self) -> None:
@@ -355,8 +374,9 @@ class LazyCheckpointIO(_CheckpointIO):
         """Find the strategy/Trainer calling this plugin; adapt them once. Returns the Trainer or None."""
         strategy = _compat.find_strategy(self)
         current = self._strategy_ref() if self._strategy_ref is not None else None
-        if strategy is None or strategy is current:
-            return self._trainer_ref() if self._trainer_ref is not None else None
+        known = self._trainer_ref() if self._trainer_ref is not None else None
+        if strategy is None or (strategy is current and (known is not None or _compat.trainer_of(strategy) is None)):
+            return known  # (a strategy seen before its module was attached is looked at again)
         self._strategy_ref = weakref.ref(strategy)
         reason = None if _sharded.sharded_state_key(strategy) else _compat.bypass_reason(strategy)
         if reason and not self._warned_bypass:
@@ -367,8 +387,7 @@ class LazyCheckpointIO(_CheckpointIO):
                 "Use FSDPStrategy(state_dict_type='full') or a DDP/single-device strategy for lazy saves.",
                 stacklevel=3,
             )
-        module = getattr(strategy, "lightning_module", None) if hasattr(type(strategy), "lightning_module") else None
-        trainer = getattr(module, "_trainer", None)
+        trainer = _compat.trainer_of(strategy)
         if trainer is None:
             self._trainer_ref = None
             return None
@@ -379,9 +398,9 @@ class LazyCheckpointIO(_CheckpointIO):
 
     def _adapt(self, trainer: Any) -> None:
         plugin = weakref.ref(self)
-        if trainer.is_global_zero:  # other ranks never save: no checkpointer, no waiting
+        if trainer.is_global_zero:  # other ranks never save: no waiting
             for opt in getattr(trainer, "optimizers", ()):
-                self._checkpointer().track(opt)
+                _guard.track(opt)  # not through a checkpointer: loading alone must start no thread
         for cb in getattr(trainer, "checkpoint_callbacks", ()):
             if hasattr(cb, "file_exists") and hasattr(cb, "_fs"):
                 self._patch(cb, "file_exists", _compat.pending_aware_file_exists(cb, plugin))
@@ -453,6 +472,10 @@ class LazyCheckpointIO(_CheckpointIO):
         for obj, attr in self._patched:
             vars(obj).pop(attr, None)
         self._patched = []
+
+
+def _left(deadline: float) -> float:
+    return max(0.0, deadline - time.monotonic())
 
 
 def _explain(exc: BaseException) -> None:

@@ -217,6 +217,27 @@ def logger_reads_checkpoint_files(logger: Any) -> bool:
     return not module.startswith(("lightning.", "pytorch_lightning."))
 
 
+def is_trainer_strategy(strategy: object) -> bool:
+    """A Trainer's strategy (Fabric's strategies have no ``lightning_module``)."""
+    return hasattr(type(strategy), "lightning_module")
+
+
+def trainer_of(strategy: object) -> Any:
+    if not is_trainer_strategy(strategy):
+        return None
+    try:
+        module = strategy.lightning_module  # type: ignore[attr-defined]
+    except Exception:  # a property of a half-set-up strategy
+        return None
+    return getattr(module, "_trainer", None)
+
+
+def in_fit(trainer: Any) -> bool:
+    """The Trainer is inside ``fit`` (its validation loop included), not validate/test/predict."""
+    fn = getattr(getattr(trainer, "state", None), "fn", None)
+    return fn is not None and fn == "fit"
+
+
 def is_running(trainer: Any) -> bool:
     status = getattr(getattr(trainer, "state", None), "status", None)
     return status is None or status == "running"
