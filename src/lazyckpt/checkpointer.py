@@ -33,7 +33,7 @@ from lazyckpt.storage import remote as _remote
 
 from .errors import BackpressureWarning, CheckpointerClosedError, LazyCkptError, SaveRefusedError, WriteError
 from .levels import Level
-from .levels._multi import MultiLevel
+from .levels._multi import MultiLevel, check_levels
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +135,8 @@ class LazyCheckpointer:
                 f"LazyCheckpointer takes a CheckpointerOptions or keyword options, got {type(options).__name__}"
             )
         options = merge_options(options, kwargs)
+        if options.levels is not None:
+            check_levels(options.levels)  # before any thread starts
         self.options = options
         host_memory_budget, pin_memory = options.host_memory_budget, options.pin_memory
         budget = default_host_memory_budget() if host_memory_budget is None else int(host_memory_budget)

@@ -54,12 +54,8 @@ class CheckpointerOptions:
         if self.upload_retries < 0:
             raise ValueError("upload_retries must be >= 0")
         if self.levels is not None:
-            from lazyckpt.levels import Level  # the levels package imports this module
-
-            levels = tuple(self.levels)
-            if not levels or not all(isinstance(lv, Level) for lv in levels):
-                raise TypeError("levels must be a non-empty list of lazyckpt.Level")
-            object.__setattr__(self, "levels", levels)
+            # Their type is checked by the levels package (``MultiLevel``): options know no level.
+            object.__setattr__(self, "levels", tuple(self.levels))
 
 
 def merge(options: CheckpointerOptions | None, kwargs: dict[str, Any]) -> CheckpointerOptions:

@@ -62,13 +62,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
 
+class _CliHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """The CLI's own stderr handler (added once)."""
+
+
 def _configure_logging(verbosity: int) -> None:
     """Log lazyckpt's records to stderr; the root logger is left alone."""
     level = logging.WARNING if verbosity == 0 else logging.INFO if verbosity == 1 else logging.DEBUG
     root = logging.getLogger("lazyckpt")
-    if not any(getattr(h, "_lazyckpt_cli", False) for h in root.handlers):
-        handler = logging.StreamHandler(sys.stderr)
+    if not any(isinstance(h, _CliHandler) for h in root.handlers):
+        handler = _CliHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("lazyckpt: %(message)s"))
-        handler._lazyckpt_cli = True  # type: ignore[attr-defined]
         root.addHandler(handler)
     root.setLevel(level)

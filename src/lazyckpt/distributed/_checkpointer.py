@@ -68,6 +68,10 @@ class DistributedSaveHandle(SaveHandle):
         self.url = url  # a save to a URL (as ``RemoteSaveHandle.url``); None for a local folder
         self._local: SaveHandle | None = None
 
+    def bind_local(self, local: SaveHandle) -> None:
+        """Internal API (the distributed checkpointer): this rank's file's handle, once started."""
+        self._local = local
+
     def local(self) -> bool:
         local = self._local
         if self.url is None or local is None:
@@ -205,8 +209,7 @@ class DistributedCheckpointer:
         token = [uuid.uuid4().hex if self._dist.is_coordinator else None]
         dist.broadcast_object_list(token, src=self._dist.global_coordinator_rank, group=self._group)
         self._token = str(token[0])
-        with _commit._live_lock:
-            _commit.live_tokens.add(self._token)
+        _commit.add_live(self._token)
         store = dist.distributed_c10d._get_default_store()
         self._proto = _commit.StoreProtocol(store, self._token, self.rank, self.world_size)
         # A heartbeat of its own (not the commit thread, which may wait long for a slow rank's own
@@ -317,6 +320,11 @@ class DistributedCheckpointer:
                 raise TimeoutError(f"pending distributed saves not committed after {timeout} s")
         self._inner.raise_errors()
 
+    def add_error(self, error: BaseException) -> None:
+        """Hand over a background error of the caller's own (an integration's deferred delete) to be
+        raised once by the next ``wait()`` or ``close()`` (the inner checkpointer's ledger)."""
+        self._inner.add_error(error)
+
     def wait_staged(self, timeout: float | None = None) -> None:
         """Block until this rank's pending host copies are done (its saved tensors may change)."""
         self._inner.wait_staged(timeout)
@@ -340,8 +348,7 @@ class DistributedCheckpointer:
             self._stop_heartbeat.set()
             self._heartbeat.join(timeout=5.0)
             _exit.unregister(self)
-            with _commit._live_lock:
-                _commit.live_tokens.discard(self._token)
+            _commit.discard_live(self._token)
             try:
                 self._inner.close()  # raises the oldest unseen error: the ledger is the inner checkpointer's
             finally:
@@ -391,7 +398,8 @@ class DistributedCheckpointer:
             entry.storage[item.index] = _StorageInfo(entry.file, offset, length)
         entry.layout = layout
         path = os.path.join(entry.staging, entry.file)
-        entry.local = entry.handle._local = rank_file.start(path, layout, entry.t0)
+        entry.local = rank_file.start(path, layout, entry.t0)
+        entry.handle.bind_local(entry.local)
         assert entry.completion is not None
         bind_local(entry.completion, entry.local)
         confirm_in_forward()

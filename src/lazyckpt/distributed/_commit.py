@@ -111,6 +111,17 @@ live_tokens: set[str] = set()
 _live_lock = threading.Lock()
 
 
+def add_live(token: str) -> None:
+    """A checkpointer of this process is open under ``token``: its staging folders are not leftovers."""
+    with _live_lock:
+        live_tokens.add(token)
+
+
+def discard_live(token: str) -> None:
+    with _live_lock:
+        live_tokens.discard(token)
+
+
 def staging_path(final: str, token: str, n: int, old: bool = False) -> str:
     head, tail = os.path.split(final)
     return os.path.join(head, f".{tail}.lazyckpt-dist-{token}-{n}{'-old' if old else ''}.tmp")

@@ -12,12 +12,21 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from lazyckpt.core.handle import Completion, Outcome, SaveHandle, SaveStats
+from lazyckpt.core.handle import CallbackRunner, Completion, Outcome, SaveHandle, SaveStats
+from lazyckpt.core.report import Report
 
-if TYPE_CHECKING:
-    from ._multi import MultiLevel
+
+class Owner(Protocol):
+    """What a ``Parts`` needs of the multi-level saver that made it."""
+
+    @property
+    def callbacks(self) -> CallbackRunner: ...
+
+    def publish(self, report: Report) -> None: ...
+    def forget(self, handle: LevelsHandle) -> None: ...
+
 
 SOURCE = -1  # the part key of a staging file that is no level's copy
 
@@ -62,7 +71,7 @@ class Parts:
     """The producer's side of one ``LevelsHandle``: its parts (the source save, one copy per
     admitted slower level); the last part to end finishes the handle through its ``Completion``."""
 
-    def __init__(self, path: str, step: int, source: SaveHandle, parts: list[int], owner: MultiLevel, t0: float):
+    def __init__(self, path: str, step: int, source: SaveHandle, parts: list[int], owner: Owner, t0: float):
         self.completion = Completion(path, LevelsHandle, step=step, source=source)
         self.handle: LevelsHandle = self.completion.handle  # type: ignore[assignment]
         self._source = source

@@ -29,7 +29,7 @@ import time
 import warnings
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from lazyckpt.core.handle import CallbackRunner, Completion, Outcome, SaveHandle, SaveStats
 from lazyckpt.core.report import ErrorLedger, Report
@@ -43,8 +43,21 @@ from . import _copy
 from ._handle import SOURCE, LevelsHandle, Parts
 from ._level import Level, LevelError, list_steps
 
-if TYPE_CHECKING:
-    from ..checkpointer import LazyCheckpointer
+
+def check_levels(levels: tuple[Any, ...]) -> None:
+    """``TypeError`` unless ``levels`` is a non-empty sequence of ``Level``."""
+    if not levels or not all(isinstance(lv, Level) for lv in levels):
+        raise TypeError("levels must be a non-empty list of lazyckpt.Level")
+
+
+class Saver(Protocol):
+    """What the multi-level saver needs of its ``LazyCheckpointer`` (no import of the facade)."""
+
+    def save(self, obj: Any, path: str) -> SaveHandle: ...
+    def raise_errors(self) -> None: ...
+    def remove(self, path: str) -> Any: ...
+    def wait_staged(self, timeout: float | None = None) -> None: ...
+
 
 logger = logging.getLogger(__name__)
 
@@ -83,9 +96,8 @@ class _Worker:
 
 
 class MultiLevel:
-    def __init__(self, ckpt: LazyCheckpointer, levels: tuple[Level, ...], options: CheckpointerOptions) -> None:
-        if not levels:
-            raise ValueError("levels must name at least one Level")
+    def __init__(self, ckpt: Saver, levels: tuple[Level, ...], options: CheckpointerOptions) -> None:
+        check_levels(levels)
         if len({lv.path for lv in levels}) != len(levels):
             raise ValueError("two levels share a path; give each level its own folder")
         self.ckpt = ckpt

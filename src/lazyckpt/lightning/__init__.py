@@ -23,7 +23,6 @@ averaging swaps wait for pending copies, checkpoint-uploading loggers wait for p
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import shutil
@@ -38,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lazyckpt import CheckpointerOptions, LazyCheckpointer, SaveHandle, SaveStats
+from lazyckpt.core import exit as _exit
 from lazyckpt.core import guard as _guard
 from lazyckpt.errors import CheckpointerClosedError, LazyCkptError, StaleTensorError
 from lazyckpt.lightning import _compat, _sharded
@@ -111,7 +111,7 @@ class LazyCheckpointIO(_CheckpointIO):
         self._user_checkpointer = checkpointer
         self._init_runtime()
         _compat.register_with_loaded_packages(LazyCheckpointIO)
-        atexit.register(_drain_at_exit, weakref.ref(self))
+        _exit.register(self, _drain_at_exit, layer=_exit.INTEGRATION)
 
     def _init_runtime(self) -> None:
         self._ckpt: LazyCheckpointer | None = self._user_checkpointer
@@ -138,7 +138,7 @@ class LazyCheckpointIO(_CheckpointIO):
         self.__dict__.update(state)
         self._user_checkpointer = None
         self._init_runtime()
-        atexit.register(_drain_at_exit, weakref.ref(self))
+        _exit.register(self, _drain_at_exit, layer=_exit.INTEGRATION)
 
     # -- CheckpointIO ------------------------------------------------------------------------------
 
@@ -203,7 +203,7 @@ class LazyCheckpointIO(_CheckpointIO):
         """
         handling = sys.exc_info()[1]
         try:
-            self._drain(raise_errors=handling is None)
+            self.drain(raise_errors=handling is None)
         finally:
             self._unpatch()
             self._trainer_ref = self._strategy_ref = self._sharded_seen = None
@@ -226,7 +226,7 @@ class LazyCheckpointIO(_CheckpointIO):
         sharded, self._sharded = self._sharded, None
         if sharded is not None:
             try:
-                sharded.close()  # drained by _drain: raises nothing new
+                sharded.close()  # drained by drain(): raises nothing new
             except LazyCkptError as exc:
                 log.error("lazyckpt: closing the sharded checkpointer: %s", exc)
         if self._ckpt is not None and self._user_checkpointer is None:
@@ -238,7 +238,7 @@ class LazyCheckpointIO(_CheckpointIO):
     def wait(self, timeout: float | None = None) -> None:
         """Block until every pending save is durable (uploaded for URLs) and every delete done; raise
         the first unseen error. ``timeout``: seconds (``None``: no limit), then ``TimeoutError``."""
-        self._drain(raise_errors=True, timeout=timeout)
+        self.drain(raise_errors=True, timeout=timeout)
 
     def wait_staged(self) -> None:
         """Block until every pending host copy is done: live tensors may then change in place."""
@@ -289,6 +289,23 @@ class LazyCheckpointIO(_CheckpointIO):
         )
         record.done.set_result(None)
 
+    def wait_path(self, key: str) -> None:
+        """Internal API (the ``save_last="link"`` patch): block until this plugin's pending saves to
+        ``key`` (an absolute path or URL) are durable; raise an unseen background error."""
+        pending = self._pending_for(key)
+        if pending:
+            self._wait_for(pending)
+
+    def on_optimizer_step(self) -> None:
+        """Internal API, called by the process-wide optimizer-step hook at every step: finds the
+        Trainer at its first optimizer steps, before any checkpoint (so strategies that bypass
+        CheckpointIO are reported at setup rather than never), and routes sharded saves."""
+        self._torn_down = False
+        if self._strategy_ref is None and self._attach_tries < 3:
+            self._attach_tries += 1
+            self._attach()
+        self._install_sharded()
+
     def _pending_for(self, key: str) -> list[_Save]:
         """This plugin's saves to ``key`` not yet durable, in save order."""
         with self._lock:
@@ -314,7 +331,8 @@ class LazyCheckpointIO(_CheckpointIO):
             _explain(exc)
             raise
 
-    def _drain(self, raise_errors: bool, timeout: float | None = None) -> None:
+    def drain(self, raise_errors: bool, timeout: float | None = None) -> None:
+        """Internal API: make every pending save durable; its error raised (``raise_errors``) or logged."""
         deadline = None if timeout is None else time.monotonic() + timeout
         error: BaseException | None = None
         try:
@@ -435,6 +453,12 @@ class LazyCheckpointIO(_CheckpointIO):
         if key is not None:
             self._adapt_sharded(strategy, key)
 
+    def save_sharded(self, strategy: Any, checkpoint: dict[str, Any], filepath: Any, key: str) -> None:
+        """Internal API (the sharded strategy's replaced ``save_checkpoint``): one collective save."""
+        if self._sharded is None:
+            self._sharded = _sharded.ShardedSaves(self._options)
+        self._sharded.save(strategy, checkpoint, filepath, key)
+
     def _adapt_sharded(self, strategy: Any, key: str) -> None:
         plugin = weakref.ref(self)
         stock_teardown = strategy.teardown
@@ -445,9 +469,7 @@ class LazyCheckpointIO(_CheckpointIO):
             io = plugin()
             if io is None:
                 raise CheckpointerClosedError("the LazyCheckpointIO serving this strategy is gone")
-            if io._sharded is None:
-                io._sharded = _sharded.ShardedSaves(io._options)
-            io._sharded.save(strategy, checkpoint, filepath, key)
+            io.save_sharded(strategy, checkpoint, filepath, key)
 
         def teardown() -> None:
             try:
@@ -497,11 +519,8 @@ def _delete(key: str, is_url: bool) -> None:
     log.debug("lazyckpt: removed checkpoint %s", key)
 
 
-def _drain_at_exit(plugin_ref: weakref.ref) -> None:
-    plugin = plugin_ref()
-    if plugin is None:
-        return
+def _drain_at_exit(plugin: LazyCheckpointIO) -> None:
     try:
-        plugin._drain(raise_errors=False)
+        plugin.drain(raise_errors=False)
     except BaseException as exc:  # never raise from an atexit handler
         log.error("lazyckpt: draining pending checkpoints at exit failed: %s", exc)

@@ -16,13 +16,21 @@ import sys
 import weakref
 from collections.abc import Callable
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-if TYPE_CHECKING:
-    from lazyckpt.lightning import LazyCheckpointIO
+
+class Plugin(Protocol):
+    """What the compat layer needs of ``LazyCheckpointIO`` (no import of the adapter: no cycle)."""
+
+    def on_optimizer_step(self) -> None: ...
+    def pending_paths(self) -> set[str]: ...
+    def wait(self, timeout: float | None = None) -> None: ...
+    def wait_path(self, key: str) -> None: ...
+    def wait_staged(self) -> None: ...
+
 
 # -- which Lightning -------------------------------------------------------------------------------
 
@@ -107,7 +115,7 @@ def split_path(path: Any) -> tuple[str, bool]:
 # -- helpers bound to the plugin by weak reference -------------------------------------------------
 
 
-def find_strategy(plugin: LazyCheckpointIO, max_depth: int = 40) -> Any:
+def find_strategy(plugin: Plugin, max_depth: int = 40) -> Any:
     frame: FrameType | None = sys._getframe(2)
     for _ in range(max_depth):
         if frame is None:
@@ -128,7 +136,7 @@ def find_strategy(plugin: LazyCheckpointIO, max_depth: int = 40) -> Any:
     return None
 
 
-live_plugins: weakref.WeakSet[LazyCheckpointIO] = weakref.WeakSet()
+live_plugins: weakref.WeakSet[Plugin] = weakref.WeakSet()
 step_hook_installed = False
 
 
@@ -149,11 +157,7 @@ def on_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) 
     # Finds the Trainer at its first optimizer steps, before any checkpoint, so that strategies
     # that bypass CheckpointIO are reported at setup rather than never.
     for plugin in list(live_plugins):
-        plugin._torn_down = False
-        if plugin._strategy_ref is None and plugin._attach_tries < 3:
-            plugin._attach_tries += 1
-            plugin._attach()
-        plugin._install_sharded()
+        plugin.on_optimizer_step()
     return None
 
 
@@ -179,9 +183,7 @@ def link_after_pending(method: Callable[..., Any], plugin_ref: weakref.ref) -> C
     def link(trainer: Any, filepath: Any, linkpath: Any) -> Any:
         plugin = plugin_ref()
         if plugin is not None:
-            pending = plugin._pending_for(split_path(linkpath)[0])
-            if pending:
-                plugin._wait_for(pending)
+            plugin.wait_path(split_path(linkpath)[0])
         return method(trainer, filepath, linkpath)
 
     return link

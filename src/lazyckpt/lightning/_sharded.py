@@ -137,7 +137,7 @@ class ShardedSaves:
             err.__cause__ = exc
             ckpt = self._ckpt
             if ckpt is not None:
-                ckpt._inner.add_error(err)
+                ckpt.add_error(err)
             else:
                 log.error("%s", err)
 
