@@ -7,22 +7,22 @@ import logging
 import os
 import threading
 import time
-import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
 from lazyckpt.core import exit as _exit
 from lazyckpt.core import guard as _guard
+from lazyckpt.core.backpressure import Backpressure as HostBackpressure
+from lazyckpt.core.backpressure import skipped_handle
 from lazyckpt.core.engine import Engine, write_error
-from lazyckpt.core.handle import CallbackRunner, Completion, SaveHandle, SaveStats
+from lazyckpt.core.handle import CallbackRunner, SaveHandle
 from lazyckpt.core.job import Job
 from lazyckpt.core.plan import SavePlan
 from lazyckpt.core.pool import HostBufferPool
-from lazyckpt.core.removal import RemovalFuture, Remover
+from lazyckpt.core.removal import OrderedRemovals, Remover
 from lazyckpt.core.report import ErrorLedger, Report, raise_first
 from lazyckpt.formats import base as _format
 from lazyckpt.formats.flatten import Source
@@ -32,6 +32,8 @@ from lazyckpt.storage import fs as _fs
 from lazyckpt.storage import remote as _remote
 
 from .errors import BackpressureWarning, CheckpointerClosedError, LazyCkptError, SaveRefusedError, WriteError
+
+__all__ = ["BackpressureWarning", "LazyCheckpointer"]  # BackpressureWarning: its old import path
 from .levels import Level
 from .levels._multi import MultiLevel, check_levels
 
@@ -76,55 +78,9 @@ class LazyCheckpointer:
     Options are given as one :class:`CheckpointerOptions` (``options=``), as keywords, or both
     (keywords override those fields); ``self.options`` holds the result.
 
-    Args:
-        host_memory_budget: bytes of host buffers (pinned on CUDA) to stage through; default a
-            quarter of RAM, at most 16 GiB. Larger checkpoints stream through it.
-        writer_threads: threads writing to storage.
-        fsync: make each file and its directory entry durable before the save counts as done.
-        on_backpressure: when saves outrun storage, ``"block"`` (training waits for buffers) or
-            ``"skip"`` (the new save is skipped with a warning, counted in ``skipped_saves``).
-        crc: compute zip CRC32s for torch files (needed for ``zipfile.testzip`` and ``verify``).
-        wait_in_closure: when ``optimizer.step(closure)`` is used (Lightning), wait after the
-            closure (after forward/backward) instead of before it.
-        chunk_bytes: size of one host buffer chunk; large tensors are split into pieces this big.
-        pin_memory: pin host buffers (default: when CUDA is available).
-        direct_io: write the whole pages of tensor data with ``O_DIRECT`` (no copy into the page
-            cache, which on a busy host costs more CPU than everything else lazyckpt does; the
-            partial pages at each tensor's ends go through the page cache). The file layout is
-            the same either way. ``None`` (default): for files whose tensors average >= 1 MiB,
-            where the filesystem supports it. ``False``: never.
-        zero_copy: with direct I/O, write large CPU tensors that an optimizer owns straight from
-            their memory, with no staging copy: a torch file then places each such tensor's data at
-            its address's position within a page (padding of under a page in the record header,
-            which every reader follows; the file carries no ``.format_version``, as torch < 2.5's
-            files do not). An optimizer step (or ``wait_staged()``) that comes before the writers are
-            through copies what is left, so training waits for memory copies, not for storage,
-            unless the host budget is used up (then that copy waits for writers to free buffers,
-            as any copy does). ``False``: copy
-            everything into the staging buffers first (torch.save's exact layout).
-        capture_in_save: copy every tensor inside ``save()``, the optimizer-owned ones too, as
-            ``wait_staged()`` right after ``save()`` would: CPU tensors are in host buffers before
-            ``save()`` returns; CUDA copies are queued on the current stream, so every kernel
-            queued after ``save()`` (a replayed CUDA graph, a compiled step) runs after them, and
-            the host does not wait. For training whose parameter updates do not go through
-            ``Optimizer.step()`` (CUDA graph replay, ``torch.compile(mode="reduce-overhead")``
-            steps, optimizers fused into a DDP communication hook), which the guard cannot hold
-            back. Costs the overlap with forward/backward; storage still overlaps training. A
-            checkpointer-wide option rather than a per-save flag: such training updates that way
-            at every step.
-
-    Remote storage: ``path`` may be a URL (``s3://bucket/key``, any fsspec URL). The save is the
-    local save above into ``local_dir``, then a background upload (README, "Remote storage"); the
-    handle's ``done()`` means the object is complete in the store, ``local()`` the local copy.
-
-        local_dir: the local tier (default: a temporary directory, removed at ``close()``).
-        keep_local: keep the uploaded file at ``<local_dir>/<protocol>/<key>`` (fast restart).
-        storage_options: passed to ``fsspec.url_to_fs`` (credentials, ``client_kwargs``); never logged.
-        upload_threads: parts uploaded at once (S3 multipart).
-        upload_part_bytes: multipart part size (>= 5 MiB); files up to one part are one PUT.
-        upload_retries: retries per request on transient errors before ``UploadError``.
-        upload_backlog_bytes: local bytes waiting for upload before a URL save waits (or is skipped
-            with ``on_backpressure="skip"``); default half the local tier's free space.
+    Options (``host_memory_budget``, ``writer_threads``, ``fsync``, ``on_backpressure``, ``direct_io``,
+    ``zero_copy``, ``capture_in_save``, the remote tier's, ``levels``...): see :class:`CheckpointerOptions`,
+    where each is documented.
     """
 
     def __init__(self, options: CheckpointerOptions | None = None, **kwargs: Any) -> None:
@@ -144,24 +100,28 @@ class LazyCheckpointer:
         self.fsync, self.crc, self.wait_in_closure = options.fsync, options.crc, options.wait_in_closure
         self.on_backpressure: Backpressure = options.on_backpressure
         self.pool = HostBufferPool(budget, options.chunk_bytes, pin)
+        self._backpressure = HostBackpressure(self.pool, skip=options.on_backpressure == "skip")
         self.direct_io = options.direct_io
         self.zero_copy = options.zero_copy
         self.capture_in_save = options.capture_in_save
-        self.skipped_saves = 0
         self._lock = threading.Lock()
         self._jobs: list[Job] = []  # saved, not yet committed, in save() order
         self._errors = ErrorLedger()  # failed saves and removals whose error nobody has seen yet
-        self._removals: list[_QueuedRemoval] = []  # remove() calls waiting for pending saves
         self._cleaned_dirs: set[str] = set()
-        self._last_warning = 0.0
         self._closed = False
         self._engine = Engine(self.pool, options.writer_threads, self._job_done)
         self._remover = Remover(on_failed=self._errors.publish)
+        self._removals = OrderedRemovals(self._remover)  # remove() calls waiting for pending saves
         self._remote: _remote.RemoteTier | None = None  # URL saves: started by the first one
         self._levels: MultiLevel | None = None if options.levels is None else MultiLevel(self, options.levels, options)
         _exit.register(self, _close_at_exit, layer=_exit.CORE)
 
     # -- public API -------------------------------------------------------------------------------
+
+    @property
+    def skipped_saves(self) -> int:
+        """Saves skipped so far (``on_backpressure="skip"``)."""
+        return self._backpressure.skipped
 
     @property
     def closed(self) -> bool:
@@ -244,8 +204,11 @@ class LazyCheckpointer:
         layout = planner.plan(os.fspath(path) if named_as is None else named_as, plan.phases, crc=self.crc)
         sources, file_bytes = planner.sources, layout.file_bytes
         nbytes = sum(s.nbytes for s in sources)
-        if self._should_skip(nbytes, final):
-            return self._skipped(final, nbytes, t0)
+        if self._backpressure.skip:
+            with self._lock:
+                pending = sum(j.nbytes for j in self._jobs)
+            if self._backpressure.should_skip(pending, nbytes, final):
+                return skipped_handle(final, t0)
         lazy, eager = plan.split(sources)
         job = Job(
             path=final, tmp=_fs.temporary_path(final), fmt=format, sources=sources, lazy=lazy,
@@ -332,9 +295,7 @@ class LazyCheckpointer:
         with self._lock:  # orders this against _job_done: a job is either still here or committed
             behind = {j for j in self._jobs if j.path == target or j.path.startswith(inside)}
             if behind:
-                queued = _QueuedRemoval(target, trash, self._remover.reserve(), behind)
-                self._removals.append(queued)
-                return queued.future
+                return self._removals.queue(target, trash, behind)
         return self._remover.remove(target, trash)
 
     def wait_staged(self, timeout: float | None = None) -> None:
@@ -448,16 +409,9 @@ class LazyCheckpointer:
         tier = self.remote_tier()
         fs, rpath = tier.resolve(url)
         if not tier.admit(skip=self.on_backpressure == "skip"):
-            self.skipped_saves += 1
-            warnings.warn(
-                f"lazyckpt: skipped save to {url}: {tier.backlog() / 1e9:.2f} GB on local disk still waiting "
-                f"for upload, bound {tier.backlog_bound / 1e9:.2f} GB ({self.skipped_saves} skipped so far). "
-                "Save less often, raise upload_backlog_bytes, or give uploads more bandwidth.",
-                BackpressureWarning,
-                stacklevel=3,
-            )
-            return self._skipped(url, 0, t0)
-        self._warn_if_upload_backpressure(tier)
+            self._backpressure.skip_upload(url, tier)
+            return skipped_handle(url, t0)
+        self._backpressure.warn_if_uploads_behind(tier)
         local_path = tier.local_file(rpath)
         try:
             local = self._save_file(obj, local_path, t0, named_as=url, **kwargs)
@@ -469,19 +423,6 @@ class LazyCheckpointer:
         if not nbytes and local.stats is not None:
             nbytes = local.stats.file_bytes
         return tier.register(url, fs, rpath, local, nbytes, t0)
-
-    def _warn_if_upload_backpressure(self, tier: _remote.RemoteTier) -> None:
-        waited = tier.take_wait_s()
-        if waited <= _remote.WARN_AFTER_S:
-            return
-        rate = tier.uploaded_bytes / tier.upload_s / 1e9 if tier.upload_s else 0.0
-        warnings.warn(
-            f"lazyckpt: uploads fall behind: save() waited {waited:.2f} s for {tier.backlog() / 1e9:.2f} GB of "
-            f"local copies to upload (bound {tier.backlog_bound / 1e9:.2f} GB, uploads ran at {rate:.2f} GB/s). "
-            "Save less often, raise upload_backlog_bytes or upload_threads, or use on_backpressure='skip'.",
-            BackpressureWarning,
-            stacklevel=4,
-        )
 
     def _resolve(self, path: str | os.PathLike[str]) -> str:
         if not isinstance(path, (str, os.PathLike)):
@@ -556,14 +497,8 @@ class LazyCheckpointer:
             self._jobs.remove(job)
             if job.completion.report is not None:
                 self._errors.publish(job.completion.report)
-            ready = []
-            for queued in self._removals:
-                queued.behind.discard(job)
-                if not queued.behind:
-                    ready.append(queued)
-            self._removals = [q for q in self._removals if q.behind]
-        for queued in ready:
-            self._remover.run(queued.path, queued.trash_dir, queued.future)
+            ready = self._removals.finished(job)
+        self._removals.run(ready)
         if job.error is not None:
             logger.debug("lazyckpt: save to %s failed: %s", job.path, job.error)
         else:
@@ -572,57 +507,7 @@ class LazyCheckpointer:
     def _raise_unreported(self) -> None:
         """On the caller's thread: raise an unseen background error, else issue pending warnings."""
         self.raise_errors()
-        self._warn_if_backpressure()
-
-    def _should_skip(self, nbytes: int, final: str) -> bool:
-        if self.on_backpressure != "skip":
-            return False
-        with self._lock:
-            pending = sum(j.nbytes for j in self._jobs)
-        if pending == 0 or pending + nbytes <= self.pool.capacity_bytes:
-            return False
-        self.skipped_saves += 1
-        warnings.warn(
-            f"lazyckpt: skipped save to {final}: {pending / 1e9:.2f} GB of earlier saves still pending and "
-            f"this one needs {nbytes / 1e9:.2f} GB, host budget {self.pool.capacity_bytes / 1e9:.2f} GB "
-            f"({self.skipped_saves} skipped so far). Save less often, or raise host_memory_budget.",
-            BackpressureWarning,
-            stacklevel=3,
-        )
-        return True
-
-    def _skipped(self, final: str, nbytes: int, t0: float) -> SaveHandle:
-        completion = Completion(final)
-        completion.finish(SaveStats(final, 0, 0, time.perf_counter() - t0, 0.0, 0.0, 0.0, 0.0, 0.0, skipped=True), None)
-        return completion.handle
-
-    def _warn_if_backpressure(self) -> None:
-        """Caller's thread only: a warning filter set to "error" must not end a lazyckpt thread."""
-        now = time.monotonic()
-        with self._lock:  # one caller warns for a given wait
-            waited = self.pool.wait_s
-            if waited <= 0.5 or now - self._last_warning < 30:
-                return
-            self._last_warning = now
-            self.pool.wait_s = 0.0
-        logger.warning("lazyckpt: staging waited %.2f s for host buffers", waited)
-        warnings.warn(
-            f"lazyckpt: saves outrun storage: staging waited {waited:.2f} s for host buffers "
-            f"(budget {self.pool.capacity_bytes / 1e9:.2f} GB); training slows to storage speed. "
-            "Save less often, raise host_memory_budget, or use on_backpressure='skip'.",
-            BackpressureWarning,
-            stacklevel=4,  # the caller of save() / wait()
-        )
-
-
-@dataclass(eq=False)
-class _QueuedRemoval:
-    """A ``remove()`` waiting for the saves in ``behind`` (pending at the call) to finish."""
-
-    path: str
-    trash_dir: str | None
-    future: RemovalFuture
-    behind: set[Job]
+        self._backpressure.warn_if_staging_waited()
 
 
 def _left(deadline: float | None) -> float | None:

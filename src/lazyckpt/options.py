@@ -11,11 +11,63 @@ Backpressure = Literal["block", "skip"]
 
 @dataclass(frozen=True)
 class CheckpointerOptions:
-    """Every ``LazyCheckpointer`` constructor option with its default (see ``LazyCheckpointer`` for
-    what each one means). Validated on construction with the errors the constructor raises:
-    ``ValueError`` for a bad ``on_backpressure``, ``writer_threads < 1`` or a budget below 1.
+    """Every ``LazyCheckpointer`` constructor option with its default. Validated on construction
+    with the errors the constructor raises: ``ValueError`` for a bad ``on_backpressure``,
+    ``writer_threads < 1`` or a budget below 1. ``dataclasses.replace(options, fsync=False)``
+    derives a variant.
 
-    ``dataclasses.replace(options, fsync=False)`` derives a variant.
+    Args:
+        host_memory_budget: bytes of host buffers (pinned on CUDA) to stage through; default a
+            quarter of RAM, at most 16 GiB. Larger checkpoints stream through it.
+        writer_threads: threads writing to storage.
+        fsync: make each file and its directory entry durable before the save counts as done.
+        on_backpressure: when saves outrun storage, ``"block"`` (training waits for buffers) or
+            ``"skip"`` (the new save is skipped with a warning, counted in ``skipped_saves``).
+        crc: compute zip CRC32s for torch files (needed for ``zipfile.testzip`` and ``verify``).
+        wait_in_closure: when ``optimizer.step(closure)`` is used (Lightning), wait after the
+            closure (after forward/backward) instead of before it.
+        chunk_bytes: size of one host buffer chunk; large tensors are split into pieces this big.
+        pin_memory: pin host buffers (default: when CUDA is available).
+        direct_io: write the whole pages of tensor data with ``O_DIRECT`` (no copy into the page
+            cache, which on a busy host costs more CPU than everything else lazyckpt does; the
+            partial pages at each tensor's ends go through the page cache). The file layout is
+            the same either way. ``None`` (default): for files whose tensors average >= 1 MiB,
+            where the filesystem supports it. ``False``: never.
+        zero_copy: with direct I/O, write large CPU tensors that an optimizer owns straight from
+            their memory, with no staging copy: a torch file then places each such tensor's data at
+            its address's position within a page (padding of under a page in the record header,
+            which every reader follows; the file carries no ``.format_version``, as torch < 2.5's
+            files do not). An optimizer step (or ``wait_staged()``) that comes before the writers are
+            through copies what is left, so training waits for memory copies, not for storage,
+            unless the host budget is used up (then that copy waits for writers to free buffers,
+            as any copy does). ``False``: copy
+            everything into the staging buffers first (torch.save's exact layout).
+        capture_in_save: copy every tensor inside ``save()``, the optimizer-owned ones too, as
+            ``wait_staged()`` right after ``save()`` would: CPU tensors are in host buffers before
+            ``save()`` returns; CUDA copies are queued on the current stream, so every kernel
+            queued after ``save()`` (a replayed CUDA graph, a compiled step) runs after them, and
+            the host does not wait. For training whose parameter updates do not go through
+            ``Optimizer.step()`` (CUDA graph replay, ``torch.compile(mode="reduce-overhead")``
+            steps, optimizers fused into a DDP communication hook), which the guard cannot hold
+            back. Costs the overlap with forward/backward; storage still overlaps training. A
+            checkpointer-wide option rather than a per-save flag: such training updates that way
+            at every step.
+
+    Remote storage: ``path`` may be a URL (``s3://bucket/key``, any fsspec URL). The save is the
+    local save above into ``local_dir``, then a background upload (README, "Remote storage"); the
+    handle's ``done()`` means the object is complete in the store, ``local()`` the local copy.
+
+        local_dir: the local tier (default: a temporary directory, removed at ``close()``).
+        keep_local: keep the uploaded file at ``<local_dir>/<protocol>/<key>`` (fast restart).
+        storage_options: passed to ``fsspec.url_to_fs`` (credentials, ``client_kwargs``); never logged.
+        upload_threads: parts uploaded at once (S3 multipart).
+        upload_part_bytes: multipart part size (>= 5 MiB); files up to one part are one PUT.
+        upload_retries: retries per request on transient errors before ``UploadError``.
+        upload_backlog_bytes: local bytes waiting for upload before a URL save waits (or is skipped
+            with ``on_backpressure="skip"``); default half the local tier's free space.
+
+        levels: multi-level checkpoints (``lazyckpt.Level`` list): ``save(obj, step=n)`` saves to
+            every level due at ``n`` (README, "Multi-level checkpoints").
     """
 
     host_memory_budget: int | None = None

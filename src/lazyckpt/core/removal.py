@@ -20,6 +20,8 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
+from dataclasses import dataclass
+from typing import Any
 
 from lazyckpt.core.report import Report
 from lazyckpt.core.workers import Worker
@@ -143,6 +145,46 @@ class Remover:
             self._fail(done, exc)
         else:
             done.set_result(None)
+
+
+@dataclass(eq=False)
+class _Queued:
+    """A ``remove()`` waiting for the saves in ``behind`` (pending at the call) to finish."""
+
+    path: str
+    trash_dir: str | None
+    future: RemovalFuture
+    behind: set[Any]
+
+
+class OrderedRemovals:
+    """Removals ordered with saves: one behind pending saves to its path runs right after the last
+    of them finishes (on the committer, before it commits any later save). The owner serialises
+    ``queue`` and ``finished`` against its list of pending saves (its lock), then runs what
+    ``finished`` returns with ``run`` outside that lock."""
+
+    def __init__(self, remover: Remover) -> None:
+        self._remover = remover
+        self._queued: list[_Queued] = []
+
+    def queue(self, path: str, trash_dir: str | None, behind: set[Any]) -> RemovalFuture:
+        queued = _Queued(path, trash_dir, self._remover.reserve(), behind)
+        self._queued.append(queued)
+        return queued.future
+
+    def finished(self, job: Any) -> list[_Queued]:
+        """``job`` finished: the removals no longer behind any pending save."""
+        ready = []
+        for queued in self._queued:
+            queued.behind.discard(job)
+            if not queued.behind:
+                ready.append(queued)
+        self._queued = [q for q in self._queued if q.behind]
+        return ready
+
+    def run(self, ready: list[_Queued]) -> None:
+        for queued in ready:
+            self._remover.run(queued.path, queued.trash_dir, queued.future)
 
 
 def _take_away(path: str, trash_dir: str | None) -> str | None:
