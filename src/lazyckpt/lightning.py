@@ -162,8 +162,6 @@ class LazyCheckpointIO(_CheckpointIO):
             # Outside fit (before it, after teardown, ddp_spawn's result collection) nothing drains
             # later: behave like the stock plugin and return with the file in place.
             self._wait_for([record])
-        elif trainer is not None and _compat.swaps_state_after_save(trainer):
-            handle.wait_staged()
 
     def remove_checkpoint(self, path: Any) -> None:
         """Delete ``path`` without waiting: the core orders a delete after a pending save to it
