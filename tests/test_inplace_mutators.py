@@ -176,6 +176,7 @@ def test_lightning_reload_of_weights_right_after_a_save(tmp_path: Any, held_stag
     pytest.importorskip("lightning")
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
+
     from lightning_scripts.tiny_gpt import RecordingLazyIO, TinyGPT, assert_files_match_expected, trainer_kwargs
 
     class RollBack(L.Callback):
@@ -193,7 +194,8 @@ def test_lightning_reload_of_weights_right_after_a_save(tmp_path: Any, held_stag
     io, roll = RecordingLazyIO(), RollBack()
     L.seed_everything(0, verbose=False)
     ckpt_cb = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=1, save_top_k=-1, filename="{step}")
-    trainer = L.Trainer(default_root_dir=tmp_path, plugins=[io], callbacks=[roll, ckpt_cb], **trainer_kwargs(max_epochs=1))
+    kwargs = trainer_kwargs(max_epochs=1)
+    trainer = L.Trainer(default_root_dir=tmp_path, plugins=[io], callbacks=[roll, ckpt_cb], **kwargs)
     trainer.fit(TinyGPT(dim=128))
     assert roll.rolled == 2
     assert assert_files_match_expected(io) == 8
@@ -202,9 +204,9 @@ def test_lightning_reload_of_weights_right_after_a_save(tmp_path: Any, held_stag
 def test_fabric_save_then_load_into_the_same_model(tmp_path: Any, held_staging: Any) -> None:
     pytest.importorskip("lightning")
     import lightning as L
-    from lightning_scripts.tiny_gpt import TinyGPT, load
 
     from lazyckpt.lightning import LazyCheckpointIO
+    from lightning_scripts.tiny_gpt import TinyGPT, load
 
     io = LazyCheckpointIO()
     fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[io])
