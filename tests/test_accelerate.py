@@ -705,3 +705,144 @@ def test_install_takes_checkpointer_options(tmp_path, installs):
     assert LA.is_complete(tmp_path / "a")
     with pytest.raises(TypeError, match="not both"):
         LA.install(acc, checkpointer=h.checkpointer, options=opts)
+
+
+# ------------------------------------------------------------------------------------------------
+# Pickling an installed accelerator; in-place state changes right after a save (issue 20, defects 4, 5)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def held_staging(monkeypatch):
+    """Hold every save's staging until something waits for a save (the guard, a handle, the
+    checkpointer): the copies are provably still pending right after save_state. Returns the gate."""
+    import lazyckpt.core.engine as _engine
+    import lazyckpt.core.job as _job
+
+    gate = threading.Event()
+    real_stage = _engine.Engine._stage
+
+    def held_stage(self, job):
+        gate.wait(20)  # bounded: a mutator that does not wait fails the test instead of hanging it
+        real_stage(self, job)
+
+    def opening(name):
+        real = getattr(_job.Job, name)
+
+        def opens_then_waits(self, *args):
+            gate.set()
+            return real(self, *args)
+
+        monkeypatch.setattr(_job.Job, name, opens_then_waits)
+
+    monkeypatch.setattr(_engine.Engine, "_stage", held_stage)
+    for name in ("release_guard", "_settle_for_wait", "_confirm_for_wait"):
+        opening(name)
+    return gate
+
+
+def _other_state(seed=5):
+    """A trained model/optimizer/scheduler of the same shapes, not prepared (what a user loads from)."""
+    model, opt, sched = C.build(seed)
+    idx, tgt = C.batch(torch.Generator().manual_seed(seed))
+    torch.nn.functional.cross_entropy(model(idx), tgt).backward()
+    opt.step()
+    sched.step()
+    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict()}
+
+
+@pytest.mark.parametrize("what", ["model", "optimizer", "scheduler"])
+def test_load_state_dict_right_after_save_state_then_load_state_restores(tmp_path, installs, held_staging, what):
+    other = _other_state()[what]  # first: its optimizer step would wait for the pending copies below
+    acc, objs, _ = make()
+    h = installs(acc)
+    gen = torch.Generator().manual_seed(0)
+    step(acc, objs, gen)
+    want = C.snapshot(acc, *split(objs))
+    acc.save_state(str(tmp_path / "c"))
+    assert not held_staging.is_set(), "the copies must still be pending here"
+    target = {"model": acc.unwrap_model(objs[0]), "optimizer": objs[1], "scheduler": objs[2]}[what]
+    target.load_state_dict(other)  # stock code: overwrites the saved state at once
+    C.assert_same(target.state_dict(), other, what)
+    acc.load_state(str(tmp_path / "c"))
+    assert_restored(C.snapshot(acc, *split(objs)), want)
+    h.wait()
+    assert LA.is_complete(tmp_path / "c")
+
+
+def test_in_place_change_right_after_save_state_is_named_where_the_save_surfaces(tmp_path, installs, held_staging):
+    """A change the rule does not cover (p.mul_() under no_grad) fails the save; load_state on that
+    folder names that cause (not a killed process), and so does the handle."""
+    from lazyckpt.errors import StaleTensorError
+
+    acc, objs, _ = make()
+    h = installs(acc)
+    step(acc, objs, torch.Generator().manual_seed(0))
+    acc.save_state(str(tmp_path / "c"))
+    with torch.no_grad():
+        acc.unwrap_model(objs[0]).fc.weight.mul_(2)
+    held_staging.set()
+    with pytest.raises(LA.IncompleteCheckpointError, match=r"(?s)StaleTensorError.*'fc\.weight' was modified in place"):
+        acc.load_state(str(tmp_path / "c"))
+    try:
+        acc.load_state(str(tmp_path / "c"))
+    except LA.IncompleteCheckpointError as exc:
+        assert "killed" not in str(exc) and isinstance(exc.__cause__, StaleTensorError)
+    with pytest.raises(StaleTensorError, match=r"'fc\.weight'") as info:
+        h.wait()
+    assert info.value.tensor_name == "fc.weight"
+    assert not LA.is_complete(tmp_path / "c")
+
+
+def test_automatic_naming_fallback_names_the_failed_save(tmp_path, installs, held_staging):
+    from lazyckpt.errors import StaleTensorError
+
+    acc, objs, _ = make(project=ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True))
+    h = installs(acc)
+    gen = torch.Generator().manual_seed(0)
+    step(acc, objs, gen)
+    want = C.snapshot(acc, *split(objs))
+    acc.save_state()
+    held_staging.set()
+    h.wait()
+    held_staging.clear()
+    step(acc, objs, gen)
+    acc.save_state()  # checkpoint_1: changed in place while its copies are pending
+    with torch.no_grad():
+        acc.unwrap_model(objs[0]).out.bias.add_(1)
+    held_staging.set()
+    with pytest.warns(LA.IncompleteCheckpointWarning, match=r"(?s)checkpoint_1.*StaleTensorError.*'out\.bias'"):
+        acc.load_state()
+    assert_restored(C.snapshot(acc, *split(objs)), want)
+    with pytest.raises(StaleTensorError):
+        h.wait()
+
+
+def test_installed_accelerator_pickles_as_a_stock_one(tmp_path, installs):
+    """Accelerate's own test_can_pickle_dataloader pickles a prepared accelerator; installed, the
+    copy is a plain stock Accelerator (no handle, no pending saves) and the original stays lazy."""
+    import pickle
+
+    acc = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+    dl = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(10.0)), batch_size=2)
+    model, opt, sched, dl = acc.prepare(model, opt, sched, dl)
+    h = installs(acc)
+    acc.backward(model(torch.randn(4, 8)).pow(2).mean())
+    opt.step()
+    acc.save_state(str(tmp_path / "a"))  # the handle now has threads, a checkpointer, a save in flight
+    blob = pickle.dumps(acc)
+    h.wait()
+    clone = pickle.loads(blob)
+    assert clone.save_state.__func__ is Accelerator.save_state
+    assert clone.load_state.__func__ is Accelerator.load_state
+    assert [b[0].tolist() for b in clone._dataloaders[0]] == [b[0].tolist() for b in dl]
+    clone.save_state(str(tmp_path / "b"))  # stock: synchronous, no marker
+    assert C.file_tree(tmp_path / "b") == C.file_tree(tmp_path / "a") and LA.is_complete(tmp_path / "b")
+    assert isinstance(vars(acc)["save_state"], _accelerate_compat.InstalledMethod)  # the original: still lazy
+    acc.save_state(str(tmp_path / "c"))
+    h.wait()
+    assert C.file_tree(tmp_path / "c") == C.file_tree(tmp_path / "a")

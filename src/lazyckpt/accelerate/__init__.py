@@ -312,6 +312,7 @@ class AccelerateHandle:
         self._stock_load_state = accelerator.load_state
         self._prev_attrs = {n: vars(accelerator)[n] for n in ("save_state", "load_state") if n in vars(accelerator)}
         self._hook_handle = None
+        self._installed_attrs: dict[str, _compat.InstalledMethod] = {}  # what install() set on the instance
         self.load_timeout = 600.0  # seconds load_state waits for other processes' pending saves
         self.max_pending_uploads = 2  # folders saved to URLs waiting for upload before save_state waits
         self.last_save_state_s: float | None = None  # seconds the last save_state call blocked
@@ -523,11 +524,11 @@ class AccelerateHandle:
             self._wait_other_processes([target])  # and other processes' (shared files)
             markers = pending_markers(target)
             if os.path.isdir(target) and markers:
+                failed = self._error_for(target)
                 raise IncompleteCheckpointError(
-                    f"lazyckpt: checkpoint folder {input_dir!r} is incomplete: a save into it never became "
-                    f"durable (the process was probably killed, or a write failed; markers: {markers}). "
+                    f"lazyckpt: checkpoint folder {input_dir!r} is incomplete: {_why_incomplete(failed, markers)}. "
                     "Load an earlier checkpoint folder instead."
-                ) from self._error_for(target)
+                ) from failed
             return self._stock_load_state(input_dir, load_kwargs=load_kwargs, **kwargs)
         if pc.automatic_checkpoint_naming:
             base = _compat.real_path(os.path.join(acc.project_dir, "checkpoints"))
@@ -538,16 +539,26 @@ class AccelerateHandle:
             folders.sort(key=_compat.folder_number)
             complete = [f for f in folders if is_complete(f)]
             if not complete:
+                failed = next((e for e in map(self._error_for, reversed(folders)) if e is not None), None)
+                why = "every save there was interrupted before it became durable"
+                if failed is not None:
+                    why = f"every save there failed or was interrupted; the newest failure here: {_describe(failed)}"
                 raise IncompleteCheckpointError(
-                    f"lazyckpt: no complete checkpoint folder in {base!r}: every save there was interrupted "
-                    f"before it became durable ({[os.path.basename(f) for f in folders]})."
-                )
+                    f"lazyckpt: no complete checkpoint folder in {base!r}: {why} "
+                    f"({[os.path.basename(f) for f in folders]})."
+                ) from failed
             chosen = complete[-1]
             if folders and chosen != folders[-1]:
-                skipped = [os.path.basename(f) for f in folders[folders.index(chosen) + 1 :]]
+                skipped_folders = folders[folders.index(chosen) + 1 :]
+                skipped = [os.path.basename(f) for f in skipped_folders]
+                errors = [(f, self._error_for(f)) for f in skipped_folders]
+                causes = [f"{os.path.basename(f)}: {_describe(e)}" for f, e in errors if e is not None]
+                why = "their save was interrupted before it became durable"
+                if causes:
+                    why = "their save failed in this process: " + "; ".join(causes)
                 msg = (
-                    f"lazyckpt: newest checkpoint folder(s) {skipped} in {base!r} are incomplete (their save was "
-                    f"interrupted before it became durable); loading {os.path.basename(chosen)!r} instead."
+                    f"lazyckpt: newest checkpoint folder(s) {skipped} in {base!r} are incomplete ({why}); "
+                    f"loading {os.path.basename(chosen)!r} instead."
                 )
                 logger.warning(msg)
                 warnings.warn(msg, IncompleteCheckpointWarning, stacklevel=2)
@@ -644,8 +655,8 @@ class AccelerateHandle:
         finally:
             self._removed = True
             acc = self.accelerator
-            for name, ours in (("save_state", self._save_state), ("load_state", self._load_state)):
-                if vars(acc).get(name) == ours:
+            for name, ours in self._installed_attrs.items():
+                if vars(acc).get(name) is ours:
                     if name in self._prev_attrs:
                         setattr(acc, name, self._prev_attrs[name])
                     else:
@@ -692,6 +703,21 @@ class AccelerateHandle:
             logger.error("lazyckpt.accelerate: a checkpoint save failed: %r", exc)
 
 
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+def _why_incomplete(failed: BaseException | None, markers: list[str]) -> str:
+    """Why a folder is incomplete: the error of this process's save into it when there was one
+    (e.g. a tensor changed in place right after save_state), else what a leftover marker means."""
+    if failed is not None:
+        return f"its save_state in this process failed, so no file of it was completed there ({_describe(failed)})"
+    return (
+        "a save into it never became durable (the process that saved it was killed, or its save failed "
+        f"in another process; markers: {markers})"
+    )
+
+
 def _drain_at_exit(ref: weakref.ref[AccelerateHandle]) -> None:
     handle = ref()
     if handle is not None and not handle.removed:
@@ -726,13 +752,15 @@ def install(
     handle = AccelerateHandle(accelerator, checkpointer, owns)
     handle.load_timeout = float(load_timeout)
     try:
-        hook_handle = accelerator.register_save_state_pre_hook(handle._pre_hook)
+        hook_handle = accelerator.register_save_state_pre_hook(_compat.InstalledPreHook(handle._pre_hook))
         # Run first, so the pending marker exists before any user hook or accelerate writes a file.
         accelerator._save_model_state_pre_hook.move_to_end(hook_handle.id, last=False)
         handle._hook_handle = hook_handle
         _compat.acquire_patch()
-        accelerator.save_state = handle._save_state
-        accelerator.load_state = handle._load_state
+        for name, method in (("save_state", handle._save_state), ("load_state", handle._load_state)):
+            attr = _compat.InstalledMethod(method, accelerator, name, handle._prev_attrs.get(name))
+            handle._installed_attrs[name] = attr
+            setattr(accelerator, name, attr)
     except BaseException:
         handle._finisher.stop()
         handle._uploader.stop()

@@ -234,3 +234,63 @@ def unwrap_optimizer(opt: Any) -> torch.optim.Optimizer | None:
     if isinstance(inner, torch.optim.Optimizer):
         return inner
     return opt if isinstance(opt, torch.optim.Optimizer) else None
+
+
+# --------------------------------------------------------------------------------------------------
+# What install() puts on an Accelerator instance, and how it pickles
+# --------------------------------------------------------------------------------------------------
+
+
+class InstalledMethod:
+    """``accelerator.save_state`` / ``load_state`` while installed: calls the handle's method.
+
+    The accelerator must stay picklable as stock's is (``pickle.dumps(accelerator)``, deepcopy;
+    accelerate's own tests do it): a handle holds threads, locks and a checkpointer, so this
+    attribute does not pickle the handle. A copy gets what the attribute was before install():
+    ``getattr(copy, name)`` evaluated while the copy's ``__dict__`` is still empty (pickle fills it
+    after building its items), i.e. the class's stock method bound to the copy, or the instance
+    attribute that install() replaced. The copy is a plain stock Accelerator with no pending saves;
+    call ``install()`` on it for lazy saves there."""
+
+    __slots__ = ("_call", "_accelerator", "_name", "_previous")
+
+    def __init__(self, call: Callable[..., Any], accelerator: Any, name: str, previous: Any = None) -> None:
+        self._call = call
+        self._accelerator = accelerator
+        self._name = name
+        self._previous = previous  # the instance attribute install() replaced (None: the class's)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call(*args, **kwargs)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        if self._previous is not None:
+            return _same, (self._previous,)
+        return getattr, (self._accelerator, self._name)
+
+    def __repr__(self) -> str:
+        return f"<lazyckpt.accelerate {self._name} of {self._call!r}>"
+
+
+class InstalledPreHook:
+    """The save_state pre-hook install() registers: calls the handle's; a pickled copy of the
+    accelerator gets a hook that does nothing (the copy has no handle, see ``InstalledMethod``)."""
+
+    __slots__ = ("_call",)
+
+    def __init__(self, call: Callable[..., None]) -> None:
+        self._call = call
+
+    def __call__(self, models: list[Any], weights: list[Any], output_dir: str) -> None:
+        self._call(models, weights, output_dir)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return _same, (inert_pre_hook,)
+
+
+def inert_pre_hook(models: list[Any], weights: list[Any], output_dir: str) -> None:
+    """The pre-hook of an unpickled copy of an installed accelerator: nothing to do."""
+
+
+def _same(obj: Any) -> Any:
+    return obj

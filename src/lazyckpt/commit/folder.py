@@ -204,7 +204,9 @@ class FolderSave:
                 raise IncompleteCheckpointError(f"lazyckpt: end() of {self.folder} before {h.path} committed")
             exc = h.exception()
             if exc is not None:
-                raise IncompleteCheckpointError(f"lazyckpt: {h.path} failed; {self.folder} stays incomplete") from exc
+                raise IncompleteCheckpointError(
+                    f"lazyckpt: {h.path} failed; {self.folder} stays incomplete ({type(exc).__name__}: {exc})"
+                ) from exc
         self.marker_durable.result()
         if not os.path.isdir(self.folder):
             return False

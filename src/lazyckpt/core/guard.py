@@ -14,10 +14,21 @@ child forgets pending saves: the threads that would finish them do not exist the
 
 The hook also learns which optimizers exist. Tensors they own (params, state) change only inside
 ``step()``, so ``save()`` may copy them lazily; every other tensor is captured inside ``save()``.
+
+Besides ``step()``, a few stock calls overwrite saved state in place: ``Module.load_state_dict``
+(``param.copy_``; what Lightning's Trainer restore, ``Fabric.load`` and Accelerate's ``load_state``
+end up in), ``Optimizer.load_state_dict`` (and its post hooks) and
+``torch.nn.utils.vector_to_parameters``. Called right after a save, they used to fail it with
+``StaleTensorError``. torch has no global hook for them, so the first save that leaves copies
+pending wraps them process-wide (``_install_mutator_guards``): with saves pending, the wrapper
+first waits for every pending save's copies, on the calling thread (``wait_all``, what the step
+does), then runs the stock call. The wrappers stay once installed: with nothing pending they cost
+one list check, and these calls are rare (never on the hot path of forward or ``step()``).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import weakref
@@ -61,6 +72,8 @@ def freeze(*tensors: torch.Tensor) -> None:
 def add(job: Pending) -> None:
     with _lock:
         _pending.append(job)
+        if not _mutators_guarded:
+            _install_mutator_guards()
 
 
 def discard(job: Pending) -> None:
@@ -144,6 +157,45 @@ def _waiting(closure: Callable[[], Any]) -> Callable[[], Any]:
         return result
 
     return closure_then_wait
+
+
+# -- in-place mutators of saved state outside step() ------------------------------------------------
+
+_mutators_guarded = False
+# (owner, attribute) of every stock callable that overwrites saved tensors in place. The module
+# functions are wrapped where callers look them up at call time (``torch.nn.utils.X``); a name
+# imported before the first save keeps the stock function (its change is still caught as stale).
+_MUTATORS: tuple[tuple[Any, str], ...] = (
+    (torch.nn.Module, "load_state_dict"),
+    (torch.optim.Optimizer, "load_state_dict"),
+    (torch.nn.utils, "vector_to_parameters"),
+    (torch.nn.utils.convert_parameters, "vector_to_parameters"),
+)
+
+
+def _install_mutator_guards() -> None:
+    """Wrap the mutators so that each waits for pending copies first (caller holds ``_lock``)."""
+    global _mutators_guarded
+    wrapped: dict[int, Callable[..., Any]] = {}  # one wrapper per function (two names, one function)
+    for owner, name in _MUTATORS:
+        current = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name, None)
+        if current is None or getattr(current, "__lazyckpt_waits__", False):
+            continue
+        if id(current) not in wrapped:
+            wrapped[id(current)] = _waits_for_pending_copies(current)
+        setattr(owner, name, wrapped[id(current)])
+    _mutators_guarded = True
+
+
+def _waits_for_pending_copies(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def waits_then_mutates(*args: Any, **kwargs: Any) -> Any:
+        if _pending:  # copies still read (or not yet confirmed): they must see the state at save()
+            wait_all()
+        return fn(*args, **kwargs)
+
+    waits_then_mutates.__lazyckpt_waits__ = True  # type: ignore[attr-defined]
+    return waits_then_mutates
 
 
 def _forget_pending_in_child() -> None:

@@ -164,8 +164,6 @@ class LazyCheckpointIO(_CheckpointIO):
             self._wait_for([record])
             if self._torn_down or not _compat.in_fit(trainer):
                 self._release_resources()  # no thread outlives a save made outside any fit
-        elif trainer is not None and _compat.swaps_state_after_save(trainer):
-            handle.wait_staged()
 
     def remove_checkpoint(self, path: Any) -> None:
         """Delete ``path`` without waiting: the core orders a delete after a pending save to it

@@ -243,13 +243,3 @@ def in_fit(trainer: Any) -> bool:
 def is_running(trainer: Any) -> bool:
     status = getattr(getattr(trainer, "state", None), "status", None)
     return status is None or status == "running"
-
-
-def swaps_state_after_save(trainer: Any) -> bool:
-    """ModelCheckpoint's manual-optimization path loads a saved state into ``pl_module.layer``, saves,
-    then loads the original back in place: the copies must be done before that restore."""
-    module = getattr(trainer, "lightning_module", None)
-    if module is None or getattr(module, "automatic_optimization", True):
-        return False
-    saved = getattr(module, "saved_models", None)
-    return isinstance(saved, dict) and bool(saved) and isinstance(getattr(module, "layer", None), torch.nn.Module)
