@@ -31,7 +31,7 @@ from lazyckpt.options import merge as merge_options
 from lazyckpt.storage import fs as _fs
 from lazyckpt.storage import remote as _remote
 
-from .errors import BackpressureWarning, CheckpointerClosedError, LazyCkptError, SaveRefusedError, WriteError
+from .errors import BackpressureWarning, CheckpointerClosedError, SaveRefusedError, WriteError
 
 __all__ = ["BackpressureWarning", "LazyCheckpointer"]  # BackpressureWarning: its old import path
 from .levels import Level
@@ -51,7 +51,7 @@ def default_host_memory_budget() -> int:
     return int(min(total // 4, 16 << 30))
 
 
-class LazyCheckpointer:
+class LazyCheckpointer(_exit.ClosedOnExit):
     """Saves checkpoints without stopping training.
 
     ``save(obj, path)`` returns as soon as ``obj`` is pickled (tensors excluded) and the tensors no
@@ -376,18 +376,6 @@ class LazyCheckpointer:
             self.pool.close()
             _exit.unregister(self)
         self._raise_unreported()
-
-    def __enter__(self) -> LazyCheckpointer:
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is None:
-            self.close()
-            return
-        try:
-            self.close()
-        except LazyCkptError:
-            logger.exception("lazyckpt: a save failed while another exception was propagating")
 
     # -- internals --------------------------------------------------------------------------------
 

@@ -97,6 +97,28 @@ def drain(early_only: bool = False) -> None:
             logger.error("lazyckpt: draining %s at exit failed: %s", type(owner).__name__, exc)
 
 
+class ClosedOnExit:
+    """``with owner:`` closes it; when the block raised, a save's error from ``close()`` is logged
+    so that the block's exception is the one that propagates."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        from lazyckpt.errors import LazyCkptError
+
+        try:
+            self.close()
+        except LazyCkptError:
+            logger.exception("lazyckpt: a save failed while another exception was propagating")
+
+
 def _hook_shutdown() -> None:
     register_hook = getattr(threading, "_register_atexit", None)
     if register_hook is None:  # pragma: no cover - CPython >= 3.9 has it

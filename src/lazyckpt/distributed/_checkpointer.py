@@ -5,12 +5,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import shutil
 import threading
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -19,7 +17,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.utils import _DistWrapper
 
 from lazyckpt.core import exit as _exit
-from lazyckpt.core.handle import Completion, Outcome, SaveHandle, SaveStats
+from lazyckpt.core.handle import Completion
 from lazyckpt.core.workers import Worker
 from lazyckpt.storage import remote as _remote
 
@@ -34,7 +32,7 @@ from ..errors import (
     WriteError,
 )
 from . import _commit
-from ._commit import COMMIT, Decision, RankReport, Result
+from ._commit import RankReport
 from ._core import (
     RankFile,
     bind_local,
@@ -45,6 +43,8 @@ from ._core import (
     resolve_handle,
     tensor_pickle,
 )
+from ._decide import Decider
+from ._handle import DistributedSaveHandle, Save
 from ._layout import RankFileLayout
 from ._plan import PlanCache, RankPlan, plan_save, resolve
 from ._upload import RemoteFolder
@@ -52,86 +52,7 @@ from ._upload import RemoteFolder
 logger = logging.getLogger(__name__)
 
 
-class DistributedSaveHandle(SaveHandle):
-    """A pending distributed save (``SaveHandle``'s methods). ``wait_staged()`` concerns this rank's
-    tensors; ``wait()`` returns once the checkpoint is committed on every rank, and raises
-    ``DistributedSaveError`` on every rank if any rank's part failed. Both first confirm this
-    rank's file on the calling thread (see ``DistributedCheckpointer``: the commit waits for every
-    rank's confirmation).
-
-    A save to a URL has one stage more: ``local()`` / ``wait_local()`` once this rank's file is
-    committed on its local disk; ``done()`` / ``wait()`` once the checkpoint is committed in the
-    store (every rank's file uploaded, then ``.metadata``)."""
-
-    def __init__(self, path: str, outcome: Outcome | None = None, url: str | None = None) -> None:
-        super().__init__(path, outcome)
-        self.url = url  # a save to a URL (as ``RemoteSaveHandle.url``); None for a local folder
-        self._local: SaveHandle | None = None
-
-    def bind_local(self, local: SaveHandle) -> None:
-        """Internal API (the distributed checkpointer): this rank's file's handle, once started."""
-        self._local = local
-
-    def local(self) -> bool:
-        local = self._local
-        if self.url is None or local is None:
-            return self.done()
-        return local.done()
-
-    def wait_local(self, timeout: float | None = None) -> SaveStats:
-        """This rank's file committed on local disk: its stats (for a local save: ``wait()``). If
-        it failed, the distributed save's error, once every rank knows it."""
-        local = self._local
-        if self.url is None or local is None:
-            return self.wait(timeout)
-        if not local.wait_done(timeout):  # confirms this rank's file first
-            raise TimeoutError(f"this rank's part of {self.path} not on local disk after {timeout} s")
-        if local.exception() is not None or local.stats is None:
-            return self.wait()
-        return local.stats
-
-    def staged(self) -> bool:
-        local = self._local
-        return super().staged() or (local is not None and local.staged())
-
-    def wait_staged(self, timeout: float | None = None) -> None:
-        local = self._local
-        if local is not None:
-            local.wait_staged(timeout)
-        else:
-            super().wait_staged(timeout)
-
-
-@dataclass(eq=False)
-class _Save:
-    n: int
-    final: str
-    staging: str
-    handle: DistributedSaveHandle
-    t0: float
-    metadata: Any = None  # coordinator: DCP Metadata, storage data filled in at commit
-    layout: RankFileLayout | None = None
-    storage: dict[Any, Any] = field(default_factory=dict)
-    file: str = ""
-    local: SaveHandle | None = None
-    error: BaseException | None = None  # this rank's part failed inside save()
-    extra_files: dict[str, bytes] = field(default_factory=dict)  # coordinator: written beside .metadata
-    remote: RemoteFolder | None = None  # a save to a URL: its objects and this rank's local folder
-    completion: Completion | None = None  # of ``handle``: the commit thread finishes it
-
-
-@dataclass
-class _Outcome:
-    """Why a save failed, as every rank learns it."""
-
-    message: str
-    ranks: tuple[int, ...]
-    upload: bool = False  # a save to a URL failed because an upload failed
-    undo: bool = True  # no .metadata is visible: the objects this rank uploaded may be deleted
-    cause: BaseException | None = None  # the coordinator's own error when it failed the save itself
-
-
-class DistributedCheckpointer:
+class DistributedCheckpointer(_exit.ClosedOnExit):
     """Saves sharded training state lazily on every rank, as a DCP checkpoint directory.
 
     Construct it on every rank of ``process_group`` (default: the whole job) after
@@ -223,12 +144,15 @@ class DistributedCheckpointer:
         )
         self._heartbeat.start()
         self._inner = LazyCheckpointer(**options)
+        self._decider = Decider(
+            self._proto, self._liveness, self.rank, self.world_size, self.commit_timeout, self._token, self._inner.fsync
+        )
         self._lock = threading.Lock()
-        self._pending: list[_Save] = []
+        self._pending: list[Save] = []
         self._count = 0
         self._plan_cache = PlanCache()  # the previous global plan: reused while no rank's local plan changes
         self._closed = False
-        self._committer: Worker[_Save] = Worker("lazyckpt-dist-commit", self._commit_one)
+        self._committer: Worker[Save] = Worker("lazyckpt-dist-commit", self._commit_one)
         _exit.register(self, _close_at_exit, layer=_exit.DISTRIBUTED)
 
     @property
@@ -285,7 +209,7 @@ class DistributedCheckpointer:
             return staging
 
         plan = plan_save(state, self._dist, final, prepare, self._plan_cache, n)
-        entry = _Save(n, final, plan.staging, handle, t0, metadata=plan.metadata, completion=completion)
+        entry = Save(n, final, plan.staging, handle, t0, metadata=plan.metadata, completion=completion)
         if self._dist.is_coordinator and extra_files:
             entry.extra_files = {_extra_name(name): bytes(data) for name, data in extra_files.items()}
         with self._lock:
@@ -355,18 +279,6 @@ class DistributedCheckpointer:
                 if dist.is_initialized():
                     dist.destroy_process_group(self._group)
 
-    def __enter__(self) -> DistributedCheckpointer:
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is None:
-            self.close()
-            return
-        try:
-            self.close()
-        except LazyCkptError:
-            logger.exception("lazyckpt: a distributed save failed while another exception was propagating")
-
     # -- this rank's file ---------------------------------------------------------------------------
 
     def _tier(self) -> _remote.RemoteTier:
@@ -377,7 +289,7 @@ class DistributedCheckpointer:
         _exit.register(self, _close_at_exit, layer=_exit.DISTRIBUTED, early=True)  # again: updates
         return self._inner.remote_tier()
 
-    def _start_file(self, entry: _Save, plan: RankPlan) -> None:
+    def _start_file(self, entry: Save, plan: RankPlan) -> None:
         tensors, byte_items = resolve(plan)
         layout = RankFileLayout(self._inner.crc)
         # To a URL, every save's data files have names of their own: a previous checkpoint at the
@@ -406,7 +318,7 @@ class DistributedCheckpointer:
 
     # -- the commit thread ------------------------------------------------------------------------
 
-    def _commit_one(self, entry: _Save) -> None:
+    def _commit_one(self, entry: Save) -> None:
         try:
             self._commit(entry)
         except BaseException as exc:  # a store that went away (its host died), a bug: fail, go on
@@ -421,7 +333,7 @@ class DistributedCheckpointer:
             except BaseException:  # noqa: BLE001 - the loop must outlive one save
                 logger.exception("lazyckpt: finishing the distributed save to %s failed", entry.final)
 
-    def _commit(self, entry: _Save) -> None:
+    def _commit(self, entry: Save) -> None:
         remote = entry.remote
         report, own_error = self._own_report(entry)
         if remote is not None and report.ok:
@@ -429,9 +341,9 @@ class DistributedCheckpointer:
         self._proto.post(entry.n, report)
         deadline = time.monotonic() + self.commit_timeout
         if self._dist.is_coordinator:
-            outcome = self._coordinate(entry, deadline)
+            outcome = self._decider.coordinate(entry, deadline)
         else:
-            outcome = self._follow(entry, deadline)
+            outcome = self._decider.follow(entry, deadline)
             self._proto.ack(entry.n)
         if remote is not None:
             if outcome is not None and outcome.undo:
@@ -443,7 +355,7 @@ class DistributedCheckpointer:
         cause = outcome.cause or (own_error if own_error is not None and self.rank in outcome.ranks else None)
         self._finish(entry, self._error(entry, outcome.message, cause, outcome.ranks, outcome.upload))
 
-    def _own_report(self, entry: _Save) -> tuple[RankReport, BaseException | None]:
+    def _own_report(self, entry: Save) -> tuple[RankReport, BaseException | None]:
         """This rank's part, once its file is committed in the staging folder (which waits for the
         training thread to confirm it: ``local_outcome``) or failed."""
         exc = entry.error
@@ -458,7 +370,7 @@ class DistributedCheckpointer:
 
     # -- saves to URLs (``_upload.py``) -----------------------------------------------------------
 
-    def _upload_own(self, entry: _Save, report: RankReport) -> tuple[RankReport, BaseException | None]:
+    def _upload_own(self, entry: Save, report: RankReport) -> tuple[RankReport, BaseException | None]:
         """Upload this rank's durable file (a name of its own: nothing visible changes)."""
         remote = entry.remote
         assert remote is not None
@@ -469,145 +381,9 @@ class DistributedCheckpointer:
             return RankReport(self.rank, False, error=f"{type(exc).__name__}: {exc}", upload_failed=True), exc
         return report, None
 
-    def _upload_metadata_files(self, entry: _Save) -> None:
-        """Coordinator, every rank's file in the store: the extra files and the manifest, which
-        replace a previous checkpoint's at this prefix (``.metadata`` follows, after the decision).
-        Extra files (Lightning's ``meta.pt``) belong to the checkpoint as a whole: a previous
-        checkpoint here is hidden (its ``.metadata`` deleted) before they are replaced."""
-        remote = entry.remote
-        assert remote is not None
-        if entry.extra_files:
-            remote.hide_previous()
-        for name in entry.extra_files:
-            remote.upload(name)
-        remote.upload(_commit.MANIFEST)
-
-    def _publish_remote(self, entry: _Save, reports: dict[int, RankReport]) -> _Outcome | None:
-        """Coordinator, after deciding "commit": upload ``.metadata``, which makes it a checkpoint
-        (replacing a previous one at the prefix in one PUT), then delete the previous checkpoint's
-        data files (best effort)."""
-        remote = entry.remote
-        assert remote is not None
-        try:
-            remote.upload(_commit.METADATA)
-        except UploadError as exc:
-            remote.remove_uploaded()  # .metadata first (the failed PUT may have landed), before the others learn
-            why = f"nothing was committed; rank {self.rank} (coordinator) could not upload .metadata: {exc}"
-            self._proto.set_result(entry.n, Result(False, why))
-            return _Outcome(why, (self.rank,), upload=True, cause=exc)
-        remote.remove_stale({r.file for r in reports.values()})
-        remote.abort_unfinished()  # before the result: then the others may start their next save
-        self._proto.set_result(entry.n, Result(True))
-        return None
-
-    # -- the commit -------------------------------------------------------------------------------
-
-    def _coordinate(self, entry: _Save, deadline: float) -> _Outcome | None:
-        """Coordinator: gather, write the metadata, decide, publish. None when committed."""
-        reports, missing, dead = self._proto.gather(entry.n, deadline, self._liveness)
-        own_exc: Exception | None = None
-        failed = sorted(r.rank for r in reports.values() if not r.ok)
-        if failed or missing:
-            why = "; ".join(f"rank {r}: {reports[r].error}" for r in failed)
-            if dead:
-                why = (why + "; " if why else "") + (
-                    f"rank(s) {dead} died or vanished (no heartbeat in the store for {_commit.DEAD_AFTER_S} s) "
-                    "before reporting a durable file"
-                )
-            elif missing:
-                why = (why + "; " if why else "") + (
-                    f"rank(s) {missing} did not report a durable file within {self.commit_timeout} s "
-                    "(hung, or slower than commit_timeout)"
-                )
-            upload = any(reports[r].upload_failed for r in failed)
-            if entry.remote is not None:  # before the decision: then the others may start their next save
-                entry.remote.abort_unfinished()
-            decided = self._proto.decide(entry.n, Decision.abort(why, failed + (dead or missing), upload))
-        else:
-            try:
-                save_id = f"{self._token}-{entry.n}"
-                _commit.write_metadata(
-                    entry.staging, entry.final, save_id, entry.metadata, reports, self._inner.fsync, entry.extra_files
-                )
-                if entry.remote is not None:
-                    self._upload_metadata_files(entry)
-            except Exception as exc:
-                own_exc = exc
-                if entry.remote is not None:  # shared keys touched: clean up before the others move on
-                    entry.remote.remove_uploaded()
-                why = f"rank {self.rank} (coordinator): writing the metadata failed: {exc}"
-                decided = self._proto.decide(entry.n, Decision.abort(why, [self.rank], isinstance(exc, UploadError)))
-            else:
-                decided = self._proto.decide(entry.n, COMMIT)
-        outcome: _Outcome | None = None
-        if not decided.commit:
-            if entry.remote is None:
-                shutil.rmtree(entry.staging, ignore_errors=True)
-            outcome = _abort_reason(decided)
-            outcome.cause = own_exc
-        elif entry.remote is not None:
-            outcome = self._publish_remote(entry, reports)
-        else:
-            try:
-                old = _commit.staging_path(entry.final, self._token, entry.n, old=True)
-                _commit.publish(entry.staging, entry.final, old, self._inner.fsync)
-            except OSError as exc:
-                if isinstance(exc, _commit.NotDurableError):
-                    why = f"rank {self.rank} (coordinator): {exc}"
-                else:
-                    shutil.rmtree(entry.staging, ignore_errors=True)
-                    why = f"nothing was committed; rank {self.rank} (coordinator) could not publish the folder: {exc}"
-                self._proto.set_result(entry.n, Result(False, why))
-                outcome = _Outcome(why, (self.rank,), cause=exc)
-            else:
-                self._proto.set_result(entry.n, Result(True))
-        # Ranks that never reported may be dead (no acknowledgment to wait for) or merely slow: they
-        # still need the outcome when they get there, so the keys stay unless every rank acknowledged.
-        others = [r for r in range(self.world_size) if r != self.rank and r not in missing]
-        acked = self._proto.wait_acks(entry.n, others, time.monotonic() + self.commit_timeout, self._liveness)
-        if acked and not missing:
-            self._proto.drop(entry.n)
-        elif not acked:
-            logger.warning("lazyckpt: not every rank acknowledged the end of the save to %s", entry.final)
-        return outcome
-
-    def _follow(self, entry: _Save, deadline: float) -> _Outcome | None:
-        """Other ranks: wait for the coordinator's decision (or decide abort when it never comes)."""
-        decided = self._proto.wait_decision(entry.n, deadline, self._liveness)
-        if decided is None:
-            if self._liveness.dead([0]):
-                why = (
-                    "rank 0 (the coordinator) died or vanished (no heartbeat in the store for "
-                    f"{_commit.DEAD_AFTER_S} s) before deciding"
-                )
-                ranks = [0]
-            else:
-                why = (
-                    f"rank {self.rank} got no decision from the coordinator within {self.commit_timeout} s "
-                    "after its own file was durable (a rank hung, or is slower than commit_timeout)"
-                )
-                ranks = []
-            decided = self._proto.decide(entry.n, Decision.abort(why, ranks))
-        if not decided.commit:
-            return _abort_reason(decided)
-        result = self._proto.wait_result(entry.n, time.monotonic() + self.commit_timeout, self._liveness)
-        if result is not None and result.ok:
-            return None
-        if result is None:
-            died = self._liveness.dead([0])
-            when = "died before confirming" if died else f"did not confirm within {self.commit_timeout} s"
-            return _Outcome(
-                f"the coordinator (rank 0) decided to commit but {when}; "
-                f"{entry.final} holds either the complete new checkpoint or the previous state",
-                (0,),
-                undo=False,
-            )
-        # To a URL, publishing is uploading .metadata: its failure is an upload failure.
-        return _Outcome(result.why, (0,), upload=entry.remote is not None)
-
     def _error(
         self,
-        entry: _Save,
+        entry: Save,
         message: str,
         cause: BaseException | None,
         ranks: tuple[int, ...] = (),
@@ -626,7 +402,7 @@ class DistributedCheckpointer:
         err.__cause__ = cause
         return err
 
-    def _finish(self, entry: _Save, error: BaseException | None) -> None:
+    def _finish(self, entry: Save, error: BaseException | None) -> None:
         stats = None
         local = entry.local.stats if entry.local is not None else None
         if error is None and local is not None:
@@ -666,10 +442,6 @@ def _classify_start_error(exc: BaseException, rank: int, final: str) -> BaseExce
         err = SaveRefusedError(f"rank {rank}: cannot save this state to {final}: {exc}")
     err.__cause__ = exc
     return err
-
-
-def _abort_reason(decided: Decision) -> _Outcome:
-    return _Outcome("nothing was committed; " + decided.why, decided.ranks, upload=decided.upload)
 
 
 def _extra_name(name: str) -> str:

@@ -122,11 +122,14 @@ def _open(path: str, storage_options: dict[str, Any] | None) -> _FileSource:
     return _UrlSource(path, storage_options) if _remote.is_url(path) else _FileSource(path)
 
 
-class _Reader(io.RawIOBase):
-    """A seekable file over ``source`` for ``zipfile`` (the central directory and local headers)."""
+class _Seekable(io.RawIOBase):
+    """A readable, seekable raw file of ``size`` bytes; subclasses read at ``pos``."""
 
-    def __init__(self, source: _FileSource) -> None:
-        self.source, self.pos = source, 0
+    pos = 0
+
+    @property
+    def size(self) -> int:
+        raise NotImplementedError
 
     def readable(self) -> bool:
         return True
@@ -138,8 +141,19 @@ class _Reader(io.RawIOBase):
         return self.pos
 
     def seek(self, offset: int, whence: int = 0) -> int:
-        self.pos = offset if whence == 0 else self.pos + offset if whence == 1 else self.source.size + offset
+        self.pos = offset if whence == 0 else self.pos + offset if whence == 1 else self.size + offset
         return self.pos
+
+
+class _Reader(_Seekable):
+    """A seekable file over ``source`` for ``zipfile`` (the central directory and local headers)."""
+
+    def __init__(self, source: _FileSource) -> None:
+        self.source, self.pos = source, 0
+
+    @property
+    def size(self) -> int:
+        return self.source.size
 
     def readinto(self, b: Any) -> int:
         n = max(0, min(len(b), self.source.size - self.pos))
@@ -241,25 +255,16 @@ def _check_compressed(source: _FileSource, path: str) -> None:
         raise VerificationError(f"{path}: record {bad}: CRC mismatch")
 
 
-class _BufferFile(io.RawIOBase):
+class _BufferFile(_Seekable):
     """The file's bytes in memory as a seekable file for ``torch.load`` (``readinto`` copies each
     record straight into its storage)."""
 
     def __init__(self, view: memoryview) -> None:
         self.view, self.pos = view, 0
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        self.pos = offset if whence == 0 else self.pos + offset if whence == 1 else len(self.view) + offset
-        return self.pos
+    @property
+    def size(self) -> int:
+        return len(self.view)
 
     def readinto(self, b: Any) -> int:
         chunk = self.view[self.pos : self.pos + len(b)]

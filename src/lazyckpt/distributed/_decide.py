@@ -1,0 +1,178 @@
+"""The two-phase commit's decisions, as one rank takes part in them (``DistributedCheckpointer``'s
+commit thread calls ``coordinate`` on the coordinator and ``follow`` on every other rank).
+
+Coordinator: gather every rank's report (or learn that one failed, or died: ``Liveness``), write the
+metadata, decide commit or abort (the first decision set in the store holds), publish (rename the
+staging folder, or upload ``.metadata`` last at a URL), set the result, wait for the others'
+acknowledgements. Others: wait for the decision (deciding abort themselves when the coordinator
+died or never answers within ``commit_timeout``), then for the result. Messages are typed
+(``_commit.Decision`` / ``Result``); outcomes are ``_Outcome`` (None: committed).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from dataclasses import dataclass
+
+from ..errors import UploadError
+from . import _commit
+from ._commit import COMMIT, Decision, Liveness, RankReport, Result, StoreProtocol
+from ._handle import Outcome as _Outcome
+from ._handle import Save as _Save
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Decider:
+    """One checkpointer's side of the protocol: its store keys, heartbeat view, rank and bounds."""
+
+    proto: StoreProtocol
+    liveness: Liveness
+    rank: int
+    world_size: int
+    commit_timeout: float
+    token: str
+    fsync: bool
+
+    def upload_metadata_files(self, entry: _Save) -> None:
+        """Coordinator, every rank's file in the store: the extra files and the manifest, which
+        replace a previous checkpoint's at this prefix (``.metadata`` follows, after the decision).
+        Extra files (Lightning's ``meta.pt``) belong to the checkpoint as a whole: a previous
+        checkpoint here is hidden (its ``.metadata`` deleted) before they are replaced."""
+        remote = entry.remote
+        assert remote is not None
+        if entry.extra_files:
+            remote.hide_previous()
+        for name in entry.extra_files:
+            remote.upload(name)
+        remote.upload(_commit.MANIFEST)
+
+    def publish_remote(self, entry: _Save, reports: dict[int, RankReport]) -> _Outcome | None:
+        """Coordinator, after deciding "commit": upload ``.metadata``, which makes it a checkpoint
+        (replacing a previous one at the prefix in one PUT), then delete the previous checkpoint's
+        data files (best effort)."""
+        remote = entry.remote
+        assert remote is not None
+        try:
+            remote.upload(_commit.METADATA)
+        except UploadError as exc:
+            remote.remove_uploaded()  # .metadata first (the failed PUT may have landed), before the others learn
+            why = f"nothing was committed; rank {self.rank} (coordinator) could not upload .metadata: {exc}"
+            self.proto.set_result(entry.n, Result(False, why))
+            return _Outcome(why, (self.rank,), upload=True, cause=exc)
+        remote.remove_stale({r.file for r in reports.values()})
+        remote.abort_unfinished()  # before the result: then the others may start their next save
+        self.proto.set_result(entry.n, Result(True))
+        return None
+
+    # -- the commit -------------------------------------------------------------------------------
+
+    def coordinate(self, entry: _Save, deadline: float) -> _Outcome | None:
+        """Coordinator: gather, write the metadata, decide, publish. None when committed."""
+        reports, missing, dead = self.proto.gather(entry.n, deadline, self.liveness)
+        own_exc: Exception | None = None
+        failed = sorted(r.rank for r in reports.values() if not r.ok)
+        if failed or missing:
+            why = "; ".join(f"rank {r}: {reports[r].error}" for r in failed)
+            if dead:
+                why = (why + "; " if why else "") + (
+                    f"rank(s) {dead} died or vanished (no heartbeat in the store for {_commit.DEAD_AFTER_S} s) "
+                    "before reporting a durable file"
+                )
+            elif missing:
+                why = (why + "; " if why else "") + (
+                    f"rank(s) {missing} did not report a durable file within {self.commit_timeout} s "
+                    "(hung, or slower than commit_timeout)"
+                )
+            upload = any(reports[r].upload_failed for r in failed)
+            if entry.remote is not None:  # before the decision: then the others may start their next save
+                entry.remote.abort_unfinished()
+            decided = self.proto.decide(entry.n, Decision.abort(why, failed + (dead or missing), upload))
+        else:
+            try:
+                save_id = f"{self.token}-{entry.n}"
+                _commit.write_metadata(
+                    entry.staging, entry.final, save_id, entry.metadata, reports, self.fsync, entry.extra_files
+                )
+                if entry.remote is not None:
+                    self.upload_metadata_files(entry)
+            except Exception as exc:
+                own_exc = exc
+                if entry.remote is not None:  # shared keys touched: clean up before the others move on
+                    entry.remote.remove_uploaded()
+                why = f"rank {self.rank} (coordinator): writing the metadata failed: {exc}"
+                decided = self.proto.decide(entry.n, Decision.abort(why, [self.rank], isinstance(exc, UploadError)))
+            else:
+                decided = self.proto.decide(entry.n, COMMIT)
+        outcome: _Outcome | None = None
+        if not decided.commit:
+            if entry.remote is None:
+                shutil.rmtree(entry.staging, ignore_errors=True)
+            outcome = _abort_reason(decided)
+            outcome.cause = own_exc
+        elif entry.remote is not None:
+            outcome = self.publish_remote(entry, reports)
+        else:
+            try:
+                old = _commit.staging_path(entry.final, self.token, entry.n, old=True)
+                _commit.publish(entry.staging, entry.final, old, self.fsync)
+            except OSError as exc:
+                if isinstance(exc, _commit.NotDurableError):
+                    why = f"rank {self.rank} (coordinator): {exc}"
+                else:
+                    shutil.rmtree(entry.staging, ignore_errors=True)
+                    why = f"nothing was committed; rank {self.rank} (coordinator) could not publish the folder: {exc}"
+                self.proto.set_result(entry.n, Result(False, why))
+                outcome = _Outcome(why, (self.rank,), cause=exc)
+            else:
+                self.proto.set_result(entry.n, Result(True))
+        # Ranks that never reported may be dead (no acknowledgment to wait for) or merely slow: they
+        # still need the outcome when they get there, so the keys stay unless every rank acknowledged.
+        others = [r for r in range(self.world_size) if r != self.rank and r not in missing]
+        acked = self.proto.wait_acks(entry.n, others, time.monotonic() + self.commit_timeout, self.liveness)
+        if acked and not missing:
+            self.proto.drop(entry.n)
+        elif not acked:
+            logger.warning("lazyckpt: not every rank acknowledged the end of the save to %s", entry.final)
+        return outcome
+
+    def follow(self, entry: _Save, deadline: float) -> _Outcome | None:
+        """Other ranks: wait for the coordinator's decision (or decide abort when it never comes)."""
+        decided = self.proto.wait_decision(entry.n, deadline, self.liveness)
+        if decided is None:
+            if self.liveness.dead([0]):
+                why = (
+                    "rank 0 (the coordinator) died or vanished (no heartbeat in the store for "
+                    f"{_commit.DEAD_AFTER_S} s) before deciding"
+                )
+                ranks = [0]
+            else:
+                why = (
+                    f"rank {self.rank} got no decision from the coordinator within {self.commit_timeout} s "
+                    "after its own file was durable (a rank hung, or is slower than commit_timeout)"
+                )
+                ranks = []
+            decided = self.proto.decide(entry.n, Decision.abort(why, ranks))
+        if not decided.commit:
+            return _abort_reason(decided)
+        result = self.proto.wait_result(entry.n, time.monotonic() + self.commit_timeout, self.liveness)
+        if result is not None and result.ok:
+            return None
+        if result is None:
+            died = self.liveness.dead([0])
+            when = "died before confirming" if died else f"did not confirm within {self.commit_timeout} s"
+            return _Outcome(
+                f"the coordinator (rank 0) decided to commit but {when}; "
+                f"{entry.final} holds either the complete new checkpoint or the previous state",
+                (0,),
+                undo=False,
+            )
+        # To a URL, publishing is uploading .metadata: its failure is an upload failure.
+        return _Outcome(result.why, (0,), upload=entry.remote is not None)
+
+
+def _abort_reason(decided: Decision) -> _Outcome:
+    return _Outcome("nothing was committed; " + decided.why, decided.ranks, upload=decided.upload)
