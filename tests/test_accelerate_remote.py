@@ -26,6 +26,7 @@ from _s3server import FaultProxy  # noqa: E402
 from accelerate_scripts import acc_common as C  # noqa: E402
 from lazyckpt.commit import remote_folder as _remote_folder  # noqa: E402
 from lazyckpt.errors import IncompleteCheckpointError, SaveRefusedError, UploadError  # noqa: E402
+from lazyckpt.storage import objects as _objects  # noqa: E402
 from lazyckpt.storage import remote as _remote  # noqa: E402
 from test_accelerate import STOCK_SAVE, make, split, step  # noqa: E402
 
@@ -34,7 +35,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(autouse=True)
 def fast_backoff_fresh_state(monkeypatch):
-    monkeypatch.setattr(_remote, "_BACKOFF_S", 0.01)
+    monkeypatch.setattr(_objects, "_BACKOFF_S", 0.01)
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     yield

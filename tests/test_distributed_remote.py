@@ -27,7 +27,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader  # noqa
 from _s3server import FaultProxy, moto_server, s3_options  # noqa: E402
 from lazyckpt import UploadError  # noqa: E402
 from lazyckpt.distributed import DistributedCheckpointer, DistributedUploadError, verify_checkpoint  # noqa: E402
-from lazyckpt.storage import remote  # noqa: E402
+from lazyckpt.storage import objects as _objects  # noqa: E402
 from test_distributed import launch  # noqa: E402 - the 2-rank launcher (distributed_scripts/dist_worker.py)
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -45,7 +45,7 @@ def one_rank_group():
 
 @pytest.fixture(autouse=True)
 def fast_backoff(monkeypatch):
-    monkeypatch.setattr(remote, "_BACKOFF_S", 0.01)
+    monkeypatch.setattr(_objects, "_BACKOFF_S", 0.01)
 
 
 def _dckpt(tmp_path, **kw) -> DistributedCheckpointer:

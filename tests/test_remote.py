@@ -22,6 +22,7 @@ from _s3server import FaultProxy, is_part, moto_server, s3_options
 from _util import assert_same
 from lazyckpt import BackpressureWarning, LazyCheckpointer, UploadError
 from lazyckpt.lightning import LazyCheckpointIO
+from lazyckpt.storage import objects as _objects
 from lazyckpt.storage import remote
 
 BUCKET = "ckpts"
@@ -57,7 +58,7 @@ def proxy(moto):
 
 @pytest.fixture(autouse=True)
 def fast_backoff(monkeypatch):
-    monkeypatch.setattr(remote, "_BACKOFF_S", 0.01)
+    monkeypatch.setattr(_objects, "_BACKOFF_S", 0.01)
 
 
 def _state(nbytes: int = 1 << 20, seed: int = 0) -> dict:

@@ -21,7 +21,7 @@ from lazyckpt.core.engine import Engine, write_error
 from lazyckpt.core.handle import CallbackRunner, SaveHandle
 from lazyckpt.core.job import Job
 from lazyckpt.core.plan import SavePlan
-from lazyckpt.core.pool import HostBufferPool
+from lazyckpt.core.pool import HostBufferPool, default_host_memory_budget
 from lazyckpt.core.removal import OrderedRemovals, Remover
 from lazyckpt.core.report import ErrorLedger, Report, raise_first
 from lazyckpt.formats import base as _format
@@ -40,15 +40,6 @@ from .levels._multi import MultiLevel, check_levels
 logger = logging.getLogger(__name__)
 
 Format = Literal["torch", "safetensors"]
-
-
-def default_host_memory_budget() -> int:
-    """A quarter of physical memory, at most 16 GiB."""
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):  # pragma: no cover
-        total = 8 << 30
-    return int(min(total // 4, 16 << 30))
 
 
 class LazyCheckpointer(_exit.ClosedOnExit):
@@ -413,21 +404,8 @@ class LazyCheckpointer(_exit.ClosedOnExit):
         return tier.register(url, fs, rpath, local, nbytes, t0)
 
     def _resolve(self, path: str | os.PathLike[str]) -> str:
-        if not isinstance(path, (str, os.PathLike)):
-            raise SaveRefusedError(f"path must be a str or os.PathLike, got {type(path).__name__}")
-        raw = os.fspath(path)
-        if isinstance(raw, bytes) or "://" in raw:
-            raise SaveRefusedError(
-                f"{raw!r}: a bytes path, or a URL given as a path object; pass URLs (s3://...) as str"
-            )
-        final = os.path.abspath(raw)
-        if os.path.isdir(final):
-            raise SaveRefusedError(f"{final} is a directory; pass a file path")
+        final = _fs.final_path(path)  # SaveRefusedError for what is no file path
         directory = os.path.dirname(final)
-        try:
-            os.makedirs(directory, exist_ok=True)
-        except OSError as exc:
-            raise SaveRefusedError(f"cannot create directory {directory}: {exc}") from exc
         if directory not in self._cleaned_dirs:
             self._cleaned_dirs.add(directory)
             _fs.cleanup_temporaries(directory)

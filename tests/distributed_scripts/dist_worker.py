@@ -187,7 +187,7 @@ def scenario_s3_upload_fails() -> None:
     fault proxy, which answers 500 to every PUT under run/bad/ (rank 1's file is a multipart
     upload): both ranks fail with DistributedUploadError naming rank 1; nothing at run/bad. Then
     run/good saved again with other values."""
-    import lazyckpt.storage.remote as remote
+    import lazyckpt.storage.objects as remote
     from lazyckpt import UploadError
     from lazyckpt.distributed import DistributedUploadError
 
@@ -229,14 +229,14 @@ def scenario_s3_sigkill() -> None:
     ckpt = DistributedCheckpointer(commit_timeout=3.0, **opts)
     ckpt.save(state, f"s3://{bucket}/run/good").wait()
     if RANK == 1:
-        real_part = remote._S3Upload._part
+        real_part = remote.S3Upload._part
 
         def part(self, fd, upload_id, number, offset, nbytes):
             if number == 2:
                 os.kill(os.getpid(), signal.SIGKILL)
             return real_part(self, fd, upload_id, number, offset, nbytes)
 
-        remote._S3Upload._part = part
+        remote.S3Upload._part = part
     h = ckpt.save(state, f"s3://{bucket}/run/killed")
     t = time.monotonic()
     try:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import mmap
+import os
 import threading
 import time
 
@@ -209,3 +210,12 @@ class HostBufferPool:
             self._free.clear()
             self._current = None
             self._cond.notify_all()
+
+
+def default_host_memory_budget() -> int:
+    """A quarter of physical memory, at most 16 GiB."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover
+        total = 8 << 30
+    return int(min(total // 4, 16 << 30))

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import sys
 import threading
 import time
@@ -42,7 +41,6 @@ from lazyckpt.core import guard as _guard
 from lazyckpt.errors import CheckpointerClosedError, LazyCkptError, StaleTensorError
 from lazyckpt.lightning import _compat, _sharded
 from lazyckpt.options import merge as _merge_options
-from lazyckpt.storage.remote import remove_prefix
 
 __all__ = ["LazyCheckpointIO"]
 
@@ -174,14 +172,14 @@ class LazyCheckpointIO(_CheckpointIO):
             return  # a sharded save to this folder is pending: deleted once it commits
         ckpt = self._ckpt
         if ckpt is None or ckpt.closed:
-            _delete(key, is_url=is_url)
+            _compat.delete_checkpoint(key, is_url=is_url)
             return
         try:
             ckpt.remove(key)
         except FileNotFoundError:
             pass  # as the stock plugin: nothing to delete
         except CheckpointerClosedError:  # closed meanwhile (a user checkpointer, closed by its owner)
-            _delete(key, is_url=is_url)
+            _compat.delete_checkpoint(key, is_url=is_url)
         log.debug("lazyckpt: removed checkpoint %s", key)
 
     def load_checkpoint(
@@ -365,24 +363,8 @@ class LazyCheckpointIO(_CheckpointIO):
         trainer = self._trainer_ref() if self._trainer_ref is not None else None
         if not finished or not self._log_stats or trainer is None or not getattr(trainer, "is_global_zero", True):
             return
-        step = getattr(getattr(trainer.fit_loop, "epoch_loop", None), "_batches_that_stepped", trainer.global_step)
         for record, stats in finished:
-            metrics = {
-                "lazyckpt/stall_s": stats.blocked_s + stats.guard_wait_s,
-                "lazyckpt/blocked_s": stats.blocked_s,
-                "lazyckpt/guard_wait_s": stats.guard_wait_s,
-                "lazyckpt/staged_s": stats.staged_s,
-                "lazyckpt/write_s": stats.write_s,
-                "lazyckpt/durable_s": stats.durable_s,
-                "lazyckpt/write_gbps": stats.write_gbps,
-                "lazyckpt/gbytes": stats.bytes / 1e9,
-                "lazyckpt/saved_at_step": float(record.step if record.step is not None else -1),
-            }
-            for logger in trainer.loggers:
-                try:
-                    logger.log_metrics(metrics, step=step)
-                except Exception as exc:  # telemetry must never break training
-                    log.warning("lazyckpt: logging checkpoint stats to %s failed: %s", type(logger).__name__, exc)
+            _compat.log_save_stats(trainer, stats, record.step)
 
     # -- finding and adapting the Trainer ----------------------------------------------------------
 
@@ -501,20 +483,6 @@ def _left(deadline: float) -> float:
 def _explain(exc: BaseException) -> None:
     if hasattr(exc, "add_note") and _STALE_NOTE not in getattr(exc, "__notes__", ()):  # Python >= 3.11
         exc.add_note(_STALE_NOTE)
-
-
-def _delete(key: str, is_url: bool) -> None:
-    if is_url:
-        from fsspec.core import url_to_fs
-
-        fs, remote = url_to_fs(key)
-        remove_prefix(fs, remote)  # a distributed checkpoint's .metadata first
-        return
-    if os.path.islink(key) or os.path.isfile(key):
-        os.remove(key)
-    elif os.path.isdir(key):  # sharded checkpoints are directories
-        shutil.rmtree(key)
-    log.debug("lazyckpt: removed checkpoint %s", key)
 
 
 def _drain_at_exit(plugin: LazyCheckpointIO) -> None:

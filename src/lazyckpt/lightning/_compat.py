@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import os
+import shutil
 import sys
 import weakref
 from collections.abc import Callable
@@ -20,6 +22,8 @@ from typing import Any, Protocol
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from lazyckpt.storage.remote import remove_prefix
 
 
 class Plugin(Protocol):
@@ -136,6 +140,8 @@ def find_strategy(plugin: Plugin, max_depth: int = 40) -> Any:
     return None
 
 
+_log = logging.getLogger(__name__)
+
 live_plugins: weakref.WeakSet[Plugin] = weakref.WeakSet()
 step_hook_installed = False
 
@@ -243,3 +249,39 @@ def in_fit(trainer: Any) -> bool:
 def is_running(trainer: Any) -> bool:
     status = getattr(getattr(trainer, "state", None), "status", None)
     return status is None or status == "running"
+
+
+def log_save_stats(trainer: Any, stats: Any, saved_at_step: int | None) -> None:
+    """One finished save's timings (a ``SaveStats``) to the Trainer's loggers; never raises."""
+    step = getattr(getattr(trainer.fit_loop, "epoch_loop", None), "_batches_that_stepped", trainer.global_step)
+    metrics = {
+        "lazyckpt/stall_s": stats.blocked_s + stats.guard_wait_s,
+        "lazyckpt/blocked_s": stats.blocked_s,
+        "lazyckpt/guard_wait_s": stats.guard_wait_s,
+        "lazyckpt/staged_s": stats.staged_s,
+        "lazyckpt/write_s": stats.write_s,
+        "lazyckpt/durable_s": stats.durable_s,
+        "lazyckpt/write_gbps": stats.write_gbps,
+        "lazyckpt/gbytes": stats.bytes / 1e9,
+        "lazyckpt/saved_at_step": float(saved_at_step if saved_at_step is not None else -1),
+    }
+    for logger in trainer.loggers:
+        try:
+            logger.log_metrics(metrics, step=step)
+        except Exception as exc:  # telemetry must never break training
+            _log.warning("lazyckpt: logging checkpoint stats to %s failed: %s", type(logger).__name__, exc)
+
+
+def delete_checkpoint(key: str, is_url: bool) -> None:
+    """What the plugin deletes itself (no checkpointer open): a file, a sharded folder, a URL prefix."""
+    if is_url:
+        from fsspec.core import url_to_fs
+
+        fs, remote = url_to_fs(key)
+        remove_prefix(fs, remote)  # a distributed checkpoint's .metadata first
+        return
+    if os.path.islink(key) or os.path.isfile(key):
+        os.remove(key)
+    elif os.path.isdir(key):  # sharded checkpoints are directories
+        shutil.rmtree(key)
+    _log.debug("lazyckpt: removed checkpoint %s", key)

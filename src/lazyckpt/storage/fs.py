@@ -255,3 +255,25 @@ def cleanup_temporaries(directory: str | os.PathLike[str]) -> list[str]:
     if removed:
         logger.info("lazyckpt: removed %d stale temporary file(s) in %s", len(removed), directory)
     return removed
+
+
+def final_path(path: Any) -> str:
+    """The absolute final path of a local save of ``path``, its folder created; ``SaveRefusedError``
+    (nothing written) for a non-path, bytes, a URL given as a path object, a directory, or a
+    folder that cannot be created."""
+    from lazyckpt.errors import SaveRefusedError
+
+    if not isinstance(path, (str, os.PathLike)):
+        raise SaveRefusedError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+    raw = os.fspath(path)
+    if isinstance(raw, bytes) or "://" in raw:
+        raise SaveRefusedError(f"{raw!r}: a bytes path, or a URL given as a path object; pass URLs (s3://...) as str")
+    final = os.path.abspath(raw)
+    if os.path.isdir(final):
+        raise SaveRefusedError(f"{final} is a directory; pass a file path")
+    directory = os.path.dirname(final)
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as exc:
+        raise SaveRefusedError(f"cannot create directory {directory}: {exc}") from exc
+    return final
