@@ -12,4 +12,6 @@ fi
 "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 # torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
 "$VENV/bin/python" -m pip install -q "$TORCH_SPEC"
-"$VENV/bin/python" -m pip install -q -e ".[test,lightning,accelerate,s3]"
+# LAZYCKPT_PINS: extra requirements installed with the project (the oldest supported frameworks, for example).
+# shellcheck disable=SC2086
+"$VENV/bin/python" -m pip install -q -e ".[test,lightning,accelerate,s3]" ${LAZYCKPT_PINS:-}
