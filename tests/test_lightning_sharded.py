@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from typing import Any
@@ -22,6 +21,7 @@ pytest.importorskip("lightning")
 import torch  # noqa: E402
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save  # noqa: E402
 
+from _launch import free_port  # noqa: E402
 from _util import assert_same  # noqa: E402
 from lazyckpt.distributed import verify_checkpoint  # noqa: E402
 
@@ -32,17 +32,11 @@ STOCK_FILES = {".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"}
 pytestmark = [pytest.mark.integration]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _start(out: Any, case: str) -> list[subprocess.Popen[str]]:
     env = dict(
         os.environ,
         PYTHONPATH=os.pathsep.join(p for p in [TESTS, os.path.dirname(TESTS), os.environ.get("PYTHONPATH", "")] if p),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2", NODE_RANK="0",
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2", NODE_RANK="0",
     )  # fmt: skip
     procs = []
     for rank in (0, 1):
