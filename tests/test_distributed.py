@@ -8,6 +8,7 @@ reads back one JSON result per rank; single-process checks (stock ``dcp.load`` w
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 from pathlib import Path
@@ -32,16 +33,9 @@ HERE = Path(__file__).resolve().parent
 WORKER = HERE / "distributed_scripts" / "dist_worker.py"
 
 
-def launch(
-    scenario: str,
-    world: int,
-    workdir: Path,
-    timeout: float = 90,
-    expect_dead: tuple[int, ...] = (),
-    env: dict[str, str] | None = None,
-) -> list[dict]:
-    """Run ``scenario`` on ``world`` ranks; return each rank's result (None for ranks in ``expect_dead``)."""
-    return _launch.launch(WORKER, scenario, world, workdir, timeout, expect_dead, env)
+# launch(scenario, world, workdir, timeout=90, expect_dead=(), env=None): each rank's result
+# (None for ranks in expect_dead)
+launch = functools.partial(_launch.launch, WORKER)
 
 
 def metadata_of(folder: Path):
