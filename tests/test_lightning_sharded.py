@@ -46,6 +46,16 @@ def _start(out: Any, case: str) -> list[subprocess.Popen[str]]:
     return procs
 
 
+def _run(out: Any, case: str) -> list[int]:
+    """Both ranks of ``case`` to the end (240 s each at most); their exit codes."""
+    procs = _start(out, case)
+    try:
+        return [p.wait(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+
+
 def _logs(out: Any) -> str:
     return "\n".join((out / f"log{r}.txt").read_text()[-4000:] for r in (0, 1))
 
@@ -71,12 +81,7 @@ def _meta(folder: str) -> dict[str, Any]:
 
 @pytest.mark.timeout(300)
 def test_model_parallel_lazy_equals_stock_and_resumes(tmp_path: Any) -> None:
-    procs = _start(tmp_path, "fit")
-    try:
-        codes = [p.wait(timeout=240) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
+    codes = _run(tmp_path, "fit")
     assert codes == [0, 0], _logs(tmp_path)
     snap = tmp_path / "snap"
     dumps = torch.load(tmp_path / "dumps.pt", weights_only=False)  # global step -> full state at save time
@@ -117,12 +122,7 @@ def test_model_parallel_lazy_equals_stock_and_resumes(tmp_path: Any) -> None:
 
 @pytest.mark.timeout(300)
 def test_model_parallel_write_error_on_one_rank_reaches_fit_on_every_rank(tmp_path: Any) -> None:
-    procs = _start(tmp_path, "fault")
-    try:
-        codes = [p.wait(timeout=240) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
+    codes = _run(tmp_path, "fault")
     assert codes == [0, 0], _logs(tmp_path)
     for rank in (0, 1):
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())
@@ -193,12 +193,7 @@ def test_model_parallel_model_checkpoint_to_s3(tmp_path: Any, s3_dir: Any) -> No
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    procs = _start(tmp_path, "s3")
-    try:
-        codes = [p.wait(timeout=240) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
+    codes = _run(tmp_path, "s3")
     assert codes == [0, 0], _logs(tmp_path)
     fs = s3_dir
     fs.invalidate_cache()
