@@ -9,12 +9,6 @@ restore with accelerate's stock ``load_fsdp_model`` / ``load_fsdp_optimizer``. T
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -22,55 +16,21 @@ import pytest
 pytest.importorskip("accelerate")
 import torch  # noqa: E402
 
+import _launch  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "accelerate_scripts" / "fsdp_sharded_worker.py"
-SRC = HERE.parent / "src"
 DCP_FILES = [".lazyckpt-manifest.json", ".metadata", "__0_0.distcp", "__1_0.distcp"]
 
 pytestmark = pytest.mark.integration
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(scenario: str, world: int, workdir: Path, timeout: float = 120) -> list[dict]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", TORCH_CPP_LOG_LEVEL="ERROR")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(SRC), env.get("PYTHONPATH", "")] if p)
-    env.pop("ACCELERATE_CONFIG_FILE", None)
-    if scenario == "gpu":
-        env["ACCELERATE_USE_FSDP"] = "true"
-    port = str(_free_port())
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), scenario, str(r), str(world), port, str(workdir)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(world)
-    ]
-    deadline = time.monotonic() + timeout
-    outputs = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise AssertionError(f"{scenario}: processes still running after {timeout} s") from None
-        outputs.append(out)
-    results = []
-    for r in range(world):
-        path = workdir / f"result-{r}.json"
-        assert path.exists(), f"process {r} wrote no result (rc={procs[r].returncode}):\n{outputs[r][-6000:]}"
-        res = json.loads(path.read_text())
-        assert res["ok"], f"process {r}: {res.get('traceback') or res}\n--- output\n{outputs[r][-4000:]}"
-        results.append(res)
-    return results
+    env = {"ACCELERATE_USE_FSDP": "true"} if scenario == "gpu" else None
+    return _launch.launch(
+        WORKER, scenario, world, workdir, timeout, env=env, drop_env=("ACCELERATE_CONFIG_FILE",),
+        who="process", keep_results=True,
+    )  # fmt: skip
 
 
 def test_fsdp_sharded_saves_are_lazy_and_load_with_stock_accelerate(tmp_path):

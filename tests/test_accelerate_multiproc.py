@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,17 +14,13 @@ import pytest
 pytest.importorskip("accelerate")
 import torch  # noqa: E402
 
+from _launch import free_port  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 SCRIPTS = HERE / "accelerate_scripts"
 from accelerate_scripts import acc_common as C  # noqa: E402
 
 pytestmark = pytest.mark.integration
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env():
@@ -61,7 +56,7 @@ def test_two_processes_lazy_save_then_stock_restore(tmp_path):
         "--main_process_ip",
         "127.0.0.1",
         "--main_process_port",
-        str(_free_port()),
+        str(free_port()),
     ]
     _run(launch + [str(SCRIPTS / "mp_train_save.py"), str(tmp_path)])
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -84,7 +79,7 @@ def test_two_processes_lazy_save_then_stock_restore(tmp_path):
         assert files == summary["stock_explicit"]
 
     folder = tmp_path / "proj" / "checkpoints" / summary["expected_folder"]
-    _run([sys.executable, str(SCRIPTS / "mp_stock_load.py"), str(tmp_path), str(folder), str(_free_port())])
+    _run([sys.executable, str(SCRIPTS / "mp_stock_load.py"), str(tmp_path), str(folder), str(free_port())])
     main_models = torch.load(tmp_path / "expected_rank0.pt", weights_only=False)["models"]
     for rank in range(2):
         want = torch.load(tmp_path / f"expected_rank{rank}.pt", weights_only=False)

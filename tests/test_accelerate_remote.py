@@ -28,19 +28,14 @@ from lazyckpt.commit import remote_folder as _remote_folder  # noqa: E402
 from lazyckpt.errors import IncompleteCheckpointError, SaveRefusedError, UploadError  # noqa: E402
 from lazyckpt.storage import objects as _objects  # noqa: E402
 from lazyckpt.storage import remote as _remote  # noqa: E402
-from test_accelerate import STOCK_SAVE, make, split, step  # noqa: E402
+from test_accelerate import STOCK_SAVE, fresh_accelerate_state, make, split, step  # noqa: E402, F401 - the autouse fixture
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(autouse=True)
-def fast_backoff_fresh_state(monkeypatch):
+def fast_backoff(monkeypatch):
     monkeypatch.setattr(_objects, "_BACKOFF_S", 0.01)
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 @pytest.fixture

@@ -8,13 +8,9 @@ reads back one JSON result per rank; single-process checks (stock ``dcp.load`` w
 
 from __future__ import annotations
 
-import json
+import functools
 import os
 import pickle
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -26,6 +22,8 @@ if not dist.is_available():
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save  # noqa: E402
 
+import _launch  # noqa: E402
+from _util import assert_same  # noqa: E402
 from lazyckpt.distributed import verify_checkpoint  # noqa: E402
 
 # dcp.load(no_dist=True) warns that it assumes a single process: that is the point here.
@@ -33,82 +31,16 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:Us
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "distributed_scripts" / "dist_worker.py"
-SRC = HERE.parent / "src"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(
-    scenario: str,
-    world: int,
-    workdir: Path,
-    timeout: float = 90,
-    expect_dead: tuple[int, ...] = (),
-    env: dict[str, str] | None = None,
-) -> list[dict]:
-    """Run ``scenario`` on ``world`` ranks; return each rank's result (None for ranks in ``expect_dead``)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", TORCH_CPP_LOG_LEVEL="ERROR", **(env or {}))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(SRC), env.get("PYTHONPATH", "")] if p)
-    port = str(_free_port())
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), scenario, str(r), str(world), port, str(workdir)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )  # fmt: skip
-        for r in range(world)
-    ]
-    deadline = time.monotonic() + timeout
-    outputs = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise AssertionError(f"{scenario}: ranks still running after {timeout} s") from None
-        outputs.append(out)
-    results = []
-    for r in range(world):
-        path = workdir / f"result-{r}.json"
-        if r in expect_dead:
-            assert not path.exists(), f"rank {r} was expected to die"
-            results.append(None)
-            continue
-        assert path.exists(), f"rank {r} wrote no result (rc={procs[r].returncode}):\n{outputs[r][-6000:]}"
-        res = json.loads(path.read_text())
-        assert res["ok"], f"rank {r}: {res.get('traceback') or res}\n--- output\n{outputs[r][-4000:]}"
-        results.append(res)
-        path.unlink()
-    return results
+# launch(scenario, world, workdir, timeout=90, expect_dead=(), env=None): each rank's result
+# (None for ranks in expect_dead)
+launch = functools.partial(_launch.launch, WORKER)
 
 
 def metadata_of(folder: Path):
     with open(folder / ".metadata", "rb") as fh:
         return pickle.load(fh)
-
-
-def assert_equal(a, b, where: str = "") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
-        assert torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert set(map(str, a)) == set(map(str, b)), f"{where}: {sorted(map(str, a))} vs {sorted(map(str, b))}"
-        bb = {str(k): v for k, v in b.items()}
-        for k, v in a.items():
-            assert_equal(v, bb[str(k)], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            assert_equal(x, y, f"{where}.{i}")
-    else:
-        assert a == b, f"{where}: {a!r} vs {b!r}"
 
 
 def test_fsdp2_two_ranks_stock_load_and_reshard(tmp_path):
@@ -126,14 +58,14 @@ def test_fsdp2_two_ranks_stock_load_and_reshard(tmp_path):
     # 2 -> 1: a plain model's full state dict, loaded by stock DCP in this process.
     model_sd = {k: torch.empty_like(v) for k, v in dump["model"].items()}
     dcp.load({"model": model_sd}, checkpoint_id=str(folder), no_dist=True)
-    assert_equal(model_sd, dump["model"], "model")
+    assert_same(model_sd, dump["model"], "model", loose=True)
 
     torch_file = tmp_path / "full.pt"
     dcp_to_torch_save(str(folder), str(torch_file))
     full = torch.load(torch_file, weights_only=False)
     assert full["step"] == 2
-    assert_equal(full["model"], dump["model"], "converted.model")
-    assert_equal(full["optim"]["state"], dump["optim"]["state"], "converted.optim.state")
+    assert_same(full["model"], dump["model"], "converted.model", loose=True)
+    assert_same(full["optim"]["state"], dump["optim"]["state"], "converted.optim.state", loose=True)
 
     # 2 -> 3
     launch("load_fsdp", 3, tmp_path, timeout=120)
@@ -157,8 +89,8 @@ def test_replicated_tensors_written_once_spread_across_ranks(tmp_path, world):
     torch_file = tmp_path / "full.pt"
     dcp_to_torch_save(str(folder), str(torch_file))
     full = torch.load(torch_file, weights_only=False)
-    assert_equal(full["model"], dump["model"], "model")
-    assert_equal(full["optim"]["state"], dump["optim"]["state"], "optim.state")
+    assert_same(full["model"], dump["model"], "model", loose=True)
+    assert_same(full["optim"]["state"], dump["optim"]["state"], "optim.state", loose=True)
     assert verify_checkpoint(folder).ok
 
 
@@ -168,7 +100,7 @@ def test_tensor_parallel_dtensor(tmp_path):
     dump = torch.load(tmp_path / "dump.pt", weights_only=False)
     model_sd = {k: torch.empty_like(v) for k, v in dump["model"].items()}
     dcp.load({"model": model_sd}, checkpoint_id=str(folder), no_dist=True)
-    assert_equal(model_sd, dump["model"], "model")
+    assert_same(model_sd, dump["model"], "model", loose=True)
     assert verify_checkpoint(folder).ok
 
 
@@ -309,7 +241,7 @@ def test_a_sigkilled_coordinator_is_noticed_within_seconds_when_the_store_surviv
     naming rank 0 within seconds (commit_timeout is 120 s); the staging folder rank 0 left is
     removed by the next save into that folder."""
     world = 2
-    port = _free_port()
+    port = _launch.free_port()
     store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=True, wait_for_workers=False)
     try:
         (_, res1) = launch(

@@ -4,7 +4,6 @@ non-tensor values, stale tensors, overwriting, refusals, ``verify_checkpoint``."
 from __future__ import annotations
 
 import os
-import socket
 import zlib
 
 import pytest
@@ -15,6 +14,7 @@ if not dist.is_available():
     pytest.skip("torch.distributed unavailable", allow_module_level=True)
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
+import _launch  # noqa: E402
 from lazyckpt import SaveRefusedError, StaleTensorError  # noqa: E402
 from lazyckpt.distributed import DistributedCheckpointer, DistributedSaveError, verify_checkpoint  # noqa: E402
 from lazyckpt.distributed._commit import cleanup_leftovers, staging_path  # noqa: E402
@@ -22,12 +22,8 @@ from lazyckpt.distributed._commit import cleanup_leftovers, staging_path  # noqa
 
 @pytest.fixture(scope="module", autouse=True)
 def one_rank_group():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+    with _launch.one_rank_group():
+        yield
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import textwrap
@@ -24,6 +23,7 @@ if not dist.is_available():
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader  # noqa: E402
 
+import _launch  # noqa: E402
 from _s3server import FaultProxy, moto_server, s3_options  # noqa: E402
 from lazyckpt import UploadError  # noqa: E402
 from lazyckpt.distributed import DistributedCheckpointer, DistributedUploadError, verify_checkpoint  # noqa: E402
@@ -35,12 +35,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:Us
 
 @pytest.fixture(scope="module")
 def one_rank_group():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+    with _launch.one_rank_group():
+        yield
 
 
 @pytest.fixture(autouse=True)

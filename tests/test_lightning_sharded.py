@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from typing import Any
@@ -22,6 +21,7 @@ pytest.importorskip("lightning")
 import torch  # noqa: E402
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save  # noqa: E402
 
+from _launch import free_port  # noqa: E402
 from _util import assert_same  # noqa: E402
 from lazyckpt.distributed import verify_checkpoint  # noqa: E402
 
@@ -32,17 +32,11 @@ STOCK_FILES = {".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"}
 pytestmark = [pytest.mark.integration]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _start(out: Any, case: str) -> list[subprocess.Popen[str]]:
     env = dict(
         os.environ,
         PYTHONPATH=os.pathsep.join(p for p in [TESTS, os.path.dirname(TESTS), os.environ.get("PYTHONPATH", "")] if p),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2", NODE_RANK="0",
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2", NODE_RANK="0",
     )  # fmt: skip
     procs = []
     for rank in (0, 1):
@@ -50,6 +44,16 @@ def _start(out: Any, case: str) -> list[subprocess.Popen[str]]:
         procs.append(subprocess.Popen([sys.executable, SCRIPT, str(out), case], env=dict(env, LOCAL_RANK=str(rank),
                                       RANK=str(rank)), stdout=log, stderr=subprocess.STDOUT, text=True))  # fmt: skip
     return procs
+
+
+def _run(out: Any, case: str) -> list[int]:
+    """Both ranks of ``case`` to the end (240 s each at most); their exit codes."""
+    procs = _start(out, case)
+    try:
+        return [p.wait(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
 
 
 def _logs(out: Any) -> str:
@@ -77,12 +81,7 @@ def _meta(folder: str) -> dict[str, Any]:
 
 @pytest.mark.timeout(300)
 def test_model_parallel_lazy_equals_stock_and_resumes(tmp_path: Any) -> None:
-    procs = _start(tmp_path, "fit")
-    try:
-        codes = [p.wait(timeout=240) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
+    codes = _run(tmp_path, "fit")
     assert codes == [0, 0], _logs(tmp_path)
     snap = tmp_path / "snap"
     dumps = torch.load(tmp_path / "dumps.pt", weights_only=False)  # global step -> full state at save time
@@ -123,12 +122,7 @@ def test_model_parallel_lazy_equals_stock_and_resumes(tmp_path: Any) -> None:
 
 @pytest.mark.timeout(300)
 def test_model_parallel_write_error_on_one_rank_reaches_fit_on_every_rank(tmp_path: Any) -> None:
-    procs = _start(tmp_path, "fault")
-    try:
-        codes = [p.wait(timeout=240) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
+    codes = _run(tmp_path, "fault")
     assert codes == [0, 0], _logs(tmp_path)
     for rank in (0, 1):
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())
@@ -199,12 +193,7 @@ def test_model_parallel_model_checkpoint_to_s3(tmp_path: Any, s3_dir: Any) -> No
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    procs = _start(tmp_path, "s3")
-    try:
-        codes = [p.wait(timeout=240) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
+    codes = _run(tmp_path, "s3")
     assert codes == [0, 0], _logs(tmp_path)
     fs = s3_dir
     fs.invalidate_cache()

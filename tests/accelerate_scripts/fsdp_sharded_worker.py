@@ -1,7 +1,7 @@
 """One process of the FSDP ``SHARDED_STATE_DICT`` tests of ``lazyckpt.accelerate`` (issue 14).
 
-Usage: fsdp_sharded_worker.py SCENARIO RANK WORLD PORT WORKDIR. Writes WORKDIR/result-<rank>.json
-({"ok": true, ...} or {"ok": false, "error": ...}) and exits with os._exit.
+Usage: fsdp_sharded_worker.py SCENARIO RANK WORLD PORT WORKDIR (see tests/_worker.py). Writes
+WORKDIR/result-<rank>.json ({"ok": true, ...} or {"ok": false, "error": ...}) and exits with os._exit.
 
 Accelerate 1.15 does not enter FSDP mode on CPU, so the CPU scenarios build the FSDP2 model
 themselves (``fully_shard``) next to a real ``Accelerator`` (MULTI_CPU, gloo) that has lazyckpt
@@ -13,13 +13,13 @@ scenario runs a real FSDP Accelerator (``save_state`` / ``load_state``) on CUDA.
 from __future__ import annotations
 
 import errno
-import json
 import os
-import sys
 import threading
-import traceback
 
-SCENARIO, RANK, WORLD, PORT, WORKDIR = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+import _worker
+
+ARGS = _worker.parse_argv()
+SCENARIO, RANK, WORLD, PORT, WORKDIR = ARGS
 os.environ.update(
     MASTER_ADDR="127.0.0.1",
     MASTER_PORT=PORT,
@@ -264,20 +264,5 @@ def scenario_gpu() -> None:
     handle.remove()
 
 
-SCENARIOS = {name[len("scenario_") :]: fn for name, fn in globals().items() if name.startswith("scenario_")}
-
-
-def main() -> None:
-    try:
-        SCENARIOS[SCENARIO]()
-    except BaseException as exc:
-        RESULT.update(ok=False, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
-    with open(os.path.join(WORKDIR, f"result-{RANK}.json"), "w") as fh:
-        json.dump(RESULT, fh)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
 if __name__ == "__main__":
-    main()
+    _worker.run(ARGS, globals(), RESULT)

@@ -1,8 +1,7 @@
 """One rank of a multi-process DistributedCheckpointer test (CPU, gloo).
 
-Usage: dist_worker.py SCENARIO RANK WORLD PORT WORKDIR. Writes WORKDIR/result-<rank>.json
-({"ok": true, ...} or {"ok": false, "error": ...}) and exits with os._exit, so that a dead peer
-can never hang the process at interpreter exit.
+Usage: dist_worker.py SCENARIO RANK WORLD PORT WORKDIR (see tests/_worker.py). Writes
+WORKDIR/result-<rank>.json ({"ok": true, ...} or {"ok": false, "error": ...}) and exits with os._exit.
 """
 
 from __future__ import annotations
@@ -11,9 +10,7 @@ import errno
 import json
 import os
 import signal
-import sys
 import time
-import traceback
 from datetime import timedelta
 
 import torch
@@ -21,9 +18,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+import _worker
 from lazyckpt.distributed import DistributedCheckpointer, DistributedSaveError, verify_checkpoint
 
-SCENARIO, RANK, WORLD, PORT, WORKDIR = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+ARGS = _worker.parse_argv()
+SCENARIO, RANK, WORLD, PORT, WORKDIR = ARGS
 RESULT: dict = {"ok": True}
 OPTS = dict(host_memory_budget=8 << 20, chunk_bytes=1 << 20, writer_threads=2)
 
@@ -221,7 +220,7 @@ def scenario_s3_sigkill() -> None:
     """A committed checkpoint at run/good, then a save to run/killed during which rank 1 is
     SIGKILLed mid multipart upload (before its part 2): rank 0 fails within commit_timeout, no
     .metadata appears at run/killed, and run/good stays intact."""
-    import lazyckpt.storage.remote as remote
+    import lazyckpt.storage.objects as remote
 
     bucket, options, _ = s3_test_config()
     opts = dict(OPTS, storage_options=options, upload_part_bytes=5 << 20, local_dir=os.path.join(WORKDIR, f"t{RANK}"))
@@ -625,10 +624,7 @@ def scenario_slow_alive_rank() -> None:
     RESULT["verified"] = verify_checkpoint(ckpt_path("slow")).ok
 
 
-SCENARIOS = {name[len("scenario_") :]: fn for name, fn in globals().items() if name.startswith("scenario_")}
-
-
-def main() -> None:
+def init() -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=PORT)
     store_port = os.environ.get("LAZYCKPT_TEST_STORE_PORT")
     if store_port:  # the store is hosted by the test process (as torchrun's agent hosts it)
@@ -637,16 +633,7 @@ def main() -> None:
         dist.init_process_group("gloo", store=store, rank=RANK, world_size=WORLD, timeout=timedelta(seconds=60))
     else:
         dist.init_process_group("gloo", rank=RANK, world_size=WORLD, timeout=timedelta(seconds=60))
-    try:
-        SCENARIOS[SCENARIO]()
-    except BaseException as exc:
-        RESULT.update(ok=False, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
-    with open(os.path.join(WORKDIR, f"result-{RANK}.json"), "w") as fh:
-        json.dump(RESULT, fh)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":
-    main()
+    _worker.run(ARGS, globals(), RESULT, init)
