@@ -480,7 +480,7 @@ class AccelerateHandle:
         if self._removed:
             raise RuntimeError("lazyckpt.accelerate: routing a save after remove()")  # not reached: unrouted
         fs = _compat.active_save.get()
-        if fs is not None and fs.owner is not self:
+        if not isinstance(fs, _FolderSave) or fs.owner is not self:
             fs = None
         if fs is not None:  # inside an installed save_state: the output folder's marker waits for it too
             fs.begin(os.path.dirname(os.path.abspath(path)))
@@ -693,7 +693,7 @@ class AccelerateHandle:
     # -- internals -----------------------------------------------------------------------------------
     def _pre_hook(self, models: list[Any], weights: list[Any], output_dir: str) -> None:
         fs = _compat.active_save.get()
-        if fs is not None and fs.owner is self:
+        if isinstance(fs, _FolderSave) and fs.owner is self:
             fs.begin(output_dir)
 
     def _atexit(self) -> None:

@@ -19,15 +19,19 @@ import os
 import re
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import accelerate.checkpointing as _acc_checkpointing
 import torch
 from accelerate.state import PartialState
 from accelerate.utils import DistributedType
 
-if TYPE_CHECKING:
-    from lazyckpt.accelerate import _FolderSave
+
+class FolderSaveLike(Protocol):
+    """What the stand-in for ``accelerate.checkpointing.save`` needs of one lazy save_state call."""
+
+    def save(self, obj: Any, f: Any, *, save_on_each_node: bool, safe_serialization: bool) -> None: ...
+
 
 logger = logging.getLogger("lazyckpt.accelerate")
 
@@ -52,7 +56,7 @@ STOCK_ONLY_TYPES = frozenset(
 _patch_lock = threading.RLock()
 _patch_refcount = 0
 _original_save: Callable[..., Any] | None = None
-active_save: contextvars.ContextVar[_FolderSave | None] = contextvars.ContextVar(
+active_save: contextvars.ContextVar[FolderSaveLike | None] = contextvars.ContextVar(
     "lazyckpt_accelerate_active_save", default=None
 )
 # Set while accelerate's save_fsdp_model / save_fsdp_optimizer run for an installed accelerator: the
