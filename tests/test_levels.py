@@ -48,6 +48,20 @@ def _train():
     return step
 
 
+
+def _hold_copies(monkeypatch):
+    """Every slower level's file copy blocks until ``release`` is set (``entered``: one has begun)."""
+    entered, release = threading.Event(), threading.Event()
+    real = _copy.copy_file
+
+    def held(src, dst, fsync):
+        entered.set()
+        assert release.wait(60)
+        real(src, dst, fsync)
+
+    monkeypatch.setattr(_copy, "copy_file", held)
+    return entered, release
+
 def test_each_due_level_gets_the_state_at_save_even_as_training_goes_on(mem, tmp_path):
     levels = [Level(mem, every=1, keep=10), Level(tmp_path / "disk", every=3)]
     step, want, handles = _train(), {}, []
@@ -100,15 +114,7 @@ def test_retention_never_removes_a_file_a_slower_level_still_copies(mem, tmp_pat
     commits steps 3 and 4: its step-2 file feeds the copy and must stay until the copy is done."""
     disk = tmp_path / "disk"
     levels = [Level(mem, every=1, keep=1), Level(disk, every=2, keep=1, backlog=4)]
-    entered, release = threading.Event(), threading.Event()
-    real = _copy.copy_file
-
-    def held(src, dst, fsync):
-        entered.set()
-        assert release.wait(60)
-        real(src, dst, fsync)
-
-    monkeypatch.setattr(_copy, "copy_file", held)
+    entered, release = _hold_copies(monkeypatch)
     step, want = _train(), {}
     with LazyCheckpointer(levels=levels) as ck:
         ck.save(step(1), step=1).wait()
@@ -223,15 +229,7 @@ def test_unseen_level_error_is_raised_once_by_the_next_save(mem, tmp_path, monke
 
 
 def test_skip_backpressure_skips_only_the_slow_level(mem, tmp_path, monkeypatch):
-    entered, release = threading.Event(), threading.Event()
-    real = _copy.copy_file
-
-    def held(src, dst, fsync):
-        entered.set()
-        assert release.wait(60)
-        real(src, dst, fsync)
-
-    monkeypatch.setattr(_copy, "copy_file", held)
+    entered, release = _hold_copies(monkeypatch)
     levels = [Level(mem, every=1, keep=5), Level(tmp_path / "disk", every=1, backlog=1)]
     step = _train()
     with LazyCheckpointer(levels=levels, on_backpressure="skip") as ck:
@@ -302,15 +300,7 @@ def test_block_backpressure_waits_for_the_slow_level_and_warns(mem, tmp_path, mo
     from lazyckpt.levels import _multi
 
     monkeypatch.setattr(_multi, "WARN_AFTER_S", 0.0)  # any wait warns
-    entered, release = threading.Event(), threading.Event()
-    real = _copy.copy_file
-
-    def held(src, dst, fsync):
-        entered.set()
-        assert release.wait(60)
-        real(src, dst, fsync)
-
-    monkeypatch.setattr(_copy, "copy_file", held)
+    entered, release = _hold_copies(monkeypatch)
     levels = [Level(mem, every=1, keep=5), Level(tmp_path / "disk", every=1, backlog=1)]
     step = _train()
     with LazyCheckpointer(levels=levels) as ck:
