@@ -481,6 +481,34 @@ def test_total_limit_with_real_core_and_stock_load(tmp_path, installs):
         assert_restored(stock_restore_inprocess(base_lazy / d), snaps[d])
 
 
+def test_save_state_outside_training_returns_durable_with_old_folders_gone(tmp_path, installs, monkeypatch):
+    """Accelerate's own test_with_save_limit / test_checkpoint_deletion: save_state calls with no
+    optimizer step between them (no training to overlap with), then the folder is listed (only
+    ``checkpoints/``, as stock) or deleted (``TemporaryDirectory``: our writers must be done). The
+    background delete of the old folder is slowed so that, without the rule, the hidden trash is
+    provably still in project_dir when save_state returns."""
+    import time
+
+    from lazyckpt.core import removal
+
+    real_delete = removal._delete
+
+    def slow_delete(path):
+        time.sleep(0.5)  # widens the window (a slow filesystem), waits for nothing
+        real_delete(path)
+
+    monkeypatch.setattr(removal, "_delete", slow_delete)
+    project = ProjectConfiguration(project_dir=str(tmp_path / "p"), automatic_checkpoint_naming=True, total_limit=1)
+    acc, objs, _ = make(project=project)
+    installs(acc)
+    acc.save_state()
+    acc.save_state()
+    assert os.listdir(tmp_path / "p") == ["checkpoints"]
+    assert os.listdir(tmp_path / "p" / "checkpoints") == ["checkpoint_1"]
+    assert LA.is_complete(tmp_path / "p" / "checkpoints" / "checkpoint_1")
+    shutil.rmtree(tmp_path / "p")  # nothing of lazyckpt's writes there any more
+
+
 # ------------------------------------------------------------------------------------------------
 # load_state waits; incomplete folders are refused (or skipped with automatic naming)
 # ------------------------------------------------------------------------------------------------

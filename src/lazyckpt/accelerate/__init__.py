@@ -70,6 +70,8 @@ import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -80,6 +82,7 @@ from lazyckpt import CheckpointerOptions, LazyCheckpointer, SaveHandle, cleanup_
 from lazyckpt.accelerate import _compat
 from lazyckpt.commit import remote_folder as _remote_folder
 from lazyckpt.commit.folder import MARKER_PREFIX, FolderSave, is_complete, live_markers, pending_markers
+from lazyckpt.core import guard as _guard
 from lazyckpt.errors import (
     BackpressureWarning,
     IncompleteCheckpointError,
@@ -298,6 +301,8 @@ class AccelerateHandle:
         self.checkpointer = checkpointer
         self._owns = owns_checkpointer
         self._saves: list[_FolderSave] = []
+        self._steps_seen = _guard.steps()  # optimizer steps at install / the last save_state
+        self._deletions: list[Future[Any]] = []  # old folders being deleted (total_limit)
         self._lock = threading.Lock()
         self._tracked: set[int] = set()
         self._tracked_refs: list = []
@@ -382,7 +387,8 @@ class AccelerateHandle:
             cleanup_temporaries(trash)
         for folder in mine:
             try:  # the checkpointer's wait() waits for the deletion and reports its error
-                self.checkpointer.remove(folder, trash_dir=trash)
+                self._deletions = [f for f in self._deletions if not f.done()]
+                self._deletions.append(self.checkpointer.remove(folder, trash_dir=trash))
             except OSError as exc:
                 logger.debug("lazyckpt: leaving the deletion of %s to accelerate: %s", folder, exc)
 
@@ -403,6 +409,10 @@ class AccelerateHandle:
                 raise SaveRefusedError(f"lazyckpt.accelerate: save_state to a URL ({url}) needs the lazy path")
             return self._stock_save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
         t0 = time.perf_counter()
+        # No optimizer step since the last save_state (or install): no training runs to overlap with
+        # (an evaluation, a save before training, a script about to delete or read the folder):
+        # behave as stock and return with the folder durable.
+        training, self._steps_seen = _guard.steps() != self._steps_seen, _guard.steps()
         if url is not None:  # saved into a fresh local folder, uploaded once complete (_FolderSave._upload)
             self._admit_upload(url)
             output_dir = _remote_folder.local_folder(self.checkpointer, url)
@@ -430,6 +440,12 @@ class AccelerateHandle:
                 with self._lock:
                     self._saves.append(fs)
                 fs.finish(sync, scan, aborted)
+            self.last_save_state_s = time.perf_counter() - t0
+        if not training and not aborted and fs.folder is not None and self.accelerator.num_processes == 1:
+            # Durable on return, the old folders' deletions done; a failure is still reported as
+            # every lazy save's is (the next save_state / load_state / wait()).
+            fs.wait()  # confirms on this thread (the saving thread): never waits for itself
+            futures_wait(self._deletions)
             self.last_save_state_s = time.perf_counter() - t0
         return url if url is not None else location
 

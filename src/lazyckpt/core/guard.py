@@ -133,7 +133,17 @@ def _storage_ptr(t: torch.Tensor) -> int:
     return (local if isinstance(local, torch.Tensor) else t).untyped_storage().data_ptr()
 
 
+_steps = 0  # optimizer steps seen by this process (the integrations tell training from no training)
+
+
+def steps() -> int:
+    """How many optimizer steps this process has begun (every torch optimizer, since import)."""
+    return _steps
+
+
 def _pre_hook(optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    global _steps
+    _steps += 1
     if optimizer not in _tracked:
         with _lock:  # save() may be listing the set on another thread
             _tracked.add(optimizer)
