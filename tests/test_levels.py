@@ -48,7 +48,6 @@ def _train():
     return step
 
 
-
 def _hold_copies(monkeypatch):
     """Every slower level's file copy blocks until ``release`` is set (``entered``: one has begun)."""
     entered, release = threading.Event(), threading.Event()
@@ -61,6 +60,7 @@ def _hold_copies(monkeypatch):
 
     monkeypatch.setattr(_copy, "copy_file", held)
     return entered, release
+
 
 def test_each_due_level_gets_the_state_at_save_even_as_training_goes_on(mem, tmp_path):
     levels = [Level(mem, every=1, keep=10), Level(tmp_path / "disk", every=3)]
