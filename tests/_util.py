@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import threading
 from typing import Any
 
 import torch
@@ -115,3 +116,32 @@ class WriteGate:
 
     def release(self) -> None:
         self.opened.set()
+
+
+def hold_staging(monkeypatch, hold_s: float = 20) -> threading.Event:
+    """Hold every save's staging until something waits for a save (the guard, a handle, the
+    checkpointer): the copies are provably still pending right after ``save()``. Returns the gate
+    (set: released). Bounded: a mutator that does not wait fails its test instead of hanging it."""
+    import lazyckpt.core.engine as _engine
+    import lazyckpt.core.job as _job
+
+    gate = threading.Event()
+    real_stage = _engine.Engine._stage
+
+    def held_stage(self, job):
+        gate.wait(hold_s)
+        real_stage(self, job)
+
+    def opening(name):
+        real = getattr(_job.Job, name)
+
+        def opens_then_waits(self, *args):
+            gate.set()
+            return real(self, *args)
+
+        monkeypatch.setattr(_job.Job, name, opens_then_waits)
+
+    monkeypatch.setattr(_engine.Engine, "_stage", held_stage)
+    for name in ("release_guard", "_settle_for_wait", "_confirm_for_wait"):
+        opening(name)
+    return gate

@@ -31,6 +31,7 @@ from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 from accelerate.utils import ProjectConfiguration  # noqa: E402
 
 import lazyckpt.accelerate as LA  # noqa: E402
+from _util import hold_staging  # noqa: E402
 from accelerate_scripts import acc_common as C  # noqa: E402
 from lazyckpt import LazyCheckpointer  # noqa: E402
 from lazyckpt.accelerate import _compat as _accelerate_compat  # noqa: E402
@@ -487,23 +488,26 @@ def test_save_state_outside_training_returns_durable_with_old_folders_gone(tmp_p
     ``checkpoints/``, as stock) or deleted (``TemporaryDirectory``: our writers must be done). The
     background delete of the old folder is slowed so that, without the rule, the hidden trash is
     provably still in project_dir when save_state returns."""
-    import time
-
     from lazyckpt.core import removal
 
     real_delete = removal._delete
+    listed = threading.Event()  # set once the test has listed the folders
 
-    def slow_delete(path):
-        time.sleep(0.5)  # widens the window (a slow filesystem), waits for nothing
+    def held_delete(path):
+        # Without the rule, save_state returns first and the listing sees the trash; with it,
+        # save_state waits for this delete, which goes on after the bound (nothing sets `listed` then).
+        listed.wait(2)
         real_delete(path)
 
-    monkeypatch.setattr(removal, "_delete", slow_delete)
+    monkeypatch.setattr(removal, "_delete", held_delete)
     project = ProjectConfiguration(project_dir=str(tmp_path / "p"), automatic_checkpoint_naming=True, total_limit=1)
     acc, objs, _ = make(project=project)
     installs(acc)
     acc.save_state()
     acc.save_state()
-    assert os.listdir(tmp_path / "p") == ["checkpoints"]
+    entries = os.listdir(tmp_path / "p")
+    listed.set()
+    assert entries == ["checkpoints"]
     assert os.listdir(tmp_path / "p" / "checkpoints") == ["checkpoint_1"]
     assert LA.is_complete(tmp_path / "p" / "checkpoints" / "checkpoint_1")
     shutil.rmtree(tmp_path / "p")  # nothing of lazyckpt's writes there any more
@@ -744,29 +748,7 @@ def test_install_takes_checkpointer_options(tmp_path, installs):
 def held_staging(monkeypatch):
     """Hold every save's staging until something waits for a save (the guard, a handle, the
     checkpointer): the copies are provably still pending right after save_state. Returns the gate."""
-    import lazyckpt.core.engine as _engine
-    import lazyckpt.core.job as _job
-
-    gate = threading.Event()
-    real_stage = _engine.Engine._stage
-
-    def held_stage(self, job):
-        gate.wait(20)  # bounded: a mutator that does not wait fails the test instead of hanging it
-        real_stage(self, job)
-
-    def opening(name):
-        real = getattr(_job.Job, name)
-
-        def opens_then_waits(self, *args):
-            gate.set()
-            return real(self, *args)
-
-        monkeypatch.setattr(_job.Job, name, opens_then_waits)
-
-    monkeypatch.setattr(_engine.Engine, "_stage", held_stage)
-    for name in ("release_guard", "_settle_for_wait", "_confirm_for_wait"):
-        opening(name)
-    return gate
+    return hold_staging(monkeypatch)
 
 
 def _other_state(seed=5):

@@ -18,9 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-import lazyckpt.core.engine as _engine
-import lazyckpt.core.job as _job
-from _util import assert_same
+from _util import assert_same, hold_staging
 from lazyckpt import LazyCheckpointer
 from lazyckpt.errors import StaleTensorError
 
@@ -30,26 +28,7 @@ HOLD_S = 20  # bound of the held stager: a test whose mutator does not wait fail
 @pytest.fixture
 def held_staging(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     """Hold every save's staging until someone waits for a save; returns the gate (set: released)."""
-    gate = threading.Event()
-    real_stage = _engine.Engine._stage
-
-    def held_stage(self: Any, job: Any) -> None:
-        gate.wait(HOLD_S)
-        real_stage(self, job)
-
-    def opening(name: str) -> None:
-        real = getattr(_job.Job, name)
-
-        def opens_then_waits(self: Any, *args: Any) -> Any:
-            gate.set()
-            return real(self, *args)
-
-        monkeypatch.setattr(_job.Job, name, opens_then_waits)
-
-    monkeypatch.setattr(_engine.Engine, "_stage", held_stage)
-    for name in ("release_guard", "_settle_for_wait", "_confirm_for_wait"):
-        opening(name)
-    return gate
+    return hold_staging(monkeypatch, HOLD_S)
 
 
 def _trained(seed: int, width: int = 64) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
