@@ -21,7 +21,7 @@ from . import files as _files
 from .dcp import verify_checkpoint
 from .verify import verify as verify_file
 
-__all__ = ["Result", "check", "check_path", "check_url"]
+__all__ = ["Result", "check", "check_path", "check_url", "folder_problems"]
 
 
 @dataclass
@@ -170,3 +170,28 @@ def _check_directory(directory: str) -> list[Result]:
 def _temporary_note(path: str) -> Result:
     note = "lazyckpt temporary: a save in progress, or left by a killed process (cleanup_temporaries() removes it)"
     return Result(path, "temporary", notes=[note])
+
+
+def folder_problems(path: str, storage_options: dict[str, Any] | None = None, verify: bool = True) -> list[str]:
+    """Why the folder checkpoint at ``path`` (a local folder or a URL prefix) is not complete and
+    intact; ``[]`` when it is. Complete: a local folder holds no pending marker (a save into it
+    ended) and some checkpoint; a prefix holds its last key (the folder manifest, or DCP's
+    ``.metadata``), uploaded after every other object. ``verify`` also checks every file as
+    ``check`` does (CRCs, a DCP folder against its manifest); without it, completeness only."""
+    if "://" in path:
+        fs, rpath = filesystem(path, storage_options)
+        rpath = rpath.rstrip("/")
+        fs.invalidate_cache(rpath)
+        if not any(fs.exists(f"{rpath}/{last}") for last in (_remote_folder.MANIFEST, METADATA)):
+            return [f"neither {_remote_folder.MANIFEST} nor {METADATA}: its upload never finished"]
+        results = check_url(path, storage_options) if verify else []
+    else:
+        if not os.path.isdir(path):
+            return ["not a folder"]
+        incomplete = _files.incomplete_problem(path)
+        if incomplete:
+            return [incomplete]
+        if not os.listdir(path):
+            return ["empty folder"]
+        results = check_path(path) if verify else []
+    return [p if r.path == path else f"{os.path.basename(r.path)}: {p}" for r in results for p in r.problems]
