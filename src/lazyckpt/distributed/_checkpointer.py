@@ -31,6 +31,8 @@ from ..errors import (
     UploadError,
     WriteError,
 )
+from ..options import CheckpointerOptions
+from ..options import merge as merge_options
 from . import _commit
 from ._commit import RankReport
 from ._core import (
@@ -105,20 +107,33 @@ class DistributedCheckpointer(_exit.ClosedOnExit):
         commit_timeout: seconds this rank waits, once its own file is durable (for a URL: uploaded),
             for the save to be committed; then the save fails on every rank still waiting. For
             URLs it must cover the slowest rank's upload beyond the fastest's.
-        **options: ``LazyCheckpointer``'s options (``host_memory_budget``, ``writer_threads``,
-            ``fsync``, ``crc``, ``local_dir``, ``storage_options``, ...); ``on_backpressure`` must
-            stay ``"block"``.
+        options: ``LazyCheckpointer``'s options as one :class:`~lazyckpt.CheckpointerOptions`
+            (``host_memory_budget``, ``writer_threads``, ``fsync``, ``crc``, ``local_dir``,
+            ``storage_options``, ...), as ``LazyCheckpointer(options)`` takes them;
+            ``on_backpressure`` must stay ``"block"``.
+        **kwargs: the same options as keywords (they override those fields of ``options``).
     """
 
     def __init__(
-        self, *, process_group: dist.ProcessGroup | None = None, commit_timeout: float = 600.0, **options: Any
+        self,
+        options: CheckpointerOptions | None = None,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        commit_timeout: float = 600.0,
+        **kwargs: Any,
     ) -> None:
+        if options is not None and not isinstance(options, CheckpointerOptions):
+            raise TypeError(
+                f"DistributedCheckpointer takes a CheckpointerOptions or keyword options, got {type(options).__name__}"
+            )
+        options = merge_options(options, kwargs)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("DistributedCheckpointer needs torch.distributed initialized (init_process_group)")
-        if options.get("on_backpressure", "block") != "block":
+        if options.on_backpressure != "block":
             raise ValueError("on_backpressure='skip' could skip a save on some ranks only; use 'block'")
         if commit_timeout <= 0:
             raise ValueError("commit_timeout must be positive")
+        self.options = options
         self.commit_timeout = float(commit_timeout)
         if process_group is None:
             self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=max(60.0, commit_timeout)))
@@ -143,7 +158,7 @@ class DistributedCheckpointer(_exit.ClosedOnExit):
             target=self._liveness.run, args=(self._stop_heartbeat,), name="lazyckpt-dist-heartbeat", daemon=True
         )
         self._heartbeat.start()
-        self._inner = LazyCheckpointer(**options)
+        self._inner = LazyCheckpointer(options)
         self._decider = Decider(
             self._proto, self._liveness, self.rank, self.world_size, self.commit_timeout, self._token, self._inner.fsync
         )

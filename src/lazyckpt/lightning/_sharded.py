@@ -35,7 +35,6 @@ thread; commit callbacks run on lazyckpt's callback thread and touch only ``_loc
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import shutil
@@ -117,8 +116,7 @@ class ShardedSaves:
         if self._ckpt is None:
             from lazyckpt.distributed import DistributedCheckpointer
 
-            options = {f.name: getattr(self._options, f.name) for f in dataclasses.fields(self._options)}
-            self._ckpt = DistributedCheckpointer(**options)
+            self._ckpt = DistributedCheckpointer(options=self._options)
         return self._ckpt
 
     def _on_done(self, handle: Any) -> None:
