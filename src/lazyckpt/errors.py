@@ -21,6 +21,7 @@ __all__ = [
     "UploadError",
     "DistributedUploadError",
     "LevelError",
+    "DistributedLevelError",
     "MemoryLevelWarning",
 ]
 
@@ -160,6 +161,29 @@ class LevelError(WriteError):
         self.level = level
         self.level_path = level_path
         self.step = step
+
+
+class DistributedLevelError(LevelError, DistributedSaveError):
+    """A level of a distributed multi-level save (``DistributedCheckpointer(levels=...)``) failed for
+    one step: raised alike on every rank (a ``LevelError`` naming the ``level``, ``level_path`` and
+    ``step``, and a ``DistributedSaveError`` naming the ``ranks`` whose part failed). Nothing was
+    committed at that level for that step (``path``); the other levels are unaffected, except that
+    when the fastest due level fails, the slower ones get no copy of that step either. On a rank
+    whose own part failed, ``__cause__`` is its own error (an ``OSError`` with ``errno``, an
+    ``UploadError`` ...)."""
+
+    def __init__(
+        self,
+        message: str,
+        level: int,
+        level_path: str,
+        step: int,
+        path: str,
+        errno: int | None = None,
+        ranks: tuple[int, ...] = (),
+    ) -> None:
+        LevelError.__init__(self, message, level, level_path, step, path, errno=errno)
+        self.ranks = ranks
 
 
 class MemoryLevelWarning(UserWarning):

@@ -21,11 +21,12 @@ once every rank's file is in the store (``FsspecReader`` reads it; a failed uplo
 
 from lazyckpt.recovery.dcp import verify_checkpoint
 
-from ..errors import DistributedSaveError, DistributedUploadError
+from ..errors import DistributedLevelError, DistributedSaveError, DistributedUploadError
 from ._checkpointer import DistributedCheckpointer, DistributedSaveHandle
 
 __all__ = [
     "DistributedCheckpointer",
+    "DistributedLevelError",
     "DistributedSaveError",
     "DistributedSaveHandle",
     "DistributedUploadError",

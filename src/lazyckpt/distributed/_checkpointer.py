@@ -8,17 +8,17 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, overload
 
 import torch.distributed as dist
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.utils import _DistWrapper
 
 from lazyckpt.core import exit as _exit
-from lazyckpt.core.handle import Completion
+from lazyckpt.core.handle import Completion, SaveHandle
 from lazyckpt.core.workers import Worker
+from lazyckpt.levels import Found, Level
 from lazyckpt.storage import remote as _remote
 
 from ..checkpointer import LazyCheckpointer
@@ -26,29 +26,25 @@ from ..errors import (
     CheckpointerClosedError,
     DistributedSaveError,
     DistributedUploadError,
-    LazyCkptError,
     SaveRefusedError,
     UploadError,
-    WriteError,
 )
 from ..options import CheckpointerOptions
 from ..options import merge as merge_options
 from . import _commit
 from ._commit import RankReport
 from ._core import (
-    RankFile,
-    bind_local,
+    classify_start_error,
     complete_handle,
-    confirm_in_forward,
     confirm_ready,
     local_outcome,
     resolve_handle,
-    tensor_pickle,
+    start_rank_file,
 )
-from ._decide import Decider
-from ._handle import DistributedSaveHandle, Save
-from ._layout import RankFileLayout
-from ._plan import PlanCache, RankPlan, plan_save, resolve
+from ._decide import Decider, store_host_rank
+from ._handle import DistributedSaveHandle, Save, extra_name, resolve_path
+from ._levels import Context, DistributedLevels
+from ._plan import PlanCache, RankPlan, plan_save
 from ._upload import RemoteFolder
 
 logger = logging.getLogger(__name__)
@@ -120,19 +116,22 @@ class DistributedCheckpointer(_exit.ClosedOnExit):
         *,
         process_group: dist.ProcessGroup | None = None,
         commit_timeout: float = 600.0,
+        levels: Sequence[Level] | None = None,
         **kwargs: Any,
     ) -> None:
         if options is not None and not isinstance(options, CheckpointerOptions):
             raise TypeError(
                 f"DistributedCheckpointer takes a CheckpointerOptions or keyword options, got {type(options).__name__}"
             )
-        options = merge_options(options, kwargs)
+        options = merge_options(options, kwargs if levels is None else {**kwargs, "levels": levels})
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("DistributedCheckpointer needs torch.distributed initialized (init_process_group)")
         if options.on_backpressure != "block":
             raise ValueError("on_backpressure='skip' could skip a save on some ranks only; use 'block'")
         if commit_timeout <= 0:
             raise ValueError("commit_timeout must be positive")
+        if options.levels is not None:
+            DistributedLevels.check(options.levels)
         self.options = options
         self.commit_timeout = float(commit_timeout)
         if process_group is None:
@@ -152,13 +151,13 @@ class DistributedCheckpointer(_exit.ClosedOnExit):
         # file): a dead or vanished rank fails the save on the others within seconds.
         self._liveness = _commit.Liveness(store, self._token, self.rank, self.world_size)
         self._liveness.beat()
-        self._store_host = _store_host_rank(self._group, self.rank)
+        self._store_host = store_host_rank(self._group, self.rank)
         self._stop_heartbeat = threading.Event()
         self._heartbeat = threading.Thread(
             target=self._liveness.run, args=(self._stop_heartbeat,), name="lazyckpt-dist-heartbeat", daemon=True
         )
         self._heartbeat.start()
-        self._inner = LazyCheckpointer(options)
+        self._inner = LazyCheckpointer(dataclasses.replace(options, levels=None))  # the levels are ours
         self._decider = Decider(
             self._proto, self._liveness, self.rank, self.world_size, self.commit_timeout, self._token, self._inner.fsync
         )
@@ -168,17 +167,66 @@ class DistributedCheckpointer(_exit.ClosedOnExit):
         self._plan_cache = PlanCache()  # the previous global plan: reused while no rank's local plan changes
         self._closed = False
         self._committer: Worker[Save] = Worker("lazyckpt-dist-commit", self._commit_one)
-        _exit.register(self, _close_at_exit, layer=_exit.DISTRIBUTED)
+        self._levels: DistributedLevels | None = None
+        if options.levels is not None:  # collective: finds which ranks share each level's folder
+            context = Context(
+                self._inner, self._dist, self.rank, self.world_size, self._token, self._proto, self._decider,
+                self.commit_timeout, store, self._next_n, self._all_gather,
+            )  # fmt: skip
+            try:
+                self._levels = DistributedLevels(context, options.levels)
+            except BaseException:  # a level folder no rank may use: on every rank alike, nothing left running
+                self.close()
+                raise
+        # A URL level uploads from the level threads: drained while s3fs still works (core/exit.py)
+        urls = self._levels is not None and self._levels.has_urls
+        _exit.register(self, _close_at_exit, layer=_exit.DISTRIBUTED, early=urls)
 
     @property
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def levels(self) -> tuple[Level, ...]:
+        """The levels given at construction (``()`` without); ``latest()`` finds their newest step."""
+        return () if self._levels is None else self._levels.levels
+
+    def latest(
+        self, storage_options: dict[str, Any] | None = None, verify: bool = True, timeout: float = 600.0
+    ) -> Found | None:
+        """``lazyckpt.latest(self.levels)`` agreed among this checkpointer's ranks (collective:
+        call it on every rank): the same step everywhere, this rank's fastest copy that it can
+        load (``storage_options``: the options' by default). ``TimeoutError`` naming the ranks that
+        did not call it within ``timeout`` seconds."""
+        if self._levels is None:
+            raise SaveRefusedError("latest() needs levels=[Level(...), ...] at construction")
+        options = self.options.storage_options if storage_options is None else storage_options
+        return self._levels.latest(options, verify, timeout)
+
+    @overload
     def save(
         self, state: dict[str, Any], path: str | os.PathLike[str], *, extra_files: Mapping[str, bytes] | None = None
-    ) -> DistributedSaveHandle:
+    ) -> DistributedSaveHandle: ...
+
+    @overload
+    def save(self, state: dict[str, Any], path: None = None, *, step: int) -> SaveHandle: ...
+
+    def save(
+        self,
+        state: dict[str, Any],
+        path: str | os.PathLike[str] | None = None,
+        *,
+        extra_files: Mapping[str, bytes] | None = None,
+        step: int | None = None,
+    ) -> SaveHandle:
         """Start saving ``state`` (what ``torch.distributed.checkpoint.save`` takes) to the folder
         ``path`` (or URL); collective. Returns at once with a handle (see the class docstring).
+
+        With ``levels=[...]`` at construction, ``save(state, step=n)`` (no path) saves to every level
+        due at ``n`` (``<level>/step-<n, 8 digits>``, one DCP folder per level, per node for a
+        node-local level) and returns one handle (``levels._handle.LevelsHandle``), done once each
+        has its copy on every rank; a level's failure is a ``DistributedLevelError`` naming it,
+        alike on every rank (module docstring).
 
         ``extra_files``: small files (name -> bytes) that the coordinator (rank 0 of the group)
         writes into the folder with ``.metadata``, so they appear atomically with the checkpoint
@@ -193,6 +241,13 @@ class DistributedCheckpointer(_exit.ClosedOnExit):
         ``WriteError``). Unlike ``LazyCheckpointer.save``, it does not raise an
         earlier save's error (that would break the collective): ``wait()`` and ``close()`` do.
         """
+        if path is None or step is not None:
+            if path is not None or step is None or self._levels is None or extra_files:
+                raise SaveRefusedError(
+                    "save(state, path) takes no step=; save(state, step=n) takes no path or extra_files "
+                    "and needs levels=[Level(...), ...] at construction"
+                )
+            return self._levels.save(state, step)
         t0 = time.perf_counter()
         if self._closed:
             raise CheckpointerClosedError("this DistributedCheckpointer is closed; create a new one")
@@ -200,9 +255,9 @@ class DistributedCheckpointer(_exit.ClosedOnExit):
         # failure at slightly different moments, and a rank that raised here would leave the others
         # waiting in the planning collective. wait() and close() raise it.
         confirm_ready()  # earlier saves whose copies are over: this thread's ops came before
-        final = _resolve(path)
+        final = resolve_path(path)
         url = _remote.is_url(final)
-        n, self._count = self._count, self._count + 1
+        n = self._next_n()
         completion = Completion(final, DistributedSaveHandle, url=final if url else None)
         handle: DistributedSaveHandle = completion.handle  # type: ignore[assignment]
 
@@ -226,7 +281,7 @@ class DistributedCheckpointer(_exit.ClosedOnExit):
         plan = plan_save(state, self._dist, final, prepare, self._plan_cache, n)
         entry = Save(n, final, plan.staging, handle, t0, metadata=plan.metadata, completion=completion)
         if self._dist.is_coordinator and extra_files:
-            entry.extra_files = {_extra_name(name): bytes(data) for name, data in extra_files.items()}
+            entry.extra_files = {extra_name(name): bytes(data) for name, data in extra_files.items()}
         with self._lock:
             self._pending.append(entry)
         try:
@@ -235,7 +290,7 @@ class DistributedCheckpointer(_exit.ClosedOnExit):
                 entry.staging = entry.remote.local
             self._start_file(entry, plan)
         except BaseException as exc:  # the other ranks must learn it: report it (the commit thread)
-            exc = _classify_start_error(exc, self.rank, final)
+            exc = classify_start_error(exc, self.rank, final)
             entry.error = exc
             if not isinstance(exc, Exception) or isinstance(exc, SaveRefusedError):
                 completion.caller_saw_error()  # raised here, not again by wait() or close()
@@ -248,16 +303,18 @@ class DistributedCheckpointer(_exit.ClosedOnExit):
         return handle
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until every save made so far is committed on every rank (or failed); raise the
-        oldest error nobody has seen (``LazyCheckpointer.raise_errors``)."""
-        with self._lock:
-            saves = list(self._pending)
+        """Block until every save made so far is committed on every rank (or failed) and the
+        levels' old checkpoints are removed; raise the oldest error nobody has seen
+        (``LazyCheckpointer.raise_errors``)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        for s in saves:
+        if self._levels is not None:
+            self._levels.drain(timeout)  # confirms this rank's files first
+        for h in self._handles():
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not s.handle.wait_done(remaining):  # confirms this rank's file first
+            if not h.wait_done(remaining):  # confirms this rank's file first
                 raise TimeoutError(f"pending distributed saves not committed after {timeout} s")
-        self._inner.raise_errors()
+        # the levels' retention deletions too; then the oldest unseen error (one ledger)
+        self._inner.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def add_error(self, error: BaseException) -> None:
         """Hand over a background error of the caller's own (an integration's deferred delete) to be
@@ -274,13 +331,15 @@ class DistributedCheckpointer(_exit.ClosedOnExit):
         if self._closed:
             return
         try:
-            with self._lock:
-                saves = list(self._pending)
-            for s in saves:
-                s.handle.wait_done()  # confirms this rank's file first
+            if self._levels is not None:
+                self._levels.drain()
+            for h in self._handles():
+                h.wait_done()  # confirms this rank's file first
         finally:
             self._closed = True
             self._committer.stop()
+            if self._levels is not None:
+                self._levels.close()
             # Bounded: a beat in flight against a store whose host died may block for the store's
             # timeout (the thread is a daemon). The counter key stays (tiny): deleting it would be
             # one more request to a store that may be gone.
@@ -294,6 +353,21 @@ class DistributedCheckpointer(_exit.ClosedOnExit):
                 if dist.is_initialized():
                     dist.destroy_process_group(self._group)
 
+    def _handles(self) -> list[DistributedSaveHandle]:
+        with self._lock:
+            return [s.handle for s in self._pending if s.handle is not None]
+
+    def _next_n(self) -> int:
+        """The next save's number (every rank saves in the same order: the same on every rank)."""
+        with self._lock:
+            n, self._count = self._count, self._count + 1
+        return n
+
+    def _all_gather(self, value: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, value, group=self._group)
+        return out
+
     # -- this rank's file ---------------------------------------------------------------------------
 
     def _tier(self) -> _remote.RemoteTier:
@@ -305,31 +379,11 @@ class DistributedCheckpointer(_exit.ClosedOnExit):
         return self._inner.remote_tier()
 
     def _start_file(self, entry: Save, plan: RankPlan) -> None:
-        tensors, byte_items = resolve(plan)
-        layout = RankFileLayout(self._inner.crc)
         # To a URL, every save's data files have names of their own: a previous checkpoint at the
         # same prefix stays whole (its .metadata names its own files) until .metadata is replaced.
         unique = f".{self._token[:16]}-{entry.n}" if entry.remote is not None else ""
         entry.file = f"__{self.rank}_0{unique}.distcp"
-        sources = []
-        for item, data in byte_items:
-            offset, length = layout.add_bytes(data)
-            entry.storage[item.index] = _StorageInfo(entry.file, offset, length)
-        for i, (item, t) in enumerate(tensors):
-            # A non-contiguous tensor is copied now (so captured now, not lazily).
-            sources.append((str(i), item.index.fqn, t if t.is_contiguous() else t.contiguous()))
-        rank_file = RankFile(self._inner, sources)
-        for (item, _), (key, _, t) in zip(tensors, sources, strict=True):
-            nbytes = t.numel() * t.element_size()
-            offset, length = layout.add_tensor(key, tensor_pickle(t), nbytes, rank_file.phases.get(key))
-            entry.storage[item.index] = _StorageInfo(entry.file, offset, length)
-        entry.layout = layout
-        path = os.path.join(entry.staging, entry.file)
-        entry.local = rank_file.start(path, layout, entry.t0)
-        entry.handle.bind_local(entry.local)
-        assert entry.completion is not None
-        bind_local(entry.completion, entry.local)
-        confirm_in_forward()
+        start_rank_file(self._inner, entry, plan)
 
     # -- the commit thread ------------------------------------------------------------------------
 
@@ -433,47 +487,6 @@ class DistributedCheckpointer(_exit.ClosedOnExit):
             resolved = resolve_handle(self._inner, entry.completion, stats, error)
         if resolved:
             complete_handle(self._inner, entry.completion)
-
-
-def _store_host_rank(group: dist.ProcessGroup, rank: int) -> int | None:
-    """The rank (in ``group``) whose process hosts the c10d store, when it is known: global rank 0
-    under ``init_method`` tcp:// or env:// (its death takes the store with it); None under
-    torchrun, whose agent hosts the store (a dead rank 0 is then found by its heartbeat)."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
-        return None
-    ranks = dist.get_process_group_ranks(group)
-    return ranks.index(0) if 0 in ranks else None
-
-
-def _classify_start_error(exc: BaseException, rank: int, final: str) -> BaseException:
-    """What starting this rank's file raised, typed: ``SaveRefusedError`` for what cannot be
-    serialized (raised by ``save()``), ``WriteError`` for I/O (the save's outcome, in the handle),
-    an interrupt as it is."""
-    if not isinstance(exc, Exception) or isinstance(exc, LazyCkptError):
-        return exc
-    if isinstance(exc, OSError):
-        err: LazyCkptError = WriteError(f"rank {rank}: cannot write its part of {final}: {exc}", final, exc.errno)
-    else:
-        err = SaveRefusedError(f"rank {rank}: cannot save this state to {final}: {exc}")
-    err.__cause__ = exc
-    return err
-
-
-def _extra_name(name: str) -> str:
-    if not name or os.path.basename(name) != name or name.startswith(".") or name.endswith(".distcp"):
-        raise SaveRefusedError(f"extra file name {name!r}: a plain file name, not hidden, not .distcp")
-    return name
-
-
-def _resolve(path: str | os.PathLike[str]) -> str:
-    if not isinstance(path, (str, os.PathLike)):
-        raise SaveRefusedError(f"path must be a str or os.PathLike, got {type(path).__name__}")
-    raw = os.fspath(path)
-    if isinstance(raw, bytes):
-        raise SaveRefusedError(f"{raw!r}: a str path or URL, not bytes")
-    if _remote.is_url(raw):
-        return raw.rstrip("/")
-    return os.path.abspath(raw)
 
 
 def _close_at_exit(ckpt: DistributedCheckpointer) -> None:

@@ -36,7 +36,8 @@ from lazyckpt.storage.fs import fsync_dir
 
 logger = logging.getLogger(__name__)
 
-_STAGING_RE = re.compile(r"^\..+\.lazyckpt-dist-([0-9a-f]+)-\d+(-old)?\.tmp$")
+# ``-<n>``: a path save's number; ``-<n>-<level>``: one level's folder of a multi-level save.
+_STAGING_RE = re.compile(r"^\..+\.lazyckpt-dist-([0-9a-f]+)-\d+(?:-\d+)?(-old)?\.tmp$")
 # Waits poll the store with short requests, backing off from 5 ms to 100 ms: a blocking
 # ``store.wait`` would hold the store client's lock (one per process, shared with the training's own
 # store traffic) for the whole wait, and N ranks polling fast would load the store's host.
@@ -121,7 +122,7 @@ def discard_live(token: str) -> None:
         live_tokens.discard(token)
 
 
-def staging_path(final: str, token: str, n: int, old: bool = False) -> str:
+def staging_path(final: str, token: str, n: int | str, old: bool = False) -> str:
     head, tail = os.path.split(final)
     return os.path.join(head, f".{tail}.lazyckpt-dist-{token}-{n}{'-old' if old else ''}.tmp")
 
@@ -169,6 +170,7 @@ class RankReport:
     storage_data: Any = None  # {MetadataIndex: _StorageInfo}
     error: str = ""  # "<type>: <message>" when not ok
     upload_failed: bool = False  # a save to a URL: this rank's upload failed (not its local file)
+    needs: Any = None  # multi-level saves: the items this rank saved before deduplication (its shard)
 
 
 @dataclass(frozen=True)
@@ -222,17 +224,17 @@ class StoreProtocol:
     def __init__(self, store: Any, token: str, rank: int, world_size: int) -> None:
         self.store, self.token, self.rank, self.world_size = store, token, rank, world_size
 
-    def _key(self, n: int, name: str) -> str:
+    def _key(self, n: int | str, name: str) -> str:
         return f"lazyckpt/{self.token}/{n}/{name}"
 
-    def post(self, n: int, report: RankReport) -> None:
+    def post(self, n: int | str, report: RankReport) -> None:
         self.store.set(self._key(n, f"r{report.rank}"), pickle.dumps(report))
         if not report.ok:
             self.store.set(self._key(n, "failed"), str(report.rank))
         self.store.add(self._key(n, "reported"), 1)
 
     def gather(
-        self, n: int, deadline: float, liveness: Liveness | None = None
+        self, n: int | str, deadline: float, liveness: Liveness | None = None
     ) -> tuple[dict[int, RankReport], list[int], list[int]]:
         """Reports of every rank, or as soon as one failed or a rank that has not reported is
         dead; the ranks missing then, and the dead among them. Two requests per poll whatever the
@@ -256,26 +258,26 @@ class StoreProtocol:
             return reports, [], []  # decided by the failure; the others may still be on their way
         return reports, missing, [r for r in dead if r in missing]
 
-    def _dead_unreported(self, n: int, liveness: Liveness) -> list[int]:
+    def _dead_unreported(self, n: int | str, liveness: Liveness) -> list[int]:
         dead = liveness.dead(range(self.world_size))
         return [r for r in dead if not self.store.check([self._key(n, f"r{r}")])]
 
-    def decide(self, n: int, decision: Decision) -> Decision:
+    def decide(self, n: int | str, decision: Decision) -> Decision:
         """Set the decision unless someone did first; return the decision that holds."""
         return Decision.decode(bytes(self.store.compare_set(self._key(n, "outcome"), "", decision.encode())).decode())
 
-    def wait_decision(self, n: int, deadline: float, liveness: Liveness | None = None) -> Decision | None:
+    def wait_decision(self, n: int | str, deadline: float, liveness: Liveness | None = None) -> Decision | None:
         """The coordinator's decision, or None at ``deadline`` or once it is dead."""
         raw = self.wait_value(n, "outcome", deadline, liveness, 0)
         return None if raw is None else Decision.decode(raw)
 
-    def wait_result(self, n: int, deadline: float, liveness: Liveness | None = None) -> Result | None:
+    def wait_result(self, n: int | str, deadline: float, liveness: Liveness | None = None) -> Result | None:
         """How the coordinator's publishing ended, or None at ``deadline`` or once it is dead."""
         raw = self.wait_value(n, "result", deadline, liveness, 0)
         return None if raw is None else Result.decode(raw)
 
     def wait_value(
-        self, n: int, name: str, deadline: float, liveness: Liveness | None = None, writer: int = 0
+        self, n: int | str, name: str, deadline: float, liveness: Liveness | None = None, writer: int = 0
     ) -> str | None:
         """The key's value, or None at ``deadline`` or once ``writer`` (the rank that would set
         it) is dead (``liveness``; check ``liveness.dead([writer])`` to tell which)."""
@@ -287,15 +289,15 @@ class StoreProtocol:
                 return None
         raise AssertionError("unreachable")
 
-    def set_result(self, n: int, result: Result) -> None:
+    def set_result(self, n: int | str, result: Result) -> None:
         self.store.set(self._key(n, "result"), result.encode())
 
-    def ack(self, n: int) -> None:
+    def ack(self, n: int | str) -> None:
         """A rank has read how save ``n`` ended (it needs the store no more for it)."""
         self.store.set(self._key(n, f"a{self.rank}"), "1")  # who: a dead rank is not waited for
         self.store.add(self._key(n, "acks"), 1)
 
-    def wait_acks(self, n: int, ranks: list[int], deadline: float, liveness: Liveness | None = None) -> bool:
+    def wait_acks(self, n: int | str, ranks: list[int], deadline: float, liveness: Liveness | None = None) -> bool:
         """Until every one of ``ranks`` acknowledged (True), or ``deadline`` or every rank but dead
         ones (``liveness``) did (False). The
         coordinator's process often hosts the store: finishing its handle (after which it may exit)
@@ -311,10 +313,17 @@ class StoreProtocol:
                 return False
         raise AssertionError("unreachable")
 
-    def drop(self, n: int) -> None:
-        """Delete save ``n``'s keys (once every rank has acknowledged)."""
+    def reports(self, n: int | str, ranks: list[int] | tuple[int, ...]) -> dict[int, RankReport]:
+        """The reports ``ranks`` posted for save ``n`` (each must be there: every rank reported)."""
+        return {r: pickle.loads(self.store.get(self._key(n, f"r{r}"))) for r in ranks}
+
+    def set_value(self, n: int | str, name: str, value: str) -> None:
+        self.store.set(self._key(n, name), value)
+
+    def drop(self, n: int | str, extra: tuple[str, ...] = ()) -> None:
+        """Delete save ``n``'s keys (once every rank has acknowledged); ``extra``: more key names."""
         names = [f"r{r}" for r in range(self.world_size)] + [f"a{r}" for r in range(self.world_size)]
-        names += ["outcome", "result", "acks", "reported", "failed"]
+        names += ["outcome", "result", "acks", "reported", "failed", *extra]
         for name in names:
             try:
                 self.store.delete_key(self._key(n, name))
@@ -330,10 +339,17 @@ def write_metadata(
     reports: dict[int, RankReport],
     fsync: bool,
     extra_files: dict[str, bytes] | None = None,
+    world_size: int | None = None,
 ) -> None:
-    """``.metadata`` (DCP's pickled ``Metadata``, storage data from every rank), the caller's
-    ``extra_files``, and the manifest of per-file sizes and CRCs that ``verify_checkpoint`` checks,
-    all durable in ``staging``."""
+    """``.metadata`` (DCP's pickled ``Metadata``, storage data from the ranks reporting), the
+    caller's ``extra_files``, and the manifest of per-file sizes and CRCs that
+    ``verify_checkpoint`` checks, all durable in ``staging``.
+
+    ``reports`` are every rank's, or (a node-local level's folder: ``world_size`` the job's) those of
+    one node's ranks only. The manifest also says whether the folder holds every item of the
+    checkpoint (``complete``: loadable by any world size) and, for each rank whose report lists the
+    items it saved (``needs``, multi-level saves), the files holding them (``ranks``): what that
+    rank reads when the job restarts with the same layout (``recovery/dcp.rank_problems``)."""
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
     from torch.distributed.checkpoint.metadata import StorageMeta
 
@@ -352,17 +368,47 @@ def write_metadata(
     for name, data in (extra_files or {}).items():
         _write_file(os.path.join(staging, name), data, fsync)
         files[name] = {"size": len(data), "crc32": crc32(data), "rank": None}
-    manifest = {
+    manifest: dict[str, Any] = {
         "format": "lazyckpt-dcp/1",
-        "world_size": len(reports),
+        "world_size": len(reports) if world_size is None else world_size,
         "files": files,
         METADATA: {"size": len(blob), "crc32": crc32(blob)},
         "items": sorted([info.relative_path, info.offset, info.length] for info in storage.values()),
+        "complete": _covers_every_item(metadata, storage),
     }
+    ranks = _files_by_rank(reports, storage)
+    if ranks:
+        manifest["ranks"] = ranks
     _write_file(os.path.join(staging, METADATA), blob, fsync)
     _write_file(os.path.join(staging, MANIFEST), json.dumps(manifest, indent=1).encode(), fsync)
     if fsync:
         fsync_dir(staging)
+
+
+def _covers_every_item(metadata: Any, storage: dict[Any, Any]) -> bool:
+    """Whether ``storage`` locates every item ``metadata`` describes (every chunk of every tensor,
+    every byte item): a folder any world size can load (resharding)."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    for fqn, md in metadata.state_dict_metadata.items():
+        chunks = getattr(md, "chunks", None)
+        wanted = [MetadataIndex(fqn)] if chunks is None else [MetadataIndex(fqn, c.offsets) for c in chunks]
+        if any(index not in storage for index in wanted):
+            return False
+    return True
+
+
+def _files_by_rank(reports: dict[int, RankReport], storage: dict[Any, Any]) -> dict[str, list[str]]:
+    """For each reporting rank that listed the items it saved (``needs``) and finds all of them
+    here: the files holding them, i.e. what it reads to load its own shard (same layout)."""
+    out: dict[str, list[str]] = {}
+    for report in reports.values():
+        if report.needs is None:
+            continue
+        infos = [storage.get(index) for index in report.needs]
+        if all(info is not None for info in infos):
+            out[str(report.rank)] = sorted({info.relative_path for info in infos if info is not None})
+    return out
 
 
 def _write_file(path: str, data: bytes, fsync: bool) -> None:

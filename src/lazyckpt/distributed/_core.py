@@ -20,11 +20,13 @@ cause, and the distributed save's report is published there (``finish``).
 from __future__ import annotations
 
 import functools
+import os
 import threading
 import time
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.utils.hooks import RemovableHandle
 
@@ -37,7 +39,10 @@ from lazyckpt.formats.torch_zip import storage_alignment
 from lazyckpt.storage import fs as _fs
 
 from ..checkpointer import LazyCheckpointer
+from ..errors import LazyCkptError, SaveRefusedError, WriteError
+from ._handle import Save
 from ._layout import RankFileLayout
+from ._plan import RankPlan, resolve
 
 
 def tensor_pickle(t: torch.Tensor) -> bytes:
@@ -93,6 +98,33 @@ class RankFile:
         self.ckpt.run_job(job, eager, self.plan.direct)
         job.t_returned = time.perf_counter()
         return job.handle
+
+
+def start_rank_file(ckpt: LazyCheckpointer, entry: Save, plan: RankPlan) -> None:
+    """Lay out this rank's share of ``plan`` as one file (``entry.file``, in ``entry.staging``),
+    its items' storage data in ``entry.storage``, and start writing it on ``ckpt``'s engine:
+    ``entry.local`` is its handle, bound to the distributed handle so that waits confirm it."""
+    tensors, byte_items = resolve(plan)
+    layout = RankFileLayout(ckpt.crc)
+    sources = []
+    for item, data in byte_items:
+        offset, length = layout.add_bytes(data)
+        entry.storage[item.index] = _StorageInfo(entry.file, offset, length)
+    for i, (item, t) in enumerate(tensors):
+        # A non-contiguous tensor is copied now (so captured now, not lazily).
+        sources.append((str(i), item.index.fqn, t if t.is_contiguous() else t.contiguous()))
+    rank_file = RankFile(ckpt, sources)
+    for (item, _), (key, _, t) in zip(tensors, sources, strict=True):
+        nbytes = t.numel() * t.element_size()
+        offset, length = layout.add_tensor(key, tensor_pickle(t), nbytes, rank_file.phases.get(key))
+        entry.storage[item.index] = _StorageInfo(entry.file, offset, length)
+    entry.layout = layout
+    path = os.path.join(entry.staging, entry.file)
+    entry.local = rank_file.start(path, layout, entry.t0)
+    assert entry.handle is not None and entry.completion is not None
+    entry.handle.bind_local(entry.local)
+    bind_local(entry.completion, entry.local)
+    confirm_in_forward()
 
 
 def confirm_ready() -> None:
@@ -171,3 +203,17 @@ def complete_handle(ckpt: LazyCheckpointer, completion: Completion) -> None:
     """Make the outcome visible; done-callbacks run on the core's callback thread, as a job's do
     (they may wait for other saves, which the distributed commit thread commits)."""
     completion.complete(ckpt.callbacks)
+
+
+def classify_start_error(exc: BaseException, rank: int, final: str) -> BaseException:
+    """What starting this rank's file raised, typed: ``SaveRefusedError`` for what cannot be
+    serialized (raised by ``save()``), ``WriteError`` for I/O (the save's outcome, in the handle),
+    an interrupt as it is."""
+    if not isinstance(exc, Exception) or isinstance(exc, LazyCkptError):
+        return exc
+    if isinstance(exc, OSError):
+        err: LazyCkptError = WriteError(f"rank {rank}: cannot write its part of {final}: {exc}", final, exc.errno)
+    else:
+        err = SaveRefusedError(f"rank {rank}: cannot save this state to {final}: {exc}")
+    err.__cause__ = exc
+    return err

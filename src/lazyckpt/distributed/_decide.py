@@ -11,16 +11,21 @@ died or never answers within ``commit_timeout``), then for the result. Messages 
 
 from __future__ import annotations
 
+import copy
 import logging
+import os
 import shutil
 import time
 from dataclasses import dataclass
+
+import torch.distributed as dist
 
 from ..errors import UploadError
 from . import _commit
 from ._commit import COMMIT, Decision, Liveness, RankReport, Result, StoreProtocol
 from ._handle import Outcome as _Outcome
 from ._handle import Save as _Save
+from ._topology import Scope
 
 logger = logging.getLogger(__name__)
 
@@ -74,23 +79,11 @@ class Decider:
         """Coordinator: gather, write the metadata, decide, publish. None when committed."""
         reports, missing, dead = self.proto.gather(entry.n, deadline, self.liveness)
         own_exc: Exception | None = None
-        failed = sorted(r.rank for r in reports.values() if not r.ok)
-        if failed or missing:
-            why = "; ".join(f"rank {r}: {reports[r].error}" for r in failed)
-            if dead:
-                why = (why + "; " if why else "") + (
-                    f"rank(s) {dead} died or vanished (no heartbeat in the store for {_commit.DEAD_AFTER_S} s) "
-                    "before reporting a durable file"
-                )
-            elif missing:
-                why = (why + "; " if why else "") + (
-                    f"rank(s) {missing} did not report a durable file within {self.commit_timeout} s "
-                    "(hung, or slower than commit_timeout)"
-                )
-            upload = any(reports[r].upload_failed for r in failed)
+        abort = self._abort_for(reports, missing, dead)
+        if abort is not None:
             if entry.remote is not None:  # before the decision: then the others may start their next save
                 entry.remote.abort_unfinished()
-            decided = self.proto.decide(entry.n, Decision.abort(why, failed + (dead or missing), upload))
+            decided = self.proto.decide(entry.n, abort)
         else:
             try:
                 save_id = f"{self.token}-{entry.n}"
@@ -139,23 +132,28 @@ class Decider:
             logger.warning("lazyckpt: not every rank acknowledged the end of the save to %s", entry.final)
         return outcome
 
+    def _abort_for(self, reports: dict[int, RankReport], missing: list[int], dead: list[int]) -> Decision | None:
+        """The coordinator's abort when a rank failed, died or never reported; None: commit."""
+        failed = sorted(r.rank for r in reports.values() if not r.ok)
+        if not failed and not missing:
+            return None
+        why = "; ".join(f"rank {r}: {reports[r].error}" for r in failed)
+        if dead:
+            why = (why + "; " if why else "") + (
+                f"rank(s) {dead} died or vanished (no heartbeat in the store for {_commit.DEAD_AFTER_S} s) "
+                "before reporting a durable file"
+            )
+        elif missing:
+            why = (why + "; " if why else "") + (
+                f"rank(s) {missing} did not report a durable file within {self.commit_timeout} s "
+                "(hung, or slower than commit_timeout)"
+            )
+        upload = any(reports[r].upload_failed for r in failed)
+        return Decision.abort(why, failed + (dead or missing), upload)
+
     def follow(self, entry: _Save, deadline: float) -> _Outcome | None:
         """Other ranks: wait for the coordinator's decision (or decide abort when it never comes)."""
-        decided = self.proto.wait_decision(entry.n, deadline, self.liveness)
-        if decided is None:
-            if self.liveness.dead([0]):
-                why = (
-                    "rank 0 (the coordinator) died or vanished (no heartbeat in the store for "
-                    f"{_commit.DEAD_AFTER_S} s) before deciding"
-                )
-                ranks = [0]
-            else:
-                why = (
-                    f"rank {self.rank} got no decision from the coordinator within {self.commit_timeout} s "
-                    "after its own file was durable (a rank hung, or is slower than commit_timeout)"
-                )
-                ranks = []
-            decided = self.proto.decide(entry.n, Decision.abort(why, ranks))
+        decided = self._await_decision(entry, deadline)
         if not decided.commit:
             return _abort_reason(decided)
         result = self.proto.wait_result(entry.n, time.monotonic() + self.commit_timeout, self.liveness)
@@ -173,6 +171,106 @@ class Decider:
         # To a URL, publishing is uploading .metadata: its failure is an upload failure.
         return _Outcome(result.why, (0,), upload=entry.remote is not None)
 
+    def _await_decision(self, entry: _Save, deadline: float) -> Decision:
+        """A follower: the coordinator's decision, or its own abort when none comes in time."""
+        decided = self.proto.wait_decision(entry.n, deadline, self.liveness)
+        if decided is None:
+            if self.liveness.dead([0]):
+                why = (
+                    "rank 0 (the coordinator) died or vanished (no heartbeat in the store for "
+                    f"{_commit.DEAD_AFTER_S} s) before deciding"
+                )
+                ranks = [0]
+            else:
+                why = (
+                    f"rank {self.rank} got no decision from the coordinator within {self.commit_timeout} s "
+                    "after its own file was durable (a rank hung, or is slower than commit_timeout)"
+                )
+                ranks = []
+            decided = self.proto.decide(entry.n, Decision.abort(why, ranks))
+        return decided
+
+    # -- node-local levels: one folder per node, one decision for all -----------------------------
+
+    def commit_node(self, entry: _Save, deadline: float, scope: Scope) -> _Outcome | None:
+        """A node-local level's folder of one step, on every rank (acknowledgments included). The
+        coordinator decides for every node at once: commit once every rank's file is durable in
+        its node's staging folder, else abort. Then each node's leader writes that folder's
+        ``.metadata`` and manifest (its ranks' items; every rank of the job knows the global
+        metadata) and renames it into place; every rank waits for every leader's result, so all
+        ranks learn the same outcome. A leader that fails leaves its node without the folder (its
+        ranks' next ``latest()`` does not use that step from there); the others keep theirs."""
+        missing: list[int] = []
+        if self.rank == 0:
+            reports, missing, dead = self.proto.gather(entry.n, deadline, self.liveness)
+            decided = self.proto.decide(entry.n, self._abort_for(reports, missing, dead) or COMMIT)
+        else:
+            decided = self._await_decision(entry, deadline)
+        outcome: _Outcome | None
+        if not decided.commit:
+            if self.rank == scope.leader:
+                shutil.rmtree(entry.staging, ignore_errors=True)
+            outcome = _abort_reason(decided)
+        else:
+            if self.rank == scope.leader:
+                self.proto.set_value(entry.n, _node_result(scope.leader), self._publish_node(entry, scope).encode())
+            outcome = self._node_results(entry, scope)
+        if self.rank != 0:
+            self.proto.ack(entry.n)
+            return outcome
+        others = [r for r in range(1, self.world_size) if r not in missing]
+        acked = self.proto.wait_acks(entry.n, others, time.monotonic() + self.commit_timeout, self.liveness)
+        if acked and not missing:
+            self.proto.drop(entry.n, tuple(_node_result(g[0]) for g in scope.groups))
+        return outcome
+
+    def _publish_node(self, entry: _Save, scope: Scope) -> Result:
+        """A node's leader: its folder's metadata (the reports of its ranks), then the rename."""
+        try:
+            reports = self.proto.reports(entry.n, scope.group)
+            save_id = f"{self.token}-{entry.n}"
+            _commit.write_metadata(
+                entry.staging, entry.final, save_id, copy.copy(entry.metadata), reports, self.fsync,
+                world_size=self.world_size,
+            )  # fmt: skip
+            old = _commit.staging_path(entry.final, self.token, entry.n, old=True)
+            _commit.publish(entry.staging, entry.final, old, self.fsync)
+        except Exception as exc:  # noqa: BLE001 - every rank must learn it
+            if not isinstance(exc, _commit.NotDurableError):
+                shutil.rmtree(entry.staging, ignore_errors=True)
+            return Result(False, f"rank {self.rank} could not publish its node's folder {entry.final}: {exc}")
+        return Result(True)
+
+    def _node_results(self, entry: _Save, scope: Scope) -> _Outcome | None:
+        failures: list[tuple[int, str]] = []
+        for leader in sorted(g[0] for g in scope.groups):
+            raw = self.proto.wait_value(
+                entry.n, _node_result(leader), time.monotonic() + self.commit_timeout, self.liveness, leader
+            )
+            if raw is None:
+                died = self.liveness.dead([leader])
+                failures.append((leader, "died before confirming" if died else "did not confirm in time"))
+            elif not (result := Result.decode(raw)).ok:
+                failures.append((leader, result.why))
+        if not failures:
+            return None
+        why = "; ".join(f"the node of rank {leader}: {what}" for leader, what in failures)
+        return _Outcome(f"not committed on every node ({why})", tuple(r for r, _ in failures), undo=False)
+
 
 def _abort_reason(decided: Decision) -> _Outcome:
     return _Outcome("nothing was committed; " + decided.why, decided.ranks, upload=decided.upload)
+
+
+def _node_result(leader: int) -> str:
+    return f"result-g{leader}"
+
+
+def store_host_rank(group: dist.ProcessGroup, rank: int) -> int | None:
+    """The rank (in ``group``) whose process hosts the c10d store, when it is known: global rank 0
+    under ``init_method`` tcp:// or env:// (its death takes the store with it); None under
+    torchrun, whose agent hosts the store (a dead rank 0 is then found by its heartbeat)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        return None
+    ranks = dist.get_process_group_ranks(group)
+    return ranks.index(0) if 0 in ranks else None

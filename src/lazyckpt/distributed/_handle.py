@@ -1,14 +1,17 @@
 """A distributed save as its rank sees it: the handle ``save()`` returns, the commit thread's
-record of it (``Save``), and how it failed (``Outcome``)."""
+record of it (``Save``), how it failed (``Outcome``), and its path and extra files as given."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from lazyckpt.core.handle import Completion, SaveHandle, SaveStats
 from lazyckpt.core.handle import Outcome as HandleOutcome
+from lazyckpt.storage import remote as _remote
 
+from ..errors import SaveRefusedError
 from ._layout import RankFileLayout
 from ._upload import RemoteFolder
 
@@ -65,10 +68,13 @@ class DistributedSaveHandle(SaveHandle):
 
 @dataclass(eq=False)
 class Save:
-    n: int
+    """One checkpoint folder a rank takes part in: a path save's, or one level's folder of a step
+    (``n``: ``"<save>-<level>"``; no handle of its own for a slower level's copy)."""
+
+    n: int | str
     final: str
     staging: str
-    handle: DistributedSaveHandle
+    handle: DistributedSaveHandle | None
     t0: float
     metadata: Any = None  # coordinator: DCP Metadata, storage data filled in at commit
     layout: RankFileLayout | None = None
@@ -90,3 +96,20 @@ class Outcome:
     upload: bool = False  # a save to a URL failed because an upload failed
     undo: bool = True  # no .metadata is visible: the objects this rank uploaded may be deleted
     cause: BaseException | None = None  # the coordinator's own error when it failed the save itself
+
+
+def extra_name(name: str) -> str:
+    if not name or os.path.basename(name) != name or name.startswith(".") or name.endswith(".distcp"):
+        raise SaveRefusedError(f"extra file name {name!r}: a plain file name, not hidden, not .distcp")
+    return name
+
+
+def resolve_path(path: str | os.PathLike[str]) -> str:
+    if not isinstance(path, (str, os.PathLike)):
+        raise SaveRefusedError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+    raw = os.fspath(path)
+    if isinstance(raw, bytes):
+        raise SaveRefusedError(f"{raw!r}: a str path or URL, not bytes")
+    if _remote.is_url(raw):
+        return raw.rstrip("/")
+    return os.path.abspath(raw)

@@ -37,6 +37,7 @@ class RankPlan:
     staging: str  # the staging directory the coordinator made
     metadata: Metadata | None  # the coordinator's global metadata (storage data filled in at commit)
     cached: bool = False  # the global plan was the previous one's (no plans exchanged)
+    needs: frozenset[Any] = frozenset()  # every item this rank holds (its local plan, before deduplication)
 
 
 @dataclass
@@ -53,6 +54,7 @@ class PlanCache:
     metadata: Metadata | None = None
     local_key: bytes | None = None  # _state_key of the state the local plan below was made for
     local_plan: SavePlan | None = None
+    needs: frozenset[Any] = frozenset()  # the item indices of ``local_plan``
 
 
 def plan_save(
@@ -62,16 +64,23 @@ def plan_save(
     prepare: Callable[[], str],
     cache: PlanCache | None = None,
     round_no: int = 0,
+    groups: list[list[int]] | None = None,
 ) -> RankPlan:
     """Collective over ``wrapper``'s group. ``prepare`` runs on the coordinator only, inside the
     collective (so its failure reaches every rank): it returns the staging directory.
 
     With ``cache``: one small collective first (each rank's local-plan digest and the round its
     cache is from); if every rank's plan is unchanged since the same round, the cached global plan
-    is used and nothing else is exchanged; otherwise the full planning runs and refills the cache."""
+    is used and nothing else is exchanged; otherwise the full planning runs and refills the cache.
+
+    ``groups`` (multi-level saves; ranks of ``wrapper``'s group, a partition): replicated items are
+    deduplicated within each group only, not across groups, so that the files of one group's ranks
+    (one node's, held in its memory) hold every item each of them saved; and every rank gets the
+    global ``Metadata`` (each node writes its own folder's ``.metadata``)."""
     planner = DefaultSavePlanner()
     metadata: Metadata | None = None
     local: list[Any] = []
+    share = groups is not None
 
     def local_step() -> Any:
         if not local:
@@ -80,11 +89,14 @@ def plan_save(
             if cache is not None and key is not None and key == cache.local_key and cache.local_plan is not None:
                 # DefaultSavePlanner.create_local_plan, without recomputing every shard's offsets
                 planner.plan = dataclasses.replace(cache.local_plan, planner_data=planner.mappings)
+                needs = cache.needs
             else:
                 planner.create_local_plan()
+                needs = frozenset(item.index for item in planner.plan.items) if share else frozenset()
                 if cache is not None:
-                    cache.local_key, cache.local_plan = key, planner.plan
+                    cache.local_key, cache.local_plan, cache.needs = key, planner.plan, needs
             local.append(planner.plan)
+            local.append(needs)
             # The local plan follows from the state key, so the key identifies it; without one
             # (a ShardedTensor in the state), a digest of the plan's items does.
             local.append(key if key is not None or cache is None else _digest(planner.plan.items))
@@ -92,13 +104,16 @@ def plan_save(
 
     def global_step(plans: list[Any]) -> list[Any]:
         nonlocal metadata
-        plans, metadata = planner.create_global_plan(plans)
+        deduped, metadata = planner.create_global_plan(plans)
+        if groups is not None:  # the metadata does not depend on who writes a replica
+            deduped = _dedup_within(plans, groups)
         staging = prepare()
-        return [dataclasses.replace(p, storage_data=staging) for p in plans]
+        payload = (staging, metadata) if share else staging
+        return [dataclasses.replace(p, storage_data=payload) for p in deduped]
 
     def probe() -> tuple[bool, int]:
         local_step()
-        digest = local[1]
+        digest = local[2]
         assert cache is not None
         return cache.items is not None and cache.digest == digest, cache.round
 
@@ -113,8 +128,8 @@ def plan_save(
             staging = wrapper.all_reduce("plan", probe, decide)
             if staging is not None:
                 assert cache.items is not None
-                meta = copy.copy(cache.metadata) if wrapper.is_coordinator else None
-                return RankPlan(planner, cache.items, staging, meta, cached=True)
+                meta = copy.copy(cache.metadata) if wrapper.is_coordinator or share else None
+                return RankPlan(planner, cache.items, staging, meta, cached=True, needs=local[1])
         central = wrapper.reduce_scatter("plan", local_step, global_step)
     except BaseException as exc:  # CheckpointException derives from BaseException
         if isinstance(exc, Exception) and not isinstance(exc, SaveRefusedError):  # the collective itself
@@ -127,11 +142,25 @@ def plan_save(
         raise SaveRefusedError(
             f"planning the save to {final} failed on rank(s) {ranks}; nothing was written:\n{exc}"
         ) from exc
-    items = planner.finish_plan(central).items
+    staging, metadata = central.storage_data if share else (central.storage_data, metadata)
+    items = planner.finish_plan(dataclasses.replace(central, storage_data=staging)).items
     if cache is not None:
-        cache.digest = local[1]
+        cache.digest = local[2]
         cache.round, cache.items, cache.metadata = round_no, items, copy.copy(metadata)
-    return RankPlan(planner, items, central.storage_data, metadata)
+    return RankPlan(planner, items, staging, metadata, needs=local[1])
+
+
+def _dedup_within(plans: list[SavePlan], groups: list[list[int]]) -> list[SavePlan]:
+    """DCP's deduplication of replicated items (each to the plan with the fewest bytes so far),
+    within each group of ranks only: every group's plans together hold every item any of them has."""
+    from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
+
+    out: list[SavePlan | None] = [None] * len(plans)
+    for group in groups:
+        for rank, plan in zip(group, dedup_save_plans([plans[r] for r in group]), strict=True):
+            out[rank] = plan
+    assert all(p is not None for p in out), "groups must cover every rank"
+    return [p for p in out if p is not None]
 
 
 def _state_key(flat: dict[str, Any]) -> bytes | None:

@@ -15,9 +15,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from lazyckpt.recovery.check import folder_problems
+from lazyckpt.recovery.dcp import rank_problems
 from lazyckpt.recovery.verify import verify as verify_file
 
 from ..errors import IncompleteCheckpointWarning
+from . import _collective
 from ._level import Level, as_level, list_steps, step_of
 
 logger = logging.getLogger(__name__)
@@ -37,6 +39,9 @@ def latest(
     levels: Iterable[Level | str | os.PathLike[str]],
     storage_options: dict[str, Any] | None = None,
     verify: bool = True,
+    *,
+    collective: bool | None = None,
+    timeout: float = 600.0,
 ) -> Found | None:
     """The newest step that is complete at some level and passes verification (every CRC; a URL
     by ranged reads); among the levels holding that step, the first one given (the fastest).
@@ -51,20 +56,21 @@ def latest(
 
     Folder checkpoints (``step-<8 digits>``: Accelerate folders, DCP folders) are candidates as
     files are; a folder is complete and intact when ``recovery.check.folder_problems`` says so.
-    When a level holds a step as both a file and a folder, the file is the candidate."""
-    candidates: list[tuple[int, int, str]] = []
-    for index, entry in enumerate(levels):
-        level = as_level(entry)
-        try:
-            steps = list_steps(level, storage_options)
-        except Exception as exc:  # an unreachable level must not hide the others
-            warnings.warn(
-                f"lazyckpt.latest: cannot list level {index} ({level.path}): {exc}",
-                IncompleteCheckpointWarning,
-                stacklevel=2,
-            )
-            continue
-        candidates.extend((step, index, path) for step, path in steps.items())
+    When a level holds a step as both a file and a folder, the file is the candidate.
+
+    In a distributed job (torch.distributed initialized with more than one rank, or
+    ``collective=True``) it is collective: call it on every rank (each with its own levels: a
+    node-local level's folder is its node's), and every rank gets the same step, the newest that
+    every rank can load from some level (see ``_collective.py``): a DCP folder of
+    ``lazyckpt.distributed`` is checked for what this rank reads (its own items, when the job has
+    the layout that saved it; else the whole folder, which then must be a whole checkpoint,
+    loadable with resharding), anything else whole. ``found.path`` and ``found.level`` are this
+    rank's fastest usable copy. A rank that does not answer within ``timeout`` seconds makes the
+    others raise ``TimeoutError`` naming it. ``collective=False``: this process's own view."""
+    if _collective.active(collective):
+        return latest_agreed(levels, _collective.StoreExchange.default(timeout), storage_options, verify)
+    listings = _listings(levels, storage_options)
+    candidates = [(step, index, path) for index, steps in listings.items() for step, path in steps.items()]
     candidates.sort(key=lambda c: (-c[0], c[1]))
     for step, index, path in candidates:
         problem = _problem(path, storage_options, verify)
@@ -78,7 +84,65 @@ def latest(
     return None
 
 
-def _problem(path: str, storage_options: dict[str, Any] | None, verify: bool) -> str | None:
+def latest_agreed(
+    levels: Iterable[Level | str | os.PathLike[str]],
+    exchange: _collective.StoreExchange,
+    storage_options: dict[str, Any] | None = None,
+    verify: bool = True,
+) -> Found | None:
+    """``latest()`` agreed among ``exchange``'s ranks (every one of them calls it)."""
+    rank, world = exchange.rank, exchange.world
+
+    def usable(index: int, step: int, path: str) -> bool:
+        problem = _problem(path, storage_options, verify, rank=rank, world=world)
+        if problem is not None:
+            warnings.warn(
+                f"lazyckpt.latest: skipping {path} (level {index}, step {step}) on rank {rank}: {problem}",
+                IncompleteCheckpointWarning,
+                stacklevel=4,
+            )
+        return problem is None
+
+    agreed = _collective.agree(_listings(levels, storage_options), usable, exchange)
+    return None if agreed is None else Found(agreed[2], agreed[0], agreed[1])
+
+
+def _listings(
+    levels: Iterable[Level | str | os.PathLike[str]], storage_options: dict[str, Any] | None
+) -> dict[int, dict[int, str]]:
+    """{level index: {step: path}} of every level that can be listed (the others warn)."""
+    out: dict[int, dict[int, str]] = {}
+    for index, entry in enumerate(levels):
+        level = as_level(entry)
+        try:
+            out[index] = list_steps(level, storage_options)
+        except Exception as exc:  # an unreachable level must not hide the others
+            warnings.warn(
+                f"lazyckpt.latest: cannot list level {index} ({level.path}): {exc}",
+                IncompleteCheckpointWarning,
+                stacklevel=3,
+            )
+    return out
+
+
+def _problem(
+    path: str, storage_options: dict[str, Any] | None, verify: bool, rank: int | None = None, world: int = 1
+) -> str | None:
+    """Why ``path`` is not a complete checkpoint, or None when it is. With ``rank``: whether that
+    rank (of ``world``) can load its own items from a DCP folder saved by a job of that layout
+    (``recovery.dcp.rank_problems``); other paths, and such folders without a list for that rank,
+    are checked whole."""
+    if rank is not None and step_of(path.rstrip("/").rsplit("/", 1)[-1], folder=True) is not None:
+        try:
+            problems = rank_problems(path, rank, world, storage_options, verify)
+        except Exception as exc:  # unreadable: not a checkpoint to resume from
+            return f"cannot be read: {exc}"
+        if problems is not None:
+            return "; ".join(problems) or None
+    return _whole_problem(path, storage_options, verify)
+
+
+def _whole_problem(path: str, storage_options: dict[str, Any] | None, verify: bool) -> str | None:
     """Why ``path`` is not a complete checkpoint, or None when it is."""
     name = path.rstrip("/").rsplit("/", 1)[-1]
     try:

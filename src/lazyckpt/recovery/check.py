@@ -18,7 +18,7 @@ from lazyckpt.formats.dcp import DATA_SUFFIX, MANIFEST, METADATA
 from lazyckpt.storage.remote import filesystem
 
 from . import files as _files
-from .dcp import verify_checkpoint
+from .dcp import partial_problem, read_manifest, verify_checkpoint
 from .verify import verify as verify_file
 
 __all__ = ["Result", "check", "check_path", "check_url", "folder_problems"]
@@ -177,7 +177,26 @@ def folder_problems(path: str, storage_options: dict[str, Any] | None = None, ve
     intact; ``[]`` when it is. Complete: a local folder holds no pending marker (a save into it
     ended) and some checkpoint; a prefix holds its last key (the folder manifest, or DCP's
     ``.metadata``), uploaded after every other object. ``verify`` also checks every file as
-    ``check`` does (CRCs, a DCP folder against its manifest); without it, completeness only."""
+    ``check`` does (CRCs, a DCP folder against its manifest); without it, completeness only.
+    A node-local level's DCP folder (one node's ranks' files) is no whole checkpoint: a problem
+    here (``lazyckpt.latest()`` on every rank of a job with the same layout uses it)."""
+    problems = _folder_problems(path, storage_options, verify)
+    if not problems:
+        partial = _partial(path, storage_options)
+        if partial is not None:
+            problems.append(partial)
+    return problems
+
+
+def _partial(path: str, storage_options: dict[str, Any] | None) -> str | None:
+    try:
+        manifest = read_manifest(path, storage_options)
+    except (OSError, ValueError):  # not a DCP folder of lazyckpt's: nothing to say here
+        return None
+    return partial_problem(manifest)
+
+
+def _folder_problems(path: str, storage_options: dict[str, Any] | None, verify: bool) -> list[str]:
     if "://" in path:
         fs, rpath = filesystem(path, storage_options)
         rpath = rpath.rstrip("/")

@@ -121,6 +121,68 @@ def verify_checkpoint(path: str | os.PathLike[str], storage_options: dict[str, A
     return report
 
 
+def _folder(root: str, storage_options: dict[str, Any] | None) -> _LocalFolder | _RemoteFolder:
+    return _RemoteFolder(root, storage_options) if _remote.is_url(root) else _LocalFolder(root)
+
+
+def read_manifest(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The manifest of the DCP folder at ``path``; ``FileNotFoundError`` without one."""
+    manifest = json.loads(_folder(os.fspath(path), storage_options).read(MANIFEST))
+    if not isinstance(manifest, dict):
+        raise ValueError(f"{MANIFEST} is not a JSON object")
+    return manifest
+
+
+def partial_problem(manifest: dict[str, Any]) -> str | None:
+    """Why a folder is no whole checkpoint by itself (a node-local level's folder holds its node's
+    ranks' files only), or None. Folders written before the manifest said so are whole."""
+    if manifest.get("complete", True):
+        return None
+    ranks = sorted(int(r) for r in manifest.get("ranks", {}))
+    return (
+        f"holds the files of rank(s) {ranks} of {manifest.get('world_size')} only (a node-local copy): "
+        "it serves those ranks when a job of the same layout calls lazyckpt.latest() on every rank"
+    )
+
+
+def rank_problems(
+    path: str | os.PathLike[str],
+    rank: int,
+    world_size: int,
+    storage_options: dict[str, Any] | None = None,
+    verify: bool = True,
+) -> list[str] | None:
+    """Whether ``rank`` of a job of ``world_size`` ranks, laid out as the one that saved the DCP
+    folder at ``path``, can load its own items from it: ``.metadata`` and the files its manifest
+    lists for that rank are there, with their sizes (``verify``: and their CRCs). ``[]`` when it
+    can; the problems when not; None when the folder keeps no per-rank list for that rank and
+    world size (check it whole instead: ``verify_checkpoint``)."""
+    root = os.fspath(path)
+    try:
+        manifest = read_manifest(root, storage_options)
+    except FileNotFoundError:
+        return [f"no {MANIFEST}: not written by lazyckpt (or not committed)"]
+    except (OSError, ValueError) as exc:
+        return [f"{MANIFEST} unreadable: {exc}"]
+    files = manifest.get("ranks", {}).get(str(rank))
+    if manifest.get("world_size") != world_size or files is None:
+        return None
+    folder = _folder(root, storage_options)
+    report = VerifyReport(root, "dcp", 0)
+    if isinstance(folder, _RemoteFolder) and folder.size(METADATA) is None:
+        return [f"no {METADATA}: not a committed checkpoint (a save in progress, or one that failed)"]
+    expected = manifest.get("files", {})
+    for name in [METADATA, *files]:
+        want = manifest.get(METADATA, {}) if name == METADATA else expected.get(name)
+        if want is None:
+            report.problems.append(f"{name}: not in the manifest's files")
+        elif verify:
+            _check_file(folder, name, want, report)
+        elif (size := folder.size(name)) != want.get("size"):
+            report.problems.append(f"{name}: missing" if size is None else f"{name}: {size} bytes")
+    return report.problems
+
+
 def _check_file(folder: _LocalFolder | _RemoteFolder, name: str, want: dict, report: VerifyReport) -> None:
     size = folder.size(name)
     if size is None:

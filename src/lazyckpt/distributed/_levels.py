@@ -1,0 +1,480 @@
+"""Multi-level distributed checkpoints: ``DistributedCheckpointer(levels=[...]).save(state, step=n)``.
+
+Every due level gets a DCP folder ``<level>/step-<n, 8 digits>`` (a node-local level: one per node,
+holding that node's ranks' files and a ``.metadata`` locating them). Data flow of one save
+(collective: every rank, same steps, same order), mirroring ``levels._multi.MultiLevel``:
+
+    caller thread: the due levels; DCP planning on the checkpointer's gloo group, replicated items
+        deduplicated within each node's ranks only (``_plan``, ``_topology.dedup_groups``); then
+        (after the collective, so that no rank waits in it for one held here) each slower due
+        level admitted under its backlog bound (at the bound: confirm this rank's pending saves,
+        wait, warn); this rank's ONE file, the only device-to-host staging, started on the core's
+        engine into the fastest due level's staging folder for the step; one ``LevelsHandle``.
+    lazyckpt-dist-level-<first>: once the file is durable (confirmed by the training thread), the
+        report and that level's commit, all ranks or none (a shared level: ``Decider.coordinate``
+        / ``follow``; a node-local one: ``Decider.commit_node``); the source handle ends alike on
+        every rank.
+    lazyckpt-dist-level-<i>, each slower due level, FIFO: once the source committed, this rank's
+        OWN file copied (CRC-checked) or uploaded from the fastest level's committed folder
+        (``_promote``), the report, the level's commit; unpin the source; retention; its part.
+    core callback thread: the source handle's done-callback: retention of the fastest level.
+
+Ownership: this object owns the level threads and their queues, the backlog counters, the pins
+(a step of the fastest level is pinned while this rank's copies read it; a level commit needs
+every rank's report, so once its leader's copy is committed, every rank's is done), the handles it
+finishes and a callback thread for them. Each level folder is owned by one rank of those sharing
+it (``Scope.leader``: the coordinator for a shared level and for URLs): it writes the metadata,
+publishes, and applies retention (``keep`` newest complete steps, after each commit, so the newest
+is never removed; pinned steps are skipped until their copies end). Errors are the checkpointer's
+(its inner ``LazyCheckpointer``'s ledger): a level's failure is one ``DistributedLevelError`` per
+rank, alike on every rank, reported once.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import os
+import shutil
+import threading
+import time
+import warnings
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch.distributed.checkpoint.utils import _DistWrapper
+
+from lazyckpt.core.handle import CallbackRunner, Completion, SaveHandle, SaveStats
+from lazyckpt.core.report import Report
+from lazyckpt.core.workers import Worker
+from lazyckpt.levels import Found, Level, LevelError
+from lazyckpt.levels import _copy as _level_copy
+from lazyckpt.levels._collective import StoreExchange
+from lazyckpt.levels._handle import LevelsHandle, Parts
+from lazyckpt.levels._latest import latest_agreed
+from lazyckpt.levels._level import list_steps
+from lazyckpt.levels._multi import WARN_AFTER_S, check_levels
+from lazyckpt.storage import fs as _fs
+
+from ..checkpointer import LazyCheckpointer
+from ..errors import BackpressureWarning, CheckpointerClosedError, DistributedLevelError, SaveRefusedError, UploadError
+from . import _commit
+from ._commit import RankReport, StoreProtocol
+from ._core import classify_start_error, complete_handle, confirm_ready, local_outcome, resolve_handle, start_rank_file
+from ._decide import Decider
+from ._handle import DistributedSaveHandle, Outcome, Save
+from ._plan import PlanCache, plan_save
+from ._promote import check_file, copy_checked, renamed
+from ._topology import Scope, dedup_groups, probe
+from ._upload import RemoteFolder
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Context:
+    """What the levels use of their ``DistributedCheckpointer``: handed over, never reached for."""
+
+    inner: LazyCheckpointer
+    wrapper: _DistWrapper
+    rank: int
+    world: int
+    token: str
+    proto: StoreProtocol
+    decider: Decider
+    commit_timeout: float
+    store: Any
+    next_n: Callable[[], int]  # the checkpointer's save counter (the same on every rank)
+    all_gather: Callable[[Any], list[Any]]  # over the checkpointer's gloo group
+
+
+@dataclass(eq=False)
+class _Step:
+    """One ``save(state, step=)`` on this rank."""
+
+    n: int
+    step: int
+    first: int  # the fastest due level: the source
+    entry: Save  # its folder: this rank's file and the source handle
+    needs: frozenset[Any]  # every item this rank saved (its shard): what it loads back
+    metadata: Any  # the global Metadata: each level folder's .metadata starts from a copy
+    readers: int  # admitted copies still to read the source file
+    source_done: threading.Event = field(default_factory=threading.Event)
+    parts: Parts | None = None
+
+
+@dataclass(eq=False)
+class _Item:
+    level: int
+    step: _Step
+
+
+class DistributedLevels:
+    """The multi-level saver of one ``DistributedCheckpointer`` (see the module docstring)."""
+
+    @staticmethod
+    def check(levels: tuple[Any, ...]) -> None:
+        """Refuse levels this saver cannot serve (before anything starts): ``TypeError`` unless a
+        non-empty list of ``Level``; ``ValueError`` for two levels at one path, or a URL level
+        without a faster local level due whenever it is (its copy is uploaded from there)."""
+        check_levels(levels)
+        if len({lv.path for lv in levels}) != len(levels):
+            raise ValueError("two levels share a path; give each level its own folder")
+        for i, level in enumerate(levels):
+            if level.is_url and not any(not lv.is_url and level.every % lv.every == 0 for lv in levels[:i]):
+                raise ValueError(
+                    f"level {i} ({level.path}) is a URL: give a faster local level whose every divides its every "
+                    f"({level.every}), so that a local copy exists to upload whenever it is due"
+                )
+
+    def __init__(self, ctx: Context, levels: tuple[Level, ...]) -> None:
+        self.check(levels)
+        self.ctx = ctx
+        self.levels = levels
+        self.options = ctx.inner.options
+        self.scopes: list[Scope] = probe(levels, ctx.token, ctx.rank, ctx.world, ctx.all_gather)
+        self._groups = dedup_groups(self.scopes, ctx.world)
+        for level, scope in zip(levels, self.scopes, strict=True):
+            if not level.is_url and ctx.rank == scope.leader:  # dead saves' staging folders, copies
+                _commit.cleanup_leftovers(level.path)
+                _fs.cleanup_temporaries(level.path)
+        self._cond = threading.Condition()
+        self._callbacks = CallbackRunner()
+        self._workers = {i: Worker(f"lazyckpt-dist-level-{i}", self._run, lazy=True) for i in range(len(levels))}
+        self._pending: Counter[int] = Counter()  # level -> admitted copies not yet ended
+        self._pins: Counter[tuple[int, int]] = Counter()  # (level, step) -> copies reading it
+        self._removing: set[str] = set()
+        self._first: dict[int, int] = {}  # level -> first step this checkpointer saved there
+        self._mine: dict[int, set[int]] = {i: set() for i in range(len(levels))}
+        self._open: set[LevelsHandle] = set()
+        self._plans = PlanCache()
+        self._latest_calls = 0
+        self._memory_checked = False
+        self._closed = False
+
+    @property
+    def has_urls(self) -> bool:
+        return any(lv.is_url for lv in self.levels)
+
+    # -- caller side ------------------------------------------------------------------------------
+
+    def save(self, state: dict[str, Any], step: int) -> SaveHandle:
+        """Collective. ``state`` (what ``dcp.save`` takes) to every level due at ``step``."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise SaveRefusedError(f"step must be an int >= 0, got {step!r}")
+        if self._closed:
+            raise CheckpointerClosedError("this DistributedCheckpointer is closed; create a new one")
+        t0 = time.perf_counter()
+        due = [i for i, lv in enumerate(self.levels) if lv.due(step)]
+        if not due:
+            return _not_due(step, t0)
+        confirm_ready()  # earlier saves whose copies are over: this thread's ops came before
+        ctx, first = self.ctx, due[0]
+        n = ctx.next_n()
+        key = f"{n}-{first}"
+        final = self.levels[first].folder(step)
+        plan = plan_save(state, ctx.wrapper, final, lambda: "", self._plans, n, groups=self._groups)
+        admitted = [i for i in due[1:] if self._admit(i, step)]  # all of them: "block" only
+        completion = Completion(final, DistributedSaveHandle)
+        handle: DistributedSaveHandle = completion.handle  # type: ignore[assignment]
+        staging = _commit.staging_path(final, ctx.token, key)
+        entry = Save(key, final, staging, handle, t0, metadata=copy.copy(plan.metadata), completion=completion)
+        entry.file = f"__{ctx.rank}_0.distcp"
+        st = _Step(n, step, first, entry, plan.needs, plan.metadata, readers=len(admitted))
+        st.parts = Parts(final, step, handle, [first, *admitted], self, t0)
+        with self._cond:
+            for i in [first, *admitted]:
+                self._first.setdefault(i, step)
+                self._mine[i].add(step)
+            if admitted:  # one per copy: the step stays until the last copy has read it
+                self._pins[(first, step)] += len(admitted)
+            self._open.add(st.parts.handle)
+        refused: BaseException | None = None
+        try:
+            os.makedirs(staging, exist_ok=True)
+            start_rank_file(ctx.inner, entry, plan)
+        except BaseException as exc:  # every rank must learn it: reported by the level thread
+            entry.error = classify_start_error(exc, ctx.rank, final)
+            if not isinstance(entry.error, Exception) or isinstance(entry.error, SaveRefusedError):
+                completion.caller_saw_error()  # raised here, not again by wait() or close()
+                refused = entry.error
+        handle.add_done_callback(lambda h: self._source_done(st, h))
+        for i in [first, *admitted]:
+            self._workers[i].submit(_Item(i, st))
+        if refused is not None:
+            raise refused
+        self._check_memory(entry)
+        return st.parts.handle
+
+    def latest(self, storage_options: dict[str, Any] | None, verify: bool, timeout: float) -> Found | None:
+        """Collective over the checkpointer's ranks (``lazyckpt.latest`` agreed through the store)."""
+        prefix = f"lazyckpt/{self.ctx.token}/latest/{self._latest_calls}"
+        self._latest_calls += 1
+        exchange = StoreExchange(self.ctx.store, prefix, self.ctx.rank, self.ctx.world, timeout)
+        return latest_agreed(self.levels, exchange, storage_options, verify)
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Wait for every multi-level save (confirming this rank's files on this thread)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            handles = list(self._open)
+        for h in handles:
+            h.exception(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+    def close(self) -> None:
+        """Stop the level threads (after ``drain``) and the callback thread."""
+        if self._closed:
+            return
+        self._closed = True
+        for worker in self._workers.values():
+            worker.stop()
+        self._callbacks.stop()
+
+    # -- the handles' owner (``levels._handle.Owner``) ---------------------------------------------
+
+    @property
+    def callbacks(self) -> CallbackRunner:
+        return self._callbacks
+
+    def publish(self, report: Report) -> None:
+        self.ctx.inner.publish(report)  # one ledger: wait() / close() raise it once
+
+    def forget(self, handle: LevelsHandle) -> None:
+        with self._cond:
+            self._open.discard(handle)
+
+    # -- level threads ----------------------------------------------------------------------------
+
+    def _run(self, item: _Item) -> None:
+        st = item.step
+        source = item.level == st.first
+        try:
+            if source:
+                self._commit_source(st)
+            else:
+                self._promote(item.level, st)
+        except BaseException as exc:  # noqa: BLE001 - a bug: the handle must still end
+            logger.exception("lazyckpt: level %d of step %d failed unexpectedly", item.level, st.step)
+            if source:
+                self._finish_source(st.entry, exc)
+            else:
+                assert st.parts is not None
+                st.parts.part_done(item.level, written=False)
+        finally:
+            if not source:
+                with self._cond:
+                    self._pending[item.level] -= 1
+                    self._cond.notify_all()
+
+    def _commit_source(self, st: _Step) -> None:
+        """The fastest level's folder: this rank's file durable (or failed), then the commit."""
+        entry = st.entry
+        own = entry.error
+        if own is None and entry.local is not None and entry.layout is not None:
+            own = local_outcome(entry.local)  # waits WITHOUT confirming: the training thread does
+        if own is None and entry.layout is not None:
+            report = self._report(entry.file, entry.layout, entry.storage, st.needs)
+        else:
+            own = own or RuntimeError(f"lazyckpt: rank {self.ctx.rank}'s file for {entry.final} was never started")
+            report = RankReport(self.ctx.rank, False, error=f"{type(own).__name__}: {own}")
+        outcome = self._commit(st.first, entry, report)
+        self._finish_source(entry, None if outcome is None else self._error(st.first, st.step, entry, outcome, own))
+
+    def _promote(self, index: int, st: _Step) -> None:
+        """A slower level's copy of this rank's file, once the source committed (on every rank alike)."""
+        assert st.parts is not None
+        st.source_done.wait()  # always set: the source's commit always ends
+        written = st.entry.handle is not None and st.entry.handle.exception() is None
+        error = self._copy_and_commit(index, st) if written else None
+        self._release(st)
+        if written and error is None:
+            self._retain(index)
+        st.parts.part_done(index, error, written=written and error is None)
+
+    def _copy_and_commit(self, index: int, st: _Step) -> DistributedLevelError | None:
+        ctx, level, source = self.ctx, self.levels[index], st.entry
+        assert source.layout is not None
+        key = f"{st.n}-{index}"
+        entry = Save(key, level.folder(st.step), "", None, st.entry.t0, metadata=copy.copy(st.metadata))
+        src = os.path.join(self.levels[st.first].folder(st.step), source.file)
+        own: BaseException | None = None
+        try:
+            if level.is_url:
+                entry.remote = RemoteFolder.create(ctx.inner.remote_tier(), entry.final)
+                entry.staging = entry.remote.local  # the coordinator's .metadata and manifest
+                name = f"__{ctx.rank}_0.{ctx.token[:16]}-{key}.distcp"  # a name of its own per save
+                check_file(src, source.layout.file_crc)
+                entry.remote.upload_from(name, src)
+                storage = renamed(source.storage, name)
+            else:
+                entry.staging = _commit.staging_path(entry.final, ctx.token, key)
+                name, storage = source.file, source.storage
+                copy_checked(src, entry.staging, name, source.layout.file_crc, self.options.fsync)
+            report = self._report(name, source.layout, storage, st.needs)
+        except Exception as exc:  # reported: the save fails at this level on every rank
+            own = exc
+            report = RankReport(ctx.rank, False, error=f"{type(exc).__name__}: {exc}",
+                                upload_failed=isinstance(exc, UploadError))  # fmt: skip
+        outcome = self._commit(index, entry, report)
+        if entry.remote is not None:
+            if outcome is not None and outcome.undo:
+                entry.remote.remove_uploaded()
+            shutil.rmtree(os.path.dirname(entry.remote.local), ignore_errors=True)
+        return None if outcome is None else self._error(index, st.step, entry, outcome, own)
+
+    def _report(self, name: str, layout: Any, storage: dict[Any, Any], needs: frozenset[Any]) -> RankReport:
+        return RankReport(self.ctx.rank, True, name, layout.total_size, layout.file_crc, storage, needs=needs)
+
+    def _commit(self, index: int, entry: Save, report: RankReport) -> Outcome | None:
+        """One level folder's two-phase commit, this rank's side; None when committed."""
+        ctx, scope = self.ctx, self.scopes[index]
+        ctx.proto.post(entry.n, report)
+        deadline = time.monotonic() + ctx.commit_timeout
+        if scope.node_local:
+            return ctx.decider.commit_node(entry, deadline, scope)
+        if ctx.rank == 0:
+            return ctx.decider.coordinate(entry, deadline)
+        outcome = ctx.decider.follow(entry, deadline)
+        ctx.proto.ack(entry.n)
+        return outcome
+
+    def _error(
+        self, index: int, step: int, entry: Save, outcome: Outcome, own: BaseException | None
+    ) -> DistributedLevelError:
+        level = self.levels[index]
+        cause = outcome.cause or (own if own is not None and self.ctx.rank in outcome.ranks else None)
+        code = getattr(cause, "errno", None)
+        err = DistributedLevelError(
+            f"lazyckpt: level {index} ({level.path}), step {step}: {outcome.message}",
+            index, level.path, step, entry.final, errno=code if isinstance(code, int) else None, ranks=outcome.ranks,
+        )  # fmt: skip
+        err.__cause__ = cause
+        return err
+
+    def _finish_source(self, entry: Save, error: BaseException | None) -> None:
+        stats = None
+        local = entry.local.stats if entry.local is not None else None
+        if error is None and local is not None:
+            stats = dataclasses.replace(local, path=entry.final, durable_s=time.perf_counter() - entry.t0)
+        assert entry.completion is not None
+        if resolve_handle(self.ctx.inner, entry.completion, stats, error):
+            complete_handle(self.ctx.inner, entry.completion)
+
+    def _source_done(self, st: _Step, handle: SaveHandle) -> None:
+        """The source handle's done-callback (the core's callback thread)."""
+        assert st.parts is not None
+        st.source_done.set()
+        written = handle.exception() is None
+        if written:
+            self._retain(st.first)
+        st.parts.part_done(st.first, written=written)
+
+    def _release(self, st: _Step) -> None:
+        with self._cond:
+            st.readers -= 1
+            last = st.readers == 0
+            self._pins[(st.first, st.step)] -= 1
+            if self._pins[(st.first, st.step)] <= 0:
+                del self._pins[(st.first, st.step)]
+        if last:  # its retention may have skipped this step while it was pinned
+            self._retain(st.first)
+
+    # -- retention (the folder's owner only) ------------------------------------------------------
+
+    def _retain(self, index: int) -> None:
+        """As ``MultiLevel._retain``, on the rank that owns this rank's folder of the level: remove
+        the steps beyond the ``keep`` newest, and those after the first step this checkpointer saved
+        there that it did not save (an abandoned timeline), pinned ones skipped."""
+        level = self.levels[index]
+        if self.ctx.rank != self.scopes[index].leader:
+            return
+        try:
+            steps = list_steps(level, self.options.storage_options, folder=True)
+        except Exception as exc:  # noqa: BLE001 - retention is housekeeping
+            logger.warning("lazyckpt: level %d (%s): cannot list it for retention: %s", index, level.path, exc)
+            return
+        with self._cond:
+            first, mine = self._first.get(index), self._mine[index]
+            stale = {s for s in steps if first is not None and s > first and s not in mine}
+            live = sorted(s for s in steps if s not in stale)
+            old = set(live[: -level.keep]) if level.keep is not None else set()
+            victims = [
+                steps[s] for s in sorted(stale | old) if (index, s) not in self._pins and steps[s] not in self._removing
+            ]
+            self._removing.update(victims)
+        for path in victims:
+            self._delete(index, path)
+
+    def _delete(self, index: int, path: str) -> None:
+        level = self.levels[index]
+        try:
+            if level.is_url:
+                tier = self.ctx.inner.remote_tier()
+                tier.delete_object(path, *tier.resolve(path))  # .metadata first
+            else:
+                self.ctx.inner.remove(path)  # renamed away now, freed on the remover thread
+        except FileNotFoundError:
+            pass
+        except Exception as exc:  # noqa: BLE001 - reported once, as a failed save is
+            err = LevelError(f"lazyckpt: level {index} ({level.path}): could not remove {path}: {exc}",
+                             index, level.path, -1, path)  # fmt: skip
+            err.__cause__ = exc
+            self.ctx.inner.publish(Report(err))
+        finally:
+            with self._cond:
+                self._removing.discard(path)
+
+    # -- admission --------------------------------------------------------------------------------
+
+    def _admit(self, index: int, step: int) -> bool:
+        """Reserve a place in level ``index``'s backlog; at the bound, wait for one (warned)."""
+        level = self.levels[index]
+        with self._cond:
+            if self._pending[index] < level.backlog:
+                self._pending[index] += 1
+                return True
+            pending = self._pending[index]
+        t0 = time.monotonic()
+        self.ctx.inner.wait_staged()  # confirms this rank's pending files: their copies can then run
+        with self._cond:
+            while self._pending[index] >= level.backlog:
+                self._cond.wait(1.0)  # the level thread ends every item it holds (commit_timeout bounds it)
+            self._pending[index] += 1
+        waited = time.monotonic() - t0
+        if waited > WARN_AFTER_S:
+            warnings.warn(
+                f"lazyckpt: level {index} ({level.path}) falls behind: save(step={step}) waited {waited:.2f} s for "
+                f"{pending} earlier copies to it (backlog bound {level.backlog}); training slows to that level's "
+                "speed. Save to it less often, or raise its backlog.",
+                BackpressureWarning,
+                stacklevel=4,
+            )
+        return True
+
+    def _check_memory(self, entry: Save) -> None:
+        """First save: the memory statement (``levels._copy.check_memory``), for this node: this
+        rank's file times the ranks sharing the largest local level folder."""
+        if self._memory_checked or entry.layout is None:
+            return
+        self._memory_checked = True
+        local = [s for lv, s in zip(self.levels, self.scopes, strict=True) if not lv.is_url]
+        sharing = max((len(s.group) for s in local), default=1)
+        _level_copy.check_memory(self.levels, entry.layout.total_size * sharing)
+
+
+class _NotDue(SaveHandle):
+    """No level is due at ``step``: a finished handle whose stats say skipped."""
+
+    def __init__(self, path: str, outcome: Any = None, *, step: int) -> None:
+        super().__init__(path, outcome)
+        self.step = step
+
+
+def _not_due(step: int, t0: float) -> SaveHandle:
+    completion = Completion(f"step {step}: no level due", _NotDue, step=step)
+    skipped = SaveStats(completion.handle.path, 0, 0, time.perf_counter() - t0, 0.0, 0.0, 0.0, 0.0, 0.0, skipped=True)
+    completion.finish(skipped, None)
+    return completion.handle

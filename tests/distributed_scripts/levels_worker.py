@@ -1,0 +1,257 @@
+"""One rank of a multi-level DistributedCheckpointer test (CPU, gloo): FSDP2 + AdamW plus replicated
+state, a node-local memory level (each rank its own /dev/shm folder, standing for its node), a
+shared disk level, optionally an S3 level.
+
+Usage: levels_worker.py SCENARIO RANK WORLD PORT WORKDIR (``tests/_worker.py``); the levels and
+the run come from the env var LAZYCKPT_TEST_LEVELS (JSON: ``mem`` base folder, ``disk``, ``s3`` URL
+or null, ``every`` per level, ``keep``, ``steps``, ``kill_step``). Writes WORKDIR/result-<rank>.json.
+
+The state at every save is dumped whole (gathered, rank 0 writes ``dump-<step>.pt``) BEFORE the
+save, so every checkpoint that can exist has its expected state.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+import _worker
+import lazyckpt
+from _util import assert_same
+from lazyckpt import Level
+from lazyckpt.distributed import DistributedCheckpointer, DistributedLevelError
+
+ARGS = _worker.parse_argv()
+SCENARIO, RANK, WORLD, PORT, WORKDIR = ARGS
+RESULT: dict = {"ok": True}
+CONFIG = json.loads(os.environ.get("LAZYCKPT_TEST_LEVELS", "{}"))
+OPTS = dict(host_memory_budget=8 << 20, chunk_bytes=1 << 20, writer_threads=2, commit_timeout=60)
+WIDTH = 64  # 16 KiB per weight: rank files of a few hundred KiB
+
+
+def levels() -> list[Level]:
+    """This rank's view of the levels: its node's memory folder, the shared disk, S3."""
+    every, keep = CONFIG.get("every", [1, 3, 6]), CONFIG.get("keep", [2, 2, 2])
+    out = [
+        Level(os.path.join(CONFIG["mem"], f"node{RANK}"), every=every[0], keep=keep[0]),
+        Level(CONFIG["disk"], every=every[1], keep=keep[1]),
+    ]
+    if CONFIG.get("s3"):
+        out.append(Level(CONFIG["s3"], every=every[2], keep=keep[2]))
+    return out
+
+
+def options() -> dict:
+    opts = dict(OPTS)
+    if CONFIG.get("s3"):
+        opts.update(storage_options=CONFIG["storage_options"], local_dir=os.path.join(WORKDIR, f"tier-{RANK}"))
+    return opts
+
+
+def model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """FSDP2 (every Linear and the root sharded) under AdamW."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU(), torch.nn.Linear(WIDTH, WIDTH))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+    g = torch.Generator().manual_seed(step * 100 + RANK)
+    model(torch.randn(4, WIDTH, generator=g)).pow(2).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def replicated(step: int) -> dict:
+    """DDP-style replicated state: the same values on every rank (DCP writes each item once,
+    unless lazyckpt keeps a copy per node for the node-local level)."""
+    return {"ema": torch.arange(512.0) * step, "counter": torch.tensor(step), "note": f"step {step}"}
+
+
+def state_of(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> dict:
+    msd, osd = get_state_dict(model, opt)
+    return {"model": msd, "optim": osd, "extra": replicated(step), "step": step}
+
+
+def full(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> dict:
+    """The whole state (gathered: collective), cloned."""
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    return _clone({"model": msd, "optim": osd, "extra": replicated(step), "step": step})
+
+
+def _clone(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _clone(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_clone(v) for v in obj]
+    return obj
+
+
+def dump_path(step: int) -> str:
+    return os.path.join(WORKDIR, f"dump-{step}.pt")
+
+
+def train(ckpt: DistributedCheckpointer, first: int, steps: int, on_step=None) -> dict:
+    """Train ``steps`` steps from ``first``, saving every step (the levels decide where); the
+    handles by step."""
+    model, opt = model_and_optimizer()
+    handles = {}
+    for step in range(first, first + steps):
+        train_step(model, opt, step)
+        whole = full(model, opt, step)
+        if RANK == 0:
+            torch.save(whole, dump_path(step))
+        dist.barrier()  # the dump is on disk before any rank saves
+        if on_step is not None:
+            on_step(step)
+        handles[step] = ckpt.save(state_of(model, opt, step), step=step)
+    return handles
+
+
+def restore(found, storage_options: dict | None = None) -> dict:
+    """Load ``found`` (this rank's path) with stock DCP into a fresh FSDP2 model and optimizer
+    whose optimizer state holds other values; return the whole state, gathered."""
+    model, opt = model_and_optimizer()
+    train_step(model, opt, 999)
+    state = state_of(model, opt, -1)
+    if found.path.startswith("s3://"):
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        dcp.load(state, storage_reader=FsspecReader(found.path, **storage_options))
+    else:
+        dcp.load(state, checkpoint_id=found.path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return {"model_optim": full(model, opt, -1), "extra": state["extra"], "step": state["step"]}
+
+
+def check_restored(found, storage_options: dict | None = None) -> None:
+    got = restore(found, storage_options)
+    want = torch.load(dump_path(found.step), weights_only=False)
+    assert got["step"] == found.step, (got["step"], found.step)
+    assert_same(got["model_optim"]["model"], want["model"], "model", loose=True)
+    assert_same(got["model_optim"]["optim"], want["optim"], "optim", loose=True)
+    assert_same(got["extra"], want["extra"], "extra", loose=True)
+
+
+# -- scenarios ---------------------------------------------------------------------------------------
+
+
+def scenario_train() -> None:
+    """Save every step for CONFIG["steps"] steps; wait; report what each step reached."""
+    with DistributedCheckpointer(levels=levels(), **options()) as ckpt:
+        handles = train(ckpt, 1, CONFIG.get("steps", 7))
+        done = {step: h.wait() and h.levels_done for step, h in handles.items()}
+        RESULT["levels_done"] = done
+        RESULT["scopes"] = [s.node_local for s in ckpt_scopes(ckpt)]
+    RESULT["listing"] = {lv.path: sorted(os.listdir(lv.path)) for lv in levels() if not lv.is_url}
+
+
+def ckpt_scopes(ckpt):
+    """Which levels the checkpointer found node-local (the test looks inside)."""
+    return ckpt._levels.scopes
+
+
+def scenario_restart() -> None:
+    """Both ways to ask, on every rank: ``lazyckpt.latest(levels)`` (collective by itself) and
+    ``DistributedCheckpointer.latest()``; then the state loaded with stock DCP equals the dump."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        found = lazyckpt.latest(levels(), CONFIG.get("storage_options"))
+    RESULT["warnings"] = [str(w.message) for w in seen]
+    assert found is not None, "nothing found"
+    RESULT["found"] = {"step": found.step, "level": found.level, "path": found.path}
+    with DistributedCheckpointer(levels=levels(), **options()) as ckpt:
+        again = ckpt.latest()
+        assert again == found, (again, found)
+    check_restored(found, CONFIG.get("storage_options"))
+    RESULT["restored"] = True
+
+
+def scenario_kill() -> None:
+    """Rank 1 SIGKILLs itself at the first write of step CONFIG["kill_step"]'s save (its memory
+    file, or a copy still running); rank 0 fails (its next collective, or the save) and stops."""
+    import lazyckpt.storage.fs as _fs
+
+    armed = []
+    if RANK == 1:
+        real = _fs.pwrite_all
+
+        def pwrite_all(fd, data, offset):
+            if armed:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(fd, data, offset)
+
+        _fs.pwrite_all = pwrite_all
+
+    def arm(step: int) -> None:
+        if step == CONFIG["kill_step"]:
+            armed.append(True)
+
+    ckpt = DistributedCheckpointer(levels=levels(), **options())
+    try:
+        train(ckpt, 1, CONFIG["kill_step"] + 3, on_step=arm)
+        ckpt.wait()
+        raise AssertionError("training went on although rank 1 died")
+    except (RuntimeError, DistributedLevelError, TimeoutError) as exc:  # gloo: the peer is gone
+        RESULT["stopped_by"] = f"{type(exc).__name__}: {exc}"[:500]
+
+
+def scenario_enospc() -> None:
+    """The disk level is full on rank 1 only: every disk-due step fails on both ranks with one
+    DistributedLevelError naming level 1 and rank 1 (once: not again from wait()); the memory
+    level keeps every step."""
+    import lazyckpt.storage.fs as _fs
+
+    disk = levels()[1].path
+    if RANK == 1:
+        real = _fs.open_temporary
+
+        def full(path, size):
+            if os.path.dirname(os.path.dirname(path)) == disk:  # a file in a staging folder of the disk level
+                raise OSError(errno.ENOSPC, "No space left on device (injected)", path)
+            return real(path, size)
+
+        _fs.open_temporary = full
+    with DistributedCheckpointer(levels=levels(), **options()) as ckpt:
+        handles = train(ckpt, 1, CONFIG.get("steps", 7))
+        errors = {}
+        for step, h in handles.items():
+            try:
+                RESULT.setdefault("ok_steps", []).append([step, h.wait() and h.levels_done])
+            except DistributedLevelError as exc:
+                errors[step] = {
+                    "level": exc.level, "level_path": exc.level_path, "step": exc.step, "ranks": list(exc.ranks),
+                    "errno": exc.errno, "cause": type(exc.__cause__).__name__, "message": str(exc),
+                    "levels_done": h.levels_done,
+                }  # fmt: skip
+        RESULT["errors"] = errors
+        ckpt.wait()  # every error was raised by its handle: nothing again here
+    RESULT["mem"] = sorted(os.listdir(levels()[0].path))
+    RESULT["disk"] = sorted(os.listdir(disk))
+
+
+def init() -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=PORT)
+    dist.init_process_group("gloo", rank=RANK, world_size=WORLD, timeout=timedelta(seconds=60))
+
+
+if __name__ == "__main__":
+    _worker.run(ARGS, globals(), RESULT, init)
