@@ -200,6 +200,36 @@ def test_refusals(mem, tmp_path):
     assert _steps(mem) == []
 
 
+def test_a_rank_whose_check_fails_makes_the_others_fail_at_once_not_at_their_timeout():
+    """Two ranks in two threads over one store: rank 1's check raises; rank 0 raises RuntimeError
+    naming rank 1 right away (its timeout is 60 s), rank 1 its own error."""
+    from lazyckpt.levels._collective import agree
+
+    store = dist.HashStore()
+    outcome: dict[int, BaseException | None] = {}
+
+    def rank(r: int) -> None:
+        def check(level, step, path):
+            if r == 1:
+                raise PermissionError("injected")
+            return True
+
+        try:
+            agree({0: {5: f"/r{r}/step-5"}}, check, StoreExchange(store, "t", rank=r, world=2, timeout=60))
+            outcome[r] = None
+        except BaseException as exc:  # noqa: BLE001 - the test looks at it
+            outcome[r] = exc
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert not any(t.is_alive() for t in threads), "a rank still waits"
+    assert isinstance(outcome[1], PermissionError)
+    assert isinstance(outcome[0], RuntimeError) and "rank 1: PermissionError: injected" in str(outcome[0])
+
+
 def test_the_exchange_of_latest_is_bounded_and_names_the_missing_ranks():
     """A rank that never calls latest(): the others raise TimeoutError naming it, never hang."""
     store = dist.HashStore()

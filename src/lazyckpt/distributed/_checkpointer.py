@@ -24,8 +24,6 @@ from lazyckpt.storage import remote as _remote
 from ..checkpointer import LazyCheckpointer
 from ..errors import (
     CheckpointerClosedError,
-    DistributedSaveError,
-    DistributedUploadError,
     SaveRefusedError,
     UploadError,
 )
@@ -42,7 +40,7 @@ from ._core import (
     start_rank_file,
 )
 from ._decide import Decider, store_host_rank
-from ._handle import DistributedSaveHandle, Save, extra_name, resolve_path
+from ._handle import DistributedSaveHandle, Save, extra_name, resolve_path, save_error
 from ._levels import Context, DistributedLevels
 from ._plan import PlanCache, RankPlan, plan_save
 from ._upload import RemoteFolder
@@ -97,6 +95,16 @@ class DistributedCheckpointer(_exit.ClosedOnExit):
     uploads; ``handle.local()`` says this rank's file is on local disk, ``done()`` that the
     checkpoint is in the store.
 
+    Levels: with ``levels=[Level(...), ...]`` (fastest first), ``save(state, step=n)`` saves to
+    every level due at ``n`` (one DCP folder ``<level>/step-<n, 8 digits>`` each) and returns one
+    handle; ``latest()`` (or ``lazyckpt.latest(levels)`` on every rank) finds the step to restart
+    from. Construction finds which ranks share each level's folder (a node-local level: each
+    node's own). The tensors are staged once per save, into the fastest due level; each slower
+    level is fed from that level's committed files on a background thread of each rank (its own
+    file, CRC-checked, copied or uploaded); a level's folder is committed on every rank or none.
+    A level's failure raises ``DistributedLevelError`` (naming the level and the ranks) alike on
+    every rank; the other levels go on. See ``lazyckpt.distributed`` and docs/ARCHITECTURE.md.
+
     Args:
         process_group: the ranks that save together (default: the default group). Only its ranks
             are used; its backend is not (nccl is fine).
@@ -107,6 +115,10 @@ class DistributedCheckpointer(_exit.ClosedOnExit):
             (``host_memory_budget``, ``writer_threads``, ``fsync``, ``crc``, ``local_dir``,
             ``storage_options``, ...), as ``LazyCheckpointer(options)`` takes them;
             ``on_backpressure`` must stay ``"block"``.
+        levels: the levels (``lazyckpt.Level``; the same list on every rank, but a node-local
+            level's path may differ per node); the options' ``levels`` if not given. A URL level
+            needs a faster local level whose ``every`` divides its own (its copy is uploaded from
+            there).
         **kwargs: the same options as keywords (they override those fields of ``options``).
     """
 
@@ -398,7 +410,7 @@ class DistributedCheckpointer(_exit.ClosedOnExit):
                 "checkpoint or was not replaced"
             ) + (f" (the store's host, rank {host}, died)" if lost else " (e.g. the store's host died)")
             try:
-                self._finish(entry, self._error(entry, why, exc, (host,) if lost and host is not None else ()))
+                self._finish(entry, save_error(entry.final, why, exc, (host,) if lost and host is not None else ()))
             except BaseException:  # noqa: BLE001 - the loop must outlive one save
                 logger.exception("lazyckpt: finishing the distributed save to %s failed", entry.final)
 
@@ -422,7 +434,7 @@ class DistributedCheckpointer(_exit.ClosedOnExit):
             self._finish(entry, None)
             return
         cause = outcome.cause or (own_error if own_error is not None and self.rank in outcome.ranks else None)
-        self._finish(entry, self._error(entry, outcome.message, cause, outcome.ranks, outcome.upload))
+        self._finish(entry, save_error(entry.final, outcome.message, cause, outcome.ranks, outcome.upload))
 
     def _own_report(self, entry: Save) -> tuple[RankReport, BaseException | None]:
         """This rank's part, once its file is committed in the staging folder (which waits for the
@@ -449,27 +461,6 @@ class DistributedCheckpointer(_exit.ClosedOnExit):
             exc.local_path = remote.local
             return RankReport(self.rank, False, error=f"{type(exc).__name__}: {exc}", upload_failed=True), exc
         return report, None
-
-    def _error(
-        self,
-        entry: Save,
-        message: str,
-        cause: BaseException | None,
-        ranks: tuple[int, ...] = (),
-        upload: bool = False,
-    ) -> DistributedSaveError:
-        message = f"distributed save to {entry.final} failed: {message}"
-        errno = getattr(cause, "errno", None)
-        err: DistributedSaveError
-        if upload:
-            err = DistributedUploadError(
-                message, entry.final, ranks=ranks, attempts=getattr(cause, "attempts", 0),
-                local_path=getattr(cause, "local_path", None), errno=errno,
-            )  # fmt: skip
-        else:
-            err = DistributedSaveError(message, path=entry.final, errno=errno, ranks=ranks)
-        err.__cause__ = cause
-        return err
 
     def _finish(self, entry: Save, error: BaseException | None) -> None:
         stats = None

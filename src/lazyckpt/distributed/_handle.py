@@ -11,7 +11,7 @@ from lazyckpt.core.handle import Completion, SaveHandle, SaveStats
 from lazyckpt.core.handle import Outcome as HandleOutcome
 from lazyckpt.storage import remote as _remote
 
-from ..errors import SaveRefusedError
+from ..errors import DistributedSaveError, DistributedUploadError, SaveRefusedError
 from ._layout import RankFileLayout
 from ._upload import RemoteFolder
 
@@ -113,3 +113,21 @@ def resolve_path(path: str | os.PathLike[str]) -> str:
     if _remote.is_url(raw):
         return raw.rstrip("/")
     return os.path.abspath(raw)
+
+
+def save_error(
+    final: str, message: str, cause: BaseException | None, ranks: tuple[int, ...] = (), upload: bool = False
+) -> DistributedSaveError:
+    """How a path save to ``final`` failed, typed as every rank raises it (``cause`` chained)."""
+    message = f"distributed save to {final} failed: {message}"
+    errno = getattr(cause, "errno", None)
+    err: DistributedSaveError
+    if upload:
+        err = DistributedUploadError(
+            message, final, ranks=ranks, attempts=getattr(cause, "attempts", 0),
+            local_path=getattr(cause, "local_path", None), errno=errno,
+        )  # fmt: skip
+    else:
+        err = DistributedSaveError(message, path=final, errno=errno, ranks=ranks)
+    err.__cause__ = cause
+    return err

@@ -19,6 +19,7 @@ rank deletes its key of a round once every rank has posted the next.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -99,16 +100,36 @@ def agree(
     are this rank's fastest usable copy), or None. ``listings``: this rank's {level: {step: path}};
     ``check(level, step, path)``: whether this rank can load that copy (it warns if not)."""
     mine = {str(level): sorted(steps) for level, steps in listings.items()}
-    held = [_steps(ranks_listing.values()) for ranks_listing in exchange.all_gather(mine)]
+    held = [_steps(ranks_listing.values()) for ranks_listing in _gather(exchange, lambda: mine)]
     for step in sorted(set().union(*held), reverse=True):
         if not all(step in steps for steps in held):
             continue  # some rank holds it nowhere: no round needed, the answer is no
-        mine_at_step = [(level, steps[step]) for level, steps in sorted(listings.items()) if step in steps]
-        choice = next((level for level, path in mine_at_step if check(level, step, path)), None)
-        if all(answer is not None for answer in exchange.all_gather(choice)):
-            assert choice is not None
+        choices = _gather(exchange, functools.partial(_usable, listings, step, check))
+        if all(answer is not None for answer in choices):
+            choice = choices[exchange.rank]
             return step, choice, listings[choice][step]
     return None
+
+
+def _usable(listings: dict[int, dict[int, str]], step: int, check: Callable[[int, int, str], bool]) -> int | None:
+    """This rank's fastest level whose copy of ``step`` it can load, or None."""
+    mine = [(level, steps[step]) for level, steps in sorted(listings.items()) if step in steps]
+    return next((level for level, path in mine if check(level, step, path)), None)
+
+
+def _gather(exchange: StoreExchange, compute: Callable[[], Any]) -> list[Any]:
+    """Every rank's ``compute()``; a rank whose ``compute`` raised posts that it failed (then
+    raises), so the others raise at once instead of waiting for it until their timeout."""
+    try:
+        value = compute()
+    except BaseException as exc:
+        exchange.all_gather({"failed": f"{type(exc).__name__}: {exc}"})
+        raise
+    answers = exchange.all_gather({"value": value})
+    failed = [f"rank {r}: {a['failed']}" for r, a in enumerate(answers) if "failed" in a]
+    if failed:
+        raise RuntimeError("lazyckpt.latest failed on another rank: " + "; ".join(failed))
+    return [a["value"] for a in answers]
 
 
 def _steps(lists: Iterable[list[int]]) -> set[int]:
