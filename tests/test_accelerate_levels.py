@@ -419,6 +419,32 @@ def test_an_s3_level_restores_through_the_download_path(tmp_path, mem, installs,
     assert h2.step == 4
 
 
+@pytest.mark.parametrize("second", ["disk", "s3"])
+def test_a_script_ending_without_wait_gets_every_levels_copy(tmp_path, mem, second, request):
+    args = [mem, str(tmp_path / "disk")]
+    if second == "s3":
+        opts, fs = request.getfixturevalue("s3")
+        url = f"s3://acclevels/{uuid.uuid4().hex[:8]}"
+        args = [mem, url]
+    r = subprocess.run(
+        [sys.executable, str(SCRIPTS / "levels_exit_without_wait.py"), *args, str(tmp_path / "expected.pt")]
+        + ([json.dumps(opts), str(tmp_path / "tier")] if second == "s3" else []),
+        env=_env(), capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert r.returncode == 0 and "failed" not in r.stderr, r.stdout[-3000:] + r.stderr[-3000:]
+    levels = [Level(args[0], every=1, keep=2), Level(args[1], every=1, keep=2)]
+    storage = opts if second == "s3" else None
+    shutil.rmtree(mem)  # the slower level alone: its copy of step 3 was made at exit
+    found = lazyckpt.latest(levels, storage_options=storage)
+    assert (found.step, found.level) == (3, 1)
+    acc, objs, _ = make(seed=3)
+    assert LA.load_latest(acc, levels, storage_options=storage) == found
+    want = torch.load(tmp_path / "expected.pt", weights_only=False)
+    got = C.snapshot(acc, *split(objs))
+    for k in ("models", "opts", "scheds"):
+        C.assert_same(got[k], want[k], k)
+
+
 def test_sigkilled_training_restarts_from_the_newest_complete_folder(tmp_path, mem):
     """A training script SIGKILLed at random points, restarted each time with load_latest: it finds
     the newest step some level holds complete, and loads exactly the state saved at that step."""

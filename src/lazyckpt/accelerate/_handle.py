@@ -88,6 +88,8 @@ class AccelerateHandle:
                 self._levels.close()
             raise
         _exit.register(self, _drain_at_exit, layer=_exit.INTEGRATION)
+        if any(level.is_url for level in self.levels):  # its copies upload: drained before shutdown too
+            self._drain_before_shutdown()
 
     # -- public --------------------------------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> None:
@@ -120,7 +122,9 @@ class AccelerateHandle:
         accumulation or by the GradScaler do not count), counted from the last value set here.
         ``handle.step = n`` overrides it (e.g. to count batches, or after restoring by hand);
         ``load_latest`` sets it to the step it restored."""
-        return 0 if self._levels is None else self._levels.counter.get()
+        if self._levels is None:
+            raise RuntimeError("lazyckpt.accelerate: handle.step needs install(accelerator, levels=[...])")
+        return self._levels.counter.get()
 
     @step.setter
     def step(self, value: int) -> None:
