@@ -2,29 +2,24 @@
 
 Usage: levels_kill_driver.py MEM_DIR DISK_DIR EXPECT_DIR RESULTS KILLS SEED
 
-The driver imports torch and accelerate once, then forks a training child KILLS times and SIGKILLs it
-after a random delay (a crash anywhere in a save, a copy, a retention). Each child first checks what
-its predecessor left: ``load_latest`` must restore the newest step that some level holds as a folder
-that looks complete to stock readers (no pending marker, every stock file there, each read by
-safetensors / torch.load and equal to the state recorded for that step), and the state it restores
-must be that step's; then it trains on from there with a bare ``save_state()`` after every step. The
-state at a step is deterministic (the data is seeded by the step), and its digest is written to
-EXPECT_DIR/<step> BEFORE ``save_state``, so every folder that can exist complete has its expected
-digest. After every third kill the memory level is wiped (a reboot), so restarts come from the disk
-level too. A last child only checks. Each check appends one JSON line to RESULTS.
+The fork / SIGKILL / restart loop is the core's (``levels_scripts/kill_driver.py``, same arguments):
+it forks a training child KILLS times and SIGKILLs it after a random delay (a crash anywhere in a
+save, a copy, a retention), then a last child that only checks; here the child is an Accelerate
+training. Each child first checks what its predecessor left: ``load_latest`` must restore the newest
+step that some level holds as a folder that looks complete to stock readers (no pending marker,
+every stock file there, each read by safetensors / torch.load and equal to the state recorded for
+that step), and the state it restores must be that step's; then it trains on from there with a bare
+``save_state()`` after every step. The state at a step is deterministic (the data is seeded by the
+step), and its digest is written to EXPECT_DIR/<step> BEFORE ``save_state``, so every folder that can
+exist complete has its expected digest. Every third restart first wipes the memory level (a reboot),
+so restarts come from the disk level too. Each check appends one JSON line to RESULTS.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import random
 import shutil
-import signal
-import sys
-import time
-import traceback
 
 import torch
 from accelerate import Accelerator
@@ -33,34 +28,20 @@ from safetensors.torch import load_file
 import lazyckpt.accelerate
 from lazyckpt import Level
 from lazyckpt.commit.folder import pending_markers
+from levels_scripts import kill_driver as K  # parses the same arguments; its _flat, record and loop
 
-mem, disk, expect_dir, results, kills, seed = sys.argv[1:7]
+mem, disk, expect_dir, results = K.mem, K.disk, K.expect_dir, K.results
 LEVELS = [Level(mem, every=1, keep=2), Level(disk, every=3, keep=2)]
 FILES = ("model.safetensors", "optimizer.bin", "random_states_0.pkl")
 
 
 def digest(model_sd: dict, opt_sd: dict) -> str:
     h = hashlib.sha256()
-    for key, value in _flat({"model": model_sd, "opt": opt_sd}):
+    for key, value in K._flat({"model": model_sd, "opt": opt_sd}):
         h.update(key.encode())
         h.update(value.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes() if torch.is_tensor(value)
                  else repr(value).encode())  # fmt: skip
     return h.hexdigest()
-
-
-def _flat(obj: object, prefix: str = "") -> list:
-    if isinstance(obj, dict):
-        return [kv for k in sorted(obj, key=str) for kv in _flat(obj[k], f"{prefix}/{k}")]
-    if isinstance(obj, (list, tuple)):
-        return [kv for i, v in enumerate(obj) for kv in _flat(v, f"{prefix}/{i}")]
-    return [(prefix, obj)]
-
-
-def record(entry: dict) -> None:
-    with open(results, "a") as fh:
-        fh.write(json.dumps(entry) + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
 
 
 def expected(step: int) -> str:
@@ -99,7 +80,17 @@ def build():
     return acc, model, opt
 
 
+def restarts() -> int:
+    try:
+        with open(results) as fh:
+            return sum(1 for _ in fh)
+    except FileNotFoundError:
+        return 0
+
+
 def check():
+    if restarts() % 3 == 2:
+        shutil.rmtree(mem, ignore_errors=True)  # a reboot before this restart: node memory is gone
     acc, model, opt = build()
     handle = lazyckpt.accelerate.install(acc, levels=LEVELS)
     want = newest_complete()
@@ -111,7 +102,7 @@ def check():
     entry["ok"] = (found is None and want is None) or (
         found is not None and found.step == want and entry["same"] and entry["step"] == found.step
     )
-    record(entry)
+    K.record(entry)
     return acc, model, opt, handle
 
 
@@ -132,44 +123,9 @@ def train() -> None:
         acc.save_state()  # training goes on at once: the next step changes the state
 
 
-def main() -> None:
-    rng = random.Random(int(seed))
-    torch.set_num_threads(1)
-    # Warm the lazy imports (AdamW's step, accelerate's pieces) once, here, never in a child.
-    warm = torch.nn.Linear(2, 2)
-    opt = torch.optim.AdamW(warm.parameters())
-    warm(torch.ones(1, 2)).sum().backward()
-    opt.step()
-    import accelerate.checkpointing  # noqa: F401
+if __name__ == "__main__":
+    import accelerate.checkpointing  # noqa: F401 - warm here, never in a child
     import safetensors.torch  # noqa: F401
 
-    for i in range(int(kills)):
-        pid = os.fork()
-        if pid == 0:
-            try:
-                train()
-            except BaseException:
-                traceback.print_exc()
-            finally:
-                os._exit(1)
-        time.sleep(rng.uniform(0.5, 2.0))  # the kill point: anywhere in the child's run
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        if i % 3 == 1:
-            shutil.rmtree(mem, ignore_errors=True)  # now and then a reboot: node memory is gone
-    pid = os.fork()
-    if pid == 0:
-        code = 0
-        try:
-            check()
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    sys.exit(os.waitstatus_to_exitcode(status))
-
-
-if __name__ == "__main__":
-    main()
+    K.check, K.train = check, train  # type: ignore[assignment]
+    K.main()
