@@ -19,6 +19,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 import _worker
+from lazyckpt.core.job import Stage
 from lazyckpt.distributed import DistributedCheckpointer, DistributedSaveError, verify_checkpoint
 
 ARGS = _worker.parse_argv()
@@ -115,7 +116,7 @@ def hold_staging_until_the_step() -> dict:
         real_stage(self, job)
 
     def release_guard(self):
-        seen.setdefault("staged", self.cpu_staged.is_set())
+        seen.setdefault("staged", self.stage >= job_mod.Stage.CPU_STAGED)
         gate.set()
         real_release(self)
 
@@ -512,8 +513,8 @@ def scenario_lone_waiter() -> None:
         RESULT["waited_s"] = time.monotonic() - t
     else:
         job = ckpt._inner._jobs[-1]
-        assert job.read_done.wait(30), "copies not over"
-        RESULT["confirmed_before_forward"] = job.confirmed.is_set()
+        assert job.wait_for(Stage.READ, 30), "copies not over"
+        RESULT["confirmed_before_forward"] = job.stage is Stage.CONFIRMED
     train_step(model, opt, 1)
     ckpt.close()
     RESULT["verified"] = verify_checkpoint(ckpt_path("lone")).ok
