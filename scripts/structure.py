@@ -235,7 +235,8 @@ def main() -> None:
     for mod, *_ in ours:
         by_file[mod] += 1
     print(
-        "  lazyckpt reach by module: " + ", ".join(f"{m} {n}" for m, n in sorted(by_file.items(), key=lambda x: -x[1]))
+        "  lazyckpt reach by module: "
+        + (", ".join(f"{m} {n}" for m, n in sorted(by_file.items(), key=lambda x: -x[1])) or "none")
     )
     found = cycles(import_graph(trees), list(trees))
     print(f"import cycles: {len(found)}" + "".join(f"\n  {' <-> '.join(c)}" for c in found))
