@@ -337,8 +337,10 @@ class Job:
         if self.live_pieces and self._stage < Stage.READ:
             assert self.settle is not None
             self.settle(self)  # copy the live pieces no writer has reached yet...
-        if not self.save_events:
-            self.wait_for(Stage.READ)  # ...and wait for the ones being written
+        if not self.save_events or self.live_pieces:
+            # ...and wait for the ones being written. With CUDA copies beside live CPU pieces, the
+            # stream wait below would not hold back the step's CPU kernels: wait on the host too.
+            self.wait_for(Stage.READ)
             self.confirm()
         else:
             self.wait_for(Stage.COPIES_QUEUED)
