@@ -53,13 +53,6 @@ HERE = Path(__file__).resolve().parent
 SCRIPTS = HERE / "accelerate_scripts"
 
 
-@pytest.fixture
-def mem():
-    path = f"/dev/shm/lazyckpt-acc-{uuid.uuid4().hex[:12]}"
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
 def _gen(step: int) -> torch.Generator:
     return torch.Generator().manual_seed(1000 + step)  # the data of a step depends on the step only
 
@@ -381,22 +374,9 @@ def test_enospc_on_the_disk_level_names_it_and_the_memory_level_keeps_working(tm
     assert_restored(stock_restore_inprocess(found.path), snaps[3])
 
 
-@pytest.fixture(scope="module")
-def s3():
-    import s3fs
-
-    from _s3server import moto_server, s3_options
-
-    with moto_server() as port:
-        opts = s3_options(f"http://127.0.0.1:{port}")
-        fs = s3fs.S3FileSystem(**opts)
-        fs.call_s3("create_bucket", Bucket="acclevels")
-        yield opts, fs
-
-
 def test_an_s3_level_restores_through_the_download_path(tmp_path, mem, installs, s3):
     opts, fs = s3
-    url = f"s3://acclevels/{uuid.uuid4().hex[:8]}"
+    url = f"s3://levels/{uuid.uuid4().hex[:8]}"
     levels = [Level(mem, every=1, keep=1), Level(url, every=2, keep=1)]
     acc, objs, _ = make()
     h = installs(acc, levels=levels, storage_options=opts, local_dir=str(tmp_path / "local"))
@@ -424,7 +404,7 @@ def test_a_script_ending_without_wait_gets_every_levels_copy(tmp_path, mem, seco
     args = [mem, str(tmp_path / "disk")]
     if second == "s3":
         opts, fs = request.getfixturevalue("s3")
-        url = f"s3://acclevels/{uuid.uuid4().hex[:8]}"
+        url = f"s3://levels/{uuid.uuid4().hex[:8]}"
         args = [mem, url]
     r = subprocess.run(
         [sys.executable, str(SCRIPTS / "levels_exit_without_wait.py"), *args, str(tmp_path / "expected.pt")]
