@@ -25,13 +25,6 @@ from lazyckpt.levels._multi import MultiLevel
 from lazyckpt.storage import fs as _fs
 
 
-@pytest.fixture
-def mem():
-    path = f"/dev/shm/lazyckpt-test-{uuid.uuid4().hex[:12]}"
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
 def _state(i: int) -> dict:
     return {"model": {"w": torch.full((64, 64), float(i))}, "opt": {"m": torch.arange(256.0) * i}}
 
@@ -183,22 +176,9 @@ def test_a_copy_killed_midway_leaves_only_a_temporary_that_the_next_run_removes(
     assert not left.exists()
 
 
-@pytest.fixture(scope="module")
-def s3():
-    import s3fs
-
-    from _s3server import moto_server, s3_options
-
-    with moto_server() as port:
-        opts = s3_options(f"http://127.0.0.1:{port}")
-        fs = s3fs.S3FileSystem(**opts)
-        fs.call_s3("create_bucket", Bucket="folders")
-        yield opts, fs
-
-
 def test_folder_level_on_s3_manifest_last(mem, tmp_path, s3):
     opts, fs = s3
-    url = f"s3://folders/{uuid.uuid4().hex[:8]}"
+    url = f"s3://levels/{uuid.uuid4().hex[:8]}"
     levels = [Level(mem, every=1, keep=1), Level(url, every=2, keep=1)]
     states = {i: _state(i) for i in range(1, 5)}
     with LazyCheckpointer(storage_options=opts, local_dir=str(tmp_path / "local")) as ck:

@@ -5,8 +5,9 @@ whose ``save_state`` bypasses ``accelerate.checkpointing.save``, the process-wid
 counted, reversible) patch of that function, accelerate's folder numbering and writer rule, and
 the route of FSDP ``SHARDED_STATE_DICT`` saves: wrappers of accelerate's ``save_fsdp_model`` /
 ``save_fsdp_optimizer`` and a dispatcher in place of ``torch.distributed.checkpoint.save`` that hands
-exactly their call, for an installed accelerator, to ``lazyckpt.accelerate`` (patched and restored
-with the ``checkpointing.save`` patch).
+exactly their call, for an installed accelerator, to the route its handle set (``set_route``; patched
+and restored with the ``checkpointing.save`` patch). Nothing here imports the rest of
+``lazyckpt.accelerate``: what it calls back is passed in (the active save, the routes).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import logging
 import os
 import re
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -65,8 +67,31 @@ DcpRoute = Callable[[dict[str, Any], str], None]
 active_dcp: contextvars.ContextVar[DcpRoute | None] = contextvars.ContextVar(
     "lazyckpt_accelerate_active_dcp", default=None
 )
-# Looks up the route of an accelerator (set by lazyckpt.accelerate: its installed handle's, or None).
-route_for: Callable[[Any], DcpRoute | None] = lambda accelerator: None  # noqa: E731
+# The route of each installed accelerator (set and dropped by its handle, ``lazyckpt.accelerate._patch``).
+_routes: weakref.WeakKeyDictionary[Any, DcpRoute] = weakref.WeakKeyDictionary()
+
+
+def set_route(accelerator: Any, route: DcpRoute) -> None:
+    """Route the FSDP sharded saves of ``accelerator`` to ``route`` (while it is installed)."""
+    with _patch_lock:
+        _routes[accelerator] = route
+
+
+def drop_route(accelerator: Any, route: DcpRoute) -> None:
+    """``accelerator``'s sharded saves are stock again (if ``route`` is still its route)."""
+    with _patch_lock:
+        if _routes.get(accelerator) == route:
+            del _routes[accelerator]
+
+
+def route_for(accelerator: Any) -> DcpRoute | None:
+    """The route of an installed accelerator, or None (stock)."""
+    if accelerator is None:
+        return None
+    try:
+        return _routes.get(accelerator)
+    except TypeError:  # not weak-referenceable: never installed
+        return None
 
 
 def _dispatch_save(obj: Any, f: Any, save_on_each_node: bool = False, safe_serialization: bool = False) -> Any:
@@ -298,3 +323,65 @@ def inert_pre_hook(models: list[Any], weights: list[Any], output_dir: str) -> No
 
 def _same(obj: Any) -> Any:
     return obj
+
+
+# --------------------------------------------------------------------------------------------------
+# Multi-level saves: the first prepared optimizer's real steps, the state's size, agreement between processes
+# --------------------------------------------------------------------------------------------------
+
+# Real steps of each torch optimizer, counted by one process-wide step post-hook (registered by the
+# first install() with levels and kept: a dict increment per step). A step that AcceleratedOptimizer
+# skips under gradient accumulation, or that the GradScaler skips, never calls the inner optimizer's
+# step, so it is not counted; the inner optimizer is the key (AcceleratedOptimizer never runs
+# Optimizer.__init__, so torch's hooks fire for the inner one only).
+_real_steps: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+_step_hook: Any = None
+
+
+def _count_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    _real_steps[optimizer] = _real_steps.get(optimizer, 0) + 1
+
+
+def count_real_steps() -> None:
+    """From now on, count every optimizer's real steps (idempotent)."""
+    global _step_hook
+    with _patch_lock:
+        if _step_hook is None:
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+
+            _step_hook = register_optimizer_step_post_hook(_count_step)
+
+
+def real_steps(optimizer: torch.optim.Optimizer) -> int:
+    """Real steps ``optimizer`` took since ``count_real_steps()`` was first called."""
+    return _real_steps.get(optimizer, 0)
+
+
+def first_optimizer(accelerator: Any) -> torch.optim.Optimizer | None:
+    """The torch optimizer inside the accelerator's first prepared optimizer, or None."""
+    for opt in accelerator._optimizers:
+        inner = unwrap_optimizer(opt)
+        if inner is not None:
+            return inner
+    return None
+
+
+def state_of(accelerator: Any) -> list[Any]:
+    """The prepared models' and optimizers' state dicts (their tensors: the checkpoint's size)."""
+    return [m.state_dict() for m in accelerator._models] + [o.state_dict() for o in accelerator._optimizers]
+
+
+def all_gather(obj: Any) -> list[Any]:
+    """``obj`` of every process, in process order (a collective on the default group)."""
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast(obj: Any) -> Any:
+    """The main process's ``obj`` on every process (a collective)."""
+    from accelerate.utils import broadcast_object_list
+
+    return broadcast_object_list([obj], from_process=0)[0]
