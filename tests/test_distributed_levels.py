@@ -38,10 +38,9 @@ WORKER = HERE / "distributed_scripts" / "levels_worker.py"
 
 
 @pytest.fixture
-def run(tmp_path, monkeypatch):
+def run(tmp_path, monkeypatch, mem):
     """``run(scenario, world=2, **config)``: each rank's result; the memory level's base folder in
     /dev/shm (``run.mem``, one ``node<rank>`` folder per rank), the disk level ``run.disk``."""
-    mem = f"/dev/shm/lazyckpt-test-{uuid.uuid4().hex[:12]}"
     config = {"mem": mem, "disk": str(tmp_path / "disk")}
 
     def go(scenario: str, world: int = 2, expect_dead: tuple[int, ...] = (), timeout: float = 180, **extra):
@@ -49,8 +48,7 @@ def run(tmp_path, monkeypatch):
         return _launch.launch(WORKER, scenario, world, tmp_path, timeout=timeout, expect_dead=expect_dead)
 
     go.mem, go.disk, go.config = Path(mem), Path(config["disk"]), config  # type: ignore[attr-defined]
-    yield go
-    shutil.rmtree(mem, ignore_errors=True)
+    return go
 
 
 def _flip_byte(path: Path) -> None:
@@ -154,41 +152,28 @@ def test_enospc_on_the_disk_level_of_one_rank_fails_that_level_on_every_rank_mem
     assert r0["mem"] == r1["mem"] == ["step-00000006", "step-00000007"]
 
 
-@pytest.fixture(scope="module")
-def moto():
-    from _s3server import moto_server
-
-    with moto_server() as port:
-        yield port
-
-
-def test_an_s3_level_as_the_slowest_restarts_both_ranks_when_memory_and_disk_are_gone(run, moto, tmp_path):
+def test_an_s3_level_as_the_slowest_restarts_both_ranks_when_memory_and_disk_are_gone(run, s3):
     """Memory every step, disk every 2, S3 (moto) every 4: each rank uploads its own file from its
     node's memory copy, the coordinator ``.metadata`` last; with memory and disk wiped, both ranks
     restart from S3 (stock DCP through FsspecReader), and one process verifies the prefix."""
-    import s3fs
-
-    from _s3server import s3_options
     from lazyckpt.distributed import verify_checkpoint
 
-    options = s3_options(f"http://127.0.0.1:{moto}")
-    fs = s3fs.S3FileSystem(**options)
-    bucket = f"levels-{uuid.uuid4().hex[:8]}"
-    fs.call_s3("create_bucket", Bucket=bucket)
-    url = f"s3://{bucket}/run"
+    options, fs = s3
+    prefix = f"levels/dist-{uuid.uuid4().hex[:8]}"
+    url = f"s3://{prefix}"
     config = dict(s3=url, storage_options=options, every=[1, 2, 4], keep=[2, 2, 1])
     (r0, r1) = run("train", steps=9, **config)
     assert r0["levels_done"]["8"] == r1["levels_done"]["8"] == [0, 1, 2]
     fs.invalidate_cache()
-    assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{bucket}/run")) == ["step-00000008"]  # keep=1
-    names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{bucket}/run/step-00000008"))
+    assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(prefix)) == ["step-00000008"]  # keep=1
+    names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{prefix}/step-00000008"))
     assert names[:2] == [".lazyckpt-manifest.json", ".metadata"] and len(names) == 4, names
     assert verify_checkpoint(f"{url}/step-00000008", options).ok
-    assert not fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads")
+    assert not fs.call_s3("list_multipart_uploads", Bucket="levels").get("Uploads")
 
     shutil.rmtree(run.mem)
     shutil.rmtree(run.disk)
     r0, r1 = run("restart", **config)
     assert r0["found"] == {"step": 8, "level": 2, "path": f"{url}/step-00000008"}
     assert r1["found"] == r0["found"] and r1["restored"]
-    fs.rm(bucket, recursive=True)
+    fs.rm(prefix, recursive=True)

@@ -37,13 +37,6 @@ def one_rank_group():
         yield
 
 
-@pytest.fixture
-def mem():
-    path = f"/dev/shm/lazyckpt-test-{uuid.uuid4().hex[:12]}"
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
 def _state(step: int) -> dict:
     return {"w": torch.full((64, 64), float(step)), "b": torch.arange(300.0) * step, "meta": {"step": step}}
 

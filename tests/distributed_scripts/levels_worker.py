@@ -22,11 +22,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import _worker
 import lazyckpt
-from _util import assert_same
+from _util import assert_same, fsdp_model, full_dump, rank_step
 from lazyckpt import Level
 from lazyckpt.distributed import DistributedCheckpointer, DistributedLevelError
 
@@ -57,26 +57,6 @@ def options() -> dict:
     return opts
 
 
-def model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """FSDP2 (every Linear and the root sharded) under AdamW."""
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU(), torch.nn.Linear(WIDTH, WIDTH))
-    for layer in model:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer)
-    fully_shard(model)
-    return model, torch.optim.AdamW(model.parameters(), lr=0.01)
-
-
-def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
-    g = torch.Generator().manual_seed(step * 100 + RANK)
-    model(torch.randn(4, WIDTH, generator=g)).pow(2).sum().backward()
-    opt.step()
-    opt.zero_grad()
-
-
 def replicated(step: int) -> dict:
     """DDP-style replicated state: the same values on every rank (DCP writes each item once,
     unless lazyckpt keeps a copy per node for the node-local level)."""
@@ -90,18 +70,7 @@ def state_of(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> d
 
 def full(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> dict:
     """The whole state (gathered: collective), cloned."""
-    msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
-    return _clone({"model": msd, "optim": osd, "extra": replicated(step), "step": step})
-
-
-def _clone(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, dict):
-        return {k: _clone(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_clone(v) for v in obj]
-    return obj
+    return {**full_dump(model, opt), "extra": replicated(step), "step": step}
 
 
 def dump_path(step: int) -> str:
@@ -111,10 +80,10 @@ def dump_path(step: int) -> str:
 def train(ckpt: DistributedCheckpointer, first: int, steps: int, on_step=None) -> dict:
     """Train ``steps`` steps from ``first``, saving every step (the levels decide where); the
     handles by step."""
-    model, opt = model_and_optimizer()
+    model, opt = fsdp_model(WIDTH)
     handles = {}
     for step in range(first, first + steps):
-        train_step(model, opt, step)
+        rank_step(model, opt, step, width=WIDTH)
         whole = full(model, opt, step)
         if RANK == 0:
             torch.save(whole, dump_path(step))
@@ -128,8 +97,8 @@ def train(ckpt: DistributedCheckpointer, first: int, steps: int, on_step=None) -
 def restore(found, storage_options: dict | None = None) -> dict:
     """Load ``found`` (this rank's path) with stock DCP into a fresh FSDP2 model and optimizer
     whose optimizer state holds other values; return the whole state, gathered."""
-    model, opt = model_and_optimizer()
-    train_step(model, opt, 999)
+    model, opt = fsdp_model(WIDTH)
+    rank_step(model, opt, 999, width=WIDTH)
     state = state_of(model, opt, -1)
     if found.path.startswith("s3://"):
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
