@@ -19,22 +19,17 @@ from pathlib import Path
 import pytest
 import torch
 
-dist = pytest.importorskip("torch.distributed")
-if not dist.is_available():
-    pytest.skip("torch.distributed unavailable", allow_module_level=True)
-import torch.distributed.checkpoint as dcp  # noqa: E402
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save  # noqa: E402
+import _launch
+import lazyckpt
+from _util import assert_same
+from lazyckpt import Level
+from lazyckpt.errors import IncompleteCheckpointWarning
 
-import _launch  # noqa: E402
-import lazyckpt  # noqa: E402
-from _util import assert_same  # noqa: E402
-from lazyckpt import Level  # noqa: E402
-from lazyckpt.errors import IncompleteCheckpointWarning  # noqa: E402
+dcp = pytest.importorskip("torch.distributed.checkpoint")  # torch built without distributed: skipped
 
+# dcp.load(no_dist=True) warns that it assumes a single process: that is the point here.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
-
-HERE = Path(__file__).resolve().parent
-WORKER = HERE / "distributed_scripts" / "levels_worker.py"
+WORKER = Path(__file__).resolve().parent / "distributed_scripts" / "levels_worker.py"
 
 
 @pytest.fixture
@@ -106,6 +101,8 @@ def test_restart_from_node_memory_then_disk_then_resharded_to_one_process(run, t
     model_sd = {k: torch.empty_like(v) for k, v in dump["model"].items()}
     dcp.load({"model": model_sd}, checkpoint_id=str(run.disk / "step-00000006"), no_dist=True)
     assert_same(model_sd, dump["model"], "model", loose=True)
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
     whole = tmp_path / "whole.pt"
     dcp_to_torch_save(str(run.disk / "step-00000006"), str(whole))
     converted = torch.load(whole, weights_only=False)

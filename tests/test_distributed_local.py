@@ -3,6 +3,7 @@ non-tensor values, stale tensors, overwriting, refusals, ``verify_checkpoint``."
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import zlib
 
@@ -15,7 +16,7 @@ if not dist.is_available():
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
 import _launch  # noqa: E402
-from lazyckpt import SaveRefusedError, StaleTensorError  # noqa: E402
+from lazyckpt import CheckpointerOptions, SaveRefusedError, StaleTensorError  # noqa: E402
 from lazyckpt.core.job import Stage  # noqa: E402
 from lazyckpt.distributed import DistributedCheckpointer, DistributedSaveError, verify_checkpoint  # noqa: E402
 from lazyckpt.distributed._commit import cleanup_leftovers, staging_path  # noqa: E402
@@ -562,3 +563,37 @@ def test_the_global_plan_is_reused_while_the_state_keeps_its_structure(tmp_path,
             else:
                 assert like[k] == v, (name, k)
         assert verify_checkpoint(tmp_path / name).ok
+
+
+# -- options: one CheckpointerOptions (options=), keywords, or both, as LazyCheckpointer takes them --
+
+
+def _inner_options(ckpt: DistributedCheckpointer) -> CheckpointerOptions:
+    return ckpt._inner.options  # the test looks inside: which options reached the engine
+
+
+def test_options_as_one_value_keywords_or_both():
+    opts = CheckpointerOptions(host_memory_budget=4 << 20, chunk_bytes=1 << 20, writer_threads=2, fsync=False)
+    with DistributedCheckpointer(opts, commit_timeout=7) as positional:
+        assert positional.options == opts and _inner_options(positional) == opts
+        assert positional.commit_timeout == 7.0
+    with DistributedCheckpointer(options=opts) as named:
+        assert named.options == opts
+    with DistributedCheckpointer(options=opts, writer_threads=3) as both:  # keywords override
+        assert both.options == dataclasses.replace(opts, writer_threads=3)
+        assert _inner_options(both).writer_threads == 3
+    with DistributedCheckpointer(host_memory_budget=4 << 20, fsync=False) as keywords:  # as before
+        assert keywords.options.fsync is False and keywords.options.host_memory_budget == 4 << 20
+
+
+def test_bad_options_are_refused_before_anything_starts():
+    with pytest.raises(TypeError, match="CheckpointerOptions"):
+        DistributedCheckpointer({"fsync": False})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="skip"):
+        DistributedCheckpointer(CheckpointerOptions(on_backpressure="skip"))
+    with pytest.raises(ValueError, match="skip"):
+        DistributedCheckpointer(on_backpressure="skip")
+    with pytest.raises(ValueError, match="commit_timeout"):
+        DistributedCheckpointer(commit_timeout=0)
+    with pytest.raises(TypeError):
+        DistributedCheckpointer(no_such_option=1)

@@ -181,10 +181,7 @@ class DistributedCheckpointer(_exit.ClosedOnExit):
         self._committer: Worker[Save] = Worker("lazyckpt-dist-commit", self._commit_one)
         self._levels: DistributedLevels | None = None
         if options.levels is not None:  # collective: finds which ranks share each level's folder
-            context = Context(
-                self._inner, self._dist, self.rank, self.world_size, self._token, self._proto, self._decider,
-                self.commit_timeout, store, self._next_n, self._all_gather,
-            )  # fmt: skip
+            context = Context(self._inner, self._dist, self._decider, store, self._next_n, self._all_gather)
             try:
                 self._levels = DistributedLevels(context, options.levels)
             except BaseException:  # a level folder no rank may use: on every rank alike, nothing left running

@@ -39,8 +39,6 @@ import os
 import shutil
 import threading
 import time
-import warnings
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,19 +48,19 @@ from torch.distributed.checkpoint.utils import _DistWrapper
 from lazyckpt.core.handle import CallbackRunner, Completion, SaveHandle, SaveStats
 from lazyckpt.core.report import Report
 from lazyckpt.core.workers import Worker
-from lazyckpt.levels import Found, Level, LevelError
+from lazyckpt.levels import Found, Level
 from lazyckpt.levels import _copy as _level_copy
 from lazyckpt.levels._collective import StoreExchange
 from lazyckpt.levels._handle import LevelsHandle, Parts
 from lazyckpt.levels._latest import latest_agreed
-from lazyckpt.levels._level import list_steps
-from lazyckpt.levels._multi import WARN_AFTER_S, check_levels
+from lazyckpt.levels._multi import check_levels
+from lazyckpt.levels._schedule import Backlog, Retention
 from lazyckpt.storage import fs as _fs
 
 from ..checkpointer import LazyCheckpointer
-from ..errors import BackpressureWarning, CheckpointerClosedError, DistributedLevelError, SaveRefusedError, UploadError
+from ..errors import CheckpointerClosedError, DistributedLevelError, SaveRefusedError, UploadError
 from . import _commit
-from ._commit import RankReport, StoreProtocol
+from ._commit import RankReport
 from ._core import classify_start_error, complete_handle, confirm_ready, local_outcome, resolve_handle, start_rank_file
 from ._decide import Decider
 from ._handle import DistributedSaveHandle, Outcome, Save
@@ -76,17 +74,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass(eq=False)
 class Context:
-    """What the levels use of their ``DistributedCheckpointer``: handed over, never reached for."""
+    """What the levels use of their ``DistributedCheckpointer``: handed over, never reached for.
+    Its rank, world size, token, store keys and ``commit_timeout`` are the ``decider``'s."""
 
     inner: LazyCheckpointer
-    wrapper: _DistWrapper
-    rank: int
-    world: int
-    token: str
-    proto: StoreProtocol
+    wrapper: _DistWrapper  # the planning collective, on the checkpointer's gloo group
     decider: Decider
-    commit_timeout: float
-    store: Any
+    store: Any  # the c10d store (latest()'s exchange)
     next_n: Callable[[], int]  # the checkpointer's save counter (the same on every rank)
     all_gather: Callable[[Any], list[Any]]  # over the checkpointer's gloo group
 
@@ -133,22 +127,20 @@ class DistributedLevels:
     def __init__(self, ctx: Context, levels: tuple[Level, ...]) -> None:
         self.check(levels)
         self.ctx = ctx
+        self.rank, self.world = ctx.decider.rank, ctx.decider.world_size
         self.levels = levels
         self.options = ctx.inner.options
-        self.scopes: list[Scope] = probe(levels, ctx.token, ctx.rank, ctx.world, ctx.all_gather)
-        self._groups = dedup_groups(self.scopes, ctx.world)
+        self.scopes: list[Scope] = probe(levels, ctx.decider.token, self.rank, ctx.decider.world_size, ctx.all_gather)
+        self._groups = dedup_groups(self.scopes, self.world)
         for level, scope in zip(levels, self.scopes, strict=True):
-            if not level.is_url and ctx.rank == scope.leader:  # dead saves' staging folders, copies
+            if not level.is_url and self.rank == scope.leader:  # dead saves' staging folders, copies
                 _commit.cleanup_leftovers(level.path)
                 _fs.cleanup_temporaries(level.path)
         self._cond = threading.Condition()
         self._callbacks = CallbackRunner()
         self._workers = {i: Worker(f"lazyckpt-dist-level-{i}", self._run, lazy=True) for i in range(len(levels))}
-        self._pending: Counter[int] = Counter()  # level -> admitted copies not yet ended
-        self._pins: Counter[tuple[int, int]] = Counter()  # (level, step) -> copies reading it
-        self._removing: set[str] = set()
-        self._first: dict[int, int] = {}  # level -> first step this checkpointer saved there
-        self._mine: dict[int, set[int]] = {i: set() for i in range(len(levels))}
+        self._backlog = Backlog(self._cond)  # admitted copies per level, not yet ended
+        self._retention = Retention(self._cond, len(levels))  # steps saved, pinned, being removed
         self._open: set[LevelsHandle] = set()
         self._plans = PlanCache()
         self._latest_calls = 0
@@ -180,24 +172,20 @@ class DistributedLevels:
         admitted = [i for i in due[1:] if self._admit(i, step)]  # all of them: "block" only
         completion = Completion(final, DistributedSaveHandle)
         handle: DistributedSaveHandle = completion.handle  # type: ignore[assignment]
-        staging = _commit.staging_path(final, ctx.token, key)
+        staging = _commit.staging_path(final, ctx.decider.token, key)
         entry = Save(key, final, staging, handle, t0, metadata=copy.copy(plan.metadata), completion=completion)
-        entry.file = f"__{ctx.rank}_0.distcp"
+        entry.file = f"__{self.rank}_0.distcp"
         st = _Step(n, step, first, entry, plan.needs, plan.metadata, readers=len(admitted))
         st.parts = Parts(final, step, handle, [first, *admitted], self, t0)
+        self._retention.saved([first, *admitted], step, first, len(admitted))  # pinned once per copy
         with self._cond:
-            for i in [first, *admitted]:
-                self._first.setdefault(i, step)
-                self._mine[i].add(step)
-            if admitted:  # one per copy: the step stays until the last copy has read it
-                self._pins[(first, step)] += len(admitted)
             self._open.add(st.parts.handle)
         refused: BaseException | None = None
         try:
             os.makedirs(staging, exist_ok=True)
             start_rank_file(ctx.inner, entry, plan)
         except BaseException as exc:  # every rank must learn it: reported by the level thread
-            entry.error = classify_start_error(exc, ctx.rank, final)
+            entry.error = classify_start_error(exc, self.rank, final)
             if not isinstance(entry.error, Exception) or isinstance(entry.error, SaveRefusedError):
                 completion.caller_saw_error()  # raised here, not again by wait() or close()
                 refused = entry.error
@@ -211,9 +199,9 @@ class DistributedLevels:
 
     def latest(self, storage_options: dict[str, Any] | None, verify: bool, timeout: float) -> Found | None:
         """Collective over the checkpointer's ranks (``lazyckpt.latest`` agreed through the store)."""
-        prefix = f"lazyckpt/{self.ctx.token}/latest/{self._latest_calls}"
+        prefix = f"lazyckpt/{self.ctx.decider.token}/latest/{self._latest_calls}"
         self._latest_calls += 1
-        exchange = StoreExchange(self.ctx.store, prefix, self.ctx.rank, self.ctx.world, timeout)
+        exchange = StoreExchange(self.ctx.store, prefix, self.rank, self.world, timeout)
         return latest_agreed(self.levels, exchange, storage_options, verify)
 
     def drain(self, timeout: float | None = None) -> None:
@@ -265,9 +253,7 @@ class DistributedLevels:
                 st.parts.part_done(item.level, written=False)
         finally:
             if not source:
-                with self._cond:
-                    self._pending[item.level] -= 1
-                    self._cond.notify_all()
+                self._backlog.done(item.level)
 
     def _commit_source(self, st: _Step) -> None:
         """The fastest level's folder: this rank's file durable (or failed), then the commit."""
@@ -278,8 +264,8 @@ class DistributedLevels:
         if own is None and entry.layout is not None:
             report = self._report(entry.file, entry.layout, entry.storage, st.needs)
         else:
-            own = own or RuntimeError(f"lazyckpt: rank {self.ctx.rank}'s file for {entry.final} was never started")
-            report = RankReport(self.ctx.rank, False, error=f"{type(own).__name__}: {own}")
+            own = own or RuntimeError(f"lazyckpt: rank {self.rank}'s file for {entry.final} was never started")
+            report = RankReport(self.rank, False, error=f"{type(own).__name__}: {own}")
         outcome = self._commit(st.first, entry, report)
         self._finish_source(entry, None if outcome is None else self._error(st.first, st.step, entry, outcome, own))
 
@@ -305,18 +291,18 @@ class DistributedLevels:
             if level.is_url:
                 entry.remote = RemoteFolder.create(ctx.inner.remote_tier(), entry.final)
                 entry.staging = entry.remote.local  # the coordinator's .metadata and manifest
-                name = f"__{ctx.rank}_0.{ctx.token[:16]}-{key}.distcp"  # a name of its own per save
+                name = f"__{self.rank}_0.{ctx.decider.token[:16]}-{key}.distcp"  # a name of its own per save
                 check_file(src, source.layout.file_crc)
                 entry.remote.upload_from(name, src)
                 storage = renamed(source.storage, name)
             else:
-                entry.staging = _commit.staging_path(entry.final, ctx.token, key)
+                entry.staging = _commit.staging_path(entry.final, ctx.decider.token, key)
                 name, storage = source.file, source.storage
                 copy_checked(src, entry.staging, name, source.layout.file_crc, self.options.fsync)
             report = self._report(name, source.layout, storage, st.needs)
         except Exception as exc:  # reported: the save fails at this level on every rank
             own = exc
-            report = RankReport(ctx.rank, False, error=f"{type(exc).__name__}: {exc}",
+            report = RankReport(self.rank, False, error=f"{type(exc).__name__}: {exc}",
                                 upload_failed=isinstance(exc, UploadError))  # fmt: skip
         outcome = self._commit(index, entry, report)
         if entry.remote is not None:
@@ -326,26 +312,26 @@ class DistributedLevels:
         return None if outcome is None else self._error(index, st.step, entry, outcome, own)
 
     def _report(self, name: str, layout: Any, storage: dict[Any, Any], needs: frozenset[Any]) -> RankReport:
-        return RankReport(self.ctx.rank, True, name, layout.total_size, layout.file_crc, storage, needs=needs)
+        return RankReport(self.rank, True, name, layout.total_size, layout.file_crc, storage, needs=needs)
 
     def _commit(self, index: int, entry: Save, report: RankReport) -> Outcome | None:
         """One level folder's two-phase commit, this rank's side; None when committed."""
         ctx, scope = self.ctx, self.scopes[index]
-        ctx.proto.post(entry.n, report)
-        deadline = time.monotonic() + ctx.commit_timeout
+        ctx.decider.proto.post(entry.n, report)
+        deadline = time.monotonic() + ctx.decider.commit_timeout
         if scope.node_local:
             return ctx.decider.commit_node(entry, deadline, scope)
-        if ctx.rank == 0:
+        if self.rank == 0:
             return ctx.decider.coordinate(entry, deadline)
         outcome = ctx.decider.follow(entry, deadline)
-        ctx.proto.ack(entry.n)
+        ctx.decider.proto.ack(entry.n)
         return outcome
 
     def _error(
         self, index: int, step: int, entry: Save, outcome: Outcome, own: BaseException | None
     ) -> DistributedLevelError:
         level = self.levels[index]
-        cause = outcome.cause or (own if own is not None and self.ctx.rank in outcome.ranks else None)
+        cause = outcome.cause or (own if own is not None and self.rank in outcome.ranks else None)
         code = getattr(cause, "errno", None)
         err = DistributedLevelError(
             f"lazyckpt: level {index} ({level.path}), step {step}: {outcome.message}",
@@ -376,83 +362,27 @@ class DistributedLevels:
         with self._cond:
             st.readers -= 1
             last = st.readers == 0
-            self._pins[(st.first, st.step)] -= 1
-            if self._pins[(st.first, st.step)] <= 0:
-                del self._pins[(st.first, st.step)]
+        self._retention.unpin(st.first, st.step)
         if last:  # its retention may have skipped this step while it was pinned
             self._retain(st.first)
 
-    # -- retention (the folder's owner only) ------------------------------------------------------
-
     def _retain(self, index: int) -> None:
-        """As ``MultiLevel._retain``, on the rank that owns this rank's folder of the level: remove
-        the steps beyond the ``keep`` newest, and those after the first step this checkpointer saved
-        there that it did not save (an abandoned timeline), pinned ones skipped."""
-        level = self.levels[index]
-        if self.ctx.rank != self.scopes[index].leader:
-            return
-        try:
-            steps = list_steps(level, self.options.storage_options, folder=True)
-        except Exception as exc:  # noqa: BLE001 - retention is housekeeping
-            logger.warning("lazyckpt: level %d (%s): cannot list it for retention: %s", index, level.path, exc)
-            return
-        with self._cond:
-            first, mine = self._first.get(index), self._mine[index]
-            stale = {s for s in steps if first is not None and s > first and s not in mine}
-            live = sorted(s for s in steps if s not in stale)
-            old = set(live[: -level.keep]) if level.keep is not None else set()
-            victims = [
-                steps[s] for s in sorted(stale | old) if (index, s) not in self._pins and steps[s] not in self._removing
-            ]
-            self._removing.update(victims)
-        for path in victims:
-            self._delete(index, path)
-
-    def _delete(self, index: int, path: str) -> None:
-        level = self.levels[index]
-        try:
-            if level.is_url:
-                tier = self.ctx.inner.remote_tier()
-                tier.delete_object(path, *tier.resolve(path))  # .metadata first
-            else:
-                self.ctx.inner.remove(path)  # renamed away now, freed on the remover thread
-        except FileNotFoundError:
-            pass
-        except Exception as exc:  # noqa: BLE001 - reported once, as a failed save is
-            err = LevelError(f"lazyckpt: level {index} ({level.path}): could not remove {path}: {exc}",
-                             index, level.path, -1, path)  # fmt: skip
-            err.__cause__ = exc
-            self.ctx.inner.publish(Report(err))
-        finally:
-            with self._cond:
-                self._removing.discard(path)
+        """``MultiLevel``'s retention (``_schedule.Retention``), by the rank that owns this rank's
+        folder of the level only; deletions through the inner checkpointer (local: renamed away
+        now, freed on its remover thread) or its remote tier."""
+        if self.rank == self.scopes[index].leader:
+            inner = self.ctx.inner
+            self._retention.apply(
+                index, self.levels[index], self.options.storage_options, True, inner.remove, inner.remote_tier,
+                inner.publish,
+            )  # fmt: skip
 
     # -- admission --------------------------------------------------------------------------------
 
     def _admit(self, index: int, step: int) -> bool:
-        """Reserve a place in level ``index``'s backlog; at the bound, wait for one (warned)."""
-        level = self.levels[index]
-        with self._cond:
-            if self._pending[index] < level.backlog:
-                self._pending[index] += 1
-                return True
-            pending = self._pending[index]
-        t0 = time.monotonic()
-        self.ctx.inner.wait_staged()  # confirms this rank's pending files: their copies can then run
-        with self._cond:
-            while self._pending[index] >= level.backlog:
-                self._cond.wait(1.0)  # the level thread ends every item it holds (commit_timeout bounds it)
-            self._pending[index] += 1
-        waited = time.monotonic() - t0
-        if waited > WARN_AFTER_S:
-            warnings.warn(
-                f"lazyckpt: level {index} ({level.path}) falls behind: save(step={step}) waited {waited:.2f} s for "
-                f"{pending} earlier copies to it (backlog bound {level.backlog}); training slows to that level's "
-                "speed. Save to it less often, or raise its backlog.",
-                BackpressureWarning,
-                stacklevel=4,
-            )
-        return True
+        """Reserve a place in level ``index``'s backlog; at the bound, confirm this rank's pending
+        files (their copies can then run) and wait for one, warned (``_schedule.Backlog``)."""
+        return self._backlog.admit(index, self.levels[index], step, None, self.ctx.inner.wait_staged, stacklevel=5)
 
     def _check_memory(self, entry: Save) -> None:
         """First save: the memory statement (``levels._copy.check_memory``), for this node: this

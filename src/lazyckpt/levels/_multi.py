@@ -29,8 +29,6 @@ import shutil
 import tempfile
 import threading
 import time
-import warnings
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -42,10 +40,11 @@ from lazyckpt.options import CheckpointerOptions
 from lazyckpt.storage import fs as _fs
 from lazyckpt.storage import remote as _remote
 
-from ..errors import BackpressureWarning, SaveRefusedError
+from ..errors import SaveRefusedError
 from . import _copy
 from ._handle import SOURCE, LevelsHandle, Parts
-from ._level import Level, LevelError, list_steps
+from ._level import Level, LevelError
+from ._schedule import Backlog, Retention
 
 
 def check_levels(levels: tuple[Any, ...]) -> None:
@@ -64,8 +63,6 @@ class Saver(Protocol):
 
 
 logger = logging.getLogger(__name__)
-
-WARN_AFTER_S = 0.5  # a save that waited longer than this for a level's backlog warns
 
 
 @dataclass(eq=False)
@@ -95,7 +92,7 @@ class _Worker:
     """One slower level's thread (FIFO) and its admitted copies not yet finished (owner's lock)."""
 
     def __init__(self, owner: MultiLevel, index: int) -> None:
-        self.pending = 0
+        self.index = index
         self.thread: Worker[_Copy] = Worker(f"lazyckpt-level-{index}", lambda item: owner.run_copy(self, item))
 
 
@@ -113,15 +110,12 @@ class MultiLevel:
         self.levels = levels
         self.options = options
         self.folder = folder
-        self.skipped_copies = 0
         self._cond = threading.Condition()
+        self._backlog = Backlog(self._cond)
         self._ledger = ErrorLedger()
         self._callbacks = CallbackRunner()
         self._workers: dict[int, _Worker] = {}
-        self._pins: Counter[tuple[int, int]] = Counter()  # (level, step) -> copies reading that file
-        self._removing: set[str] = set()
-        self._first: dict[int, int] = {}  # level -> first step this checkpointer saved there
-        self._mine: dict[int, set[int]] = {i: set() for i in range(len(levels))}
+        self._retention = Retention(self._cond, len(levels))  # steps saved, pinned, being removed
         self._open: set[LevelsHandle] = set()
         self._tier: _remote.RemoteTier | None = None
         self._staging: str | None = None
@@ -162,12 +156,8 @@ class MultiLevel:
         admitted = [i for i in targets if self._admit(i, step)]
         src = self.path(first, step) if first is not None else self._staging_path(step)
         feed = _Feed(first, step, src, len(admitted))
-        with self._cond:
-            for i in ([] if first is None else [first]) + admitted:
-                self._first.setdefault(i, step)
-                self._mine[i].add(step)
-            if first is not None and admitted:
-                self._pins[(first, step)] += 1
+        # pinned once per copy: the file stays until the last copy has read it
+        self._retention.saved(([] if first is None else [first]) + admitted, step, first, len(admitted))
         try:
             source = produce(src)
         except BaseException:
@@ -248,9 +238,7 @@ class MultiLevel:
             logger.exception("lazyckpt: level %d copy of step %d failed unexpectedly", item.level, item.step)
             item.parts.part_done(item.level, written=False)
         finally:
-            with self._cond:
-                worker.pending -= 1
-                self._cond.notify_all()
+            self._backlog.done(worker.index)
 
     def _promote(self, item: _Copy) -> None:
         item.source_done.wait()  # always set: the engine ends every save it accepted
@@ -292,10 +280,8 @@ class MultiLevel:
         with self._cond:
             feed.readers -= 1
             last = feed.readers == 0
-            if feed.level is not None:
-                self._pins[(feed.level, feed.step)] -= 1
-                if self._pins[(feed.level, feed.step)] <= 0:
-                    del self._pins[(feed.level, feed.step)]
+        if feed.level is not None:
+            self._retention.unpin(feed.level, feed.step)
         if not last:
             return
         if feed.level is None:
@@ -306,97 +292,35 @@ class MultiLevel:
     # -- retention --------------------------------------------------------------------------------
 
     def _retain(self, index: int) -> None:
-        """Remove level ``index``'s checkpoints beyond its ``keep`` newest, and those of steps after
-        the first this checkpointer saved there that it did not save (a timeline abandoned by a
-        rollback), skipping pinned files. Runs right after a copy was committed at that level, so
-        its newest complete checkpoint is never among them. Deletions go through
+        """Level ``index``'s retention (``_schedule.Retention.apply``): deletions through
         ``LazyCheckpointer.remove`` (local: renamed away now, freed on its remover thread) or the
         remote tier (a URL level: on its own level thread)."""
-        level = self.levels[index]
-        try:
-            steps = list_steps(level, self.options.storage_options, folder=self.folder)
-        except Exception as exc:
-            logger.warning("lazyckpt: level %d (%s): cannot list it for retention: %s", index, level.path, exc)
-            return
-        with self._cond:
-            first, mine = self._first.get(index), self._mine[index]
-            stale = {s for s in steps if first is not None and s > first and s not in mine}
-            live = sorted(s for s in steps if s not in stale)
-            old = set(live[: -level.keep]) if level.keep is not None else set()
-            victims = [
-                steps[s] for s in sorted(stale | old)
-                if (index, s) not in self._pins and steps[s] not in self._removing
-            ]  # fmt: skip
-            self._removing.update(victims)
-        for path in victims:
-            self._delete(index, path)
-
-    def _delete(self, index: int, path: str) -> None:
-        try:
-            if self.levels[index].is_url:
-                tier = self._remote_tier()
-                tier.delete_object(path, *tier.resolve(path))
-            else:
-                self.ckpt.remove(path)
-        except FileNotFoundError:
-            pass
-        except Exception as exc:
-            level = self.levels[index]
-            err = LevelError(f"lazyckpt: level {index} ({level.path}): could not remove {path}: {exc}",
-                             index, level.path, -1, path)  # fmt: skip
-            err.__cause__ = exc
-            self._ledger.publish(Report(err))
-        finally:
-            with self._cond:
-                self._removing.discard(path)
+        self._retention.apply(
+            index, self.levels[index], self.options.storage_options, self.folder, self.ckpt.remove,
+            self._remote_tier, self._ledger.publish,
+        )  # fmt: skip
 
     # -- admission --------------------------------------------------------------------------------
 
     def _admit(self, index: int, step: int) -> bool:
-        """Reserve a place in level ``index``'s backlog; at the bound, skip it (``"skip"``) or wait."""
-        level = self.levels[index]
+        """Reserve a place in level ``index``'s backlog; at the bound, skip it (``"skip"``) or wait
+        (``_schedule.Backlog``: the pending source saves are confirmed here first)."""
         with self._cond:
-            worker = self._workers.get(index)
-            if worker is None:
-                worker = self._workers[index] = _Worker(self, index)
-            if worker.pending < level.backlog:
-                worker.pending += 1
-                return True
-            pending = worker.pending
-        if self.options.on_backpressure == "skip":
-            self.skipped_copies += 1
-            warnings.warn(
-                f"lazyckpt: skipped level {index} ({level.path}) for step {step}: {pending} earlier copies to it "
-                f"still waiting, backlog bound {level.backlog} ({self.skipped_copies} level copies skipped so far). "
-                "The faster levels still save this step. Save to it less often, or raise its backlog.",
-                BackpressureWarning,
-                stacklevel=4,
-            )
-            return False
-        t0 = time.monotonic()
-        self.ckpt.wait_staged()  # confirms the pending source saves here: their copies can then run
-        with self._cond:
-            while worker.pending >= level.backlog:
-                self._cond.wait(1.0)  # the level thread ends every copy it holds
-            worker.pending += 1
-        waited = time.monotonic() - t0
-        if waited > WARN_AFTER_S:
-            warnings.warn(
-                f"lazyckpt: level {index} ({level.path}) falls behind: save(step={step}) waited {waited:.2f} s for "
-                f"{pending} earlier copies to it (backlog bound {level.backlog}); training slows to that level's "
-                "speed. Save to it less often, raise its backlog, or use on_backpressure='skip'.",
-                BackpressureWarning,
-                stacklevel=4,
-            )
-        return True
+            if index not in self._workers:
+                self._workers[index] = _Worker(self, index)
+        skip = self.options.on_backpressure == "skip"
+        return self._backlog.admit(index, self.levels[index], step, skip, self.ckpt.wait_staged, stacklevel=5)
+
+    @property
+    def skipped_copies(self) -> int:
+        """Level copies skipped so far (``on_backpressure="skip"``)."""
+        return self._backlog.skipped
 
     def _unadmit(self, admitted: list[int], feed: _Feed) -> None:
-        with self._cond:
-            for i in admitted:
-                self._workers[i].pending -= 1
-            if feed.level is not None and admitted:
-                del self._pins[(feed.level, feed.step)]
-            self._cond.notify_all()
+        for i in admitted:
+            self._backlog.done(i)
+        if feed.level is not None and admitted:
+            self._retention.unpin(feed.level, feed.step, len(admitted))
 
     # -- resources --------------------------------------------------------------------------------
 

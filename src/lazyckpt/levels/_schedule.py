@@ -1,0 +1,180 @@
+"""What every multi-level saver shares: each slower level's backlog bound, and retention's choice.
+
+``MultiLevel`` (one process: files, Accelerate's folders) and the distributed levels
+(``lazyckpt.distributed``: DCP folders committed by every rank) schedule the same way; they differ
+in how a copy is made and committed, not in when a save waits for a level or which steps a level
+keeps.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import warnings
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+from lazyckpt.core.report import Report
+from lazyckpt.storage.remote import RemoteTier
+
+from ..errors import BackpressureWarning
+from ._level import Level, LevelError, list_steps
+
+logger = logging.getLogger(__name__)
+
+WARN_AFTER_S = 0.5  # a save that waited longer than this for a level's backlog warns
+
+
+class Backlog:
+    """Copies to each slower level admitted and not yet ended, bounded by ``Level.backlog``, under
+    the saver's condition (``cond``). ``admit`` runs on the caller's thread, ``done`` on the level's."""
+
+    def __init__(self, cond: threading.Condition) -> None:
+        self._cond = cond
+        self._pending: Counter[int] = Counter()
+        self.skipped = 0  # copies skipped so far (``on_backpressure="skip"``)
+
+    def admit(
+        self, index: int, level: Level, step: int, skip: bool | None, confirm: Callable[[], None], stacklevel: int
+    ) -> bool:
+        """Reserve a place in level ``index``'s backlog. At the bound: ``skip`` skips this step's
+        copy (False, warned); otherwise (``skip`` False, or None where skipping is not offered)
+        ``confirm()`` (the saver's pending saves, so that their commits and the copies behind them
+        can proceed: no deadlock), then wait for a place (the level thread ends every copy it
+        holds), warning with the numbers past ``WARN_AFTER_S``."""
+        with self._cond:
+            if self._pending[index] < level.backlog:
+                self._pending[index] += 1
+                return True
+            pending = self._pending[index]
+        if skip:
+            self.skipped += 1
+            warnings.warn(
+                f"lazyckpt: skipped level {index} ({level.path}) for step {step}: {pending} earlier copies to it "
+                f"still waiting, backlog bound {level.backlog} ({self.skipped} level copies skipped so far). "
+                "The faster levels still save this step. Save to it less often, or raise its backlog.",
+                BackpressureWarning,
+                stacklevel=stacklevel,
+            )
+            return False
+        t0 = time.monotonic()
+        confirm()
+        with self._cond:
+            while self._pending[index] >= level.backlog:
+                self._cond.wait(1.0)
+            self._pending[index] += 1
+        waited = time.monotonic() - t0
+        if waited > WARN_AFTER_S:
+            other = ", or use on_backpressure='skip'." if skip is False else "."
+            warnings.warn(
+                f"lazyckpt: level {index} ({level.path}) falls behind: save(step={step}) waited {waited:.2f} s for "
+                f"{pending} earlier copies to it (backlog bound {level.backlog}); training slows to that level's "
+                f"speed. Save to it less often, raise its backlog{other}",
+                BackpressureWarning,
+                stacklevel=stacklevel,
+            )
+        return True
+
+    def done(self, index: int) -> None:
+        """A copy admitted to level ``index`` ended (or was never queued)."""
+        with self._cond:
+            self._pending[index] -= 1
+            self._cond.notify_all()
+
+
+class Retention:
+    """Which checkpoints of each level a saver may remove, under its condition: the steps it saved
+    at each level (``saved``), the steps pinned while copies still read them (``pin`` once per
+    copy, ``unpin`` as each ends), and the paths being removed.
+
+    ``apply(index, ...)`` runs right after a commit at level ``index`` (so its newest complete
+    checkpoint is never removed): it lists the level, keeps its ``keep`` newest steps, also removes
+    the steps after the first this saver wrote there that it did not write (a timeline abandoned
+    by a rollback: after resuming from step 50, an old step 57 would otherwise be "newest"), skips
+    pinned steps (retried when unpinned) and deletes the rest (``remove_copy``)."""
+
+    def __init__(self, cond: threading.Condition, levels: int) -> None:
+        self._cond = cond
+        self._first: dict[int, int] = {}  # level -> first step this saver saved there
+        self._mine: dict[int, set[int]] = {i: set() for i in range(levels)}
+        self._pins: Counter[tuple[int, int]] = Counter()  # (level, step) -> copies reading it
+        self._removing: set[str] = set()
+
+    def saved(self, levels: list[int], step: int, source: int | None, copies: int) -> None:
+        """``step`` goes to ``levels``; ``copies`` copies will read it from level ``source``."""
+        with self._cond:
+            for i in levels:
+                self._first.setdefault(i, step)
+                self._mine[i].add(step)
+            if source is not None and copies:
+                self._pins[(source, step)] += copies
+
+    def unpin(self, level: int, step: int, copies: int = 1) -> None:
+        with self._cond:
+            self._pins[(level, step)] -= copies
+            if self._pins[(level, step)] <= 0:
+                del self._pins[(level, step)]
+
+    def apply(
+        self,
+        index: int,
+        level: Level,
+        storage_options: dict[str, Any] | None,
+        folder: bool | None,
+        remove_local: Callable[[str], Any],
+        remote_tier: Callable[[], RemoteTier],
+        publish: Callable[[Report], None],
+    ) -> None:
+        try:
+            steps = list_steps(level, storage_options, folder=folder)
+        except Exception as exc:  # noqa: BLE001 - retention is housekeeping
+            logger.warning("lazyckpt: level %d (%s): cannot list it for retention: %s", index, level.path, exc)
+            return
+        with self._cond:
+            chosen = retention_victims(steps, level.keep, self._first.get(index), self._mine[index])
+            victims = [steps[s] for s in chosen if (index, s) not in self._pins and steps[s] not in self._removing]
+            self._removing.update(victims)
+        for path in victims:
+            try:
+                remove_copy(index, level, path, remove_local, remote_tier, publish)
+            finally:
+                with self._cond:
+                    self._removing.discard(path)
+
+
+def retention_victims(steps: dict[int, str], keep: int | None, first: int | None, mine: set[int]) -> list[int]:
+    """The steps of a level (``steps``: {step: path}, as listed) beyond its ``keep`` newest, and
+    those after the ``first`` step this saver wrote there that it did not write (``mine``)."""
+    stale = {s for s in steps if first is not None and s > first and s not in mine}
+    live = sorted(s for s in steps if s not in stale)
+    old = set(live[:-keep]) if keep is not None else set()
+    return sorted(stale | old)
+
+
+def remove_copy(
+    index: int,
+    level: Level,
+    path: str,
+    remove_local: Callable[[str], Any],
+    remote_tier: Callable[[], RemoteTier],
+    publish: Callable[[Report], None],
+) -> None:
+    """Delete level ``index``'s checkpoint ``path`` for retention: a local one through
+    ``remove_local`` (``LazyCheckpointer.remove``: renamed away now, freed on its remover thread),
+    a URL through the remote tier (on the calling level thread). Gone already is fine; any other
+    failure is published once as a ``LevelError`` naming the level."""
+    try:
+        if level.is_url:
+            tier = remote_tier()
+            tier.delete_object(path, *tier.resolve(path))
+        else:
+            remove_local(path)
+    except FileNotFoundError:
+        pass
+    except Exception as exc:  # noqa: BLE001 - reported once, as a failed save is
+        err = LevelError(f"lazyckpt: level {index} ({level.path}): could not remove {path}: {exc}",
+                         index, level.path, -1, path)  # fmt: skip
+        err.__cause__ = exc
+        publish(Report(err))
