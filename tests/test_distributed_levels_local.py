@@ -223,6 +223,18 @@ def test_a_rank_whose_check_fails_makes_the_others_fail_at_once_not_at_their_tim
     assert isinstance(outcome[0], RuntimeError) and "rank 1: PermissionError: injected" in str(outcome[0])
 
 
+def test_a_rank_that_holds_nothing_answers_none_at_once_and_so_do_the_others():
+    """Rank 1's levels are empty (a replaced node, nothing shared yet): it posts that and returns
+    None without waiting; rank 0, which holds step 5, reads it and returns None too."""
+    from lazyckpt.levels._collective import agree
+
+    store = dist.HashStore()
+    empty = StoreExchange(store, "t", rank=1, world=2, timeout=60)
+    assert agree({0: {}}, lambda *a: True, empty) is None  # no wait: rank 0 has not posted yet
+    holder = StoreExchange(store, "t", rank=0, world=2, timeout=5)
+    assert agree({0: {5: "/r0/step-5"}}, lambda *a: True, holder) is None
+
+
 def test_the_exchange_of_latest_is_bounded_and_names_the_missing_ranks():
     """A rank that never calls latest(): the others raise TimeoutError naming it, never hang."""
     store = dist.HashStore()

@@ -11,6 +11,7 @@ died or never answers within ``commit_timeout``), then for the result. Messages 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
@@ -155,6 +156,7 @@ class Decider:
         """Other ranks: wait for the coordinator's decision (or decide abort when it never comes)."""
         decided = self._await_decision(entry, deadline)
         if not decided.commit:
+            self._discard_own(entry)
             return _abort_reason(decided)
         result = self.proto.wait_result(entry.n, time.monotonic() + self.commit_timeout, self.liveness)
         if result is not None and result.ok:
@@ -170,6 +172,18 @@ class Decider:
             )
         # To a URL, publishing is uploading .metadata: its failure is an upload failure.
         return _Outcome(result.why, (0,), upload=entry.remote is not None)
+
+    @staticmethod
+    def _discard_own(entry: _Save) -> None:
+        """An aborted save, on a rank that does not own the folder: its own file out of the staging
+        folder, and the folder if that leaves it empty. The owner removed the folder when it decided,
+        but a rank slower than ``commit_timeout`` may have renamed its file into it just then."""
+        if entry.remote is not None or not entry.staging:
+            return
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(entry.staging, entry.file))
+        with contextlib.suppress(OSError):
+            os.rmdir(entry.staging)
 
     def _await_decision(self, entry: _Save, deadline: float) -> Decision:
         """A follower: the coordinator's decision, or its own abort when none comes in time."""
@@ -210,6 +224,8 @@ class Decider:
         if not decided.commit:
             if self.rank == scope.leader:
                 shutil.rmtree(entry.staging, ignore_errors=True)
+            else:
+                self._discard_own(entry)
             outcome = _abort_reason(decided)
         else:
             if self.rank == scope.leader:

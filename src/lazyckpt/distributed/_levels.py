@@ -299,6 +299,7 @@ class DistributedLevels:
                 entry.staging = _commit.staging_path(entry.final, ctx.decider.token, key)
                 name, storage = source.file, source.storage
                 copy_checked(src, entry.staging, name, source.layout.file_crc, self.options.fsync)
+            entry.file = name
             report = self._report(name, source.layout, storage, st.needs)
         except Exception as exc:  # reported: the save fails at this level on every rank
             own = exc

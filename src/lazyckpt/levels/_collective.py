@@ -31,16 +31,22 @@ _POLL_MIN_S, _POLL_MAX_S = 0.005, 0.1
 _calls = itertools.count()
 
 
-def active(collective: bool | None) -> bool:
-    """Whether ``latest()`` runs collectively: ``collective`` if given, else when torch.distributed
-    is initialized with more than one rank."""
+def active(collective: bool | None, listings: dict[int, dict[int, str]], is_dcp: Callable[[str], bool]) -> bool:
+    """Whether ``latest()`` runs collectively: ``collective`` if given; else in a job
+    (torch.distributed initialized, more than one rank) whose levels, as this rank lists them, hold
+    a DCP folder of ``lazyckpt.distributed`` (``is_dcp``) or nothing at all (then this rank only
+    posts that it holds nothing, for ranks that do: ``agree``). Levels holding other checkpoints
+    only are one process's business (a caller may pick on one process and broadcast)."""
     if collective is not None:
         return collective
     try:
         import torch.distributed as dist
     except ImportError:  # pragma: no cover - torch without distributed
         return False
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return False
+    paths = [path for steps in listings.values() for path in steps.values()]
+    return not paths or any(is_dcp(path) for path in paths)
 
 
 class StoreExchange:
@@ -63,11 +69,16 @@ class StoreExchange:
     def _key(self, round_no: int, rank: int) -> str:
         return f"{self.prefix}/{round_no}/r{rank}"
 
+    def post(self, value: Any) -> int:
+        """Post this rank's ``value`` for the next round without waiting for the others'; its round."""
+        round_no, self._round = self._round, self._round + 1
+        self.store.set(self._key(round_no, self.rank), json.dumps(value))
+        return round_no
+
     def all_gather(self, value: Any) -> list[Any]:
         """Every rank's ``value`` (same order on all ranks); ``TimeoutError`` naming the ranks that
         did not post theirs within ``timeout`` seconds."""
-        round_no, self._round = self._round, self._round + 1
-        self.store.set(self._key(round_no, self.rank), json.dumps(value))
+        round_no = self.post(value)
         keys = [self._key(round_no, r) for r in range(self.world)]
         deadline = time.monotonic() + self.timeout
         delay = _POLL_MIN_S
@@ -100,6 +111,9 @@ def agree(
     are this rank's fastest usable copy), or None. ``listings``: this rank's {level: {step: path}};
     ``check(level, step, path)``: whether this rank can load that copy (it warns if not)."""
     mine = {str(level): sorted(steps) for level, steps in listings.items()}
+    if not any(listings.values()):  # no step is held by every rank: None, without waiting for them
+        exchange.post({"value": mine})
+        return None
     held = [_steps(ranks_listing.values()) for ranks_listing in _gather(exchange, lambda: mine)]
     for step in sorted(set().union(*held), reverse=True):
         if not all(step in steps for steps in held):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lazyckpt.recovery.check import folder_problems
-from lazyckpt.recovery.dcp import rank_problems
+from lazyckpt.recovery.dcp import is_dcp_folder, rank_problems
 from lazyckpt.recovery.verify import verify as verify_file
 
 from ..errors import IncompleteCheckpointWarning
@@ -58,18 +58,22 @@ def latest(
     files are; a folder is complete and intact when ``recovery.check.folder_problems`` says so.
     When a level holds a step as both a file and a folder, the file is the candidate.
 
-    In a distributed job (torch.distributed initialized with more than one rank, or
-    ``collective=True``) it is collective: call it on every rank (each with its own levels: a
+    Distributed checkpoints (``lazyckpt.distributed.DistributedCheckpointer(levels=...)``): in a
+    job (torch.distributed initialized with more than one rank) whose levels hold DCP folders of
+    ``lazyckpt.distributed``, it is collective: call it on every rank (each with its own levels: a
     node-local level's folder is its node's), and every rank gets the same step, the newest that
-    every rank can load from some level (see ``_collective.py``): a DCP folder of
-    ``lazyckpt.distributed`` is checked for what this rank reads (its own items, when the job has
-    the layout that saved it; else the whole folder, which then must be a whole checkpoint,
-    loadable with resharding), anything else whole. ``found.path`` and ``found.level`` are this
-    rank's fastest usable copy. A rank that does not answer within ``timeout`` seconds makes the
-    others raise ``TimeoutError`` naming it. ``collective=False``: this process's own view."""
-    if _collective.active(collective):
-        return latest_agreed(levels, _collective.StoreExchange.default(timeout), storage_options, verify)
+    every rank can load from some level (see ``_collective.py``): such a folder is checked for what
+    this rank reads (its own items, when the job has the layout that saved it; else the whole
+    folder, which then must be a whole checkpoint, loadable with resharding), anything else whole.
+    ``found.path`` and ``found.level`` are this rank's fastest usable copy. A rank that does not
+    answer within ``timeout`` seconds makes the others raise ``TimeoutError`` naming it; a rank
+    whose levels hold nothing posts so and returns None at once (no step is held by every rank).
+    Levels holding other checkpoints only (files, Accelerate folders) are this process's own view,
+    as outside a job (callers that pick on one process and broadcast keep working).
+    ``collective=True`` / ``False`` forces either."""
     listings = _listings(levels, storage_options)
+    if _collective.active(collective, listings, lambda path: is_dcp_folder(path, storage_options)):
+        return latest_agreed(levels, _collective.StoreExchange.default(timeout), storage_options, verify, listings)
     candidates = [(step, index, path) for index, steps in listings.items() for step, path in steps.items()]
     candidates.sort(key=lambda c: (-c[0], c[1]))
     for step, index, path in candidates:
@@ -89,8 +93,10 @@ def latest_agreed(
     exchange: _collective.StoreExchange,
     storage_options: dict[str, Any] | None = None,
     verify: bool = True,
+    listings: dict[int, dict[int, str]] | None = None,
 ) -> Found | None:
-    """``latest()`` agreed among ``exchange``'s ranks (every one of them calls it)."""
+    """``latest()`` agreed among ``exchange``'s ranks (every one of them calls it); ``listings``:
+    this rank's levels as already listed."""
     rank, world = exchange.rank, exchange.world
 
     def usable(index: int, step: int, path: str) -> bool:
@@ -103,7 +109,8 @@ def latest_agreed(
             )
         return problem is None
 
-    agreed = _collective.agree(_listings(levels, storage_options), usable, exchange)
+    mine = _listings(levels, storage_options) if listings is None else listings
+    agreed = _collective.agree(mine, usable, exchange)
     return None if agreed is None else Found(agreed[2], agreed[0], agreed[1])
 
 

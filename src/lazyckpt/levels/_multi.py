@@ -44,7 +44,7 @@ from ..errors import SaveRefusedError
 from . import _copy
 from ._handle import SOURCE, LevelsHandle, Parts
 from ._level import Level, LevelError
-from ._schedule import Backlog, Retention
+from ._schedule import WARN_AFTER_S, Backlog, Retention
 
 
 def check_levels(levels: tuple[Any, ...]) -> None:
@@ -309,7 +309,9 @@ class MultiLevel:
             if index not in self._workers:
                 self._workers[index] = _Worker(self, index)
         skip = self.options.on_backpressure == "skip"
-        return self._backlog.admit(index, self.levels[index], step, skip, self.ckpt.wait_staged, stacklevel=5)
+        return self._backlog.admit(
+            index, self.levels[index], step, skip, self.ckpt.wait_staged, stacklevel=5, warn_after=WARN_AFTER_S
+        )
 
     @property
     def skipped_copies(self) -> int:

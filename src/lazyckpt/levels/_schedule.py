@@ -37,13 +37,20 @@ class Backlog:
         self.skipped = 0  # copies skipped so far (``on_backpressure="skip"``)
 
     def admit(
-        self, index: int, level: Level, step: int, skip: bool | None, confirm: Callable[[], None], stacklevel: int
+        self,
+        index: int,
+        level: Level,
+        step: int,
+        skip: bool | None,
+        confirm: Callable[[], None],
+        stacklevel: int,
+        warn_after: float = WARN_AFTER_S,
     ) -> bool:
         """Reserve a place in level ``index``'s backlog. At the bound: ``skip`` skips this step's
         copy (False, warned); otherwise (``skip`` False, or None where skipping is not offered)
         ``confirm()`` (the saver's pending saves, so that their commits and the copies behind them
         can proceed: no deadlock), then wait for a place (the level thread ends every copy it
-        holds), warning with the numbers past ``WARN_AFTER_S``."""
+        holds), warning with the numbers past ``warn_after`` seconds."""
         with self._cond:
             if self._pending[index] < level.backlog:
                 self._pending[index] += 1
@@ -66,7 +73,7 @@ class Backlog:
                 self._cond.wait(1.0)
             self._pending[index] += 1
         waited = time.monotonic() - t0
-        if waited > WARN_AFTER_S:
+        if waited > warn_after:
             other = ", or use on_backpressure='skip'." if skip is False else "."
             warnings.warn(
                 f"lazyckpt: level {index} ({level.path}) falls behind: save(step={step}) waited {waited:.2f} s for "

@@ -133,6 +133,15 @@ def read_manifest(path: str | os.PathLike[str], storage_options: dict[str, Any] 
     return manifest
 
 
+def is_dcp_folder(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> bool:
+    """Whether ``path`` is a folder (or URL prefix) holding a ``lazyckpt.distributed`` manifest."""
+    folder = _folder(os.fspath(path), storage_options)
+    try:
+        return folder.size(MANIFEST) is not None
+    except OSError:  # not a folder, unreadable: not one
+        return False
+
+
 def partial_problem(manifest: dict[str, Any]) -> str | None:
     """Why a folder is no whole checkpoint by itself (a node-local level's folder holds its node's
     ranks' files only), or None. Folders written before the manifest said so are whole."""
