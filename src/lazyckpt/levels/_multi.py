@@ -28,6 +28,7 @@ import threading
 import time
 import warnings
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -124,12 +125,13 @@ class MultiLevel:
 
     # -- caller side ------------------------------------------------------------------------------
 
-    def save(self, obj: Any, step: int) -> SaveHandle:
+    def save(self, obj: Any, step: int, due: Sequence[int] | None = None) -> SaveHandle:
+        """``due``: the indices of the levels to save to (default: those with ``step % every == 0``)."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise SaveRefusedError(f"step must be an int >= 0, got {step!r}")
         t0 = time.perf_counter()
         self.ckpt.raise_errors()  # an unseen error of an earlier save (any level) first, as save() does
-        due = [i for i, lv in enumerate(self.levels) if lv.due(step)]
+        due = [i for i, lv in enumerate(self.levels) if lv.due(step)] if due is None else sorted(set(due))
         if not due:
             return _not_due(step, t0)
         if not self._memory_checked:
