@@ -33,7 +33,7 @@ from typing import Any, Protocol, runtime_checkable
 from lazyckpt.checkpointer import LazyCheckpointer
 from lazyckpt.core.handle import SaveHandle
 from lazyckpt.core.report import raise_first
-from lazyckpt.errors import SaveRefusedError
+from lazyckpt.errors import LazyCkptError, LevelError, SaveRefusedError
 from lazyckpt.levels import Level
 from lazyckpt.levels._multi import MultiLevel, check_levels
 from lazyckpt.lightning import _compat, _sharded
@@ -51,6 +51,7 @@ class LevelsPlugin(Protocol):
     def open_checkpointer(self) -> LazyCheckpointer: ...
     def levels_saver(self, levels: tuple[Level, ...]) -> MultiLevel: ...
     def raise_errors(self) -> None: ...
+    def wait(self, timeout: float | None = None) -> None: ...
 
 
 class _PluginSaver:
@@ -161,14 +162,59 @@ class MultiLevelCheckpoint(_Callback):
         if not due:
             return
         checkpoint = _compat.dump_checkpoint(trainer)  # every rank, as trainer.save_checkpoint does
-        if not trainer.is_global_zero:
-            return  # only rank 0 saves a full-state checkpoint (as the strategy's save_checkpoint)
-        self.last_handle = io.levels_saver(self.levels).save(checkpoint, step, due=due)
-        log.debug("lazyckpt: step %d handed to levels %s", step, due)
-        io.raise_errors()  # an earlier save's level error, once; this step is already on its way
+        error = None
+        if trainer.is_global_zero:  # only rank 0 saves a full-state checkpoint (as the strategy's save)
+            try:
+                self.last_handle = io.levels_saver(self.levels).save(checkpoint, step, due=due)
+                log.debug("lazyckpt: step %d handed to levels %s", step, due)
+                io.raise_errors()  # an earlier save's level error, once; this step is already on its way
+            except Exception as exc:
+                error = exc
+        _raise_together(trainer, error)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        """Rank 0 makes every save durable (what its teardown would do next); the ranks then leave
+        together (every rank's ``latest()`` after ``fit`` sees the same files) and raise an error together."""
+        error = None
+        if self._io is not None and trainer.is_global_zero:
+            try:
+                self._io.wait()  # every save of the plugin durable, its errors raised
+            except Exception as exc:
+                error = exc
+        _raise_together(trainer, error)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self._io = None  # the plugin's teardown (strategy teardown, just before) drained the saves
+
+
+def _raise_together(trainer: Any, error: Exception | None) -> None:
+    """Raise rank 0's ``error`` on every rank at this same point, or on none: a rank that raised
+    alone would leave the others waiting in the next collective. One small collective (any rank
+    failed?) per save in a distributed run; the error's description is broadcast only on failure."""
+    if getattr(trainer, "world_size", 1) > 1:
+        strategy = trainer.strategy
+        if strategy.reduce_boolean_decision(error is not None, all=False):
+            described = strategy.broadcast(_describe(error) if trainer.is_global_zero else None, src=0)
+            if error is None:
+                error = _rebuild(described)
+    if error is not None:
+        raise error
+
+
+def _describe(error: Exception | None) -> dict[str, Any] | None:
+    if error is None:
+        return None
+    fields = {k: getattr(error, k, None) for k in ("level", "level_path", "step", "path", "errno")}
+    return {"message": str(error), "is_level_error": isinstance(error, LevelError), **fields}
+
+
+def _rebuild(described: dict[str, Any] | None) -> Exception:
+    """Another rank's view of rank 0's error: a ``LevelError`` with the same fields, or a ``LazyCkptError``."""
+    info = described or {"message": "unknown error", "is_level_error": False}
+    message = f"lazyckpt: global rank 0's multi-level checkpoint failed: {info['message']}"
+    if not info["is_level_error"]:
+        return LazyCkptError(message)
+    return LevelError(message, info["level"], info["level_path"], info["step"], info["path"], errno=info["errno"])
 
 
 def _plugin_of(trainer: Any) -> LevelsPlugin:
