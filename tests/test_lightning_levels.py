@@ -115,7 +115,7 @@ def test_gradient_accumulation_saves_each_optimizer_step_once(mem, tmp_path):
     assert _steps(ref.path) == [1, 2, 3, 4, 5, 6]  # 12 batches, 6 steps, each saved once
     for step in _steps(ref.path):
         assert load(ref.file(step))["global_step"] == step
-    levels = [Level(mem, every=2)]
+    levels = [Level(mem, every=2, keep=3)]
     _fit(levels, 3, accumulate_grad_batches=2)
     assert _steps(mem) == [2]
     resumed = _fit(levels, 6, ckpt_path=lazyckpt.latest(levels).path, accumulate_grad_batches=2)
@@ -141,7 +141,7 @@ def test_two_optimizers_a_level_is_due_when_its_multiple_is_passed(mem, tmp_path
     saves at the first batch end at or past each multiple of 3 (4, 6, 10, 12), named by the step."""
     ref, whole = _uninterrupted(tmp_path, 12, model=TwoOptimizerGPT)
     assert _steps(ref.path) == [2, 4, 6, 8, 10, 12]
-    levels = [Level(mem, every=3)]
+    levels = [Level(mem, every=3, keep=4)]
     _fit(levels, 6, model=TwoOptimizerGPT)
     assert _steps(mem) == [4, 6]
     resumed = _fit(levels, 12, ckpt_path=lazyckpt.latest(levels).path, model=TwoOptimizerGPT)
@@ -213,7 +213,7 @@ def test_teardown_drains_a_level_copy_still_running_and_raises_its_error(mem, tm
 
     real = _copy.copy_file
     monkeypatch.setattr(_copy, "copy_file", held)
-    levels = [Level(mem, every=1), Level(tmp_path / "disk", every=2)]
+    levels = [Level(mem, every=1, keep=4), Level(tmp_path / "disk", every=2)]
     with pytest.raises(LevelError, match="step 4"):
         _fit(levels, 4, io=io)
     assert entered.is_set() and _steps(tmp_path / "disk") == [2]
@@ -239,7 +239,7 @@ def test_model_checkpoint_and_other_saves_alongside(mem, tmp_path):
 
 
 def test_refusals_and_no_saves_outside_fit(mem, tmp_path):
-    levels = [Level(mem, every=1)]
+    levels = [Level(mem, every=1, keep=1)]
     trainer = level_trainer([MultiLevelCheckpoint(levels)], [], max_steps=2)
     with pytest.raises(TypeError, match="LazyCheckpointIO"):
         trainer.fit(StepGPT(batches=4))
