@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 
 from . import gpt as _gpt
+from ._accelerate_loop import prepared_gpt
 from ._baselines import disk_write_s, floor_parts, storage_floor
 
 
@@ -63,9 +64,6 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
 
-    from accelerate import Accelerator
-    from accelerate.utils import ProjectConfiguration
-
     import lazyckpt.accelerate
     from lazyckpt import LazyCheckpointer
 
@@ -74,23 +72,9 @@ def main() -> None:
     root = Path(args.dir or tempfile.mkdtemp(prefix="bench_accelerate_"))
     root.mkdir(parents=True, exist_ok=True)
 
-    cfg = _gpt.config_for(args.size)
-    project = ProjectConfiguration(project_dir=str(root / "none"), automatic_checkpoint_naming=True, total_limit=2)
-    acc = Accelerator(cpu=True, project_config=project)
-    model = _gpt.build(cfg, seed=0)
-    opt = _gpt.make_optimizer(model)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 100))
-    model, opt, sched = acc.prepare(model, opt, sched)
-    batches = _gpt.BatchStream(cfg, seed=0)
+    loop = prepared_gpt(args.size, str(root / "none"))
+    acc, model, opt, train_step = loop.acc, loop.model, loop.opt, loop.step
     nparams = _gpt.num_params(model)
-
-    def train_step() -> None:
-        x, y = batches.next()
-        _, loss = model(x, y)
-        acc.backward(loss)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
 
     # one untimed step: optimizer state exists, so checkpoints have their full size from the start
     train_step()

@@ -219,28 +219,12 @@ def run_lightning(args: argparse.Namespace, out: Path, ph: Phases) -> None:
 
 
 def run_accelerate(args: argparse.Namespace, out: Path, ph: Phases) -> None:
-    from accelerate import Accelerator
-    from accelerate.utils import ProjectConfiguration
-
     import lazyckpt.accelerate
 
-    cfg = _gpt.config_for(args.size)
-    project = ProjectConfiguration(project_dir=str(out), automatic_checkpoint_naming=True, total_limit=2)
-    acc = Accelerator(cpu=True, project_config=project)
-    model = _gpt.build(cfg, seed=0)
-    opt = _gpt.make_optimizer(model)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 100))
-    model, opt, sched = acc.prepare(model, opt, sched)
-    batches = _gpt.BatchStream(cfg, seed=0)
+    from ._accelerate_loop import prepared_gpt
 
-    def train_step() -> None:
-        x, y = batches.next()
-        _, loss = model(x, y)
-        acc.backward(loss)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-
+    loop = prepared_gpt(args.size, str(out))
+    acc, train_step = loop.acc, loop.step
     train_step()
     with ph("install (creates the checkpointer)"):
         handle = lazyckpt.accelerate.install(acc)

@@ -3,10 +3,19 @@
     python scripts/structure.py            # summary
     python scripts/structure.py --list     # every private access across objects, by file
 
-Private reach: an attribute ``x._name`` (not a dunder) where ``x`` is not ``self``/``cls``. It counts as
-"lazyckpt touching lazyckpt" when ``_name`` is defined somewhere in lazyckpt (a method, a ``self._name``
-assignment, a module-level name) and as a framework internal otherwise. Import cycles: strongly connected
-components of the graph of lazyckpt modules importing lazyckpt modules (function-level imports included).
+Private reach: an attribute ``x._name`` (not a dunder) where ``x`` is not ``self``/``cls``. Whether it is
+"lazyckpt touching lazyckpt" or a framework internal depends on what ``x`` is:
+
+- a module imported by name (``_guard``, ``torch``, ``dist.distributed_c10d``): lazyckpt when the module is
+  lazyckpt's, a framework internal otherwise (``torch._C``, ``sys._getframe``);
+- any other object: lazyckpt when ``_name`` is an attribute some lazyckpt object has (a method or a name in a
+  lazyckpt class body, or a ``<anything>._name = ...`` assignment), a framework internal otherwise.
+
+A local variable or an argument that happens to be called ``_name`` makes no object have that attribute
+(Lightning's ``cb._fs`` is not lazyckpt's just because a function here unpacks ``_fs, path = ...``). A
+framework attribute that shares a name with one of ours still counts as lazyckpt: the error goes towards
+showing more reach, never less. Import cycles: strongly connected components of the graph of lazyckpt
+modules importing lazyckpt modules (function-level imports included).
 """
 
 from __future__ import annotations
@@ -35,34 +44,109 @@ def sources() -> dict[str, tuple[Path, ast.Module]]:
     return out
 
 
-def defined_private(trees: dict[str, tuple[Path, ast.Module]]) -> set[str]:
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def attribute_names(trees: dict[str, tuple[Path, ast.Module]]) -> set[str]:
+    """Private names that some lazyckpt object has as an attribute: defined in a class body (methods,
+    class attributes, dataclass fields) or assigned as ``<anything>._name``."""
     names: set[str] = set()
     for _, tree in trees.values():
         for node in ast.walk(tree):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                names.add(node.name)
+            if isinstance(node, ast.ClassDef):
+                for stmt in node.body:
+                    if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                        names.add(stmt.name)
+                    targets = stmt.targets if isinstance(stmt, ast.Assign) else [getattr(stmt, "target", None)]
+                    names.update(t.id for t in targets if isinstance(t, ast.Name))
             elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
                 names.add(node.attr)
-            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
-                names.add(node.id)
-            elif isinstance(node, ast.arg):
-                names.add(node.arg)
-    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+    return {n for n in names if _private(n)}
+
+
+def module_names(tree: ast.Module) -> set[str]:
+    """Private names a module has: top-level definitions, assignments and imports (not inside functions
+    or classes), and names functions declare ``global``."""
+    names: set[str] = set()
+
+    def top(stmts: list[ast.stmt]) -> None:
+        for stmt in stmts:
+            if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(stmt.name)
+                continue
+            if isinstance(stmt, (ast.Import, ast.ImportFrom)):
+                names.update((a.asname or a.name).split(".")[0] for a in stmt.names)
+                continue
+            for node in ast.walk(stmt):
+                if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                    names.add(node.id)
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                top([s for s in getattr(stmt, field, []) if isinstance(s, ast.stmt)])
+
+    top(tree.body)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Global):
+            names.update(node.names)
+    return {n for n in names if _private(n)}
+
+
+def imported_modules(mod: str, is_pkg: bool, tree: ast.Module, trees: dict) -> dict[str, str]:
+    """Local name -> module for every name a file binds to a module (``import a.b as c``, ``import torch``,
+    ``from lazyckpt.core import guard as _guard``). A ``from`` import of something outside lazyckpt is not
+    known to be a module and is left out (its receiver then counts as an object: more lazyckpt, not less)."""
+    out: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                out[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom):
+            base = resolve(mod, is_pkg, node)
+            for a in node.names:
+                if f"{base}.{a.name}" in trees:
+                    out[a.asname or a.name] = f"{base}.{a.name}"
+    return out
+
+
+def receiver_module(value: ast.expr, modules: dict[str, str], trees: dict) -> str | None:
+    """The module ``value`` names (``_guard``, ``dist.distributed_c10d``, ``lazyckpt.core.guard``), or None
+    when it is an object. A chain rooted at a module outside lazyckpt stays outside it."""
+    chain: list[str] = []
+    while isinstance(value, ast.Attribute):
+        chain.append(value.attr)
+        value = value.value
+    if not isinstance(value, ast.Name) or value.id not in modules:
+        return None
+    name = modules[value.id]
+    for part in reversed(chain):
+        if not name.startswith("lazyckpt") or f"{name}.{part}" not in trees:
+            break  # an external module's attribute or submodule; or a lazyckpt module's object
+        name = f"{name}.{part}"
+    else:
+        return name
+    return name if not name.startswith("lazyckpt") else None
 
 
 def private_reach(trees: dict[str, tuple[Path, ast.Module]]) -> list[tuple[str, int, str, bool]]:
-    ours = defined_private(trees)
+    attrs = attribute_names(trees)
+    globals_of = {mod: module_names(tree) for mod, (_, tree) in trees.items()}
     hits = []
-    for mod, (_, tree) in trees.items():
+    for mod, (path, tree) in trees.items():
+        modules = imported_modules(mod, path.name == "__init__.py", tree, trees)
         for node in ast.walk(tree):
             if not isinstance(node, ast.Attribute):
                 continue
             attr = node.attr
-            if not attr.startswith("_") or attr.startswith("__"):
+            if not _private(attr):
                 continue
             if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
                 continue
-            hits.append((mod, node.lineno, f"{ast.unparse(node.value)}.{attr}", attr in ours))
+            target = receiver_module(node.value, modules, trees)
+            if target is None:
+                ours = attr in attrs
+            else:
+                ours = target in trees and (attr in globals_of[target] or attr in attrs)
+            hits.append((mod, node.lineno, f"{ast.unparse(node.value)}.{attr}", ours))
     return hits
 
 
@@ -151,7 +235,8 @@ def main() -> None:
     for mod, *_ in ours:
         by_file[mod] += 1
     print(
-        "  lazyckpt reach by module: " + ", ".join(f"{m} {n}" for m, n in sorted(by_file.items(), key=lambda x: -x[1]))
+        "  lazyckpt reach by module: "
+        + (", ".join(f"{m} {n}" for m, n in sorted(by_file.items(), key=lambda x: -x[1])) or "none")
     )
     found = cycles(import_graph(trees), list(trees))
     print(f"import cycles: {len(found)}" + "".join(f"\n  {' <-> '.join(c)}" for c in found))

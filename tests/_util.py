@@ -5,9 +5,14 @@ from __future__ import annotations
 import copy
 import math
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
+
+
+def _same_key(k: Any) -> Any:
+    return k
 
 
 def assert_same(got: Any, want: Any, where: str = "", loose: bool = False) -> None:
@@ -56,20 +61,62 @@ def assert_same(got: Any, want: Any, where: str = "", loose: bool = False) -> No
 
 
 def _assert_loose(a: Any, b: Any, where: str) -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
-        assert torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert set(map(str, a)) == set(map(str, b)), f"{where}: {sorted(map(str, a))} vs {sorted(map(str, b))}"
-        bb = {str(k): v for k, v in b.items()}
+    walk_state(a, b, where, loose_tensors, key=str)
+
+
+def walk_state(a: Any, b: Any, where: str, tensors: Callable[[Any, Any, str], bool], key: Callable = _same_key) -> None:
+    """The structural comparison behind the loose and the rank-side helpers: ``tensors(a, b, where)``
+    compares what it takes for tensors (True when it took them); dicts by their sets of keys (each
+    mapped by ``key`` first), lists and tuples by length; anything else by ``==``."""
+    if tensors(a, b, where):
+        return
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and set(map(key, a)) == set(map(key, b)), (
+            f"{where}: keys {sorted(map(str, a))} vs {sorted(map(str, b))}"
+        )
+        bb = {key(k): v for k, v in b.items()}
         for k, v in a.items():
-            _assert_loose(v, bb[str(k)], f"{where}.{k}")
+            walk_state(v, bb[key(k)], f"{where}.{k}", tensors, key)
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), where
         for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _assert_loose(x, y, f"{where}.{i}")
+            walk_state(x, y, f"{where}.{i}", tensors, key)
     else:
         assert a == b, f"{where}: {a!r} vs {b!r}"
+
+
+def loose_tensors(a: Any, b: Any, where: str) -> bool:
+    """``a`` a tensor: ``b`` one too, same dtype and shape, ``torch.equal``."""
+    if not isinstance(a, torch.Tensor):
+        return False
+    assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
+    assert torch.equal(a, b), where
+    return True
+
+
+def bitwise_tensors(a: Any, b: Any, where: str) -> bool:
+    """Either a tensor: both are, DTensors gathered whole (a collective), same dtype and shape, same bytes."""
+    if not (isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor)):
+        return False
+    assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), where
+    a = a.full_tensor() if hasattr(a, "full_tensor") else a
+    b = b.full_tensor() if hasattr(b, "full_tensor") else b
+    assert a.dtype == b.dtype and a.shape == b.shape, f"{where}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+    assert torch.equal(_bytes(a), _bytes(b)), where
+    return True
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def same_state(a: Any, b: Any) -> bool:
+    """True when ``walk_state`` with ``loose_tensors`` and the keys as they are finds no difference."""
+    try:
+        walk_state(a, b, "", loose_tensors)
+    except AssertionError:
+        return False
+    return True
 
 
 def snapshot(obj: Any) -> Any:
@@ -96,6 +143,56 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, width: int = 
     loss.backward()
     opt.step()
     opt.zero_grad()
+
+
+def mlp(width: int = 16, depth: int = 3, device: str = "cpu") -> torch.nn.Sequential:
+    """``depth`` Linear layers with ReLUs between them, seeded: the rank processes' model."""
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers[:-1]).to(device)
+
+
+def fsdp_model(width: int = 16, device: str = "cpu") -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """``mlp(width)`` with every Linear and the whole model ``fully_shard``ed (FSDP2), and AdamW."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = mlp(width, device=device)
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+
+def rank_step(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, seed: int, width: int = 16, device: str = "cpu"
+) -> None:
+    """One training step of a rank process on a batch seeded by ``seed`` and the rank."""
+    g = torch.Generator().manual_seed(seed * 100 + torch.distributed.get_rank())
+    model(torch.randn(4, width, generator=g).to(device)).pow(2).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def full_dump(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
+    """The whole state at this moment, gathered (a collective), cloned to the CPU."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+    return clone({"model": msd, "optim": osd})
+
+
+def clone(obj: Any) -> Any:
+    """Tensors in nested dicts and lists detached and cloned to the CPU."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, dict):
+        return {k: clone(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [clone(v) for v in obj]
+    return obj
 
 
 class WriteGate:

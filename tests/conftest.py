@@ -39,3 +39,29 @@ def _no_leaked_threads():
             except Exception:
                 pass
         pytest.fail(f"lazyckpt threads left running: {sorted(set(leaked))}")
+
+
+@pytest.fixture
+def mem():
+    """A memory level's folder on /dev/shm (tmpfs), removed afterwards."""
+    import shutil
+    import uuid
+
+    path = f"/dev/shm/lazyckpt-test-{uuid.uuid4().hex[:12]}"
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """(storage_options, s3fs filesystem) of a real S3 API (moto's server on 127.0.0.1) holding the
+    bucket ``levels``; one server per test module."""
+    import s3fs
+
+    from _s3server import moto_server, s3_options
+
+    with moto_server() as port:
+        opts = s3_options(f"http://127.0.0.1:{port}")
+        fs = s3fs.S3FileSystem(**opts)
+        fs.call_s3("create_bucket", Bucket="levels")
+        yield opts, fs

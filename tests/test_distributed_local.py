@@ -16,6 +16,7 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 
 import _launch  # noqa: E402
 from lazyckpt import SaveRefusedError, StaleTensorError  # noqa: E402
+from lazyckpt.core.job import Stage  # noqa: E402
 from lazyckpt.distributed import DistributedCheckpointer, DistributedSaveError, verify_checkpoint  # noqa: E402
 from lazyckpt.distributed._commit import cleanup_leftovers, staging_path  # noqa: E402
 
@@ -102,7 +103,7 @@ def test_optimizer_owned_tensors_are_lazy_and_the_step_waits_for_them(tmp_path):
         real_stage(self, job)
 
     def release_guard(self):
-        seen["staged_when_step_began"] = self.cpu_staged.is_set()
+        seen["staged_when_step_began"] = self.stage >= job_mod.Stage.CPU_STAGED
         gate.set()
         real_release(self)
 
@@ -370,10 +371,10 @@ def _record_confirmations(monkeypatch) -> list[str]:
     threads: list[str] = []
     real_verify = job_mod.Job._verify
 
-    def verify(self, read_over):
-        if read_over:
+    def verify(self):
+        if self.stage >= job_mod.Stage.READ:  # the copies are over: this check confirms the save
             threads.append(threading.current_thread().name)
-        return real_verify(self, read_over)
+        return real_verify(self)
 
     monkeypatch.setattr(job_mod.Job, "_verify", verify)
     return threads
@@ -391,7 +392,7 @@ def test_a_lazy_save_is_confirmed_on_the_training_thread_never_the_commit_thread
     try:
         h = c.save({"model": model.state_dict()}, tmp_path / "c")
         job = h._local._o.confirm.__self__  # the rank file's core job (its bound confirmation hook)
-        assert job.lazy and job.read_done.wait(10)  # copies over: only a confirmation is missing
+        assert job.lazy and job.wait_for(Stage.READ, 10)  # copies over: only a confirmation is missing
         assert not h.done()
         if entry == "handle.wait":
             h.wait(timeout=20)

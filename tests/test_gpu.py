@@ -287,3 +287,50 @@ def test_capture_in_save_orders_copies_before_a_graph_replay(tmp_path, monkeypat
         graph.replay()
         h.wait()
     assert torch.equal(torch.load(tmp_path / "c.pt", map_location="cpu")["p"], torch.ones(1 << 22))
+
+
+def test_cuda_save_with_live_cpu_pieces_step_waits_for_the_cpu_writes(tmp_path, monkeypatch):
+    """One save holding CUDA tensors (copy stream) and large CPU tensors written straight from their
+    memory (zero copy): a step must wait for the CPU pieces being written, not only for the CUDA
+    copies to be queued. The held CPU write is released only once the step has run (or after a
+    bound): without the wait, the step changes the CPU weights before they are written and the
+    file holds post-step bytes."""
+    import copy
+    import threading
+
+    from test_zero_copy import _Writes
+
+    torch.manual_seed(0)
+    cpu_model = torch.nn.Linear(1024, 1024)  # 4 MiB weight: zero copy
+    gpu_model = torch.nn.Linear(64, 64).cuda()
+    cpu_opt = torch.optim.SGD(cpu_model.parameters(), lr=0.5)
+    gpu_opt = torch.optim.SGD(gpu_model.parameters(), lr=0.5)
+
+    def train():
+        cpu_model(torch.randn(8, 1024)).square().mean().backward()
+        gpu_model(torch.randn(8, 64, device="cuda")).square().mean().backward()
+        cpu_opt.step()
+        gpu_opt.step()
+
+    train()
+    writes = _Writes(monkeypatch, hold_first_live=True)
+    stepped = threading.Event()
+
+    def release_after_step():
+        stepped.wait(5.0)  # bounded: with the protection the step waits for this write
+        writes.release.set()
+
+    def state():
+        return {"cpu": cpu_model.state_dict(), "gpu": gpu_model.state_dict()}
+
+    with LazyCheckpointer(direct_io=True, writer_threads=1) as ckpt:
+        want = _cpu(copy.deepcopy(state()))
+        handle = ckpt.save(state(), tmp_path / "mixed.pt")
+        assert writes.started.wait(30)
+        releaser = threading.Thread(target=release_after_step)
+        releaser.start()
+        train()  # the guard runs here
+        stepped.set()
+        releaser.join()
+        handle.wait()
+    assert_same(_cpu(torch.load(tmp_path / "mixed.pt")), want)

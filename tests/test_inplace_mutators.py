@@ -11,8 +11,10 @@ or checkpointer wait), so the copies are provably still pending when the mutator
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -51,15 +53,23 @@ def _save_pending(ckpt: LazyCheckpointer, obj: Any, path: Any) -> Any:
     return handle
 
 
-def test_module_load_state_dict_right_after_save_keeps_the_saved_state(tmp_path: Any, held_staging: Any) -> None:
-    model, opt = _trained(0)
-    other, _ = _trained(1)
+@contextlib.contextmanager
+def _saved_state_stays(tmp_path: Any, model: torch.nn.Module, opt: torch.optim.Optimizer) -> Iterator[Any]:
+    """The body runs while a lazy save of (model, opt) is pending; then the file must hold the
+    state at the save."""
     want = copy.deepcopy(_state(model, opt))
     with LazyCheckpointer() as ckpt:
         h = _save_pending(ckpt, _state(model, opt), tmp_path / "c.pt")
-        model.load_state_dict(other.state_dict())  # param.copy_() under no_grad: waits for the copies first
+        yield h
         h.wait()
     assert_same(torch.load(tmp_path / "c.pt"), want)
+
+
+def test_module_load_state_dict_right_after_save_keeps_the_saved_state(tmp_path: Any, held_staging: Any) -> None:
+    model, opt = _trained(0)
+    other, _ = _trained(1)
+    with _saved_state_stays(tmp_path, model, opt):
+        model.load_state_dict(other.state_dict())  # param.copy_() under no_grad: waits for the copies first
     assert_same(model.state_dict(), other.state_dict())  # and the load itself took effect
 
 
@@ -83,36 +93,24 @@ def test_optimizer_load_state_dict_right_after_save_keeps_the_saved_state(tmp_pa
 
     opt.register_load_state_dict_pre_hook(keep_buffers)
     opt.register_load_state_dict_post_hook(copy_into_kept_buffers)
-    want = copy.deepcopy(_state(model, opt))
-    with LazyCheckpointer() as ckpt:
-        h = _save_pending(ckpt, _state(model, opt), tmp_path / "c.pt")
+    with _saved_state_stays(tmp_path, model, opt):
         opt.load_state_dict(other.state_dict())
-        h.wait()
-    assert_same(torch.load(tmp_path / "c.pt"), want)
     assert_same(opt.state_dict()["state"], other.state_dict()["state"])
 
 
 def test_stock_optimizer_load_state_dict_right_after_save(tmp_path: Any, held_staging: Any) -> None:
     model, opt = _trained(0)
     _, other = _trained(1)
-    want = copy.deepcopy(_state(model, opt))
-    with LazyCheckpointer() as ckpt:
-        h = _save_pending(ckpt, _state(model, opt), tmp_path / "c.pt")
+    with _saved_state_stays(tmp_path, model, opt):
         opt.load_state_dict(other.state_dict())
-        h.wait()
-    assert_same(torch.load(tmp_path / "c.pt"), want)
 
 
 def test_vector_to_parameters_right_after_save_keeps_the_saved_state(tmp_path: Any, held_staging: Any) -> None:
     model, opt = _trained(0)
     other, _ = _trained(1)
-    want = copy.deepcopy(_state(model, opt))
-    with LazyCheckpointer() as ckpt:
-        h = _save_pending(ckpt, _state(model, opt), tmp_path / "c.pt")
+    with _saved_state_stays(tmp_path, model, opt):
         vec = torch.nn.utils.parameters_to_vector(other.parameters())
         torch.nn.utils.vector_to_parameters(vec, model.parameters())
-        h.wait()
-    assert_same(torch.load(tmp_path / "c.pt"), want)
     assert_same(torch.nn.utils.parameters_to_vector(model.parameters()), vec)
 
 
@@ -184,17 +182,12 @@ def test_lightning_reload_of_weights_right_after_a_save(tmp_path: Any, held_stag
 
 def test_fabric_save_then_load_into_the_same_model(tmp_path: Any, held_staging: Any) -> None:
     pytest.importorskip("lightning")
-    import lightning as L
 
     from lazyckpt.lightning import LazyCheckpointIO
-    from lightning_scripts.tiny_gpt import TinyGPT, load
+    from lightning_scripts.tiny_gpt import fabric_with_tiny_gpt, load
 
     io = LazyCheckpointIO()
-    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[io])
-    L.seed_everything(0, verbose=False)
-    model = TinyGPT(dim=128)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model, opt = fabric.setup(model, opt)
+    fabric, model, opt = fabric_with_tiny_gpt(io)
     batches = list(model.module.train_dataloader())
     for batch in batches[:2]:
         fabric.backward(model.module.loss(batch))

@@ -26,14 +26,6 @@ from lazyckpt.storage import fs as _fs
 SCRIPTS = os.path.join(os.path.dirname(__file__), "levels_scripts")
 
 
-@pytest.fixture
-def mem():
-    """A memory level's folder on /dev/shm (tmpfs), removed afterwards."""
-    path = f"/dev/shm/lazyckpt-test-{uuid.uuid4().hex[:12]}"
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
 def _train():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64))
@@ -253,19 +245,6 @@ def test_memory_level_warns_at_the_first_save_with_numbers(mem, monkeypatch):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             ck.save({"w": torch.zeros(1 << 18)}, step=2)  # once
-
-
-@pytest.fixture(scope="module")
-def s3():
-    import s3fs
-
-    from _s3server import moto_server, s3_options
-
-    with moto_server() as port:
-        opts = s3_options(f"http://127.0.0.1:{port}")
-        fs = s3fs.S3FileSystem(**opts)
-        fs.call_s3("create_bucket", Bucket="levels")
-        yield opts, fs
 
 
 def test_s3_level_against_the_test_s3_server(mem, tmp_path, s3):

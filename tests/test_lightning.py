@@ -39,6 +39,7 @@ from lightning_scripts.tiny_gpt import (  # noqa: E402
     TinyGPT,
     assert_files_match_expected,
     assert_same,
+    fabric_with_tiny_gpt,
     load,
     trainer_kwargs,
 )
@@ -375,11 +376,7 @@ def test_unknown_url_fails_at_once(tmp_path: Any) -> None:
 
 def test_fabric_saves_exact_state_and_load_drains(tmp_path: Any) -> None:
     io = RecordingLazyIO()
-    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[io])
-    L.seed_everything(0, verbose=False)
-    model = TinyGPT(dim=128)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model, opt = fabric.setup(model, opt)
+    fabric, model, opt = fabric_with_tiny_gpt(io)
     for step, batch in enumerate(model.module.train_dataloader()):
         loss = model.module.loss(batch)
         fabric.backward(loss)

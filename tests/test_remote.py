@@ -3,6 +3,7 @@ server on 127.0.0.1, started here), with faults injected by an HTTP proxy betwee
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import subprocess
@@ -194,11 +195,18 @@ def denying_rm(monkeypatch):
     return DenyingRemoveFS
 
 
-def test_a_failed_url_removal_claimed_by_its_future_is_not_raised_again_by_wait(tmp_path, denying_rm):
+@contextlib.contextmanager
+def _failing_removal(tmp_path, denying_rm, url: str, seed: int):
+    """A checkpointer that saved ``url`` and then asked to remove it, which fails (injected): yields
+    the checkpointer and the removal's future; closing it is part of the body's test."""
     with _ckpt(tmp_path) as ck:
-        ck.save(_state(seed=30), "denyrm://d1/a.pt").wait()
+        ck.save(_state(seed=seed), url).wait()
         denying_rm.deny = True
-        fut = ck.remove("denyrm://d1/a.pt")
+        yield ck, ck.remove(url)
+
+
+def test_a_failed_url_removal_claimed_by_its_future_is_not_raised_again_by_wait(tmp_path, denying_rm):
+    with _failing_removal(tmp_path, denying_rm, "denyrm://d1/a.pt", seed=30) as (ck, fut):
         with pytest.raises(UploadError, match="injected"):
             fut.result(timeout=60)
         ck.wait()  # claimed by its owner: not raised a second time
@@ -207,10 +215,7 @@ def test_a_failed_url_removal_claimed_by_its_future_is_not_raised_again_by_wait(
 
 
 def test_a_failed_url_removal_not_claimed_by_its_future_is_raised_once_by_wait(tmp_path, denying_rm):
-    with _ckpt(tmp_path) as ck:
-        ck.save(_state(seed=31), "denyrm://d2/a.pt").wait()
-        denying_rm.deny = True
-        fut = ck.remove("denyrm://d2/a.pt")
+    with _failing_removal(tmp_path, denying_rm, "denyrm://d2/a.pt", seed=31) as (ck, fut):
         with pytest.raises(UploadError, match="injected"):
             ck.wait()
         assert fut.done()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import threading
@@ -53,6 +54,30 @@ def _hold_readers(monkeypatch, until: threading.Event) -> None:
     monkeypatch.setattr(_engine.Engine, "_write_data", staticmethod(write))
 
 
+def _exact_or_stale(h, path, want) -> None:
+    """The save either committed exactly the state at save() or failed with StaleTensorError, no file."""
+    try:
+        h.wait()
+    except StaleTensorError:
+        assert not path.exists()
+    else:
+        assert_same(torch.load(path)["p"].detach(), want)
+
+
+@contextlib.contextmanager
+def _one_tracked_param_saved(tmp_path):
+    """A save of one optimizer-owned parameter of ones, pending while the body runs (which gets the
+    parameter, its optimizer and the handle); then the file must hold the ones."""
+    p = torch.nn.Parameter(torch.ones(1 << 20))
+    opt = torch.optim.SGD([p], lr=0.1)
+    with LazyCheckpointer() as c:
+        c.track(opt)
+        h = c.save({"p": p}, tmp_path / "c.pt")
+        yield p, opt, h
+        h.wait()
+    assert_same(torch.load(tmp_path / "c.pt")["p"], torch.nn.Parameter(torch.ones(1 << 20)))
+
+
 @pytest.mark.parametrize("zero_copy", [False, True], ids=["staged", "zero_copy"])
 def test_in_place_op_straddling_the_end_of_the_copy_never_commits_a_torn_file(tmp_path, monkeypatch, zero_copy):
     """The in-place op starts before lazyckpt reads the tensor and ends (version bumped) after the
@@ -72,12 +97,7 @@ def test_in_place_op_straddling_the_end_of_the_copy_never_commits_a_torn_file(tm
             done.start()  # "the kernel" ends once every reader is through, checks included
             _straddling_mul_(p, inside, finish)
             done.join()
-            try:
-                h.wait()
-            except StaleTensorError:
-                assert not (tmp_path / f"c{i}.pt").exists()
-            else:
-                assert_same(torch.load(tmp_path / f"c{i}.pt")["p"].detach(), want)
+            _exact_or_stale(h, tmp_path / f"c{i}.pt", want)
         monkeypatch.undo()
 
 
@@ -102,41 +122,24 @@ def test_real_in_place_op_racing_the_copy_many_times(tmp_path, monkeypatch):
             t = threading.Thread(target=mutate)
             t.start()
             t.join()  # the mutating thread is done: its bump is ordered before our wait()
-            try:
-                h.wait()
-            except StaleTensorError:
-                assert not (tmp_path / f"c{i}.pt").exists()
-            else:
-                assert_same(torch.load(tmp_path / f"c{i}.pt")["p"].detach(), want)
+            _exact_or_stale(h, tmp_path / f"c{i}.pt", want)
             monkeypatch.undo()
 
 
 def test_mutation_after_wait_staged_is_not_reported_stale(tmp_path):
     """wait_staged() confirms on the calling thread: changes after it are legitimate."""
-    p = torch.nn.Parameter(torch.ones(1 << 20))
-    opt = torch.optim.SGD([p], lr=0.1)
-    with LazyCheckpointer() as c:
-        c.track(opt)
-        h = c.save({"p": p}, tmp_path / "c.pt")
+    with _one_tracked_param_saved(tmp_path) as (p, _, h):
         h.wait_staged()
         with torch.no_grad():
             p.mul_(3)
-        h.wait()
-    assert_same(torch.load(tmp_path / "c.pt")["p"], torch.nn.Parameter(torch.ones(1 << 20)))
 
 
 def test_step_after_copies_finished_is_not_reported_stale(tmp_path):
     """The guard confirms before the step changes the tensors, even when staging finished long ago."""
-    p = torch.nn.Parameter(torch.ones(1 << 20))
-    opt = torch.optim.SGD([p], lr=0.1)
-    with LazyCheckpointer() as c:
-        c.track(opt)
-        h = c.save({"p": p}, tmp_path / "c.pt")
+    with _one_tracked_param_saved(tmp_path) as (p, opt, h):
         h._o.staged.wait(30)  # staged, not yet confirmed
         p.grad = torch.ones_like(p)
         opt.step()
-        h.wait()
-    assert_same(torch.load(tmp_path / "c.pt")["p"], torch.nn.Parameter(torch.ones(1 << 20)))
 
 
 # -- item 8: Ctrl-C and fork -------------------------------------------------------------------------

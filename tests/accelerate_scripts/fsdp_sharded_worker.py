@@ -32,9 +32,10 @@ os.environ.update(
 import torch  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 from accelerate.utils import FullyShardedDataParallelPlugin, fsdp_utils  # noqa: E402
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict  # noqa: E402
 
 import lazyckpt.accelerate  # noqa: E402
+from _util import fsdp_model, full_dump, rank_step  # noqa: E402
+from _util import same_state as same  # noqa: E402
 from lazyckpt.distributed import DistributedSaveError  # noqa: E402
 
 RESULT: dict = {"ok": True}
@@ -46,56 +47,53 @@ def plugin() -> FullyShardedDataParallelPlugin:
     return FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")
 
 
-def fsdp_model(device: str = "cpu") -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU(), torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU(),
-        torch.nn.Linear(WIDTH, WIDTH),
-    ).to(device)  # fmt: skip
-    for layer in model:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer)
-    fully_shard(model)
-    return model, torch.optim.AdamW(model.parameters(), lr=0.01)
-
-
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, seed: int, device: str = "cpu") -> None:
-    g = torch.Generator().manual_seed(seed * 100 + RANK)
-    model(torch.randn(4, WIDTH, generator=g).to(device)).pow(2).sum().backward()
-    opt.step()
-    opt.zero_grad()
-
-
-def full_dump(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
-    """The whole state at this moment, gathered (a collective), cloned to the CPU."""
-    msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
-    return _clone({"model": msd, "optim": osd})
-
-
-def _clone(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu().clone()
-    if isinstance(obj, dict):
-        return {k: _clone(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_clone(v) for v in obj]
-    return obj
-
-
-def same(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and set(a) == set(b) and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
-    return a == b
+    rank_step(model, opt, seed, WIDTH, device)
 
 
 def listing(folder: str) -> list[str]:
     return sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+
+
+def sub_folders(out: str) -> dict[str, list[str]]:
+    """What the model and optimizer sub-folders of a save_state folder hold."""
+    return {d: listing(os.path.join(out, d)) for d in ("pytorch_model_fsdp_0", "optimizer_0")}
+
+
+def record_loaded(loaded: dict, dump: dict) -> None:
+    RESULT["model_equal"] = same(loaded["model"], dump["model"])
+    RESULT["optim_equal"] = same(loaded["optim"], dump["optim"])
+
+
+def save_state_while_training(acc, model, opt, device: str = "cpu", marker: bool = False) -> None:
+    """Two steps, install lazyckpt, then ``save_state`` with every data write held: what the folder
+    holds then (``during``); three more steps; the writes go; what it holds once the handle is done
+    (``after``); ``load_state`` must restore the state at the save. ``marker``: whether the folder
+    counts as complete during and after (after the other process's marker is gone too)."""
+    for s in range(2):
+        train_step(model, opt, s, device)
+    handle = lazyckpt.accelerate.install(acc, **OPTS)
+    dump = full_dump(model, opt.optimizer)
+    release = hold_data_writes()
+    out = os.path.join(WORKDIR, "ckpt")
+    acc.save_state(out)
+    RESULT["during"] = sub_folders(out)
+    RESULT["during_out"] = listing(out)
+    if marker:
+        RESULT["complete_during"] = lazyckpt.accelerate.is_complete(out)
+    for s in range(2, 5):
+        train_step(model, opt, s, device)
+    release.set()
+    handle.wait()
+    if marker:
+        acc.wait_for_everyone()  # the other process's marker is gone too
+    RESULT["after"] = sub_folders(out)
+    RESULT["out"] = listing(out)
+    if marker:
+        RESULT["complete_after"] = lazyckpt.accelerate.is_complete(out)
+    acc.load_state(out)
+    record_loaded(full_dump(model, opt.optimizer), dump)
+    handle.remove()
 
 
 def hold_data_writes() -> threading.Event:
@@ -139,22 +137,20 @@ def scenario_routed() -> None:
     release = hold_data_writes()
     fsdp_utils.save_fsdp_model(fsdp, acc, model, out)
     fsdp_utils.save_fsdp_optimizer(fsdp, acc, opt, model, out)
-    RESULT["during"] = {d: listing(os.path.join(out, d)) for d in ("pytorch_model_fsdp_0", "optimizer_0")}
+    RESULT["during"] = sub_folders(out)
     RESULT["offload_restored"] = fsdp.state_dict_config.offload_to_cpu is True
     for s in range(2, 5):  # the first step waits for this process's pending copies only
         train_step(model, opt, s)
     release.set()
     handle.wait()
-    RESULT["after"] = {d: listing(os.path.join(out, d)) for d in ("pytorch_model_fsdp_0", "optimizer_0")}
+    RESULT["after"] = sub_folders(out)
     RESULT["out"] = listing(out)
     moved = full_dump(model, opt)
     RESULT["trained_on"] = not same(moved["model"], dump["model"])
     acc.wait_for_everyone()
     fsdp_utils.load_fsdp_model(fsdp, acc, model, out)
     fsdp_utils.load_fsdp_optimizer(fsdp, acc, opt, model, out)
-    loaded = full_dump(model, opt)
-    RESULT["model_equal"] = same(loaded["model"], dump["model"])
-    RESULT["optim_equal"] = same(loaded["optim"], dump["optim"])
+    record_loaded(full_dump(model, opt), dump)
     # a dcp.save outside accelerate's functions, and accelerate's after remove(), are stock
     import torch.distributed.checkpoint as dcp
 
@@ -207,29 +203,7 @@ def scenario_save_state_forced() -> None:
     opt = acc.prepare_optimizer(opt)
     acc.state.distributed_type = DistributedType.FSDP
     acc.state.fsdp_plugin = plugin()
-    for s in range(2):
-        train_step(model, opt, s)
-    handle = lazyckpt.accelerate.install(acc, **OPTS)
-    dump = full_dump(model, opt.optimizer)
-    release = hold_data_writes()
-    out = os.path.join(WORKDIR, "ckpt")
-    acc.save_state(out)
-    RESULT["during"] = {d: listing(os.path.join(out, d)) for d in ("pytorch_model_fsdp_0", "optimizer_0")}
-    RESULT["during_out"] = listing(out)
-    RESULT["complete_during"] = lazyckpt.accelerate.is_complete(out)
-    for s in range(2, 5):
-        train_step(model, opt, s)
-    release.set()
-    handle.wait()
-    acc.wait_for_everyone()  # the other process's marker is gone too
-    RESULT["after"] = {d: listing(os.path.join(out, d)) for d in ("pytorch_model_fsdp_0", "optimizer_0")}
-    RESULT["out"] = listing(out)
-    RESULT["complete_after"] = lazyckpt.accelerate.is_complete(out)
-    acc.load_state(out)
-    loaded = full_dump(model, opt.optimizer)
-    RESULT["model_equal"] = same(loaded["model"], dump["model"])
-    RESULT["optim_equal"] = same(loaded["optim"], dump["optim"])
-    handle.remove()
+    save_state_while_training(acc, model, opt, marker=True)
     acc.wait_for_everyone()
 
 
@@ -242,26 +216,7 @@ def scenario_gpu() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU(), torch.nn.Linear(WIDTH, WIDTH))
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     model, opt = acc.prepare(model, opt)
-    for s in range(2):
-        train_step(model, opt, s, "cuda")
-    handle = lazyckpt.accelerate.install(acc, **OPTS)
-    dump = full_dump(model, opt.optimizer)
-    release = hold_data_writes()
-    out = os.path.join(WORKDIR, "ckpt")
-    acc.save_state(out)
-    RESULT["during"] = {d: listing(os.path.join(out, d)) for d in ("pytorch_model_fsdp_0", "optimizer_0")}
-    RESULT["during_out"] = listing(out)
-    for s in range(2, 5):
-        train_step(model, opt, s, "cuda")
-    release.set()
-    handle.wait()
-    RESULT["after"] = {d: listing(os.path.join(out, d)) for d in ("pytorch_model_fsdp_0", "optimizer_0")}
-    RESULT["out"] = listing(out)
-    acc.load_state(out)
-    loaded = full_dump(model, opt.optimizer)
-    RESULT["model_equal"] = same(loaded["model"], dump["model"])
-    RESULT["optim_equal"] = same(loaded["optim"], dump["optim"])
-    handle.remove()
+    save_state_while_training(acc, model, opt, "cuda")
 
 
 if __name__ == "__main__":

@@ -16,9 +16,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import _worker
+from _util import bitwise_tensors, clone, fsdp_model, full_dump, mlp, rank_step, walk_state
+from lazyckpt.core.job import Stage
 from lazyckpt.distributed import DistributedCheckpointer, DistributedSaveError, verify_checkpoint
 
 ARGS = _worker.parse_argv()
@@ -27,72 +29,24 @@ RESULT: dict = {"ok": True}
 OPTS = dict(host_memory_budget=8 << 20, chunk_bytes=1 << 20, writer_threads=2)
 
 
-def mlp(width: int = 16, depth: int = 3) -> torch.nn.Sequential:
-    torch.manual_seed(0)
-    layers: list[torch.nn.Module] = []
-    for _ in range(depth):
-        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
-    return torch.nn.Sequential(*layers[:-1])
-
-
-def fsdp_model(width: int = 16) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    from torch.distributed.fsdp import fully_shard
-
-    model = mlp(width)
-    for layer in model:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer)
-    fully_shard(model)
-    return model, torch.optim.AdamW(model.parameters(), lr=0.01)
-
-
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, seed: int, width: int = 16) -> None:
-    g = torch.Generator().manual_seed(seed * 100 + RANK)
-    model(torch.randn(4, width, generator=g)).pow(2).sum().backward()
-    opt.step()
-    opt.zero_grad()
-
-
-def full_dump(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
-    """The whole state at this moment, gathered (a collective), cloned."""
-    msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
-    return clone({"model": msd, "optim": osd})
-
-
-def clone(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, dict):
-        return {k: clone(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [clone(v) for v in obj]
-    return obj
+    rank_step(model, opt, seed, width)
 
 
 def compare(a, b, where: str = "") -> None:
     """Bitwise equality of nested state; raises AssertionError naming the first difference."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), where
-        a = a.full_tensor() if hasattr(a, "full_tensor") else a
-        b = b.full_tensor() if hasattr(b, "full_tensor") else b
-        assert a.dtype == b.dtype and a.shape == b.shape, (
-            f"{where}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
-        )
-        assert torch.equal(_bytes(a), _bytes(b)), where
-    elif isinstance(a, dict):
-        assert set(a) == set(b), f"{where}: keys {sorted(map(str, a))} vs {sorted(map(str, b))}"
-        for k in a:
-            compare(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            compare(x, y, f"{where}.{i}")
-    else:
-        assert a == b, f"{where}: {a!r} vs {b!r}"
+    walk_state(a, b, where, bitwise_tensors)
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+def wait_fails(h, error: type[DistributedSaveError] = DistributedSaveError) -> DistributedSaveError:
+    """``h.wait()`` must raise ``error``: the ranks it names, its message and the seconds waited go to RESULT."""
+    t = time.monotonic()
+    try:
+        h.wait()
+    except error as exc:
+        RESULT.update(ranks=list(exc.ranks), message=str(exc), waited_s=time.monotonic() - t)
+        return exc
+    raise AssertionError("wait() should have failed")
 
 
 def ckpt_path(name: str) -> str:
@@ -115,7 +69,7 @@ def hold_staging_until_the_step() -> dict:
         real_stage(self, job)
 
     def release_guard(self):
-        seen.setdefault("staged", self.cpu_staged.is_set())
+        seen.setdefault("staged", self.stage >= job_mod.Stage.CPU_STAGED)
         gate.set()
         real_release(self)
 
@@ -200,16 +154,10 @@ def scenario_s3_upload_fails() -> None:
     state = {"w": torch.arange(4096.0), f"own{RANK}": own}
     with DistributedCheckpointer(commit_timeout=60, **opts) as ckpt:
         ckpt.save(state, f"s3://{bucket}/run/good").wait()
-        h = ckpt.save(state, f"s3://{bucket}/run/bad")
-        t = time.monotonic()
-        try:
-            h.wait()
-            raise AssertionError("wait() should have failed")
-        except DistributedUploadError as exc:
-            assert isinstance(exc, UploadError) and isinstance(exc, DistributedSaveError)
-            RESULT.update(ranks=list(exc.ranks), message=str(exc), cause=type(exc.__cause__).__name__)
-            RESULT.update(local_path=exc.local_path, waited_s=time.monotonic() - t)
-            RESULT["kept"] = sorted(os.listdir(exc.local_path)) if exc.local_path else None
+        exc = wait_fails(ckpt.save(state, f"s3://{bucket}/run/bad"), DistributedUploadError)
+        assert isinstance(exc, UploadError) and isinstance(exc, DistributedSaveError)
+        RESULT.update(cause=type(exc.__cause__).__name__, local_path=exc.local_path)
+        RESULT["kept"] = sorted(os.listdir(exc.local_path)) if exc.local_path else None
         state = {"w": torch.arange(4096.0) + 1, f"own{RANK}": own + 1}
         ckpt.save(state, f"s3://{bucket}/run/good").wait()  # the same prefix again: replaced whole
     if RANK == 0:
@@ -236,13 +184,7 @@ def scenario_s3_sigkill() -> None:
             return real_part(self, fd, upload_id, number, offset, nbytes)
 
         remote.S3Upload._part = part
-    h = ckpt.save(state, f"s3://{bucket}/run/killed")
-    t = time.monotonic()
-    try:
-        h.wait()
-        raise AssertionError("wait() should have failed")
-    except DistributedSaveError as exc:
-        RESULT.update(ranks=list(exc.ranks), message=str(exc), waited_s=time.monotonic() - t)
+    wait_fails(ckpt.save(state, f"s3://{bucket}/run/killed"))
     if RANK == 0:
         torch.save(state, os.path.join(WORKDIR, "good.pt"))
 
@@ -341,12 +283,8 @@ def scenario_write_error() -> None:
                 raise OSError(errno.ENOSPC, "No space left on device (injected)")
 
             _patch_data_writes(enospc)
-        h = ckpt.save(state, ckpt_path("bad"))
-        try:
-            h.wait()
-            raise AssertionError("wait() should have failed")
-        except DistributedSaveError as exc:
-            RESULT.update(ranks=list(exc.ranks), message=str(exc), cause=type(exc.__cause__).__name__, errno=exc.errno)
+        exc = wait_fails(ckpt.save(state, ckpt_path("bad")))
+        RESULT.update(cause=type(exc.__cause__).__name__, errno=exc.errno)
         dist.barrier()
     RESULT["exists"] = os.path.exists(ckpt_path("bad"))
     RESULT["listing"] = sorted(os.listdir(os.path.dirname(ckpt_path("bad"))))
@@ -481,12 +419,7 @@ def scenario_slow_rank() -> None:
             real_finalize(self, job)
 
         engine.Engine._finalize = held_finalize
-    h = ckpt.save({"w": torch.ones(64), f"own{RANK}": torch.ones(8)}, ckpt_path("slow"))
-    try:
-        h.wait()
-        raise AssertionError("wait() should have failed")
-    except DistributedSaveError as exc:
-        RESULT.update(ranks=list(exc.ranks), message=str(exc))
+    wait_fails(ckpt.save({"w": torch.ones(64), f"own{RANK}": torch.ones(8)}, ckpt_path("slow")))
     dist.barrier()
     RESULT["listing"] = sorted(os.listdir(os.path.dirname(ckpt_path("slow"))))
     try:
@@ -512,28 +445,32 @@ def scenario_lone_waiter() -> None:
         RESULT["waited_s"] = time.monotonic() - t
     else:
         job = ckpt._inner._jobs[-1]
-        assert job.read_done.wait(30), "copies not over"
-        RESULT["confirmed_before_forward"] = job.confirmed.is_set()
+        assert job.wait_for(Stage.READ, 30), "copies not over"
+        RESULT["confirmed_before_forward"] = job.stage is Stage.CONFIRMED
     train_step(model, opt, 1)
     ckpt.close()
     RESULT["verified"] = verify_checkpoint(ckpt_path("lone")).ok
 
 
+def killed_mid_write(killed: int, commit_timeout: float, good_first: bool = False) -> None:
+    """A save to ckpt/killed during which rank ``killed`` is SIGKILLed at its first data write: the
+    others' wait() must fail (``wait_fails``); then whether the final name exists, and the folder's
+    listing. ``good_first``: a committed checkpoint at ckpt/good before."""
+    state = {"w": torch.randn(64, 64), f"own{RANK}": torch.randn(4096)}
+    ckpt = DistributedCheckpointer(commit_timeout=commit_timeout, **OPTS)
+    if good_first:
+        ckpt.save(state, ckpt_path("good")).wait()
+    if killed == RANK:
+        _patch_data_writes(lambda: os.kill(os.getpid(), signal.SIGKILL))
+    wait_fails(ckpt.save(state, ckpt_path("killed")))
+    RESULT["exists"] = os.path.exists(ckpt_path("killed"))
+    RESULT["listing"] = sorted(os.listdir(os.path.dirname(ckpt_path("killed"))))
+
+
 def scenario_sigkill_coordinator() -> None:
     """The coordinator (rank 0, which also hosts the store) is SIGKILLed mid-write: rank 1's wait()
     fails (typed) well within commit_timeout; its staging folder is left for the next save."""
-    state = {"w": torch.randn(64, 64), f"own{RANK}": torch.randn(4096)}
-    ckpt = DistributedCheckpointer(commit_timeout=30.0, **OPTS)
-    if RANK == 0:
-        _patch_data_writes(lambda: os.kill(os.getpid(), signal.SIGKILL))
-    h = ckpt.save(state, ckpt_path("killed"))
-    t = time.monotonic()
-    try:
-        h.wait()
-        raise AssertionError("wait() should have failed")
-    except DistributedSaveError as exc:
-        RESULT.update(message=str(exc), waited_s=time.monotonic() - t, ranks=list(exc.ranks))
-    RESULT["listing"] = sorted(os.listdir(os.path.dirname(ckpt_path("killed"))))
+    killed_mid_write(0, commit_timeout=30.0)
 
 
 def scenario_save_after_crash() -> None:
@@ -546,55 +483,20 @@ def scenario_save_after_crash() -> None:
 def scenario_sigkill() -> None:
     """A committed checkpoint, then a save during which rank 1 is SIGKILLed mid-write: rank 0's
     wait() fails within commit_timeout; the new name never appears; the old checkpoint stays."""
-    state = {"w": torch.randn(64, 64), f"own{RANK}": torch.randn(4096)}
-    ckpt = DistributedCheckpointer(commit_timeout=3.0, **OPTS)
-    ckpt.save(state, ckpt_path("good")).wait()
-    if RANK == 1:
-        _patch_data_writes(lambda: os.kill(os.getpid(), signal.SIGKILL))
-    h = ckpt.save(state, ckpt_path("killed"))
-    t = time.monotonic()
-    try:
-        h.wait()
-        raise AssertionError("wait() should have failed")
-    except DistributedSaveError as exc:
-        RESULT.update(ranks=list(exc.ranks), message=str(exc), waited_s=time.monotonic() - t)
-    RESULT["exists"] = os.path.exists(ckpt_path("killed"))
-    RESULT["listing"] = sorted(os.listdir(os.path.dirname(ckpt_path("killed"))))
+    killed_mid_write(1, commit_timeout=3.0, good_first=True)
 
 
 def scenario_sigkill_detected() -> None:
     """Rank 1 is SIGKILLed mid-write; commit_timeout is 120 s: rank 0's wait() fails naming rank 1
     as soon as its heartbeat has stopped (seconds), not after commit_timeout."""
-    state = {"w": torch.randn(64, 64), f"own{RANK}": torch.randn(4096)}
-    ckpt = DistributedCheckpointer(commit_timeout=120.0, **OPTS)
-    if RANK == 1:
-        _patch_data_writes(lambda: os.kill(os.getpid(), signal.SIGKILL))
-    h = ckpt.save(state, ckpt_path("killed"))
-    t = time.monotonic()
-    try:
-        h.wait()
-        raise AssertionError("wait() should have failed")
-    except DistributedSaveError as exc:
-        RESULT.update(ranks=list(exc.ranks), message=str(exc), waited_s=time.monotonic() - t)
-    RESULT["listing"] = sorted(os.listdir(os.path.dirname(ckpt_path("killed"))))
+    killed_mid_write(1, commit_timeout=120.0)
 
 
 def scenario_sigkill_coordinator_detected() -> None:
     """As scenario_sigkill_coordinator, but the store outlives rank 0 (hosted by the test process,
     as torchrun's agent hosts it): rank 1 learns of the death from rank 0's stopped heartbeat and
     fails naming rank 0, well within commit_timeout (120 s)."""
-    state = {"w": torch.randn(64, 64), f"own{RANK}": torch.randn(4096)}
-    ckpt = DistributedCheckpointer(commit_timeout=120.0, **OPTS)
-    if RANK == 0:
-        _patch_data_writes(lambda: os.kill(os.getpid(), signal.SIGKILL))
-    h = ckpt.save(state, ckpt_path("killed"))
-    t = time.monotonic()
-    try:
-        h.wait()
-        raise AssertionError("wait() should have failed")
-    except DistributedSaveError as exc:
-        RESULT.update(ranks=list(exc.ranks), message=str(exc), waited_s=time.monotonic() - t)
-    RESULT["listing"] = sorted(os.listdir(os.path.dirname(ckpt_path("killed"))))
+    killed_mid_write(0, commit_timeout=120.0)
 
 
 def scenario_slow_alive_rank() -> None:

@@ -17,7 +17,10 @@ from lazyckpt import LazyCheckpointer, SaveHandle
 from lazyckpt.core.handle import Completion
 from lazyckpt.lightning import LazyCheckpointIO
 
-__all__ = ["TinyGPT", "RecordingLazyIO", "DeferredCommitCheckpointer", "assert_same", "load", "trainer_kwargs"]
+__all__ = [
+    "TinyGPT", "RecordingLazyIO", "DeferredCommitCheckpointer", "assert_same", "fabric_with_tiny_gpt", "load",
+    "trainer_kwargs",
+]  # fmt: skip
 
 
 class TinyGPT(L.LightningModule):
@@ -99,6 +102,16 @@ def assert_files_match_expected(io: RecordingLazyIO) -> int:
             assert_same(load(path), dumps[-1], os.path.basename(path))
             checked += 1
     return checked
+
+
+def fabric_with_tiny_gpt(io: LazyCheckpointIO, dim: int = 128) -> tuple[L.Fabric, Any, Any]:
+    """A CPU Fabric with ``io``, seeded, and a ``TinyGPT(dim)`` with AdamW set up on it."""
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[io])
+    L.seed_everything(0, verbose=False)
+    model = TinyGPT(dim=dim)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = fabric.setup(model, opt)
+    return fabric, model, opt
 
 
 def trainer_kwargs(**overrides: Any) -> dict[str, Any]:

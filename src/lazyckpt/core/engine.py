@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from lazyckpt.core.handle import CallbackRunner
-from lazyckpt.core.job import Job, Piece, PieceState, WriteFrom
+from lazyckpt.core.job import FileState, Job, Piece, PieceState, Stage, WriteFrom
 from lazyckpt.core.pool import PAGE, HostBufferPool
 from lazyckpt.core.workers import Worker
 from lazyckpt.errors import WriteError
@@ -89,10 +89,10 @@ class Engine:
         0.1-0.4 s while an earlier checkpoint is being written and fsynced), or ``save()`` itself
         for a memory filesystem. A failure fails the job (``WriteError``, errno kept) before any
         byte is written: a full disk is still found before the data, by the reservation."""
-        if job.opened:
+        if job.file is not FileState.NEW:
             return job.fd >= 0
         with job.open_lock:
-            if not job.opened:
+            if job.file is FileState.NEW:
                 try:
                     if not job.failed:
                         job.fd = _fs.open_temporary(job.tmp, job.file_bytes)
@@ -104,7 +104,7 @@ class Engine:
                     err.__cause__ = exc
                     job.fail(err)
                 finally:
-                    job.opened = True
+                    job.reach(FileState.OPEN)
         return job.fd >= 0
 
     def stage_now(self, job: Job, src: Source) -> None:
@@ -158,7 +158,7 @@ class Engine:
                     continue
                 self._copy_source(job, src, stream=None)
                 job.check_stale([src])
-            job.cpu_staged.set()
+            job.reach(Stage.CPU_STAGED)
             # Each CUDA call under its device: this thread's current device is 0, and a runtime
             # call there would create a context (~0.5 GB) on GPU 0 for a tensor on another GPU.
             for device, event in job.save_events.items():
@@ -167,18 +167,16 @@ class Engine:
             for src in cuda:
                 with torch.cuda.device(src.device):
                     self._copy_source(job, src, stream=self._copy_stream(src.device))
-            job.enqueued.set()
+            job.reach(Stage.COPIES_QUEUED)
             for device, event in job.last_events.items():
                 with torch.cuda.device(device):
                     event.synchronize()
-            with job.version_lock:
-                if not job.verified:  # once the guard verified, the step may change them legitimately
-                    job.check_stale(cuda)  # early, not sound: the confirmation is what counts
+            job.check_early(cuda)
         except BaseException as exc:
             job.fail(write_error(job, "staging for", exc))
         finally:
-            job.cpu_staged.set()
-            job.enqueued.set()
+            job.reach(Stage.CPU_STAGED)
+            job.reach(Stage.COPIES_QUEUED)
             if job.reader_done():
                 self._finish_reading(job)
             if job.all_submitted():
@@ -289,9 +287,9 @@ class Engine:
             return
         try:
             self._finalize(item)
-        except BaseException as exc:  # noqa: BLE001 - failed first, then `written`: the committer
-            _item_failed(item, exc)  # waits for `written`, then discards the failed file
-            item.written.set()
+        except BaseException as exc:  # noqa: BLE001 - failed first, then WRITTEN: the committer
+            _item_failed(item, exc)  # waits for WRITTEN, then discards the failed file
+            item.reach(FileState.WRITTEN)
 
     def _write_piece(self, piece: Piece) -> None:
         job = piece.job
@@ -351,7 +349,7 @@ class Engine:
     def _finalize(self, job: Job) -> None:
         # Every piece is written; a reader that copied the last live piece may still be checking
         # versions (a few instructions away: it depends on no writer).
-        job.read_done.wait()
+        job.wait_for(Stage.READ)
         try:
             if self.open(job) and not job.failed:  # a job without tensor data opens it here
                 for offset, data in job.metadata_writes():
@@ -369,7 +367,7 @@ class Engine:
                     _fs.close(fd)
                 except OSError as exc:  # a failed close can mean lost data (NFS): fail the save
                     job.fail(write_error(job, "closing", exc))
-            job.written.set()
+            job.reach(FileState.WRITTEN)
 
     # -- commit -----------------------------------------------------------------------------------
 
@@ -383,9 +381,7 @@ class Engine:
             self._complete(job)
 
     def _commit(self, job: Job) -> None:
-        job.written.wait()
-        if not job.failed:
-            job.confirmed.wait()  # never commit before a check ordered after the caller's ops
+        job.wait_committable()  # written, then confirmed on a thread that mutates the tensors, or failed
         if not job.failed and job.before_commit is not None:
             try:
                 job.before_commit()

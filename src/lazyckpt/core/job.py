@@ -1,7 +1,17 @@
 """Job: one save on its way from staging to commit, and the pieces it is cut into.
 
-A job is created by ``save()`` and then touched by the stager, the writers and the committer; all
-mutable state is behind ``_lock``. The first error wins and turns every later step into cleanup.
+A job is created by ``save()`` and then touched by the stager, the writers, the committer and the
+threads that confirm it (the guard, waits). Its life is an explicit state, two enums under one lock:
+
+- ``Stage``, the caller's tensors: STAGING -> CPU_STAGED -> COPIES_QUEUED -> READ -> CONFIRMED, or
+  COPIES_QUEUED -> VERIFIED -> CONFIRMED (CUDA: the guard checked the versions once the copies were
+  queued), or COPIES_QUEUED -> CONFIRMED (the reads ended on a failed job, or on one with nothing lazy);
+- ``FileState``, the temporary file: NEW -> OPEN -> WRITTEN.
+
+Every change goes through ``Job._move`` (the allowed moves, their effects, waking the waiters); the
+committer commits once the file is WRITTEN and the stage CONFIRMED (or the job failed). Failure is
+not a state: the first error wins and turns every later step into cleanup, while the states still
+move on so that every waiter wakes.
 """
 
 from __future__ import annotations
@@ -22,6 +32,42 @@ from lazyckpt.errors import StaleTensorError
 from lazyckpt.formats.base import Layout
 from lazyckpt.formats.crc import crc32_combine
 from lazyckpt.formats.flatten import Source
+
+
+class Stage(enum.IntEnum):
+    """How far a job is with the caller's tensors; ordered, so ``stage >= READ`` reads "nothing reads
+    them any more". It only moves forward (``Job._move``)."""
+
+    STAGING = 0  # the stager has not yet copied (or queued live) the lazy CPU sources
+    CPU_STAGED = 1  # it has; CUDA copies are being queued
+    COPIES_QUEUED = 2  # every copy is issued; the stager, live pieces, device copies may still read
+    VERIFIED = 3  # CUDA: versions checked on the stepping thread while the copies still run
+    READ = 4  # nothing reads the tensors any more; a check on a thread that mutates them is missing
+    CONFIRMED = 5  # checked after the reads on such a thread (or failed, or nothing lazy): may commit
+
+
+class FileState(enum.IntEnum):
+    """Where the job's temporary file is."""
+
+    NEW = 0  # not created: the first thread that needs it creates it (``Engine.open``)
+    OPEN = 1  # creation tried: ``fd >= 0``, or the job has failed
+    WRITTEN = 2  # every byte written and fsynced, descriptors closed (or failed): the committer's turn
+
+
+# The allowed moves (two tables: IntEnum members of the two enums compare equal as ints).
+_STAGE_MOVES: dict[Stage, tuple[Stage, ...]] = {
+    Stage.STAGING: (Stage.CPU_STAGED,),
+    Stage.CPU_STAGED: (Stage.COPIES_QUEUED,),
+    Stage.COPIES_QUEUED: (Stage.VERIFIED, Stage.READ, Stage.CONFIRMED),
+    Stage.VERIFIED: (Stage.CONFIRMED,),
+    Stage.READ: (Stage.CONFIRMED,),
+    Stage.CONFIRMED: (),
+}
+_FILE_MOVES: dict[FileState, tuple[FileState, ...]] = {
+    FileState.NEW: (FileState.OPEN, FileState.WRITTEN),  # NEW -> WRITTEN: failed before any write
+    FileState.OPEN: (FileState.WRITTEN,),
+    FileState.WRITTEN: (),
+}
 
 
 class PieceState(enum.Enum):
@@ -90,45 +136,85 @@ class Job:
         self.before_commit = before_commit
         self.fd = -1
         self.dfd = -1  # O_DIRECT descriptor of the same file, when used
-        # The temporary file is created by whichever thread first needs it (Engine.open: a writer,
-        # or save() itself on a memory filesystem), never blocking the caller on the journal.
         self.direct = False  # open an O_DIRECT descriptor too
-        self.open_lock = threading.Lock()
-        self.opened = False
+        # The state, the counters, the pieces' states and the error: all behind ``_lock``. Creating the
+        # file (slow: the journal) has its own lock, so that no step waits for it unless it needs the file.
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self.open_lock = threading.Lock()
+        self._stage = Stage.STAGING
+        self._file = FileState.NEW
         self.error: BaseException | None = None
-        self._outstanding = 0
-        self._all_submitted = False
+        # Pieces not yet written, plus one held by the stager until it has queued every piece.
+        self._outstanding = 1
+        # Readers of live memory: the stager until it is through, plus each live piece until it is
+        # written or copied. The last one out checks versions and releases the guard (reading_over).
+        self._readers = 1
         self._crcs: dict[str, list[tuple[int, int, int]]] = {}
-        self.written = threading.Event()  # file complete on disk (or failed), fd closed
-        self.cpu_staged = threading.Event()  # lazy CPU sources copied
-        self.enqueued = threading.Event()  # lazy CUDA copies queued on the copy stream
         self.save_events: dict[torch.device, Any] = {}  # compute-stream events recorded in save()
         self.last_events: dict[torch.device, Any] = {}  # last copy-stream event per device
-        self.version_lock = threading.Lock()
-        # Soundness of the _version check: torch bumps a tensor's version only after the in-place
-        # kernel returns, so a check on a lazyckpt thread can pass while an op that overlapped the
-        # copy is still running. Only a check on the mutating thread, after the copy is over, is
-        # ordered after that thread's ops. ``verified``: such a check passed (the guard, save(),
-        # wait_staged(), wait() run it: ``confirm``); ``confirmed``: the commit may go ahead.
-        self.verified = False
-        self.confirmed = threading.Event()
-        if not lazy:  # everything was captured inside save(), on the caller's thread
-            self.verified = True
-            self.confirmed.set()
         self.t0 = t0
         self.t_returned = t0
         self.t_staged = t0
         self.t_write_start: float | None = None
         self.t_written = t0
         self.guard_wait_s = 0.0
-        # Readers of live memory: the stager until it is through, plus each live piece until it is
-        # written or copied. The last one out checks versions and releases the guard (read_done).
-        self._readers = 1
         self.live_pieces: list[Piece] = []
-        self.read_done = threading.Event()
         self.settle: Callable[[Job], None] | None = None  # Engine.settle: copy what is not written yet
         self.completion.bind(settle=self._settle_for_wait, confirm=self._confirm_for_wait)
+
+    def __repr__(self) -> str:
+        failed = " failed" if self.error is not None else ""
+        return f"<Job {self.path!r} {self._stage.name} file {self._file.name}{failed}>"
+
+    # -- the state --------------------------------------------------------------------------------
+
+    @property
+    def stage(self) -> Stage:
+        return self._stage
+
+    @property
+    def file(self) -> FileState:
+        return self._file
+
+    def _move(self, to: Stage | FileState) -> None:
+        """The one place a job changes state (the caller holds ``_lock``): only the moves in
+        ``_STAGE_MOVES`` / ``_FILE_MOVES``; CONFIRMED drops the lazy tensors; every waiter looks again."""
+        if isinstance(to, Stage):
+            if to not in _STAGE_MOVES[self._stage]:
+                raise RuntimeError(f"lazyckpt internal error: {self!r} cannot move to {to.name}")
+            self._stage = to
+            if to is Stage.CONFIRMED:
+                for src in self.lazy:
+                    src.release()
+        else:
+            if to not in _FILE_MOVES[self._file]:
+                raise RuntimeError(f"lazyckpt internal error: {self!r} cannot move its file to {to.name}")
+            self._file = to
+        self._changed.notify_all()
+
+    def reach(self, to: Stage | FileState) -> None:
+        """Move to ``to`` unless the job is there or further already (the stager marks its steps
+        again in its ``finally``; a failed finalisation marks the file written twice)."""
+        with self._lock:
+            if (self._stage < to) if isinstance(to, Stage) else (self._file < to):
+                self._move(to)
+
+    def wait_for(self, stage: Stage, timeout: float | None = None) -> bool:
+        """Block until the job is at ``stage`` or further; False when ``timeout`` ran out first."""
+        if self._stage >= stage:
+            return True
+        with self._lock:
+            return self._changed.wait_for(lambda: self._stage >= stage, timeout)
+
+    def wait_committable(self) -> None:
+        """The committer: block until the file is written and then the save is confirmed, or the job
+        failed (never commit before a check ordered after the caller's ops)."""
+        with self._lock:
+            self._changed.wait_for(self._committable)
+
+    def _committable(self) -> bool:
+        return self._file is FileState.WRITTEN and (self.error is not None or self._stage is Stage.CONFIRMED)
 
     # -- errors -----------------------------------------------------------------------------------
 
@@ -141,20 +227,34 @@ class Job:
             if self.error is None:
                 self.error = exc
 
-    def check_stale(self, sources: list[Source]) -> None:
+    def _stale(self, sources: list[Source]) -> StaleTensorError | None:
         for src in sources:
             name = src.first_stale()
             if name is not None:
-                self.fail(
-                    StaleTensorError(
-                        f"save to {self.path} abandoned: tensor {name!r} was modified in place before its copy "
-                        "was complete, so the file would have mixed two training states. Mutate saved tensors "
-                        "only after handle.wait_staged() (optimizer steps wait automatically).",
-                        path=self.path,
-                        tensor_name=name,
-                    )
+                return StaleTensorError(
+                    f"save to {self.path} abandoned: tensor {name!r} was modified in place before its copy "
+                    "was complete, so the file would have mixed two training states. Mutate saved tensors "
+                    "only after handle.wait_staged() (optimizer steps wait automatically).",
+                    path=self.path,
+                    tensor_name=name,
                 )
-                return
+        return None
+
+    def check_stale(self, sources: list[Source]) -> None:
+        """Fail the job if one of ``sources``' tensors moved its version since ``save()``."""
+        err = self._stale(sources)
+        if err is not None:
+            self.fail(err)
+
+    def check_early(self, sources: list[Source]) -> None:
+        """The stager's check of CUDA sources once their copies landed (early, not sound: the
+        confirmation is what counts); skipped once the guard verified them, since the step may then
+        change them legitimately."""
+        with self._lock:
+            if self._stage < Stage.VERIFIED:
+                err = self._stale(sources)
+                if err is not None and self.error is None:
+                    self.error = err
 
     # -- pieces -----------------------------------------------------------------------------------
 
@@ -170,12 +270,11 @@ class Job:
         """Count a finished piece; True when the job is ready to finalise."""
         with self._lock:
             self._outstanding -= 1
-            return self._all_submitted and self._outstanding == 0
+            return self._outstanding == 0
 
     def all_submitted(self) -> bool:
-        with self._lock:
-            self._all_submitted = True
-            return self._outstanding == 0
+        """The stager has queued every piece (its count out); True when the job is ready to finalise."""
+        return self.piece_done()
 
     def add_live(self, piece: Piece) -> None:
         with self._lock:
@@ -220,7 +319,13 @@ class Job:
         if self.t_write_start is None:
             self.t_write_start = time.perf_counter()
 
-    # -- the guard --------------------------------------------------------------------------------
+    # -- the guard and the confirmation ------------------------------------------------------------
+    #
+    # Soundness of the _version check: torch bumps a tensor's version only after the in-place kernel
+    # returns, so a check on a lazyckpt thread can pass while an op that overlapped the copy is still
+    # running. Only a check on the mutating thread, after the copy is over, is ordered after that
+    # thread's ops: the guard, save(), wait_staged(), wait() run it (``confirm``), and the commit
+    # waits for it (Stage.CONFIRMED).
 
     def release_guard(self) -> None:
         """Called by the optimizer step pre-hook: return once the step may change our tensors.
@@ -228,18 +333,20 @@ class Job:
         Runs on the thread about to step, so its version check is ordered after every in-place op
         that thread issued before the step (``confirm``)."""
         t = time.perf_counter()
-        self.cpu_staged.wait()
-        if self.live_pieces and not self.read_done.is_set():
+        self.wait_for(Stage.CPU_STAGED)
+        if self.live_pieces and self._stage < Stage.READ:
             assert self.settle is not None
             self.settle(self)  # copy the live pieces no writer has reached yet...
-        if not self.save_events:
-            self.read_done.wait()  # ...and wait for the ones being written
+        if not self.save_events or self.live_pieces:
+            # ...and wait for the ones being written. With CUDA copies beside live CPU pieces, the
+            # stream wait below would not hold back the step's CPU kernels: wait on the host too.
+            self.wait_for(Stage.READ)
             self.confirm()
         else:
-            self.enqueued.wait()
+            self.wait_for(Stage.COPIES_QUEUED)
             # CUDA: versions are bumped when a kernel is queued, and every kernel queued from here
             # on runs after the copies (the stream wait below), so this check confirms the save.
-            self._verify(read_over=False)
+            self._verify()
             if not self.failed:
                 # GPU-side wait: the compute stream waits for the copies, the host does not block.
                 for device, event in self.last_events.items():
@@ -248,32 +355,34 @@ class Job:
 
     def confirm(self) -> bool:
         """Re-check the lazy tensors' versions on the calling thread once nothing reads them any
-        more; True once the save is confirmed (or failed). Never blocks on staging."""
-        if self.verified or not self.read_done.is_set():
-            return self.verified
-        return self._verify(read_over=True)
+        more; True once the save is confirmed (or failed, or verified by the guard). Never blocks on
+        staging."""
+        stage = self._stage
+        if stage is Stage.CONFIRMED or stage is Stage.VERIFIED:
+            return True
+        if stage < Stage.READ:
+            return False
+        return self._verify()
 
-    def _verify(self, read_over: bool) -> bool:
-        with self.version_lock:
-            if not self.verified:
-                self.check_stale(self.lazy)
-                self.verified = True
-            if read_over or self.read_done.is_set():
-                self.confirmed.set()
-                for src in self.lazy:
-                    src.release()
+    def _verify(self) -> bool:
+        """Check the versions on this thread (one that mutates the tensors), unless done already:
+        reads over -> CONFIRMED; copies queued, still read (CUDA) -> VERIFIED."""
+        with self._lock:
+            stage = self._stage
+            if stage is Stage.COPIES_QUEUED or stage is Stage.READ:
+                err = self._stale(self.lazy)
+                if err is not None and self.error is None:
+                    self.error = err
+                self._move(Stage.VERIFIED if stage is Stage.COPIES_QUEUED else Stage.CONFIRMED)
         _guard.discard(self)
         return True
 
     def reading_over(self) -> None:
-        """The last reader is through (``Engine._finish_reading``): a failed or already verified save
-        needs no confirmation."""
-        with self.version_lock:
-            self.read_done.set()
-            if self.failed or self.verified:
-                self.confirmed.set()
-                for src in self.lazy:
-                    src.release()
+        """The last reader is through (``Engine._finish_reading``): a failed or already verified save,
+        or one with nothing lazy, needs no confirmation."""
+        with self._lock:
+            done = self.error is not None or self._stage is Stage.VERIFIED or not self.lazy
+            self._move(Stage.CONFIRMED if done else Stage.READ)
         if self.failed:
             _guard.discard(self)
 
@@ -281,13 +390,13 @@ class Job:
         """``handle.wait_staged()``: copy the live pieces no writer has started (if staging got that
         far), wait for the rest, and confirm on this thread (the caller may mutate after this)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        if self.cpu_staged.wait(timeout) and self.live_pieces and self.settle is not None:
+        if self.wait_for(Stage.CPU_STAGED, timeout) and self.live_pieces and self.settle is not None:
             self.settle(self)
         self._confirm_for_wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def _confirm_for_wait(self, timeout: float | None) -> None:
         """``handle.wait()`` and the checkpointer's waits: the commit waits for a confirmation."""
-        if self.read_done.wait(timeout):
+        if self.wait_for(Stage.READ, timeout):
             self.confirm()
 
     # -- the file ---------------------------------------------------------------------------------
