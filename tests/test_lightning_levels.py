@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import threading
-import uuid
 from typing import Any
 
 import pytest
@@ -31,13 +30,6 @@ from lightning_scripts.tiny_gpt import RecordingLazyIO, assert_files_match_expec
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 if sys.platform != "linux":  # memory levels on /dev/shm
     pytestmark.append(pytest.mark.skip(reason="memory levels on /dev/shm"))
-
-
-@pytest.fixture
-def mem():
-    path = f"/dev/shm/lazyckpt-light-{uuid.uuid4().hex[:12]}"
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _fit(levels: list[Level], steps: int, ckpt_path: str | None = None, model: Any = None, io: Any = None,
