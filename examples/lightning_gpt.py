@@ -9,7 +9,9 @@ Prints, for each checkpoint, how long training stalled for it: with the stock To
 whole torch.save + fsync happens inside the training loop; with LazyCheckpointIO (one folder, through
 ModelCheckpoint) and MultiLevelCheckpoint the stall is the time inside the save call plus any wait of
 the next optimizer step for host copies (the disk level copies the memory level's file on its own
-thread). Then, for each level: ``lazyckpt.latest()`` + ``lazyckpt.load()`` (both check every CRC)
+thread; a memory level on tmpfs is written inside the save when training uses every core, where a
+background copy would cost the training more: ``--threads 1`` on 2 cores shows the spare-core regime).
+Then, for each level: ``lazyckpt.latest()`` + ``lazyckpt.load()`` (both check every CRC)
 against stock ``torch.load`` of the same file (page cache warm: the files were just written).
 """
 
@@ -142,8 +144,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--dim", type=int, default=384)
     parser.add_argument("--disk-every", type=int, default=5, help="the disk level's interval, in steps")
+    parser.add_argument("--threads", type=int, default=0, help="training threads (0: every core)")
     args = parser.parse_args()
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    torch.set_num_threads(args.threads or max(1, os.cpu_count() or 1))
     params = sum(p.numel() for p in GPT(dim=args.dim, layers=args.layers, heads=max(1, args.dim // 64)).parameters())
     print(f"GPT with {params / 1e6:.1f}M parameters, {args.steps} steps, a checkpoint after every step")
 
