@@ -130,7 +130,8 @@ class MultiLevelCheckpoint(_Callback):
     Needs ``Trainer(plugins=[LazyCheckpointIO()])`` (refused at ``fit`` otherwise). Saves only inside
     ``fit`` (never in validate/test/predict), each step at most once; errors (``LevelError`` naming
     the level) are raised once, from ``fit``: at the next due step, after that step's save was
-    handed over, or at teardown. ``last_handle`` (global rank 0): the newest save's ``LevelsHandle``.
+    handed over, or at the end of ``fit`` (on every rank at once in DDP). ``last_handle`` (global rank
+    0): the newest save's ``LevelsHandle``.
     Resume with stock Lightning: ``trainer.fit(model, ckpt_path=lazyckpt.latest(levels).path)``.
     """
 
