@@ -63,11 +63,13 @@ public and public-internal API (``LazyCheckpointer``, ``SaveHandle``, ``lazyckpt
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from lazyckpt import CheckpointerOptions, LazyCheckpointer
+from lazyckpt import CheckpointerOptions, LazyCheckpointer, Level
 from lazyckpt.accelerate._handle import AccelerateHandle
 from lazyckpt.accelerate._patch import installed
+from lazyckpt.accelerate._restore import load_latest
 from lazyckpt.commit.folder import MARKER_PREFIX, is_complete
 from lazyckpt.commit.folder import pending_markers as pending_markers  # the core's, as documented below
 from lazyckpt.errors import IncompleteCheckpointError, IncompleteCheckpointWarning
@@ -77,6 +79,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "install",
+    "load_latest",
     "AccelerateHandle",
     "IncompleteCheckpointError",
     "IncompleteCheckpointWarning",
@@ -93,6 +96,7 @@ def install(
     accelerator: Accelerator,
     checkpointer: LazyCheckpointer | None = None,
     *,
+    levels: Sequence[Level] | None = None,
     options: CheckpointerOptions | None = None,
     load_timeout: float = 600.0,
     **core_options: Any,
@@ -103,18 +107,30 @@ def install(
     otherwise one is created from ``options`` (a :class:`lazyckpt.CheckpointerOptions`) and/or ``core_options``
     (the same fields as keywords, overriding ``options``: ``host_memory_budget``, ``writer_threads``, ``fsync``,
     ``on_backpressure``, ``crc``, ``chunk_bytes`` ...) and closed by ``remove()``.
+    ``levels``: ``[Level(path, every, keep), ...]``, fastest first: a bare ``accelerator.save_state()`` then
+    saves the stock folder to ``<level>/step-<8 digits>`` of every level due at the step (``handle.step``:
+    the first prepared optimizer's real steps), and :func:`load_latest` restores the newest complete one
+    (docs/accelerate.md, "Multi-level checkpoints"). Refused with ``ProjectConfiguration``'s automatic
+    checkpoint naming, which levels replace. ``save_state(output_dir)`` keeps saving to that folder.
     ``load_timeout``: with several processes, how long ``load_state`` waits for other processes' pending
-    saves into the folder it reads before treating the folder as incomplete.
+    saves into the folder it reads before treating the folder as incomplete (with levels, also how long
+    the main process waits for the other processes' parts of a step's folder).
     """
     if checkpointer is not None and (core_options or options is not None):
         raise TypeError("pass either checkpointer= or core options, not both")
+    given = core_options.get("levels", options.levels if options is not None else None)
+    if given is not None or getattr(checkpointer, "levels", None):  # (a checkpointer double may have none)
+        raise TypeError(
+            "lazyckpt.accelerate: pass the levels to install(accelerator, levels=[...]), not to the checkpointer "
+            "(it would save single files by level; install saves save_state folders by level)"
+        )
     if installed(accelerator) is not None:
         raise RuntimeError("lazyckpt.accelerate is already installed on this Accelerator; call remove() first")
     owns = checkpointer is None
     if checkpointer is None:
         checkpointer = LazyCheckpointer(options, **core_options)
     try:
-        return AccelerateHandle(accelerator, checkpointer, owns, load_timeout=load_timeout)
+        return AccelerateHandle(accelerator, checkpointer, owns, load_timeout=load_timeout, levels=levels)
     except BaseException:
         if owns:
             checkpointer.close()

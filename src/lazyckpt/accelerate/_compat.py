@@ -323,3 +323,65 @@ def inert_pre_hook(models: list[Any], weights: list[Any], output_dir: str) -> No
 
 def _same(obj: Any) -> Any:
     return obj
+
+
+# --------------------------------------------------------------------------------------------------
+# Multi-level saves: the first prepared optimizer's real steps, the state's size, agreement between processes
+# --------------------------------------------------------------------------------------------------
+
+# Real steps of each torch optimizer, counted by one process-wide step post-hook (registered by the
+# first install() with levels and kept: a dict increment per step). A step that AcceleratedOptimizer
+# skips under gradient accumulation, or that the GradScaler skips, never calls the inner optimizer's
+# step, so it is not counted; the inner optimizer is the key (AcceleratedOptimizer never runs
+# Optimizer.__init__, so torch's hooks fire for the inner one only).
+_real_steps: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+_step_hook: Any = None
+
+
+def _count_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    _real_steps[optimizer] = _real_steps.get(optimizer, 0) + 1
+
+
+def count_real_steps() -> None:
+    """From now on, count every optimizer's real steps (idempotent)."""
+    global _step_hook
+    with _patch_lock:
+        if _step_hook is None:
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+
+            _step_hook = register_optimizer_step_post_hook(_count_step)
+
+
+def real_steps(optimizer: torch.optim.Optimizer) -> int:
+    """Real steps ``optimizer`` took since ``count_real_steps()`` was first called."""
+    return _real_steps.get(optimizer, 0)
+
+
+def first_optimizer(accelerator: Any) -> torch.optim.Optimizer | None:
+    """The torch optimizer inside the accelerator's first prepared optimizer, or None."""
+    for opt in accelerator._optimizers:
+        inner = unwrap_optimizer(opt)
+        if inner is not None:
+            return inner
+    return None
+
+
+def state_of(accelerator: Any) -> list[Any]:
+    """The prepared models' and optimizers' state dicts (their tensors: the checkpoint's size)."""
+    return [m.state_dict() for m in accelerator._models] + [o.state_dict() for o in accelerator._optimizers]
+
+
+def all_gather(obj: Any) -> list[Any]:
+    """``obj`` of every process, in process order (a collective on the default group)."""
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast(obj: Any) -> Any:
+    """The main process's ``obj`` on every process (a collective)."""
+    from accelerate.utils import broadcast_object_list
+
+    return broadcast_object_list([obj], from_process=0)[0]

@@ -31,9 +31,11 @@ from accelerate.utils.other import clean_state_dict_for_safetensors
 from lazyckpt.accelerate import _compat
 from lazyckpt.commit import remote_folder as _remote_folder
 from lazyckpt.commit.folder import FolderSave
+from lazyckpt.core.handle import Completion
 
 if TYPE_CHECKING:
     from lazyckpt import LazyCheckpointer, SaveHandle
+    from lazyckpt.core.report import Report
 
 logger = logging.getLogger("lazyckpt.accelerate")
 
@@ -58,6 +60,7 @@ class SaveStateCall:
         finisher: Submit,
         uploader: Submit,
         url: str | None = None,
+        publish: Callable[[Report], None] | None = None,
     ) -> None:
         self.owner = owner
         self.checkpointer = checkpointer
@@ -66,12 +69,18 @@ class SaveStateCall:
         self.core: FolderSave | None = None  # the marker and this process's lazy files of the save
         self.sharded: list[SaveHandle] = []  # FSDP sharded folders (DistributedCheckpointer saves)
         self.error: BaseException | None = None  # for load_state's message; reported by the checkpointer
+        self.failed: SaveHandle | None = None  # a finished handle whose report is that error's (see _fail)
+        #: Called on the finisher thread once the call has ended (not after an aborted stock call):
+        #: how a multi-level save learns that its folder is complete in this process (``_levels``).
+        self.on_end: Callable[[SaveStateCall], None] | None = None
+        self.ended = False  # this process's part of the folder is complete (marker removed)
         self.done = threading.Event()
         self.started = time.perf_counter()
         self.durable_at: float | None = None
         self._tag = tag
         self._finisher = finisher
         self._uploader = uploader
+        self._publish = publish
         self._sync_files: list[str] = []
         self._scan_folder = False
         self._aborted = False
@@ -133,7 +142,7 @@ class SaveStateCall:
             for h in self.handles:
                 exc = h.exception()
                 if exc is not None and self.error is None:
-                    self.error = exc
+                    self.error, self.failed = exc, h
             if self.error is None and not self._aborted and self.folder is not None:
                 self._make_durable()
                 upload = self.url is not None
@@ -160,13 +169,21 @@ class SaveStateCall:
             self._end()
 
     def _fail(self, exc: BaseException) -> None:
-        self.checkpointer.add_error(exc)  # before done: a wait() that sees done finds it
+        failed = None
+        if self._publish is None:
+            self.checkpointer.add_error(exc)  # before done: a wait() that sees done finds it
+        else:  # a handle that holds the published report, so that a multi-level handle shares it (claimed once)
+            completion = Completion(self.folder or "", None)
+            completion.finish(None, exc, publish=self._publish)
+            failed = completion.handle
         if self.error is None:
-            self.error = exc
+            self.error, self.failed = exc, failed
 
     def _end(self) -> None:
         self.durable_at = time.perf_counter()
         self.done.set()
+        if self.on_end is not None and not self._aborted:
+            self.on_end(self)
 
     def _make_durable(self) -> None:
         """Every lazy file committed: fsync what stock wrote itself, then end the core's folder save."""
@@ -180,7 +197,7 @@ class SaveStateCall:
                     files += [e.path for e in it if not e.name.startswith(".") and e.is_file(follow_symlinks=False)]
             except FileNotFoundError:
                 return  # deleted meanwhile (e.g. by total_limit on the main process): nothing to mark
-        core.end(files)
+        self.ended = core.end(files)
 
     def wait(self, timeout: float | None = None) -> BaseException | None:
         """Block until every file and the folder's marker are settled; the error stays the

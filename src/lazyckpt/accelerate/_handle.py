@@ -16,23 +16,25 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from lazyckpt.accelerate import _compat, _load, _url
 from lazyckpt.accelerate._folder_save import SaveStateCall, SaveStateCalls, stock_written_files
+from lazyckpt.accelerate._levels import LevelSaves
 from lazyckpt.accelerate._patch import InstancePatch
 from lazyckpt.accelerate._retention import OldFolders
 from lazyckpt.accelerate._sharded import ShardedSaves
 from lazyckpt.core import exit as _exit
 from lazyckpt.core import guard as _guard
+from lazyckpt.core.report import raise_first
 from lazyckpt.core.workers import Worker
 from lazyckpt.errors import SaveRefusedError
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
-    from lazyckpt import LazyCheckpointer
+    from lazyckpt import LazyCheckpointer, Level, SaveHandle
 
 logger = logging.getLogger("lazyckpt.accelerate")
 
@@ -52,6 +54,7 @@ class AccelerateHandle:
         owns_checkpointer: bool,
         *,
         load_timeout: float = 600.0,
+        levels: Sequence[Level] | None = None,
     ) -> None:
         self.accelerator = accelerator
         self.checkpointer = checkpointer
@@ -70,15 +73,23 @@ class AccelerateHandle:
         self._exit_early = False
         self._finisher: Worker[Job] = Worker("lazyckpt-accelerate-finisher", _run, lazy=True)  # markers, folder ends
         self._uploader: Worker[Job] = Worker("lazyckpt-accelerate-upload", _run, lazy=True)  # URL folders, in order
-        self._patch = InstancePatch(
-            accelerator,
-            self,
-            save_state=self._save_state,
-            load_state=self._load_state,
-            pre_hook=self._pre_hook,
-            route=self._sharded.route,
-        )
+        self._levels = None if levels is None else LevelSaves(self, accelerator, checkpointer, levels)
+        try:
+            self._patch = InstancePatch(
+                accelerator,
+                self,
+                save_state=self._save_state,
+                load_state=self._load_state,
+                pre_hook=self._pre_hook,
+                route=self._sharded.route,
+            )
+        except BaseException:
+            if self._levels is not None:
+                self._levels.close()
+            raise
         _exit.register(self, _drain_at_exit, layer=_exit.INTEGRATION)
+        if any(level.is_url for level in self.levels):  # its copies upload: drained before shutdown too
+            self._drain_before_shutdown()
 
     # -- public --------------------------------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> None:
@@ -90,11 +101,50 @@ class AccelerateHandle:
         def left() -> float | None:
             return None if deadline is None else max(0.0, deadline - time.monotonic())
 
+        if self._levels is not None:  # first: the copies to slower levels end with retention removals
+            self._levels.drain(left())
         for call in self._saves.all():
             call.wait(left())
         self.checkpointer.wait(left())
+        self._raise_unreported()  # the levels' errors (a LevelError names its level)
         self._sharded.wait(left())  # every FSDP sharded save committed on every process (or its error)
         self._saves.prune()
+
+    @property
+    def levels(self) -> tuple[Level, ...]:
+        """The levels given to ``install(accelerator, levels=...)`` (``()`` without)."""
+        return () if self._levels is None else self._levels.levels
+
+    @property
+    def step(self) -> int:
+        """The step the next bare ``save_state()`` saves under (with levels): the real optimizer steps of
+        the accelerator's first prepared optimizer since ``install()`` (steps skipped under gradient
+        accumulation or by the GradScaler do not count), counted from the last value set here.
+        ``handle.step = n`` overrides it (e.g. to count batches, or after restoring by hand);
+        ``load_latest`` sets it to the step it restored."""
+        if self._levels is None:
+            raise RuntimeError("lazyckpt.accelerate: handle.step needs install(accelerator, levels=[...])")
+        return self._levels.counter.get()
+
+    @step.setter
+    def step(self, value: int) -> None:
+        if self._levels is None:
+            raise RuntimeError("lazyckpt.accelerate: handle.step needs install(accelerator, levels=[...])")
+        self._levels.counter.set(value)
+
+    @property
+    def last_save(self) -> SaveHandle | None:
+        """The handle of the last bare ``save_state()`` with levels (a ``LevelsHandle``: ``step``,
+        ``levels_done``, ``levels_skipped``; done once every due level holds its copy), or None."""
+        return None if self._levels is None else self._levels.last
+
+    def settle(self, timeout: float | None = None) -> None:
+        """Wait for every pending save of this handle (level copies included) without raising their
+        errors: they stay to be reported by ``wait()`` or the next ``save_state``."""
+        if self._levels is not None:
+            self._levels.drain(timeout)
+        for call in self._saves.all():
+            call.wait(timeout)
 
     def pending(self) -> int:
         """Number of save_state calls of this accelerator whose files are not all durable yet."""
@@ -118,6 +168,8 @@ class AccelerateHandle:
             self._patch.undo()
             self._finisher.stop()
             self._uploader.stop()
+            if self._levels is not None:
+                self._levels.close()
             self._tracked_refs.clear()
             _exit.unregister(self)
             try:
@@ -137,6 +189,8 @@ class AccelerateHandle:
 
     # -- what the installed save_state / load_state / pre-hook call ----------------------------------
     def _save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> Any:
+        if output_dir is None and self._levels is not None and not self._removed:
+            return self._levels.save(safe_serialization, kwargs)  # by level: folders <level>/step-<n>
         url = _url.save_target(self.accelerator, output_dir)
         if url is not None:
             self._drain_before_shutdown()
@@ -146,13 +200,46 @@ class AccelerateHandle:
                 raise SaveRefusedError(f"lazyckpt.accelerate: save_state to a URL ({url}) needs the lazy path")
             return stock(output_dir, safe_serialization=safe_serialization, **kwargs)
         t0 = time.perf_counter()
-        # No optimizer step since the last save_state (or install): no training runs to overlap with
-        # (an evaluation, a save before training, a script about to delete or read the folder):
-        # behave as stock and return with the folder durable.
-        training, self._steps_seen = _guard.steps() != self._steps_seen, _guard.steps()
+        training = self.training_since_last_save()
         if url is not None:  # saved into a fresh local folder, uploaded once complete (SaveStateCall._upload)
             _url.admit_upload(self._saves, url, self.max_pending_uploads)
             output_dir = _url.local_folder(self.checkpointer, url)
+        location, call = self.save_into(output_dir, safe_serialization, kwargs, url=url)
+        if not training and call.folder is not None and self.accelerator.num_processes == 1:
+            # No optimizer step since the last save_state (or install): no training runs to overlap with
+            # (an evaluation, a save before training, a script about to delete or read the folder):
+            # behave as stock and return with the folder durable, the old folders' deletions done; a
+            # failure is still reported as every lazy save's is (the next save_state / load_state / wait()).
+            call.wait()  # confirms on this thread (the saving thread): never waits for itself
+            self._old_folders.wait()
+            self.last_save_state_s = time.perf_counter() - t0
+        return url if url is not None else location
+
+    def training_since_last_save(self) -> bool:
+        """Whether an optimizer step ran since the last ``save_state`` (or ``install``); starts a new interval."""
+        training, self._steps_seen = _guard.steps() != self._steps_seen, _guard.steps()
+        return training
+
+    def save_into(
+        self,
+        output_dir: Any,
+        safe_serialization: bool,
+        kwargs: dict[str, Any],
+        *,
+        url: str | None = None,
+        prepare: Callable[[SaveStateCall], None] | None = None,
+    ) -> tuple[Any, SaveStateCall]:
+        """Stock ``save_state(output_dir)`` run lazily: what it returned and the ``SaveStateCall``.
+        ``prepare(call)`` runs before stock does (a multi-level save sets ``call.on_end`` there);
+        with it, errors of the call are published as reports a handle can share."""
+        stock = self._patch.stock_save_state
+        t0 = time.perf_counter()
+        if not self._lazy_supported():
+            raise SaveRefusedError(
+                "lazyckpt.accelerate: save_state by level needs the lazy path, which "
+                f"{self.accelerator.distributed_type} does not take; save to explicit folders "
+                "(save_state(output_dir)) instead"
+            )
         # 1. never let stock's rmtree of old folders race their pending writes
         self._old_folders.make_room(self.accelerator, self._saves)
         # 2. a failed earlier save is reported here at the latest (stock save_state would have raised)
@@ -165,7 +252,10 @@ class AccelerateHandle:
             finisher=self._on_finisher,
             uploader=self._on_uploader,
             url=url,
+            publish=None if prepare is None else self.checkpointer.publish,
         )
+        if prepare is not None:
+            prepare(call)
         token = _compat.active_save.set(call)
         aborted = True
         try:
@@ -178,13 +268,7 @@ class AccelerateHandle:
                 self._saves.add(call)
                 call.finish(sync, scan, aborted)
             self.last_save_state_s = time.perf_counter() - t0
-        if not training and not aborted and call.folder is not None and self.accelerator.num_processes == 1:
-            # Durable on return, the old folders' deletions done; a failure is still reported as
-            # every lazy save's is (the next save_state / load_state / wait()).
-            call.wait()  # confirms on this thread (the saving thread): never waits for itself
-            self._old_folders.wait()
-            self.last_save_state_s = time.perf_counter() - t0
-        return url if url is not None else location
+        return location, call
 
     def _load_state(
         self, input_dir: str | None = None, load_kwargs: dict[str, Any] | None = None, **kwargs: Any
@@ -240,6 +324,8 @@ class AccelerateHandle:
         """Errors are the checkpointer's to report, once (failed files, folders, deletions)."""
         self._saves.prune()
         self.checkpointer.raise_errors()
+        if self._levels is not None:
+            raise_first(self._levels.take_errors())
 
     def _drain_before_shutdown(self) -> None:
         """Saved to a URL: drain at the start of the interpreter's shutdown, as s3fs cannot upload from

@@ -1,0 +1,302 @@
+"""``install(accelerator, levels=[...])``: a bare ``save_state()`` saves the stock folder by level.
+
+Data flow of one bare ``save_state()`` (docs/accelerate.md, "Multi-level checkpoints"):
+
+    training thread: step = the first prepared optimizer's real steps (``StepCounter``); with
+        several processes, every process's (step, host) gathered (one collective: all agree, one
+        node) -> ``MultiLevel.save_with(step, produce)`` (main process): the levels due at ``step``,
+        their backlogs admitted, then ``produce(<fastest due level>/step-<8 digits>)`` = the
+        handle's lazy ``save_state`` into that folder (``AccelerateHandle.save_into``), returning a
+        ``SaveHandle`` (a ``Completion``) done once the folder is complete; other processes only
+        save their files into the same folder.
+    finisher thread: this process's part of the folder ended (marker removed) -> ``_part_ended``:
+        one process: the source handle finishes; several: the watcher thread takes over.
+    lazyckpt-accelerate-levels (main process, several processes): waits until every process's
+        marker is gone and every process's ``random_states_<i>.pkl`` is there (bounded by
+        ``load_timeout``; a marker of a dead process fails at once), then finishes the source handle.
+    level threads (``MultiLevel``): copy the complete folder whole to the slower due levels (or upload
+        it, manifest last), apply each level's ``keep``.
+
+The step numbering and its override live in :class:`StepCounter`; restore in ``_restore.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+import weakref
+from typing import TYPE_CHECKING, Any, Protocol
+
+from accelerate.utils.constants import RNG_STATE_NAME
+
+from lazyckpt.accelerate import _compat
+from lazyckpt.accelerate._folder_save import SaveStateCall
+from lazyckpt.commit.folder import marker_is_stale, pending_markers
+from lazyckpt.core.handle import Completion, SaveHandle, SaveStats
+from lazyckpt.core.workers import Worker
+from lazyckpt.errors import IncompleteCheckpointError, SaveRefusedError
+from lazyckpt.levels import _copy
+from lazyckpt.levels._level import Level
+from lazyckpt.levels._multi import MultiLevel, check_levels
+
+if TYPE_CHECKING:
+    from lazyckpt import LazyCheckpointer
+
+logger = logging.getLogger("lazyckpt.accelerate")
+
+
+class Owner(Protocol):
+    """What the levels need of their ``AccelerateHandle``."""
+
+    load_timeout: float
+
+    def training_since_last_save(self) -> bool: ...
+
+    def save_into(
+        self, output_dir: Any, safe_serialization: bool, kwargs: dict[str, Any], *, prepare: Any = ...
+    ) -> tuple[Any, SaveStateCall]: ...
+
+
+def refuse_automatic_naming(accelerator: Any) -> None:
+    """Levels replace ``ProjectConfiguration``'s automatic naming and ``total_limit`` (which would
+    send the folder to ``project_dir/checkpoints`` whatever the level): refuse the mix."""
+    pc = accelerator.project_configuration
+    if pc.automatic_checkpoint_naming:
+        raise SaveRefusedError(
+            "lazyckpt.accelerate: levels replace ProjectConfiguration(automatic_checkpoint_naming=True"
+            f"{', total_limit=' + str(pc.total_limit) if pc.total_limit is not None else ''}): folders are named "
+            "<level>/step-<n> and Level(keep=N) keeps N per level. Set automatic_checkpoint_naming=False."
+        )
+
+
+class StepCounter:
+    """The step a bare ``save_state()`` saves under: the real optimizer steps of the accelerator's
+    first prepared optimizer since ``install()`` (steps skipped under gradient accumulation or by the
+    GradScaler do not count), plus the base last set (``handle.step = n``; ``load_latest`` sets
+    the step it restored). Without a prepared optimizer it stays at the base."""
+
+    def __init__(self, accelerator: Any) -> None:
+        _compat.count_real_steps()
+        self._accelerator = accelerator
+        self._base = 0
+        self._opt: weakref.ref[Any] | None = None
+        self._offset = 0  # the optimizer's real steps when the base was set
+        self._sync(_compat.first_optimizer(accelerator), reset=True)
+
+    def get(self) -> int:
+        opt = _compat.first_optimizer(self._accelerator)
+        if opt is None:
+            return self._base
+        self._sync(opt, reset=False)
+        return self._base + _compat.real_steps(opt) - self._offset
+
+    def set(self, step: int) -> None:
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be an int >= 0, got {step!r}")
+        self._base = step
+        self._sync(_compat.first_optimizer(self._accelerator), reset=True)
+
+    def _sync(self, opt: Any, reset: bool) -> None:
+        if opt is None:
+            self._opt, self._offset = None, 0
+        elif reset or self._opt is None or self._opt() is not opt:
+            # a newly prepared optimizer counts from 0: its steps all came after install()
+            self._offset = _compat.real_steps(opt) if reset else 0
+            self._opt = weakref.ref(opt)
+
+
+class LevelSaves:
+    """One handle's saves by level: the ``MultiLevel`` (main process), the step counter, the pending
+    level handles, and the thread that waits for other processes' parts (several processes)."""
+
+    def __init__(self, owner: Owner, accelerator: Any, checkpointer: LazyCheckpointer, levels: Any) -> None:
+        levels = tuple(levels)
+        check_levels(levels)
+        refuse_automatic_naming(accelerator)
+        self.owner = owner
+        self.accelerator = accelerator
+        self.checkpointer = checkpointer
+        self.levels: tuple[Level, ...] = levels
+        self.counter = StepCounter(accelerator)
+        self.main = bool(accelerator.is_main_process)
+        self.processes = int(accelerator.num_processes)
+        self.last: SaveHandle | None = None  # the last bare save_state's handle
+        opts = checkpointer.options
+        self._multi = MultiLevel(checkpointer, levels, opts, folder=True) if self.main else None
+        self._pending: dict[int, SaveHandle] = {}  # step -> a level save not yet done
+        self._others: Worker[tuple[SaveStateCall, Completion]] = Worker(
+            "lazyckpt-accelerate-levels", self._wait_for_others, lazy=True
+        )
+
+    # -- the training thread -------------------------------------------------------------------------
+    def save(self, safe_serialization: bool, kwargs: dict[str, Any]) -> str | None:
+        """A bare ``save_state()``: the folder of the step to every level due at it. Returns the
+        fastest due level's folder (its URL), or None when no level is due at that step."""
+        refuse_automatic_naming(self.accelerator)
+        training = self.owner.training_since_last_save()
+        step = self.counter.get()
+        if self.main:
+            self._clear_fastest(step)
+        if self.processes > 1:
+            step = self._agree(step)
+        due = [i for i, lv in enumerate(self.levels) if lv.due(step)]
+        if due and self.processes > 1 and self.levels[due[0]].is_url:
+            raise SaveRefusedError(
+                f"lazyckpt.accelerate: with {self.processes} processes the fastest level due at step {step} "
+                f"must be a local folder (every process writes into it), not {self.levels[due[0]].path}"
+            )
+
+        def produce(path: str) -> SaveHandle:
+            return self._produce(path, safe_serialization, kwargs)
+
+        handle: SaveHandle
+        if self._multi is not None:
+            handle = self._multi.save_with(step, produce, nbytes=self._nbytes)
+        elif due:  # another process: its files into the same folder; the main process copies it on
+            handle = self._produce(self.levels[due[0]].folder(step), safe_serialization, kwargs)
+        else:
+            return None
+        self.last = handle
+        if not due:
+            return None
+        self._pending = {s: h for s, h in self._pending.items() if not h.done()}
+        self._pending[step] = handle
+        if not training and self.processes == 1:
+            handle.exception(timeout=None)  # no training to overlap with: durable on return, as stock
+        return handle.path
+
+    def _nbytes(self) -> int:
+        """The checkpoint's size, for the memory statement at the first save: the models' and optimizers' tensors."""
+        return _copy.tensor_bytes(_compat.state_of(self.accelerator))
+
+    def _clear_fastest(self, step: int) -> None:
+        """Before step ``step`` is saved again (a save_state with no optimizer step since, or after a
+        rollback): its earlier save done, and the fastest level's old folder of it moved away, so no
+        copy reads a folder being rewritten and no stale file stays in it."""
+        earlier = self._pending.get(step)
+        if earlier is not None:
+            earlier.exception(timeout=None)  # errors stay the checkpointer's to report
+        due = [lv for lv in self.levels if lv.due(step)]
+        if not due or due[0].is_url:
+            return
+        folder = due[0].folder(step)
+        if os.path.isdir(folder):
+            try:
+                self.checkpointer.remove(folder)  # renamed away now, deleted in the background
+            except OSError as exc:
+                logger.warning("lazyckpt.accelerate: could not move the old %s away: %s", folder, exc)
+
+    def _agree(self, step: int) -> int:
+        """Every process saves the same step on the same node (one collective, every process). The
+        refusals are raised on every process alike (each sees the same gathered list)."""
+        seen = _compat.all_gather((step, socket.gethostname()))
+        steps = sorted({s for s, _ in seen})
+        hosts = sorted({h for _, h in seen})
+        if len(hosts) > 1:
+            raise SaveRefusedError(
+                f"lazyckpt.accelerate: save_state by level runs on one node; these processes run on {hosts}. "
+                "Save to explicit shared folders (save_state(output_dir)) instead"
+            )
+        if len(steps) > 1:
+            raise SaveRefusedError(
+                f"lazyckpt.accelerate: the processes would save different steps {steps}; set handle.step on "
+                "every process alike (it counts the first prepared optimizer's real steps)"
+            )
+        return step
+
+    def _produce(self, path: str, safe_serialization: bool, kwargs: dict[str, Any]) -> SaveHandle:
+        """The lazy ``save_state`` into ``path``; a handle done once the folder is complete."""
+        completion = Completion(path)
+
+        def prepare(call: SaveStateCall) -> None:
+            def settle(timeout: float | None) -> None:
+                for h in list(call.handles):
+                    h.wait_staged(timeout)
+
+            def confirm(timeout: float | None) -> None:
+                for h in list(call.handles):
+                    h.confirm(timeout)
+
+            completion.bind(settle=settle, confirm=confirm)
+            call.on_end = lambda c: self._part_ended(c, completion)
+
+        self.owner.save_into(path, safe_serialization, kwargs, prepare=prepare)
+        return completion.handle
+
+    # -- the finisher thread, then (several processes) the watcher thread ----------------------------------
+    def _part_ended(self, call: SaveStateCall, completion: Completion) -> None:
+        try:
+            if call.failed is not None:
+                completion.adopt(call.failed)  # the same report as the checkpointer's: claimed once
+                completion.complete(self.checkpointer.callbacks)
+            elif self._multi is not None and self.processes > 1 and call.ended:
+                if not self._others.submit((call, completion)):
+                    self._wait_for_others((call, completion))
+            else:
+                error = None if call.ended else IncompleteCheckpointError(f"lazyckpt: {call.folder} was not completed")
+                completion.finish(_stats(call), error, self.checkpointer.publish, self.checkpointer.callbacks)
+        except BaseException as exc:  # noqa: BLE001 - the level handle must end
+            logger.exception("lazyckpt.accelerate: ending a level save failed")
+            if not completion.handle.done():
+                completion.finish(None, exc, self.checkpointer.publish, self.checkpointer.callbacks)
+
+    def _wait_for_others(self, item: tuple[SaveStateCall, Completion]) -> None:
+        """Main process: the folder is complete once no process's marker is left and every
+        process's RNG file is there (each creates its marker before it writes that file, and removes
+        it once its files are durable). Bounded by ``load_timeout``; a dead process's marker ends it."""
+        call, completion = item
+        folder = call.folder or ""
+        wanted = [f"{RNG_STATE_NAME}_{i}.pkl" for i in range(self.processes)]
+        deadline = time.monotonic() + self.owner.load_timeout
+        delay = 0.005
+        error: BaseException | None = None
+        while True:
+            markers = pending_markers(folder)
+            missing = [n for n in wanted if not os.path.exists(os.path.join(folder, n))]
+            if not markers and not missing:
+                break
+            dead = [m for m in markers if marker_is_stale(m)]
+            if dead or time.monotonic() >= deadline:
+                why = f"processes died during the save (markers {dead})" if dead else (
+                    f"not every process finished its part within {self.owner.load_timeout:.0f} s "
+                    f"(markers {markers}, missing {missing})"
+                )  # fmt: skip
+                error = IncompleteCheckpointError(f"lazyckpt: {folder} is incomplete: {why}")
+                break
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
+        completion.finish(_stats(call), error, self.checkpointer.publish, self.checkpointer.callbacks)
+
+    # -- the handle's wait / remove ------------------------------------------------------------------
+    def drain(self, timeout: float | None = None) -> None:
+        """Every level save done (copies included); errors stay to be reported."""
+        if self._multi is not None:
+            self._multi.drain(timeout)
+        for h in list(self._pending.values()):
+            h.exception(timeout=timeout)
+
+    def take_errors(self) -> list[BaseException]:
+        return self._multi.take_errors() if self._multi is not None else []
+
+    def close(self) -> None:
+        self._others.stop()
+        if self._multi is not None:
+            self._multi.close()
+
+
+def _stats(call: SaveStateCall) -> SaveStats:
+    """The folder's stats: its files' bytes, times from the save_state call."""
+    stats = [h.stats for h in call.handles if h.stats is not None]
+    return SaveStats(
+        path=call.folder or "",
+        bytes=sum(s.bytes for s in stats),
+        file_bytes=sum(s.file_bytes for s in stats),
+        blocked_s=max((s.blocked_s for s in stats), default=0.0),
+        staged_s=max((s.staged_s for s in stats), default=0.0),
+        durable_s=time.perf_counter() - call.started,
+        write_s=max((s.write_s for s in stats), default=0.0),
+        write_gbps=0.0,
+        guard_wait_s=sum(s.guard_wait_s for s in stats),
+    )

@@ -1,0 +1,111 @@
+"""2 processes on one node (gloo, CPU), save_state by level; run under ``accelerate launch``.
+
+mp_levels.py train MEM DISK OUT: 4 steps, a bare save_state after each (memory every step, disk every 2);
+    at step 2 process 1 is held inside its save_state (before it has written anything) until process 0
+    has looked: the step's handle must not be done and the disk level must not hold the step yet,
+    since process 1's part is missing. Writes OUT/expected_rank<r>.pt (state at step 4) and
+    OUT/summary.json.
+mp_levels.py restore MEM DISK OUT: a fresh accelerator (other weights) on each process, load_latest;
+    OUT/restored.json: {rank: [found.step, found.level, every state equal to step 4's]}.
+"""
+
+import json
+import os
+import random
+import sys
+
+import acc_common as C  # this script's folder is first on the path
+import numpy as np
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+
+import lazyckpt.accelerate
+from lazyckpt import Level
+
+MODEL = C.MP_MODEL
+
+
+def setup(seed):
+    acc = Accelerator(cpu=True)
+    assert acc.num_processes == 2, acc.num_processes
+    model, opt, sched = acc.prepare(*C.build(seed, **MODEL))
+    rank = acc.process_index
+    torch.manual_seed(10 + rank)  # every process has its own RNG streams, so each RNG file differs
+    random.seed(10 + rank)
+    np.random.seed(10 + rank)
+    return acc, model, opt, sched
+
+
+def held_until_process_0_looked(acc):
+    """Process 1's get_state_dict (the first thing stock save_state does after making the folder) waits
+    for process 0's look at the window (a barrier process 0 enters after it), once."""
+    real = acc.get_state_dict
+
+    def held(*args, **kwargs):
+        acc.get_state_dict = real
+        dist.barrier()
+        return real(*args, **kwargs)
+
+    acc.get_state_dict = held
+
+
+def train(mem, disk, out):
+    acc, model, opt, sched = setup(0)
+    rank = acc.process_index
+    h = lazyckpt.accelerate.install(acc, levels=[Level(mem, every=1, keep=2), Level(disk, every=2, keep=2)])
+    gen = torch.Generator().manual_seed(100 + rank)  # every process has its own data
+    window = None
+    for _ in range(4):
+        C.train_step(acc, model, opt, sched, gen, vocab=MODEL["vocab"])
+        if h.step == 2 and rank == 1:
+            held_until_process_0_looked(acc)
+        snap = C.snapshot(acc, [model], [opt], [sched])
+        acc.save_state()
+        if h.step == 2 and rank == 0:
+            try:
+                h.last_save.exception(timeout=3.0)  # confirms this process's part; it must not be enough
+                done = True
+            except TimeoutError:
+                done = False
+            window = {"handle_done": done, "disk_step": os.path.exists(os.path.join(disk, "step-00000002"))}
+            dist.barrier()  # process 1 goes on
+    torch.save(snap, os.path.join(out, f"expected_rank{rank}.pt"))
+    C.train_step(acc, model, opt, sched, gen, vocab=MODEL["vocab"])  # training moves on at once
+    h.wait()
+    h.remove()
+    if rank == 0:
+        with open(os.path.join(out, "summary.json"), "w") as fh:
+            json.dump({"window": window}, fh)
+    acc.wait_for_everyone()
+
+
+def restore(mem, disk, out):
+    acc, model, opt, sched = setup(1234)
+    rank = acc.process_index
+    h = lazyckpt.accelerate.install(acc, levels=[Level(mem, every=1, keep=2), Level(disk, every=2, keep=2)])
+    found = lazyckpt.accelerate.load_latest(acc)
+    got = C.snapshot(acc, [model], [opt], [sched])
+    mine = torch.load(os.path.join(out, f"expected_rank{rank}.pt"), weights_only=False)
+    main = torch.load(os.path.join(out, "expected_rank0.pt"), weights_only=False)
+    ok = h.step == found.step
+    try:
+        C.assert_same(got["models"], main["models"], "models (the main process's file)")
+        for k in ("opts", "scheds", "step", "torch_rng", "np_rng"):
+            C.assert_same(got[k], mine[k], k)
+        assert got["py_rng"] == mine["py_rng"]
+    except AssertionError as exc:
+        print(f"rank {rank}: {exc}", file=sys.stderr)
+        ok = False
+    h.remove()
+    results = [None, None]
+    dist.all_gather_object(results, [found.step, found.level, ok])
+    if rank == 0:
+        with open(os.path.join(out, "restored.json"), "w") as fh:
+            json.dump({str(r): v for r, v in enumerate(results)}, fh)
+    acc.wait_for_everyone()
+
+
+if __name__ == "__main__":
+    scenario, mem, disk, out = sys.argv[1:5]
+    {"train": train, "restore": restore}[scenario](mem, disk, out)
