@@ -1,11 +1,18 @@
-"""Train a small GPT with a checkpoint after every step, with lazyckpt and with Lightning's stock plugin.
+"""Train a small GPT with a checkpoint after every step: Lightning's stock plugin, lazyckpt to one
+folder, and lazyckpt multi-level (a memory level every step, a disk level every few), side by side;
+then the time to resume from each level.
 
-    python -m examples.lightning_gpt              # from the repository root; ~2-3 minutes on a laptop CPU
+    python -m examples.lightning_gpt              # from the repository root; ~1.5-3 minutes on a laptop CPU
     python -m examples.lightning_gpt --steps 10 --layers 4 --dim 256   # quicker
 
 Prints, for each checkpoint, how long training stalled for it: with the stock TorchCheckpointIO the
-whole torch.save + fsync happens inside the training loop; with LazyCheckpointIO the stall is the
-time inside save_checkpoint plus any wait of the next optimizer step for host copies.
+whole torch.save + fsync happens inside the training loop; with LazyCheckpointIO (one folder, through
+ModelCheckpoint) and MultiLevelCheckpoint the stall is the time inside the save call plus any wait of
+the next optimizer step for host copies (the disk level copies the memory level's file on its own
+thread; a memory level on tmpfs is written inside the save when training uses every core, where a
+background copy would cost the training more: ``--threads 1`` on 2 cores shows the spare-core regime).
+Then, for each level: ``lazyckpt.latest()`` + ``lazyckpt.load()`` (both check every CRC)
+against stock ``torch.load`` of the same file (page cache warm: the files were just written).
 """
 
 from __future__ import annotations
@@ -13,6 +20,8 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import shutil
+import statistics
 import tempfile
 import time
 from typing import Any
@@ -23,8 +32,10 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
+import lazyckpt
 from benchmarks import gpt
-from lazyckpt.lightning import LazyCheckpointIO
+from lazyckpt import Level
+from lazyckpt.lightning import LazyCheckpointIO, MultiLevelCheckpoint
 
 
 class GPT(L.LightningModule):
@@ -72,18 +83,59 @@ class TimedTorchCheckpointIO(TorchCheckpointIO):
         self.stalls.append(time.perf_counter() - t0)
 
 
-def fit(plugin: Any, directory: str, args: argparse.Namespace) -> float:
+def fit(plugin: Any, directory: str, args: argparse.Namespace, levels: list[Level] | None = None) -> float:
+    """One fit; a checkpoint every step through ModelCheckpoint (``plugin``), through
+    MultiLevelCheckpoint (``plugin`` and ``levels``), or none (no plugin)."""
     L.seed_everything(0, verbose=False)
     model = GPT(dim=args.dim, layers=args.layers, heads=max(1, args.dim // 64), steps=args.steps)
-    callbacks = [ModelCheckpoint(dirpath=directory, every_n_train_steps=1, save_top_k=1)] if plugin is not None else []
+    callbacks: list[Any] = []
+    if levels is not None:
+        callbacks = [MultiLevelCheckpoint(levels)]
+    elif plugin is not None:
+        callbacks = [ModelCheckpoint(dirpath=directory, every_n_train_steps=1, save_top_k=1)]
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=plugin is not None, callbacks=callbacks,
-        plugins=[plugin] if plugin is not None else [],
+        enable_model_summary=False, enable_checkpointing=levels is None and plugin is not None,
+        callbacks=callbacks, plugins=[plugin] if plugin is not None else [],
     )  # fmt: skip
     t0 = time.perf_counter()
     trainer.fit(model)  # includes the teardown, where LazyCheckpointIO drains its last saves
     return time.perf_counter() - t0
+
+
+def resume_times(levels: list[Level], rounds: int = 3) -> list[tuple[int, int, float, float, float]]:
+    """Per level: (level, step, latest() s, lazyckpt.load s, torch.load s of the same file), medians of
+    ``rounds`` alternating rounds. Each level alone, as if the faster ones were gone."""
+    out = []
+    for index, level in enumerate(levels):
+        t_latest, t_load, t_torch = [], [], []
+        found = None
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            found = lazyckpt.latest([level])
+            t1 = time.perf_counter()
+            if found is None:
+                raise SystemExit(f"no complete checkpoint at level {index} ({level.path})")
+            state = lazyckpt.load(found, map_location="cpu")
+            t2 = time.perf_counter()
+            stock = torch.load(found.path, map_location="cpu")
+            t3 = time.perf_counter()
+            assert state["global_step"] == stock["global_step"] == found.step
+            del state, stock
+            t_latest.append(t1 - t0)
+            t_load.append(t2 - t1)
+            t_torch.append(t3 - t2)
+        assert found is not None
+        med = statistics.median
+        out.append((index, found.step, med(t_latest), med(t_load), med(t_torch)))
+    return out
+
+
+def memory_folder(tmp: str) -> str:
+    """A memory level's folder: /dev/shm (tmpfs) where there is one, else a temporary folder."""
+    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+        return tempfile.mkdtemp(prefix="lazyckpt-main-job-", dir="/dev/shm")
+    return os.path.join(tmp, "memory")
 
 
 def main() -> None:
@@ -91,31 +143,58 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--dim", type=int, default=384)
+    parser.add_argument("--disk-every", type=int, default=5, help="the disk level's interval, in steps")
+    parser.add_argument("--threads", type=int, default=0, help="training threads (0: every core)")
     args = parser.parse_args()
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    torch.set_num_threads(args.threads or max(1, os.cpu_count() or 1))
     params = sum(p.numel() for p in GPT(dim=args.dim, layers=args.layers, heads=max(1, args.dim // 64)).parameters())
     print(f"GPT with {params / 1e6:.1f}M parameters, {args.steps} steps, a checkpoint after every step")
 
     with tempfile.TemporaryDirectory() as tmp:
-        fit(None, os.path.join(tmp, "warmup"), argparse.Namespace(**{**vars(args), "steps": 3}))  # untimed
-        base = fit(None, os.path.join(tmp, "none"), args)
-        stock = TimedTorchCheckpointIO()
-        t_stock = fit(stock, os.path.join(tmp, "stock"), args)
-        lazy = LazyCheckpointIO()
-        t_lazy = fit(lazy, os.path.join(tmp, "lazy"), args)
-        base = min(base, fit(None, os.path.join(tmp, "none2"), args))  # first and last: drift hits both
+        mem = memory_folder(tmp)
+        try:
+            levels = [Level(mem, every=1, keep=2), Level(os.path.join(tmp, "disk"), every=args.disk_every, keep=2)]
+            fit(None, os.path.join(tmp, "warmup"), argparse.Namespace(**{**vars(args), "steps": 3}))  # untimed
+            base = fit(None, os.path.join(tmp, "none"), args)
+            stock = TimedTorchCheckpointIO()
+            t_stock = fit(stock, os.path.join(tmp, "stock"), args)
+            lazy = LazyCheckpointIO()
+            t_lazy = fit(lazy, os.path.join(tmp, "lazy"), args)
+            multi = LazyCheckpointIO()
+            t_multi = fit(multi, "", args, levels)
+            base = min(base, fit(None, os.path.join(tmp, "none2"), args))  # first and last: drift hits both
+            resumes = resume_times(levels)
+        finally:
+            shutil.rmtree(mem, ignore_errors=True)
 
     lazy_stalls = [s.blocked_s + s.guard_wait_s for s in lazy.stats]
-    print(f"\n{'ckpt':>4}  {'stock stall s':>13}  {'lazy stall s':>12}  {'lazy write GB/s':>15}")
-    for i, (a, b) in enumerate(zip(stock.stalls, lazy_stalls, strict=False)):
-        print(f"{i:>4}  {a:>13.3f}  {b:>12.3f}  {lazy.stats[i].write_gbps:>15.2f}")
+    multi_stalls = [s.blocked_s + s.guard_wait_s for s in multi.stats]
+    print(f"\n{'ckpt':>4}  {'stock stall s':>13}  {'lazy stall s':>12}  {'multi-level stall s':>19}")
+    for i, (a, b, c) in enumerate(zip(stock.stalls, lazy_stalls, multi_stalls, strict=False)):
+        print(f"{i:>4}  {a:>13.3f}  {b:>12.3f}  {c:>19.3f}")
     n = max(1, len(stock.stalls))
-    print(f"\nfit time: no checkpoints {base:.1f}s, stock {t_stock:.1f}s, lazy {t_lazy:.1f}s")
+    print(
+        f"\nfit time: no checkpoints {base:.1f}s, stock {t_stock:.1f}s, lazy {t_lazy:.1f}s, multi-level {t_multi:.1f}s"
+    )
     print(
         f"stall per checkpoint from fit times (teardown included): stock {(t_stock - base) / n:.3f}s, "
-        f"lazy {(t_lazy - base) / n:.3f}s; checkpoint size {lazy.stats[0].file_bytes / 1e6:.0f} MB"
+        f"lazy {(t_lazy - base) / n:.3f}s, multi-level {(t_multi - base) / n:.3f}s; "
+        f"checkpoint size {lazy.stats[0].file_bytes / 1e6:.0f} MB"
     )
-    if not math.isfinite(t_lazy):
+    kind = "tmpfs" if mem.startswith("/dev/shm") else "a temporary folder"
+    print(
+        f"multi-level: memory level ({kind}) every step keep 2, disk level every {args.disk_every} steps keep 2; "
+        f"{len(multi.stats)} saves (one staging each), the disk copies made from the memory files"
+    )
+    print("\ntime to resume from each level alone (medians of 3; page cache warm):")
+    print(
+        f"{'level':>12}  {'step':>4}  {'latest() s':>10}  {'lazyckpt.load s':>15}  {'total s':>7}  {'torch.load s':>12}"
+    )
+    for index, step, t_latest, t_load, t_torch in resumes:
+        name = ("memory", "disk")[index]
+        print(f"{name:>12}  {step:>4}  {t_latest:>10.3f}  {t_load:>15.3f}  {t_latest + t_load:>7.3f}  {t_torch:>12.3f}")
+    print("resume with stock Lightning: trainer.fit(model, ckpt_path=lazyckpt.latest(levels).path)")
+    if not (math.isfinite(t_lazy) and math.isfinite(t_multi)):
         raise SystemExit(1)
 
 

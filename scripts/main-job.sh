@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The main job (README): set up .venv if needed, then train a small GPT with a checkpoint every
-# step through Lightning, lazily and with the stock plugin, and print the stall side by side.
+# The main job (README): set up .venv if needed, then train a small GPT with Lightning, a checkpoint every
+# step: with the stock plugin, lazily to one folder, and lazily by level (a memory level every step, a disk
+# level every 5); print the stall per checkpoint side by side and the time to resume from each level.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh

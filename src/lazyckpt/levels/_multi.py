@@ -29,7 +29,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -129,23 +129,32 @@ class MultiLevel:
 
     # -- caller side ------------------------------------------------------------------------------
 
-    def save(self, obj: Any, step: int) -> SaveHandle:
-        """``obj`` to every level due at ``step``: one core save of ``obj`` (file checkpoints)."""
-        return self.save_with(step, lambda path: self.ckpt.save(obj, path), nbytes=lambda: _copy.tensor_bytes(obj))
+    def save(self, obj: Any, step: int, due: Sequence[int] | None = None) -> SaveHandle:
+        """``obj`` to every level due at ``step``: one core save of ``obj`` (file checkpoints).
+        ``due``: the indices of the levels to save to (default: those with ``step % every == 0``)."""
+
+        def produce(path: str) -> SaveHandle:
+            return self.ckpt.save(obj, path)
+
+        return self.save_with(step, produce, nbytes=lambda: _copy.tensor_bytes(obj), due=due)
 
     def save_with(
-        self, step: int, produce: Callable[[str], SaveHandle], nbytes: Callable[[], int] | None = None
+        self,
+        step: int,
+        produce: Callable[[str], SaveHandle],
+        nbytes: Callable[[], int] | None = None,
+        due: Sequence[int] | None = None,
     ) -> SaveHandle:
         """Save ``step`` to every level due at it: ``produce(path)`` saves the checkpoint (a file,
         or with ``folder=True`` a folder) at the fastest due level's ``path`` (or a local staging
         path when that level is a URL) and returns its handle, done once it is complete there;
         slower levels copy it from there. ``nbytes()``: the checkpoint's size, for the memory
-        statement at the first save (None: not checked)."""
+        statement at the first save (None: not checked). ``due``: as for ``save``."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise SaveRefusedError(f"step must be an int >= 0, got {step!r}")
         t0 = time.perf_counter()
         self.ckpt.raise_errors()  # an unseen error of an earlier save (any level) first, as save() does
-        due = [i for i, lv in enumerate(self.levels) if lv.due(step)]
+        due = [i for i, lv in enumerate(self.levels) if lv.due(step)] if due is None else sorted(set(due))
         if not due:
             return _not_due(step, t0)
         if not self._memory_checked and nbytes is not None:

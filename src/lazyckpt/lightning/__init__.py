@@ -39,10 +39,13 @@ from lazyckpt import CheckpointerOptions, LazyCheckpointer, SaveHandle, SaveStat
 from lazyckpt.core import exit as _exit
 from lazyckpt.core import guard as _guard
 from lazyckpt.errors import CheckpointerClosedError, LazyCkptError, StaleTensorError
-from lazyckpt.lightning import _compat, _sharded
+from lazyckpt.levels import Level
+from lazyckpt.levels._multi import MultiLevel
+from lazyckpt.lightning import _compat, _levels, _sharded
+from lazyckpt.lightning._levels import MultiLevelCheckpoint
 from lazyckpt.options import merge as _merge_options
 
-__all__ = ["LazyCheckpointIO"]
+__all__ = ["LazyCheckpointIO", "MultiLevelCheckpoint"]
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +128,7 @@ class LazyCheckpointIO(_CheckpointIO):
         self._attach_tries = 0
         self._sharded: _sharded.ShardedSaves | None = None  # ModelParallelStrategy / sharded FSDP saves
         self._sharded_seen: weakref.ref | None = None  # the last strategy the step hook looked at
+        self._levels = _levels.PluginLevels()  # MultiLevelCheckpoint's savers
         _compat.live_plugins.add(self)
         _compat.install_step_hook()
 
@@ -144,17 +148,9 @@ class LazyCheckpointIO(_CheckpointIO):
         """Start a background save of ``checkpoint`` to ``path``; returns once the state is captured."""
         if storage_options is not None:
             raise TypeError(f"`storage_options` is not supported by {type(self).__name__}.")
-        self._raise_errors()
+        self.raise_errors()
         trainer = self._attach()
-        self._report_stats()
-        key, is_url = _compat.split_path(path)
-        if not is_url:
-            os.makedirs(os.path.dirname(key), exist_ok=True)
-        handle = self._checkpointer().save(checkpoint, key)  # a URL: local tier, then upload (core)
-        record = _Save(key=key, handle=handle, step=getattr(trainer, "global_step", None))
-        with self._lock:
-            self._saves.append(record)
-        handle.add_done_callback(lambda h: self._on_committed(record, h))
+        record = self._start(checkpoint, path, trainer)
         if self._outside_fit(trainer):
             # Outside a running fit (before it, after teardown, validate/test/predict, an exception
             # checkpoint, ddp_spawn's result collection) no optimizer step or teardown may come to
@@ -162,6 +158,23 @@ class LazyCheckpointIO(_CheckpointIO):
             self._wait_for([record])
             if self._torn_down or not _compat.in_fit(trainer):
                 self._release_resources()  # no thread outlives a save made outside any fit
+
+    def start_save(self, checkpoint: dict[str, Any], path: str) -> SaveHandle:
+        """Internal API (the source save of a ``MultiLevelCheckpoint`` step, inside a running fit):
+        what ``save_checkpoint`` does there, returning the save's handle. Raises nothing earlier."""
+        return self._start(checkpoint, path, self._attach()).handle
+
+    def _start(self, checkpoint: dict[str, Any], path: Any, trainer: Any) -> _Save:
+        self._report_stats()
+        key, is_url = _compat.split_path(path)
+        if not is_url:
+            os.makedirs(os.path.dirname(key), exist_ok=True)
+        handle = self.open_checkpointer().save(checkpoint, key)  # a URL: local tier, then upload (core)
+        record = _Save(key=key, handle=handle, step=getattr(trainer, "global_step", None))
+        with self._lock:
+            self._saves.append(record)
+        handle.add_done_callback(lambda h: self._on_committed(record, h))
+        return record
 
     def remove_checkpoint(self, path: Any) -> None:
         """Delete ``path`` without waiting: the core orders a delete after a pending save to it
@@ -225,6 +238,7 @@ class LazyCheckpointIO(_CheckpointIO):
                 sharded.close()  # drained by drain(): raises nothing new
             except LazyCkptError as exc:
                 log.error("lazyckpt: closing the sharded checkpointer: %s", exc)
+        self._levels.close()  # drained by drain(); its copies feed on the checkpointer below
         if self._ckpt is not None and self._user_checkpointer is None:
             ckpt, self._ckpt = self._ckpt, None
             ckpt.close()
@@ -254,7 +268,8 @@ class LazyCheckpointIO(_CheckpointIO):
 
     # -- completion --------------------------------------------------------------------------------
 
-    def _checkpointer(self) -> LazyCheckpointer:
+    def open_checkpointer(self) -> LazyCheckpointer:
+        """Internal API: the plugin's checkpointer, created at the first call (closed at teardown)."""
         if self._ckpt is None:
             self._ckpt = LazyCheckpointer(self._options)
         return self._ckpt
@@ -315,17 +330,23 @@ class LazyCheckpointIO(_CheckpointIO):
             # confirms; ``exception`` does it without claiming the error (the ledger reports it).
             record.handle.exception(None if deadline is None else _left(deadline))
             record.done.result(None if deadline is None else _left(deadline))  # our callback ran
-        self._raise_errors()
+        self.raise_errors()
 
-    def _raise_errors(self) -> None:
-        """The core decides what was reported; the plugin only explains a stale tensor."""
-        if self._ckpt is None:
-            return
+    def raise_errors(self) -> None:
+        """Internal API: raise the oldest unseen background error (a save's, then a level copy's).
+        The core decides what was reported; the plugin only explains a stale tensor."""
         try:
-            self._ckpt.raise_errors()
+            if self._ckpt is not None:
+                self._ckpt.raise_errors()
         except StaleTensorError as exc:
             _explain(exc)
             raise
+        self._levels.raise_errors()
+
+    def levels_saver(self, levels: tuple[Level, ...]) -> MultiLevel:
+        """Internal API (``MultiLevelCheckpoint``): the multi-level saver for ``levels`` over this
+        plugin's saves (one staging per step); drained by ``wait``/teardown, closed with them."""
+        return self._levels.saver(self, levels)
 
     def drain(self, raise_errors: bool, timeout: float | None = None) -> None:
         """Internal API: make every pending save durable; its error raised (``raise_errors``) or logged."""
@@ -334,6 +355,7 @@ class LazyCheckpointIO(_CheckpointIO):
         try:
             if self._sharded is not None:  # every rank drains: a sharded commit needs them all
                 self._sharded.wait(timeout)
+            self._levels.drain(timeout)  # first: its copies end with retention removals
             if self._ckpt is not None:  # saves durable, deletes done; raises the first unseen error
                 self._ckpt.wait(timeout)
             with self._lock:
@@ -431,38 +453,14 @@ class LazyCheckpointIO(_CheckpointIO):
         self._sharded_seen = weakref.ref(strategy)
         key = _sharded.sharded_state_key(strategy)
         if key is not None:
-            self._adapt_sharded(strategy, key)
+            for name, method in _sharded.strategy_patches(strategy, weakref.ref(self), key).items():
+                self._patch(strategy, name, method)
 
     def save_sharded(self, strategy: Any, checkpoint: dict[str, Any], filepath: Any, key: str) -> None:
         """Internal API (the sharded strategy's replaced ``save_checkpoint``): one collective save."""
         if self._sharded is None:
             self._sharded = _sharded.ShardedSaves(self._options)
         self._sharded.save(strategy, checkpoint, filepath, key)
-
-    def _adapt_sharded(self, strategy: Any, key: str) -> None:
-        plugin = weakref.ref(self)
-        stock_teardown = strategy.teardown
-
-        def save_checkpoint(checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-            if storage_options is not None:
-                raise TypeError(f"`storage_options` is not supported by {type(strategy).__name__} (it uses DCP).")
-            io = plugin()
-            if io is None:
-                raise CheckpointerClosedError("the LazyCheckpointIO serving this strategy is gone")
-            io.save_sharded(strategy, checkpoint, filepath, key)
-
-        def teardown() -> None:
-            try:
-                io = plugin()
-                if io is not None:
-                    io.teardown()
-            finally:
-                stock_teardown()
-
-        self._patch(strategy, "save_checkpoint", save_checkpoint)
-        self._patch(strategy, "teardown", teardown)
-        for name, method in _sharded.lazy_state_methods(strategy).items():
-            self._patch(strategy, name, method)
 
     def _patch(self, obj: object, attr: str, replacement: Callable[..., Any]) -> None:
         if attr in vars(obj):  # already adapted (by this or another plugin): leave it

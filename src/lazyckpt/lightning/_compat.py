@@ -51,6 +51,26 @@ def checkpoint_io_base() -> type:
     raise ImportError("lazyckpt.lightning needs Lightning: `pip install lightning` (or pytorch_lightning).")
 
 
+CALLBACK_MODULES = ("lightning.pytorch.callbacks", "pytorch_lightning.callbacks")
+
+
+def callback_base() -> type:
+    """Lightning's ``Callback`` (``lightning`` first, else the standalone ``pytorch_lightning``)."""
+    for name in CALLBACK_MODULES:
+        try:
+            return __import__(name, fromlist=["Callback"]).Callback  # type: ignore[no-any-return]
+        except ImportError:
+            continue
+    raise ImportError("lazyckpt.lightning needs Lightning: `pip install lightning` (or pytorch_lightning).")
+
+
+def dump_checkpoint(trainer: Any) -> dict[str, Any]:
+    """What ``trainer.save_checkpoint`` would write (model, optimizers, schedulers, loops, callbacks,
+    precision, hyper-parameters, the hooks' additions), without its save and barrier. Lightning has
+    no public call for the dump alone; every Lightning >= 2.0 has this one."""
+    return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)  # type: ignore[no-any-return]
+
+
 def register_with_loaded_packages(plugin_class: type) -> None:
     """Make ``isinstance(plugin, CheckpointIO)`` true for every Lightning package already imported.
 

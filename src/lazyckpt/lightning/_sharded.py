@@ -40,11 +40,12 @@ import os
 import shutil
 import tempfile
 import threading
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lazyckpt.errors import LazyCkptError
+from lazyckpt.errors import CheckpointerClosedError, LazyCkptError
 from lazyckpt.lightning import _compat
 from lazyckpt.options import CheckpointerOptions
 from lazyckpt.storage import remote as _remote
@@ -152,6 +153,31 @@ def sharded_state_key(strategy: object) -> str | None:
     if "FSDPStrategy" in names and getattr(strategy, "_state_dict_type", "full") == "sharded":
         return "model"
     return None
+
+
+def strategy_patches(strategy: Any, plugin: weakref.ref, key: str) -> dict[str, Any]:
+    """The methods the plugin (held by weak reference) sets on a sharded strategy instance:
+    ``save_checkpoint`` through its ``save_sharded``, a ``teardown`` that drains first, and
+    ``lazy_state_methods``."""
+    stock_teardown = strategy.teardown
+
+    def save_checkpoint(checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"`storage_options` is not supported by {type(strategy).__name__} (it uses DCP).")
+        io = plugin()
+        if io is None:
+            raise CheckpointerClosedError("the LazyCheckpointIO serving this strategy is gone")
+        io.save_sharded(strategy, checkpoint, filepath, key)
+
+    def teardown() -> None:
+        try:
+            io = plugin()
+            if io is not None:
+                io.teardown()
+        finally:
+            stock_teardown()
+
+    return {"save_checkpoint": save_checkpoint, "teardown": teardown, **lazy_state_methods(strategy)}
 
 
 def lazy_state_methods(strategy: Any) -> dict[str, Any]:

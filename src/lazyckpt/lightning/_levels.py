@@ -1,0 +1,238 @@
+"""``MultiLevelCheckpoint``: the Trainer's full state by level (issue 22), through ``LazyCheckpointIO``.
+
+    from lazyckpt import Level
+    from lazyckpt.lightning import LazyCheckpointIO, MultiLevelCheckpoint
+
+    levels = [Level("/dev/shm/run1", every=1, keep=2), Level("/ckpt/run1", every=100, keep=3)]
+    trainer = L.Trainer(plugins=[LazyCheckpointIO()], callbacks=[MultiLevelCheckpoint(levels)])
+    found = lazyckpt.latest(levels)
+    trainer.fit(model, ckpt_path=found.path if found else None)   # stock Lightning resumes
+
+At the end of each training batch whose optimizer steps reached a multiple of a level's ``every``
+(``trainer.global_step``), every rank dumps the checkpoint ``trainer.save_checkpoint`` would write
+(Lightning's own dump: model, optimizers, schedulers, loops, callbacks, precision, hyper-parameters),
+and global rank 0 hands it to the plugin's multi-level saver (``levels._multi.MultiLevel``) over the
+plugin's own saves: one staging per step, whatever the number of levels due, the slower levels fed
+from the fastest level's committed file on their own threads, retention per level. Files are
+``<level>/step-<8 digits>.pt``, stock Lightning checkpoints.
+
+Ownership: the callback holds the levels and the step it last looked at; the plugin owns the savers
+(``PluginLevels``, one per tuple of levels), drains them before its checkpointer in ``wait`` and
+teardown, raises their errors with its own, and closes them with its checkpointer. The callback runs
+on the training thread only; the savers' threads never touch the Trainer.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from lazyckpt.checkpointer import LazyCheckpointer
+from lazyckpt.core.handle import SaveHandle
+from lazyckpt.core.report import raise_first
+from lazyckpt.errors import LazyCkptError, LevelError, SaveRefusedError
+from lazyckpt.levels import Level
+from lazyckpt.levels._multi import MultiLevel, check_levels
+from lazyckpt.lightning import _compat, _sharded
+
+__all__ = ["MultiLevelCheckpoint"]
+
+log = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class LevelsPlugin(Protocol):
+    """What the callback and its savers need of ``LazyCheckpointIO`` (no import of the adapter)."""
+
+    def start_save(self, checkpoint: dict[str, Any], path: str) -> SaveHandle: ...
+    def open_checkpointer(self) -> LazyCheckpointer: ...
+    def levels_saver(self, levels: tuple[Level, ...]) -> MultiLevel: ...
+    def raise_errors(self) -> None: ...
+    def wait(self, timeout: float | None = None) -> None: ...
+
+
+class _PluginSaver:
+    """The ``Saver`` a plugin's ``MultiLevel`` works through: the source save goes through the
+    plugin's bookkeeping (telemetry, drained at teardown, ``io.stats``); removals, staging waits and
+    the core's errors are the plugin's checkpointer's."""
+
+    def __init__(self, plugin: LevelsPlugin) -> None:
+        self._plugin = plugin
+
+    def save(self, obj: Any, path: str) -> SaveHandle:
+        return self._plugin.start_save(obj, path)
+
+    def raise_errors(self) -> None:
+        self._plugin.open_checkpointer().raise_errors()
+
+    def remove(self, path: str) -> Any:
+        return self._plugin.open_checkpointer().remove(path)
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        self._plugin.open_checkpointer().wait_staged(timeout)
+
+
+class PluginLevels:
+    """One plugin's multi-level savers, one per tuple of levels, made at first use."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._savers: dict[tuple[Level, ...], MultiLevel] = {}
+
+    def saver(self, plugin: LevelsPlugin, levels: tuple[Level, ...]) -> MultiLevel:
+        with self._lock:
+            found = self._savers.get(levels)
+            if found is not None:
+                return found
+            taken = {lv.path for known in self._savers for lv in known}
+            shared = sorted(taken & {lv.path for lv in levels})
+            if shared:  # two savers' retention would delete each other's files
+                raise ValueError(f"another MultiLevelCheckpoint of this Trainer already uses {', '.join(shared)}")
+            made = self._savers[levels] = MultiLevel(_PluginSaver(plugin), levels, plugin.open_checkpointer().options)
+            return made
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Every multi-level save done at every level (its source saves confirmed on this thread)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            savers = list(self._savers.values())
+        for saver in savers:
+            saver.drain(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+    def raise_errors(self) -> None:
+        """Raise the oldest unseen level error (``LevelError`` naming the level), once."""
+        with self._lock:
+            savers = list(self._savers.values())
+        raise_first([err for saver in savers for err in saver.take_errors()])
+
+    def close(self) -> None:
+        with self._lock:
+            savers, self._savers = list(self._savers.values()), {}
+        for saver in savers:
+            saver.close()
+
+
+_Callback: Any = _compat.callback_base()
+
+
+class MultiLevelCheckpoint(_Callback):
+    """Checkpoint the Trainer's full state by level, at optimizer steps (module docstring).
+
+    Args:
+        levels: ``lazyckpt.Level``s, fastest first (node memory, local disk, object storage). A
+            level's ``every`` counts optimizer steps (``trainer.global_step``); it is due at the end of
+            the training batch whose steps reach a multiple of it (gradient accumulation: the batch
+            that stepped; several optimizers stepping in one batch: each multiple passed counts once).
+
+    Needs ``Trainer(plugins=[LazyCheckpointIO()])`` (refused at ``fit`` otherwise). Saves only inside
+    ``fit`` (never in validate/test/predict), each step at most once; errors (``LevelError`` naming
+    the level) are raised once, from ``fit``: at the next due step, after that step's save was
+    handed over, or at the end of ``fit`` (on every rank at once in DDP). ``last_handle`` (global rank
+    0): the newest save's ``LevelsHandle``.
+    Resume with stock Lightning: ``trainer.fit(model, ckpt_path=lazyckpt.latest(levels).path)``.
+    """
+
+    def __init__(self, levels: Sequence[Level]) -> None:
+        super().__init__()
+        self.levels = tuple(levels)
+        check_levels(self.levels)
+        if len({lv.path for lv in self.levels}) != len(self.levels):
+            raise ValueError("two levels share a path; give each level its own folder")
+        self.last_handle: SaveHandle | None = None
+        self._io: LevelsPlugin | None = None
+        self._seen: int | None = None  # the global step of the last batch end looked at
+
+    def __getstate__(self) -> dict[str, Any]:  # ddp_spawn pickles the Trainer: the levels only
+        return {"levels": self.levels, "last_handle": None, "_io": None, "_seen": None}
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._io = _plugin_of(trainer) if stage == "fit" else None
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self._seen = trainer.global_step  # a resumed fit does not save the step it resumed from again
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        io, step, prev = self._io, trainer.global_step, self._seen
+        self._seen = step
+        if io is None or prev is None or step <= prev:
+            return  # no optimizer step since the last batch end (accumulating), or not in fit
+        due = [i for i, lv in enumerate(self.levels) if step // lv.every > prev // lv.every]
+        if not due:
+            return
+        checkpoint = _compat.dump_checkpoint(trainer)  # every rank, as trainer.save_checkpoint does
+        error = None
+        if trainer.is_global_zero:  # only rank 0 saves a full-state checkpoint (as the strategy's save)
+            try:
+                self.last_handle = io.levels_saver(self.levels).save(checkpoint, step, due=due)
+                log.debug("lazyckpt: step %d handed to levels %s", step, due)
+                io.raise_errors()  # an earlier save's level error, once; this step is already on its way
+            except Exception as exc:
+                error = exc
+        _raise_together(trainer, error)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        """Rank 0 makes every save durable (what its teardown would do next); the ranks then leave
+        together (every rank's ``latest()`` after ``fit`` sees the same files) and raise an error together."""
+        error = None
+        if self._io is not None and trainer.is_global_zero:
+            try:
+                self._io.wait()  # every save of the plugin durable, its errors raised
+            except Exception as exc:
+                error = exc
+        _raise_together(trainer, error)
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._io = None  # the plugin's teardown (strategy teardown, just before) drained the saves
+
+
+def _raise_together(trainer: Any, error: Exception | None) -> None:
+    """Raise rank 0's ``error`` on every rank at this same point, or on none: a rank that raised
+    alone would leave the others waiting in the next collective. One small collective (any rank
+    failed?) per save in a distributed run; the error's description is broadcast only on failure."""
+    if getattr(trainer, "world_size", 1) > 1:
+        strategy = trainer.strategy
+        if strategy.reduce_boolean_decision(error is not None, all=False):
+            described = strategy.broadcast(_describe(error) if trainer.is_global_zero else None, src=0)
+            if error is None:
+                error = _rebuild(described)
+    if error is not None:
+        raise error
+
+
+def _describe(error: Exception | None) -> dict[str, Any] | None:
+    if error is None:
+        return None
+    fields = {k: getattr(error, k, None) for k in ("level", "level_path", "step", "path", "errno")}
+    return {"message": str(error), "is_level_error": isinstance(error, LevelError), **fields}
+
+
+def _rebuild(described: dict[str, Any] | None) -> Exception:
+    """Another rank's view of rank 0's error: a ``LevelError`` with the same fields, or a ``LazyCkptError``."""
+    info = described or {"message": "unknown error", "is_level_error": False}
+    message = f"lazyckpt: global rank 0's multi-level checkpoint failed: {info['message']}"
+    if not info["is_level_error"]:
+        return LazyCkptError(message)
+    return LevelError(message, info["level"], info["level_path"], info["step"], info["path"], errno=info["errno"])
+
+
+def _plugin_of(trainer: Any) -> LevelsPlugin:
+    """The Trainer's ``LazyCheckpointIO``; refuse a Trainer without one, or a strategy it cannot serve."""
+    strategy = trainer.strategy
+    io = getattr(strategy, "checkpoint_io", None)
+    if not isinstance(io, LevelsPlugin):
+        raise TypeError(
+            "MultiLevelCheckpoint saves through lazyckpt.lightning.LazyCheckpointIO, but this Trainer's "
+            f"checkpoint_io is {type(io).__name__}. Give the Trainer the plugin too: "
+            "Trainer(plugins=[LazyCheckpointIO()], callbacks=[MultiLevelCheckpoint(levels)])."
+        )
+    reason = _compat.bypass_reason(strategy)
+    if _sharded.sharded_state_key(strategy) is not None or reason is not None:
+        raise SaveRefusedError(
+            f"MultiLevelCheckpoint cannot save with {type(strategy).__name__}: "
+            f"{reason or 'its checkpoints are sharded (DCP folders)'}; multi-level sharded saves are not "
+            "available yet. Use a DDP or single-device strategy, or ModelCheckpoint for sharded folders."
+        )
+    return io

@@ -1,0 +1,371 @@
+"""MultiLevelCheckpoint (issue 22, Lightning): real Trainer runs, compared with stock and uninterrupted runs."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from typing import Any
+
+import pytest
+
+pytest.importorskip("lightning")
+
+import torch  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+
+import lazyckpt  # noqa: E402
+from _launch import rank_env  # noqa: E402
+from lazyckpt import Level, LevelError, SaveRefusedError  # noqa: E402
+from lazyckpt.lightning import LazyCheckpointIO, MultiLevelCheckpoint  # noqa: E402
+from lazyckpt.storage import fs as _fs  # noqa: E402
+from lightning_scripts.levels_gpt import StepGPT, StockSaves, TwoOptimizerGPT, level_trainer, state_of  # noqa: E402
+from lightning_scripts.tiny_gpt import RecordingLazyIO, assert_files_match_expected, assert_same, load  # noqa: E402
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+if sys.platform != "linux":  # memory levels on /dev/shm
+    pytestmark.append(pytest.mark.skip(reason="memory levels on /dev/shm"))
+
+
+def _fit(levels: list[Level], steps: int, ckpt_path: str | None = None, model: Any = None, io: Any = None,
+         extra: list[Any] | None = None, **kwargs: Any) -> Any:  # fmt: skip
+    torch.manual_seed(0)
+    model = (model or StepGPT)(batches=4)  # made after the seed: every run starts from the same weights
+    io = io if io is not None else LazyCheckpointIO()
+    trainer = level_trainer([MultiLevelCheckpoint(levels), *(extra or [])], [io], max_steps=steps, **kwargs)
+    trainer.fit(model, ckpt_path=ckpt_path)
+    return trainer
+
+
+def _steps(folder: Any) -> list[int]:
+    return sorted(int(n[5:-3]) for n in os.listdir(folder) if n.startswith("step-") and n.endswith(".pt"))
+
+
+def _uninterrupted(tmp_path: Any, steps: int, model: Any = None, **kwargs: Any) -> tuple[Level, Any]:
+    """A run with one level keeping every step: the reference an interrupted run must equal."""
+    ref = Level(tmp_path / "reference", every=1)
+    return ref, _fit([ref], steps, model=model, **kwargs)
+
+
+def test_each_level_holds_what_stock_save_checkpoint_writes_with_one_staging_per_step(mem, tmp_path):
+    """A stock run saving with trainer.save_checkpoint at every step is the reference: each level's
+    file of a step is that stock file's content; one core save per step whatever the levels due."""
+    torch.manual_seed(0)
+    level_trainer([StockSaves(str(tmp_path / "stock"))], [], max_steps=9).fit(StepGPT(batches=4))
+    levels = [Level(mem, every=1, keep=3), Level(tmp_path / "disk", every=3)]
+    io = LazyCheckpointIO()
+    trainer = _fit(levels, 9, io=io)
+    assert trainer.global_step == 9
+    assert _steps(mem) == [7, 8, 9] and _steps(tmp_path / "disk") == [3, 6, 9]
+    for level in levels:
+        for step in _steps(level.path):
+            assert_same(load(level.file(step)), load(str(tmp_path / "stock" / f"step-{step:08d}.ckpt")), f"{step}")
+    assert len(io.stats) == 9  # one save (one staging) per step; the disk level copied the memory file
+    with open(levels[0].file(9), "rb") as a, open(levels[1].file(9), "rb") as b:
+        assert a.read() == b.read()
+
+
+def test_resume_from_latest_continues_exactly_as_an_uninterrupted_run(mem, tmp_path):
+    ref, whole = _uninterrupted(tmp_path, 10)
+    levels = [Level(mem, every=1, keep=2), Level(tmp_path / "disk", every=4, keep=2)]
+    _fit(levels, 6)
+    found = lazyckpt.latest(levels)
+    assert found is not None and (found.step, found.level) == (6, 0)
+    resumed = _fit(levels, 10, ckpt_path=found.path)  # stock Lightning resumes: one line
+    assert_same(state_of(resumed), state_of(whole))
+    for step in (9, 10):
+        assert_same(load(levels[0].file(step)), load(ref.file(step)), f"memory {step}")
+    assert _steps(tmp_path / "disk") == [4, 8]  # keep=2 across both fits
+    assert_same(load(levels[1].file(8)), load(ref.file(8)), "disk 8")
+
+
+def test_memory_level_wiped_resumes_from_the_disk_level(mem, tmp_path):
+    ref, whole = _uninterrupted(tmp_path, 10)
+    levels = [Level(mem, every=1, keep=2), Level(tmp_path / "disk", every=3)]
+    _fit(levels, 7)
+    shutil.rmtree(mem)  # a reboot
+    found = lazyckpt.latest(levels)
+    assert found is not None and (found.step, found.level) == (6, 1)
+    assert_same(load(found.path), load(ref.file(6)))
+    resumed = _fit(levels, 10, ckpt_path=found.path)
+    assert_same(state_of(resumed), state_of(whole))
+    assert _steps(mem) == [9, 10] and _steps(tmp_path / "disk") == [3, 6, 9]
+
+
+def test_gradient_accumulation_saves_each_optimizer_step_once(mem, tmp_path):
+    """2 batches per optimizer step, 2 steps per epoch: each step saved once; every=2 saves at the
+    last batch of each epoch. Resuming from there gives what stock Lightning's own resume from its
+    own file of that step gives: the uninterrupted run's state but Lightning's epoch counters
+    ``epoch_progress.*.ready/started`` (stock counts the start of the epoch after a restart at an
+    epoch's last batch once less; training itself is the same)."""
+    ref, whole = _uninterrupted(tmp_path, 6, accumulate_grad_batches=2)
+    assert _steps(ref.path) == [1, 2, 3, 4, 5, 6]  # 12 batches, 6 steps, each saved once
+    for step in _steps(ref.path):
+        assert load(ref.file(step))["global_step"] == step
+    levels = [Level(mem, every=2, keep=3)]
+    _fit(levels, 3, accumulate_grad_batches=2)
+    assert _steps(mem) == [2]
+    resumed = _fit(levels, 6, ckpt_path=lazyckpt.latest(levels).path, accumulate_grad_batches=2)
+    assert _steps(mem) == [2, 4, 6]
+    torch.manual_seed(0)
+    stock = level_trainer([StockSaves(str(tmp_path / "stock"))], [], max_steps=3, accumulate_grad_batches=2)
+    stock.fit(StepGPT(batches=4))
+    assert_same(load(levels[0].file(2)), load(str(tmp_path / "stock" / "step-00000002.ckpt")))
+    torch.manual_seed(0)
+    stock = level_trainer([], [], max_steps=6, accumulate_grad_batches=2)
+    stock.fit(StepGPT(batches=4), ckpt_path=str(tmp_path / "stock" / "step-00000002.ckpt"))
+    assert_same(state_of(resumed), state_of(stock))
+    got, want = state_of(resumed), state_of(whole)
+    counts, want_counts = got["loops"]["fit_loop"]["epoch_progress"], want["loops"]["fit_loop"]["epoch_progress"]
+    for part in ("total", "current"):  # stock's counts, as above; the rest as uninterrupted
+        assert (counts[part]["ready"], counts[part]["started"]) == (2, 2) and want_counts[part]["ready"] == 3
+    got["loops"]["fit_loop"]["epoch_progress"] = want_counts
+    assert_same(got, want)
+
+
+def test_two_optimizers_a_level_is_due_when_its_multiple_is_passed(mem, tmp_path):
+    """Manual optimization with two optimizers: global_step goes 2, 4, 6, ... A level with every=3
+    saves at the first batch end at or past each multiple of 3 (4, 6, 10, 12), named by the step."""
+    ref, whole = _uninterrupted(tmp_path, 12, model=TwoOptimizerGPT)
+    assert _steps(ref.path) == [2, 4, 6, 8, 10, 12]
+    levels = [Level(mem, every=3, keep=4)]
+    _fit(levels, 6, model=TwoOptimizerGPT)
+    assert _steps(mem) == [4, 6]
+    resumed = _fit(levels, 12, ckpt_path=lazyckpt.latest(levels).path, model=TwoOptimizerGPT)
+    assert _steps(mem) == [4, 6, 10, 12]
+    assert_same(state_of(resumed), state_of(whole))
+    for step in (10, 12):
+        assert_same(load(levels[0].file(step)), load(ref.file(step)), str(step))
+        assert len(load(ref.file(step))["optimizer_states"]) == 2
+
+
+def _full_disk(monkeypatch: Any, disk: str) -> None:
+    real = _fs.open_temporary
+
+    def full(tmp: str, size: int) -> int:
+        if tmp.startswith(disk):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(tmp, size)
+
+    monkeypatch.setattr(_fs, "open_temporary", full)
+
+
+def test_failing_disk_level_raises_level_error_once_memory_level_keeps_working(mem, tmp_path, monkeypatch):
+    disk = str(tmp_path / "disk")
+    _full_disk(monkeypatch, disk)
+    levels = [Level(mem, every=1, keep=3), Level(disk, every=2)]
+    io = LazyCheckpointIO()
+    with pytest.raises(LevelError) as info:
+        _fit(levels, 12, io=io)
+    err = info.value
+    assert err.level == 1 and err.level_path == disk and err.errno == errno.ENOSPC and err.step % 2 == 0
+    assert "level 1" in str(err) and isinstance(err.__cause__, OSError)
+    assert os.listdir(disk) == []  # no partial file, no temporary
+    newest = _steps(mem)[-1]
+    assert newest > err.step  # raised at a later step, after that step was handed to the memory level
+    io.wait()  # reported once: nothing left to raise
+    monkeypatch.undo()
+    found = lazyckpt.latest(levels)
+    assert found is not None and (found.step, found.level) == (newest, 0)
+    assert _fit(levels, 12, ckpt_path=found.path).global_step == 12
+    assert _steps(disk) == [s for s in range(newest + 1, 13) if s % 2 == 0]
+
+
+class _TeardownSignal(LazyCheckpointIO):
+    """Sets ``started`` when the strategy's teardown reaches the plugin."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.started = threading.Event()
+
+    def teardown(self) -> None:
+        self.started.set()
+        super().teardown()
+
+
+def test_teardown_drains_a_level_copy_still_running_and_raises_its_error(mem, tmp_path, monkeypatch):
+    """The last disk copy is held until teardown has begun, then fails: fit() must raise it (the
+    plugin drains its level savers before closing them; without that the error is lost)."""
+    from lazyckpt.levels import _copy
+
+    io = _TeardownSignal()
+    entered = threading.Event()
+
+    def held(src: str, dst: str, fsync: bool) -> None:
+        if dst.endswith(f"step-{4:08d}.pt"):
+            entered.set()
+            assert io.started.wait(60), "teardown never began"
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(src, dst, fsync)
+
+    real = _copy.copy_file
+    monkeypatch.setattr(_copy, "copy_file", held)
+    levels = [Level(mem, every=1, keep=4), Level(tmp_path / "disk", every=2)]
+    with pytest.raises(LevelError, match="step 4"):
+        _fit(levels, 4, io=io)
+    assert entered.is_set() and _steps(tmp_path / "disk") == [2]
+
+
+def test_model_checkpoint_and_other_saves_alongside(mem, tmp_path):
+    io = RecordingLazyIO()
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "mc", every_n_train_steps=2, save_top_k=2, monitor="step",
+                           mode="max", save_last=True)  # fmt: skip
+    levels = [Level(mem, every=1, keep=2), Level(tmp_path / "disk", every=3, keep=1)]
+    torch.manual_seed(0)
+    trainer = level_trainer([MultiLevelCheckpoint(levels), ckpt], [io], max_steps=8, enable_checkpointing=True)
+    trainer.fit(StepGPT(batches=4))
+    trainer.save_checkpoint(tmp_path / "after.ckpt")  # a plain save after fit, durable at return
+    assert sorted(os.listdir(tmp_path / "mc")) == ["epoch=1-step=6.ckpt", "epoch=1-step=8.ckpt", "last.ckpt"]
+    assert assert_files_match_expected(io) == 4  # ModelCheckpoint's files and the save after fit
+    assert _steps(mem) == [7, 8] and _steps(tmp_path / "disk") == [6]
+    mc_state = load(str(tmp_path / "mc" / "epoch=1-step=8.ckpt"))
+    mine = load(levels[0].file(8))
+    assert_same({k: v for k, v in mine.items() if k != "callbacks"},
+                {k: v for k, v in mc_state.items() if k != "callbacks"})  # fmt: skip
+    assert len(io.stats) == 8 + 2 * 4 + 1  # every step (levels), every 2nd step twice (top-k, last), after fit
+
+
+def test_refusals_and_no_saves_outside_fit(mem, tmp_path):
+    levels = [Level(mem, every=1, keep=1)]
+    trainer = level_trainer([MultiLevelCheckpoint(levels)], [], max_steps=2)
+    with pytest.raises(TypeError, match="LazyCheckpointIO"):
+        trainer.fit(StepGPT(batches=4))
+    with pytest.raises(ValueError, match="share a path"):
+        MultiLevelCheckpoint([Level(mem), Level(mem, every=2)])
+    with pytest.raises(TypeError):
+        MultiLevelCheckpoint([mem])  # type: ignore[list-item]
+    io = LazyCheckpointIO()
+    trainer = level_trainer([MultiLevelCheckpoint(levels)], [io], max_steps=2, limit_val_batches=2)
+    model = StepGPT(batches=4, val_batches=2)
+    trainer.validate(model)
+    trainer.test(model, dataloaders=model.val_dataloader())
+    assert not os.path.exists(mem) or os.listdir(mem) == []
+    assert io.checkpointer is None  # nothing saved, no thread started
+
+
+def test_sharded_strategies_are_refused_until_distributed_levels(mem):
+    from lazyckpt.lightning import _levels
+
+    class Trainer:  # the least a Trainer needs for the check: a ModelParallelStrategy with the plugin
+        strategy = type("ModelParallelStrategy", (), {"_save_distributed_checkpoint": True,
+                                                      "__module__": "lightning.pytorch.strategies"})()  # fmt: skip
+
+    Trainer.strategy.checkpoint_io = LazyCheckpointIO()
+    with pytest.raises(SaveRefusedError, match="sharded"):
+        _levels._plugin_of(Trainer())
+
+
+# -- real processes ---------------------------------------------------------------------------------
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+SCRIPTS = os.path.join(TESTS, "lightning_scripts")
+
+
+def _run_script(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """Run a script (and the processes it starts: Lightning's DDP launcher) in its own session; the
+    whole session is SIGKILLed at ``timeout`` (Lightning's SIGTERM handler does not end a rank
+    waiting in a collective)."""
+    env = rank_env({"PYTHONPATH": os.path.dirname(TESTS)}, drop=("LOCAL_RANK",))
+    proc = subprocess.Popen([sys.executable, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)  # fmt: skip
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"{args[0]} still running after {timeout} s:\n{out[-4000:]}") from None
+    return subprocess.CompletedProcess(args, proc.returncode, out, None)
+
+
+@pytest.mark.timeout(400)
+def test_sigkilled_fits_resume_from_latest_and_end_as_an_uninterrupted_run(mem, tmp_path):
+    """10 Lightning fits SIGKILLed at random points (a memory-level wipe after every 4th), each
+    resumed by stock Lightning from latest(); see tests/lightning_scripts/levels_kill.py."""
+    expect, results = tmp_path / "expect", tmp_path / "results.jsonl"
+    expect.mkdir()
+    args = [os.path.join(SCRIPTS, "levels_kill.py"), mem, str(tmp_path / "disk"), str(expect), str(results),
+            "10", "3", "500"]  # fmt: skip
+    proc = _run_script(args, timeout=360)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    entries = [json.loads(line) for line in results.read_text().splitlines()]
+    assert all(e["ok"] for e in entries), entries  # a child killed before its check wrote none
+    assert 7 <= len(entries) <= 12
+    assert entries[-1] == {"final": True, "ok": True, "step": 500}
+    found = [e["found"] for e in entries[:-1] if e.get("found")]
+    assert len(found) >= 6 and any(level == 1 for _, level in found), found  # some resumed from the disk level
+
+
+def _ddp(tmp_path: Any, mode: str) -> tuple[subprocess.CompletedProcess[str], list[dict[str, Any]]]:
+    proc = _run_script([os.path.join(SCRIPTS, "levels_ddp.py"), str(tmp_path), mode], timeout=240)
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return proc, reports
+
+
+@pytest.mark.timeout(300)
+def test_ddp_two_processes_resume_exactly_with_model_checkpoint(tmp_path):
+    proc, (rank0, rank1) = _ddp(tmp_path, "resume")
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    for report in (rank0, rank1):  # every rank resumed from the same file and ends as uninterrupted
+        assert report["found"] == [5, 0] and report["global_step"] == 10 and report["same_as_uninterrupted"]
+    assert rank0["saves"] > 0 and rank1["saves"] == 0  # only rank 0 reaches the plugin
+    assert rank0["files_same"] == [True, True, True]
+    assert _steps(tmp_path / "mem") == [9, 10] and _steps(tmp_path / "disk") == [6, 9]
+    assert sorted(os.listdir(tmp_path / "mc")) == ["epoch=1-step=8.ckpt", "epoch=2-step=10.ckpt", "last.ckpt"]
+
+
+@pytest.mark.timeout(300)
+def test_ddp_level_error_is_raised_on_every_rank_at_once(tmp_path):
+    proc, reports = _ddp(tmp_path, "enospc")
+    assert proc.returncode != 0
+    for report in reports:  # both ranks raise LevelError naming level 1 at the same batch: no rank waits
+        assert report["raised"] == "LevelError" and report["level"] == 1, report
+        assert "level 1" in report["message"] and "No space left" in report["message"]
+    assert os.listdir(tmp_path / "disk") == []
+
+
+@pytest.mark.timeout(180)
+def test_pytorch_lightning_only_install(tmp_path):
+    """``lightning`` unimportable: the callback builds on ``pytorch_lightning``'s Callback and serves its Trainer."""
+    pytest.importorskip("pytorch_lightning")
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.modules["lightning"] = None  # as if only pytorch_lightning were installed
+        import pytorch_lightning as pl, torch, lazyckpt
+        from lazyckpt import Level
+        from lazyckpt.lightning import LazyCheckpointIO, MultiLevelCheckpoint
+        assert MultiLevelCheckpoint.__mro__[1].__module__.startswith("pytorch_lightning.")
+
+        class Model(pl.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.layer = torch.nn.Linear(8, 1)
+            def training_step(self, batch, _):
+                return self.layer(batch[0]).pow(2).mean()
+            def configure_optimizers(self):
+                return torch.optim.AdamW(self.parameters(), lr=0.1)
+            def train_dataloader(self):
+                return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(32, 8)), batch_size=4)
+
+        levels = [Level({str(tmp_path / "a")!r}, every=1, keep=2), Level({str(tmp_path / "b")!r}, every=3, keep=1)]
+        kw = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                  enable_checkpointing=False)
+        first = pl.Trainer(max_steps=7, plugins=[LazyCheckpointIO()], callbacks=[MultiLevelCheckpoint(levels)], **kw)
+        first.fit(Model())
+        found = lazyckpt.latest(levels)
+        assert (found.step, found.level) == (7, 0), found
+        trainer = pl.Trainer(max_steps=9, plugins=[LazyCheckpointIO()], callbacks=[MultiLevelCheckpoint(levels)], **kw)
+        trainer.fit(Model(), ckpt_path=found.path)
+        assert trainer.global_step == 9 and lazyckpt.latest(levels).step == 9
+        print("ok")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=170)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().endswith("ok")
