@@ -149,6 +149,39 @@ def test_enospc_on_the_disk_level_of_one_rank_fails_that_level_on_every_rank_mem
     assert r0["mem"] == r1["mem"] == ["step-00000006", "step-00000007"]
 
 
+def test_extra_files_reach_every_level_folder_every_node_and_due_picks_the_levels(run, s3):
+    """Rank 0's extra files (Lightning's ``meta.pt``) are in every level folder of a step: each
+    node's memory folder (written by that node's leader), the shared disk, S3; listed in the
+    manifests, so a flipped byte in one is found by the rank that reads that folder. ``due=``
+    overrides ``every``; an index out of range is refused on every rank."""
+    from lazyckpt.distributed import verify_checkpoint
+    from lazyckpt.recovery.dcp import rank_problems
+
+    options, fs = s3
+    url = f"s3://levels/extra-{uuid.uuid4().hex[:8]}"
+    r0, r1 = run("extra", s3=url, storage_options=options, every=[1, 3, 3], keep=[3, 3, 3])
+    for r in (r0, r1):
+        assert r["levels_done"] == {"1": [0], "2": [1], "3": [0, 1, 2], "4": [0]}, r["levels_done"]
+        assert "due must hold level indices" in r["refused"]
+    folders = [run.mem / f"node{r}" / f"step-{s:08d}" for r in (0, 1) for s in (1, 3, 4)]
+    folders += [run.disk / "step-00000002", run.disk / "step-00000003"]
+    for folder in folders:
+        step = int(folder.name[5:])
+        assert (folder / "meta.pt").read_bytes() == f"step {step} from rank 0".encode(), folder
+        assert (folder / "note.txt").read_bytes() == b"n"
+        manifest = json.loads((folder / ".lazyckpt-manifest.json").read_text())
+        assert manifest["files"]["meta.pt"]["rank"] is None
+    assert not (run.mem / "node0" / "step-00000002").exists()
+    assert verify_checkpoint(run.disk / "step-00000003").ok
+    assert fs.cat_file(f"{url[5:]}/step-00000003/meta.pt") == b"step 3 from rank 0"
+    assert verify_checkpoint(f"{url}/step-00000003", options).ok
+    node1 = run.mem / "node1" / "step-00000003"
+    assert rank_problems(node1, 1, 2) == []
+    _flip_byte(node1 / "meta.pt")
+    assert any("meta.pt" in p for p in rank_problems(node1, 1, 2) or ["none"]), rank_problems(node1, 1, 2)
+    fs.rm(url[5:], recursive=True)
+
+
 def test_an_s3_level_as_the_slowest_restarts_both_ranks_when_memory_and_disk_are_gone(run, s3):
     """Memory every step, disk every 2, S3 (moto) every 4: each rank uploads its own file from its
     node's memory copy, the coordinator ``.metadata`` last; with memory and disk wiped, both ranks

@@ -217,6 +217,26 @@ def scenario_enospc() -> None:
     RESULT["disk"] = sorted(os.listdir(disk))
 
 
+def scenario_extra() -> None:
+    """Steps 1-4, each with extra files that differ per rank (rank 0's must land in every level
+    folder, each node's memory folder included); step 2 with ``due=[1]`` (the disk level only,
+    although memory is due at every step); then ``due=`` with an index out of range, refused alike."""
+    from lazyckpt import SaveRefusedError
+
+    with DistributedCheckpointer(levels=levels(), **options()) as ckpt:
+        model, opt = fsdp_model(WIDTH)
+        for step in (1, 2, 3, 4):
+            rank_step(model, opt, step, width=WIDTH)
+            extra = {"meta.pt": f"step {step} from rank {RANK}".encode(), "note.txt": b"n" * (RANK + 1)}
+            due = [1] if step == 2 else None
+            h = ckpt.save(state_of(model, opt, step), step=step, due=due, extra_files=extra)
+            RESULT.setdefault("levels_done", {})[step] = h.wait() and h.levels_done
+        try:
+            ckpt.save(state_of(model, opt, 5), step=5, due=[len(levels())])
+        except SaveRefusedError as exc:
+            RESULT["refused"] = str(exc)
+
+
 def init() -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=PORT)
     dist.init_process_group("gloo", rank=RANK, world_size=WORLD, timeout=timedelta(seconds=60))

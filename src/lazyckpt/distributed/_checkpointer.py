@@ -218,7 +218,10 @@ class DistributedCheckpointer(_exit.ClosedOnExit):
     ) -> DistributedSaveHandle: ...
 
     @overload
-    def save(self, state: dict[str, Any], path: None = None, *, step: int) -> SaveHandle: ...
+    def save(
+        self, state: dict[str, Any], path: None = None, *, extra_files: Mapping[str, bytes] | None = None,
+        step: int, due: Sequence[int] | None = None,
+    ) -> SaveHandle: ...  # fmt: skip
 
     def save(
         self,
@@ -227,6 +230,7 @@ class DistributedCheckpointer(_exit.ClosedOnExit):
         *,
         extra_files: Mapping[str, bytes] | None = None,
         step: int | None = None,
+        due: Sequence[int] | None = None,
     ) -> SaveHandle:
         """Start saving ``state`` (what ``torch.distributed.checkpoint.save`` takes) to the folder
         ``path`` (or URL); collective. Returns at once with a handle (see the class docstring).
@@ -235,11 +239,14 @@ class DistributedCheckpointer(_exit.ClosedOnExit):
         due at ``n`` (``<level>/step-<n, 8 digits>``, one DCP folder per level, per node for a
         node-local level) and returns one handle (``levels._handle.LevelsHandle``), done once each
         has its copy on every rank; a level's failure is a ``DistributedLevelError`` naming it,
-        alike on every rank (module docstring).
+        alike on every rank (module docstring). ``due``: the indices of the levels to save to
+        instead of those with ``step % every == 0`` (the same on every rank).
 
         ``extra_files``: small files (name -> bytes) that the coordinator (rank 0 of the group)
         writes into the folder with ``.metadata``, so they appear atomically with the checkpoint
-        and are listed in its manifest (Lightning's ``meta.pt``); ignored on other ranks.
+        and are listed in its manifest (Lightning's ``meta.pt``); ignored on other ranks. With
+        ``step=``, rank 0's go into every level folder of the step, and for a node-local level
+        into every node's (written by each node's leader, sent with rank 0's commit report).
 
         Raises ``SaveRefusedError`` on every rank if planning fails on any (nothing written); on
         one rank only if that rank cannot serialize its part (the save then fails on the others
@@ -250,13 +257,13 @@ class DistributedCheckpointer(_exit.ClosedOnExit):
         ``WriteError``). Unlike ``LazyCheckpointer.save``, it does not raise an
         earlier save's error (that would break the collective): ``wait()`` and ``close()`` do.
         """
-        if path is None or step is not None:
-            if path is not None or step is None or self._levels is None or extra_files:
+        if path is None or step is not None or due is not None:
+            if path is not None or step is None or self._levels is None:
                 raise SaveRefusedError(
-                    "save(state, path) takes no step=; save(state, step=n) takes no path or extra_files "
-                    "and needs levels=[Level(...), ...] at construction"
+                    "save(state, path) takes no step= or due=; save(state, step=n) takes no path and needs "
+                    "levels=[Level(...), ...] at construction"
                 )
-            return self._levels.save(state, step)
+            return self._levels.save(state, step, due, extra_files)
         t0 = time.perf_counter()
         if self._closed:
             raise CheckpointerClosedError("this DistributedCheckpointer is closed; create a new one")
@@ -324,6 +331,12 @@ class DistributedCheckpointer(_exit.ClosedOnExit):
                 raise TimeoutError(f"pending distributed saves not committed after {timeout} s")
         # the levels' retention deletions too; then the oldest unseen error (one ledger)
         self._inner.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+    def raise_errors(self) -> None:
+        """Raise the oldest error of a finished save that nobody has seen, without waiting. Not
+        collective: ranks learn of a failure at slightly different moments, so callers that must
+        raise on every rank at once agree first (``lazyckpt.lightning`` does)."""
+        self._inner.raise_errors()
 
     def add_error(self, error: BaseException) -> None:
         """Hand over a background error of the caller's own (an integration's deferred delete) to be

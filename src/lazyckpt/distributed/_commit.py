@@ -171,6 +171,7 @@ class RankReport:
     error: str = ""  # "<type>: <message>" when not ok
     upload_failed: bool = False  # a save to a URL: this rank's upload failed (not its local file)
     needs: Any = None  # multi-level saves: the items this rank saved before deduplication (its shard)
+    extra_files: dict[str, bytes] | None = None  # rank 0, a node-local level: its extra files, for every node's leader
 
 
 @dataclass(frozen=True)

@@ -211,7 +211,7 @@ class Decider:
         coordinator decides for every node at once: commit once every rank's file is durable in
         its node's staging folder, else abort. Then each node's leader writes that folder's
         ``.metadata`` and manifest (its ranks' items; every rank of the job knows the global
-        metadata) and renames it into place; every rank waits for every leader's result, so all
+        metadata) and rank 0's extra files, and renames it into place; every rank waits for every leader's result, so all
         ranks learn the same outcome. A leader that fails leaves its node without the folder (its
         ranks' next ``latest()`` does not use that step from there); the others keep theirs."""
         missing: list[int] = []
@@ -241,12 +241,15 @@ class Decider:
         return outcome
 
     def _publish_node(self, entry: _Save, scope: Scope) -> Result:
-        """A node's leader: its folder's metadata (the reports of its ranks), then the rename."""
+        """A node's leader: its folder's metadata (the reports of its ranks) and rank 0's extra
+        files, then the rename."""
         try:
             reports = self.proto.reports(entry.n, scope.group)
+            # The extra files (Lightning's meta.pt) are rank 0's: in its report for the other leaders.
+            extra = entry.extra_files if self.rank == 0 else self.proto.reports(entry.n, [0])[0].extra_files
             save_id = f"{self.token}-{entry.n}"
             _commit.write_metadata(
-                entry.staging, entry.final, save_id, copy.copy(entry.metadata), reports, self.fsync,
+                entry.staging, entry.final, save_id, copy.copy(entry.metadata), reports, self.fsync, extra,
                 world_size=self.world_size,
             )  # fmt: skip
             old = _commit.staging_path(entry.final, self.token, entry.n, old=True)

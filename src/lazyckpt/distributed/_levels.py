@@ -23,8 +23,9 @@ Ownership: this object owns the level threads and their queues, the backlog coun
 (a step of the fastest level is pinned while this rank's copies read it; a level commit needs
 every rank's report, so once its leader's copy is committed, every rank's is done), the handles it
 finishes and a callback thread for them. Each level folder is owned by one rank of those sharing
-it (``Scope.leader``: the coordinator for a shared level and for URLs): it writes the metadata,
-publishes, and applies retention (``keep`` newest complete steps, after each commit, so the newest
+it (``Scope.leader``: the coordinator for a shared level and for URLs): it writes the metadata
+and rank 0's extra files (Lightning's ``meta.pt``; a node-local level's other leaders read them
+from rank 0's commit report), publishes, and applies retention (``keep`` newest complete steps, after each commit, so the newest
 is never removed; pinned steps are skipped until their copies end). Errors are the checkpointer's
 (its inner ``LazyCheckpointer``'s ledger): a level's failure is one ``DistributedLevelError`` per
 rank, alike on every rank, reported once.
@@ -39,7 +40,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,7 +64,7 @@ from . import _commit
 from ._commit import RankReport
 from ._core import classify_start_error, complete_handle, confirm_ready, local_outcome, resolve_handle, start_rank_file
 from ._decide import Decider
-from ._handle import DistributedSaveHandle, Outcome, Save
+from ._handle import DistributedSaveHandle, Outcome, Save, extra_name
 from ._plan import PlanCache, plan_save
 from ._promote import check_file, copy_checked, renamed
 from ._topology import Scope, dedup_groups, probe
@@ -96,6 +97,7 @@ class _Step:
     needs: frozenset[Any]  # every item this rank saved (its shard): what it loads back
     metadata: Any  # the global Metadata: each level folder's .metadata starts from a copy
     readers: int  # admitted copies still to read the source file
+    extra: dict[str, bytes] = field(default_factory=dict)  # rank 0: the extra files, into every level folder
     source_done: threading.Event = field(default_factory=threading.Event)
     parts: Parts | None = None
 
@@ -153,14 +155,22 @@ class DistributedLevels:
 
     # -- caller side ------------------------------------------------------------------------------
 
-    def save(self, state: dict[str, Any], step: int) -> SaveHandle:
-        """Collective. ``state`` (what ``dcp.save`` takes) to every level due at ``step``."""
+    def save(
+        self,
+        state: dict[str, Any],
+        step: int,
+        due: Sequence[int] | None = None,
+        extra_files: Mapping[str, bytes] | None = None,
+    ) -> SaveHandle:
+        """Collective. ``state`` (what ``dcp.save`` takes) to every level due at ``step`` (``due``:
+        these level indices instead, the same on every rank); rank 0's ``extra_files`` into each
+        level folder (every node's, for a node-local level; other ranks' are ignored)."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise SaveRefusedError(f"step must be an int >= 0, got {step!r}")
         if self._closed:
             raise CheckpointerClosedError("this DistributedCheckpointer is closed; create a new one")
         t0 = time.perf_counter()
-        due = [i for i, lv in enumerate(self.levels) if lv.due(step)]
+        due = self._due(step, due)
         if not due:
             return _not_due(step, t0)
         confirm_ready()  # earlier saves whose copies are over: this thread's ops came before
@@ -182,6 +192,8 @@ class DistributedLevels:
             self._open.add(st.parts.handle)
         refused: BaseException | None = None
         try:
+            if self.rank == 0 and extra_files:  # a bad name fails the save on every rank, not here alone
+                st.extra = entry.extra_files = {extra_name(k): bytes(v) for k, v in extra_files.items()}
             os.makedirs(staging, exist_ok=True)
             start_rank_file(ctx.inner, entry, plan)
         except BaseException as exc:  # every rank must learn it: reported by the level thread
@@ -262,7 +274,7 @@ class DistributedLevels:
         if own is None and entry.local is not None and entry.layout is not None:
             own = local_outcome(entry.local)  # waits WITHOUT confirming: the training thread does
         if own is None and entry.layout is not None:
-            report = self._report(entry.file, entry.layout, entry.storage, st.needs)
+            report = self._report(st.first, entry, entry.layout, entry.storage, st.needs)
         else:
             own = own or RuntimeError(f"lazyckpt: rank {self.rank}'s file for {entry.final} was never started")
             report = RankReport(self.rank, False, error=f"{type(own).__name__}: {own}")
@@ -285,6 +297,7 @@ class DistributedLevels:
         assert source.layout is not None
         key = f"{st.n}-{index}"
         entry = Save(key, level.folder(st.step), "", None, st.entry.t0, metadata=copy.copy(st.metadata))
+        entry.extra_files = st.extra
         src = os.path.join(self.levels[st.first].folder(st.step), source.file)
         own: BaseException | None = None
         try:
@@ -300,7 +313,7 @@ class DistributedLevels:
                 name, storage = source.file, source.storage
                 copy_checked(src, entry.staging, name, source.layout.file_crc, self.options.fsync)
             entry.file = name
-            report = self._report(name, source.layout, storage, st.needs)
+            report = self._report(index, entry, source.layout, storage, st.needs)
         except Exception as exc:  # reported: the save fails at this level on every rank
             own = exc
             report = RankReport(self.rank, False, error=f"{type(exc).__name__}: {exc}",
@@ -312,8 +325,22 @@ class DistributedLevels:
             shutil.rmtree(os.path.dirname(entry.remote.local), ignore_errors=True)
         return None if outcome is None else self._error(index, st.step, entry, outcome, own)
 
-    def _report(self, name: str, layout: Any, storage: dict[Any, Any], needs: frozenset[Any]) -> RankReport:
-        return RankReport(self.rank, True, name, layout.total_size, layout.file_crc, storage, needs=needs)
+    def _report(
+        self, index: int, entry: Save, layout: Any, storage: dict[Any, Any], needs: frozenset[Any]
+    ) -> RankReport:
+        """This rank's durable file in level ``index``'s folder; rank 0's carries the extra files
+        when every node's leader writes them (a node-local level)."""
+        extra = entry.extra_files if self.scopes[index].node_local and self.rank == 0 and entry.extra_files else None
+        return RankReport(self.rank, True, entry.file, layout.total_size, layout.file_crc, storage, needs=needs,
+                          extra_files=extra)  # fmt: skip
+
+    def _due(self, step: int, due: Sequence[int] | None) -> list[int]:
+        if due is None:
+            return [i for i, lv in enumerate(self.levels) if lv.due(step)]
+        picked = sorted(set(due))
+        if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(self.levels) for i in picked):
+            raise SaveRefusedError(f"due must hold level indices in [0, {len(self.levels)}), got {list(due)!r}")
+        return picked
 
     def _commit(self, index: int, entry: Save, report: RankReport) -> Outcome | None:
         """One level folder's two-phase commit, this rank's side; None when committed."""

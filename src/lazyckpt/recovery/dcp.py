@@ -162,10 +162,11 @@ def rank_problems(
     verify: bool = True,
 ) -> list[str] | None:
     """Whether ``rank`` of a job of ``world_size`` ranks, laid out as the one that saved the DCP
-    folder at ``path``, can load its own items from it: ``.metadata`` and the files its manifest
-    lists for that rank are there, with their sizes (``verify``: and their CRCs). ``[]`` when it
-    can; the problems when not; None when the folder keeps no per-rank list for that rank and
-    world size (check it whole instead: ``verify_checkpoint``)."""
+    folder at ``path``, can load its own items from it: ``.metadata``, the files its manifest
+    lists for that rank and the extra files every rank reads (Lightning's ``meta.pt``) are there,
+    with their sizes (``verify``: and their CRCs). ``[]`` when it can; the problems when not;
+    None when the folder keeps no per-rank list for that rank and world size (check it whole
+    instead: ``verify_checkpoint``)."""
     root = os.fspath(path)
     try:
         manifest = read_manifest(root, storage_options)
@@ -181,7 +182,8 @@ def rank_problems(
     if isinstance(folder, _RemoteFolder) and folder.size(METADATA) is None:
         return [f"no {METADATA}: not a committed checkpoint (a save in progress, or one that failed)"]
     expected = manifest.get("files", {})
-    for name in [METADATA, *files]:
+    shared = sorted(name for name, want in expected.items() if want.get("rank") is None)  # extra files (meta.pt)
+    for name in [METADATA, *files, *shared]:
         want = manifest.get(METADATA, {}) if name == METADATA else expected.get(name)
         if want is None:
             report.problems.append(f"{name}: not in the manifest's files")
