@@ -108,3 +108,20 @@ def one_rank_group() -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+def run_session(args: Sequence[str], timeout: float, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """Run ``python *args`` (and the processes it starts: Lightning's DDP launcher) in a session of
+    its own, output captured; the whole session is SIGKILLed at ``timeout`` (Lightning's SIGTERM
+    handler does not end a rank waiting in a collective), then an AssertionError."""
+    import signal
+
+    proc = subprocess.Popen([sys.executable, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)  # fmt: skip
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"{args[0]} still running after {timeout} s:\n{out[-4000:]}") from None
+    return subprocess.CompletedProcess(list(args), proc.returncode, out, None)

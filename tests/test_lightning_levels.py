@@ -6,7 +6,6 @@ import errno
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import textwrap
@@ -21,7 +20,7 @@ import torch  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 import lazyckpt  # noqa: E402
-from _launch import rank_env  # noqa: E402
+from _launch import rank_env, run_session  # noqa: E402
 from lazyckpt import Level, LevelError, SaveRefusedError  # noqa: E402
 from lazyckpt.lightning import LazyCheckpointIO, MultiLevelCheckpoint  # noqa: E402
 from lazyckpt.storage import fs as _fs  # noqa: E402
@@ -249,16 +248,20 @@ def test_refusals_and_no_saves_outside_fit(mem, tmp_path):
     assert io.checkpointer is None  # nothing saved, no thread started
 
 
-def test_sharded_strategies_are_refused_until_distributed_levels(mem):
+def test_strategies_that_bypass_checkpoint_io_are_refused_but_the_sharded_ones_served(mem):
+    """DeepSpeed saves through its engine: refused. ModelParallelStrategy (DCP folders) is served by
+    every rank's sharded save (tests/test_lightning_levels_sharded.py runs it)."""
     from lazyckpt.lightning import _levels
 
-    class Trainer:  # the least a Trainer needs for the check: a ModelParallelStrategy with the plugin
-        strategy = type("ModelParallelStrategy", (), {"_save_distributed_checkpoint": True,
-                                                      "__module__": "lightning.pytorch.strategies"})()  # fmt: skip
+    def trainer_with(name: str, **attrs: Any) -> Any:  # the least a Trainer needs for the check
+        strategy = type(name, (), {"__module__": "lightning.pytorch.strategies", **attrs})()
+        strategy.checkpoint_io = LazyCheckpointIO()
+        return type("Trainer", (), {"strategy": strategy})()
 
-    Trainer.strategy.checkpoint_io = LazyCheckpointIO()
-    with pytest.raises(SaveRefusedError, match="sharded"):
-        _levels._plugin_of(Trainer())
+    with pytest.raises(SaveRefusedError, match="DeepSpeed"):
+        _levels._plugin_of(trainer_with("DeepSpeedStrategy"))
+    served = trainer_with("ModelParallelStrategy", _save_distributed_checkpoint=True)
+    assert _levels._plugin_of(served) is served.strategy.checkpoint_io
 
 
 # -- real processes ---------------------------------------------------------------------------------
@@ -268,19 +271,8 @@ SCRIPTS = os.path.join(TESTS, "lightning_scripts")
 
 
 def _run_script(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
-    """Run a script (and the processes it starts: Lightning's DDP launcher) in its own session; the
-    whole session is SIGKILLed at ``timeout`` (Lightning's SIGTERM handler does not end a rank
-    waiting in a collective)."""
-    env = rank_env({"PYTHONPATH": os.path.dirname(TESTS)}, drop=("LOCAL_RANK",))
-    proc = subprocess.Popen([sys.executable, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)  # fmt: skip
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"{args[0]} still running after {timeout} s:\n{out[-4000:]}") from None
-    return subprocess.CompletedProcess(args, proc.returncode, out, None)
+    """Run a script with Lightning's launcher starting the other ranks (``_launch.run_session``)."""
+    return run_session(args, timeout, rank_env({"PYTHONPATH": os.path.dirname(TESTS)}, drop=("LOCAL_RANK",)))
 
 
 @pytest.mark.timeout(400)

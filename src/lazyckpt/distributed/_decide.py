@@ -208,12 +208,13 @@ class Decider:
 
     def commit_node(self, entry: _Save, deadline: float, scope: Scope) -> _Outcome | None:
         """A node-local level's folder of one step, on every rank (acknowledgments included). The
-        coordinator decides for every node at once: commit once every rank's file is durable in
-        its node's staging folder, else abort. Then each node's leader writes that folder's
+        coordinator decides for every node at once: commit once every rank's file is durable in its
+        node's staging folder, else abort. Then each node's leader writes that folder's
         ``.metadata`` and manifest (its ranks' items; every rank of the job knows the global
-        metadata) and rank 0's extra files, and renames it into place; every rank waits for every leader's result, so all
-        ranks learn the same outcome. A leader that fails leaves its node without the folder (its
-        ranks' next ``latest()`` does not use that step from there); the others keep theirs."""
+        metadata) and rank 0's extra files, and renames it into place; every rank waits for every
+        leader's result, so all ranks learn the same outcome. A leader that fails leaves its node
+        without the folder (its ranks' next ``latest()`` does not use that step from there); the
+        others keep theirs."""
         missing: list[int] = []
         if self.rank == 0:
             reports, missing, dead = self.proto.gather(entry.n, deadline, self.liveness)

@@ -19,16 +19,16 @@ holding that node's ranks' files and a ``.metadata`` locating them). Data flow o
         (``_promote``), the report, the level's commit; unpin the source; retention; its part.
     core callback thread: the source handle's done-callback: retention of the fastest level.
 
-Ownership: this object owns the level threads and their queues, the backlog counters, the pins
-(a step of the fastest level is pinned while this rank's copies read it; a level commit needs
-every rank's report, so once its leader's copy is committed, every rank's is done), the handles it
-finishes and a callback thread for them. Each level folder is owned by one rank of those sharing
-it (``Scope.leader``: the coordinator for a shared level and for URLs): it writes the metadata
-and rank 0's extra files (Lightning's ``meta.pt``; a node-local level's other leaders read them
-from rank 0's commit report), publishes, and applies retention (``keep`` newest complete steps, after each commit, so the newest
-is never removed; pinned steps are skipped until their copies end). Errors are the checkpointer's
-(its inner ``LazyCheckpointer``'s ledger): a level's failure is one ``DistributedLevelError`` per
-rank, alike on every rank, reported once.
+Ownership: this object owns the level threads and their queues, the backlog counters, the pins (a
+step of the fastest level is pinned while this rank's copies read it; a level commit needs every
+rank's report, so once its leader's copy is committed, every rank's is done), the handles it
+finishes and a callback thread for them. Each level folder is owned by one rank of those sharing it
+(``Scope.leader``: the coordinator for a shared level and for URLs): it writes the metadata and rank
+0's extra files (Lightning's ``meta.pt``; a node-local level's other leaders read them from rank 0's
+commit report), publishes, and applies retention (``keep`` newest complete steps, after each commit,
+so the newest is never removed; pinned steps are skipped until their copies end). Errors are the
+checkpointer's (its inner ``LazyCheckpointer``'s ledger): a level's failure is one
+``DistributedLevelError`` per rank, alike on every rank, reported once.
 """
 
 from __future__ import annotations

@@ -348,14 +348,28 @@ class LazyCheckpointIO(_CheckpointIO):
         plugin's saves (one staging per step); drained by ``wait``/teardown, closed with them."""
         return self._levels.saver(self, levels)
 
+    def save_sharded_levels(
+        self, strategy: Any, levels: tuple[Level, ...], checkpoint: dict[str, Any], step: int, due: list[int]
+    ) -> SaveHandle:
+        """Internal API (``MultiLevelCheckpoint`` with a strategy that saves with DCP; every rank, a
+        collective): the step's shards to its due levels through a ``DistributedCheckpointer`` per
+        tuple of levels, made at first use; drained by ``wait``/teardown, closed with them."""
+        return self._levels.save_sharded(self._options, strategy, levels, checkpoint, step, due)
+
+    def settle_levels(self, timeout: float | None = None) -> None:
+        """Internal API: every multi-level save of this rank over; errors left for ``raise_errors``."""
+        self._levels.drain(timeout)
+
     def drain(self, raise_errors: bool, timeout: float | None = None) -> None:
         """Internal API: make every pending save durable; its error raised (``raise_errors``) or logged."""
         deadline = None if timeout is None else time.monotonic() + timeout
         error: BaseException | None = None
         try:
-            if self._sharded is not None:  # every rank drains: a sharded commit needs them all
+            # first: the levels' copies end with retention removals (through the checkpointer below);
+            # raises nothing but TimeoutError. Sharded saves: every rank drains, a commit needs them all.
+            self._levels.drain(timeout)
+            if self._sharded is not None:
                 self._sharded.wait(timeout)
-            self._levels.drain(timeout)  # first: its copies end with retention removals
             if self._ckpt is not None:  # saves durable, deletes done; raises the first unseen error
                 self._ckpt.wait(timeout)
             with self._lock:
@@ -417,27 +431,11 @@ class LazyCheckpointIO(_CheckpointIO):
         return trainer
 
     def _adapt(self, trainer: Any) -> None:
-        plugin = weakref.ref(self)
         if trainer.is_global_zero:  # other ranks never save: no waiting
             for opt in getattr(trainer, "optimizers", ()):
                 _guard.track(opt)  # not through a checkpointer: loading alone must start no thread
-        for cb in getattr(trainer, "checkpoint_callbacks", ()):
-            if hasattr(cb, "file_exists") and hasattr(cb, "_fs"):
-                self._patch(cb, "file_exists", _compat.pending_aware_file_exists(cb, plugin))
-            if callable(getattr(cb, "_link_checkpoint", None)):
-                self._patch(cb, "_link_checkpoint", _compat.link_after_pending(cb._link_checkpoint, plugin))
-        for cb in getattr(trainer, "callbacks", ()):
-            names = _compat.mro_names(cb)
-            if "WeightAveraging" in names:
-                for attr in ("_swap_models", "_copy_average_to_current"):
-                    self._patch(cb, attr, _compat.staged_first(getattr(cb, attr), plugin))
-            if "StochasticWeightAveraging" in names:
-                self._patch(cb, "transfer_weights", _compat.staged_first(cb.transfer_weights, plugin))
-        for logger in getattr(trainer, "loggers", ()):
-            if _compat.logger_reads_checkpoint_files(logger):
-                self._patch(
-                    logger, "after_save_checkpoint", _compat.durable_first(logger.after_save_checkpoint, plugin)
-                )
+        for obj, attr, replacement in _compat.adaptations(trainer, weakref.ref(self)):
+            self._patch(obj, attr, replacement)
 
     def _install_sharded(self) -> None:
         """Called by the optimizer-step hook at every step on every rank: strategies that save with

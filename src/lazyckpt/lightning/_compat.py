@@ -235,6 +235,28 @@ def durable_first(method: Callable[..., Any], plugin_ref: weakref.ref) -> Callab
     return after_save_checkpoint
 
 
+def adaptations(trainer: Any, plugin: weakref.ref) -> list[tuple[object, str, Callable[..., Any]]]:
+    """What the plugin (held by weak reference) replaces on a Trainer's callbacks and loggers, as
+    (object, attribute, replacement): the things that assume a synchronous plugin."""
+    out: list[tuple[object, str, Callable[..., Any]]] = []
+    for cb in getattr(trainer, "checkpoint_callbacks", ()):
+        if hasattr(cb, "file_exists") and hasattr(cb, "_fs"):
+            out.append((cb, "file_exists", pending_aware_file_exists(cb, plugin)))
+        if callable(getattr(cb, "_link_checkpoint", None)):
+            out.append((cb, "_link_checkpoint", link_after_pending(cb._link_checkpoint, plugin)))
+    for cb in getattr(trainer, "callbacks", ()):
+        names = mro_names(cb)
+        if "WeightAveraging" in names:
+            out.extend((cb, attr, staged_first(getattr(cb, attr), plugin)) for attr in
+                       ("_swap_models", "_copy_average_to_current"))  # fmt: skip
+        if "StochasticWeightAveraging" in names:
+            out.append((cb, "transfer_weights", staged_first(cb.transfer_weights, plugin)))
+    for logger in getattr(trainer, "loggers", ()):
+        if logger_reads_checkpoint_files(logger):
+            out.append((logger, "after_save_checkpoint", durable_first(logger.after_save_checkpoint, plugin)))
+    return out
+
+
 def logger_reads_checkpoint_files(logger: Any) -> bool:
     if getattr(logger, "_log_model", False) or getattr(logger, "_log_model_checkpoints", False):
         return True

@@ -28,7 +28,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from lazyckpt.checkpointer import LazyCheckpointer
 from lazyckpt.core.handle import SaveHandle
@@ -37,6 +37,10 @@ from lazyckpt.errors import LazyCkptError, LevelError, SaveRefusedError
 from lazyckpt.levels import Level
 from lazyckpt.levels._multi import MultiLevel, check_levels
 from lazyckpt.lightning import _compat, _sharded
+from lazyckpt.options import CheckpointerOptions
+
+if TYPE_CHECKING:
+    from lazyckpt.distributed import DistributedCheckpointer
 
 __all__ = ["MultiLevelCheckpoint"]
 
@@ -50,6 +54,10 @@ class LevelsPlugin(Protocol):
     def start_save(self, checkpoint: dict[str, Any], path: str) -> SaveHandle: ...
     def open_checkpointer(self) -> LazyCheckpointer: ...
     def levels_saver(self, levels: tuple[Level, ...]) -> MultiLevel: ...
+    def save_sharded_levels(
+        self, strategy: Any, levels: tuple[Level, ...], checkpoint: dict[str, Any], step: int, due: list[int]
+    ) -> SaveHandle: ...
+    def settle_levels(self, timeout: float | None = None) -> None: ...
     def raise_errors(self) -> None: ...
     def wait(self, timeout: float | None = None) -> None: ...
 
@@ -76,43 +84,90 @@ class _PluginSaver:
 
 
 class PluginLevels:
-    """One plugin's multi-level savers, one per tuple of levels, made at first use."""
+    """One plugin's multi-level savers, one per tuple of levels, made at first use: ``MultiLevel``s
+    (rank 0's full-state files) and, for strategies that save with DCP, ``DistributedCheckpointer``s
+    (every rank's shards; ``sharded_levels``) with the handles of their saves not yet seen done."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._savers: dict[tuple[Level, ...], MultiLevel] = {}
+        self._sharded: dict[tuple[Level, ...], DistributedCheckpointer] = {}
+        self._handles: list[SaveHandle] = []  # sharded saves, until seen done
+
+    def _refuse_taken(self, levels: tuple[Level, ...]) -> None:
+        taken = {lv.path for known in (*self._savers, *self._sharded) for lv in known}
+        shared = sorted(taken & {lv.path for lv in levels})
+        if shared:  # two savers' retention would delete each other's files
+            raise ValueError(f"another MultiLevelCheckpoint of this Trainer already uses {', '.join(shared)}")
 
     def saver(self, plugin: LevelsPlugin, levels: tuple[Level, ...]) -> MultiLevel:
         with self._lock:
             found = self._savers.get(levels)
             if found is not None:
                 return found
-            taken = {lv.path for known in self._savers for lv in known}
-            shared = sorted(taken & {lv.path for lv in levels})
-            if shared:  # two savers' retention would delete each other's files
-                raise ValueError(f"another MultiLevelCheckpoint of this Trainer already uses {', '.join(shared)}")
+            self._refuse_taken(levels)
             made = self._savers[levels] = MultiLevel(_PluginSaver(plugin), levels, plugin.open_checkpointer().options)
             return made
 
+    def save_sharded(
+        self, options: CheckpointerOptions, strategy: Any, levels: tuple[Level, ...], checkpoint: dict[str, Any],
+        step: int, due: list[int],
+    ) -> SaveHandle:  # fmt: skip
+        """Every rank (collective): the checkpoint as the strategy's own ``save_checkpoint`` lays it
+        out (``_sharded.convert``: model and optimizer shards, rank 0's ``meta.pt``), saved to the
+        ``due`` levels by this tuple's ``DistributedCheckpointer`` (made now at first use: collective)."""
+        key = _sharded.sharded_state_key(strategy)
+        assert key is not None
+        converted, extra = _sharded.convert(checkpoint, key, strategy.global_rank == 0)
+        handle = self._distributed(options, levels).save(converted, step=step, due=due, extra_files=extra)
+        with self._lock:
+            self._handles = [h for h in self._handles if not h.done()] + [handle]
+        return handle
+
+    def _distributed(self, options: CheckpointerOptions, levels: tuple[Level, ...]) -> DistributedCheckpointer:
+        with self._lock:
+            found = self._sharded.get(levels)
+            if found is not None:
+                return found
+            self._refuse_taken(levels)  # alike on every rank: the same callbacks
+        from lazyckpt.distributed import DistributedCheckpointer
+
+        made = DistributedCheckpointer(options, levels=levels)  # collective: not under the lock
+        with self._lock:
+            self._sharded[levels] = made
+        return made
+
     def drain(self, timeout: float | None = None) -> None:
-        """Every multi-level save done at every level (its source saves confirmed on this thread)."""
+        """Every multi-level save done at every level (its source saves confirmed on this thread).
+        Sharded saves commit once every rank confirmed its files: call it on every rank."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
-            savers = list(self._savers.values())
+            savers, handles = list(self._savers.values()), list(self._handles)
         for saver in savers:
             saver.drain(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        for handle in handles:  # confirms this rank's files, then waits; the errors stay in the ledger
+            handle.exception(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def raise_errors(self) -> None:
-        """Raise the oldest unseen level error (``LevelError`` naming the level), once."""
+        """Raise the oldest unseen level error (``LevelError`` naming the level), once; then a
+        sharded saver's (``DistributedLevelError``), without waiting."""
         with self._lock:
-            savers = list(self._savers.values())
+            savers, sharded = list(self._savers.values()), list(self._sharded.values())
         raise_first([err for saver in savers for err in saver.take_errors()])
+        for ckpt in sharded:
+            ckpt.raise_errors()
 
     def close(self) -> None:
         with self._lock:
             savers, self._savers = list(self._savers.values()), {}
+            sharded, self._sharded, self._handles = list(self._sharded.values()), {}, []
         for saver in savers:
             saver.close()
+        for ckpt in sharded:
+            try:
+                ckpt.close()  # drained by drain(); an error seen only now is logged (close must not fail)
+            except LazyCkptError as exc:
+                log.error("lazyckpt: closing a multi-level sharded checkpointer: %s", exc)
 
 
 _Callback: Any = _compat.callback_base()
@@ -144,12 +199,14 @@ class MultiLevelCheckpoint(_Callback):
         self.last_handle: SaveHandle | None = None
         self._io: LevelsPlugin | None = None
         self._seen: int | None = None  # the global step of the last batch end looked at
+        self._sharded = False  # the strategy saves with DCP: every rank saves its shards
 
     def __getstate__(self) -> dict[str, Any]:  # ddp_spawn pickles the Trainer: the levels only
-        return {"levels": self.levels, "last_handle": None, "_io": None, "_seen": None}
+        return {"levels": self.levels, "last_handle": None, "_io": None, "_seen": None, "_sharded": False}
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self._io = _plugin_of(trainer) if stage == "fit" else None
+        self._sharded = self._io is not None and _sharded.sharded_state_key(trainer.strategy) is not None
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self._seen = trainer.global_step  # a resumed fit does not save the step it resumed from again
@@ -164,20 +221,24 @@ class MultiLevelCheckpoint(_Callback):
             return
         checkpoint = _compat.dump_checkpoint(trainer)  # every rank, as trainer.save_checkpoint does
         error = None
-        if trainer.is_global_zero:  # only rank 0 saves a full-state checkpoint (as the strategy's save)
+        if self._sharded or trainer.is_global_zero:  # else only rank 0 saves (full state, as the strategy)
             try:
-                self.last_handle = io.levels_saver(self.levels).save(checkpoint, step, due=due)
+                if self._sharded:  # every rank its shards: one collective save
+                    self.last_handle = io.save_sharded_levels(trainer.strategy, self.levels, checkpoint, step, due)
+                else:
+                    self.last_handle = io.levels_saver(self.levels).save(checkpoint, step, due=due)
                 log.debug("lazyckpt: step %d handed to levels %s", step, due)
                 io.raise_errors()  # an earlier save's level error, once; this step is already on its way
             except Exception as exc:
                 error = exc
-        _raise_together(trainer, error)
+        _raise_together(trainer, error, io if self._sharded else None)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        """Rank 0 makes every save durable (what its teardown would do next); the ranks then leave
-        together (every rank's ``latest()`` after ``fit`` sees the same files) and raise an error together."""
+        """Rank 0 (every rank for sharded saves, whose commits need them all) makes every save
+        durable (what its teardown would do next); the ranks then leave together (every rank's
+        ``latest()`` after ``fit`` sees the same files) and raise an error together."""
         error = None
-        if self._io is not None and trainer.is_global_zero:
+        if self._io is not None and (trainer.is_global_zero or self._sharded):
             try:
                 self._io.wait()  # every save of the plugin durable, its errors raised
             except Exception as exc:
@@ -188,31 +249,47 @@ class MultiLevelCheckpoint(_Callback):
         self._io = None  # the plugin's teardown (strategy teardown, just before) drained the saves
 
 
-def _raise_together(trainer: Any, error: Exception | None) -> None:
-    """Raise rank 0's ``error`` on every rank at this same point, or on none: a rank that raised
-    alone would leave the others waiting in the next collective. One small collective (any rank
-    failed?) per save in a distributed run; the error's description is broadcast only on failure."""
-    if getattr(trainer, "world_size", 1) > 1:
-        strategy = trainer.strategy
-        if strategy.reduce_boolean_decision(error is not None, all=False):
-            described = strategy.broadcast(_describe(error) if trainer.is_global_zero else None, src=0)
+def _raise_together(trainer: Any, error: Exception | None, sharded: LevelsPlugin | None = None) -> None:
+    """Raise an error on every rank at this same point, or on none: a rank that raised alone would
+    leave the others waiting in the next collective. One small collective (any rank failed?) per
+    save in a distributed run. On failure, with ``sharded`` saves (whose level errors reach the
+    ranks at slightly different moments), every rank first lets its pending level saves end (their
+    commits need every rank: all are here) and takes its own error, alike on every rank; a rank
+    with none raises a copy of the lowest failing rank's (descriptions gathered on failure only)."""
+    if getattr(trainer, "world_size", 1) > 1 and trainer.strategy.reduce_boolean_decision(error is not None, all=False):
+        if sharded is not None:
+            sharded.settle_levels()
             if error is None:
-                error = _rebuild(described)
+                try:
+                    sharded.raise_errors()
+                except Exception as exc:
+                    error = exc
+        lowest = _from_other_rank(None if error is None else _describe(error))  # every rank: a collective
+        error = error or lowest
     if error is not None:
         raise error
 
 
-def _describe(error: Exception | None) -> dict[str, Any] | None:
-    if error is None:
-        return None
+def _from_other_rank(mine: dict[str, Any] | None) -> Exception:
+    """Every rank's description gathered (a collective: every rank calls it); the lowest failing
+    rank's error as this rank raises it."""
+    import torch.distributed as dist
+
+    described: list[dict[str, Any] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(described, mine)
+    rank, info = next(((r, d) for r, d in enumerate(described) if d is not None), (0, None))
+    return _rebuild(rank, info)
+
+
+def _describe(error: Exception) -> dict[str, Any]:
     fields = {k: getattr(error, k, None) for k in ("level", "level_path", "step", "path", "errno")}
     return {"message": str(error), "is_level_error": isinstance(error, LevelError), **fields}
 
 
-def _rebuild(described: dict[str, Any] | None) -> Exception:
-    """Another rank's view of rank 0's error: a ``LevelError`` with the same fields, or a ``LazyCkptError``."""
+def _rebuild(rank: int, described: dict[str, Any] | None) -> Exception:
+    """Another rank's view of ``rank``'s error: a ``LevelError`` with the same fields, or a ``LazyCkptError``."""
     info = described or {"message": "unknown error", "is_level_error": False}
-    message = f"lazyckpt: global rank 0's multi-level checkpoint failed: {info['message']}"
+    message = f"lazyckpt: global rank {rank}'s multi-level checkpoint failed: {info['message']}"
     if not info["is_level_error"]:
         return LazyCkptError(message)
     return LevelError(message, info["level"], info["level_path"], info["step"], info["path"], errno=info["errno"])
@@ -229,10 +306,9 @@ def _plugin_of(trainer: Any) -> LevelsPlugin:
             "Trainer(plugins=[LazyCheckpointIO()], callbacks=[MultiLevelCheckpoint(levels)])."
         )
     reason = _compat.bypass_reason(strategy)
-    if _sharded.sharded_state_key(strategy) is not None or reason is not None:
+    if reason is not None and _sharded.sharded_state_key(strategy) is None:
         raise SaveRefusedError(
-            f"MultiLevelCheckpoint cannot save with {type(strategy).__name__}: "
-            f"{reason or 'its checkpoints are sharded (DCP folders)'}; multi-level sharded saves are not "
-            "available yet. Use a DDP or single-device strategy, or ModelCheckpoint for sharded folders."
+            f"MultiLevelCheckpoint cannot save with {type(strategy).__name__}: {reason}. Use "
+            "ModelParallelStrategy, FSDPStrategy(state_dict_type='sharded'), a DDP or a single-device strategy."
         )
     return io

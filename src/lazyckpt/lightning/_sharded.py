@@ -78,13 +78,9 @@ class ShardedSaves:
         with self._lock:
             if path in self._removals:  # this save replaces the folder: the pending delete is moot
                 self._removals[path] = False
-        converted = {state_key: checkpoint.pop("state_dict")}
-        converted.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
-        extra = None
-        if strategy.global_rank == 0:
-            extra = {META: _torch_save_bytes(checkpoint)}
-            if not is_url and os.path.isfile(path) and not os.path.islink(path):
-                os.remove(path)  # as stock: a full-state file at this path gives way to the folder
+        converted, extra = convert(checkpoint, state_key, strategy.global_rank == 0)
+        if extra is not None and not is_url and os.path.isfile(path) and not os.path.islink(path):
+            os.remove(path)  # as stock: a full-state file at this path gives way to the folder
         handle = self._checkpointer().save(converted, path, extra_files=extra)
         with self._lock:
             self._pending[handle] = path
@@ -139,6 +135,16 @@ class ShardedSaves:
                 ckpt.add_error(err)
             else:
                 log.error("%s", err)
+
+
+def convert(checkpoint: dict[str, Any], state_key: str, rank0: bool) -> tuple[dict[str, Any], dict[str, bytes] | None]:
+    """A Lightning checkpoint as these strategies save it: (the DCP state: the model's state under
+    ``state_key``, ``optimizer_<i>`` beside it; on rank 0 ``{"meta.pt": bytes}``, the rest of the
+    checkpoint as stock ``torch.save``s it, else None). Takes the model and optimizer states out of
+    ``checkpoint``."""
+    converted = {state_key: checkpoint.pop("state_dict")}
+    converted.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+    return converted, ({META: _torch_save_bytes(checkpoint)} if rank0 else None)
 
 
 def sharded_state_key(strategy: object) -> str | None:
