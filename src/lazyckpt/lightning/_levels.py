@@ -16,9 +16,16 @@ plugin's own saves: one staging per step, whatever the number of levels due, the
 from the fastest level's committed file on their own threads, retention per level. Files are
 ``<level>/step-<8 digits>.pt``, stock Lightning checkpoints.
 
+With a strategy that saves with DCP itself (``ModelParallelStrategy``, sharded ``FSDPStrategy``),
+every rank saves its shards instead, laid out as that strategy's ``save_checkpoint`` does (rank
+0's ``meta.pt`` beside them), through a ``DistributedCheckpointer(levels=...)`` per tuple of
+levels: ``<level>/step-<8 digits>/`` DCP folders that stock Lightning resumes from. Errors are
+then settled and raised on every rank together (``_raise_together``).
+
 Ownership: the callback holds the levels and the step it last looked at; the plugin owns the savers
-(``PluginLevels``, one per tuple of levels), drains them before its checkpointer in ``wait`` and
-teardown, raises their errors with its own, and closes them with its checkpointer. The callback runs
+(``PluginLevels``, one ``MultiLevel`` or ``DistributedCheckpointer`` per tuple of levels), drains
+them before its checkpointer in ``wait`` and teardown, raises their errors with its own, and closes
+them with its checkpointer. The callback runs
 on the training thread only; the savers' threads never touch the Trainer.
 """
 
@@ -182,11 +189,12 @@ class MultiLevelCheckpoint(_Callback):
             the training batch whose steps reach a multiple of it (gradient accumulation: the batch
             that stepped; several optimizers stepping in one batch: each multiple passed counts once).
 
-    Needs ``Trainer(plugins=[LazyCheckpointIO()])`` (refused at ``fit`` otherwise). Saves only inside
-    ``fit`` (never in validate/test/predict), each step at most once; errors (``LevelError`` naming
-    the level) are raised once, from ``fit``: at the next due step, after that step's save was
-    handed over, or at the end of ``fit`` (on every rank at once in DDP). ``last_handle`` (global rank
-    0): the newest save's ``LevelsHandle``.
+    Needs ``Trainer(plugins=[LazyCheckpointIO()])`` (refused at ``fit`` otherwise; so is DeepSpeed).
+    Saves only inside ``fit`` (never in validate/test/predict), each step at most once; errors
+    (``LevelError`` naming the level; ``DistributedLevelError`` with a sharded strategy) are raised
+    once, from ``fit``: at the next due step, after that step's save was handed over, or at the end
+    of ``fit`` (on every rank at once in a distributed run). ``last_handle`` (global rank 0; every
+    rank with a sharded strategy): the newest save's ``LevelsHandle``.
     Resume with stock Lightning: ``trainer.fit(model, ckpt_path=lazyckpt.latest(levels).path)``.
     """
 
