@@ -93,7 +93,7 @@ class _PluginSaver:
 class PluginLevels:
     """One plugin's multi-level savers, one per tuple of levels, made at first use: ``MultiLevel``s
     (rank 0's full-state files) and, for strategies that save with DCP, ``DistributedCheckpointer``s
-    (every rank's shards; ``sharded_levels``) with the handles of their saves not yet seen done."""
+    (every rank's shards; ``save_sharded``) with the handles of their saves not yet seen done."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -153,7 +153,8 @@ class PluginLevels:
         for saver in savers:
             saver.drain(None if deadline is None else max(0.0, deadline - time.monotonic()))
         for handle in handles:  # confirms this rank's files, then waits; the errors stay in the ledger
-            handle.exception(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if not handle.wait_done(None if deadline is None else max(0.0, deadline - time.monotonic())):
+                raise TimeoutError(f"the multi-level save of {handle.path} not done after {timeout} s")
 
     def raise_errors(self) -> None:
         """Raise the oldest unseen level error (``LevelError`` naming the level), once; then a
