@@ -115,10 +115,6 @@ class LazyCheckpointer(_exit.ClosedOnExit):
         return self._backpressure.skipped
 
     @property
-    def closed(self) -> bool:
-        return self._closed
-
-    @property
     def levels(self) -> tuple[Level, ...]:
         """The levels given at construction (``()`` without); ``lazyckpt.latest(ckpt.levels)``."""
         return () if self._levels is None else self._levels.levels

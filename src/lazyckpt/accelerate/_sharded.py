@@ -61,6 +61,8 @@ class ShardedSaves:
         if self._dist is None:
             from lazyckpt.distributed import DistributedCheckpointer
 
-            opts = dataclasses.replace(self.checkpointer.options, on_backpressure="block")
-            self._dist = DistributedCheckpointer(**{f.name: getattr(opts, f.name) for f in dataclasses.fields(opts)})
+            # The sharded files of one save_state folder: a plain (single-level) distributed save,
+            # whatever levels the handle has (its levels copy the whole folder once it is complete).
+            opts = dataclasses.replace(self.checkpointer.options, on_backpressure="block", levels=None)
+            self._dist = DistributedCheckpointer(options=opts)
         return self._dist

@@ -99,7 +99,13 @@ def drain(early_only: bool = False) -> None:
 
 class ClosedOnExit:
     """``with owner:`` closes it; when the block raised, a save's error from ``close()`` is logged
-    so that the block's exception is the one that propagates."""
+    so that the block's exception is the one that propagates. Subclasses set ``_closed``."""
+
+    _closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def close(self) -> None:
         raise NotImplementedError

@@ -192,10 +192,6 @@ class DistributedCheckpointer(_exit.ClosedOnExit):
         _exit.register(self, _close_at_exit, layer=_exit.DISTRIBUTED, early=urls)
 
     @property
-    def closed(self) -> bool:
-        return self._closed
-
-    @property
     def levels(self) -> tuple[Level, ...]:
         """The levels given at construction (``()`` without); ``latest()`` finds their newest step."""
         return () if self._levels is None else self._levels.levels
