@@ -8,7 +8,6 @@ import os
 import shutil
 import subprocess
 import sys
-import textwrap
 import threading
 from typing import Any
 
@@ -319,45 +318,3 @@ def test_ddp_level_error_is_raised_on_every_rank_at_once(tmp_path):
         assert report["raised"] == "LevelError" and report["level"] == 1, report
         assert "level 1" in report["message"] and "No space left" in report["message"]
     assert os.listdir(tmp_path / "disk") == []
-
-
-@pytest.mark.timeout(180)
-def test_pytorch_lightning_only_install(tmp_path):
-    """``lightning`` unimportable: the callback builds on ``pytorch_lightning``'s Callback and serves its Trainer."""
-    pytest.importorskip("pytorch_lightning")
-    script = textwrap.dedent(
-        f"""
-        import sys
-        sys.modules["lightning"] = None  # as if only pytorch_lightning were installed
-        import pytorch_lightning as pl, torch, lazyckpt
-        from lazyckpt import Level
-        from lazyckpt.lightning import LazyCheckpointIO, MultiLevelCheckpoint
-        assert MultiLevelCheckpoint.__mro__[1].__module__.startswith("pytorch_lightning.")
-
-        class Model(pl.LightningModule):
-            def __init__(self):
-                super().__init__()
-                self.layer = torch.nn.Linear(8, 1)
-            def training_step(self, batch, _):
-                return self.layer(batch[0]).pow(2).mean()
-            def configure_optimizers(self):
-                return torch.optim.AdamW(self.parameters(), lr=0.1)
-            def train_dataloader(self):
-                return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(32, 8)), batch_size=4)
-
-        levels = [Level({str(tmp_path / "a")!r}, every=1, keep=2), Level({str(tmp_path / "b")!r}, every=3, keep=1)]
-        kw = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                  enable_checkpointing=False)
-        first = pl.Trainer(max_steps=7, plugins=[LazyCheckpointIO()], callbacks=[MultiLevelCheckpoint(levels)], **kw)
-        first.fit(Model())
-        found = lazyckpt.latest(levels)
-        assert (found.step, found.level) == (7, 0), found
-        trainer = pl.Trainer(max_steps=9, plugins=[LazyCheckpointIO()], callbacks=[MultiLevelCheckpoint(levels)], **kw)
-        trainer.fit(Model(), ckpt_path=found.path)
-        assert trainer.global_step == 9 and lazyckpt.latest(levels).step == 9
-        print("ok")
-        """
-    )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=170)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().endswith("ok")
