@@ -10,9 +10,10 @@ import logging
 import os
 import warnings
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from lazyckpt.recovery._read import READ_THREADS, FileIdentity
 from lazyckpt.recovery.verify import verify as verify_file
 
 from ..errors import IncompleteCheckpointWarning
@@ -24,17 +25,24 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Found:
     """What ``latest()`` found: the file (or URL) ``path``, its ``step``, and ``level``, the index
-    of its level in the list given to ``latest()``."""
+    of its level in the list given to ``latest()``.
+
+    ``verified``: the identity of the local file whose every CRC ``latest()`` checked (None when
+    it checked none: a URL, ``verify=False``, or a ``Found`` made by hand). ``load()`` skips its
+    own CRC pass only for a file it opens with that same identity."""
 
     path: str
     step: int
     level: int
+    verified: FileIdentity | None = field(default=None, repr=False, compare=False, kw_only=True)
 
 
 def latest(
     levels: Iterable[Level | str | os.PathLike[str]],
     storage_options: dict[str, Any] | None = None,
     verify: bool = True,
+    *,
+    threads: int = READ_THREADS,
 ) -> Found | None:
     """The newest step that is complete at some level and passes verification (every CRC; a URL
     by ranged reads); among the levels holding that step, the first one given (the fastest).
@@ -43,7 +51,8 @@ def latest(
     ``IncompleteCheckpointWarning`` naming it, and the next candidate is tried: the same step at a
     slower level, then older steps. ``None`` when no level holds a complete checkpoint. A level
     that cannot be listed (a missing bucket, no credentials) is skipped with a warning.
-    ``verify=False`` trusts the names (each is made by an atomic rename or object creation)."""
+    ``verify=False`` trusts the names (each is made by an atomic rename or object creation).
+    ``threads``: readers of a local file (its CRCs are computed as it is read; see ``load``)."""
     candidates: list[tuple[int, int, str]] = []
     for index, entry in enumerate(levels):
         level = as_level(entry)
@@ -61,9 +70,9 @@ def latest(
     for step, index, path in candidates:
         if not verify:
             return Found(path, step, index)
-        problem = _problem(path, storage_options)
+        problem, identity = _problem(path, storage_options, threads)
         if problem is None:
-            return Found(path, step, index)
+            return Found(path, step, index, verified=identity)
         warnings.warn(
             f"lazyckpt.latest: skipping {path} (level {index}, step {step}): {problem}",
             IncompleteCheckpointWarning,
@@ -72,12 +81,13 @@ def latest(
     return None
 
 
-def _problem(path: str, storage_options: dict[str, Any] | None) -> str | None:
-    """Why ``path`` is not a complete checkpoint, or None when it is."""
+def _problem(path: str, storage_options: dict[str, Any] | None, threads: int) -> tuple[str | None, FileIdentity | None]:
+    """(why ``path`` is not a complete checkpoint, or None when it is; the identity of the file
+    that passed)."""
     try:
-        report = verify_file(path, storage_options)
+        report = verify_file(path, storage_options, threads=threads)
     except FileNotFoundError:  # removed by retention since the listing
-        return "gone since it was listed"
+        return "gone since it was listed", None
     except Exception as exc:  # unreadable: not a checkpoint to resume from
-        return f"cannot be read: {exc}"
-    return None if report.ok else "; ".join(report.problems)
+        return f"cannot be read: {exc}", None
+    return (None, report.identity) if report.ok else ("; ".join(report.problems), None)
