@@ -535,6 +535,17 @@ def test_load_state_waits_for_pending_saves(tmp_path, installs):
     assert LA.is_complete(tmp_path / "c")
 
 
+def test_script_ending_without_wait_leaves_a_complete_folder(tmp_path):
+    """No wait(), no remove(): the handle is drained at exit (core.exit, integrations first), so the
+    folder's end (held in the script until the interpreter exits) still removes its marker."""
+    out, expected = tmp_path / "out", tmp_path / "expected.pt"
+    r = _run_script("exit_without_wait.py", out, expected)
+    assert r.returncode == 0 and "failed" not in r.stderr, r.stdout[-3000:] + r.stderr[-3000:]
+    assert LA.is_complete(out), os.listdir(out)
+    got = stock_restore_inprocess(out)
+    assert_restored(got, torch.load(expected, weights_only=False))
+
+
 def test_load_state_after_crash_refuses_or_falls_back(tmp_path, installs):
     project, expected = tmp_path / "proj", tmp_path / "expected.pt"
     r = _run_script("crash_after_save.py", project, expected)

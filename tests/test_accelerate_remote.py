@@ -9,7 +9,10 @@ the call restored by ``load_state`` from the URL, and nothing loadable when an u
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -28,7 +31,7 @@ from lazyckpt.commit import remote_folder as _remote_folder  # noqa: E402
 from lazyckpt.errors import IncompleteCheckpointError, SaveRefusedError, UploadError  # noqa: E402
 from lazyckpt.storage import objects as _objects  # noqa: E402
 from lazyckpt.storage import remote as _remote  # noqa: E402
-from test_accelerate import STOCK_SAVE, fresh_accelerate_state, make, split, step  # noqa: E402, F401 - the autouse fixture
+from test_accelerate import STOCK_SAVE, _env, fresh_accelerate_state, make, split, step  # noqa: E402, F401 - the autouse fixture
 
 pytestmark = pytest.mark.integration
 
@@ -167,6 +170,28 @@ def test_s3_round_trip_and_failed_upload_leaves_nothing_loadable(tmp_path, insta
     assert not fs.exists(f"{name}/run/ckpt-1/{_remote_folder.MANIFEST}")
     with pytest.raises(IncompleteCheckpointError):
         _restore(url, opts, tmp_path)
+
+
+def test_s3_script_ending_without_wait_uploads_at_exit(tmp_path, bucket, moto):
+    """save_state("s3://...") and the script ends: the handle drains before the interpreter's shutdown
+    (s3fs cannot upload from a plain atexit hook), so the folder and its manifest reach the store."""
+    fs, name = bucket
+    opts = _options(moto)
+    url, expected = f"s3://{name}/exit/ckpt", tmp_path / "expected.pt"
+    r = subprocess.run(
+        [sys.executable, str(C.TESTS / "accelerate_scripts" / "exit_without_wait.py"), url, str(expected)]
+        + [json.dumps(opts), str(tmp_path / "child-tier")],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert r.returncode == 0 and "failed" not in r.stderr, r.stdout[-3000:] + r.stderr[-3000:]
+    assert fs.exists(f"{name}/exit/ckpt/{_remote_folder.MANIFEST}")
+    want = torch.load(expected, weights_only=False)
+    got = _restore(url, opts, tmp_path)
+    for k in ("models", "opts", "scheds"):
+        C.assert_same(got[k], want[k], k)
 
 
 def test_refusals(tmp_path, installs):

@@ -5,8 +5,9 @@ whose ``save_state`` bypasses ``accelerate.checkpointing.save``, the process-wid
 counted, reversible) patch of that function, accelerate's folder numbering and writer rule, and
 the route of FSDP ``SHARDED_STATE_DICT`` saves: wrappers of accelerate's ``save_fsdp_model`` /
 ``save_fsdp_optimizer`` and a dispatcher in place of ``torch.distributed.checkpoint.save`` that hands
-exactly their call, for an installed accelerator, to ``lazyckpt.accelerate`` (patched and restored
-with the ``checkpointing.save`` patch).
+exactly their call, for an installed accelerator, to the route its handle set (``set_route``; patched
+and restored with the ``checkpointing.save`` patch). Nothing here imports the rest of
+``lazyckpt.accelerate``: what it calls back is passed in (the active save, the routes).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import logging
 import os
 import re
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -65,8 +67,31 @@ DcpRoute = Callable[[dict[str, Any], str], None]
 active_dcp: contextvars.ContextVar[DcpRoute | None] = contextvars.ContextVar(
     "lazyckpt_accelerate_active_dcp", default=None
 )
-# Looks up the route of an accelerator (set by lazyckpt.accelerate: its installed handle's, or None).
-route_for: Callable[[Any], DcpRoute | None] = lambda accelerator: None  # noqa: E731
+# The route of each installed accelerator (set and dropped by its handle, ``lazyckpt.accelerate._patch``).
+_routes: weakref.WeakKeyDictionary[Any, DcpRoute] = weakref.WeakKeyDictionary()
+
+
+def set_route(accelerator: Any, route: DcpRoute) -> None:
+    """Route the FSDP sharded saves of ``accelerator`` to ``route`` (while it is installed)."""
+    with _patch_lock:
+        _routes[accelerator] = route
+
+
+def drop_route(accelerator: Any, route: DcpRoute) -> None:
+    """``accelerator``'s sharded saves are stock again (if ``route`` is still its route)."""
+    with _patch_lock:
+        if _routes.get(accelerator) == route:
+            del _routes[accelerator]
+
+
+def route_for(accelerator: Any) -> DcpRoute | None:
+    """The route of an installed accelerator, or None (stock)."""
+    if accelerator is None:
+        return None
+    try:
+        return _routes.get(accelerator)
+    except TypeError:  # not weak-referenceable: never installed
+        return None
 
 
 def _dispatch_save(obj: Any, f: Any, save_on_each_node: bool = False, safe_serialization: bool = False) -> Any:

@@ -18,8 +18,10 @@ import struct
 import sys
 from typing import Any
 
+from lazyckpt.recovery import files as _files
+
 from ..errors import InspectError
-from . import _files, _tree
+from . import _tree
 from ._format import dump_json, human_bytes, table
 
 

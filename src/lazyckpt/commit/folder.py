@@ -34,14 +34,27 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from lazyckpt.errors import IncompleteCheckpointError, WriteError
 from lazyckpt.storage import fs as _fs
 
 if TYPE_CHECKING:
-    from lazyckpt.checkpointer import LazyCheckpointer
     from lazyckpt.core.handle import SaveHandle
+
+
+class Saver(Protocol):
+    """What a folder save needs of its checkpointer (``LazyCheckpointer``)."""
+
+    def save(
+        self,
+        obj: Any,
+        path: str | os.PathLike[str],
+        format: Any = ...,
+        metadata: Any = ...,
+        before_commit: Callable[[], object] | None = ...,
+    ) -> SaveHandle: ...
+
 
 __all__ = [
     "MARKER_PREFIX",
@@ -180,9 +193,7 @@ class FolderSave:
         """Block until the marker is durable; raise its WriteError if it cannot be (the file then fails)."""
         self.marker_durable.result()
 
-    def save(
-        self, checkpointer: LazyCheckpointer, obj: Any, path: str | os.PathLike[str], **options: Any
-    ) -> SaveHandle:
+    def save(self, checkpointer: Saver, obj: Any, path: str | os.PathLike[str], **options: Any) -> SaveHandle:
         """``checkpointer.save(obj, path, **options)`` as a file of this folder save (recorded for :meth:`end`)."""
         if self.ended:
             raise RuntimeError(f"lazyckpt: the save into {self.folder} has ended; begin a new FolderSave")

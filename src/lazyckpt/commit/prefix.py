@@ -69,8 +69,11 @@ class Prefix:
 
     def upload(self, name: str) -> None:
         """Upload the local file ``name`` to ``<url>/<name>``; ``UploadError`` on failure."""
+        self.upload_from(name, os.path.join(self.local, name))
+
+    def upload_from(self, name: str, path: str) -> None:
+        """Upload the local file ``path`` to ``<url>/<name>``; ``UploadError`` on failure."""
         url, key = self.object(name)
-        path = os.path.join(self.local, name)
         t = time.perf_counter()
         self.uploaded.append(name)  # before: a failed save deletes the key even if this attempt failed
         self.tier.transfer(url, self.fs, key, path)

@@ -17,14 +17,23 @@ from __future__ import annotations
 import functools
 import json
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from lazyckpt.commit.prefix import Prefix
 from lazyckpt.errors import IncompleteCheckpointError, UploadError
+from lazyckpt.options import CheckpointerOptions
 from lazyckpt.storage import remote as _remote
+from lazyckpt.storage.remote import RemoteTier
 
-if TYPE_CHECKING:
-    from lazyckpt.checkpointer import LazyCheckpointer
+
+class Checkpointer(Protocol):
+    """What folder saves at URLs need of their checkpointer (``LazyCheckpointer``)."""
+
+    @property
+    def options(self) -> CheckpointerOptions: ...
+
+    def remote_tier(self) -> RemoteTier: ...
+
 
 MANIFEST = ".lazyckpt-complete"
 _FORMAT = "lazyckpt-folder/1"
@@ -35,7 +44,7 @@ def _join(base: str, rel: str) -> str:
     return base.rstrip("/") + "/" + rel
 
 
-def local_folder(checkpointer: LazyCheckpointer, url: str) -> str:
+def local_folder(checkpointer: Checkpointer, url: str) -> str:
     """A fresh folder in the checkpointer's local tier for one folder save to ``url``."""
     tier = checkpointer.remote_tier()
     _fs, rpath = tier.resolve(url)
@@ -56,22 +65,33 @@ def files_of(folder: str) -> list[str]:
     return out
 
 
-def upload(checkpointer: LazyCheckpointer, folder: str, url: str) -> dict[str, Any]:
+def upload(checkpointer: Checkpointer, folder: str, url: str) -> dict[str, Any]:
     """Upload the complete local ``folder`` to ``url``, the manifest last (``commit/prefix.py``);
     returns the manifest.
 
     Raises ``UploadError`` (the local folder is then kept, and named in the error). On success the
     local copy is removed, or kept at ``<local_dir>/<protocol>/<key>`` with ``keep_local``."""
-    prefix = Prefix.at(checkpointer.remote_tier(), url, MANIFEST, local=folder)
+    manifest, prefix = publish(checkpointer.remote_tier(), folder, url)
+    prefix.finish_local()  # the save's own <pid>-<n> folder goes too
+    return manifest
+
+
+def publish(tier: RemoteTier, folder: str, url: str, scratch: str | None = None) -> tuple[dict[str, Any], Prefix]:
+    """Upload the files of the complete local ``folder`` to ``url``, then the manifest, written in
+    ``scratch`` (default: ``folder`` itself; another folder leaves ``folder`` untouched, as a level
+    copy must). The local files stay: the caller decides (``Prefix.finish_local``). Raises
+    ``UploadError`` after deleting what it uploaded; ``url`` then holds no checkpoint."""
+    prefix = Prefix.at(tier, url, MANIFEST, local=folder)
     try:
         prefix.hide_previous()  # no old manifest while files change
         files = files_of(folder)
         for rel in files:
             prefix.upload(rel)
         manifest = {"format": _FORMAT, "files": {rel: os.path.getsize(os.path.join(folder, rel)) for rel in files}}
-        with open(os.path.join(folder, MANIFEST), "w") as fh:
+        manifest_path = os.path.join(scratch or folder, MANIFEST)
+        with open(manifest_path, "w") as fh:
             json.dump(manifest, fh, indent=1, sort_keys=True)
-        prefix.upload(MANIFEST)
+        prefix.upload_from(MANIFEST, manifest_path)
     except Exception as exc:
         prefix.remove_uploaded()  # tidy, best effort: without the manifest they are no checkpoint anyway
         raise UploadError(
@@ -79,8 +99,7 @@ def upload(checkpointer: LazyCheckpointer, folder: str, url: str) -> dict[str, A
             f"no checkpoint; the local copy is kept at {folder}",
             url, attempts=getattr(exc, "attempts", 0), local_path=folder,
         ) from exc  # fmt: skip
-    prefix.finish_local()  # the save's own <pid>-<n> folder goes too
-    return manifest
+    return manifest, prefix
 
 
 def read_manifest(fs: Any, rpath: str, url: str) -> dict[str, Any]:
@@ -99,7 +118,7 @@ def read_manifest(fs: Any, rpath: str, url: str) -> dict[str, Any]:
     return manifest
 
 
-def download(checkpointer: LazyCheckpointer, url: str, dest: str) -> list[str]:
+def download(checkpointer: Checkpointer, url: str, dest: str) -> list[str]:
     """Copy the folder checkpoint at ``url`` (the files its manifest names) into ``dest``."""
     tier = checkpointer.remote_tier()
     fs, rpath = tier.resolve(url)

@@ -19,9 +19,10 @@ once every rank's file is in the store (``FsspecReader`` reads it; a failed uplo
 ``DistributedUploadError`` on every rank and leaves no ``.metadata``).
 """
 
+from lazyckpt.recovery.dcp import verify_checkpoint
+
 from ..errors import DistributedSaveError, DistributedUploadError
 from ._checkpointer import DistributedCheckpointer, DistributedSaveHandle
-from ._verify import verify_checkpoint
 
 __all__ = [
     "DistributedCheckpointer",

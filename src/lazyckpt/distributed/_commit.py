@@ -31,12 +31,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from lazyckpt.formats.dcp import MANIFEST, METADATA
 from lazyckpt.storage.fs import fsync_dir
 
 logger = logging.getLogger(__name__)
 
-METADATA = ".metadata"
-MANIFEST = ".lazyckpt-manifest.json"
 _STAGING_RE = re.compile(r"^\..+\.lazyckpt-dist-([0-9a-f]+)-\d+(-old)?\.tmp$")
 # Waits poll the store with short requests, backing off from 5 ms to 100 ms: a blocking
 # ``store.wait`` would hold the store client's lock (one per process, shared with the training's own

@@ -5,18 +5,26 @@ descriptor (retention cannot take it away meanwhile: it is pinned, and an unlink
 readable anyway) into a temporary name in the destination folder, fsynced, renamed over the
 final name, and the folder fsynced: the single-level save's commit protocol, through ``lazyckpt.storage.fs``
 so fault injection reaches it. A failure unlinks the temporary file; the final name never holds
-a partial file.
+a partial file. ``copy_tree`` does the same for a folder checkpoint: every file into a hidden
+temporary folder beside the destination, each fsynced, then one rename of the folder.
+``upload_folder`` feeds a URL level from a folder: every file, then the manifest last
+(``commit/remote_folder.py``).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import warnings
 from typing import Any
 
 import torch
 
+from lazyckpt.commit import remote_folder as _remote_folder
+from lazyckpt.commit.folder import MARKER_PREFIX
 from lazyckpt.storage import fs as _fs
+from lazyckpt.storage.remote import RemoteTier
 
 from ._level import Level, MemoryLevelWarning
 
@@ -28,10 +36,20 @@ def copy_file(src: str, dst: str, fsync: bool) -> None:
     """Copy the committed file ``src`` to ``dst`` atomically (see the module docstring)."""
     os.makedirs(os.path.dirname(dst), exist_ok=True)
     tmp = _fs.temporary_path(dst)
+    try:
+        _write_copy(src, tmp, fsync)
+        _fs.commit(tmp, dst, fsync)
+    except BaseException:
+        _fs.discard(tmp)
+        raise
+
+
+def _write_copy(src: str, new: str, fsync: bool) -> None:
+    """Create ``new`` (it must not exist) with the bytes of ``src``, fsynced (``fsync``)."""
     fd_in = os.open(src, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
         size = os.fstat(fd_in).st_size
-        fd = _fs.open_temporary(tmp, size)  # reserves the space: a full disk fails here
+        fd = _fs.open_temporary(new, size)  # reserves the space: a full disk fails here
         try:
             _copy_data(fd_in, fd, size)
             if fsync:
@@ -40,12 +58,58 @@ def copy_file(src: str, dst: str, fsync: bool) -> None:
             os.close(fd)
             raise
         _fs.close(fd)
-        _fs.commit(tmp, dst, fsync)
-    except BaseException:
-        _fs.discard(tmp)
-        raise
     finally:
         os.close(fd_in)
+
+
+def copy_tree(src: str, dst: str, fsync: bool) -> None:
+    """Copy the complete folder ``src`` to ``dst`` atomically: its files and subfolders (pending
+    markers and lazyckpt temporaries left out) into a hidden temporary folder beside ``dst``, every
+    file and folder fsynced, then renamed to ``dst`` and the parent fsynced. A ``dst`` already
+    there (the same step saved again) is renamed away first and deleted after. On failure the
+    temporary folder is removed (a killed process's is removed by ``cleanup_temporaries``, as the
+    levels do when they open) and ``dst`` is what it was."""
+    parent = os.path.dirname(dst)
+    os.makedirs(parent, exist_ok=True)
+    tmp = _fs.temporary_path(dst)
+    os.mkdir(tmp)
+    old = None
+    try:
+        for root, dirs, names in os.walk(src):
+            out = os.path.normpath(os.path.join(tmp, os.path.relpath(root, src)))
+            dirs[:] = sorted(d for d in dirs if not _is_protocol_file(d))
+            for d in dirs:
+                os.mkdir(os.path.join(out, d))
+            for name in sorted(n for n in names if not _is_protocol_file(n)):
+                _write_copy(os.path.join(root, name), os.path.join(out, name), fsync)
+            if fsync:
+                _fs.fsync_dir(out)
+        if os.path.lexists(dst):
+            old = _fs.temporary_path(dst)
+            _fs.rename(dst, old)
+        _fs.rename(tmp, dst)
+        if fsync:
+            _fs.fsync_dir(parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and not os.path.lexists(dst):
+            os.rename(old, dst)  # put the previous copy back
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _is_protocol_file(name: str) -> bool:
+    """A pending marker, a lazyckpt temporary, or a distributed save's staging folder: never copied."""
+    return name.startswith(MARKER_PREFIX) or (name.startswith(".") and name.endswith(".tmp") and ".lazyckpt-" in name)
+
+
+def upload_folder(tier: RemoteTier, src: str, url: str) -> None:
+    """Upload the complete folder ``src`` to the prefix ``url``: every file, the manifest last (its
+    local copy in a scratch folder: ``src`` is a level's checkpoint and stays untouched).
+    ``UploadError`` on failure, with nothing left that reads as a checkpoint at ``url``."""
+    with tempfile.TemporaryDirectory(prefix="lazyckpt-manifest-") as scratch:
+        _remote_folder.publish(tier, src, url, scratch=scratch)
 
 
 def _copy_data(fd_in: int, fd_out: int, size: int) -> None:

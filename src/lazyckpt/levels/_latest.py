@@ -1,7 +1,8 @@
 """``latest(levels)``: the newest step complete at some level, verified; the fastest level holding it.
 
-Works on names and files only (``_level.list_steps`` and ``lazyckpt.verify``), not on who wrote
-them: a restarted process, another node, or a later distributed saver's files are read the same way.
+Works on names and files only (``_level.list_steps``, ``lazyckpt.verify`` for files,
+``recovery.check.folder_problems`` for folder checkpoints), not on who wrote them: a restarted
+process, another node, or a distributed saver's folders are read the same way.
 """
 
 from __future__ import annotations
@@ -14,22 +15,23 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lazyckpt.recovery._read import READ_THREADS, FileIdentity
+from lazyckpt.recovery.check import folder_problems
 from lazyckpt.recovery.verify import verify as verify_file
 
 from ..errors import IncompleteCheckpointWarning
-from ._level import Level, as_level, list_steps
+from ._level import Level, as_level, list_steps, step_of
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Found:
-    """What ``latest()`` found: the file (or URL) ``path``, its ``step``, and ``level``, the index
-    of its level in the list given to ``latest()``.
+    """What ``latest()`` found: the file or folder (or URL) ``path``, its ``step``, and ``level``,
+    the index of its level in the list given to ``latest()``.
 
     ``verified``: the identity of the local file whose every CRC ``latest()`` checked (None when
-    it checked none: a URL, ``verify=False``, or a ``Found`` made by hand). ``load()`` skips its
-    own CRC pass only for a file it opens with that same identity."""
+    it checked none: a folder, a URL, ``verify=False``, or a ``Found`` made by hand). ``load()``
+    skips its own CRC pass only for a file it opens with that same identity."""
 
     path: str
     step: int
@@ -51,8 +53,17 @@ def latest(
     ``IncompleteCheckpointWarning`` naming it, and the next candidate is tried: the same step at a
     slower level, then older steps. ``None`` when no level holds a complete checkpoint. A level
     that cannot be listed (a missing bucket, no credentials) is skipped with a warning.
-    ``verify=False`` trusts the names (each is made by an atomic rename or object creation).
-    ``threads``: readers of a local file (its CRCs are computed as it is read; see ``load``)."""
+    ``verify=False`` trusts the names of files (each is made by an atomic rename or object
+    creation) and checks only the completeness of folders (no pending marker; at a URL, its last
+    key), not their CRCs.
+
+    Folder checkpoints (``step-<8 digits>``: Accelerate folders, DCP folders) are candidates as
+    files are; a folder is complete and intact when ``recovery.check.folder_problems`` says so.
+    When a level holds a step as both a file and a folder, the file is the candidate.
+
+    ``threads``: readers of a local file, whose CRCs are computed as it is read (see
+    ``recovery/_read.py``); the ``Found`` names the file so checked (``Found.verified``), and
+    ``load()`` does not check it again."""
     candidates: list[tuple[int, int, str]] = []
     for index, entry in enumerate(levels):
         level = as_level(entry)
@@ -68,9 +79,7 @@ def latest(
         candidates.extend((step, index, path) for step, path in steps.items())
     candidates.sort(key=lambda c: (-c[0], c[1]))
     for step, index, path in candidates:
-        if not verify:
-            return Found(path, step, index)
-        problem, identity = _problem(path, storage_options, threads)
+        problem, identity = _problem(path, storage_options, verify, threads)
         if problem is None:
             return Found(path, step, index, verified=identity)
         warnings.warn(
@@ -81,10 +90,17 @@ def latest(
     return None
 
 
-def _problem(path: str, storage_options: dict[str, Any] | None, threads: int) -> tuple[str | None, FileIdentity | None]:
+def _problem(
+    path: str, storage_options: dict[str, Any] | None, verify: bool, threads: int
+) -> tuple[str | None, FileIdentity | None]:
     """(why ``path`` is not a complete checkpoint, or None when it is; the identity of the file
-    that passed)."""
+    whose every CRC was checked, when one was)."""
+    name = path.rstrip("/").rsplit("/", 1)[-1]
     try:
+        if step_of(name, folder=True) is not None:
+            return "; ".join(folder_problems(path, storage_options, verify)) or None, None
+        if not verify:
+            return None, None
         report = verify_file(path, storage_options, threads=threads)
     except FileNotFoundError:  # removed by retention since the listing
         return "gone since it was listed", None

@@ -1,8 +1,12 @@
 """``Level``: one place checkpoints go to, how often, how many are kept; and its file names.
 
-File names: ``<level>/step-<step, 8 digits>.pt``. Only names that match exactly count (temporary
-files start with a dot and never match), so a listing shows committed checkpoints only: every final
-name is made by an atomic rename (local) or an atomic object creation (S3), never written in place.
+Names: ``<level>/step-<step, 8 digits>.pt`` for a file checkpoint (one ``torch.save`` file), and
+``<level>/step-<step, 8 digits>`` for a folder checkpoint (an Accelerate ``save_state`` folder, a
+DCP folder of ``lazyckpt.distributed``). Only names that match exactly count (temporaries start
+with a dot and never match), so a listing shows committed checkpoints only: a final file name is
+made by an atomic rename (local) or an atomic object creation (S3); a folder is complete once its
+pending markers are gone (written in place) or by a rename of the whole folder (a copy), and at a
+URL once its last key exists (a manifest, or DCP's ``.metadata``). ``latest()`` checks which.
 """
 
 from __future__ import annotations
@@ -16,9 +20,10 @@ from lazyckpt.storage import remote as _remote
 
 from ..errors import LevelError, MemoryLevelWarning
 
-__all__ = ["Level", "LevelError", "MemoryLevelWarning", "as_level", "list_steps", "step_name"]
+__all__ = ["Level", "LevelError", "MemoryLevelWarning", "as_level", "list_steps", "step_name", "step_of"]
 
 STEP_RE = re.compile(r"^step-(\d{8,})\.pt$")
+FOLDER_RE = re.compile(r"^step-(\d{8,})$")
 
 
 @dataclass(frozen=True)
@@ -62,40 +67,59 @@ class Level:
         return step % self.every == 0
 
     def file(self, step: int) -> str:
-        """Where this level's checkpoint of ``step`` lives."""
-        name = step_name(step)
+        """Where this level's file checkpoint of ``step`` lives (``step-<8 digits>.pt``)."""
+        return self.join(step_name(step))
+
+    def folder(self, step: int) -> str:
+        """Where this level's folder checkpoint of ``step`` lives (``step-<8 digits>``)."""
+        return self.join(step_name(step, folder=True))
+
+    def join(self, name: str) -> str:
         return f"{self.path.rstrip('/')}/{name}" if self.is_url else os.path.join(self.path, name)
 
 
-def step_name(step: int) -> str:
+def step_name(step: int, folder: bool = False) -> str:
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
-    return f"step-{step:08d}.pt"
+    return f"step-{step:08d}" if folder else f"step-{step:08d}.pt"
+
+
+def step_of(name: str, folder: bool | None = None) -> int | None:
+    """The step a level entry's name stands for (``folder``: only folder names; False: only file
+    names; None: either), or None for any other name."""
+    for pattern, is_folder in ((STEP_RE, False), (FOLDER_RE, True)):
+        if folder in (None, is_folder) and (m := pattern.match(name)):
+            return int(m.group(1))
+    return None
 
 
 def as_level(entry: Level | str | os.PathLike[str]) -> Level:
     return entry if isinstance(entry, Level) else Level(os.fspath(entry))
 
 
-def list_steps(level: Level, storage_options: dict[str, Any] | None = None) -> dict[int, str]:
-    """{step: path} of the committed checkpoints of ``level`` (an empty dict when it has none or
-    its folder does not exist). A URL level is listed through fsspec."""
+def list_steps(
+    level: Level, storage_options: dict[str, Any] | None = None, folder: bool | None = None
+) -> dict[int, str]:
+    """{step: path} of the checkpoints named at ``level`` (an empty dict when it has none or its
+    folder does not exist): file checkpoints (``folder=False``), folder checkpoints (True) or both
+    (None; where a step has both, the file). A URL level is listed through fsspec. A folder's name
+    says nothing of its completeness: ``latest()`` checks it."""
     if not level.is_url:
         try:
             names = os.listdir(level.path)
         except (FileNotFoundError, NotADirectoryError):
             return {}
-        return {int(m.group(1)): os.path.join(level.path, n) for n in names if (m := STEP_RE.match(n))}
-    fs, prefix = _remote.filesystem(level.path, storage_options)
-    prefix = prefix.rstrip("/")
-    try:
-        fs.invalidate_cache(prefix)
-        entries = fs.ls(prefix, detail=False)
-    except FileNotFoundError:
-        return {}
-    out = {}
-    for entry in entries:
-        name = str(entry).rstrip("/").rsplit("/", 1)[-1]
-        if m := STEP_RE.match(name):
-            out[int(m.group(1))] = f"{level.path.rstrip('/')}/{name}"
+    else:
+        fs, prefix = _remote.filesystem(level.path, storage_options)
+        prefix = prefix.rstrip("/")
+        try:
+            fs.invalidate_cache(prefix)
+            names = [str(entry).rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(prefix, detail=False)]
+        except FileNotFoundError:
+            return {}
+    out: dict[int, str] = {}
+    for name in sorted(names, key=lambda n: n.endswith(".pt")):  # files last: they win a tie
+        step = step_of(name, folder)
+        if step is not None:
+            out[step] = level.join(name)
     return out

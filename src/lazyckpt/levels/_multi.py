@@ -1,13 +1,16 @@
 """``MultiLevel``: the multi-level saver behind ``LazyCheckpointer(levels=...).save(obj, step=)``.
 
-Data flow of one ``save(obj, step=s)`` (see docs/ARCHITECTURE.md, "Multi-level checkpoints"):
+Data flow of one ``save(obj, step=s)`` (see docs/ARCHITECTURE.md, "Multi-level checkpoints"); a
+folder saver (``MultiLevel(..., folder=True).save_with(step, produce)``: Accelerate's ``save_state``
+folders) goes the same way, ``produce(path)`` making the fastest level's folder checkpoint:
 
     caller thread: due levels = those with s % every == 0; admit each slower due level (its backlog
         bound: wait, or skip that level's copy with on_backpressure="skip"); pin the source;
         ONE core save ``LazyCheckpointer.save(obj, <fastest due level>/step-s.pt)`` (the only
         device-to-host staging; a URL fastest level saves to a local staging file instead)
     lazyckpt-level-<i> (one thread per slower level, FIFO): waits for the source save's handle,
-        copies the committed file (``_copy.copy_file``; a URL level: ``RemoteTier.transfer``),
+        copies the committed file or folder (``_copy.copy_file`` / ``copy_tree``; a URL level:
+        ``RemoteTier.transfer`` / ``_copy.upload_folder``),
         unpins the source, applies level i's retention, ends its part of the handle
     core callback thread (the source save's done-callback): the source level's retention
 
@@ -28,6 +31,7 @@ import threading
 import time
 import warnings
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -96,13 +100,19 @@ class _Worker:
 
 
 class MultiLevel:
-    def __init__(self, ckpt: Saver, levels: tuple[Level, ...], options: CheckpointerOptions) -> None:
+    """The multi-level saver of one checkpointer: file checkpoints (``folder=False``,
+    ``step-<n>.pt``) or folder checkpoints (``folder=True``, ``step-<n>``)."""
+
+    def __init__(
+        self, ckpt: Saver, levels: tuple[Level, ...], options: CheckpointerOptions, *, folder: bool = False
+    ) -> None:
         check_levels(levels)
         if len({lv.path for lv in levels}) != len(levels):
             raise ValueError("two levels share a path; give each level its own folder")
         self.ckpt = ckpt
         self.levels = levels
         self.options = options
+        self.folder = folder
         self.skipped_copies = 0
         self._cond = threading.Condition()
         self._ledger = ErrorLedger()
@@ -121,10 +131,22 @@ class MultiLevel:
         for level in levels:
             if not level.is_url:
                 os.makedirs(level.path, exist_ok=True)
+                _fs.cleanup_temporaries(level.path)  # copies a killed process left half-done
 
     # -- caller side ------------------------------------------------------------------------------
 
     def save(self, obj: Any, step: int) -> SaveHandle:
+        """``obj`` to every level due at ``step``: one core save of ``obj`` (file checkpoints)."""
+        return self.save_with(step, lambda path: self.ckpt.save(obj, path), nbytes=lambda: _copy.tensor_bytes(obj))
+
+    def save_with(
+        self, step: int, produce: Callable[[str], SaveHandle], nbytes: Callable[[], int] | None = None
+    ) -> SaveHandle:
+        """Save ``step`` to every level due at it: ``produce(path)`` saves the checkpoint (a file,
+        or with ``folder=True`` a folder) at the fastest due level's ``path`` (or a local staging
+        path when that level is a URL) and returns its handle, done once it is complete there;
+        slower levels copy it from there. ``nbytes()``: the checkpoint's size, for the memory
+        statement at the first save (None: not checked)."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise SaveRefusedError(f"step must be an int >= 0, got {step!r}")
         t0 = time.perf_counter()
@@ -132,13 +154,13 @@ class MultiLevel:
         due = [i for i, lv in enumerate(self.levels) if lv.due(step)]
         if not due:
             return _not_due(step, t0)
-        if not self._memory_checked:
+        if not self._memory_checked and nbytes is not None:
             self._memory_checked = True
-            _copy.check_memory(self.levels, _copy.tensor_bytes(obj))
+            _copy.check_memory(self.levels, nbytes())
         first = due[0] if not self.levels[due[0]].is_url else None
         targets = due[1:] if first is not None else due
         admitted = [i for i in targets if self._admit(i, step)]
-        src = self.levels[first].file(step) if first is not None else self._staging_file(step)
+        src = self.path(first, step) if first is not None else self._staging_path(step)
         feed = _Feed(first, step, src, len(admitted))
         with self._cond:
             for i in ([] if first is None else [first]) + admitted:
@@ -147,12 +169,12 @@ class MultiLevel:
             if first is not None and admitted:
                 self._pins[(first, step)] += 1
         try:
-            source = self.ckpt.save(obj, src)
+            source = produce(src)
         except BaseException:
             self._unadmit(admitted, feed)
             raise
         part = SOURCE if first is None else first
-        parts = Parts(self.levels[due[0]].file(step), step, source, [part, *admitted], self, t0)
+        parts = Parts(self.path(due[0], step), step, source, [part, *admitted], self, t0)
         handle = parts.handle
         handle.levels_skipped = [i for i in targets if i not in admitted]
         with self._cond:
@@ -172,6 +194,11 @@ class MultiLevel:
 
         source.add_done_callback(on_source)
         return handle
+
+    def path(self, index: int, step: int) -> str:
+        """Level ``index``'s checkpoint of ``step``: its file, or its folder (``folder=True``)."""
+        level = self.levels[index]
+        return level.folder(step) if self.folder else level.file(step)
 
     def take_errors(self) -> list[BaseException]:
         return self._ledger.take()
@@ -239,11 +266,15 @@ class MultiLevel:
 
     def _copy_to(self, index: int, step: int, src: str) -> LevelError | None:
         level = self.levels[index]
-        dst = level.file(step)
+        dst = self.path(index, step)
         try:
-            if level.is_url:
+            if level.is_url and self.folder:
+                _copy.upload_folder(self._remote_tier(), src, dst)
+            elif level.is_url:
                 tier = self._remote_tier()
                 tier.transfer(dst, *tier.resolve(dst), src)
+            elif self.folder:
+                _copy.copy_tree(src, dst, self.options.fsync)
             else:
                 _copy.copy_file(src, dst, self.options.fsync)
         except Exception as exc:
@@ -283,7 +314,7 @@ class MultiLevel:
         remote tier (a URL level: on its own level thread)."""
         level = self.levels[index]
         try:
-            steps = list_steps(level, self.options.storage_options)
+            steps = list_steps(level, self.options.storage_options, folder=self.folder)
         except Exception as exc:
             logger.warning("lazyckpt: level %d (%s): cannot list it for retention: %s", index, level.path, exc)
             return
@@ -375,16 +406,20 @@ class MultiLevel:
                 self._tier = _remote.RemoteTier(self.options, self._ledger.publish, self._callbacks)
             return self._tier
 
-    def _staging_file(self, step: int) -> str:
+    def _staging_path(self, step: int) -> str:
         with self._cond:
             if self._staging is None:
                 base = self.options.local_dir
                 if base is not None:
                     os.makedirs(base, exist_ok=True)
                 self._staging = tempfile.mkdtemp(prefix="lazyckpt-levels-", dir=base)
-            return os.path.join(self._staging, f"{next(self._counter):06d}-step-{step:08d}.pt")
+            suffix = "" if self.folder else ".pt"
+            return os.path.join(self._staging, f"{next(self._counter):06d}-step-{step:08d}{suffix}")
 
     def _discard_staging(self, path: str) -> None:
+        if self.folder:
+            shutil.rmtree(path, ignore_errors=True)
+            return
         try:
             _fs.unlink(path)
         except OSError:

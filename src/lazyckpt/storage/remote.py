@@ -382,21 +382,6 @@ def invalidate(fs: Any, rpath: str) -> None:
         fs.invalidate_cache(rpath)
 
 
-def before_interpreter_shutdown(fn: Callable[[], None]) -> None:
-    """Run ``fn`` when the interpreter starts shutting down, before ``concurrent.futures`` refuses
-    new work. ``atexit`` is too late for uploads: aiohttp (under s3fs) resolves host names through
-    the loop's default executor, which then raises "cannot schedule new futures after interpreter
-    shutdown". Hooks registered through ``threading._register_atexit`` run in reverse order, so one
-    registered after ``concurrent.futures`` was imported runs before its shutdown flag is set."""
-    register = getattr(threading, "_register_atexit", None)
-    if register is None:  # pragma: no cover - CPython >= 3.9 has it
-        return
-    try:
-        register(fn)
-    except RuntimeError:  # already shutting down: atexit's drain is what is left
-        logger.debug("lazyckpt: interpreter shutting down; uploads drain at exit only")
-
-
 def discard_local(local_path: str) -> None:
     """Delete a local copy, and its folder if it had one of its own (not the shared files folder)."""
     with contextlib.suppress(OSError):

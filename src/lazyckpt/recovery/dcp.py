@@ -16,10 +16,9 @@ import os
 from typing import Any
 
 from lazyckpt.formats.crc import crc32
+from lazyckpt.formats.dcp import MANIFEST, METADATA
 from lazyckpt.recovery.verify import VerifyReport
 from lazyckpt.storage import remote as _remote
-
-from ._commit import MANIFEST, METADATA
 
 _BLOCK = 64 << 20
 _URL_BLOCK = 8 << 20  # one ranged read per block

@@ -1,0 +1,262 @@
+"""The handle ``install()`` returns: lazy ``save_state`` / waiting ``load_state`` of one Accelerator.
+
+One ``save_state`` call flows: refusals and the URL's local folder (``_url``) -> room for
+``total_limit`` (``_retention``) -> the previous saves' errors raised -> stock ``save_state`` with a
+:class:`~lazyckpt.accelerate._folder_save.SaveStateCall` active, whose files go to the
+``LazyCheckpointer`` (and FSDP sharded folders to ``_sharded``) -> its end on the *finisher* thread ->
+its upload on the *uploader* thread. ``load_state`` reads what ``_load`` (or ``_url``) says is complete.
+
+Threads: the finisher (marker fsyncs, folder ends, in order) and the uploader (folders saved to URLs,
+in save order), each one ``core.workers.Worker`` started at its first job; the checkpointer's own.
+All end with ``remove()``; at exit the handle is drained first (``core.exit``, the integrations'
+layer; before the interpreter's shutdown once it saved to a URL, as uploads need).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from lazyckpt.accelerate import _compat, _load, _url
+from lazyckpt.accelerate._folder_save import SaveStateCall, SaveStateCalls, stock_written_files
+from lazyckpt.accelerate._patch import InstancePatch
+from lazyckpt.accelerate._retention import OldFolders
+from lazyckpt.accelerate._sharded import ShardedSaves
+from lazyckpt.core import exit as _exit
+from lazyckpt.core import guard as _guard
+from lazyckpt.core.workers import Worker
+from lazyckpt.errors import SaveRefusedError
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+    from lazyckpt import LazyCheckpointer
+
+logger = logging.getLogger("lazyckpt.accelerate")
+
+Job = Callable[[], None]
+
+
+class AccelerateHandle:
+    """What :func:`install` returns: ``wait()`` drains pending saves, ``remove()`` restores stock behaviour.
+
+    Made by ``install()``, which checks its arguments first; constructing it installs it on ``accelerator``.
+    """
+
+    def __init__(
+        self,
+        accelerator: Accelerator,
+        checkpointer: LazyCheckpointer,
+        owns_checkpointer: bool,
+        *,
+        load_timeout: float = 600.0,
+    ) -> None:
+        self.accelerator = accelerator
+        self.checkpointer = checkpointer
+        self.load_timeout = float(load_timeout)  # seconds load_state waits for other processes' pending saves
+        self.max_pending_uploads = 2  # folders saved to URLs waiting for upload before save_state waits
+        self.last_save_state_s: float | None = None  # seconds the last save_state call blocked
+        self._owns = owns_checkpointer
+        self._saves = SaveStateCalls()
+        self._old_folders = OldFolders(checkpointer)
+        self._sharded = ShardedSaves(self, checkpointer)  # FSDP sharded saves
+        self._steps_seen = _guard.steps()  # optimizer steps at install / the last save_state
+        self._tracked: set[int] = set()
+        self._tracked_refs: list[Any] = []
+        self._removed = False
+        self._warned_stock = False
+        self._exit_early = False
+        self._finisher: Worker[Job] = Worker("lazyckpt-accelerate-finisher", _run, lazy=True)  # markers, folder ends
+        self._uploader: Worker[Job] = Worker("lazyckpt-accelerate-upload", _run, lazy=True)  # URL folders, in order
+        self._patch = InstancePatch(
+            accelerator,
+            self,
+            save_state=self._save_state,
+            load_state=self._load_state,
+            pre_hook=self._pre_hook,
+            route=self._sharded.route,
+        )
+        _exit.register(self, _drain_at_exit, layer=_exit.INTEGRATION)
+
+    # -- public --------------------------------------------------------------------------------------
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every pending ``save_state`` of this accelerator is durable (and old folders deleted for
+        ``total_limit`` are gone); raise the first error nobody has seen. ``timeout``: seconds (``None``: no
+        limit), then ``TimeoutError``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        for call in self._saves.all():
+            call.wait(left())
+        self.checkpointer.wait(left())
+        self._sharded.wait(left())  # every FSDP sharded save committed on every process (or its error)
+        self._saves.prune()
+
+    def pending(self) -> int:
+        """Number of save_state calls of this accelerator whose files are not all durable yet."""
+        return self._saves.pending()
+
+    @property
+    def removed(self) -> bool:
+        return self._removed
+
+    def remove(self) -> None:
+        """Drain pending saves, then restore the stock ``save_state``/``load_state`` (raises a drained error)."""
+        if self._removed:
+            return
+        error: BaseException | None = None
+        try:
+            self.wait()
+        except BaseException as exc:  # noqa: BLE001
+            error = exc
+        finally:
+            self._removed = True
+            self._patch.undo()
+            self._finisher.stop()
+            self._uploader.stop()
+            self._tracked_refs.clear()
+            _exit.unregister(self)
+            try:
+                self._sharded.close()
+            except BaseException as exc:  # noqa: BLE001 - drained above; reported if nothing else was
+                error = error or exc
+            if self._owns:
+                self.checkpointer.close()
+        if error is not None:
+            raise error
+
+    def __enter__(self) -> AccelerateHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    # -- what the installed save_state / load_state / pre-hook call ----------------------------------
+    def _save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> Any:
+        url = _url.save_target(self.accelerator, output_dir)
+        if url is not None:
+            self._drain_before_shutdown()
+        stock = self._patch.stock_save_state
+        if self._removed or not self._lazy_supported():
+            if url is not None:
+                raise SaveRefusedError(f"lazyckpt.accelerate: save_state to a URL ({url}) needs the lazy path")
+            return stock(output_dir, safe_serialization=safe_serialization, **kwargs)
+        t0 = time.perf_counter()
+        # No optimizer step since the last save_state (or install): no training runs to overlap with
+        # (an evaluation, a save before training, a script about to delete or read the folder):
+        # behave as stock and return with the folder durable.
+        training, self._steps_seen = _guard.steps() != self._steps_seen, _guard.steps()
+        if url is not None:  # saved into a fresh local folder, uploaded once complete (SaveStateCall._upload)
+            _url.admit_upload(self._saves, url, self.max_pending_uploads)
+            output_dir = _url.local_folder(self.checkpointer, url)
+        # 1. never let stock's rmtree of old folders race their pending writes
+        self._old_folders.make_room(self.accelerator, self._saves)
+        # 2. a failed earlier save is reported here at the latest (stock save_state would have raised)
+        self._raise_unreported()
+        self._track_new_optimizers()
+        call = SaveStateCall(
+            self,
+            self.checkpointer,
+            tag=self.accelerator.process_index,
+            finisher=self._on_finisher,
+            uploader=self._on_uploader,
+            url=url,
+        )
+        token = _compat.active_save.set(call)
+        aborted = True
+        try:
+            location = stock(output_dir, safe_serialization=safe_serialization, **kwargs)
+            aborted = False
+        finally:
+            _compat.active_save.reset(token)
+            if call.folder is not None:
+                sync, scan = stock_written_files(self.accelerator, call.folder)
+                self._saves.add(call)
+                call.finish(sync, scan, aborted)
+            self.last_save_state_s = time.perf_counter() - t0
+        if not training and not aborted and call.folder is not None and self.accelerator.num_processes == 1:
+            # Durable on return, the old folders' deletions done; a failure is still reported as
+            # every lazy save's is (the next save_state / load_state / wait()).
+            call.wait()  # confirms on this thread (the saving thread): never waits for itself
+            self._old_folders.wait()
+            self.last_save_state_s = time.perf_counter() - t0
+        return url if url is not None else location
+
+    def _load_state(
+        self, input_dir: str | None = None, load_kwargs: dict[str, Any] | None = None, **kwargs: Any
+    ) -> Any:
+        stock = self._patch.stock_load_state
+        if self._removed:
+            return stock(input_dir, load_kwargs=load_kwargs, **kwargs)
+        url = _url.load_source(input_dir)
+        if url is not None:
+            with _url.downloaded(self.checkpointer, self._saves, url) as local:
+                return stock(local, load_kwargs=load_kwargs, **kwargs)
+        folder = _load.folder_to_load(self.accelerator, self._saves, input_dir, self.load_timeout)
+        return stock(folder, load_kwargs=load_kwargs, **kwargs)
+
+    def _pre_hook(self, models: list[Any], weights: list[Any], output_dir: str) -> None:
+        call = _compat.active_save.get()
+        if isinstance(call, SaveStateCall) and call.owner is self:
+            call.begin(output_dir)
+
+    # -- internals -----------------------------------------------------------------------------------
+    def _on_finisher(self, job: Job) -> None:
+        if not self._finisher.submit(job):  # after remove() (or no thread to be had): inline
+            job()
+
+    def _on_uploader(self, job: Job) -> None:
+        if not self._uploader.submit(job):
+            job()
+
+    def _lazy_supported(self) -> bool:
+        acc = self.accelerator
+        if acc.distributed_type in _compat.STOCK_ONLY_TYPES and not _compat.is_sharded_fsdp(acc):
+            if not self._warned_stock:
+                self._warned_stock = True
+                logger.warning(
+                    "lazyckpt.accelerate: distributed type %s is not supported; save_state stays synchronous (stock)",
+                    acc.distributed_type,
+                )
+            return False
+        return True
+
+    def _track_new_optimizers(self) -> None:
+        new = []
+        for opt in self.accelerator._optimizers:
+            inner = _compat.unwrap_optimizer(opt)
+            if inner is not None and id(inner) not in self._tracked:
+                self._tracked.add(id(inner))
+                self._tracked_refs.append(inner)  # keep id() unique while tracked
+                new.append(inner)
+        if new:
+            self.checkpointer.track(*new)
+
+    def _raise_unreported(self) -> None:
+        """Errors are the checkpointer's to report, once (failed files, folders, deletions)."""
+        self._saves.prune()
+        self.checkpointer.raise_errors()
+
+    def _drain_before_shutdown(self) -> None:
+        """Saved to a URL: drain at the start of the interpreter's shutdown, as s3fs cannot upload from
+        a plain atexit hook (``core/exit.py``)."""
+        if not self._exit_early:
+            self._exit_early = True
+            _exit.register(self, _drain_at_exit, layer=_exit.INTEGRATION, early=True)
+
+
+def _run(job: Job) -> None:
+    job()
+
+
+def _drain_at_exit(handle: AccelerateHandle) -> None:
+    if handle.removed:
+        return
+    try:
+        handle.wait()
+    except BaseException as exc:  # noqa: BLE001 - nobody left to raise to
+        logger.error("lazyckpt.accelerate: a checkpoint save failed: %r", exc)

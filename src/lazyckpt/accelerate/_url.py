@@ -1,0 +1,93 @@
+"""Folders at URLs: ``save_state("s3://...")`` and ``load_state("s3://...")`` (one process).
+
+Save: the stock folder is saved into a fresh local folder of the checkpointer's remote tier
+(``commit/remote_folder.local_folder``), lazily as any folder; once complete, the handle's uploader
+thread uploads its files and the manifest last (``SaveStateCall._upload``). :func:`admit_upload`
+bounds the local disk used by folders waiting for upload. Load: this process's saves to the URL
+are waited for, the files its manifest names are downloaded, and stock ``load_state`` reads them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import time
+import warnings
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from lazyckpt.commit import remote_folder as _remote_folder
+from lazyckpt.errors import BackpressureWarning, IncompleteCheckpointError, SaveRefusedError
+from lazyckpt.storage.remote import is_url
+
+if TYPE_CHECKING:
+    from lazyckpt import LazyCheckpointer
+    from lazyckpt.accelerate._folder_save import SaveStateCalls
+
+
+def save_target(accelerator: Any, output_dir: Any) -> str | None:
+    """The URL ``save_state(output_dir)`` writes to, or None for a local folder; refuses what cannot work."""
+    if accelerator.project_configuration.automatic_checkpoint_naming:
+        if is_url(str(accelerator.project_dir)):  # stock would makedirs a local folder named "s3:"
+            raise SaveRefusedError(
+                "lazyckpt.accelerate: automatic_checkpoint_naming with a URL project_dir "
+                f"({accelerator.project_dir}) is not supported; call save_state(output_dir='s3://...') "
+                "with explicit names instead"
+            )
+        return None
+    if not (isinstance(output_dir, str) and is_url(output_dir)):
+        return None
+    if accelerator.num_processes > 1:
+        raise SaveRefusedError(
+            f"lazyckpt.accelerate: save_state to a URL ({output_dir}) with {accelerator.num_processes} processes "
+            "is not supported yet (one process only); save to a shared local folder and upload it"
+        )
+    return output_dir.rstrip("/")
+
+
+def load_source(input_dir: Any) -> str | None:
+    """The URL ``load_state(input_dir)`` reads from, or None for a local folder."""
+    return input_dir.rstrip("/") if isinstance(input_dir, str) and is_url(input_dir) else None
+
+
+def admit_upload(saves: SaveStateCalls, url: str, bound: int) -> None:
+    """Bound the local disk: at most ``bound`` folders saved to URLs wait for their upload; the next
+    save_state to a URL waits for the oldest (and warns with the numbers)."""
+    pending = saves.uploads_pending()
+    if len(pending) < bound:
+        return
+    t = time.monotonic()
+    for call in pending[: len(pending) - bound + 1]:
+        call.wait()
+    warnings.warn(
+        f"lazyckpt.accelerate: save_state to {url} waited {time.monotonic() - t:.2f} s for uploads: "
+        f"{len(pending)} folder(s) were still waiting for upload, bound {bound} "
+        "(max_pending_uploads). Save less often or give uploads more bandwidth.",
+        BackpressureWarning,
+        stacklevel=4,  # the caller of accelerator.save_state
+    )
+
+
+def local_folder(checkpointer: LazyCheckpointer, url: str) -> str:
+    """A fresh local folder of the remote tier for the save of ``url``."""
+    return _remote_folder.local_folder(checkpointer, url)
+
+
+@contextlib.contextmanager
+def downloaded(checkpointer: LazyCheckpointer, saves: SaveStateCalls, url: str) -> Iterator[str]:
+    """Wait for this process's saves to ``url``, download the files its manifest names into the
+    local tier (``IncompleteCheckpointError`` without a manifest); the local folder while the block runs."""
+    mine = saves.to_url(url)
+    for call in mine:
+        call.wait()
+    dest = _remote_folder.local_folder(checkpointer, url)
+    try:
+        try:
+            _remote_folder.download(checkpointer, url, dest)
+        except IncompleteCheckpointError as exc:
+            failed = next((c.error for c in reversed(mine) if c.error is not None), None)
+            raise exc from failed
+        yield dest
+    finally:
+        shutil.rmtree(os.path.dirname(dest), ignore_errors=True)
