@@ -62,14 +62,17 @@ Progress = Callable[[int, str], None]  # (units done, what is running)
 
 
 class Bench:
-    """One benchmark run; ``run()`` returns the JSON-ready document."""
+    """One benchmark run; ``run()`` returns the JSON-ready document. A subclass may compare other
+    modes: ``all_modes`` (in the order they run) and ``make_modes``."""
+
+    all_modes: tuple[str, ...] = MODES
 
     def __init__(self, opts: BenchOptions, progress: Progress) -> None:
         self.opts, self.progress = opts, progress
         self.steps, self.rounds, self.warmup = opts.resolved()
         self.device = torch.device(opts.device)
         self.skipped = unavailable_peers(list(opts.modes))
-        self.modes = [m for m in MODES if m == "none" or (m in opts.modes and m not in self.skipped)]
+        self.modes = [m for m in self.all_modes if m == "none" or (m in opts.modes and m not in self.skipped)]
         self.done_units = 0
 
     @property
@@ -110,6 +113,9 @@ class Bench:
         self._sync()
         self.ckpt_bytes = _gpt.state_bytes(self.state())
 
+    def make_modes(self, out_dir: Path) -> dict[str, Mode]:
+        return make_modes(self.modes, out_dir, self.device, self.opt, self.opts.writer_threads)
+
     def state(self) -> dict[str, Any]:
         return {"model": self.model.state_dict(), "optim": self.opt.state_dict(), "step": self.step_no}
 
@@ -123,7 +129,7 @@ class Bench:
 
     def _run(self, out_dir: Path) -> dict[str, Any]:
         self._setup()
-        impl = make_modes(self.modes, out_dir, self.device, self.opt, self.opts.writer_threads)
+        impl = self.make_modes(out_dir)
         results: dict[str, list[dict[str, Any]]] = {m: [] for m in self.modes}
         raw_runs: list[dict[str, Any]] = []
         iso_runs: list[dict[str, Any]] = []
