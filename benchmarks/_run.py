@@ -9,6 +9,7 @@ many bytes as one checkpoint file, and an isolated lazyckpt save (nothing else r
 
 from __future__ import annotations
 
+import argparse
 import gc
 import logging
 import os
@@ -38,6 +39,33 @@ MODES = ("none", "torch.save", "dcp", "write-only", "lazyckpt", "lazyckpt-bg")
 DEFAULT_MODES = ("none", "torch.save", "dcp", "write-only", "lazyckpt")
 # counted steps, rounds, warm-up steps per segment, per model size
 DEFAULTS = {"tiny": (10, 3, 2), "small": (6, 4, 1), "100m": (5, 4, 1), "1b": (4, 2, 1)}
+
+
+def add_loop_arguments(
+    p: argparse.ArgumentParser,
+    modes: tuple[str, ...],
+    default_modes: tuple[str, ...],
+    steps: int | None = None,
+    rounds: int | None = None,
+    warmup: int | None = None,
+) -> None:
+    """The options of every training benchmark on this loop (``None`` defaults: ``DEFAULTS`` by size)."""
+
+    def number(flag: str, value: int | None, what: str) -> None:
+        p.add_argument(flag, type=int, default=value, help=what + ("" if value is None else f" (default {value})"))
+
+    p.add_argument("--size", default="100m", choices=sorted(_gpt.SIZES), help="model size (default 100m, ~1.2 GB)")
+    number("--steps", steps, "counted steps (= checkpoints) per segment")
+    number("--rounds", rounds, "repetitions of all modes (order rotates)")
+    number("--warmup", warmup, "uncounted checkpointing steps per segment")
+    p.add_argument("--modes", default=",".join(default_modes), help=f"subset of {','.join(modes)} (none always runs)")
+    p.add_argument("--writer-threads", type=int, default=4, help="lazyckpt writer threads (default 4)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch.set_num_threads for training (1 on 2 cores: the spare-core regime; default: torch's)",
+    )
 
 
 @dataclass

@@ -47,11 +47,10 @@ import torch
 from lazyckpt.cli._format import dump_json
 
 from . import _resume
-from . import gpt as _gpt
 from ._levels_report import PEERS, print_report
 from ._modes import Mode, make_modes
 from ._progress import ProgressBar
-from ._run import Bench, BenchOptions
+from ._run import Bench, BenchOptions, add_loop_arguments
 
 LEVEL_MODES = ("lazy-disk", "lazy-mem", "lazy-mem+disk", "lazy-mem+disk-nice", "lazy-mem+disk-inline")
 MODES = ("none", "torch.save", "dcp", *LEVEL_MODES)
@@ -200,19 +199,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--size", default="100m", choices=sorted(_gpt.SIZES), help="model size (default 100m, ~1.2 GB)")
-    p.add_argument("--steps", type=int, default=20, help="counted steps (= checkpoints) per segment (default 20)")
-    p.add_argument("--rounds", type=int, default=3, help="repetitions of all modes, order rotating (default 3)")
-    p.add_argument("--warmup", type=int, default=1, help="uncounted checkpointing steps per segment (default 1)")
-    p.add_argument("--modes", default=",".join(MODES), help=f"subset of {','.join(MODES)} (none always runs)")
+    add_loop_arguments(p, MODES, MODES, steps=20, rounds=3, warmup=1)
     p.add_argument("--disk-every", type=int, default=10, help="the disk level's period in steps (default 10)")
-    p.add_argument("--writer-threads", type=int, default=4)
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="torch.set_num_threads (1 on 2 cores: the spare-core regime; default: torch's, busy)",
-    )
     p.add_argument("--out-dir", default=None, help="the disk level's folder (default: a temporary one)")
     p.add_argument("--memory-dir", default=None, help="the memory level's folder (default: one in /dev/shm)")
     p.add_argument("--resume-rounds", type=int, default=3, help="rounds of the resume cases (default 3; 0: none)")

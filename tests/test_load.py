@@ -216,3 +216,27 @@ def test_verify_names_the_file_it_read_only_when_it_passed(tmp_path):
     _flip_middle_byte(path)
     report = lazyckpt.verify(path)
     assert not report.ok and report.identity is None
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_read_with_crcs_gives_each_ranges_crc_whatever_the_pieces(threads):
+    """Ranges across pieces and chunks, touching, overlapping, empty, at the ends; into a buffer or not."""
+    import random
+    import zlib
+
+    from lazyckpt.recovery._read import read_with_crcs
+
+    rng = random.Random(threads)
+    data = os.urandom(100_003)
+    ranges = [(0, 10), (10, 100_003), (5, 5), (99_990, 100_003), (1_000, 50_000), (30_000, 30_001)]
+    ranges += [tuple(sorted(rng.randrange(len(data) + 1) for _ in range(2))) for _ in range(20)]
+
+    def read_into(view, offset):
+        view[:] = data[offset : offset + len(view)]
+
+    for piece, chunk in ((1 << 20, 1 << 20), (4096, 1000), (777, 100)):
+        into = memoryview(bytearray(len(data)))
+        for target in (None, into):
+            got = read_with_crcs(read_into, len(data), ranges, threads=threads, piece=piece, chunk=chunk, into=target)
+            assert got == [zlib.crc32(data[a:b]) for a, b in ranges], (piece, chunk)
+        assert bytes(into) == data
