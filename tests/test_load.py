@@ -126,18 +126,18 @@ def _flip_middle_byte(path) -> None:
 @pytest.fixture
 def crc_passes(monkeypatch):
     """How many CRC passes (``read_with_crcs`` calls that check at least one range) ran."""
-    from lazyckpt.levels import _load
+    from lazyckpt.recovery import _read
     from lazyckpt.recovery import verify as _verify
 
     count = [0]
-    real = _load.read_with_crcs
+    real = _read.read_with_crcs
 
     def counted(read_into, size, ranges, **kwargs):
         count[0] += bool(ranges)
         return real(read_into, size, ranges, **kwargs)
 
-    monkeypatch.setattr(_load, "read_with_crcs", counted)
-    monkeypatch.setattr(_verify, "read_with_crcs", counted)
+    monkeypatch.setattr(_read, "read_with_crcs", counted)  # load()'s
+    monkeypatch.setattr(_verify, "read_with_crcs", counted)  # verify()'s
     return count
 
 

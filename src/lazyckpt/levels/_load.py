@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from lazyckpt.recovery._read import CHUNK_BYTES, PIECE_BYTES, READ_THREADS, FileIdentity, fd_path, read_with_crcs
+from lazyckpt.recovery import _read
 from lazyckpt.storage import fs as _fs
 from lazyckpt.storage import remote as _remote
 
@@ -46,8 +46,8 @@ def load(
     weights_only: bool = True,
     verify: bool = True,
     storage_options: dict[str, Any] | None = None,
-    threads: int = READ_THREADS,
-    piece_bytes: int = PIECE_BYTES,
+    threads: int = _read.READ_THREADS,
+    piece_bytes: int = _read.PIECE_BYTES,
     **torch_load_kwargs: Any,
 ) -> Any:
     """What ``torch.load(path, map_location=..., weights_only=...)`` returns, read in parallel and,
@@ -69,6 +69,7 @@ def load(
         buffer: Any = _BufferFile(view)  # a seekable binary file (typeshed's IO[bytes] is wider)
         result = torch.load(buffer, map_location=location, weights_only=weights_only, **torch_load_kwargs)
     else:
+        threads = _read.readers(path, threads)
         with _FileSource(path) as source:
             zipped = _is_zip(source)
             verified = found is not None and found.verified is not None and found.verified == source.identity()
@@ -79,7 +80,7 @@ def load(
             # The file is in the page cache (tmpfs: it is there anyway): map it, no copy; the very
             # file checked above (its descriptor), whatever has been renamed onto its name since.
             result = torch.load(
-                fd_path(source.fd, path), map_location=location, weights_only=weights_only, mmap=zipped,
+                _read.fd_path(source.fd, path), map_location=location, weights_only=weights_only, mmap=zipped,
                 **torch_load_kwargs,
             )  # fmt: skip
     finish()
@@ -94,8 +95,8 @@ class _FileSource:
         self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         self.size = os.fstat(self.fd).st_size
 
-    def identity(self) -> FileIdentity:
-        return FileIdentity.of(self.fd)
+    def identity(self) -> _read.FileIdentity:
+        return _read.FileIdentity.of(self.fd)
 
     def read_into(self, view: memoryview, offset: int) -> None:
         while view:
@@ -227,9 +228,9 @@ def _read_checked(
     """Read the whole file in parallel (into ``into``, or through scratch buffers for the page
     cache's sake) and check the CRCs of ``records`` (None: read only)."""
     checked = [r for r in records or [] if r.stored and r.stop > r.start]
-    crcs = read_with_crcs(
+    crcs = _read.read_with_crcs(
         source.read_into, source.size, [(r.start, r.stop) for r in checked], threads=threads, piece=piece,
-        chunk=piece if into is not None else CHUNK_BYTES,  # a URL: a piece per request
+        chunk=piece if into is not None else _read.CHUNK_BYTES,  # a URL: a piece per request
         into=into,
     )  # fmt: skip
     for record, value in zip(checked, crcs, strict=True):

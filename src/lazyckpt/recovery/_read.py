@@ -24,7 +24,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from lazyckpt.core.plan import usable_cpus
 from lazyckpt.formats.crc import crc32, crc32_combine
+from lazyckpt.storage import fs as _fs
 
 READ_THREADS = 8  # more readers than cores: a disk serves several requests at once
 PIECE_BYTES = 32 << 20
@@ -55,6 +57,17 @@ def fd_path(fd: int, path: str) -> str:
     verified through ``fd`` is what a later open by name reads; ``path`` where there is none."""
     proc = f"/proc/self/fd/{fd}"
     return proc if os.path.exists(proc) else path
+
+
+def readers(path: str, threads: int) -> int:
+    """How many threads read ``path``: ``threads``, but no more than the usable CPUs on a memory
+    filesystem, where a read is a memory copy (CPU-bound: more threads only queue; measured on 2
+    busy cores, 1.17 GB from tmpfs: 8 readers 0.95 s, 1 reader 0.71 s, medians of 5). A disk
+    serves several requests at once: there all ``threads`` read."""
+    threads = max(1, threads)
+    if _fs.is_memory_filesystem(os.path.dirname(os.path.abspath(path))):
+        return min(threads, usable_cpus())
+    return threads
 
 
 def read_with_crcs(

@@ -30,7 +30,7 @@ from lazyckpt.formats.crc import crc32
 from lazyckpt.formats.torch_zip import Record, central_directory, padded_local_header, record_at, zip64_extra
 from lazyckpt.storage import remote as _remote
 
-from ._read import READ_THREADS, FileIdentity, read_with_crcs
+from ._read import READ_THREADS, FileIdentity, read_with_crcs, readers
 
 __all__ = ["VerifyReport", "verify"]
 
@@ -76,7 +76,8 @@ def verify(
             report.problems.append("empty file")
             return report
         with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            known = _parallel_crcs(fh.fileno(), mm, threads) if mm[:4] == b"PK\x03\x04" else {}
+            torch_zip = mm[:4] == b"PK\x03\x04"
+            known = _parallel_crcs(fh.fileno(), mm, readers(path, threads)) if torch_zip else {}
             _verify_bytes(mm, mm, report, lambda a, b: known[(a, b)] if (a, b) in known else _crc(mm, a, b))
         if report.ok and FileIdentity.of(fh.fileno()) == before:
             report.identity = before
