@@ -130,12 +130,14 @@ def _print_resume(r: dict[str, Any]) -> None:
         one, many = s.get(f"lazyckpt {level}, 1 reader"), s.get(f"lazyckpt {level}")
         if one and many:
             print(
-                f"parallel reads, {level}: {one['resume_s']:.3f} s with 1 reader, {many['resume_s']:.3f} s with "
-                f"8 ({one['resume_s'] / many['resume_s']:.2f}x)"
+                f"parallel reads, {level}: {one['resume_s']:.3f} s with 1 reader, {many['resume_s']:.3f} s with the "
+                f"default ({'8, at most the usable CPUs on tmpfs' if level == 'memory' else '8'}): "
+                f"{one['resume_s'] / many['resume_s']:.2f}x"
             )
     print(
         "# vs X: X's resume time / this one's (higher is faster); first step extra: the first training step "
-        "after the resume minus the second (lazyckpt maps the file: the optimizer's first step copies its pages)"
+        "after the resume minus the median of the next three (lazyckpt maps the file: the optimizer's first "
+        "step copies its pages)"
     )
 
 
