@@ -9,6 +9,7 @@ many bytes as one checkpoint file, and an isolated lazyckpt save (nothing else r
 
 from __future__ import annotations
 
+import argparse
 import gc
 import logging
 import os
@@ -40,6 +41,33 @@ DEFAULT_MODES = ("none", "torch.save", "dcp", "write-only", "lazyckpt")
 DEFAULTS = {"tiny": (10, 3, 2), "small": (6, 4, 1), "100m": (5, 4, 1), "1b": (4, 2, 1)}
 
 
+def add_loop_arguments(
+    p: argparse.ArgumentParser,
+    modes: tuple[str, ...],
+    default_modes: tuple[str, ...],
+    steps: int | None = None,
+    rounds: int | None = None,
+    warmup: int | None = None,
+) -> None:
+    """The options of every training benchmark on this loop (``None`` defaults: ``DEFAULTS`` by size)."""
+
+    def number(flag: str, value: int | None, what: str) -> None:
+        p.add_argument(flag, type=int, default=value, help=what + ("" if value is None else f" (default {value})"))
+
+    p.add_argument("--size", default="100m", choices=sorted(_gpt.SIZES), help="model size (default 100m, ~1.2 GB)")
+    number("--steps", steps, "counted steps (= checkpoints) per segment")
+    number("--rounds", rounds, "repetitions of all modes (order rotates)")
+    number("--warmup", warmup, "uncounted checkpointing steps per segment")
+    p.add_argument("--modes", default=",".join(default_modes), help=f"subset of {','.join(modes)} (none always runs)")
+    p.add_argument("--writer-threads", type=int, default=4, help="lazyckpt writer threads (default 4)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch.set_num_threads for training (1 on 2 cores: the spare-core regime; default: torch's)",
+    )
+
+
 @dataclass
 class BenchOptions:
     size: str = "100m"
@@ -62,14 +90,17 @@ Progress = Callable[[int, str], None]  # (units done, what is running)
 
 
 class Bench:
-    """One benchmark run; ``run()`` returns the JSON-ready document."""
+    """One benchmark run; ``run()`` returns the JSON-ready document. A subclass may compare other
+    modes: ``all_modes`` (in the order they run) and ``make_modes``."""
+
+    all_modes: tuple[str, ...] = MODES
 
     def __init__(self, opts: BenchOptions, progress: Progress) -> None:
         self.opts, self.progress = opts, progress
         self.steps, self.rounds, self.warmup = opts.resolved()
         self.device = torch.device(opts.device)
         self.skipped = unavailable_peers(list(opts.modes))
-        self.modes = [m for m in MODES if m == "none" or (m in opts.modes and m not in self.skipped)]
+        self.modes = [m for m in self.all_modes if m == "none" or (m in opts.modes and m not in self.skipped)]
         self.done_units = 0
 
     @property
@@ -110,6 +141,9 @@ class Bench:
         self._sync()
         self.ckpt_bytes = _gpt.state_bytes(self.state())
 
+    def make_modes(self, out_dir: Path) -> dict[str, Mode]:
+        return make_modes(self.modes, out_dir, self.device, self.opt, self.opts.writer_threads)
+
     def state(self) -> dict[str, Any]:
         return {"model": self.model.state_dict(), "optim": self.opt.state_dict(), "step": self.step_no}
 
@@ -123,7 +157,7 @@ class Bench:
 
     def _run(self, out_dir: Path) -> dict[str, Any]:
         self._setup()
-        impl = make_modes(self.modes, out_dir, self.device, self.opt, self.opts.writer_threads)
+        impl = self.make_modes(out_dir)
         results: dict[str, list[dict[str, Any]]] = {m: [] for m in self.modes}
         raw_runs: list[dict[str, Any]] = []
         iso_runs: list[dict[str, Any]] = []

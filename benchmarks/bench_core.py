@@ -26,10 +26,9 @@ from typing import Any
 
 from lazyckpt.cli._format import GB, dump_json, fmt, human_bytes, table
 
-from . import gpt as _gpt
 from ._baselines import floor_parts, storage_floor
 from ._progress import ProgressBar
-from ._run import DEFAULT_MODES, MODES, Bench, BenchOptions
+from ._run import DEFAULT_MODES, MODES, Bench, BenchOptions, add_loop_arguments
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,19 +42,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--size", default="100m", choices=sorted(_gpt.SIZES), help="model size (default 100m, ~1.2 GB)")
-    p.add_argument("--steps", type=int, default=None, help="counted steps (= checkpoints) per segment")
-    p.add_argument("--rounds", type=int, default=None, help="repetitions of all modes (order rotates)")
-    p.add_argument("--warmup", type=int, default=None, help="uncounted checkpointing steps per segment")
+    add_loop_arguments(p, MODES, DEFAULT_MODES)
     p.add_argument("--batch-size", type=int, default=None)
-    p.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"subset of {','.join(MODES)} (none always runs)")
-    p.add_argument("--writer-threads", type=int, default=4, help="lazyckpt writer threads (default 4)")
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="torch.set_num_threads for training (1 on 2 cores: the spare-core regime; default: torch's)",
-    )
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--out-dir", default=None, help="where checkpoints go (default: a fresh temporary directory)")
     p.add_argument("--keep", action="store_true", help="keep the checkpoint files")

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from benchmarks import bench_core, gpt
+from benchmarks import bench_core, bench_levels, gpt
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "lazyckpt"
 
@@ -48,6 +48,43 @@ def test_storage_floor_splits_the_final_drain_from_the_per_checkpoint_part():
     assert floor_parts(1.0, 2.0, 5) == (1.0, 0.0) and storage_floor(1.0, 2.0, 5) == 0.2
     # a disk slower than the step: every write but the last delays the next by disk - step
     assert floor_parts(3.0, 2.0, 5) == (3.0, 0.8) and abs(storage_floor(3.0, 2.0, 5) - 1.4) < 1e-12
+
+
+def test_bench_levels_trains_every_mode_and_resumes_from_each_level(tmp_path, capsys):
+    """All training modes in one run (tiny), then two resume cases in fresh processes; the report
+    prints the steady stall apart from the drain, the ratios, the disk's own write, the resume table."""
+    torch = __import__("torch")
+    before = torch.get_num_threads()
+    out = tmp_path / "levels.json"
+    argv = ["--size", "tiny", "--steps", "3", "--rounds", "1", "--warmup", "0", "--disk-every", "2", "--threads", "1",
+            "--resume-rounds", "1", "--resume-cases", "lazyckpt memory,torch.load disk", "--no-drop-caches",
+            "--no-progress", "--out-dir", str(tmp_path / "disk"), "--json", str(out)]  # fmt: skip
+    try:
+        assert bench_levels.main(argv) == 0
+    finally:
+        torch.set_num_threads(before)
+    printed = capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert doc["training"]["modes"] == list(bench_levels.MODES)
+    levels = doc["training"]["levels"]
+    assert set(levels["lazy-mem+disk"]["vs"]) <= {"torch.save", "dcp", "lazy-disk", "lazy-mem"}
+    assert levels["disk_write"]["bytes"] > 0
+    # the disk level was due within the counted steps (steps numbered from 2 mod 2 + 1)
+    assert any((tmp_path / "disk" / "training" / "lazy-mem+disk").glob("step-*.pt"))
+    assert sorted(doc["resume"]["summary"]) == ["lazyckpt memory", "torch.load disk"]
+    assert doc["resume"]["runs"]["lazyckpt memory"][0]["level"] == 0  # the memory level was the one found
+    for text in (
+        "steady stall/step s",
+        "one-time drain s",
+        "vs torch.save",
+        "disk: write + fsync",
+        "lazy-mem+disk vs lazy-mem",
+        "the disk copy's placement",
+        "resume:",
+        "lazyckpt memory:",
+    ):
+        assert text in printed, text
+    assert not list(Path("/dev/shm").glob("lazyckpt-levels-*/training/lazy-mem/step-*.pt"))  # cleaned up
 
 
 def test_bench_core_unknown_mode_exits_1(capsys):

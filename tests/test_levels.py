@@ -313,3 +313,32 @@ def test_block_backpressure_waits_for_the_slow_level_and_warns(mem, tmp_path, mo
         assert out["h"].levels_done == [0, 1]
     msgs = [str(w.message) for w in caught if issubclass(w.category, BackpressureWarning)]
     assert msgs and "level 1" in msgs[0] and "backlog bound 1" in msgs[0], msgs
+
+
+def test_a_big_copy_goes_through_o_direct_and_keeps_every_byte(tmp_path, monkeypatch):
+    """Whole pages through the O_DIRECT descriptor, the tail buffered; a filesystem that refuses
+    O_DIRECT for a write (EINVAL) gets the rest buffered."""
+    src = tmp_path / "src.bin"
+    data = os.urandom(_copy.DIRECT_MIN + 3 * _copy.COPY_CHUNK // 2 + 123)  # a partial chunk, a partial page
+    src.write_bytes(data)
+    direct_writes = []
+    real_open, real_pwrite = _fs.open_direct, _fs.pwrite_all
+
+    def open_direct(tmp):
+        fd = real_open(tmp)
+        direct_writes.append(fd)
+        return fd
+
+    def pwrite_all(fd, view, offset):
+        if fd == direct_writes[-1] and len(direct_writes) == 2 and offset >= _copy.COPY_CHUNK:
+            raise OSError(errno.EINVAL, "Invalid argument")  # the second copy: refused after one chunk
+        real_pwrite(fd, view, offset)
+
+    monkeypatch.setattr(_fs, "open_direct", open_direct)
+    monkeypatch.setattr(_fs, "pwrite_all", pwrite_all)
+    for name in ("a.bin", "b.bin"):
+        _copy.copy_file(str(src), str(tmp_path / "out" / name), fsync=True)
+        assert (tmp_path / "out" / name).read_bytes() == data
+    if direct_writes[0] < 0:
+        pytest.skip("this filesystem takes no O_DIRECT")
+    assert sorted(os.listdir(tmp_path / "out")) == ["a.bin", "b.bin"]  # no temporary left

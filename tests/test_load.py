@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import os
+import shutil
 
 import pytest
 import torch
@@ -109,3 +110,133 @@ def test_map_location_cuda_through_pinned_buffers(tmp_path):
     got = lazyckpt.load(path, map_location="cuda")
     assert got["model"]["0.weight"].is_cuda
     assert_same(got, torch.load(path, map_location="cuda"))
+
+
+# -- one CRC pass per resume: latest() verifies, load() trusts only that very, unchanged file -------------
+
+
+def _flip_middle_byte(path) -> None:
+    with open(path, "r+b") as fh:
+        fh.seek(os.path.getsize(path) // 2)
+        byte = fh.read(1)
+        fh.seek(-1, os.SEEK_CUR)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.fixture
+def crc_passes(monkeypatch):
+    """How many CRC passes (``read_with_crcs`` calls that check at least one range) ran."""
+    from lazyckpt.recovery import _read
+    from lazyckpt.recovery import verify as _verify
+
+    count = [0]
+    real = _read.read_with_crcs
+
+    def counted(read_into, size, ranges, **kwargs):
+        count[0] += bool(ranges)
+        return real(read_into, size, ranges, **kwargs)
+
+    monkeypatch.setattr(_read, "read_with_crcs", counted)  # load()'s
+    monkeypatch.setattr(_verify, "read_with_crcs", counted)  # verify()'s
+    return count
+
+
+def _level_with_one_step(tmp_path, value: float = 1.0):
+    folder = tmp_path / "level"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "step-00000007.pt"
+    torch.save({"w": torch.full((4096,), value)}, path)
+    os.utime(path, ns=(1_000_000_000, 1_000_000_000))  # written long ago, as a resumed checkpoint is
+    return folder, path
+
+
+def test_a_resume_checks_every_crc_once(tmp_path, crc_passes):
+    folder, _ = _level_with_one_step(tmp_path)
+    found = lazyckpt.latest([folder])
+    assert found.verified is not None and crc_passes[0] == 1
+    assert_same(lazyckpt.load(found), {"w": torch.full((4096,), 1.0)})
+    assert crc_passes[0] == 1  # load() trusted latest()'s pass over the same, unchanged file
+    lazyckpt.load(found.path)
+    assert crc_passes[0] == 2  # a path says nothing about what was checked: checked again
+
+
+def test_an_unverified_found_is_checked_by_load(tmp_path, crc_passes):
+    folder, path = _level_with_one_step(tmp_path)
+    _flip_middle_byte(path)
+    unchecked = lazyckpt.latest([folder], verify=False)
+    assert unchecked.verified is None
+    with pytest.raises(VerificationError, match="CRC32"):
+        lazyckpt.load(unchecked)
+    with pytest.raises(VerificationError, match="CRC32"):  # made by hand: nothing was verified
+        lazyckpt.load(lazyckpt.Found(str(path), 7, 0))
+
+
+def test_a_file_changed_in_place_after_latest_is_checked_again(tmp_path):
+    folder, path = _level_with_one_step(tmp_path)
+    found = lazyckpt.latest([folder])
+    _flip_middle_byte(path)  # same inode and size; a new mtime
+    with pytest.raises(VerificationError, match="CRC32"):
+        lazyckpt.load(found)
+
+
+def test_a_file_renamed_over_the_name_after_latest_is_checked_again(tmp_path):
+    folder, path = _level_with_one_step(tmp_path)
+    found = lazyckpt.latest([folder])
+    other = tmp_path / "other.pt"
+    shutil.copyfile(path, other)
+    _flip_middle_byte(other)
+    shutil.copystat(path, other)  # even with the same size and times: another inode
+    os.replace(other, path)
+    with pytest.raises(VerificationError, match="CRC32"):
+        lazyckpt.load(found)
+
+
+def test_load_maps_the_file_it_checked_not_what_was_renamed_onto_its_name(tmp_path, monkeypatch):
+    """The window between load()'s CRC pass and torch.load's open: a new file renamed onto the
+    name there must not be what is returned (it was never checked)."""
+    from lazyckpt.levels import _load
+
+    _, path = _level_with_one_step(tmp_path, 1.0)
+    _, replacement = _level_with_one_step(tmp_path / "b", 2.0)
+    real = _load._read_checked
+
+    def then_replace(*args, **kwargs):
+        real(*args, **kwargs)
+        os.replace(replacement, path)
+
+    monkeypatch.setattr(_load, "_read_checked", then_replace)
+    assert_same(lazyckpt.load(path), {"w": torch.full((4096,), 1.0)})
+    assert_same(torch.load(path), {"w": torch.full((4096,), 2.0)})
+
+
+def test_verify_names_the_file_it_read_only_when_it_passed(tmp_path):
+    _, path = _level_with_one_step(tmp_path)
+    report = lazyckpt.verify(path, threads=1)
+    assert report.ok and report.identity is not None and report.identity.size == os.path.getsize(path)
+    _flip_middle_byte(path)
+    report = lazyckpt.verify(path)
+    assert not report.ok and report.identity is None
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_read_with_crcs_gives_each_ranges_crc_whatever_the_pieces(threads):
+    """Ranges across pieces and chunks, touching, overlapping, empty, at the ends; into a buffer or not."""
+    import random
+    import zlib
+
+    from lazyckpt.recovery._read import read_with_crcs
+
+    rng = random.Random(threads)
+    data = os.urandom(100_003)
+    ranges = [(0, 10), (10, 100_003), (5, 5), (99_990, 100_003), (1_000, 50_000), (30_000, 30_001)]
+    ranges += [tuple(sorted(rng.randrange(len(data) + 1) for _ in range(2))) for _ in range(20)]
+
+    def read_into(view, offset):
+        view[:] = data[offset : offset + len(view)]
+
+    for piece, chunk in ((1 << 20, 1 << 20), (4096, 1000), (777, 100)):
+        into = memoryview(bytearray(len(data)))
+        for target in (None, into):
+            got = read_with_crcs(read_into, len(data), ranges, threads=threads, piece=piece, chunk=chunk, into=target)
+            assert got == [zlib.crc32(data[a:b]) for a, b in ranges], (piece, chunk)
+        assert bytes(into) == data

@@ -13,6 +13,8 @@ temporary folder beside the destination, each fsynced, then one rename of the fo
 
 from __future__ import annotations
 
+import errno
+import mmap
 import os
 import shutil
 import tempfile
@@ -29,6 +31,7 @@ from lazyckpt.storage.remote import RemoteTier
 from ._level import Level, MemoryLevelWarning
 
 COPY_CHUNK = 16 << 20
+DIRECT_MIN = 16 << 20  # smaller files are copied buffered (as the engine's use_direct_io rule)
 MEMORY_FRACTION = 0.5  # a memory level may hold up to this fraction of MemTotal before a warning
 
 
@@ -51,7 +54,7 @@ def _write_copy(src: str, new: str, fsync: bool) -> None:
         size = os.fstat(fd_in).st_size
         fd = _fs.open_temporary(new, size)  # reserves the space: a full disk fails here
         try:
-            _copy_data(fd_in, fd, size)
+            _copy_data(fd_in, fd, size, new)
             if fsync:
                 _fs.fsync(fd)
         except BaseException:
@@ -112,16 +115,39 @@ def upload_folder(tier: RemoteTier, src: str, url: str) -> None:
         _remote_folder.publish(tier, src, url, scratch=scratch)
 
 
-def _copy_data(fd_in: int, fd_out: int, size: int) -> None:
-    buf = bytearray(min(COPY_CHUNK, max(size, 1)))
+def _copy_data(fd_in: int, fd_out: int, size: int, new: str) -> None:
+    """The bytes of ``fd_in`` into ``fd_out`` (the file ``new``). Whole pages go through a second,
+    O_DIRECT descriptor where the destination takes one (not tmpfs) and the copy is big: a buffered
+    copy of a 1.17 GB file from tmpfs to ext4 cost the copying process 1.5-3.1 CPU s here (the page
+    cache's copy and its writeback), O_DIRECT 0.32-0.38 CPU s, and was faster (1.0-1.4 s vs 2.1-3.6 s);
+    the CPU is what a copy in the background takes from the training. The last partial page is
+    written buffered (the file's fsync covers both)."""
+    dfd = _fs.open_direct(new) if size >= DIRECT_MIN else -1
+    buf = mmap.mmap(-1, min(COPY_CHUNK, max(size, 1)))  # page-aligned, as O_DIRECT needs
     view = memoryview(buf)
-    offset = 0
-    while offset < size:
-        got = os.preadv(fd_in, [view[: min(len(buf), size - offset)]], offset)
-        if got <= 0:
-            raise OSError(5, f"source ended at byte {offset} of {size} while copying it")
-        _fs.pwrite_all(fd_out, view[:got], offset)
-        offset += got
+    try:
+        offset = 0
+        while offset < size:
+            got = os.preadv(fd_in, [view[: min(len(buf), size - offset)]], offset)
+            if got <= 0:
+                raise OSError(5, f"source ended at byte {offset} of {size} while copying it")
+            whole = got - got % mmap.PAGESIZE if dfd >= 0 else 0
+            if whole:
+                try:
+                    _fs.pwrite_all(dfd, view[:whole], offset)
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:  # EINVAL: this filesystem refuses O_DIRECT here
+                        raise
+                    os.close(dfd)
+                    dfd, whole = -1, 0
+            if whole < got:
+                _fs.pwrite_all(fd_out, view[whole:got], offset + whole)
+            offset += got
+    finally:
+        view.release()
+        buf.close()
+        if dfd >= 0:
+            os.close(dfd)
 
 
 def memory_total() -> int:

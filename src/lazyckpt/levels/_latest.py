@@ -11,9 +11,10 @@ import logging
 import os
 import warnings
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from lazyckpt.recovery._read import READ_THREADS, FileIdentity
 from lazyckpt.recovery.check import folder_problems
 from lazyckpt.recovery.dcp import is_dcp_folder, rank_problems
 from lazyckpt.recovery.verify import verify as verify_file
@@ -28,11 +29,16 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Found:
     """What ``latest()`` found: the file or folder (or URL) ``path``, its ``step``, and ``level``,
-    the index of its level in the list given to ``latest()``."""
+    the index of its level in the list given to ``latest()``.
+
+    ``verified``: the identity of the local file whose every CRC ``latest()`` checked (None when
+    it checked none: a folder, a URL, ``verify=False``, or a ``Found`` made by hand). ``load()``
+    skips its own CRC pass only for a file it opens with that same identity."""
 
     path: str
     step: int
     level: int
+    verified: FileIdentity | None = field(default=None, repr=False, compare=False, kw_only=True)
 
 
 def latest(
@@ -42,6 +48,7 @@ def latest(
     *,
     collective: bool | None = None,
     timeout: float = 600.0,
+    threads: int = READ_THREADS,
 ) -> Found | None:
     """The newest step that is complete at some level and passes verification (every CRC; a URL
     by ranged reads); among the levels holding that step, the first one given (the fastest).
@@ -70,16 +77,20 @@ def latest(
     whose levels hold nothing posts so and returns None at once (no step is held by every rank).
     Levels holding other checkpoints only (files, Accelerate folders) are this process's own view,
     as outside a job (callers that pick on one process and broadcast keep working).
-    ``collective=True`` / ``False`` forces either."""
+    ``collective=True`` / ``False`` forces either.
+
+    ``threads``: readers of a local file, whose CRCs are computed as it is read (see
+    ``recovery/_read.py``); the ``Found`` names the file so checked (``Found.verified``), and
+    ``load()`` does not check it again."""
     listings = _listings(levels, storage_options)
     if _collective.active(collective, listings, lambda path: is_dcp_folder(path, storage_options)):
         return latest_agreed(levels, _collective.StoreExchange.default(timeout), storage_options, verify, listings)
     candidates = [(step, index, path) for index, steps in listings.items() for step, path in steps.items()]
     candidates.sort(key=lambda c: (-c[0], c[1]))
     for step, index, path in candidates:
-        problem = _problem(path, storage_options, verify)
+        problem, identity = _problem(path, storage_options, verify, threads=threads)
         if problem is None:
-            return Found(path, step, index)
+            return Found(path, step, index, verified=identity)
         warnings.warn(
             f"lazyckpt.latest: skipping {path} (level {index}, step {step}): {problem}",
             IncompleteCheckpointWarning,
@@ -100,7 +111,7 @@ def latest_agreed(
     rank, world = exchange.rank, exchange.world
 
     def usable(index: int, step: int, path: str) -> bool:
-        problem = _problem(path, storage_options, verify, rank=rank, world=world)
+        problem, _ = _problem(path, storage_options, verify, rank=rank, world=world)
         if problem is not None:
             warnings.warn(
                 f"lazyckpt.latest: skipping {path} (level {index}, step {step}) on rank {rank}: {problem}",
@@ -133,33 +144,41 @@ def _listings(
 
 
 def _problem(
-    path: str, storage_options: dict[str, Any] | None, verify: bool, rank: int | None = None, world: int = 1
-) -> str | None:
-    """Why ``path`` is not a complete checkpoint, or None when it is. With ``rank``: whether that
-    rank (of ``world``) can load its own items from a DCP folder saved by a job of that layout
+    path: str,
+    storage_options: dict[str, Any] | None,
+    verify: bool,
+    rank: int | None = None,
+    world: int = 1,
+    threads: int = READ_THREADS,
+) -> tuple[str | None, FileIdentity | None]:
+    """(why ``path`` is not a complete checkpoint, or None when it is; the identity of the file
+    whose every CRC was checked, when one was). With ``rank``: whether that rank (of ``world``)
+    can load its own items from a DCP folder saved by a job of that layout
     (``recovery.dcp.rank_problems``); other paths, and such folders without a list for that rank,
     are checked whole."""
     if rank is not None and step_of(path.rstrip("/").rsplit("/", 1)[-1], folder=True) is not None:
         try:
             problems = rank_problems(path, rank, world, storage_options, verify)
         except Exception as exc:  # unreadable: not a checkpoint to resume from
-            return f"cannot be read: {exc}"
+            return f"cannot be read: {exc}", None
         if problems is not None:
-            return "; ".join(problems) or None
-    return _whole_problem(path, storage_options, verify)
+            return "; ".join(problems) or None, None
+    return _whole_problem(path, storage_options, verify, threads)
 
 
-def _whole_problem(path: str, storage_options: dict[str, Any] | None, verify: bool) -> str | None:
-    """Why ``path`` is not a complete checkpoint, or None when it is."""
+def _whole_problem(
+    path: str, storage_options: dict[str, Any] | None, verify: bool, threads: int
+) -> tuple[str | None, FileIdentity | None]:
+    """(why ``path`` is not a complete checkpoint, or None when it is; the verified file's identity)."""
     name = path.rstrip("/").rsplit("/", 1)[-1]
     try:
         if step_of(name, folder=True) is not None:
-            return "; ".join(folder_problems(path, storage_options, verify)) or None
+            return "; ".join(folder_problems(path, storage_options, verify)) or None, None
         if not verify:
-            return None
-        report = verify_file(path, storage_options)
+            return None, None
+        report = verify_file(path, storage_options, threads=threads)
     except FileNotFoundError:  # removed by retention since the listing
-        return "gone since it was listed"
+        return "gone since it was listed", None
     except Exception as exc:  # unreadable: not a checkpoint to resume from
-        return f"cannot be read: {exc}"
-    return None if report.ok else "; ".join(report.problems)
+        return f"cannot be read: {exc}", None
+    return (None, report.identity) if report.ok else ("; ".join(report.problems), None)

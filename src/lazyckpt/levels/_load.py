@@ -2,18 +2,22 @@
 record's CRC32 while reading, return what ``torch.load`` returns.
 
 Data flow: the zip's central directory and local headers are read first (``zipfile``, a few small
-reads); then the whole file is read by ``threads`` threads in pieces of ``piece_bytes``
-(``os.preadv``), each thread computing the CRC32 of the record parts its piece holds (ISA-L when
-installed; the reads and the CRC release the GIL); the pieces' CRCs are joined per record with
-``crc32_combine``, and a mismatch raises ``VerificationError`` naming the record before anything is
-unpickled. A local file is read into one scratch buffer per thread: the pass leaves the file in the
-page cache (a tmpfs file is there anyway), and ``torch.load(path, mmap=True)`` then maps it, with no
-copy (the tensors are copy-on-write pages of the file: a file removed later stays allocated until
-they are freed). A URL is read by ranged reads into ONE host buffer, which ``torch.load`` unpickles
-(one memory copy per storage). ``weights_only`` (default True, as torch's) and ``map_location`` are
-passed through. The buffers, the threads and the file descriptor belong to the call. A checkpoint
-file is never changed after its commit (lazyckpt and torch.save rename complete files into place), so
-the bytes checked are the bytes mapped.
+reads); then the whole file is read by ``threads`` threads (``recovery/_read.py``: pieces of
+``piece_bytes``, read in cache-sized chunks, each chunk folded into the CRC32 of the records it
+holds; ISA-L when installed; the reads and the CRC release the GIL), and a mismatch raises
+``VerificationError`` naming the record before anything is unpickled. A local file is read into
+small per-thread scratch buffers (the pass leaves it in the page cache; a tmpfs file is there
+anyway), and ``torch.load(mmap=True)`` then maps it through the descriptor that was checked
+(``/proc/self/fd/<n>``): no copy; the tensors are copy-on-write pages of the file (a file removed
+later stays allocated until they are freed; the optimizer's first step after a resume copies the
+pages it writes). A ``Found`` from ``latest()`` whose file was verified there (``Found.verified``)
+is not checked again when the file opened here has the same identity (device, inode, size, mtime,
+ctime): one CRC pass per resume; any other file, or a changed one, is checked here. A URL is read
+by ranged reads into ONE host buffer, which ``torch.load`` unpickles (one memory copy per storage).
+``weights_only`` (default True, as torch's) and ``map_location`` are passed through. The buffers,
+the threads and the file descriptor belong to the call. A checkpoint file is never changed after
+its commit (lazyckpt and torch.save rename complete files into place), so the bytes checked are
+the bytes mapped.
 """
 
 from __future__ import annotations
@@ -21,14 +25,12 @@ from __future__ import annotations
 import io
 import os
 import struct
-import threading
 import zipfile
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
-from lazyckpt.formats.crc import crc32, crc32_combine
+from lazyckpt.recovery import _read
 from lazyckpt.storage import fs as _fs
 from lazyckpt.storage import remote as _remote
 
@@ -36,7 +38,6 @@ from ..errors import VerificationError
 from ._latest import Found
 
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # zip local file header, 30 bytes
-PIECE_BYTES = 32 << 20
 
 
 def load(
@@ -45,8 +46,8 @@ def load(
     weights_only: bool = True,
     verify: bool = True,
     storage_options: dict[str, Any] | None = None,
-    threads: int = 8,
-    piece_bytes: int = PIECE_BYTES,
+    threads: int = _read.READ_THREADS,
+    piece_bytes: int = _read.PIECE_BYTES,
     **torch_load_kwargs: Any,
 ) -> Any:
     """What ``torch.load(path, map_location=..., weights_only=...)`` returns, read in parallel and,
@@ -56,6 +57,7 @@ def load(
     fsspec). ``map_location="cuda"`` (or a CUDA device) copies each storage through pinned host
     memory to the device as ``torch.load`` hands it over (non-blocking copies; one synchronize at
     the end). A file that is not a zip (torch's legacy format) is handed to ``torch.load`` as is."""
+    found = path_or_found if isinstance(path_or_found, Found) else None
     path = path_or_found.path if isinstance(path_or_found, Found) else os.fspath(path_or_found)
     location, finish = _device_mapper(map_location)
     threads = max(1, threads)
@@ -63,17 +65,24 @@ def load(
         with _UrlSource(path, storage_options) as source:
             view = memoryview(bytearray(source.size))
             records = _records(source, path) if _is_zip(source) else None
-            _read_all(source, view, records if verify else None, path, threads, piece_bytes)
+            _read_checked(source, records if verify else None, path, threads, piece_bytes, into=view)
         buffer: Any = _BufferFile(view)  # a seekable binary file (typeshed's IO[bytes] is wider)
         result = torch.load(buffer, map_location=location, weights_only=weights_only, **torch_load_kwargs)
     else:
+        threads = _read.readers(path, threads)
         with _FileSource(path) as source:
             zipped = _is_zip(source)
-            records = _records(source, path) if zipped else None
-            if verify or not _fs.is_memory_filesystem(os.path.dirname(os.path.abspath(path))):
-                _read_all(source, None, records if verify else None, path, threads, piece_bytes)
-        # The parallel pass left the file in the page cache (tmpfs: it is there anyway): map it, no copy.
-        result = torch.load(path, map_location=location, weights_only=weights_only, mmap=zipped, **torch_load_kwargs)
+            verified = found is not None and found.verified is not None and found.verified == source.identity()
+            if verify and not verified:
+                _read_checked(source, _records(source, path) if zipped else None, path, threads, piece_bytes)
+            elif not verified and not _fs.is_memory_filesystem(os.path.dirname(os.path.abspath(path))):
+                _read_checked(source, None, path, threads, piece_bytes)  # into the page cache, in parallel
+            # The file is in the page cache (tmpfs: it is there anyway): map it, no copy; the very
+            # file checked above (its descriptor), whatever has been renamed onto its name since.
+            result = torch.load(
+                _read.fd_path(source.fd, path), map_location=location, weights_only=weights_only, mmap=zipped,
+                **torch_load_kwargs,
+            )  # fmt: skip
     finish()
     return result
 
@@ -85,6 +94,9 @@ class _FileSource:
     def __init__(self, path: str) -> None:
         self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         self.size = os.fstat(self.fd).st_size
+
+    def identity(self) -> _read.FileIdentity:
+        return _read.FileIdentity.of(self.fd)
 
     def read_into(self, view: memoryview, offset: int) -> None:
         while view:
@@ -205,39 +217,22 @@ def _records(source: _FileSource, path: str) -> list[_Record]:
     return out
 
 
-def _read_all(
-    source: _FileSource, view: memoryview | None, records: list[_Record] | None, path: str, threads: int, piece: int
+def _read_checked(
+    source: _FileSource,
+    records: list[_Record] | None,
+    path: str,
+    threads: int,
+    piece: int,
+    into: memoryview | None = None,
 ) -> None:
-    """Read the whole file, ``threads`` pieces at a time, into ``view`` (None: into one scratch
-    buffer per thread, for the page cache's sake); check the records' CRCs."""
-    size = source.size
-    starts = list(range(0, size, piece))
+    """Read the whole file in parallel (into ``into``, or through scratch buffers for the page
+    cache's sake) and check the CRCs of ``records`` (None: read only)."""
     checked = [r for r in records or [] if r.stored and r.stop > r.start]
-    scratch = threading.local()
-
-    def task(start: int) -> list[tuple[int, int, int]]:
-        stop = min(size, start + piece)
-        if view is not None:
-            target = view[start:stop]
-        else:
-            if getattr(scratch, "buf", None) is None:
-                scratch.buf = memoryview(bytearray(min(piece, size)))
-            target = scratch.buf[: stop - start]
-        source.read_into(target, start)
-        # (record index, bytes, crc) of each record part in this piece, for crc32_combine
-        return [
-            (i, min(stop, r.stop) - max(start, r.start),
-             crc32(target[max(start, r.start) - start : min(stop, r.stop) - start]))
-            for i, r in enumerate(checked)
-            if r.start < stop and r.stop > start
-        ]  # fmt: skip
-
-    with ThreadPoolExecutor(max_workers=min(threads, max(1, len(starts))), thread_name_prefix="lazyckpt-load") as ex:
-        parts = list(ex.map(task, starts))  # in file order; raises the first read error
-    crcs = [0] * len(checked)
-    for piece_parts in parts:
-        for i, nbytes, value in piece_parts:
-            crcs[i] = crc32_combine(crcs[i], value, nbytes)
+    crcs = _read.read_with_crcs(
+        source.read_into, source.size, [(r.start, r.stop) for r in checked], threads=threads, piece=piece,
+        chunk=piece if into is not None else _read.CHUNK_BYTES,  # a URL: a piece per request
+        into=into,
+    )  # fmt: skip
     for record, value in zip(checked, crcs, strict=True):
         if value != record.crc:
             raise VerificationError(

@@ -18,7 +18,9 @@ import json
 import mmap
 import os
 import pickle
+import struct
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -27,6 +29,8 @@ from lazyckpt.formats import safetensors_file as _safetensorsfmt
 from lazyckpt.formats.crc import crc32
 from lazyckpt.formats.torch_zip import Record, central_directory, padded_local_header, record_at, zip64_extra
 from lazyckpt.storage import remote as _remote
+
+from ._read import READ_THREADS, FileIdentity, read_with_crcs, readers
 
 __all__ = ["VerifyReport", "verify"]
 
@@ -40,6 +44,9 @@ class VerifyReport:
     size: int
     problems: list[str] = field(default_factory=list)
     records: int = 0
+    # the file that was read, when it is a local file that passed and did not change while it was
+    # read (``lazyckpt.latest`` hands it to ``lazyckpt.load``, which then need not check it again)
+    identity: FileIdentity | None = field(default=None, repr=False, compare=False)
 
     @property
     def ok(self) -> bool:
@@ -50,28 +57,72 @@ class VerifyReport:
             raise VerificationError(f"{self.path}: " + "; ".join(self.problems))
 
 
-def verify(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> VerifyReport:
+def verify(
+    path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None, *, threads: int = READ_THREADS
+) -> VerifyReport:
     """Check a torch.save or safetensors file written by lazyckpt or by the stock tools.
 
     ``path`` may be a URL (``s3://...``; ``storage_options`` go to fsspec): read by ranged reads,
-    never downloaded to disk."""
+    never downloaded to disk. A local torch.save file is read once by ``threads`` threads, which
+    compute the records' CRCs (see ``recovery/_read.py``); the structure is then checked on a map
+    of the same descriptor."""
     path = os.fspath(path)
     if _remote.is_url(path):
         return _verify_url(path, storage_options)
-    size = os.path.getsize(path)
-    report = VerifyReport(path, "unknown", size)
-    if size == 0:
-        report.problems.append("empty file")
-        return report
-    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        _verify_bytes(path, mm, report)
+    with open(path, "rb") as fh:
+        before = FileIdentity.of(fh.fileno())
+        report = VerifyReport(path, "unknown", before.size)
+        if before.size == 0:
+            report.problems.append("empty file")
+            return report
+        with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            torch_zip = mm[:4] == b"PK\x03\x04"
+            known = _parallel_crcs(fh.fileno(), mm, readers(path, threads)) if torch_zip else {}
+            _verify_bytes(mm, mm, report, lambda a, b: known[(a, b)] if (a, b) in known else _crc(mm, a, b))
+        if report.ok and FileIdentity.of(fh.fileno()) == before:
+            report.identity = before
     return report
 
 
-def _verify_bytes(source: Any, mm: Bytes, report: VerifyReport) -> None:
+def _parallel_crcs(fd: int, mm: mmap.mmap, threads: int) -> dict[tuple[int, int], int]:
+    """{(data start, data stop): CRC32} of the records the central directory and local headers
+    point at, from one parallel read of the whole file. Where those headers are damaged the
+    ranges are wrong and unused: the structure check computes the CRC of the range it derives."""
+    try:
+        with zipfile.ZipFile(mm) as zf:  # type: ignore[call-overload]  # an mmap is a readable, seekable file
+            infos = zf.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return {}
+    size, ranges = len(mm), []
+    for info in infos:
+        at = info.header_offset
+        if at < 0 or at + 30 > size:
+            continue
+        name_len, extra_len = struct.unpack_from("<HH", mm, at + 26)
+        start = at + 30 + name_len + extra_len
+        if start + info.compress_size <= size:
+            ranges.append((start, start + info.compress_size))
+
+    def read_into(view: memoryview, offset: int) -> None:
+        while view:
+            n = os.preadv(fd, [view], offset)
+            if n <= 0:
+                raise OSError(5, f"file ended at byte {offset} while reading it")
+            view, offset = view[n:], offset + n
+
+    try:
+        return dict(zip(ranges, read_with_crcs(read_into, size, ranges, threads=threads), strict=True))
+    except OSError:  # e.g. shrunk meanwhile: the structure check finds it
+        return {}
+
+
+CrcOf = Callable[[int, int], int]  # CRC32 of the bytes [start, stop)
+
+
+def _verify_bytes(source: Any, mm: Bytes, report: VerifyReport, crc_of: CrcOf) -> None:
     if mm[:4] == b"PK\x03\x04":
         report.format = "torch"
-        _verify_torch(source, mm, report)
+        _verify_torch(source, mm, report, crc_of)
     else:
         report.format = "safetensors"
         _verify_safetensors(mm, report)
@@ -86,7 +137,8 @@ def _verify_url(url: str, storage_options: dict[str, Any] | None) -> VerifyRepor
         report.problems.append("empty object")
         return report
     with fs.open(rpath, "rb", block_size=_BLOCK) as fh:
-        _verify_bytes(fh, _RangeReader(fh, size), report)
+        reader = _RangeReader(fh, size)
+        _verify_bytes(fh, reader, report, lambda a, b: _crc(reader, a, b))
     return report
 
 
@@ -125,7 +177,7 @@ def _crc(mm: Bytes, start: int, stop: int, value: int = 0) -> int:
 # torch.save -------------------------------------------------------------------------------------
 
 
-def _verify_torch(source: Any, mm: Bytes, report: VerifyReport) -> None:
+def _verify_torch(source: Any, mm: Bytes, report: VerifyReport, crc_of: CrcOf) -> None:
     try:
         with zipfile.ZipFile(source) as zf:
             infos = zf.infolist()
@@ -138,7 +190,7 @@ def _verify_torch(source: Any, mm: Bytes, report: VerifyReport) -> None:
     records: list[Record] = []
     cursor = 0
     for info in infos:
-        problem = _check_record(mm, info, cursor, alignment, records, minimal)
+        problem = _check_record(mm, info, cursor, alignment, records, crc_of, minimal)
         if problem:
             report.problems.append(problem)
             return
@@ -169,6 +221,7 @@ def _check_record(
     cursor: int,
     alignment: int,
     records: list[Record],
+    crc_of: CrcOf,
     minimal: bool = False,
 ) -> str | None:
     name = info.orig_filename.encode()
@@ -203,7 +256,7 @@ def _check_record(
         return f"{info.filename}: local header corrupt (bytes {cursor}-{cursor + len(header)})"
     if data_offset + size > len(mm):
         return f"{info.filename}: data runs past the end of the file (truncated)"
-    crc = _crc(mm, data_offset, data_offset + size) if size else 0
+    crc = crc_of(data_offset, data_offset + size) if size else 0
     if crc != info.CRC:
         return f"{info.filename}: CRC32 mismatch (stored {info.CRC:08x}, data {crc:08x})"
     rec = replace(rec, crc=crc)
