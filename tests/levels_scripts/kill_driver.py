@@ -3,7 +3,7 @@
 Usage: kill_driver.py MEM_DIR DISK_DIR EXPECT_DIR RESULTS KILLS SEED
 
 The driver imports torch once, then forks a training child KILLS times and SIGKILLs it after a
-random delay (a crash at any point of a save, a copy, a retention). Each child first checks what
+random delay after its check (a crash at any point of a save, a copy, a retention). Each child first checks what
 its predecessor left: ``latest()`` must be the newest step that some level holds as a file that
 stock ``torch.load`` reads, and ``load(latest)`` must hash to the state dumped for that step; then
 it resumes from there and trains. The state at a step is deterministic (data seeded by the step),
@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import random
+import select
 import signal
 import sys
 import time
@@ -101,8 +102,9 @@ def check() -> tuple[torch.nn.Module, torch.optim.Optimizer, int]:
     return model, opt, start
 
 
-def train() -> None:
+def train(checked: int) -> None:
     model, opt, step = check()
+    os.write(checked, b"1")  # the driver's kill timer starts now: every child checks before it dies
     with LazyCheckpointer(levels=LEVELS) as ckpt:
         while True:
             gen = torch.Generator().manual_seed(step)
@@ -128,15 +130,19 @@ def main() -> None:
     warm(torch.ones(1, 2)).sum().backward()
     opt.step()
     for _ in range(int(kills)):
+        checked_r, checked_w = os.pipe()
         pid = os.fork()
         if pid == 0:
             try:
-                train()
+                train(checked_w)
             except BaseException:
                 traceback.print_exc()
             finally:
                 os._exit(1)
-        time.sleep(rng.uniform(0.2, 0.9))  # the kill point: anywhere in the child's run
+        os.close(checked_w)
+        select.select([checked_r], [], [], 120)  # its check done (or it died: EOF), bounded
+        os.close(checked_r)
+        time.sleep(rng.uniform(0.2, 0.9))  # the kill point: anywhere in the child's training and saves
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
     pid = os.fork()

@@ -247,7 +247,7 @@ class DistributedCheckpointer(_exit.ClosedOnExit):
         Raises ``SaveRefusedError`` on every rank if planning fails on any (nothing written); on
         one rank only if that rank cannot serialize its part (the save then fails on the others
         with ``DistributedSaveError``). Nothing else: an I/O error on this rank, even one met
-        inside ``save()`` (a full memory filesystem, where the file is created here), fails the
+        inside ``save()`` (a full memory filesystem, when the file is written there), fails the
         save on every rank alike, with ``DistributedSaveError`` naming this rank from the handle's
         ``wait()`` and the checkpointer's ``wait()`` / ``close()`` (its ``__cause__`` here is the
         ``WriteError``). Unlike ``LazyCheckpointer.save``, it does not raise an
