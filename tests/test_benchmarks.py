@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from benchmarks import bench_core, bench_levels, gpt
+from benchmarks import bench_core, bench_levels, gpt, probe_tmpfs
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "lazyckpt"
 
@@ -118,3 +118,10 @@ def test_no_model_and_no_benchmark_harness_in_the_package():
                 names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
                 assert not any(n.split(".")[0] == "benchmarks" for n in names), f"{path} imports {names}"
     assert not list(SRC.glob("cli/_bench*")) and not (SRC / "cli" / "_gpt.py").exists()
+
+
+def test_probe_tmpfs_times_fresh_and_overwritten_files(tmp_path, capsys):
+    assert probe_tmpfs.main(["--bytes", str(3 << 20), "--rounds", "1", "--dir", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert all(case in printed for case in ("fresh+fallocate", "fresh ", "overwrite"))
+    assert list(tmp_path.iterdir()) == []  # its folder is gone
