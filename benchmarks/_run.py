@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import logging
 import os
 import platform
@@ -26,6 +27,8 @@ from typing import Any
 
 import torch
 
+from lazyckpt.cli._format import dump_json
+
 from . import _baselines as baselines
 from . import gpt as _gpt
 from ._modes import Mode, make_modes, unavailable_peers
@@ -39,6 +42,30 @@ MODES = ("none", "torch.save", "dcp", "write-only", "lazyckpt", "lazyckpt-bg")
 DEFAULT_MODES = ("none", "torch.save", "dcp", "write-only", "lazyckpt")
 # counted steps, rounds, warm-up steps per segment, per model size
 DEFAULTS = {"tiny": (10, 3, 2), "small": (6, 4, 1), "100m": (5, 4, 1), "1b": (4, 2, 1)}
+
+
+def cli(prog: str, doc: str | None, add_arguments: Any, run: Any, argv: list[str] | None) -> int:
+    """A benchmark's ``main()``: its parser (``add_arguments``) over ``argv``, handed to ``run``."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return int(run(parser.parse_args(argv)))
+
+
+def add_json_argument(p: argparse.ArgumentParser, what: str = "the table") -> None:
+    p.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
+                   help=f"all measurements as JSON: to stdout instead of {what}, or to FILE")  # fmt: skip
+
+
+def emit_json(doc: dict[str, Any], where: str | None) -> bool:
+    """``--json``: ``-`` prints ``doc`` instead of the report (True: nothing else to print); a FILE
+    gets it beside the report."""
+    if where == "-":
+        dump_json(doc)
+        return True
+    if where:
+        with open(where, "w") as fh:
+            json.dump(doc, fh, indent=1, default=str)
+    return False
 
 
 def add_loop_arguments(

@@ -20,25 +20,18 @@ Peers this torch lacks are skipped with a note.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Any
 
-from lazyckpt.cli._format import GB, dump_json, fmt, human_bytes, table
+from lazyckpt.cli._format import GB, fmt, human_bytes, table
 
 from ._baselines import floor_parts, storage_floor
 from ._progress import ProgressBar
-from ._run import DEFAULT_MODES, MODES, Bench, BenchOptions, add_loop_arguments
+from ._run import DEFAULT_MODES, MODES, Bench, BenchOptions, add_json_argument, add_loop_arguments, cli, emit_json
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.bench_core",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return cli("python -m benchmarks.bench_core", __doc__, add_arguments, run, argv)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -47,8 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--out-dir", default=None, help="where checkpoints go (default: a fresh temporary directory)")
     p.add_argument("--keep", action="store_true", help="keep the checkpoint files")
-    p.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
-                   help="all measurements as JSON: to stdout instead of the table, or to FILE")  # fmt: skip
+    add_json_argument(p)
     p.add_argument("--plot", default=None, metavar="FILE.png", help="draw a timeline per mode (needs matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
@@ -74,12 +66,8 @@ def run(args: argparse.Namespace) -> int:
         from ._plot import plot_timelines
 
         plot_timelines(doc, args.plot)
-    if args.json == "-":
-        dump_json(doc)
+    if emit_json(doc, args.json):
         return 0
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(doc, fh, indent=1, default=str)
     print_report(doc)
     if args.plot:
         print(f"timeline: {args.plot}")

@@ -33,7 +33,6 @@ or not, 8 readers or 1, against stock ``torch.load`` of the same file from disk 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -44,13 +43,11 @@ from typing import Any
 
 import torch
 
-from lazyckpt.cli._format import dump_json
-
 from . import _resume
 from ._levels_report import PEERS, print_report
 from ._modes import Mode, make_modes
 from ._progress import ProgressBar
-from ._run import Bench, BenchOptions, add_loop_arguments
+from ._run import Bench, BenchOptions, add_json_argument, add_loop_arguments, cli, emit_json
 
 LEVEL_MODES = ("lazy-disk", "lazy-mem", "lazy-mem+disk", "lazy-mem+disk-nice", "lazy-mem+disk-inline")
 MODES = ("none", "torch.save", "dcp", *LEVEL_MODES)
@@ -189,13 +186,7 @@ class LevelsBench(Bench):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.bench_levels",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return cli("python -m benchmarks.bench_levels", __doc__, add_arguments, run, argv)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -207,14 +198,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume-only", action="store_true", help="only the resume cases")
     p.add_argument("--resume-cases", default=None, help="comma-separated subset of the resume cases' names")
     p.add_argument("--no-drop-caches", action="store_true", help="do not drop the page cache before each resume")
-    p.add_argument(
-        "--json",
-        nargs="?",
-        const="-",
-        default=None,
-        metavar="FILE",
-        help="all measurements as JSON: to stdout instead of the tables, or to FILE",
-    )
+    add_json_argument(p, "the tables")
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -248,12 +232,8 @@ def run(args: argparse.Namespace) -> int:
             shutil.rmtree(disk, ignore_errors=True)
         if not args.memory_dir:
             shutil.rmtree(memory, ignore_errors=True)
-    if args.json == "-":
-        dump_json(doc)
+    if emit_json(doc, args.json):
         return 0
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(doc, fh, indent=1, default=str)
     print_report(doc)
     return 0
 
