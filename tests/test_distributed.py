@@ -136,8 +136,8 @@ def test_write_error_on_one_rank_fails_every_rank(tmp_path):
 
 
 def test_a_full_memory_filesystem_on_one_rank_fails_every_rank_alike_from_wait(tmp_path):
-    """Issue 20 item 7: on tmpfs the file is created inside save(); ENOSPC there on rank 1 is not
-    raised by save() (only SaveRefusedError is): every rank's handle.wait() raises the same
+    """Issue 20 item 7: on tmpfs ENOSPC when rank 1's file is created (inside save() or by a writer)
+    is not raised by save() (only SaveRefusedError is): every rank's handle.wait() raises the same
     DistributedSaveError naming rank 1, and wait() does not raise it a second time."""
     import errno
 

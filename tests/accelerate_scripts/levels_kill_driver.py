@@ -106,8 +106,9 @@ def check():
     return acc, model, opt, handle
 
 
-def train() -> None:
+def train(checked: int) -> None:
     acc, model, opt, handle = check()
+    os.write(checked, b"1")  # the driver's kill timer starts now (K.main)
     while True:
         step = handle.step
         gen = torch.Generator().manual_seed(step)

@@ -291,8 +291,8 @@ def scenario_write_error() -> None:
 
 
 def scenario_memory_fs_full() -> None:
-    """On a memory filesystem (the file is created inside save()), rank 1's disk is full when its
-    file is created: save() returns on both ranks (it raises only SaveRefusedError), and both
+    """On a memory filesystem, rank 1's disk is full when its file is created (inside save() when it
+    writes the file itself, else by a writer): save() returns on both ranks (it raises only SaveRefusedError), and both
     ranks' handle.wait() and wait() raise the same DistributedSaveError naming rank 1."""
     import lazyckpt.storage.fs as _fs
     from lazyckpt import SaveRefusedError, WriteError
@@ -315,8 +315,6 @@ def scenario_memory_fs_full() -> None:
         except (SaveRefusedError, WriteError) as exc:
             RESULT["save_raised"] = f"{type(exc).__name__}: {exc}"
             raise
-        if RANK == 1:
-            _fs.open_temporary = real
         RESULT["save_raised"] = None
         for name, call in (("handle", h.wait), ("wait", ckpt.wait)):
             try:
@@ -327,6 +325,8 @@ def scenario_memory_fs_full() -> None:
                     "type": type(exc).__name__, "ranks": list(exc.ranks), "message": str(exc),
                     "cause": type(exc.__cause__).__name__, "errno": getattr(exc.__cause__, "errno", None),
                 }  # fmt: skip
+        if RANK == 1:  # the file is created in save() or by a writer: restored once the save ended
+            _fs.open_temporary = real
         RESULT["created_in_save"] = bool(created_in_save)
         dist.barrier()
         ckpt.save(state, os.path.join(folder, "ok")).wait()  # usable again
