@@ -82,6 +82,12 @@ def _print_targets(lv: dict[str, Any], spare: bool) -> None:
             )
     elif "torch.save" in lv:
         print(f"lazy-mem+disk vs torch.save: {_ratio(stall, vs.get('torch.save'))} (target <= 1x, busy)")
+    for name in ("lazy-mem", "lazy-mem+disk"):
+        if name in lv and f"{name}-fresh" in lv:
+            print(
+                f"page reuse ({name}): {lv[name]['steady_stall_s']:.3f} s steady stall per step, "
+                f"{lv[f'{name}-fresh']['steady_stall_s']:.3f} s with a new tmpfs file each time (reuse_pages=False)"
+            )
     inline = lv.get("lazy-mem+disk-inline")
     if inline is not None:
         print(

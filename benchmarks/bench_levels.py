@@ -19,6 +19,8 @@ Training modes (same GPT, AdamW and batches; interleaved in rounds whose order r
                          then runs when the training's threads leave a core idle)
   lazy-mem+disk-inline   lazy-mem, plus the same copy of the memory file to disk every 10th step made
                          on the training thread inside the save (the other placement of that copy)
+  lazy-mem-fresh         lazy-mem with Level(reuse_pages=False): every checkpoint a new tmpfs file,
+  lazy-mem+disk-fresh    lazy-mem+disk likewise (the way before page reuse, side by side)
 
 Per mode: steady stall per step = (counted steps' time - the baseline's) / steps, the final drain
 apart (one-time drain: waiting for the last saves after the last step). Counted steps are numbered
@@ -49,7 +51,10 @@ from ._modes import Mode, make_modes
 from ._progress import ProgressBar
 from ._run import Bench, BenchOptions, add_json_argument, add_loop_arguments, cli, emit_json
 
-LEVEL_MODES = ("lazy-disk", "lazy-mem", "lazy-mem+disk", "lazy-mem+disk-nice", "lazy-mem+disk-inline")
+LEVEL_MODES = (
+    "lazy-disk", "lazy-mem", "lazy-mem+disk", "lazy-mem+disk-nice", "lazy-mem+disk-inline", "lazy-mem-fresh",
+    "lazy-mem+disk-fresh",
+)  # fmt: skip
 MODES = ("none", "torch.save", "dcp", *LEVEL_MODES)
 
 
@@ -158,12 +163,15 @@ class LevelsBench(Bench):
         impl = make_modes(stock, out_dir, self.device, self.opt, self.opts.writer_threads)
         mem, disk, every = self.memory_dir, out_dir, self.disk_every
 
-        def both(folder: str, **kw: Any) -> Levels:
-            levels = [Level(mem / folder, every=1, keep=2), Level(disk / folder, every=every, keep=2)]
+        def both(folder: str, reuse: bool = True, **kw: Any) -> Levels:
+            levels = [
+                Level(mem / folder, every=1, keep=2, reuse_pages=reuse),
+                Level(disk / folder, every=every, keep=2),
+            ]
             return Levels(folder, out_dir, levels, self.opt, self.opts.writer_threads, **kw)
 
-        def one(where: Path, folder: str, **kw: Any) -> Levels:
-            return Levels(folder, out_dir, [Level(where / folder, every=1, keep=2)], self.opt,
+        def one(where: Path, folder: str, reuse: bool = True, **kw: Any) -> Levels:
+            return Levels(folder, out_dir, [Level(where / folder, every=1, keep=2, reuse_pages=reuse)], self.opt,
                           self.opts.writer_threads, **kw)  # fmt: skip
 
         factories = {
@@ -174,6 +182,8 @@ class LevelsBench(Bench):
             "lazy-mem+disk-inline": lambda: one(
                 mem, "lazy-mem+disk-inline", inline_dir=disk / "inline", inline_every=every
             ),  # fmt: skip
+            "lazy-mem-fresh": lambda: one(mem, "lazy-mem-fresh", reuse=False),
+            "lazy-mem+disk-fresh": lambda: both("lazy-mem+disk-fresh", reuse=False),
         }
         impl.update({name: factories[name]() for name in self.modes if name in factories})
         return impl

@@ -285,6 +285,19 @@ class LazyCheckpointer(_exit.ClosedOnExit):
                 return self._removals.queue(target, trash, behind)
         return self._remover.remove(target, trash)
 
+    def reuse(self, path: str) -> bool:
+        """Internal API (a memory level's retention): instead of deleting the checkpoint file at
+        ``path``, keep its pages for the next save into its folder (``storage/spare.py``). False when
+        it may not be reused (not on a memory filesystem, a save to it pending, a reader holding or
+        this process mapping it, closed, ...): the caller then ``remove()``s it. Never raises."""
+        if self._closed:
+            return False
+        target = os.path.abspath(os.fspath(path))
+        with self._lock:  # no save to ``path`` may be registered (and commit onto it) meanwhile
+            if any(j.path == target for j in self._jobs):
+                return False
+            return self._engine.spares.offer(target)
+
     def wait_staged(self, timeout: float | None = None) -> None:
         """Block until every pending save's host copies are done (saved tensors may change)."""
         with self._lock:
@@ -360,6 +373,7 @@ class LazyCheckpointer(_exit.ClosedOnExit):
             if self._remote is not None:  # after the engine: its uploads wait for local commits
                 self._remote.close()
             self._remover.stop()
+            self._engine.spares.clear()  # after the engine: no writer takes one any more
             self.pool.close()
             _exit.unregister(self)
         self._raise_unreported()

@@ -24,6 +24,7 @@ from lazyckpt.errors import WriteError
 from lazyckpt.formats.crc import crc32
 from lazyckpt.formats.flatten import Source
 from lazyckpt.storage import fs as _fs
+from lazyckpt.storage.spare import Spares
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ def _new_event() -> torch.cuda.Event:
 class Engine:
     def __init__(self, pool: HostBufferPool, writer_threads: int, on_done: Callable[[Job], None]) -> None:
         self.pool = pool
+        self.spares = Spares()  # files memory levels' retention dropped, for the next saves there
         self._on_done = on_done
         self._copy_streams: dict[torch.device, torch.cuda.Stream] = {}
         self._stager: Worker[Job] = Worker("lazyckpt-stager", self._stage, on_error=_item_failed)
@@ -80,9 +82,10 @@ class Engine:
         self._committer.submit(job)
         self._stager.submit(job)
 
-    @staticmethod
-    def open(job: Job) -> bool:
+    def open(self, job: Job) -> bool:
         """Create the job's temporary file (and reserve its size) unless done; True when it is open.
+        Its folder's spare (``storage/spare.py``: a file a memory level's retention dropped) is
+        renamed to that name and reused when there is one.
 
         Runs on the first thread that needs the file: a writer (the caller of ``save()`` never
         waits for it: on a journaling filesystem creating and fallocating a file can block for
@@ -95,7 +98,9 @@ class Engine:
             if job.file is FileState.NEW:
                 try:
                     if not job.failed:
-                        job.fd = _fs.open_temporary(job.tmp, job.file_bytes)
+                        job.fd = self.spares.take(job.tmp, job.file_bytes)
+                        if job.fd < 0:
+                            job.fd = _fs.open_temporary(job.tmp, job.file_bytes)
                         if job.direct:
                             job.dfd = _fs.open_direct(job.tmp)
                 except Exception as exc:

@@ -40,12 +40,18 @@ class Level:
             for it (``on_backpressure="block"``) or skips this level's copy (``"skip"``). A faster
             level's file that feeds a waiting copy is kept until that copy is done, so a memory
             level holds at most ``keep`` plus the slower levels' backlogs of checkpoints.
+        reuse_pages: on a memory filesystem (tmpfs), the file retention drops is overwritten by
+            the next save into this level instead of being deleted (its pages are reused: no
+            allocation and zeroing of a new file's pages). Files that a lazyckpt reader holds
+            (``lazyckpt.load``, ``verify``, ``latest``) or that this process maps are never reused.
+            False: always delete (another process reading old files with plain ``torch.load``).
     """
 
     path: str
     every: int = 1
     keep: int | None = None
     backlog: int = 2
+    reuse_pages: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, (str, os.PathLike)):

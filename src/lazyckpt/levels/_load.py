@@ -17,7 +17,9 @@ by ranged reads into ONE host buffer, which ``torch.load`` unpickles (one memory
 ``weights_only`` (default True, as torch's) and ``map_location`` are passed through. The buffers,
 the threads and the file descriptor belong to the call. A checkpoint file is never changed after
 its commit (lazyckpt and torch.save rename complete files into place), so the bytes checked are
-the bytes mapped.
+the bytes mapped. On a memory filesystem the descriptor is share-locked (``storage/spare.py``): a
+memory level never reuses the pages of a file being read here, nor of one whose tensors a
+``load()`` in this or another process still maps.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch
 from lazyckpt.recovery import _read
 from lazyckpt.storage import fs as _fs
 from lazyckpt.storage import remote as _remote
+from lazyckpt.storage import spare as _spare
 
 from ..errors import VerificationError
 from ._latest import Found
@@ -83,6 +86,8 @@ def load(
                 _read.fd_path(source.fd, path), map_location=location, weights_only=weights_only, mmap=zipped,
                 **torch_load_kwargs,
             )  # fmt: skip
+            if zipped:  # its tensors are pages of the file: keep it share-locked while they are mapped
+                _spare.hold_while_mapped(source.fd, path)
     finish()
     return result
 
@@ -93,6 +98,11 @@ def load(
 class _FileSource:
     def __init__(self, path: str) -> None:
         self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            _spare.share_lock(self.fd, path)  # a memory level's file: its pages are not reused meanwhile
+        except BaseException:
+            os.close(self.fd)
+            raise
         self.size = os.fstat(self.fd).st_size
 
     def identity(self) -> _read.FileIdentity:

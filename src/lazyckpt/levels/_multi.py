@@ -59,6 +59,7 @@ class Saver(Protocol):
     def save(self, obj: Any, path: str) -> SaveHandle: ...
     def raise_errors(self) -> None: ...
     def remove(self, path: str) -> Any: ...
+    def reuse(self, path: str) -> bool: ...
     def wait_staged(self, timeout: float | None = None) -> None: ...
 
 
@@ -121,6 +122,7 @@ class MultiLevel:
         self._staging: str | None = None
         self._counter = itertools.count()
         self._memory_checked = False
+        self._sourced: set[int] = set()  # levels the core saver has written into (their files may be reused)
         self._closed = False
         for level in levels:
             if not level.is_url:
@@ -164,6 +166,8 @@ class MultiLevel:
         targets = due[1:] if first is not None else due
         admitted = [i for i in targets if self._admit(i, step)]
         src = self.path(first, step) if first is not None else self._staging_path(step)
+        if first is not None:
+            self._sourced.add(first)
         feed = _Feed(first, step, src, len(admitted))
         # pinned once per copy: the file stays until the last copy has read it
         self._retention.saved(([] if first is None else [first]) + admitted, step, first, len(admitted))
@@ -304,9 +308,11 @@ class MultiLevel:
         """Level ``index``'s retention (``_schedule.Retention.apply``): deletions through
         ``LazyCheckpointer.remove`` (local: renamed away now, freed on its remover thread) or the
         remote tier (a URL level: on its own level thread)."""
+        level = self.levels[index]
+        reuse = self.ckpt.reuse if level.reuse_pages and index in self._sourced and not self.folder else None
         self._retention.apply(
-            index, self.levels[index], self.options.storage_options, self.folder, self.ckpt.remove,
-            self._remote_tier, self._ledger.publish,
+            index, level, self.options.storage_options, self.folder, self.ckpt.remove,
+            self._remote_tier, self._ledger.publish, reuse,
         )  # fmt: skip
 
     # -- admission --------------------------------------------------------------------------------

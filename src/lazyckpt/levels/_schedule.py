@@ -133,7 +133,12 @@ class Retention:
         remove_local: Callable[[str], Any],
         remote_tier: Callable[[], RemoteTier],
         publish: Callable[[Report], None],
+        reuse: Callable[[str], bool] | None = None,
     ) -> None:
+        """Remove level ``index``'s checkpoints beyond its ``keep`` newest (and those of an abandoned
+        timeline). ``reuse``: offered first each victim this saver wrote itself (a memory level's
+        file, whose pages the next save there takes over: ``storage/spare.py``); a refused one is
+        removed as any other."""
         try:
             steps = list_steps(level, storage_options, folder=folder)
         except Exception as exc:  # noqa: BLE001 - retention is housekeeping
@@ -143,8 +148,11 @@ class Retention:
             chosen = retention_victims(steps, level.keep, self._first.get(index), self._mine[index])
             victims = [steps[s] for s in chosen if (index, s) not in self._pins and steps[s] not in self._removing]
             self._removing.update(victims)
+            reusable = {steps[s] for s in chosen if s in self._mine[index]} if reuse is not None else set()
         for path in victims:
             try:
+                if path in reusable and reuse is not None and reuse(path):
+                    continue
                 remove_copy(index, level, path, remove_local, remote_tier, publish)
             finally:
                 with self._cond:

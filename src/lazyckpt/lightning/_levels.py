@@ -86,6 +86,9 @@ class _PluginSaver:
     def remove(self, path: str) -> Any:
         return self._plugin.open_checkpointer().remove(path)
 
+    def reuse(self, path: str) -> bool:
+        return self._plugin.open_checkpointer().reuse(path)
+
     def wait_staged(self, timeout: float | None = None) -> None:
         self._plugin.open_checkpointer().wait_staged(timeout)
 

@@ -29,6 +29,7 @@ from lazyckpt.formats import safetensors_file as _safetensorsfmt
 from lazyckpt.formats.crc import crc32
 from lazyckpt.formats.torch_zip import Record, central_directory, padded_local_header, record_at, zip64_extra
 from lazyckpt.storage import remote as _remote
+from lazyckpt.storage import spare as _spare
 
 from ._read import READ_THREADS, FileIdentity, read_with_crcs, readers
 
@@ -70,6 +71,7 @@ def verify(
     if _remote.is_url(path):
         return _verify_url(path, storage_options)
     with open(path, "rb") as fh:
+        _spare.share_lock(fh.fileno(), path)  # a memory level's file: its pages are not reused meanwhile
         before = FileIdentity.of(fh.fileno())
         report = VerifyReport(path, "unknown", before.size)
         if before.size == 0:

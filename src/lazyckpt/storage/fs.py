@@ -162,17 +162,18 @@ def open_direct(tmp: str) -> int:
         return -1
 
 
-def reserve(fd: int, size: int) -> None:
-    """Reserve ``size`` bytes for ``fd`` (fallocate): a full disk fails here rather than mid-write."""
+def reserve(fd: int, size: int, offset: int = 0) -> None:
+    """Reserve ``size`` bytes from ``offset`` for ``fd`` (fallocate): a full disk fails here rather
+    than mid-write."""
     if size <= 0:
         return
     # The raw syscall, not posix_fallocate: glibc's fallback writes zeros, which would double the I/O.
-    if _fallocate is not None and _fallocate(fd, 0, 0, size) == 0:
+    if _fallocate is not None and _fallocate(fd, 0, offset, size) == 0:
         return
     err = ctypes.get_errno() if _fallocate is not None else errno.EOPNOTSUPP
     if err in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
         raise OSError(err, os.strerror(err))
-    os.ftruncate(fd, size)  # filesystems without fallocate: a sparse file of the final size
+    os.ftruncate(fd, offset + size)  # filesystems without fallocate: a sparse file of the final size
 
 
 def commit(tmp: str, final: str, fsync: bool) -> None:
