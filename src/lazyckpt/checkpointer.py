@@ -286,17 +286,13 @@ class LazyCheckpointer(_exit.ClosedOnExit):
         return self._remover.remove(target, trash)
 
     def reuse(self, path: str) -> bool:
-        """Internal API (a memory level's retention): instead of deleting the checkpoint file at
-        ``path``, keep its pages for the next save into its folder (``storage/spare.py``). False when
-        it may not be reused (not on a memory filesystem, a save to it pending, a reader holding or
-        this process mapping it, closed, ...): the caller then ``remove()``s it. Never raises."""
-        if self._closed:
-            return False
+        """Internal API (a memory level's retention): keep the pages of the file at ``path`` for the
+        next save into its folder instead of deleting it (``storage/spare.py``). False when it may
+        not be (a save to it pending, a reader, closed, ...: then ``remove()`` it). Never raises."""
         target = os.path.abspath(os.fspath(path))
         with self._lock:  # no save to ``path`` may be registered (and commit onto it) meanwhile
-            if any(j.path == target for j in self._jobs):
-                return False
-            return self._engine.spares.offer(target)
+            pending = self._closed or any(j.path == target for j in self._jobs)
+            return not pending and self._engine.spares.offer(target)
 
     def wait_staged(self, timeout: float | None = None) -> None:
         """Block until every pending save's host copies are done (saved tensors may change)."""
