@@ -250,7 +250,7 @@ def test_memory_level_warns_at_the_first_save_with_numbers(mem, monkeypatch):
 def test_s3_level_against_the_test_s3_server(mem, tmp_path, s3):
     opts, fs = s3
     url = f"s3://levels/{uuid.uuid4().hex[:8]}"
-    levels = [Level(mem, every=1, keep=2), Level(url, every=2, keep=2)]
+    levels = [Level(mem, every=1, keep=2), Level(url, every=2, keep=2, backlog=4)]  # never waits (-W error)
     step, want = _train(), {}
     with LazyCheckpointer(levels=levels, storage_options=opts, local_dir=str(tmp_path / "local")) as ck:
         for i in range(1, 8):

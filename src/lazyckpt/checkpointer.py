@@ -426,6 +426,8 @@ class LazyCheckpointer(_exit.ClosedOnExit):
         (0.35 s per 1.2 GB here: bench_levels' lazy-mem, spare core). Only ``inline`` opens it here."""
         job.direct = direct
         folder = os.path.dirname(job.tmp)
+        if _fs.is_memory_filesystem(folder):  # one writer at a time: see Job.serial
+            job.serial = threading.Lock()
         if inline:  # save() writes the file itself
             self._engine.open(job)
             if job.error is not None:

@@ -8,6 +8,7 @@ strictly in save() order (so the last save to a path wins) and is the only one t
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import threading
@@ -312,9 +313,10 @@ class Engine:
                 else:
                     assert piece.buffer is not None
                     addr, data = piece.buffer.view.data_ptr(), piece.buffer.memoryview()
-                crc = crc32(data) if job.crc else 0
-                job.note_write_start()
-                self._write_data(job, piece, data, addr)
+                with job.serial or contextlib.nullcontext():
+                    crc = crc32(data) if job.crc else 0
+                    job.note_write_start()
+                    self._write_data(job, piece, data, addr)
                 job.piece_written(piece, crc)
         except BaseException as exc:
             job.fail(write_error(job, "writing", exc))

@@ -137,6 +137,9 @@ class Job:
         self.fd = -1
         self.dfd = -1  # O_DIRECT descriptor of the same file, when used
         self.direct = False  # open an O_DIRECT descriptor too
+        # One writer at a time (a memory filesystem's file: the kernel serialises writes to one tmpfs
+        # file on its inode lock, and parallel writers only spin there and take the training's core).
+        self.serial: threading.Lock | None = None
         # The state, the counters, the pieces' states and the error: all behind ``_lock``. Creating the
         # file (slow: the journal) has its own lock, so that no step waits for it unless it needs the file.
         self._lock = threading.Lock()
