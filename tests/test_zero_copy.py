@@ -1,4 +1,6 @@
-"""Zero-copy writes: large CPU tensors an optimizer owns are written straight from their memory.
+"""Zero-copy writes: large CPU tensors an optimizer owns are written straight from their memory,
+through O_DIRECT on a disk, or buffered into a memory filesystem (tmpfs: a write there is one memory
+copy, from the tensor as well as from a staging buffer).
 
 The file must hold the state at save() whatever comes first: the writers, an optimizer step (which
 copies whatever the writers have not started and waits for what they are writing), wait_staged(),
@@ -23,7 +25,34 @@ from _util import assert_same
 from lazyckpt import LazyCheckpointer, StaleTensorError, WriteError, verify
 from lazyckpt.core import engine as _engine
 from lazyckpt.core import job as _job
+from lazyckpt.core.plan import usable_cpus
 from lazyckpt.storage import fs as _fs
+
+SHM = "/dev/shm"
+
+
+@pytest.fixture(params=["disk", "memory"])
+def where(request, tmp_path):
+    """(folder, checkpointer options): a disk folder with direct I/O, or a tmpfs folder with a core
+    to spare (torch on one thread: otherwise save() writes a tmpfs file itself, from the tensors)."""
+    if request.param == "disk":
+        yield tmp_path, {"direct_io": True}
+        return
+    if not (os.path.isdir(SHM) and os.access(SHM, os.W_OK) and _fs.is_memory_filesystem(SHM)):
+        pytest.skip("no writable tmpfs at /dev/shm")
+    if usable_cpus() < 2:
+        pytest.skip("needs 2 CPUs to leave one spare")
+    folder = tmp_path.__class__(SHM) / f"lazyckpt-test-{os.getpid()}-{tmp_path.name}"
+    folder.mkdir()
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield folder, {}
+    finally:
+        torch.set_num_threads(before)
+        for name in os.listdir(folder):
+            os.unlink(folder / name)
+        folder.rmdir()
 
 
 def _model_and_optimizer():
@@ -71,12 +100,12 @@ class _Writes:
 
 
 @contextlib.contextmanager
-def _held_save(tmp_path, monkeypatch):
+def _held_save(tmp_path, monkeypatch, **options):
     """A save of a trained model whose first live write (one writer thread) is held until
     ``writes.release`` is set; yields model, opt, ckpt, handle, want (the state at save) and writes."""
     model, opt = _model_and_optimizer()
     writes = _Writes(monkeypatch, hold_first_live=True)
-    with LazyCheckpointer(direct_io=True, writer_threads=1) as ckpt:
+    with LazyCheckpointer(**{"direct_io": True, **options}, writer_threads=1) as ckpt:
         want = copy.deepcopy(_state(model, opt))
         handle = ckpt.save(_state(model, opt), tmp_path / "a.pt")
         assert writes.started.wait(30)
@@ -111,22 +140,24 @@ def _check_file(path, want):
     assert verify(path).ok, verify(path).problems
 
 
-def test_writers_first_file_is_the_state_at_save(tmp_path, monkeypatch):
+def test_writers_first_file_is_the_state_at_save(where, monkeypatch):
+    folder, options = where
     model, opt = _model_and_optimizer()
     writes = _Writes(monkeypatch)
-    with LazyCheckpointer(direct_io=True) as ckpt:
+    with LazyCheckpointer(**options) as ckpt:
         want = copy.deepcopy(_state(model, opt))
-        handle = ckpt.save(_state(model, opt), tmp_path / "a.pt")
+        handle = ckpt.save(_state(model, opt), folder / "a.pt")
         handle.wait()
         _train_step(model, opt)
     assert writes.live > 0 and writes.staged == 0, "large optimizer-owned tensors go straight from memory"
-    _check_file(tmp_path / "a.pt", want)
-    with zipfile.ZipFile(tmp_path / "a.pt") as z:
+    _check_file(folder / "a.pt", want)
+    with zipfile.ZipFile(folder / "a.pt") as z:
         assert "a/.format_version" not in z.namelist()
 
 
-def test_optimizer_step_copies_what_writers_have_not_reached(tmp_path, monkeypatch):
-    with _held_save(tmp_path, monkeypatch) as held:
+def test_optimizer_step_copies_what_writers_have_not_reached(where, monkeypatch):
+    tmp_path, options = where
+    with _held_save(tmp_path, monkeypatch, **options) as held:
         model, opt, handle, want, writes = held.model, held.opt, held.handle, held.want, held.writes
         # The step's guard copies every piece still queued, then waits for the one being written,
         # which goes on once the others are claimed.
@@ -155,8 +186,9 @@ def test_wait_staged_copies_instead_of_waiting_for_storage(tmp_path, monkeypatch
     _check_file(tmp_path / "a.pt", want)
 
 
-def test_in_place_change_while_written_from_memory_fails_loudly(tmp_path, monkeypatch):
-    with _held_save(tmp_path, monkeypatch) as held:
+def test_in_place_change_while_written_from_memory_fails_loudly(where, monkeypatch):
+    tmp_path, options = where
+    with _held_save(tmp_path, monkeypatch, **options) as held:
         model, handle, writes = held.model, held.handle, held.writes
         with torch.no_grad():
             model[0].weight.mul_(2.0)  # not an optimizer step: nothing holds it back

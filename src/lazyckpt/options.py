@@ -33,7 +33,8 @@ class CheckpointerOptions:
             partial pages at each tensor's ends go through the page cache). The file layout is
             the same either way. ``None`` (default): for files whose tensors average >= 1 MiB,
             where the filesystem supports it. ``False``: never.
-        zero_copy: with direct I/O, write large CPU tensors that an optimizer owns straight from
+        zero_copy: with direct I/O, or to a memory filesystem (tmpfs: a write is a memory copy from
+            any buffer), write large CPU tensors that an optimizer owns straight from
             their memory, with no staging copy: a torch file then places each such tensor's data at
             its address's position within a page (padding of under a page in the record header,
             which every reader follows; the file carries no ``.format_version``, as torch < 2.5's

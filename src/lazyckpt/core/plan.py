@@ -56,7 +56,11 @@ class SavePlan:
         eager_only = capture or inline or not any(s.nbytes for s in sources)
         guarded = set() if eager_only else _guard.guarded_storages()
         direct = not inline and use_direct_io(options.direct_io, [s.nbytes for s in sources])
-        zero_copy = direct and options.zero_copy and all(d.type != "cuda" for d in devices)
+        # Zero copy where the writers' write needs no staging: O_DIRECT (the device reads the
+        # tensor's pages), or a memory filesystem (a write there is one memory copy, from the
+        # tensor as well as from a staging buffer: the staging copy would be a second one).
+        in_memory = bool(final) and not inline and _fs.is_memory_filesystem(os.path.dirname(os.path.abspath(final)))
+        zero_copy = (direct or in_memory) and options.zero_copy and all(d.type != "cuda" for d in devices)
         # Ask the format to place what will be written straight from memory where its pages line up.
         phases = {s.key: s.data_ptr % PAGE for s in sources if zero_copy and zero_copy_candidate(s, guarded)}
         return cls(direct=direct, zero_copy=zero_copy, inline=inline, guarded=guarded, phases=phases)
