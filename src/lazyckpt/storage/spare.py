@@ -37,6 +37,12 @@ def _identity(st: os.stat_result) -> tuple[int, int]:
     return st.st_dev, st.st_ino
 
 
+def _folder_in_memory(path: str) -> str | None:
+    """The folder of ``path`` when it is on a memory filesystem (tmpfs), else None."""
+    folder = os.path.dirname(os.path.abspath(path))
+    return folder if _fs.is_memory_filesystem(folder) else None
+
+
 def mapped_here(dev: int, ino: int) -> bool:
     """Whether this process maps the file (device ``dev``, inode ``ino``): ``/proc/self/maps``.
     True when that cannot be read (then nothing is reused)."""
@@ -59,7 +65,7 @@ def share_lock(fd: int, path: str) -> None:
     """A reader's side of page reuse: on a memory filesystem, a shared lock on ``fd`` (so its pages
     are not reused while it is held), then ``path`` must still name that file. Raises
     ``FileNotFoundError`` when the file is being reused or was renamed away since the open."""
-    if not _fs.is_memory_filesystem(os.path.dirname(os.path.abspath(path))):
+    if _folder_in_memory(path) is None:
         return
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -80,16 +86,16 @@ _held: dict[tuple[int, int], int] = {}  # (dev, inode) -> a duplicate of a reade
 def hold_while_mapped(fd: int, path: str) -> None:
     """On a memory filesystem, keep a duplicate of ``fd`` (holding its shared lock) while this
     process maps that file; descriptors of files no longer mapped are closed here."""
-    if not _fs.is_memory_filesystem(os.path.dirname(os.path.abspath(path))):
+    if _folder_in_memory(path) is None:
         return
-    st = os.fstat(fd)
+    this = _identity(os.fstat(fd))
     with _held_lock:
         for key, held in list(_held.items()):
-            if key != _identity(st) and not mapped_here(*key):
+            if key != this and not mapped_here(*key):
                 del _held[key]
                 os.close(held)
-        if _identity(st) not in _held and mapped_here(st.st_dev, st.st_ino):
-            _held[_identity(st)] = os.dup(fd)  # the duplicate shares the lock (one open file description)
+        if this not in _held and mapped_here(*this):
+            _held[this] = os.dup(fd)  # the duplicate shares the lock (one open file description)
 
 
 class _Spare:
@@ -112,8 +118,8 @@ class Spares:
         """Make the file at ``path`` (a memory filesystem's) its folder's spare; False when it may
         not be (the caller deletes it as before). The caller guarantees that no save to ``path`` is
         pending. Never raises."""
-        folder = os.path.dirname(os.path.abspath(path))
-        if not _fs.is_memory_filesystem(folder):
+        folder = _folder_in_memory(path)
+        if folder is None:
             return False
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
