@@ -67,6 +67,16 @@ def _print_training(t: dict[str, Any]) -> None:
 
 def _print_targets(lv: dict[str, Any], spare: bool) -> None:
     both, mem = lv.get("lazy-mem+disk"), lv.get("lazy-mem")
+    floor = lv.get("copy-only")
+    if floor is not None:
+        print(
+            f"memory floor (copy-only: the state's bytes copied into a reused tmpfs file each step, nothing else): "
+            f"{floor['steady_stall_s']:.3f} s steady stall per step, {floor['extra_cpu_s']:.2f} background CPU s"
+        )
+        for name in ("lazy-mem", "lazy-mem+disk"):
+            if name in lv:
+                above = lv[name]["steady_stall_s"] - floor["steady_stall_s"]
+                print(f"  {name} above that floor: {above:+.3f} s per step")
     if both is None:
         return
     vs = both["vs"]
@@ -87,6 +97,11 @@ def _print_targets(lv: dict[str, Any], spare: bool) -> None:
             print(
                 f"page reuse ({name}): {lv[name]['steady_stall_s']:.3f} s steady stall per step, "
                 f"{lv[f'{name}-fresh']['steady_stall_s']:.3f} s with a new tmpfs file each time (reuse_pages=False)"
+            )
+        if name in lv and f"{name}-staged" in lv:
+            print(
+                f"zero copy to tmpfs ({name}): {lv[name]['steady_stall_s']:.3f} s steady stall per step, "
+                f"{lv[f'{name}-staged']['steady_stall_s']:.3f} s staging every tensor first (zero_copy=False)"
             )
     inline = lv.get("lazy-mem+disk-inline")
     if inline is not None:

@@ -1,6 +1,7 @@
 """Where one checkpoint's time goes: per-phase times on the training thread, CPU per lazyckpt thread.
 
     python -m benchmarks.profile_stall --loop core --threads 1          # plain loop + LazyCheckpointer
+    python -m benchmarks.profile_stall --loop levels --threads 1 --dir /dev/shm   # + one memory level (keep 2)
     python -m benchmarks.profile_stall --loop lightning --threads 1     # Trainer.fit + LazyCheckpointIO
     python -m benchmarks.profile_stall --loop accelerate --threads 1    # save_state + lazyckpt.accelerate
 
@@ -175,6 +176,28 @@ def run_core(args: argparse.Namespace, out: Path, ph: Phases) -> None:
     ckpt.close()
 
 
+def run_levels(args: argparse.Namespace, out: Path, ph: Phases) -> None:
+    """The plain loop with one memory-like level (``--dir``): ``save(state, step=i)``, keep 2, so
+    from the third save on retention hands the dropped file's pages to the next save."""
+    from lazyckpt import LazyCheckpointer, Level
+
+    cfg = _gpt.config_for(args.size)
+    model, batches = _gpt.build(cfg, seed=0), _gpt.BatchStream(cfg, seed=0)
+    opt = _gpt.make_optimizer(model)
+    _gpt.train_step(model, opt, batches.next())
+    with ph("create checkpointer"):
+        ckpt = LazyCheckpointer(levels=[Level(str(out), every=1, keep=2)], fsync=True, crc=True)
+        ckpt.track(opt)
+    for i in range(args.steps):
+        with ph("train step (forward, backward, step)"):
+            _gpt.train_step(model, opt, batches.next())
+        with ph("save()"):
+            ckpt.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": i}, step=i + 1)
+    with ph("final drain (wait)"):
+        ckpt.wait()
+    ckpt.close()
+
+
 def run_lightning(args: argparse.Namespace, out: Path, ph: Phases) -> None:
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -238,7 +261,7 @@ def run_accelerate(args: argparse.Namespace, out: Path, ph: Phases) -> None:
     handle.remove()
 
 
-LOOPS = {"core": run_core, "lightning": run_lightning, "accelerate": run_accelerate}
+LOOPS = {"core": run_core, "levels": run_levels, "lightning": run_lightning, "accelerate": run_accelerate}
 
 
 def main() -> None:
