@@ -152,7 +152,39 @@ class DCPAsync(Mode):
         self.stager.close()
 
 
-class WriteOnly(Mode):
+class OneThreadInBackground(Mode):
+    """A floor measured in place: each save starts one daemon thread (after joining the previous
+    one, counted as a wait); ``drain()`` joins it; an error on it is raised by the next join."""
+
+    def __init__(self, out_dir: Path) -> None:
+        super().__init__(out_dir)
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def _start(self, target: Any, args: tuple[Any, ...]) -> None:
+        self._join("wait")
+        t = time.perf_counter()
+        self.thread = threading.Thread(target=target, args=args, name=self.name, daemon=True)
+        self.thread.start()
+        self.call_s.append(time.perf_counter() - t)
+
+    def _join(self, what: str) -> None:
+        if self.thread is not None:
+            t = time.perf_counter()
+            self.thread.join()
+            t1 = time.perf_counter()
+            self.thread = None
+            if what == "wait":
+                self.wait_s.append(t1 - t)
+            self._blocked(t, t1, what)
+        if self.error is not None:
+            raise RuntimeError(f"{self.name}: the background work failed") from self.error
+
+    def drain(self) -> None:
+        self._join("drain")
+
+
+class WriteOnly(OneThreadInBackground):
     """Not a checkpointer: the disk's part of any background checkpointer, measured in place.
 
     After each step, ``writers`` background threads (lazyckpt's writer count, so the disk sees the
@@ -173,8 +205,6 @@ class WriteOnly(Mode):
         self.path = out_dir / "write-only.bin"
         self.writers = max(1, writers)
         self.buf: mmap.mmap | None = None  # page-aligned, as O_DIRECT needs
-        self.thread: threading.Thread | None = None
-        self.error: BaseException | None = None
 
     def _buffer(self, nbytes: int) -> mmap.mmap:
         size = -(-nbytes // self.CHUNK) * self.CHUNK
@@ -219,28 +249,10 @@ class WriteOnly(Mode):
         self.background.append((t, end, "write"))
         self.write_gbps.append(nbytes / max(end - t, 1e-9) / 1e9)
 
-    def _join(self, what: str) -> None:
-        if self.thread is not None:
-            t = time.perf_counter()
-            self.thread.join()
-            t1 = time.perf_counter()
-            self.thread = None
-            if what == "wait":
-                self.wait_s.append(t1 - t)
-            self._blocked(t, t1, what)
-        if self.error is not None:
-            raise RuntimeError("write-only: the write failed") from self.error
-
     def save(self, state: dict[str, Any], nbytes: int) -> None:
-        self._join("wait")
-        t = time.perf_counter()
+        self._join("wait")  # before the buffer: the previous write reads it
         self._buffer(nbytes)
-        self.thread = threading.Thread(target=self._write, args=(nbytes,), name="write-only", daemon=True)
-        self.thread.start()
-        self.call_s.append(time.perf_counter() - t)
-
-    def drain(self) -> None:
-        self._join("drain")
+        self._start(self._write, (nbytes,))
 
     def close(self) -> None:
         self.drain()

@@ -52,7 +52,7 @@ import torch
 
 from . import _resume
 from ._levels_report import PEERS, print_report
-from ._modes import Mode, make_modes
+from ._modes import Mode, OneThreadInBackground, make_modes
 from ._progress import ProgressBar
 from ._run import Bench, BenchOptions, add_json_argument, add_loop_arguments, cli, emit_json
 
@@ -63,7 +63,7 @@ LEVEL_MODES = (
 MODES = ("none", "torch.save", "dcp", *LEVEL_MODES)
 
 
-class CopyOnly(Mode):
+class CopyOnly(OneThreadInBackground):
     """Not a checkpointer: the memory level's floor, measured in place. After each step one
     background thread writes the state's tensor bytes, read from the tensors' own memory, over the
     pages of one reused tmpfs file (8 MiB ``pwrite`` calls): the one memory copy that any checkpoint
@@ -79,8 +79,6 @@ class CopyOnly(Mode):
         super().__init__(out_dir)
         memory_dir.mkdir(parents=True, exist_ok=True)
         self.path = memory_dir / "copy-only.bin"
-        self.thread: threading.Thread | None = None
-        self.error: BaseException | None = None
 
     @staticmethod
     def _tensors(obj: Any, out: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
@@ -117,28 +115,9 @@ class CopyOnly(Mode):
         self.background.append((t, end, "copy"))
         self.write_gbps.append(total / max(end - t, 1e-9) / 1e9)
 
-    def _join(self, what: str) -> None:
-        if self.thread is not None:
-            t = time.perf_counter()
-            self.thread.join()
-            t1 = time.perf_counter()
-            self.thread = None
-            if what == "wait":
-                self.wait_s.append(t1 - t)
-            self._blocked(t, t1, what)
-        if self.error is not None:
-            raise RuntimeError("copy-only: the copy failed") from self.error
-
     def save(self, state: dict[str, Any], nbytes: int) -> None:
-        self._join("wait")
-        t = time.perf_counter()
         tensors = [x for x in self._tensors(state, {}).values() if x.is_contiguous() and x.device.type == "cpu"]
-        self.thread = threading.Thread(target=self._copy, args=(tensors,), name="copy-only", daemon=True)
-        self.thread.start()
-        self.call_s.append(time.perf_counter() - t)
-
-    def drain(self) -> None:
-        self._join("drain")
+        self._start(self._copy, (tensors,))
 
     def close(self) -> None:
         self.drain()
@@ -198,8 +177,6 @@ class Levels(Mode):
 
     def _renice(self) -> None:
         """The level copy threads (named ``lazyckpt-level-<i>``, started by the first copy) at ``nice``."""
-        import threading
-
         for th in threading.enumerate():
             if th.name.startswith("lazyckpt-level-") and th.native_id and th.native_id not in self.reniced:
                 os.setpriority(os.PRIO_PROCESS, th.native_id, self.nice)
