@@ -51,6 +51,7 @@ from typing import Any
 import torch
 
 from . import _resume
+from ._baselines import distinct_tensors
 from ._levels_report import PEERS, print_report
 from ._modes import Mode, OneThreadInBackground, make_modes
 from ._progress import ProgressBar
@@ -80,18 +81,6 @@ class CopyOnly(OneThreadInBackground):
         memory_dir.mkdir(parents=True, exist_ok=True)
         self.path = memory_dir / "copy-only.bin"
 
-    @staticmethod
-    def _tensors(obj: Any, out: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-        if isinstance(obj, torch.Tensor):
-            out.setdefault(obj.data_ptr(), obj.detach())
-        elif isinstance(obj, dict):
-            for v in obj.values():
-                CopyOnly._tensors(v, out)
-        elif isinstance(obj, (list, tuple)):
-            for v in obj:
-                CopyOnly._tensors(v, out)
-        return out
-
     def _copy(self, tensors: list[torch.Tensor]) -> None:
         t = time.perf_counter()
         total = 0
@@ -116,7 +105,7 @@ class CopyOnly(OneThreadInBackground):
         self.write_gbps.append(total / max(end - t, 1e-9) / 1e9)
 
     def save(self, state: dict[str, Any], nbytes: int) -> None:
-        tensors = [x for x in self._tensors(state, {}).values() if x.is_contiguous() and x.device.type == "cpu"]
+        tensors = [x.detach() for x in distinct_tensors(state) if x.is_contiguous() and x.device.type == "cpu"]
         self._start(self._copy, (tensors,))
 
     def close(self) -> None:

@@ -16,6 +16,7 @@ import copy
 import os
 import threading
 import zipfile
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -42,7 +43,7 @@ def where(request, tmp_path):
         pytest.skip("no writable tmpfs at /dev/shm")
     if usable_cpus() < 2:
         pytest.skip("needs 2 CPUs to leave one spare")
-    folder = tmp_path.__class__(SHM) / f"lazyckpt-test-{os.getpid()}-{tmp_path.name}"
+    folder = Path(request.getfixturevalue("mem"))  # conftest's: a folder on /dev/shm, removed afterwards
     folder.mkdir()
     before = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -50,9 +51,6 @@ def where(request, tmp_path):
         yield folder, {}
     finally:
         torch.set_num_threads(before)
-        for name in os.listdir(folder):
-            os.unlink(folder / name)
-        folder.rmdir()
 
 
 def _model_and_optimizer():

@@ -49,7 +49,8 @@ class SavePlan:
         ``capture_in_save``: the option's value unless given (rank files of a distributed save are
         always planned lazily)."""
         devices = [s.device for s in sources]
-        inline = allow_inline and write_in_save(final, devices)
+        memory = bool(final) and _fs.is_memory_filesystem(os.path.dirname(os.path.abspath(final)))
+        inline = allow_inline and write_in_save(memory, devices)
         capture = options.capture_in_save if capture_in_save is None else capture_in_save
         # Nothing guarded: all eager. Listing the guarded storages walks every tracked optimizer's
         # tensors: skipped for saves without tensor data (Accelerate's scheduler.bin, sampler.bin).
@@ -59,8 +60,7 @@ class SavePlan:
         # Zero copy where the writers' write needs no staging: O_DIRECT (the device reads the
         # tensor's pages), or a memory filesystem (a write there is one memory copy, from the
         # tensor as well as from a staging buffer: the staging copy would be a second one).
-        in_memory = bool(final) and not inline and _fs.is_memory_filesystem(os.path.dirname(os.path.abspath(final)))
-        zero_copy = (direct or in_memory) and options.zero_copy and all(d.type != "cuda" for d in devices)
+        zero_copy = (direct or (memory and not inline)) and options.zero_copy and all(d.type != "cuda" for d in devices)
         # Ask the format to place what will be written straight from memory where its pages line up.
         phases = {s.key: s.data_ptr % PAGE for s in sources if zero_copy and zero_copy_candidate(s, guarded)}
         return cls(direct=direct, zero_copy=zero_copy, inline=inline, guarded=guarded, phases=phases)
@@ -96,9 +96,9 @@ def use_direct_io(option: bool | None, sizes: list[int]) -> bool:
     return nbytes >= 16 << 20 and 2 * large >= nbytes
 
 
-def write_in_save(final: str, devices: list[torch.device]) -> bool:
+def write_in_save(memory: bool, devices: list[torch.device]) -> bool:
     """Whether ``save()`` writes the file itself instead of handing it to the background threads:
-    when the file goes to a memory filesystem (tmpfs, ramfs) and training uses every core.
+    when the file goes to a memory filesystem (tmpfs, ramfs: ``memory``) and training uses every core.
 
     There a write is a memory copy, the same work on any thread; on a background thread it
     takes a core from the training's intra-op threads, which all wait at the end of each
@@ -107,7 +107,7 @@ def write_in_save(final: str, devices: list[torch.device]) -> bool:
     straight from the tensors (no staging copy), it costs what torch.save's copy costs and no
     more; with a core to spare (``torch.get_num_threads()`` below the usable CPUs, as in GPU
     training) the background overlap is free and kept. CPU tensors only."""
-    if any(d.type != "cpu" for d in devices) or not _fs.is_memory_filesystem(os.path.dirname(final)):
+    if not memory or any(d.type != "cpu" for d in devices):
         return False
     return torch.get_num_threads() >= usable_cpus()
 
