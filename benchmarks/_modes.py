@@ -8,10 +8,12 @@ when work ran in the background (``background``), as ``(start, end, what)`` perf
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,26 @@ import torch
 from lazyckpt.storage.fs import fsync_dir
 
 Span = tuple[float, float, str]
+
+
+@contextlib.contextmanager
+def write_in_save(force: bool | None) -> Iterator[None]:
+    """For an A/B of lazyckpt's placement rule (``lazyckpt.core.plan.write_in_save``): inside it,
+    ``save()`` writes a file on a memory filesystem itself (``force=True``: wherever its tensors are
+    on the CPU), always leaves it to the background threads (``False``), or follows the rule (``None``).
+    ``SavePlan.decide`` looks the rule up at each save, so patching it there for one mode's
+    ``save()`` calls leaves every other mode of the run alone."""
+    if force is None:
+        yield
+        return
+    from lazyckpt.core import plan
+
+    rule = plan.write_in_save
+    plan.write_in_save = lambda memory, devices: force and memory and all(d.type == "cpu" for d in devices)
+    try:
+        yield
+    finally:
+        plan.write_in_save = rule
 
 
 class Mode:
@@ -271,9 +293,10 @@ class Lazy(Mode):
 
         self.ckpt = LazyCheckpointer(writer_threads=writer_threads, fsync=True, on_backpressure="block", crc=True)
         self.ckpt.track(optimizer)
-        if background_only:  # never write inside save(), even on a memory filesystem with every core busy
+        # background_only: never write inside save(), even on a memory filesystem with every core busy
+        self.placement = False if background_only else None
+        if background_only:
             self.name = "lazyckpt-bg"
-            self.ckpt._write_in_save = lambda *_: False  # type: ignore[method-assign]
         self.path = out_dir / ("lazy-bg.pt" if background_only else "lazy.pt")
         self.handles: list[tuple[float, Any]] = []
         self.stats: list[Any] = []
@@ -284,7 +307,8 @@ class Lazy(Mode):
 
     def save(self, state: dict[str, Any], nbytes: int) -> None:
         t = time.perf_counter()
-        self.handles.append((t, self.ckpt.save(state, self.path)))
+        with write_in_save(self.placement):
+            self.handles.append((t, self.ckpt.save(state, self.path)))
         t1 = time.perf_counter()
         self.call_s.append(t1 - t)
         self._blocked(t, t1, "save")

@@ -24,6 +24,9 @@ Training modes (same GPT, AdamW and batches; interleaved in rounds whose order r
   lazy-mem+disk-fresh    lazy-mem+disk likewise (the way before page reuse, side by side)
   lazy-mem-staged        lazy-mem with zero_copy=False: every tensor copied into the staging buffers,
   lazy-mem+disk-staged   then written to tmpfs from there (the way before zero copy on tmpfs)
+  lazy-mem[+disk]-bg     the memory level's file always written by the background threads, and
+  lazy-mem[+disk]-insave always inside save() (the two placements that lazyckpt's rule chooses
+                         between: inside save() when every core trains, ``core/plan.write_in_save``)
 
 Per mode: steady stall per step = (counted steps' time - the baseline's) / steps, the final drain
 apart (one-time drain: waiting for the last saves after the last step). Counted steps are numbered
@@ -53,13 +56,14 @@ import torch
 from . import _resume
 from ._baselines import distinct_tensors
 from ._levels_report import PEERS, print_report
-from ._modes import Mode, OneThreadInBackground, make_modes
+from ._modes import Mode, OneThreadInBackground, make_modes, write_in_save
 from ._progress import ProgressBar
 from ._run import Bench, BenchOptions, add_json_argument, add_loop_arguments, cli, emit_json
 
 LEVEL_MODES = (
     "copy-only", "lazy-disk", "lazy-mem", "lazy-mem+disk", "lazy-mem+disk-nice", "lazy-mem+disk-inline",
     "lazy-mem-fresh", "lazy-mem+disk-fresh", "lazy-mem-staged", "lazy-mem+disk-staged",
+    "lazy-mem-bg", "lazy-mem+disk-bg", "lazy-mem-insave", "lazy-mem+disk-insave",
 )  # fmt: skip
 MODES = ("none", "torch.save", "dcp", *LEVEL_MODES)
 
@@ -117,18 +121,19 @@ class Levels(Mode):
     """``LazyCheckpointer(levels=...)`` saving ``save(state, step=n)`` after every step. With
     ``inline_every``, the memory level's file of every such step is also copied to ``inline_dir``
     on the calling thread, inside the save (waiting for that file first); with ``nice``, the level
-    copy threads run at that nice value."""
+    copy threads run at that nice value; ``in_save``: the placement of the memory level's write
+    (``_modes.write_in_save``; None: lazyckpt's rule)."""
 
     def __init__(self, name: str, out_dir: Path, levels: list[Any], optimizer: torch.optim.Optimizer,
                  writer_threads: int, *, inline_dir: Path | None = None, inline_every: int = 0,
-                 nice: int | None = None, zero_copy: bool = True) -> None:  # fmt: skip
+                 nice: int | None = None, zero_copy: bool = True, in_save: bool | None = None) -> None:  # fmt: skip
         from lazyckpt import LazyCheckpointer
 
         self.step = 0
         self.period = max([lv.every for lv in levels] + [inline_every or 1])
         super().__init__(out_dir)
         self.name, self.levels, self.nice, self.reniced = name, levels, nice, set[int]()
-        self.inline_dir, self.inline_every = inline_dir, inline_every
+        self.inline_dir, self.inline_every, self.in_save = inline_dir, inline_every, in_save
         if inline_dir is not None:
             inline_dir.mkdir(parents=True, exist_ok=True)
         options = {"fsync": True, "on_backpressure": "block", "crc": True, "zero_copy": zero_copy}
@@ -145,7 +150,8 @@ class Levels(Mode):
     def save(self, state: dict[str, Any], nbytes: int) -> None:
         self.step += 1
         t = time.perf_counter()
-        handle = self.ckpt.save(state, step=self.step)
+        with write_in_save(self.in_save):
+            handle = self.ckpt.save(state, step=self.step)
         if self.inline_every and self.step % self.inline_every == 0:
             self._copy_inline(handle)
         if self.nice is not None:
@@ -239,6 +245,10 @@ class LevelsBench(Bench):
             "lazy-mem+disk-fresh": lambda: both("lazy-mem+disk-fresh", reuse=False),
             "lazy-mem-staged": lambda: one(mem, "lazy-mem-staged", zero_copy=False),
             "lazy-mem+disk-staged": lambda: both("lazy-mem+disk-staged", zero_copy=False),
+            "lazy-mem-bg": lambda: one(mem, "lazy-mem-bg", in_save=False),
+            "lazy-mem+disk-bg": lambda: both("lazy-mem+disk-bg", in_save=False),
+            "lazy-mem-insave": lambda: one(mem, "lazy-mem-insave", in_save=True),
+            "lazy-mem+disk-insave": lambda: both("lazy-mem+disk-insave", in_save=True),
         }
         impl.update({name: factories[name]() for name in self.modes if name in factories})
         return impl

@@ -125,3 +125,46 @@ def test_probe_tmpfs_times_fresh_and_overwritten_files(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert all(case in printed for case in ("fresh+fallocate", "fresh ", "overwrite"))
     assert list(tmp_path.iterdir()) == []  # its folder is gone
+
+
+def test_placement_ab_forces_each_placement_and_restores_the_rule(mem, monkeypatch):
+    """``_modes.write_in_save`` (the lazyckpt-bg and lazy-mem*-bg/-insave modes) really moves the
+    memory-filesystem write: inside save() when forced on with a core to spare, to the background
+    threads when forced off with every core busy; lazyckpt's own rule is back afterwards."""
+    import os
+    import threading
+
+    import torch
+
+    from benchmarks._modes import write_in_save
+    from lazyckpt import LazyCheckpointer
+    from lazyckpt.core import plan
+    from lazyckpt.storage import fs
+
+    writers: list[str] = []
+    real = fs.pwrite_all
+
+    def pwrite_all(fd, data, offset):
+        if len(memoryview(data)) >= 64 << 10:
+            writers.append(threading.current_thread().name)
+        real(fd, data, offset)
+
+    monkeypatch.setattr(fs, "pwrite_all", pwrite_all)
+    os.makedirs(mem)
+    rule, before = plan.write_in_save, torch.get_num_threads()
+    model = torch.nn.Linear(512, 1024)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 512)).sum().backward()
+    opt.step()
+    try:
+        for force, threads in ((True, 1), (False, plan.usable_cpus())):
+            torch.set_num_threads(threads)
+            writers.clear()
+            with LazyCheckpointer() as ckpt, write_in_save(force):
+                ckpt.track(opt)
+                ckpt.save({"model": model.state_dict(), "optim": opt.state_dict()}, f"{mem}/{force}.pt").wait()
+            main = threading.current_thread().name
+            assert writers and (set(writers) == {main} if force else main not in writers), (force, writers)
+            assert plan.write_in_save is rule
+    finally:
+        torch.set_num_threads(before)
