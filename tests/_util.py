@@ -242,3 +242,19 @@ def hold_staging(monkeypatch, hold_s: float = 20) -> threading.Event:
     for name in ("release_guard", "_settle_for_wait", "_confirm_for_wait"):
         opening(name)
     return gate
+
+
+def data_writers(monkeypatch) -> list[str]:
+    """Names of the threads that write tensor data (pieces of at least 64 KiB) from now on."""
+    from lazyckpt.storage import fs as _fs
+
+    writers: list[str] = []
+    real = _fs.pwrite_all
+
+    def pwrite_all(fd, data, offset):  # type: ignore[no-untyped-def]
+        if len(memoryview(data)) >= 64 << 10:
+            writers.append(threading.current_thread().name)
+        real(fd, data, offset)
+
+    monkeypatch.setattr(_fs, "pwrite_all", pwrite_all)
+    return writers

@@ -136,20 +136,12 @@ def test_placement_ab_forces_each_placement_and_restores_the_rule(mem, monkeypat
 
     import torch
 
+    from _util import data_writers
     from benchmarks._modes import write_in_save
     from lazyckpt import LazyCheckpointer
     from lazyckpt.core import plan
-    from lazyckpt.storage import fs
 
-    writers: list[str] = []
-    real = fs.pwrite_all
-
-    def pwrite_all(fd, data, offset):
-        if len(memoryview(data)) >= 64 << 10:
-            writers.append(threading.current_thread().name)
-        real(fd, data, offset)
-
-    monkeypatch.setattr(fs, "pwrite_all", pwrite_all)
+    writers = data_writers(monkeypatch)
     os.makedirs(mem)
     rule, before = plan.write_in_save, torch.get_num_threads()
     model = torch.nn.Linear(512, 1024)

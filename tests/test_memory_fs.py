@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import lazyckpt
-from _util import assert_same
+from _util import assert_same, data_writers
 from lazyckpt import LazyCheckpointer, WriteError
 from lazyckpt.core.plan import usable_cpus as _usable_cpus
 from lazyckpt.storage import fs as _fs
@@ -55,26 +55,12 @@ def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, opt
 
 
-def _data_writes(monkeypatch) -> list[str]:
-    """Names of the threads that write tensor data (pieces of at least 64 KiB) from now on."""
-    writers: list[str] = []
-    real = _fs.pwrite_all
-
-    def pwrite_all(fd, data, offset):
-        if len(memoryview(data)) >= 64 << 10:
-            writers.append(threading.current_thread().name)
-        real(fd, data, offset)
-
-    monkeypatch.setattr(_fs, "pwrite_all", pwrite_all)
-    return writers
-
-
 def test_every_core_busy_writes_inside_save_from_the_tensors(shm, threads, monkeypatch):
     threads(_usable_cpus())
     model, opt = _trained()
     path = os.path.join(shm, "c.pt")
     expected = {k: v.clone() for k, v in model.state_dict().items()}
-    writers = _data_writes(monkeypatch)
+    writers = data_writers(monkeypatch)
     with LazyCheckpointer() as ckpt:
         ckpt.track(opt)
         h = ckpt.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": 1}, path)
@@ -95,7 +81,7 @@ def test_a_spare_core_keeps_the_background_writes(shm, threads, monkeypatch):
         pytest.skip("needs 2 CPUs to leave one spare")
     threads(1)
     model, opt = _trained()
-    writers = _data_writes(monkeypatch)
+    writers = data_writers(monkeypatch)
     with LazyCheckpointer() as ckpt:
         ckpt.track(opt)
         ckpt.save({"model": model.state_dict(), "optim": opt.state_dict()}, os.path.join(shm, "c.pt")).wait()
