@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from lazyckpt.storage.fs import fsync_dir
+from lazyckpt.storage.fs import fsync_dir, pwrite_all
 
 Span = tuple[float, float, str]
 
@@ -183,12 +183,24 @@ class OneThreadInBackground(Mode):
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
 
-    def _start(self, target: Any, args: tuple[Any, ...]) -> None:
+    def _start(self, what: str, target: Any, args: tuple[Any, ...]) -> None:
+        """Run ``target(*args)`` (it returns the bytes it wrote) on the thread; its span, as
+        ``what``, its speed and its error are recorded by ``_run``."""
         self._join("wait")
         t = time.perf_counter()
-        self.thread = threading.Thread(target=target, args=args, name=self.name, daemon=True)
+        self.thread = threading.Thread(target=self._run, args=(what, target, args), name=self.name, daemon=True)
         self.thread.start()
         self.call_s.append(time.perf_counter() - t)
+
+    def _run(self, what: str, target: Any, args: tuple[Any, ...]) -> None:
+        t, nbytes = time.perf_counter(), 0
+        try:
+            nbytes = target(*args)
+        except BaseException as exc:
+            self.error = exc
+        end = time.perf_counter()
+        self.background.append((t, end, what))
+        self.write_gbps.append(nbytes / max(end - t, 1e-9) / 1e9)
 
     def _join(self, what: str) -> None:
         if self.thread is not None:
@@ -237,44 +249,37 @@ class WriteOnly(OneThreadInBackground):
                 self.buf[off : off + len(block)] = block
         return self.buf
 
-    def _write(self, nbytes: int) -> None:
-        buf, t = self._buffer(nbytes), time.perf_counter()
+    def _write(self, nbytes: int) -> int:
+        buf = self._buffer(nbytes)
         try:
-            try:
-                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o644)
-            except OSError:  # tmpfs and others refuse O_DIRECT
-                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                view = memoryview(buf)
-                offsets = list(range(0, nbytes, self.CHUNK))
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o644)
+        except OSError:  # tmpfs and others refuse O_DIRECT
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(buf)
+            offsets = list(range(0, nbytes, self.CHUNK))
 
-                def write_some(k: int) -> None:
-                    for off in offsets[k :: self.writers]:
-                        # O_DIRECT wants lengths in whole pages: the last one is rounded up
-                        n = -(-min(self.CHUNK, nbytes - off) // 4096) * 4096
-                        done = 0
-                        while done < n:
-                            done += os.pwrite(fd, view[off + done : off + n], off + done)
+            def write_some(k: int) -> None:
+                for off in offsets[k :: self.writers]:
+                    # O_DIRECT wants lengths in whole pages: the last one is rounded up
+                    n = -(-min(self.CHUNK, nbytes - off) // 4096) * 4096
+                    pwrite_all(fd, view[off : off + n], off)
 
-                threads = [threading.Thread(target=write_some, args=(k,)) for k in range(1, self.writers)]
-                for th in threads:
-                    th.start()
-                write_some(0)
-                for th in threads:
-                    th.join()
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        except BaseException as exc:
-            self.error = exc
-        end = time.perf_counter()
-        self.background.append((t, end, "write"))
-        self.write_gbps.append(nbytes / max(end - t, 1e-9) / 1e9)
+            threads = [threading.Thread(target=write_some, args=(k,)) for k in range(1, self.writers)]
+            for th in threads:
+                th.start()
+            write_some(0)
+            for th in threads:
+                th.join()
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return nbytes
 
     def save(self, state: dict[str, Any], nbytes: int) -> None:
         self._join("wait")  # before the buffer: the previous write reads it
         self._buffer(nbytes)
-        self._start(self._write, (nbytes,))
+        self._start("write", self._write, (nbytes,))
 
     def close(self) -> None:
         self.drain()

@@ -41,7 +41,6 @@ or not, 8 readers or 1, against stock ``torch.load`` of the same file from disk 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import shutil
 import sys
@@ -52,6 +51,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from lazyckpt.core.engine import memory_at
+from lazyckpt.storage.fs import pwrite_all
 
 from . import _resume
 from ._baselines import distinct_tensors
@@ -85,32 +87,23 @@ class CopyOnly(OneThreadInBackground):
         memory_dir.mkdir(parents=True, exist_ok=True)
         self.path = memory_dir / "copy-only.bin"
 
-    def _copy(self, tensors: list[torch.Tensor]) -> None:
-        t = time.perf_counter()
+    def _copy(self, tensors: list[torch.Tensor]) -> int:
         total = 0
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600)
         try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600)
-            try:
-                for x in tensors:
-                    n = x.numel() * x.element_size()
-                    view = memoryview((ctypes.c_char * n).from_address(x.data_ptr())).cast("B")
-                    for off in range(0, n, self.PIECE):
-                        chunk = view[off : off + self.PIECE]
-                        done = 0
-                        while done < len(chunk):
-                            done += os.pwrite(fd, chunk[done:], total + off + done)
-                    total += n
-            finally:
-                os.close(fd)
-        except BaseException as exc:
-            self.error = exc
-        end = time.perf_counter()
-        self.background.append((t, end, "copy"))
-        self.write_gbps.append(total / max(end - t, 1e-9) / 1e9)
+            for x in tensors:
+                n = x.numel() * x.element_size()
+                view = memory_at(x.data_ptr(), n)
+                for off in range(0, n, self.PIECE):
+                    pwrite_all(fd, view[off : off + self.PIECE], total + off)
+                total += n
+        finally:
+            os.close(fd)
+        return total
 
     def save(self, state: dict[str, Any], nbytes: int) -> None:
         tensors = [x.detach() for x in distinct_tensors(state) if x.is_contiguous() and x.device.type == "cpu"]
-        self._start(self._copy, (tensors,))
+        self._start("copy", self._copy, (tensors,))
 
     def close(self) -> None:
         self.drain()

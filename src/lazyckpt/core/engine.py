@@ -44,7 +44,7 @@ def write_buffered(fd: int, data: memoryview, offset: int, crc: bool) -> int:
         _fs.pwrite_all(fd, data, offset)
         return 0
     value = 0
-    for start in range(0, max(len(data), 1), _CRC_SLICE):
+    for start in range(0, len(data), _CRC_SLICE):
         part = data[start : start + _CRC_SLICE]
         value = crc32(part, value)
         _fs.pwrite_all(fd, part, offset + start)
