@@ -15,9 +15,14 @@ that run the same training steps:
   stages every tensor through a host copy instead of writing large ones straight from memory
 * ``lazyckpt-nofsync`` (only with ``--phases``): ``LazyCheckpointer(fsync=False, direct_io=False)``, stock's
   durability (the page cache, no fsync; atomic renames kept): the same I/O as stock, off the training thread
+* ``lazyckpt-mem`` (only with ``--phases``): ``install(accelerator, levels=[Level(<--mem-dir>/..., every=1,
+  keep=2)])``: every step to a memory level (tmpfs), whose step folders' files are written over the pages of
+  the folder retention dropped; ``lazyckpt-mem-noreuse``: the same with ``Level(reuse_pages=False)`` (every
+  folder's files allocated anew, the dropped folder deleted)
 
 All phases save with automatic checkpoint naming and ``total_limit=2`` (old folders deleted), into their
-own project folder. The phases are interleaved ``--rounds`` times (none, stock, lazyckpt, none, ...) so
+own project folder (the memory-level phases: ``<level>/step-<n>``, ``keep=2``).
+The phases are interleaved ``--rounds`` times (none, stock, lazyckpt, none, ...) so
 machine drift hits all of them. The first ``--warmup`` steps of every phase are not timed (lazyckpt's warm-up
 saves are drained before the timed steps); lazyckpt uses one LazyCheckpointer for the whole run, so its host
 buffers stay allocated as in a long run. After each phase ``os.sync()`` flushes dirty pages, so no phase's
@@ -62,10 +67,11 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary folder)")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--mem-dir", default="/dev/shm", help="where the memory-level phases' levels go (tmpfs)")
     args = ap.parse_args()
 
     import lazyckpt.accelerate
-    from lazyckpt import LazyCheckpointer
+    from lazyckpt import LazyCheckpointer, Level
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -93,6 +99,14 @@ def main() -> None:
     ckpt_nofsync = LazyCheckpointer(fsync=False, direct_io=False) if "lazyckpt-nofsync" in args.phases else None
     by_phase = {"lazyckpt": ckpt, "lazyckpt-copy": ckpt_copy, "lazyckpt-nofsync": ckpt_nofsync}
     phases = [p.strip() for p in args.phases.split(",") if p.strip()]
+    mem_root = Path(tempfile.mkdtemp(prefix="bench_accelerate_", dir=args.mem_dir))
+    levels = {  # the memory-level phases: their own checkpointer each, open for the whole run
+        p: [Level(str(mem_root / p), every=1, keep=2, reuse_pages=p == "lazyckpt-mem")]
+        for p in ("lazyckpt-mem", "lazyckpt-mem-noreuse")
+        if p in phases
+    }
+    for p in levels:
+        by_phase[p] = LazyCheckpointer()
     times: dict[str, list[float]] = {p: [] for p in phases}
     blocked: dict[str, list[float]] = {p: [] for p in phases}
     # per round: (sum of the timed steps + the drain of lazyckpt's last pending save) / steps, so background
@@ -106,8 +120,12 @@ def main() -> None:
             shutil.rmtree(folder, ignore_errors=True)
             acc.project_configuration.set_directories(str(folder))
             acc.project_configuration.iteration = 0
+            acc.project_configuration.automatic_checkpoint_naming = phase not in levels  # levels name their own
             handle = None
-            if phase.startswith("lazyckpt"):
+            if phase in levels:
+                shutil.rmtree(levels[phase][0].path, ignore_errors=True)
+                handle = lazyckpt.accelerate.install(acc, checkpointer=by_phase[phase], levels=levels[phase])
+            elif phase.startswith("lazyckpt"):
                 handle = lazyckpt.accelerate.install(acc, checkpointer=by_phase[phase])
             for i in range(args.warmup + args.steps):
                 if i == args.warmup:
@@ -142,6 +160,7 @@ def main() -> None:
     for c in by_phase.values():
         if c is not None:
             c.close()
+    shutil.rmtree(mem_root, ignore_errors=True)
 
     rows = []
     for phase in phases:

@@ -115,6 +115,36 @@ def test_each_level_holds_the_state_at_save_time_and_keeps_its_newest(tmp_path, 
     assert (found.step, found.level) == (7, 0)
 
 
+def test_a_memory_level_writes_each_step_folder_over_the_pages_of_the_one_retention_dropped(tmp_path, mem, installs):
+    """Page reuse for folder levels (storage/spare.py): the step folder retention drops gives its
+    large files to the saves of the same names into the next step folder; stock load_state reads
+    each folder written over reused pages back exactly."""
+    model_kw = {"dim": 256, "hidden": 1024}  # model.safetensors and optimizer.bin above 1 MiB
+    acc, objs, _ = make(model_kw=model_kw)
+    h = installs(acc, levels=[Level(mem, every=1, keep=2)])
+    snaps: dict[int, dict] = {}
+    inodes: dict[int, dict[str, int]] = {}
+    big = ["model.safetensors", "optimizer.bin"]
+    for _ in range(6):
+        C.train_step(acc, *objs[:3], _gen(h.step))
+        models, opts, scheds = split(objs)
+        snaps[h.step] = C.snapshot(acc, models, opts, scheds)
+        folder = acc.save_state()
+        h.wait()  # committed, and the retention it triggers has run
+        inodes[h.step] = {n: os.stat(os.path.join(folder, n)).st_ino for n in big}
+        assert all(os.path.getsize(os.path.join(folder, n)) > (1 << 20) for n in big)
+    for step in (4, 5, 6):
+        assert inodes[step] == inodes[step - 3]  # step 1's files became step 4's, ...
+    spares = [n for n in _names(mem) if _fs.is_temporary(n)]
+    assert sorted(n.split(".lazyckpt-")[0] for n in spares) == [".model.safetensors", ".optimizer.bin"]  # step 4's
+    assert [n for n in _names(mem) if n not in spares] == ["step-00000005", "step-00000006"]
+    got = stock_restore_subprocess(tmp_path, [Level(mem).folder(5), Level(mem).folder(6)], model=model_kw)
+    for restored, step in zip(got, (5, 6), strict=True):
+        assert_restored(restored, snaps[step])
+    h.remove()
+    assert sorted(os.listdir(mem)) == ["step-00000005", "step-00000006"]  # the spares went with the saver
+
+
 def test_save_state_returns_before_the_copies_and_the_explicit_folder_keeps_todays_behaviour(
     tmp_path, installs, monkeypatch
 ):

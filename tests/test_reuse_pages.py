@@ -131,7 +131,7 @@ def test_a_reader_that_opened_before_the_rename_finds_the_file_gone(mem, name_th
     fd = os.open(path, os.O_RDONLY)
     try:
         assert spares.offer(path)
-        spare_fd = spares.take(os.path.join(mem, ".next.lazyckpt-x-1-1.tmp"), 4096)
+        spare_fd = spares.take(_file(mem, 2), os.path.join(mem, ".next.lazyckpt-x-1-1.tmp"), 4096)
         os.close(spare_fd)  # the writer finished: the exclusive lock is gone
         if name_then == "another file":
             torch.save(_state(9), path)
@@ -281,3 +281,93 @@ def test_a_full_memory_filesystem_while_growing_a_spare_fails_that_save_only(mem
         assert torch.equal(torch.load(_file(mem, 4), weights_only=True)["w"], _state(4, 1 << 16)["w"])
     finally:
         ck.close()
+
+
+# -- folder levels: a dropped step folder's files, by name ---------------------------------------
+
+
+def _big(value: float, n: int = 1 << 19) -> dict[str, torch.Tensor]:  # 2 MiB: above FOLDER_MIN_BYTES
+    return {"w": torch.full((n,), value)}
+
+
+def _temporaries(folder: str) -> list[str]:
+    """The spares parked in ``folder`` (temporary files; a dropped folder being freed is not one)."""
+    return sorted(n for n in os.listdir(folder) if _fs.is_temporary(n) and os.path.isfile(os.path.join(folder, n)))
+
+
+def test_a_dropped_step_folder_gives_each_large_file_to_the_save_of_its_name(mem):
+    step = lambda n: os.path.join(mem, f"step-{n:08d}")  # noqa: E731
+    with LazyCheckpointer(host_memory_budget=64 << 20) as ck:
+        ck.save(_big(1.0), os.path.join(step(1), "model.pt")).wait()
+        ck.save(_big(2.0), os.path.join(step(1), "shard", "opt.pt")).wait()  # two folders deep
+        ck.save(_state(1, 16), os.path.join(step(1), "small.pt")).wait()  # under FOLDER_MIN_BYTES
+        model = os.stat(os.path.join(step(1), "model.pt")).st_ino
+        opt = os.stat(os.path.join(step(1), "shard", "opt.pt")).st_ino
+        assert ck.reuse(step(1))
+        assert not os.path.exists(step(1))  # gone from its name at once, in one rename
+        assert len(_temporaries(mem)) == 2  # the two large files, parked in the level
+        ck.save(_big(3.0, 1 << 18), os.path.join(step(2), "model.pt")).wait()  # smaller: the file is cut
+        ck.save(_state(2, 16), os.path.join(step(2), "other.pt")).wait()  # no spare of that name
+        ck.save(_big(4.0, 1 << 20), os.path.join(step(2), "shard", "opt.pt")).wait()  # larger: grown
+        assert ck._engine.spares.reused == 2
+        assert os.stat(os.path.join(step(2), "model.pt")).st_ino == model
+        assert os.stat(os.path.join(step(2), "shard", "opt.pt")).st_ino == opt
+        assert _temporaries(mem) == []
+        ck.wait()  # the rest of step 1 (small.pt) is freed on the remover thread
+        assert sorted(os.listdir(mem)) == ["step-00000002"]
+        for name, want in [("model.pt", _big(3.0, 1 << 18)), ("shard/opt.pt", _big(4.0, 1 << 20))]:
+            path = os.path.join(step(2), name)
+            assert lazyckpt.verify(path).ok
+            assert torch.equal(torch.load(path, weights_only=True)["w"], want["w"])
+
+
+def test_the_spares_of_a_folder_replace_those_of_the_folder_before(mem):
+    """A name the saves no longer write (another process's shard) is kept one step at most."""
+    with LazyCheckpointer(host_memory_budget=64 << 20) as ck:
+        for n, name in [(1, "a.pt"), (2, "b.pt")]:
+            ck.save(_big(float(n)), os.path.join(mem, f"step-{n}", name)).wait()
+        assert ck.reuse(os.path.join(mem, "step-1")) and len(_temporaries(mem)) == 1
+        assert ck.reuse(os.path.join(mem, "step-2")) and len(_temporaries(mem)) == 1  # a.pt's spare dropped
+        ck.save(_big(3.0), os.path.join(mem, "step-3", "a.pt")).wait()
+        assert ck._engine.spares.reused == 0
+        ck.save(_big(3.0), os.path.join(mem, "step-3", "b.pt")).wait()
+        assert ck._engine.spares.reused == 1
+    assert sorted(os.listdir(mem)) == ["step-3"]
+
+
+def test_a_folder_with_a_save_pending_inside_is_not_reused(mem, monkeypatch):
+    from _util import WriteGate
+    from lazyckpt.core import plan
+
+    folder = os.path.join(mem, "step-1")
+    with LazyCheckpointer(host_memory_budget=64 << 20) as ck:
+        ck.save(_big(1.0), os.path.join(folder, "model.pt")).wait()
+        monkeypatch.setattr(plan, "write_in_save", lambda memory, devices: False)  # written in the background
+        gate = WriteGate(monkeypatch)  # ... where the next save's writes wait: it is pending
+        h = ck.save(_big(2.0), os.path.join(folder, "late.pt"))
+        try:
+            assert not ck.reuse(folder)
+            assert os.path.isdir(folder) and _temporaries(mem) == []
+        finally:
+            gate.release()
+        h.wait()
+        assert ck.reuse(folder)
+
+
+def test_a_file_a_reader_holds_in_a_dropped_folder_is_deleted_not_reused(mem):
+    folder = os.path.join(mem, "step-1")
+    with LazyCheckpointer(host_memory_budget=64 << 20) as ck:
+        ck.save(_big(1.0), os.path.join(folder, "model.pt")).wait()
+        ck.save(_big(2.0), os.path.join(folder, "opt.pt")).wait()
+        fd = os.open(os.path.join(folder, "model.pt"), os.O_RDONLY)
+        try:
+            _spare.share_lock(fd, os.path.join(folder, "model.pt"))  # lazyckpt.load's side
+            assert ck.reuse(folder)
+            ck.save(_big(3.0), os.path.join(mem, "step-2", "model.pt")).wait()
+            ck.save(_big(4.0), os.path.join(mem, "step-2", "opt.pt")).wait()
+            assert ck._engine.spares.reused == 1  # opt.pt only
+            ck.wait()
+            assert os.pread(fd, 8, 0)  # the reader's file is intact (unlinked, still open)
+            assert os.fstat(fd).st_nlink == 0
+        finally:
+            os.close(fd)

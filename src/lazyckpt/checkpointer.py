@@ -287,12 +287,28 @@ class LazyCheckpointer(_exit.ClosedOnExit):
 
     def reuse(self, path: str) -> bool:
         """Internal API (a memory level's retention): keep the pages of the file at ``path`` for the
-        next save into its folder instead of deleting it (``storage/spare.py``). False when it may
-        not be (a save to it pending, a reader, closed, ...: then ``remove()`` it). Never raises."""
+        next save into its folder instead of deleting it (``storage/spare.py``). A folder (a step
+        of a folder level) is renamed away and removed as ``remove()`` does, its large files kept
+        for the saves of the same names into the next step folder. False when the path may not be
+        reused (a save to it pending, a reader, closed, not a memory filesystem, ...: then
+        ``remove()`` it). Never raises."""
         target = os.path.abspath(os.fspath(path))
+        inside = target.rstrip(os.sep) + os.sep
+        spares = self._engine.spares
         with self._lock:  # no save to ``path`` may be registered (and commit onto it) meanwhile
-            pending = self._closed or any(j.path == target for j in self._jobs)
-            return not pending and self._engine.spares.offer(target)
+            if self._closed or any(j.path == target or j.path.startswith(inside) for j in self._jobs):
+                return False
+            if not os.path.isdir(target) or os.path.islink(target):
+                return spares.offer(target)
+            root = os.path.dirname(target)
+            if not _fs.is_memory_filesystem(root):
+                return False
+            try:
+                self._remover.remove(target, salvage=lambda taken: spares.offer_folder(taken, root))
+            except OSError as exc:
+                logger.debug("lazyckpt: %s not reused: %s", target, exc)
+                return False
+            return True
 
     def wait_staged(self, timeout: float | None = None) -> None:
         """Block until every pending save's host copies are done (saved tensors may change)."""

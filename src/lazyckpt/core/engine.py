@@ -104,8 +104,9 @@ class Engine:
 
     def open(self, job: Job) -> bool:
         """Create the job's temporary file (and reserve its size) unless done; True when it is open.
-        Its folder's spare (``storage/spare.py``: a file a memory level's retention dropped) is
-        renamed to that name and reused when there is one.
+        Its spare (``storage/spare.py``: a file a memory level's retention dropped, from its folder
+        or, for a folder level, of the same name in an older step folder) is renamed to that name
+        and reused when there is one.
 
         Runs on the first thread that needs the file: a writer (the caller of ``save()`` never
         waits for it: on a journaling filesystem creating and fallocating a file can block for
@@ -118,7 +119,7 @@ class Engine:
             if job.file is FileState.NEW:
                 try:
                     if not job.failed:
-                        job.fd = self.spares.take(job.tmp, job.file_bytes)
+                        job.fd = self.spares.take(job.path, job.tmp, job.file_bytes)
                         if job.fd < 0:
                             job.fd = _fs.open_temporary(job.tmp, job.file_bytes)
                         if job.direct:

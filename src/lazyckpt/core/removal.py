@@ -76,11 +76,16 @@ class Remover:
             "lazyckpt-remover", lambda item: self._delete_into(*item), lazy=True
         )  # one failed deletion never ends the thread: _delete_into catches everything
 
-    def remove(self, path: str, trash_dir: str | None = None) -> RemovalFuture:
+    def remove(
+        self, path: str, trash_dir: str | None = None, salvage: Callable[[str], None] | None = None
+    ) -> RemovalFuture:
         """Take ``path`` away from its name now (``FileNotFoundError`` and other ``OSError``s are
-        raised here); free its space in the background."""
+        raised here); free its space in the background. ``salvage(trash)``: called here with the
+        temporary name first, to take out what is kept (a memory level's files, for reuse)."""
         done = RemovalFuture()
         trash = _take_away(path, trash_dir)
+        if trash is not None and salvage is not None:
+            salvage(trash)
         self._free(trash, done)
         return done
 

@@ -42,7 +42,9 @@ class Level:
             level holds at most ``keep`` plus the slower levels' backlogs of checkpoints.
         reuse_pages: on a memory filesystem (tmpfs), the file retention drops is overwritten by
             the next save into this level instead of being deleted (its pages are reused: no
-            allocation and zeroing of a new file's pages). Files that a lazyckpt reader holds
+            allocation and zeroing of a new file's pages); for folder checkpoints (Accelerate's
+            ``step-<n>`` folders) each large file by the save of the same name into the next step
+            folder (not for ``DistributedCheckpointer`` levels). Files that a lazyckpt reader holds
             (``lazyckpt.load``, ``verify``, ``latest``) or that this process maps are never reused.
             False: always delete (another process reading old files with plain ``torch.load``).
     """

@@ -309,7 +309,7 @@ class MultiLevel:
         ``LazyCheckpointer.remove`` (local: renamed away now, freed on its remover thread) or the
         remote tier (a URL level: on its own level thread)."""
         level = self.levels[index]
-        reuse = self.ckpt.reuse if level.reuse_pages and index in self._sourced and not self.folder else None
+        reuse = self.ckpt.reuse if level.reuse_pages and index in self._sourced else None
         self._retention.apply(
             index, level, self.options.storage_options, self.folder, self.ckpt.remove,
             self._remote_tier, self._ledger.publish, reuse,

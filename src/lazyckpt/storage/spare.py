@@ -3,13 +3,16 @@
 On tmpfs a new file's pages are allocated and zeroed as it is written, and an unlink frees them
 again (``python -m benchmarks.probe_tmpfs``, 1.17 GB: fresh 0.46-0.75 CPU s plus 0.15-0.38 s for
 the unlink; written over an existing file's pages 0.28-0.35 s). ``Spares`` keeps one dropped file
-per folder under a temporary name and hands it to the next save there (docs/ARCHITECTURE.md,
-"Page reuse on a memory level"):
+per file level (one step folder's files per folder level) under temporary names and hands them to
+the next save there (docs/ARCHITECTURE.md, "Page reuse on a memory level"):
 
 - ``Spares.offer(path)``: the file, if nobody can be using it (a regular file with one link; an
   exclusive ``flock`` granted at once, so no lazyckpt reader holds it; not mapped by this
   process), renamed to a temporary name; its descriptor keeps the exclusive lock.
-- ``Spares.take(tmp, size)``: the folder's spare renamed to ``tmp`` and resized; the caller owns
+  ``Spares.offer_folder(taken, root)``: the same for each large file of a step folder of the
+  folder level ``root``, already renamed away to ``taken``; each is the spare of its name.
+- ``Spares.take(final, tmp, size)``: the spare for a save to ``final`` (its folder's, or the same
+  name's in a sibling step folder: ``keys_for``) renamed to ``tmp`` and resized; the caller owns
   the descriptor (and the lock, released when it closes it).
 - ``share_lock(fd, path)``: a reader's side, on a memory filesystem: a shared ``flock`` on its
   descriptor, then a check that ``path`` still names it; ``FileNotFoundError`` otherwise (being
@@ -98,6 +101,28 @@ def hold_while_mapped(fd: int, path: str) -> None:
             _held[this] = os.dup(fd)  # the duplicate shares the lock (one open file description)
 
 
+#: a folder checkpoint's files of at least this size are kept as spares (smaller ones cost little
+#: to allocate anew); looked for two folders deep at most (``pytorch_model_fsdp_0/__0_0.distcp``)
+FOLDER_MIN_BYTES = 1 << 20
+FOLDER_DEPTH = 2
+
+Key = tuple[str, str]  # (folder, name): a file level's (<level>, ""), a folder level's (<level>, <name in the step>)
+
+
+def keys_for(final: str) -> list[Key]:
+    """The spares a save to ``final`` may take, in order: its folder's (a file level), then the same
+    name in a sibling step folder, one and two folders up (a folder level)."""
+    step, rel = os.path.split(os.path.abspath(final))
+    keys = [(step, "")]
+    for _ in range(FOLDER_DEPTH):
+        root, name = os.path.split(step)
+        if not name:
+            break
+        keys.append((root, rel))
+        rel, step = os.path.join(name, rel), root
+    return keys
+
+
 class _Spare:
     __slots__ = ("path", "fd", "size")
 
@@ -106,12 +131,13 @@ class _Spare:
 
 
 class Spares:
-    """At most one spare file per folder, each under a temporary name with its descriptor open and
-    exclusively locked. Thread-safe; every method returns at once."""
+    """Spare files keyed by ``(folder, name)`` (``keys_for``), each under a temporary name with its
+    descriptor open and exclusively locked: at most one per file level, at most one step folder's
+    files per folder level. Thread-safe; every method returns at once."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._spares: dict[str, _Spare] = {}  # folder -> its spare
+        self._spares: dict[Key, _Spare] = {}
         self.reused = 0  # files handed to a save (tests and benchmarks read it)
 
     def offer(self, path: str) -> bool:
@@ -121,41 +147,44 @@ class Spares:
         folder = _folder_in_memory(path)
         if folder is None:
             return False
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
-        except OSError:
-            return False
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
-                raise _Refused("not a regular file with one link")
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise _Refused("a reader holds it") from None
-            if _identity(os.stat(path, follow_symlinks=False)) != _identity(st):
-                raise _Refused("the name holds another file now")
-            if mapped_here(st.st_dev, st.st_ino):
-                raise _Refused("this process maps it")
-            spare = _fs.temporary_path(path)
-            _fs.rename(path, spare)
-        except (OSError, _Refused) as exc:
-            logger.debug("lazyckpt: %s is deleted, not reused: %s", path, exc)
-            os.close(fd)
+        spare = _claim(path, folder)
+        if spare is None:
             return False
         with self._lock:
-            old = self._spares.pop(folder, None)
-            self._spares[folder] = _Spare(spare, fd, st.st_size)
+            old = self._spares.pop((folder, ""), None)
+            self._spares[(folder, "")] = spare
         if old is not None:
             _drop(old)
         return True
 
-    def take(self, tmp: str, size: int) -> int:
-        """The descriptor of ``tmp``'s folder's spare, renamed to ``tmp`` and resized to ``size``
-        bytes (grown by a reservation: a full filesystem raises ``OSError`` here); -1 when the
-        folder has none. The caller owns the descriptor (and its exclusive lock)."""
+    def offer_folder(self, taken: str, root: str) -> None:
+        """The files of a step folder of the folder level ``root``, renamed away to ``taken`` by the
+        caller (no save into it pending): each one of ``FOLDER_MIN_BYTES`` or more becomes the
+        spare of its name, parked in ``root``; they replace the spares of the folder offered before.
+        What is not taken stays in ``taken`` (the caller deletes it). Never raises."""
+        if not _fs.is_memory_filesystem(root):
+            return
+        root = os.path.abspath(root)
+        fresh: dict[Key, _Spare] = {}
+        for rel in _files(taken, FOLDER_DEPTH):
+            spare = _claim(os.path.join(taken, rel), root)
+            if spare is not None:
+                fresh[(root, rel)] = spare
         with self._lock:
-            spare = self._spares.pop(os.path.dirname(os.path.abspath(tmp)), None)
+            old = [self._spares.pop(k) for k in [k for k in self._spares if k[0] == root and k[1]]]
+            self._spares.update(fresh)
+        for spare in old:
+            _drop(spare)
+
+    def take(self, final: str, tmp: str, size: int) -> int:
+        """The descriptor of the spare for a save to ``final`` (``keys_for``), renamed to ``tmp``
+        and resized to ``size`` bytes (grown by a reservation: a full filesystem raises ``OSError``
+        here); -1 when there is none. The caller owns the descriptor (and its exclusive lock)."""
+        with self._lock:
+            for key in keys_for(final):
+                spare = self._spares.pop(key, None)
+                if spare is not None:
+                    break
         if spare is None:
             return -1
         try:
@@ -187,6 +216,56 @@ class Spares:
 
 class _Refused(Exception):
     pass
+
+
+def _claim(path: str, park: str) -> _Spare | None:
+    """The file at ``path``, if nobody can be using it (a regular file with one link; an exclusive
+    lock granted at once: no lazyckpt reader holds it; not mapped by this process), renamed to a
+    temporary name in the folder ``park``; its descriptor keeps the lock. None otherwise (the
+    file is left where it is). Never raises."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            raise _Refused("not a regular file with one link")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise _Refused("a reader holds it") from None
+        if _identity(os.stat(path, follow_symlinks=False)) != _identity(st):
+            raise _Refused("the name holds another file now")
+        if mapped_here(st.st_dev, st.st_ino):
+            raise _Refused("this process maps it")
+        spare = _fs.temporary_path(os.path.join(park, os.path.basename(path)))
+        _fs.rename(path, spare)
+    except (OSError, _Refused) as exc:
+        logger.debug("lazyckpt: %s is deleted, not reused: %s", path, exc)
+        os.close(fd)
+        return None
+    return _Spare(spare, fd, st.st_size)
+
+
+def _files(folder: str, depth: int) -> list[str]:
+    """The regular files of at least ``FOLDER_MIN_BYTES`` in ``folder``, ``depth`` levels deep at
+    most, as paths relative to it (symlinks not followed). Never raises."""
+    found: list[str] = []
+    try:
+        with os.scandir(folder) as it:
+            entries = list(it)
+    except OSError:
+        return found
+    for entry in entries:
+        try:
+            if entry.is_file(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_size >= FOLDER_MIN_BYTES:
+                found.append(entry.name)
+            elif depth > 1 and entry.is_dir(follow_symlinks=False):
+                found += [os.path.join(entry.name, rel) for rel in _files(entry.path, depth - 1)]
+        except OSError:
+            continue
+    return found
 
 
 def _drop(spare: _Spare) -> None:
