@@ -4,6 +4,7 @@
     python -m benchmarks.profile_stall --loop levels --threads 1 --dir /dev/shm   # + one memory level (keep 2)
     python -m benchmarks.profile_stall --loop lightning --threads 1     # Trainer.fit + LazyCheckpointIO
     python -m benchmarks.profile_stall --loop accelerate --threads 1    # save_state + lazyckpt.accelerate
+    python -m benchmarks.profile_stall --loop accelerate-levels --threads 1 --dir /dev/shm   # by level, keep 2
 
 Trains the ~98M GPT with a checkpoint after every one of ``--steps`` steps (lazyckpt, fsync, CRC32, as
 in the benchmarks) once per loop and prints, for the checkpoints of that run:
@@ -261,7 +262,37 @@ def run_accelerate(args: argparse.Namespace, out: Path, ph: Phases) -> None:
     handle.remove()
 
 
-LOOPS = {"core": run_core, "levels": run_levels, "lightning": run_lightning, "accelerate": run_accelerate}
+def run_accelerate_levels(args: argparse.Namespace, out: Path, ph: Phases) -> None:
+    """``save_state()`` by level: one memory-like level (``--dir``), every step, keep 2 (from the
+    third save on, each step folder's files are written over the pages of the one retention dropped)."""
+    import lazyckpt.accelerate
+    from lazyckpt import Level
+
+    from ._accelerate_loop import prepared_gpt
+
+    loop = prepared_gpt(args.size, str(out / "project"))
+    acc, train_step = loop.acc, loop.step
+    acc.project_configuration.automatic_checkpoint_naming = False  # the level names its folders
+    train_step()
+    with ph("install (creates the checkpointer)"):
+        handle = lazyckpt.accelerate.install(acc, levels=[Level(str(out / "level"), every=1, keep=2)])
+    for _ in range(args.steps):
+        with ph("train step (forward, backward, step)"):
+            train_step()
+        with ph("save_state"):
+            acc.save_state()
+    with ph("final drain (handle.wait)"):
+        handle.wait()
+    handle.remove()
+
+
+LOOPS = {
+    "core": run_core,
+    "levels": run_levels,
+    "lightning": run_lightning,
+    "accelerate": run_accelerate,
+    "accelerate-levels": run_accelerate_levels,
+}
 
 
 def main() -> None:
