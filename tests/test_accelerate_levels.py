@@ -496,6 +496,7 @@ def test_two_processes_save_one_folder_per_step_and_restore_from_either_level(tm
     _launch("mp_levels.py", "train", mem, disk, tmp_path)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["window"] == {"handle_done": False, "disk_step": False}  # held: process 1 had not started
+    assert summary["reused"] == 2  # the main process's model.safetensors and optimizer.bin (page reuse)
     assert _names(mem) == ["step-00000003", "step-00000004"]
     assert _names(disk) == ["step-00000002", "step-00000004"]
     for folder in [Path(mem) / "step-00000004", disk / "step-00000002", disk / "step-00000004"]:
