@@ -170,11 +170,15 @@ class MultiLevel:
             self._sourced.add(first)
         feed = _Feed(first, step, src, len(admitted))
         # pinned once per copy: the file stays until the last copy has read it
-        self._retention.saved(([] if first is None else [first]) + admitted, step, first, len(admitted))
+        # and once more by the save itself until it is done: a folder (or file) still being written is
+        # never a retention victim, even when a newer step's folder already exists beside it
+        self._retention.saved(([] if first is None else [first]) + admitted, step, first, len(admitted) + 1)
         try:
             source = produce(src)
         except BaseException:
             self._unadmit(admitted, feed)
+            if first is not None:
+                self._retention.unpin(first, step)
             raise
         part = SOURCE if first is None else first
         parts = Parts(self.path(due[0], step), step, source, [part, *admitted], self, t0)
@@ -189,6 +193,8 @@ class MultiLevel:
         def on_source(h: SaveHandle) -> None:  # core callback thread (or here, if already done)
             source_done.set()
             written = h.exception() is None and not (h.stats is not None and h.stats.skipped)
+            if first is not None:
+                self._retention.unpin(first, step)
             if first is not None and written:
                 self._retain(first)
             if not admitted and first is None:
