@@ -22,6 +22,7 @@ is why this complements the benchmarks' end-to-end figures. No stock peer runs h
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import tempfile
 import threading
@@ -242,40 +243,23 @@ def run_lightning(args: argparse.Namespace, out: Path, ph: Phases) -> None:
         trainer.fit(model)
 
 
-def run_accelerate(args: argparse.Namespace, out: Path, ph: Phases) -> None:
-    import lazyckpt.accelerate
-
-    from ._accelerate_loop import prepared_gpt
-
-    loop = prepared_gpt(args.size, str(out))
-    acc, train_step = loop.acc, loop.step
-    train_step()
-    with ph("install (creates the checkpointer)"):
-        handle = lazyckpt.accelerate.install(acc)
-    for _ in range(args.steps):
-        with ph("train step (forward, backward, step)"):
-            train_step()
-        with ph("save_state"):
-            acc.save_state()
-    with ph("final drain (handle.wait)"):
-        handle.wait()
-    handle.remove()
-
-
-def run_accelerate_levels(args: argparse.Namespace, out: Path, ph: Phases) -> None:
-    """``save_state()`` by level: one memory-like level (``--dir``), every step, keep 2 (from the
-    third save on, each step folder's files are written over the pages of the one retention dropped)."""
+def run_accelerate(args: argparse.Namespace, out: Path, ph: Phases, *, levels: bool = False) -> None:
+    """``save_state()`` after every step into automatic folders; ``levels``: by level instead, one
+    memory-like level (``--dir``) every step, keep 2 (from the third save on, each step folder's
+    files are written over the pages of the one retention dropped)."""
     import lazyckpt.accelerate
     from lazyckpt import Level
 
     from ._accelerate_loop import prepared_gpt
 
-    loop = prepared_gpt(args.size, str(out / "project"))
+    loop = prepared_gpt(args.size, str(out / "project") if levels else str(out))
     acc, train_step = loop.acc, loop.step
-    acc.project_configuration.automatic_checkpoint_naming = False  # the level names its folders
+    if levels:
+        acc.project_configuration.automatic_checkpoint_naming = False  # the level names its folders
     train_step()
     with ph("install (creates the checkpointer)"):
-        handle = lazyckpt.accelerate.install(acc, levels=[Level(str(out / "level"), every=1, keep=2)])
+        given = [Level(str(out / "level"), every=1, keep=2)] if levels else None
+        handle = lazyckpt.accelerate.install(acc, levels=given)
     for _ in range(args.steps):
         with ph("train step (forward, backward, step)"):
             train_step()
@@ -291,7 +275,7 @@ LOOPS = {
     "levels": run_levels,
     "lightning": run_lightning,
     "accelerate": run_accelerate,
-    "accelerate-levels": run_accelerate_levels,
+    "accelerate-levels": functools.partial(run_accelerate, levels=True),
 }
 
 
