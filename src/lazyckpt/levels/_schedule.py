@@ -16,6 +16,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+from lazyckpt.commit.folder import is_complete
 from lazyckpt.core.report import Report
 from lazyckpt.storage.remote import RemoteTier
 
@@ -97,7 +98,9 @@ class Retention:
     copy, ``unpin`` as each ends), and the paths being removed.
 
     ``apply(index, ...)`` runs right after a commit at level ``index`` (so its newest complete
-    checkpoint is never removed): it lists the level, keeps its ``keep`` newest steps, also removes
+    checkpoint is never removed): it lists the level, keeps its ``keep`` newest complete steps (a
+    local folder still being written, by this saver or another process, holds a pending marker:
+    it is not counted, and is removed only when older than every kept one), also removes
     the steps after the first this saver wrote there that it did not write (a timeline abandoned
     by a rollback: after resuming from step 50, an old step 57 would otherwise be "newest"), skips
     pinned steps (retried when unpinned) and deletes the rest (``remove_copy``)."""
@@ -144,8 +147,12 @@ class Retention:
         except Exception as exc:  # noqa: BLE001 - retention is housekeeping
             logger.warning("lazyckpt: level %d (%s): cannot list it for retention: %s", index, level.path, exc)
             return
+        # A listed file is complete (its temporaries are hidden), and so is a URL level's folder (only
+        # its own level thread uploads there, and it runs this after its upload); a local folder is
+        # created at its final name and holds a pending marker until the last process's save into it ends.
+        complete = {s for s, p in steps.items() if is_complete(p)} if folder and not level.is_url else None
         with self._cond:
-            chosen = retention_victims(steps, level.keep, self._first.get(index), self._mine[index])
+            chosen = retention_victims(steps, level.keep, self._first.get(index), self._mine[index], complete)
             victims = [steps[s] for s in chosen if (index, s) not in self._pins and steps[s] not in self._removing]
             self._removing.update(victims)
             reusable = {steps[s] for s in chosen if s in self._mine[index]} if reuse is not None else set()
@@ -159,12 +166,18 @@ class Retention:
                     self._removing.discard(path)
 
 
-def retention_victims(steps: dict[int, str], keep: int | None, first: int | None, mine: set[int]) -> list[int]:
-    """The steps of a level (``steps``: {step: path}, as listed) beyond its ``keep`` newest, and
-    those after the ``first`` step this saver wrote there that it did not write (``mine``)."""
+def retention_victims(
+    steps: dict[int, str], keep: int | None, first: int | None, mine: set[int], complete: set[int] | None = None
+) -> list[int]:
+    """The steps of a level (``steps``: {step: path}, as listed) older than its ``keep`` newest
+    complete ones (``complete``: the steps that are; None: all), and those after the ``first``
+    step this saver wrote there that it did not write (``mine``). An incomplete step newer than
+    the oldest kept one (a save still running) is not a victim; with no complete step, none is."""
     stale = {s for s in steps if first is not None and s > first and s not in mine}
     live = sorted(s for s in steps if s not in stale)
-    old = set(live[:-keep]) if keep is not None else set()
+    done = [s for s in live if complete is None or s in complete]
+    kept = done[-keep:] if keep is not None else []
+    old = {s for s in live if s < kept[0]} if kept else set()
     return sorted(stale | old)
 
 
