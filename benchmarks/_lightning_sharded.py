@@ -120,3 +120,10 @@ def worker(out: str, args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     worker(sys.argv[1], argparse.Namespace(**json.loads(sys.argv[2])))
+    # No interpreter finalization: a gloo worker thread may abort it (tests/_util.py, run_then_exit).
+    from lazyckpt.core import exit as _exit
+
+    _exit.drain()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -6,7 +6,7 @@ import copy
 import math
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -258,3 +258,41 @@ def data_writers(monkeypatch) -> list[str]:
 
     monkeypatch.setattr(_fs, "pwrite_all", pwrite_all)
     return writers
+
+
+def run_then_exit(main: Callable[[], object]) -> NoReturn:
+    """Run a multi-process script's ``main()``, then end the process without finalizing the
+    interpreter: lazyckpt's exit drain (what its ``atexit`` hook would run), multiprocessing's exit
+    function (a ddp_spawn worker's result queue is written by a feeder thread), output flushed,
+    ``os._exit`` with main's exit code (1, traceback printed, on an exception).
+
+    Why: torch's gloo worker threads may still drop their last collective's work objects (tensors
+    with Python references) while the interpreter finalizes; taking the GIL there ends the thread,
+    and unwinding through a noexcept destructor aborts the process (SIGABRT, "terminate called
+    without an active exception"; pytorch/pytorch#190489). Seen here in about 1 launch of 25 of the
+    2-process Accelerate restore, after an ``all_gather_object`` and a barrier (the core dump's
+    stack: ``ProcessGroupGloo::runLoop`` -> ``~AsyncBarrierWork`` -> ``~AsyncAllgatherWork`` ->
+    ``take_gil`` -> ``pthread_exit``). ``destroy_process_group()`` does not prevent it: those threads
+    end only when the group object is freed, and a DDP module keeps it alive in C++ after the module
+    itself is gone (measured: 6 threads before and after ``del ddp; destroy_process_group()``)."""
+    import os
+    import sys
+    import traceback
+
+    code = 0
+    try:
+        main()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:  # noqa: BLE001 - reported as the interpreter would, then the exit code
+        traceback.print_exc()
+        code = 1
+    from multiprocessing import util as _mp_util
+
+    from lazyckpt.core import exit as _exit
+
+    _exit.drain()
+    _mp_util._exit_function()  # a multiprocessing child's own ending: its queues' feeder threads flushed
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

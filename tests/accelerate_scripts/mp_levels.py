@@ -21,6 +21,7 @@ import torch.distributed as dist
 from accelerate import Accelerator
 
 import lazyckpt.accelerate
+from _util import run_then_exit
 from lazyckpt import Level
 
 MODEL = dict(C.MP_MODEL, dim=512)  # model.safetensors ~2 MiB, optimizer.bin ~4 MiB: above the page-reuse bar (1 MiB)
@@ -111,4 +112,5 @@ def restore(mem, disk, out):
 
 if __name__ == "__main__":
     scenario, mem, disk, out = sys.argv[1:5]
-    {"train": train, "restore": restore}[scenario](mem, disk, out)
+    # no interpreter finalization: a gloo thread may abort it
+    run_then_exit(lambda: {"train": train, "restore": restore}[scenario](mem, disk, out))

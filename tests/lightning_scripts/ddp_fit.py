@@ -16,6 +16,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from _util import run_then_exit
 from lightning_scripts.tiny_gpt import RecordingLazyIO, TinyGPT, trainer_kwargs
 
 
@@ -53,4 +54,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_then_exit(main)  # no interpreter finalization: a gloo thread may abort it

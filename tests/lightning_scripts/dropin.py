@@ -21,7 +21,16 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel
 
+from _util import run_then_exit
 from lazyckpt.lightning import LazyCheckpointIO
+
+if __name__ == "__mp_main__":  # a ddp_spawn worker: this module is imported before its target is unpickled
+    import importlib
+
+    # the module, not the function torch.multiprocessing.spawn
+    _spawn = importlib.import_module("torch.multiprocessing.spawn")
+    _wrap = _spawn._wrap  # the worker's target: no interpreter finalization after it (a gloo thread may abort it)
+    _spawn._wrap = lambda *args: run_then_exit(lambda: _wrap(*args))
 
 
 def kwargs(out: str, **overrides: Any) -> dict[str, Any]:

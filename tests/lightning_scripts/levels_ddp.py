@@ -21,6 +21,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import lazyckpt
+from _util import run_then_exit
 from lazyckpt import Level
 from lazyckpt.lightning import LazyCheckpointIO, MultiLevelCheckpoint
 from lazyckpt.storage import fs as _fs
@@ -88,4 +89,5 @@ def enospc(out: str) -> None:
 
 
 if __name__ == "__main__":
-    {"resume": resume, "enospc": enospc}[sys.argv[2]](sys.argv[1])
+    # no interpreter finalization: a gloo thread may abort it
+    run_then_exit(lambda: {"resume": resume, "enospc": enospc}[sys.argv[2]](sys.argv[1]))

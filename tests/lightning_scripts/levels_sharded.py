@@ -43,6 +43,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
 import lazyckpt
+from _util import run_then_exit
 from lazyckpt import Level
 from lazyckpt.lightning import LazyCheckpointIO, MultiLevelCheckpoint
 
@@ -212,4 +213,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_then_exit(main)  # no interpreter finalization: a gloo thread may abort it

@@ -33,6 +33,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
+from _util import run_then_exit
 from benchmarks import gpt
 from lazyckpt.lightning import LazyCheckpointIO
 
@@ -250,4 +251,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_then_exit(main)  # no interpreter finalization: a gloo thread may abort it
