@@ -12,11 +12,13 @@ import sys
 import threading
 import uuid
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
 import lazyckpt
+from _launch import SRC
 from _util import assert_same
 from lazyckpt import BackpressureWarning, LazyCheckpointer, Level, LevelError, SaveRefusedError
 from lazyckpt.errors import IncompleteCheckpointWarning
@@ -313,6 +315,44 @@ def test_block_backpressure_waits_for_the_slow_level_and_warns(mem, tmp_path, mo
         assert out["h"].levels_done == [0, 1]
     msgs = [str(w.message) for w in caught if issubclass(w.category, BackpressureWarning)]
     assert msgs and "level 1" in msgs[0] and "backlog bound 1" in msgs[0], msgs
+
+
+_CUT_SHORT = """
+import errno, os, sys
+from lazyckpt.levels import _copy
+from lazyckpt.storage import fs as _fs
+src, out = sys.argv[1], sys.argv[2]
+real, calls = _fs.pwrite_all, []
+
+def pwrite_all(fd, view, offset):
+    calls.append(offset)
+    if len(calls) == 2:
+        os.truncate(src, _copy.COPY_CHUNK // 2)  # the source cut short under the copy (not by lazyckpt)
+    return real(fd, view, offset)
+
+_fs.pwrite_all = pwrite_all
+try:
+    _copy.copy_file(src, os.path.join(out, "a.bin"), fsync=True)
+except OSError as exc:
+    print("OSError", exc.errno == errno.EFAULT, sorted(os.listdir(out)))
+"""
+
+
+@pytest.mark.parametrize("where", ["disk", "memory"])
+def test_a_source_cut_short_under_the_copy_fails_it_and_the_process_lives(tmp_path, mem, where):
+    """The copy writes straight from a mapping of the source; a source truncated meanwhile fails the
+    write (EFAULT), never the process (SIGBUS), and the mapping still closes (the failed write's
+    frames are cleared: otherwise BufferError would replace the error). In a child process: a
+    SIGBUS must not take the test run with it."""
+    folder = tmp_path if where == "disk" else Path(mem)
+    folder.mkdir(exist_ok=True)
+    src = folder / "src.bin"
+    src.write_bytes(os.urandom(_copy.DIRECT_MIN + 3 * _copy.COPY_CHUNK // 2 + 123))
+    (folder / "out").mkdir()
+    r = subprocess.run([sys.executable, "-c", _CUT_SHORT, str(src), str(folder / "out")], capture_output=True,
+                       text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(SRC)))  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]  # -7 would be SIGBUS
+    assert r.stdout.split() == ["OSError", "True", "[]"], r.stdout + r.stderr[-3000:]  # EFAULT; no file left
 
 
 def test_a_big_copy_goes_through_o_direct_and_keeps_every_byte(tmp_path, monkeypatch):
