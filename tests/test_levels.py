@@ -355,6 +355,28 @@ def test_a_source_cut_short_under_the_copy_fails_it_and_the_process_lives(tmp_pa
     assert r.stdout.split() == ["OSError", "True", "[]"], r.stdout + r.stderr[-3000:]  # EFAULT; no file left
 
 
+def test_a_source_that_cannot_be_mapped_is_copied_through_a_buffer(tmp_path, monkeypatch):
+    """Some filesystems (FUSE, network) refuse mmap (ENODEV): the copy reads through a page-aligned
+    buffer instead, every byte kept, O_DIRECT as before."""
+    import mmap as _mmap
+
+    src = tmp_path / "src.bin"
+    data = os.urandom(_copy.DIRECT_MIN + 3 * _copy.COPY_CHUNK // 2 + 123)
+    src.write_bytes(data)
+    real, refused = _mmap.mmap, []
+
+    def mmap(fileno, *args, **kwargs):
+        if fileno != -1:  # a file's mapping: refused; the anonymous buffer: allowed
+            refused.append(fileno)
+            raise OSError(errno.ENODEV, "No such device")
+        return real(fileno, *args, **kwargs)
+
+    monkeypatch.setattr(_mmap, "mmap", mmap)
+    _copy.copy_file(str(src), str(tmp_path / "out" / "a.bin"), fsync=True)
+    assert (tmp_path / "out" / "a.bin").read_bytes() == data
+    assert len(refused) == 1  # tried once, then the buffer for every chunk
+
+
 def test_a_big_copy_goes_through_o_direct_and_keeps_every_byte(tmp_path, monkeypatch):
     """Whole pages through the O_DIRECT descriptor, the tail buffered; a filesystem that refuses
     O_DIRECT for a write (EINVAL) gets the rest buffered."""

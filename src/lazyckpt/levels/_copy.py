@@ -13,13 +13,16 @@ temporary folder beside the destination, each fsynced, then one rename of the fo
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import logging
 import mmap
 import os
 import shutil
 import tempfile
 import traceback
 import warnings
+from collections.abc import Generator
 from typing import Any
 
 import torch
@@ -30,6 +33,8 @@ from lazyckpt.storage import fs as _fs
 from lazyckpt.storage.remote import RemoteTier
 
 from ._level import Level, MemoryLevelWarning
+
+logger = logging.getLogger(__name__)
 
 COPY_CHUNK = 16 << 20
 DIRECT_MIN = 16 << 20  # smaller files are copied buffered (as the engine's use_direct_io rule)
@@ -118,46 +123,81 @@ def upload_folder(tier: RemoteTier, src: str, url: str) -> None:
 
 def _copy_data(fd_in: int, fd_out: int, size: int, new: str) -> None:
     """The bytes of ``fd_in`` into ``fd_out`` (the file ``new``), written straight from a read-only
-    mapping of the source, ``COPY_CHUNK`` at a time: no bounce buffer, so the source's bytes cross
-    the memory bus once (the kernel or the device reads them for the write), not three times (read,
-    written into a buffer, read again). A 1.17 GB tmpfs file to ext4 with O_DIRECT: 0.07 CPU s and
-    0.61-0.71 s, against 0.25-0.32 CPU s and 0.73-1.08 s through a bounce buffer (4 rounds,
-    2026-12-03); MAP_POPULATE measured no better (0.08 CPU s). Whole pages go through a second,
-    O_DIRECT descriptor where the destination takes one (not tmpfs) and the copy is big: a buffered
-    copy of the same file cost the copying process 1.5-3.1 CPU s here (the page cache's copy and its
-    writeback); the CPU is what a copy in the background takes from the training. The last partial
-    page is written buffered (the file's fsync covers both). Python never touches the mapped bytes,
-    only the kernel does inside ``pwrite``: a source cut short under the copy fails that write
-    (EFAULT), never the process (SIGBUS)."""
+    mapping of the source, ``COPY_CHUNK`` at a time (``_source_chunks``): no bounce buffer, so the
+    source's bytes cross the memory bus once (the kernel or the device reads them for the write),
+    not three times (read, written into a buffer, read again). A 1.17 GB tmpfs file to ext4 with
+    O_DIRECT: 0.07 CPU s and 0.61-0.71 s, against 0.25-0.32 CPU s and 0.73-1.08 s through a bounce
+    buffer (4 rounds, 2026-12-03); MAP_POPULATE measured no better (0.08 CPU s). Whole pages go
+    through a second, O_DIRECT descriptor where the destination takes one (not tmpfs) and the copy
+    is big: a buffered copy of the same file cost the copying process 1.5-3.1 CPU s here (the page
+    cache's copy and its writeback); the CPU is what a copy in the background takes from the
+    training. The last partial page is written buffered (the file's fsync covers both)."""
     dfd = _fs.open_direct(new) if size >= DIRECT_MIN else -1
     try:
-        offset = 0
-        while offset < size:
-            n = min(COPY_CHUNK, size - offset)
-            chunk = mmap.mmap(fd_in, n, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=offset)
-            view = memoryview(chunk)
+        with contextlib.closing(_source_chunks(fd_in, size)) as chunks:
             try:
-                whole = n - n % mmap.PAGESIZE if dfd >= 0 else 0
-                if whole:
-                    try:
-                        _fs.pwrite_all(dfd, view[:whole], offset)
-                    except OSError as exc:
-                        if exc.errno != errno.EINVAL:  # EINVAL: this filesystem refuses O_DIRECT here
-                            raise
-                        os.close(dfd)
-                        dfd, whole = -1, 0
-                if whole < n:
-                    _fs.pwrite_all(fd_out, view[whole:n], offset + whole)
+                for offset, view in chunks:
+                    n = len(view)
+                    whole = n - n % mmap.PAGESIZE if dfd >= 0 else 0
+                    if whole:
+                        try:
+                            _fs.pwrite_all(dfd, view[:whole], offset)
+                        except OSError as exc:
+                            if exc.errno != errno.EINVAL:  # EINVAL: this filesystem refuses O_DIRECT here
+                                raise
+                            os.close(dfd)
+                            dfd, whole = -1, 0
+                    if whole < n:
+                        _fs.pwrite_all(fd_out, view[whole:n], offset + whole)
             except BaseException as exc:
-                traceback.clear_frames(exc.__traceback__)  # the failed write's frames hold views of the mapping
+                # the failed write's frames (kept by the traceback) hold views of the chunk: cleared,
+                # so that the chunk's mapping can close and this error is the one that propagates
+                traceback.clear_frames(exc.__traceback__)
                 raise
-            finally:
-                view.release()
-                chunk.close()
-            offset += n
     finally:
         if dfd >= 0:
             os.close(dfd)
+
+
+def _source_chunks(fd_in: int, size: int) -> Generator[tuple[int, memoryview], None, None]:
+    """``(offset, view)`` for each ``COPY_CHUNK`` of the source ``fd_in``: a view of a read-only
+    mapping of that chunk or, where the source cannot be mapped (ENODEV: some FUSE and network
+    filesystems), of a page-aligned buffer it was read into. A view is released, and its mapping
+    closed, when the next one is asked for or the generator is closed. Only the kernel reads a
+    mapping (inside the consumer's ``pwrite``): a source cut short under the copy fails that write
+    (EFAULT), never the process (SIGBUS)."""
+    buf: mmap.mmap | None = None
+    mapped, offset = True, 0
+    try:
+        while offset < size:
+            n = min(COPY_CHUNK, size - offset)
+            chunk: mmap.mmap | None = None
+            if mapped:
+                try:
+                    chunk = mmap.mmap(fd_in, n, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=offset)
+                except OSError as exc:
+                    logger.debug("lazyckpt: the copy's source cannot be mapped (%s): read through a buffer", exc)
+                    mapped = False
+            if chunk is not None:
+                view = memoryview(chunk)
+            else:
+                if buf is None:
+                    buf = mmap.mmap(-1, min(COPY_CHUNK, size))  # page-aligned, as O_DIRECT needs
+                view = memoryview(buf)[:n]
+                got = os.preadv(fd_in, [view], offset)
+                if got != n:
+                    view.release()
+                    raise OSError(errno.EIO, f"source ended at byte {offset + max(got, 0)} of {size} while copying it")
+            try:
+                yield offset, view
+            finally:
+                view.release()
+                if chunk is not None:
+                    chunk.close()
+            offset += n
+    finally:
+        if buf is not None:
+            buf.close()
 
 
 def memory_total() -> int:
