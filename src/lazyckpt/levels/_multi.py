@@ -177,8 +177,6 @@ class MultiLevel:
             source = produce(src)
         except BaseException:
             self._unadmit(admitted, feed)
-            if first is not None:
-                self._retention.unpin(first, step)
             raise
         part = SOURCE if first is None else first
         parts = Parts(self.path(due[0], step), step, source, [part, *admitted], self, t0)
@@ -340,10 +338,12 @@ class MultiLevel:
         return self._backlog.skipped
 
     def _unadmit(self, admitted: list[int], feed: _Feed) -> None:
+        """A failed ``produce``: give back the backlog places and every pin ``saved`` took (one per
+        copy, one for the save itself)."""
         for i in admitted:
             self._backlog.done(i)
-        if feed.level is not None and admitted:
-            self._retention.unpin(feed.level, feed.step, len(admitted))
+        if feed.level is not None:
+            self._retention.unpin(feed.level, feed.step, len(admitted) + 1)
 
     # -- resources --------------------------------------------------------------------------------
 
