@@ -18,6 +18,8 @@ Training modes (same GPT, AdamW and batches; interleaved in rounds whose order r
   lazy-mem+disk          LazyCheckpointer(levels=[Level(memory, 1, keep=2), Level(disk, every=10, keep=2)])
   lazy-mem+disk-nice     lazy-mem+disk with the disk level's copy thread at nice 19 (a proposal: it
                          then runs when the training's threads leave a core idle)
+  lazy-mem[+disk]-idle   lazy-mem[+disk] with EVERY lazyckpt background thread (writers, committer,
+                         level copies, remover) at nice 19 (a proposal for the spare-core regime)
   lazy-mem+disk-inline   lazy-mem, plus the same copy of the memory file to disk every 10th step made
                          on the training thread inside the save (the other placement of that copy)
   lazy-mem-fresh         lazy-mem with Level(reuse_pages=False): every checkpoint a new tmpfs file,
@@ -63,7 +65,7 @@ from ._progress import ProgressBar
 from ._run import Bench, BenchOptions, add_json_argument, add_loop_arguments, cli, emit_json
 
 LEVEL_MODES = (
-    "copy-only", "lazy-disk", "lazy-mem", "lazy-mem+disk", "lazy-mem+disk-nice", "lazy-mem+disk-inline",
+    "copy-only", "lazy-disk", "lazy-mem", "lazy-mem+disk", "lazy-mem+disk-nice", "lazy-mem-idle", "lazy-mem+disk-idle", "lazy-mem+disk-inline",
     "lazy-mem-fresh", "lazy-mem+disk-fresh", "lazy-mem-staged", "lazy-mem+disk-staged",
     "lazy-mem-bg", "lazy-mem+disk-bg", "lazy-mem-insave", "lazy-mem+disk-insave",
 )  # fmt: skip
@@ -114,18 +116,20 @@ class Levels(Mode):
     """``LazyCheckpointer(levels=...)`` saving ``save(state, step=n)`` after every step. With
     ``inline_every``, the memory level's file of every such step is also copied to ``inline_dir``
     on the calling thread, inside the save (waiting for that file first); with ``nice``, the level
-    copy threads run at that nice value; ``in_save``: the placement of the memory level's write
+    copy threads (or, with ``nice_all``, every lazyckpt thread) run at that nice value; ``in_save``: the placement of the memory level's write
     (``_modes.write_in_save``; None: lazyckpt's rule)."""
 
     def __init__(self, name: str, out_dir: Path, levels: list[Any], optimizer: torch.optim.Optimizer,
                  writer_threads: int, *, inline_dir: Path | None = None, inline_every: int = 0,
-                 nice: int | None = None, zero_copy: bool = True, in_save: bool | None = None) -> None:  # fmt: skip
+                 nice: int | None = None, nice_all: bool = False, zero_copy: bool = True,
+                 in_save: bool | None = None) -> None:  # fmt: skip
         from lazyckpt import LazyCheckpointer
 
         self.step = 0
         self.period = max([lv.every for lv in levels] + [inline_every or 1])
         super().__init__(out_dir)
         self.name, self.levels, self.nice, self.reniced = name, levels, nice, set[int]()
+        self.nice_prefix = "lazyckpt-" if nice_all else "lazyckpt-level-"
         self.inline_dir, self.inline_every, self.in_save = inline_dir, inline_every, in_save
         if inline_dir is not None:
             inline_dir.mkdir(parents=True, exist_ok=True)
@@ -164,9 +168,10 @@ class Levels(Mode):
             old.unlink()
 
     def _renice(self) -> None:
-        """The level copy threads (named ``lazyckpt-level-<i>``, started by the first copy) at ``nice``."""
+        """The level copy threads (named ``lazyckpt-level-<i>``, started by the first copy), or every
+        lazyckpt thread, at ``nice``."""
         for th in threading.enumerate():
-            if th.name.startswith("lazyckpt-level-") and th.native_id and th.native_id not in self.reniced:
+            if th.name.startswith(self.nice_prefix) and th.native_id and th.native_id not in self.reniced:
                 os.setpriority(os.PRIO_PROCESS, th.native_id, self.nice)
                 self.reniced.add(th.native_id)
 
@@ -231,6 +236,8 @@ class LevelsBench(Bench):
             "lazy-mem": lambda: one(mem, "lazy-mem"),
             "lazy-mem+disk": lambda: both("lazy-mem+disk"),
             "lazy-mem+disk-nice": lambda: both("lazy-mem+disk-nice", nice=19),
+            "lazy-mem-idle": lambda: one(mem, "lazy-mem-idle", nice=19, nice_all=True),
+            "lazy-mem+disk-idle": lambda: both("lazy-mem+disk-idle", nice=19, nice_all=True),
             "lazy-mem+disk-inline": lambda: one(
                 mem, "lazy-mem+disk-inline", inline_dir=disk / "inline", inline_every=every
             ),  # fmt: skip
