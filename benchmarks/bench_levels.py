@@ -65,7 +65,8 @@ from ._progress import ProgressBar
 from ._run import Bench, BenchOptions, add_json_argument, add_loop_arguments, cli, emit_json
 
 LEVEL_MODES = (
-    "copy-only", "lazy-disk", "lazy-mem", "lazy-mem+disk", "lazy-mem+disk-nice", "lazy-mem-idle", "lazy-mem+disk-idle", "lazy-mem+disk-inline",
+    "copy-only", "lazy-disk", "lazy-mem", "lazy-mem+disk", "lazy-mem+disk-nice", "lazy-mem-idle", "lazy-mem+disk-idle",
+    "lazy-mem+disk-inline",
     "lazy-mem-fresh", "lazy-mem+disk-fresh", "lazy-mem-staged", "lazy-mem+disk-staged",
     "lazy-mem-bg", "lazy-mem+disk-bg", "lazy-mem-insave", "lazy-mem+disk-insave",
 )  # fmt: skip
@@ -116,7 +117,8 @@ class Levels(Mode):
     """``LazyCheckpointer(levels=...)`` saving ``save(state, step=n)`` after every step. With
     ``inline_every``, the memory level's file of every such step is also copied to ``inline_dir``
     on the calling thread, inside the save (waiting for that file first); with ``nice``, the level
-    copy threads (or, with ``nice_all``, every lazyckpt thread) run at that nice value; ``in_save``: the placement of the memory level's write
+    copy threads (or, with ``nice_all``, every lazyckpt thread) run at that nice value; ``in_save``:
+    the placement of the memory level's write
     (``_modes.write_in_save``; None: lazyckpt's rule)."""
 
     def __init__(self, name: str, out_dir: Path, levels: list[Any], optimizer: torch.optim.Optimizer,

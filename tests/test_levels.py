@@ -21,6 +21,7 @@ import lazyckpt
 from _launch import SRC
 from _util import assert_same
 from lazyckpt import BackpressureWarning, LazyCheckpointer, Level, LevelError, SaveRefusedError
+from lazyckpt.core import plan as _plan
 from lazyckpt.errors import IncompleteCheckpointWarning
 from lazyckpt.levels import _copy
 from lazyckpt.storage import fs as _fs
@@ -135,6 +136,31 @@ def test_a_rollback_makes_later_steps_of_the_old_timeline_go(mem):
     assert sorted(os.listdir(mem)) == ["step-00000001.pt", "step-00000002.pt", "step-00000003.pt"]
 
 
+def test_a_rollback_removes_the_old_timeline_at_every_level_at_its_first_save(mem, tmp_path, s3):
+    """Resumed from the disk level's step 80 (say 90 and 100 learned badly): the first save, at 81,
+    removes every level's later steps at once, even at levels not due until step 90 or 150: a crash
+    before those commits must not make ``latest()`` return the abandoned step 100."""
+    opts, fs = s3
+    url = f"s3://levels/{uuid.uuid4().hex[:8]}"
+    levels = [Level(mem, every=1, keep=3), Level(tmp_path / "disk", every=10), Level(url, every=50)]
+    kw = {"storage_options": opts, "local_dir": str(tmp_path / "local")}
+    with LazyCheckpointer(levels=levels, **kw) as ck:
+        for i in range(1, 101):
+            ck.save({"w": torch.full((4,), float(i))}, step=i)
+    assert lazyckpt.latest(levels, storage_options=opts).step == 100
+    with LazyCheckpointer(levels=levels, **kw) as ck:
+        ck.save({"w": torch.full((4,), 81.5)}, step=81)
+        # no wait: the local levels' old steps are gone when save() returns
+        assert sorted(os.listdir(tmp_path / "disk"))[-1] == "step-00000080.pt"
+        assert [n for n in os.listdir(mem) if not n.startswith(".")] in (["step-00000081.pt"], [])  # 81: on its way
+    assert [os.path.basename(k) for k in fs.ls(url, refresh=True)] == ["step-00000050.pt"]
+    found = lazyckpt.latest(levels, storage_options=opts)
+    assert (found.step, found.level) == (81, 0)
+    assert lazyckpt.load(found, storage_options=opts)["w"][0].item() == 81.5
+    shutil.rmtree(mem)  # a reboot: then the disk level's 80, not the old timeline's 90
+    assert lazyckpt.latest(levels, storage_options=opts).step == 80
+
+
 def test_sigkilled_training_restarts_from_the_newest_complete_step(mem, tmp_path):
     expect = tmp_path / "expect"
     expect.mkdir()
@@ -201,6 +227,69 @@ def test_enospc_on_the_disk_level_only(mem, tmp_path, monkeypatch):
     assert os.listdir(disk) == []  # no partial file, no temporary left
 
 
+def test_a_failure_of_the_fastest_level_is_its_level_error(mem, tmp_path, monkeypatch):
+    """The memory level full (ENOSPC in the background), then unwritable (refused inside save()):
+    each a LevelError naming level 0 and the step, reported once; that step reaches no slower level
+    (they copy the fastest level's file); once the memory level works again, so does every level."""
+    real = _fs.open_temporary
+    full = threading.Event()
+
+    def full_memory(tmp, size):
+        if full.is_set() and tmp.startswith(mem):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(tmp, size)
+
+    monkeypatch.setattr(_fs, "open_temporary", full_memory)
+    monkeypatch.setattr(_plan, "write_in_save", lambda memory, devices: False)  # opened in the background
+    levels = [Level(mem, every=1, keep=2), Level(tmp_path / "disk", every=1, keep=2)]
+    step = _train()
+    ck = LazyCheckpointer(levels=levels)
+    ck.save(step(1), step=1).wait()
+    full.set()
+    h = ck.save(step(2), step=2)
+    with pytest.raises(LevelError, match="level 0") as info:
+        h.wait()
+    err = info.value
+    assert (err.level, err.step, err.errno, err.level_path) == (0, 2, errno.ENOSPC, levels[0].path)
+    assert err.path == levels[0].file(2) and isinstance(err.__cause__, lazyckpt.WriteError)
+    assert h.levels_done == []
+    ck.save(step(3), step=3).exception(timeout=60)  # done, unseen: the next save raises it, once
+    with pytest.raises(LevelError, match="step 3"):
+        ck.save(step(4), step=4)
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: False)  # the folder turned read-only
+    with pytest.raises(LevelError, match="level 0") as info:
+        ck.save(step(5), step=5)
+    assert info.value.step == 5 and isinstance(info.value.__cause__, lazyckpt.WriteError)
+    monkeypatch.undo()
+    full.clear()
+    h = ck.save(step(6), step=6)
+    h.wait()
+    assert h.levels_done == [0, 1]
+    ck.close()  # nothing left unreported
+    assert lazyckpt.latest(levels).step == 6
+    assert [p.name for p in sorted(Path(levels[1].path).iterdir())] == ["step-00000001.pt", "step-00000006.pt"]
+
+
+def test_a_level_folder_that_cannot_be_made_is_refused_at_construction_naming_it(mem, tmp_path):
+    (tmp_path / "disk").write_text("a file where the level's folder should be")
+    before = set(threading.enumerate())
+    with pytest.raises(LevelError, match=r"level 1 .*disk") as info:
+        LazyCheckpointer(levels=[Level(mem), Level(tmp_path / "disk")])
+    assert info.value.level == 1 and info.value.errno == errno.EEXIST
+    assert not [t for t in set(threading.enumerate()) - before if t.name.startswith("lazyckpt-")]
+
+
+def test_a_step_of_any_integer_type_is_taken_and_others_refused(mem):
+    np = pytest.importorskip("numpy")
+    with LazyCheckpointer(levels=[Level(mem, keep=10)]) as ck:
+        ck.save({"w": torch.ones(2)}, step=np.int64(4)).wait()
+        ck.save({"w": torch.ones(2)}, step=torch.tensor(5)).wait()
+        for bad in (True, 1.0, "6", -1, None):
+            with pytest.raises(SaveRefusedError):
+                ck.save({"w": torch.ones(2)}, step=bad)
+    assert sorted(os.listdir(mem)) == ["step-00000004.pt", "step-00000005.pt"]
+
+
 def test_unseen_level_error_is_raised_once_by_the_next_save(mem, tmp_path, monkeypatch):
     disk = str(tmp_path / "disk")
     real = _fs.open_temporary
@@ -229,10 +318,11 @@ def test_skip_backpressure_skips_only_the_slow_level(mem, tmp_path, monkeypatch)
     with LazyCheckpointer(levels=levels, on_backpressure="skip") as ck:
         h1 = ck.save(step(1), step=1)
         assert entered.wait(60)
-        with pytest.warns(BackpressureWarning, match=r"skipped level 1 .* 1 earlier copies .* backlog bound 1"):
+        with pytest.warns(BackpressureWarning, match=r"skipped level 1 .* 1 earlier copies .* backlog bound 1") as rec:
             h2 = ck.save(step(2), step=2)
         h2.wait()
-        assert h2.levels_done == [0] and h2.levels_skipped == [1]
+        assert h2.levels_done == [0] and h2.levels_skipped == [1] and ck.skipped_copies == 1
+        assert rec[0].filename == __file__  # the caller's line, not lazyckpt's
         release.set()
         h1.wait()
     assert os.path.exists(levels[0].file(2)) and not os.path.exists(levels[1].file(2))
@@ -242,8 +332,10 @@ def test_skip_backpressure_skips_only_the_slow_level(mem, tmp_path, monkeypatch)
 def test_memory_level_warns_at_the_first_save_with_numbers(mem, monkeypatch):
     monkeypatch.setattr(_copy, "memory_total", lambda: 1 << 20)
     with LazyCheckpointer(levels=[Level(mem, every=1, keep=2)]) as ck:
-        with pytest.warns(lazyckpt.MemoryLevelWarning, match=r"GB .* more than 50% of RAM"):
+        numbers = r"MB \(level 0 .*keep=2.* of 1.05 MB\), more than 50% of RAM"
+        with pytest.warns(lazyckpt.MemoryLevelWarning, match=numbers) as rec:
             ck.save({"w": torch.zeros(1 << 18)}, step=1)
+        assert rec[0].filename == __file__  # the caller's line, not lazyckpt's
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             ck.save({"w": torch.zeros(1 << 18)}, step=2)  # once

@@ -55,6 +55,18 @@ def test_equals_torch_load_of_lazyckpt_zero_copy_files(tmp_path):
     assert_same(lazyckpt.load(path, piece_bytes=1 << 20), torch.load(path))
 
 
+@pytest.mark.parametrize("mmap", [None, True, False])
+def test_mmap_is_honoured_not_passed_twice(tmp_path, mmap):
+    state = _state()
+    path = tmp_path / "stock.pt"
+    torch.save(state, path)
+    got = lazyckpt.load(path, mmap=mmap)  # once a TypeError: torch.load got mmap twice
+    assert_same(got, state)
+    weight = got["model"]["0.weight"]
+    os.remove(path)  # mapped or not, the tensors stay readable
+    assert_same(weight, state["model"]["0.weight"])
+
+
 def test_crc_mismatch_raises_verification_error(tmp_path):
     path = tmp_path / "x.pt"
     torch.save({"w": torch.randn(4096)}, path)

@@ -16,6 +16,7 @@ from .checkpointer import BackpressureWarning, LazyCheckpointer
 from .errors import (
     CheckpointerClosedError,
     IncompleteCheckpointError,
+    IncompleteCheckpointWarning,
     LazyCkptError,
     SaveRefusedError,
     StaleTensorError,
@@ -33,6 +34,7 @@ __all__ = [
     "CheckpointerOptions",
     "Found",
     "IncompleteCheckpointError",
+    "IncompleteCheckpointWarning",
     "LazyCheckpointer",
     "LazyCkptError",
     "Level",

@@ -104,7 +104,16 @@ class LazyCheckpointer(_exit.ClosedOnExit):
         self._remover = Remover(on_failed=self._errors.publish)
         self._removals = OrderedRemovals(self._remover)  # remove() calls waiting for pending saves
         self._remote: _remote.RemoteTier | None = None  # URL saves: started by the first one
-        self._levels: MultiLevel | None = None if options.levels is None else MultiLevel(self, options.levels, options)
+        self._levels: MultiLevel | None = None
+        try:
+            if options.levels is not None:
+                self._levels = MultiLevel(self, options.levels, options)
+        except BaseException:  # a level folder that cannot be made: no thread outlives the refusal
+            self._closed = True
+            self._engine.stop()
+            self._remover.stop()
+            self.pool.close()
+            raise
         _exit.register(self, _close_at_exit, layer=_exit.CORE)
 
     # -- public API -------------------------------------------------------------------------------
@@ -113,6 +122,12 @@ class LazyCheckpointer(_exit.ClosedOnExit):
     def skipped_saves(self) -> int:
         """Saves skipped so far (``on_backpressure="skip"``)."""
         return self._backpressure.skipped
+
+    @property
+    def skipped_copies(self) -> int:
+        """Level copies skipped so far (``levels=`` with ``on_backpressure="skip"``: a slower level
+        at its backlog bound; the faster levels still saved that step; ``handle.levels_skipped``)."""
+        return 0 if self._levels is None else self._levels.skipped_copies
 
     @property
     def levels(self) -> tuple[Level, ...]:

@@ -73,7 +73,9 @@ class BackpressureWarning(UserWarning):
 
 
 class IncompleteCheckpointWarning(UserWarning):
-    """``load_state()`` with automatic naming skipped the newest folder because it is incomplete."""
+    """A checkpoint was passed over because it is incomplete or fails verification: ``latest()``
+    skipping a torn, corrupt or half-uploaded copy (the message names it), ``load_state()`` with
+    automatic naming skipping the newest folder."""
 
 
 class VerificationError(LazyCkptError):

@@ -38,7 +38,7 @@ from lazyckpt.core.handle import Completion, SaveHandle, SaveStats
 from lazyckpt.core.workers import Worker
 from lazyckpt.errors import IncompleteCheckpointError, SaveRefusedError
 from lazyckpt.levels import _copy
-from lazyckpt.levels._level import Level
+from lazyckpt.levels._level import Level, check_step
 from lazyckpt.levels._multi import MultiLevel, check_levels
 
 if TYPE_CHECKING:
@@ -93,9 +93,7 @@ class StepCounter:
         return self._base + _compat.real_steps(opt) - self._offset
 
     def set(self, step: int) -> None:
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be an int >= 0, got {step!r}")
-        self._base = step
+        self._base = check_step(step)
         self._sync(_compat.first_optimizer(self._accelerator), reset=True)
 
     def _sync(self, opt: Any, reset: bool) -> None:

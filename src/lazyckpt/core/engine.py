@@ -430,7 +430,10 @@ class Engine:
         if completion.handle.done():
             return
         try:
-            completion.resolve(None if job.failed else job.stats(time.perf_counter()), job.error)
+            error = job.error
+            if error is not None and job.describe_error is not None:
+                error = job.describe_error(error)
+            completion.resolve(None if job.failed else job.stats(time.perf_counter()), error)
         except BaseException as exc:  # noqa: BLE001 - stats of a committed file; keep the file, say why
             logger.exception("lazyckpt: stats of %s failed", job.path)
             completion.resolve(None, write_error(job, "finishing", exc))

@@ -20,6 +20,7 @@ import enum
 import threading
 import time
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,13 @@ from lazyckpt.errors import StaleTensorError
 from lazyckpt.formats.base import Layout
 from lazyckpt.formats.crc import crc32_combine
 from lazyckpt.formats.flatten import Source
+
+# How the error of a failed save is put to its caller: set by the multi-level saver around the saves
+# it makes into a level (``levels/_multi.py``: the error then names the level and the step); each job
+# takes the value current in ``save()``, and the engine applies it once, before the error is published.
+error_context: ContextVar[Callable[[BaseException], BaseException] | None] = ContextVar(
+    "lazyckpt_error_context", default=None
+)
 
 
 class Stage(enum.IntEnum):
@@ -134,6 +142,7 @@ class Job:
         self.file_bytes = file_bytes
         self.crc, self.fsync, self.wait_in_closure = crc, fsync, wait_in_closure
         self.before_commit = before_commit
+        self.describe_error = error_context.get()
         self.fd = -1
         self.dfd = -1  # O_DIRECT descriptor of the same file, when used
         self.direct = False  # open an O_DIRECT descriptor too

@@ -54,6 +54,7 @@ from lazyckpt.levels import _copy as _level_copy
 from lazyckpt.levels._collective import StoreExchange
 from lazyckpt.levels._handle import LevelsHandle, Parts
 from lazyckpt.levels._latest import latest_agreed
+from lazyckpt.levels._level import check_step
 from lazyckpt.levels._multi import check_levels
 from lazyckpt.levels._schedule import Backlog, Retention
 from lazyckpt.storage import fs as _fs
@@ -165,8 +166,7 @@ class DistributedLevels:
         """Collective. ``state`` (what ``dcp.save`` takes) to every level due at ``step`` (``due``:
         these level indices instead, the same on every rank); rank 0's ``extra_files`` into each
         level folder (every node's, for a node-local level; other ranks' are ignored)."""
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise SaveRefusedError(f"step must be an int >= 0, got {step!r}")
+        step = check_step(step)
         if self._closed:
             raise CheckpointerClosedError("this DistributedCheckpointer is closed; create a new one")
         t0 = time.perf_counter()
@@ -410,7 +410,7 @@ class DistributedLevels:
     def _admit(self, index: int, step: int) -> bool:
         """Reserve a place in level ``index``'s backlog; at the bound, confirm this rank's pending
         files (their copies can then run) and wait for one, warned (``_schedule.Backlog``)."""
-        return self._backlog.admit(index, self.levels[index], step, None, self.ctx.inner.wait_staged, stacklevel=5)
+        return self._backlog.admit(index, self.levels[index], step, None, self.ctx.inner.wait_staged)
 
     def _check_memory(self, entry: Save) -> None:
         """First save: the memory statement (``levels._copy.check_memory``), for this node: this

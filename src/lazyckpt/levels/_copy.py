@@ -29,6 +29,7 @@ import torch
 
 from lazyckpt.commit import remote_folder as _remote_folder
 from lazyckpt.commit.folder import MARKER_PREFIX
+from lazyckpt.core.warn import user_stacklevel
 from lazyckpt.storage import fs as _fs
 from lazyckpt.storage.remote import RemoteTier
 
@@ -240,27 +241,36 @@ def check_memory(levels: tuple[Level, ...], size: int) -> None:
     """First save: the memory levels (tmpfs) hold ``keep`` checkpoints plus the files pinned by
     slower levels' backlogs; warn with the numbers when that exceeds MEMORY_FRACTION of RAM."""
     total = memory_total()
-    held, unbounded = 0, []
+    held, unbounded, parts = 0, [], []
     for i, level in enumerate(levels):
         if level.is_url or not _fs.is_memory_filesystem(level.path):
             continue
         if level.keep is None:
-            unbounded.append(level.path)
+            unbounded.append(f"level {i} ({level.path})")
             continue
-        held += (level.keep + sum(lv.backlog for lv in levels[i + 1 :])) * size
+        backlogs = sum(lv.backlog for lv in levels[i + 1 :])
+        held += (level.keep + backlogs) * size
+        parts.append(f"level {i} ({level.path}): keep={level.keep} + {backlogs} backlog")
     limit = MEMORY_FRACTION * total
     if unbounded:
         warnings.warn(
-            f"lazyckpt: memory level(s) {', '.join(unbounded)} keep every checkpoint (keep=None), "
-            f"{size / 1e9:.2f} GB each, in RAM ({total / 1e9:.1f} GB); give them a keep",
+            f"lazyckpt: memory {', '.join(unbounded)} keep every checkpoint (keep=None), "
+            f"{_size(size)} each, in RAM ({_size(total)}); give them a keep",
             MemoryLevelWarning,
-            stacklevel=5,
+            stacklevel=user_stacklevel(),
         )
     if held > limit:
         warnings.warn(
-            f"lazyckpt: the memory levels may hold {held / 1e9:.2f} GB ({size / 1e9:.2f} GB per checkpoint x "
-            f"keep plus the slower levels' backlogs), more than {MEMORY_FRACTION:.0%} of RAM "
-            f"({total / 1e9:.1f} GB). Lower keep or backlog.",
+            f"lazyckpt: the memory levels may hold {_size(held)} ({'; '.join(parts)} checkpoints of "
+            f"{_size(size)}), more than {MEMORY_FRACTION:.0%} of RAM ({_size(total)}). Lower keep or backlog.",
             MemoryLevelWarning,
-            stacklevel=5,
+            stacklevel=user_stacklevel(),
         )
+
+
+def _size(n: float) -> str:
+    """``1.17 GB``, ``20.5 MB``, ``4.1 kB``: enough digits to be read at any size."""
+    for scale, unit in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"

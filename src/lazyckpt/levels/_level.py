@@ -11,6 +11,7 @@ URL once its last key exists (a manifest, or DCP's ``.metadata``). ``latest()`` 
 
 from __future__ import annotations
 
+import operator
 import os
 import re
 from dataclasses import dataclass
@@ -18,9 +19,9 @@ from typing import Any
 
 from lazyckpt.storage import remote as _remote
 
-from ..errors import LevelError, MemoryLevelWarning
+from ..errors import LevelError, MemoryLevelWarning, SaveRefusedError
 
-__all__ = ["Level", "LevelError", "MemoryLevelWarning", "as_level", "list_steps", "step_name", "step_of"]
+__all__ = ["Level", "LevelError", "MemoryLevelWarning", "as_level", "check_step", "list_steps", "step_name", "step_of"]
 
 STEP_RE = re.compile(r"^step-(\d{8,})\.pt$")
 FOLDER_RE = re.compile(r"^step-(\d{8,})$")
@@ -84,6 +85,18 @@ class Level:
 
     def join(self, name: str) -> str:
         return f"{self.path.rstrip('/')}/{name}" if self.is_url else os.path.join(self.path, name)
+
+
+def check_step(step: Any) -> int:
+    """``step`` as an ``int`` >= 0 (any integer type: ``numpy.int64``, a 0-dim integer tensor), else
+    ``SaveRefusedError`` (a ``ValueError``); ``bool`` is refused."""
+    try:
+        value = operator.index(step) if not isinstance(step, bool) else None
+    except TypeError:
+        value = None
+    if value is None or value < 0:
+        raise SaveRefusedError(f"step must be an int >= 0, got {step!r}")
+    return value
 
 
 def step_name(step: int, folder: bool = False) -> str:

@@ -51,6 +51,7 @@ def load(
     storage_options: dict[str, Any] | None = None,
     threads: int = _read.READ_THREADS,
     piece_bytes: int = _read.PIECE_BYTES,
+    mmap: bool | None = None,
     **torch_load_kwargs: Any,
 ) -> Any:
     """What ``torch.load(path, map_location=..., weights_only=...)`` returns, read in parallel and,
@@ -59,7 +60,13 @@ def load(
     ``path_or_found``: a ``latest()`` result, a file path, or a URL (``storage_options`` go to
     fsspec). ``map_location="cuda"`` (or a CUDA device) copies each storage through pinned host
     memory to the device as ``torch.load`` hands it over (non-blocking copies; one synchronize at
-    the end). A file that is not a zip (torch's legacy format) is handed to ``torch.load`` as is."""
+    the end). A file that is not a zip (torch's legacy format) is handed to ``torch.load`` as is.
+
+    ``mmap``: ``None`` (default) maps a local zip file's storages (page cache or tmpfs pages, no
+    copy; the file is share-locked while they are mapped, so a memory level does not reuse its
+    pages); ``False`` reads them into memory, as ``torch.load`` does by default; ``True`` as
+    ``torch.load(mmap=True)`` (a URL's object is read into memory first, so it cannot be mapped).
+    Other keyword arguments go to ``torch.load``."""
     found = path_or_found if isinstance(path_or_found, Found) else None
     path = path_or_found.path if isinstance(path_or_found, Found) else os.fspath(path_or_found)
     location, finish = _device_mapper(map_location)
@@ -70,6 +77,8 @@ def load(
             records = _records(source, path) if _is_zip(source) else None
             _read_checked(source, records if verify else None, path, threads, piece_bytes, into=view)
         buffer: Any = _BufferFile(view)  # a seekable binary file (typeshed's IO[bytes] is wider)
+        if mmap:
+            raise ValueError(f"lazyckpt.load(mmap=True): {path} is read into memory, it cannot be mapped")
         result = torch.load(buffer, map_location=location, weights_only=weights_only, **torch_load_kwargs)
     else:
         threads = _read.readers(path, threads)
@@ -82,11 +91,12 @@ def load(
                 _read_checked(source, None, path, threads, piece_bytes)  # into the page cache, in parallel
             # The file is in the page cache (tmpfs: it is there anyway): map it, no copy; the very
             # file checked above (its descriptor), whatever has been renamed onto its name since.
+            mapped = zipped if mmap is None else mmap
             result = torch.load(
-                _read.fd_path(source.fd, path), map_location=location, weights_only=weights_only, mmap=zipped,
+                _read.fd_path(source.fd, path), map_location=location, weights_only=weights_only, mmap=mapped,
                 **torch_load_kwargs,
             )  # fmt: skip
-            if zipped:  # its tensors are pages of the file: keep it share-locked while they are mapped
+            if mapped:  # its tensors are pages of the file: keep it share-locked while they are mapped
                 _spare.hold_while_mapped(source.fd, path)
     finish()
     return result

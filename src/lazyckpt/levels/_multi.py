@@ -34,16 +34,17 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from lazyckpt.core.handle import CallbackRunner, Completion, Outcome, SaveHandle, SaveStats
+from lazyckpt.core.job import error_context
 from lazyckpt.core.report import ErrorLedger, Report
 from lazyckpt.core.workers import Worker
 from lazyckpt.options import CheckpointerOptions
 from lazyckpt.storage import fs as _fs
 from lazyckpt.storage import remote as _remote
 
-from ..errors import SaveRefusedError
+from ..errors import WriteError
 from . import _copy
 from ._handle import SOURCE, LevelsHandle, Parts
-from ._level import Level, LevelError
+from ._level import Level, LevelError, check_step
 from ._schedule import WARN_AFTER_S, Backlog, Retention
 
 
@@ -80,6 +81,13 @@ class _Copy:
 
 
 @dataclass(eq=False)
+class _Sweep:
+    """The first save's retention pass at a URL level (``MultiLevel._sweep``), on its level thread."""
+
+    level: int
+
+
+@dataclass(eq=False)
 class _Feed:
     """The source file of one save and the copies still reading it (pinned while any is)."""
 
@@ -94,7 +102,7 @@ class _Worker:
 
     def __init__(self, owner: MultiLevel, index: int) -> None:
         self.index = index
-        self.thread: Worker[_Copy] = Worker(f"lazyckpt-level-{index}", lambda item: owner.run_copy(self, item))
+        self.thread: Worker[_Copy | _Sweep] = Worker(f"lazyckpt-level-{index}", lambda item: owner.run_copy(self, item))
 
 
 class MultiLevel:
@@ -122,11 +130,18 @@ class MultiLevel:
         self._staging: str | None = None
         self._counter = itertools.count()
         self._memory_checked = False
+        self._swept = False  # the first save removed the steps of a timeline abandoned by a rollback
         self._sourced: set[int] = set()  # levels the core saver has written into (their files may be reused)
         self._closed = False
-        for level in levels:
+        for i, level in enumerate(levels):
             if not level.is_url:
-                os.makedirs(level.path, exist_ok=True)
+                try:
+                    os.makedirs(level.path, exist_ok=True)
+                except OSError as exc:  # a file at its name, no permission: the level is unusable
+                    raise LevelError(
+                        f"lazyckpt: level {i} ({level.path}): cannot use it as a level folder: {exc}",
+                        i, level.path, -1, level.path, errno=exc.errno,
+                    ) from exc  # fmt: skip
                 _fs.cleanup_temporaries(level.path)  # copies a killed process left half-done
 
     # -- caller side ------------------------------------------------------------------------------
@@ -152,8 +167,7 @@ class MultiLevel:
         path when that level is a URL) and returns its handle, done once it is complete there;
         slower levels copy it from there. ``nbytes()``: the checkpoint's size, for the memory
         statement at the first save (None: not checked). ``due``: as for ``save``."""
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise SaveRefusedError(f"step must be an int >= 0, got {step!r}")
+        step = check_step(step)
         t0 = time.perf_counter()
         self.ckpt.raise_errors()  # an unseen error of an earlier save (any level) first, as save() does
         due = [i for i, lv in enumerate(self.levels) if lv.due(step)] if due is None else sorted(set(due))
@@ -173,11 +187,22 @@ class MultiLevel:
         # and once more by the save itself until it is done: a folder (or file) still being written is
         # never a retention victim, even when a newer step's folder already exists beside it
         self._retention.saved(([] if first is None else [first]) + admitted, step, first, len(admitted) + 1)
+        if not self._swept:
+            self._swept = True
+            self._sweep()
+        # a failed write into the fastest level is that level's LevelError, raised here or by the handle
+        describe = self._level_failure(first, step) if first is not None else None
+        token = error_context.set(describe)
         try:
             source = produce(src)
-        except BaseException:
+        except BaseException as exc:
             self._unadmit(admitted, feed)
+            described = describe(exc) if describe is not None else exc
+            if described is not exc:
+                raise described from exc
             raise
+        finally:
+            error_context.reset(token)
         part = SOURCE if first is None else first
         parts = Parts(self.path(due[0], step), step, source, [part, *admitted], self, t0)
         handle = parts.handle
@@ -248,7 +273,13 @@ class MultiLevel:
 
     # -- level threads ----------------------------------------------------------------------------
 
-    def run_copy(self, worker: _Worker, item: _Copy) -> None:
+    def run_copy(self, worker: _Worker, item: _Copy | _Sweep) -> None:
+        if isinstance(item, _Sweep):
+            try:
+                self._retain(item.level)
+            except Exception:  # noqa: BLE001 - housekeeping: the next commit there retries it
+                logger.exception("lazyckpt: level %d: retention failed", item.level)
+            return
         try:
             self._promote(item)
         except BaseException:  # noqa: BLE001 - a bug: the handle must still end
@@ -268,6 +299,24 @@ class MultiLevel:
         if written and error is None:
             self._retain(item.level)
         item.parts.part_done(item.level, error, written=written and error is None)
+
+    def _level_failure(self, index: int, step: int) -> Callable[[BaseException], BaseException]:
+        """How a failed save into level ``index`` at ``step`` reaches the caller: a ``WriteError``
+        becomes that level's ``LevelError`` (the cause chained); other errors (a tensor changed
+        before its copy, an interrupt, a refusal) stay as they are."""
+        level, dst = self.levels[index], self.path(index, step)
+
+        def describe(exc: BaseException) -> BaseException:
+            if not isinstance(exc, WriteError) or isinstance(exc, LevelError):
+                return exc
+            err = LevelError(
+                f"lazyckpt: level {index} ({level.path}): save of step {step} to {dst} failed: {exc}",
+                index, level.path, step, dst, errno=exc.errno,
+            )  # fmt: skip
+            err.__cause__ = exc
+            return err
+
+        return describe
 
     def _copy_to(self, index: int, step: int, src: str) -> LevelError | None:
         level = self.levels[index]
@@ -319,17 +368,34 @@ class MultiLevel:
             self._remote_tier, self._ledger.publish, reuse,
         )  # fmt: skip
 
+    def _sweep(self) -> None:
+        """At the first save, whose step starts this saver's timeline: every level's steps after it
+        that this saver did not write belong to a timeline abandoned by a rollback (a run resumed
+        from an older step); retention removes them now rather than at each level's first commit,
+        which for a level saved every 100 steps could be 100 steps away, while ``latest()`` would
+        return them. Local levels here (a listing and renames: the files are freed on the remover
+        thread); a URL level on its own level thread, before its first upload."""
+        for i, level in enumerate(self.levels):
+            if level.is_url:
+                self._worker(i).thread.submit(_Sweep(i))
+            else:
+                self._retain(i)
+
     # -- admission --------------------------------------------------------------------------------
+
+    def _worker(self, index: int) -> _Worker:
+        with self._cond:
+            if index not in self._workers:
+                self._workers[index] = _Worker(self, index)
+            return self._workers[index]
 
     def _admit(self, index: int, step: int) -> bool:
         """Reserve a place in level ``index``'s backlog; at the bound, skip it (``"skip"``) or wait
         (``_schedule.Backlog``: the pending source saves are confirmed here first)."""
-        with self._cond:
-            if index not in self._workers:
-                self._workers[index] = _Worker(self, index)
+        self._worker(index)
         skip = self.options.on_backpressure == "skip"
         return self._backlog.admit(
-            index, self.levels[index], step, skip, self.ckpt.wait_staged, stacklevel=5, warn_after=WARN_AFTER_S
+            index, self.levels[index], step, skip, self.ckpt.wait_staged, warn_after=WARN_AFTER_S
         )
 
     @property

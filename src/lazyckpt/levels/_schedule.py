@@ -18,6 +18,7 @@ from typing import Any
 
 from lazyckpt.commit.folder import is_complete
 from lazyckpt.core.report import Report
+from lazyckpt.core.warn import user_stacklevel
 from lazyckpt.storage.remote import RemoteTier
 
 from ..errors import BackpressureWarning
@@ -44,7 +45,6 @@ class Backlog:
         step: int,
         skip: bool | None,
         confirm: Callable[[], None],
-        stacklevel: int,
         warn_after: float = WARN_AFTER_S,
     ) -> bool:
         """Reserve a place in level ``index``'s backlog. At the bound: ``skip`` skips this step's
@@ -64,7 +64,7 @@ class Backlog:
                 f"still waiting, backlog bound {level.backlog} ({self.skipped} level copies skipped so far). "
                 "The faster levels still save this step. Save to it less often, or raise its backlog.",
                 BackpressureWarning,
-                stacklevel=stacklevel,
+                stacklevel=user_stacklevel(),
             )
             return False
         t0 = time.monotonic()
@@ -81,7 +81,7 @@ class Backlog:
                 f"{pending} earlier copies to it (backlog bound {level.backlog}); training slows to that level's "
                 f"speed. Save to it less often, raise its backlog{other}",
                 BackpressureWarning,
-                stacklevel=stacklevel,
+                stacklevel=user_stacklevel(),
             )
         return True
 
@@ -101,13 +101,13 @@ class Retention:
     checkpoint is never removed): it lists the level, keeps its ``keep`` newest complete steps (a
     local folder still being written, by this saver or another process, holds a pending marker:
     it is not counted, and is removed only when older than every kept one), also removes
-    the steps after the first this saver wrote there that it did not write (a timeline abandoned
-    by a rollback: after resuming from step 50, an old step 57 would otherwise be "newest"), skips
-    pinned steps (retried when unpinned) and deletes the rest (``remove_copy``)."""
+    the steps after the first step this saver saved (at any level) that it did not write (a
+    timeline abandoned by a rollback: after resuming from step 50, an old step 57 would otherwise be
+    "newest"), skips pinned steps (retried when unpinned) and deletes the rest (``remove_copy``)."""
 
     def __init__(self, cond: threading.Condition, levels: int) -> None:
         self._cond = cond
-        self._first: dict[int, int] = {}  # level -> first step this saver saved there
+        self._start: int | None = None  # the first step this saver saved (at any level)
         self._mine: dict[int, set[int]] = {i: set() for i in range(levels)}
         self._pins: Counter[tuple[int, int]] = Counter()  # (level, step) -> copies reading it
         self._removing: set[str] = set()
@@ -115,8 +115,9 @@ class Retention:
     def saved(self, levels: list[int], step: int, source: int | None, copies: int) -> None:
         """``step`` goes to ``levels``; ``copies`` copies will read it from level ``source``."""
         with self._cond:
+            if self._start is None:
+                self._start = step
             for i in levels:
-                self._first.setdefault(i, step)
                 self._mine[i].add(step)
             if source is not None and copies:
                 self._pins[(source, step)] += copies
@@ -152,7 +153,7 @@ class Retention:
         # created at its final name and holds a pending marker until the last process's save into it ends.
         complete = {s for s, p in steps.items() if is_complete(p)} if folder and not level.is_url else None
         with self._cond:
-            chosen = retention_victims(steps, level.keep, self._first.get(index), self._mine[index], complete)
+            chosen = retention_victims(steps, level.keep, self._start, self._mine[index], complete)
             victims = [steps[s] for s in chosen if (index, s) not in self._pins and steps[s] not in self._removing]
             self._removing.update(victims)
             reusable = {steps[s] for s in chosen if s in self._mine[index]} if reuse is not None else set()
@@ -171,7 +172,7 @@ def retention_victims(
 ) -> list[int]:
     """The steps of a level (``steps``: {step: path}, as listed) older than its ``keep`` newest
     complete ones (``complete``: the steps that are; None: all), and those after the ``first``
-    step this saver wrote there that it did not write (``mine``). An incomplete step newer than
+    step this saver saved that it did not write there (``mine``). An incomplete step newer than
     the oldest kept one (a save still running) is not a victim; with no complete step, none is."""
     stale = {s for s in steps if first is not None and s > first and s not in mine}
     live = sorted(s for s in steps if s not in stale)
