@@ -138,8 +138,8 @@ def test_a_rollback_makes_later_steps_of_the_old_timeline_go(mem):
 
 def test_a_rollback_removes_the_old_timeline_at_every_level_at_its_first_save(mem, tmp_path, s3):
     """Resumed from the disk level's step 80 (say 90 and 100 learned badly): the first save, at 81,
-    removes every level's later steps at once, even at levels not due until step 90 or 150: a crash
-    before those commits must not make ``latest()`` return the abandoned step 100."""
+    removes the later steps at once at the levels holding a step at or before 81, even those not due
+    until step 90 or 150: a crash before their commits must not make ``latest()`` return step 100."""
     opts, fs = s3
     url = f"s3://levels/{uuid.uuid4().hex[:8]}"
     levels = [Level(mem, every=1, keep=3), Level(tmp_path / "disk", every=10), Level(url, every=50)]
@@ -150,15 +150,60 @@ def test_a_rollback_removes_the_old_timeline_at_every_level_at_its_first_save(me
     assert lazyckpt.latest(levels, storage_options=opts).step == 100
     with LazyCheckpointer(levels=levels, **kw) as ck:
         ck.save({"w": torch.full((4,), 81.5)}, step=81)
-        # no wait: the local levels' old steps are gone when save() returns
-        assert sorted(os.listdir(tmp_path / "disk"))[-1] == "step-00000080.pt"
-        assert [n for n in os.listdir(mem) if not n.startswith(".")] in (["step-00000081.pt"], [])  # 81: on its way
+        # no wait: the disk level's old steps are gone when save() returns; the memory level holds
+        # nothing at or before 81 (keep=3: 98-100), so its go at its first commit, within this save
+        assert [p.name for p in sorted((tmp_path / "disk").glob("step-*"))][-1] == "step-00000080.pt"
+        ck.wait()
+        assert [p.name for p in Path(mem).glob("step-*")] == ["step-00000081.pt"]
     assert [os.path.basename(k) for k in fs.ls(url, refresh=True)] == ["step-00000050.pt"]
     found = lazyckpt.latest(levels, storage_options=opts)
     assert (found.step, found.level) == (81, 0)
     assert lazyckpt.load(found, storage_options=opts)["w"][0].item() == 81.5
     shutil.rmtree(mem)  # a reboot: then the disk level's 80, not the old timeline's 90
     assert lazyckpt.latest(levels, storage_options=opts).step == 80
+
+
+def test_a_run_starting_below_every_step_a_level_holds_does_not_sweep_it(mem, tmp_path):
+    """No rollback: a fresh run (or a step counter reset by mistake) into folders of an older run.
+    A level holding nothing at or before the start keeps its steps until its own first commit."""
+    levels = [Level(mem, every=1, keep=3), Level(tmp_path / "disk", every=5)]
+    with LazyCheckpointer(levels=levels) as ck:
+        for i in range(5, 11):
+            ck.save({"w": torch.full((4,), float(i))}, step=i)
+    with LazyCheckpointer(levels=levels) as ck:
+        ck.save({"w": torch.zeros(4)}, step=1).wait()
+        assert [p.name for p in sorted((tmp_path / "disk").glob("step-*"))] == ["step-00000005.pt", "step-00000010.pt"]
+        ck.save({"w": torch.zeros(4)}, step=5).wait()  # its first commit there: the old 10 goes
+        assert [p.name for p in sorted((tmp_path / "disk").glob("step-*"))] == ["step-00000005.pt"]
+    assert [p.name for p in sorted(Path(mem).glob("step-*"))] == ["step-00000001.pt", "step-00000005.pt"]
+
+
+def test_another_saves_error_raised_inside_a_level_save_is_not_relabelled(mem, tmp_path, monkeypatch):
+    """An unseen error of a plain save that lands while a level save is under way (here: held in the
+    memory check of the first level save) is raised by it as that save's own WriteError, not as a
+    LevelError of the level being saved."""
+    other = str(tmp_path / "other.pt")
+    real_open = _fs.open_temporary
+
+    def full(tmp, size):
+        if os.path.basename(tmp).startswith(".other.pt"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(tmp, size)
+
+    monkeypatch.setattr(_fs, "open_temporary", full)
+    monkeypatch.setattr(_plan, "write_in_save", lambda memory, devices: False)
+    with LazyCheckpointer(levels=[Level(mem, keep=2)]) as ck:
+        failing = ck.save({"w": torch.ones(4)}, other)
+        real_check = _copy.check_memory
+
+        def land_the_other_error(levels, size):
+            failing.exception(timeout=60)  # failed and published, unseen
+            real_check(levels, size)
+
+        monkeypatch.setattr(_copy, "check_memory", land_the_other_error)
+        with pytest.raises(lazyckpt.WriteError) as info:
+            ck.save({"w": torch.ones(4)}, step=1)
+        assert not isinstance(info.value, LevelError) and info.value.path == other
 
 
 def test_sigkilled_training_restarts_from_the_newest_complete_step(mem, tmp_path):

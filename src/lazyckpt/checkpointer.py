@@ -462,10 +462,11 @@ class LazyCheckpointer(_exit.ClosedOnExit):
         if inline:  # save() writes the file itself
             self._engine.open(job)
             if job.error is not None:
-                raise job.error
+                _raise_described(job, job.error)
         elif not os.access(folder, os.W_OK):  # what is sure to fail fails here; the rest in the handle
             code = errno.EROFS if os.statvfs(folder).f_flag & os.ST_RDONLY else errno.EACCES
-            raise WriteError(f"cannot create {job.tmp}: {os.strerror(code)}", path=job.path, errno=code)
+            refused = WriteError(f"cannot create {job.tmp}: {os.strerror(code)}", path=job.path, errno=code)
+            _raise_described(job, refused)
         if self.pool.pin_memory and self.pool.pin_device is None and torch.cuda.is_initialized():
             self.pool.pin_device = torch.cuda.current_device()
         for device in {s.device for s in job.lazy if s.device.type == "cuda"}:
@@ -514,6 +515,14 @@ class LazyCheckpointer(_exit.ClosedOnExit):
         """On the caller's thread: raise an unseen background error, else issue pending warnings."""
         self.raise_errors()
         self._backpressure.warn_if_staging_waited()
+
+
+def _raise_described(job: Job, exc: BaseException) -> None:
+    """Raise a save's refusal as its caller is to get it (a level's ``LevelError``: ``Job.described``)."""
+    described = job.described(exc)
+    if described is exc:
+        raise exc
+    raise described from exc
 
 
 def _left(deadline: float | None) -> float | None:

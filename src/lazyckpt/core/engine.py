@@ -430,9 +430,7 @@ class Engine:
         if completion.handle.done():
             return
         try:
-            error = job.error
-            if error is not None and job.describe_error is not None:
-                error = job.describe_error(error)
+            error = None if job.error is None else job.described(job.error)
             completion.resolve(None if job.failed else job.stats(time.perf_counter()), error)
         except BaseException as exc:  # noqa: BLE001 - stats of a committed file; keep the file, say why
             logger.exception("lazyckpt: stats of %s failed", job.path)

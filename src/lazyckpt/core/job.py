@@ -142,7 +142,7 @@ class Job:
         self.file_bytes = file_bytes
         self.crc, self.fsync, self.wait_in_closure = crc, fsync, wait_in_closure
         self.before_commit = before_commit
-        self.describe_error = error_context.get()
+        self._describe_error = error_context.get()
         self.fd = -1
         self.dfd = -1  # O_DIRECT descriptor of the same file, when used
         self.direct = False  # open an O_DIRECT descriptor too
@@ -229,6 +229,10 @@ class Job:
         return self._file is FileState.WRITTEN and (self.error is not None or self._stage is Stage.CONFIRMED)
 
     # -- errors -----------------------------------------------------------------------------------
+
+    def described(self, exc: BaseException) -> BaseException:
+        """``exc`` as this save's caller is to get it (``error_context`` at ``save()``)."""
+        return exc if self._describe_error is None else self._describe_error(exc)
 
     @property
     def failed(self) -> bool:

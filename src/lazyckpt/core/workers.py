@@ -16,6 +16,7 @@ thread, the remover, the uploads, the distributed commit, the integrations' fini
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import queue
 import threading
@@ -92,7 +93,9 @@ class Worker(Generic[T]):
         names = [f"{self.name}-{i}" for i in range(self._count)] if self._numbered else [self.name]
         started = []
         for n in names:
-            t = threading.Thread(target=self._run, name=n, daemon=True)
+            # a context of its own: no context variable of the thread that started it (error_context:
+            # which level a save belongs to) reaches its items, whatever the interpreter's default
+            t = threading.Thread(target=contextvars.Context().run, args=(self._run,), name=n, daemon=True)
             try:
                 t.start()
             except RuntimeError:

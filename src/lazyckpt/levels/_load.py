@@ -72,13 +72,13 @@ def load(
     location, finish = _device_mapper(map_location)
     threads = max(1, threads)
     if _remote.is_url(path):  # the object into one host buffer, then unpickled from there
+        if mmap:
+            raise ValueError(f"lazyckpt.load(mmap=True): {path} is read into memory, it cannot be mapped")
         with _UrlSource(path, storage_options) as source:
             view = memoryview(bytearray(source.size))
             records = _records(source, path) if _is_zip(source) else None
             _read_checked(source, records if verify else None, path, threads, piece_bytes, into=view)
         buffer: Any = _BufferFile(view)  # a seekable binary file (typeshed's IO[bytes] is wider)
-        if mmap:
-            raise ValueError(f"lazyckpt.load(mmap=True): {path} is read into memory, it cannot be mapped")
         result = torch.load(buffer, map_location=location, weights_only=weights_only, **torch_load_kwargs)
     else:
         threads = _read.readers(path, threads)

@@ -187,19 +187,16 @@ class MultiLevel:
         # and once more by the save itself until it is done: a folder (or file) still being written is
         # never a retention victim, even when a newer step's folder already exists beside it
         self._retention.saved(([] if first is None else [first]) + admitted, step, first, len(admitted) + 1)
-        if not self._swept:
-            self._swept = True
-            self._sweep()
-        # a failed write into the fastest level is that level's LevelError, raised here or by the handle
-        describe = self._level_failure(first, step) if first is not None else None
-        token = error_context.set(describe)
+        # a failed write into the fastest level (a URL level's: into its staging file) is that level's
+        # LevelError, whether the core raises it in save() or reports it through the handle
+        token = error_context.set(self._level_failure(due[0], step))
         try:
+            if not self._swept:
+                self._swept = True
+                self._sweep()
             source = produce(src)
-        except BaseException as exc:
+        except BaseException:
             self._unadmit(admitted, feed)
-            described = describe(exc) if describe is not None else exc
-            if described is not exc:
-                raise described from exc
             raise
         finally:
             error_context.reset(token)
@@ -276,7 +273,7 @@ class MultiLevel:
     def run_copy(self, worker: _Worker, item: _Copy | _Sweep) -> None:
         if isinstance(item, _Sweep):
             try:
-                self._retain(item.level)
+                self._retain(item.level, sweep=True)
             except Exception:  # noqa: BLE001 - housekeeping: the next commit there retries it
                 logger.exception("lazyckpt: level %d: retention failed", item.level)
             return
@@ -357,7 +354,7 @@ class MultiLevel:
 
     # -- retention --------------------------------------------------------------------------------
 
-    def _retain(self, index: int) -> None:
+    def _retain(self, index: int, sweep: bool = False) -> None:
         """Level ``index``'s retention (``_schedule.Retention.apply``): deletions through
         ``LazyCheckpointer.remove`` (local: renamed away now, freed on its remover thread) or the
         remote tier (a URL level: on its own level thread)."""
@@ -365,7 +362,7 @@ class MultiLevel:
         reuse = self.ckpt.reuse if level.reuse_pages and index in self._sourced else None
         self._retention.apply(
             index, level, self.options.storage_options, self.folder, self.ckpt.remove,
-            self._remote_tier, self._ledger.publish, reuse,
+            self._remote_tier, self._ledger.publish, reuse, sweep,
         )  # fmt: skip
 
     def _sweep(self) -> None:
@@ -373,13 +370,15 @@ class MultiLevel:
         that this saver did not write belong to a timeline abandoned by a rollback (a run resumed
         from an older step); retention removes them now rather than at each level's first commit,
         which for a level saved every 100 steps could be 100 steps away, while ``latest()`` would
-        return them. Local levels here (a listing and renames: the files are freed on the remover
-        thread); a URL level on its own level thread, before its first upload."""
+        return them. Only at a level holding a complete step at or before the start (the run
+        resumed from these levels; ``Retention.apply(sweep=True)``). Local levels here (a listing
+        and renames: the files are freed on the remover thread); a URL level on its own level
+        thread, before its first upload."""
         for i, level in enumerate(self.levels):
             if level.is_url:
                 self._worker(i).thread.submit(_Sweep(i))
             else:
-                self._retain(i)
+                self._retain(i, sweep=True)
 
     # -- admission --------------------------------------------------------------------------------
 

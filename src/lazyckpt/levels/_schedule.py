@@ -97,8 +97,9 @@ class Retention:
     at each level (``saved``), the steps pinned while copies still read them (``pin`` once per
     copy, ``unpin`` as each ends), and the paths being removed.
 
-    ``apply(index, ...)`` runs right after a commit at level ``index`` (so its newest complete
-    checkpoint is never removed): it lists the level, keeps its ``keep`` newest complete steps (a
+    ``apply(index, ...)`` runs right after a commit at level ``index`` (or, the first save's sweep,
+    only where the level holds a step at or before the start; so its newest complete checkpoint is
+    never removed): it lists the level, keeps its ``keep`` newest complete steps (a
     local folder still being written, by this saver or another process, holds a pending marker:
     it is not counted, and is removed only when older than every kept one), also removes
     the steps after the first step this saver saved (at any level) that it did not write (a
@@ -138,11 +139,16 @@ class Retention:
         remote_tier: Callable[[], RemoteTier],
         publish: Callable[[Report], None],
         reuse: Callable[[str], bool] | None = None,
+        sweep: bool = False,
     ) -> None:
         """Remove level ``index``'s checkpoints beyond its ``keep`` newest (and those of an abandoned
         timeline). ``reuse``: offered first each victim this saver wrote itself (a memory level's
         file, whose pages the next save there takes over: ``storage/spare.py``); a refused one is
-        removed as any other."""
+        removed as any other. ``sweep`` (the first save, before this level has a new copy): only
+        the abandoned timeline's steps, and only when the level holds a complete step at or before
+        this saver's start (the run resumed from there: a run that starts below every step the
+        level holds, a fresh run or a step counter reset by mistake, leaves them to its first
+        commit there, as any other save)."""
         try:
             steps = list_steps(level, storage_options, folder=folder)
         except Exception as exc:  # noqa: BLE001 - retention is housekeeping
@@ -153,10 +159,24 @@ class Retention:
         # created at its final name and holds a pending marker until the last process's save into it ends.
         complete = {s for s, p in steps.items() if is_complete(p)} if folder and not level.is_url else None
         with self._cond:
-            chosen = retention_victims(steps, level.keep, self._start, self._mine[index], complete)
+            start, mine = self._start, self._mine[index]
+            if sweep:
+                held = [s for s in steps if complete is None or s in complete]
+                if start is None or not any(s <= start for s in held):
+                    return
+                chosen = sorted(s for s in steps if s > start and s not in mine)
+            else:
+                chosen = retention_victims(steps, level.keep, start, mine, complete)
             victims = [steps[s] for s in chosen if (index, s) not in self._pins and steps[s] not in self._removing]
             self._removing.update(victims)
-            reusable = {steps[s] for s in chosen if s in self._mine[index]} if reuse is not None else set()
+            reusable = {steps[s] for s in chosen if s in mine} if reuse is not None else set()
+            stale = [s for s in chosen if start is not None and s > start and s not in mine]
+        if stale:
+            logger.warning(
+                "lazyckpt: level %d (%s): removing step(s) %s: after step %d, where this run started, and "
+                "not saved by it (left by an earlier run: resumed from an older step, or started again in this folder)",
+                index, level.path, stale, start,
+            )  # fmt: skip
         for path in victims:
             try:
                 if path in reusable and reuse is not None and reuse(path):
