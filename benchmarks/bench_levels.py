@@ -20,6 +20,8 @@ Training modes (same GPT, AdamW and batches; interleaved in rounds whose order r
                          then runs when the training's threads leave a core idle)
   lazy-mem[+disk]-idle   lazy-mem[+disk] with EVERY lazyckpt background thread (writers, committer,
                          level copies, remover) at nice 19 (a proposal for the spare-core regime)
+  lazy-mem-nocrc         lazy-mem with crc=False (a diagnostic, not a checkpointer to use: no CRC in the
+                         zip, so latest(verify=True) cannot check the file): what the CRC pass costs
   lazy-mem+disk-inline   lazy-mem, plus the same copy of the memory file to disk every 10th step made
                          on the training thread inside the save (the other placement of that copy)
   lazy-mem-fresh         lazy-mem with Level(reuse_pages=False): every checkpoint a new tmpfs file,
@@ -66,7 +68,7 @@ from ._run import Bench, BenchOptions, add_json_argument, add_loop_arguments, cl
 
 LEVEL_MODES = (
     "copy-only", "lazy-disk", "lazy-mem", "lazy-mem+disk", "lazy-mem+disk-nice", "lazy-mem-idle", "lazy-mem+disk-idle",
-    "lazy-mem+disk-inline",
+    "lazy-mem-nocrc", "lazy-mem+disk-inline",
     "lazy-mem-fresh", "lazy-mem+disk-fresh", "lazy-mem-staged", "lazy-mem+disk-staged",
     "lazy-mem-bg", "lazy-mem+disk-bg", "lazy-mem-insave", "lazy-mem+disk-insave",
 )  # fmt: skip
@@ -124,7 +126,7 @@ class Levels(Mode):
     def __init__(self, name: str, out_dir: Path, levels: list[Any], optimizer: torch.optim.Optimizer,
                  writer_threads: int, *, inline_dir: Path | None = None, inline_every: int = 0,
                  nice: int | None = None, nice_all: bool = False, zero_copy: bool = True,
-                 in_save: bool | None = None) -> None:  # fmt: skip
+                 in_save: bool | None = None, crc: bool = True) -> None:  # fmt: skip
         from lazyckpt import LazyCheckpointer
 
         self.step = 0
@@ -135,7 +137,7 @@ class Levels(Mode):
         self.inline_dir, self.inline_every, self.in_save = inline_dir, inline_every, in_save
         if inline_dir is not None:
             inline_dir.mkdir(parents=True, exist_ok=True)
-        options = {"fsync": True, "on_backpressure": "block", "crc": True, "zero_copy": zero_copy}
+        options = {"fsync": True, "on_backpressure": "block", "crc": crc, "zero_copy": zero_copy}
         self.ckpt = LazyCheckpointer(levels=levels, writer_threads=writer_threads, **options)
         self.ckpt.track(optimizer)
         self.handles: list[Any] = []
@@ -239,6 +241,7 @@ class LevelsBench(Bench):
             "lazy-mem+disk": lambda: both("lazy-mem+disk"),
             "lazy-mem+disk-nice": lambda: both("lazy-mem+disk-nice", nice=19),
             "lazy-mem-idle": lambda: one(mem, "lazy-mem-idle", nice=19, nice_all=True),
+            "lazy-mem-nocrc": lambda: one(mem, "lazy-mem-nocrc", crc=False),
             "lazy-mem+disk-idle": lambda: both("lazy-mem+disk-idle", nice=19, nice_all=True),
             "lazy-mem+disk-inline": lambda: one(
                 mem, "lazy-mem+disk-inline", inline_dir=disk / "inline", inline_every=every
