@@ -100,20 +100,12 @@ class LazyCheckpointer(_exit.ClosedOnExit):
         self._errors = ErrorLedger()  # failed saves and removals whose error nobody has seen yet
         self._cleaned_dirs: set[str] = set()
         self._closed = False
+        # before any thread starts: a level folder that cannot be made refuses the construction
+        self._levels: MultiLevel | None = None if options.levels is None else MultiLevel(self, options.levels, options)
         self._engine = Engine(self.pool, options.writer_threads, self._job_done)
         self._remover = Remover(on_failed=self._errors.publish)
         self._removals = OrderedRemovals(self._remover)  # remove() calls waiting for pending saves
         self._remote: _remote.RemoteTier | None = None  # URL saves: started by the first one
-        self._levels: MultiLevel | None = None
-        try:
-            if options.levels is not None:
-                self._levels = MultiLevel(self, options.levels, options)
-        except BaseException:  # a level folder that cannot be made: no thread outlives the refusal
-            self._closed = True
-            self._engine.stop()
-            self._remover.stop()
-            self.pool.close()
-            raise
         _exit.register(self, _close_at_exit, layer=_exit.CORE)
 
     # -- public API -------------------------------------------------------------------------------
