@@ -122,6 +122,24 @@ def test_a_node_memory_copy_is_not_taken_for_a_whole_checkpoint(run):
     assert any("node-local copy" in s and "node0/step-00000003" in s for s in said), said
 
 
+def test_a_rollback_removes_the_abandoned_steps_before_a_crash_could_resurrect_them(run):
+    """7 steps (memory per node keep 2: 6, 7; disk every 3: 3, 6), then a rollback to the disk's
+    step 3 and one save at step 4: the shared disk level's abandoned step 6 is gone when save()
+    returns (not at the disk level's next commit, step 6), each node's 6 and 7 at its memory
+    commit; with the memory wiped, the restart finds step 3, never the abandoned 6."""
+    run("train", steps=7)
+    r0, r1 = run("rollback")
+    assert r0["disk_at_return"] == ["step-00000003"], r0["disk_at_return"]
+    assert r0["levels_done"] == r1["levels_done"] == [0]
+    assert r0["mem"] == r1["mem"] == ["step-00000004"]
+    r0, r1 = run("restart")
+    assert r0["found"]["step"] == r1["found"]["step"] == 4 and r0["restored"]
+    shutil.rmtree(run.mem)  # a reboot
+    r0, r1 = run("restart")
+    assert r0["found"]["step"] == r1["found"]["step"] == 3
+    assert r0["found"]["level"] == r1["found"]["level"] == 1
+
+
 def test_a_rank_sigkilled_mid_run_restarts_on_the_step_every_rank_holds(run):
     """Rank 1 is SIGKILLed at its first write of step 5's save; rank 0 stops (its next collective
     fails). The restart agrees on one step on both ranks, and the state equals the dump of that step."""

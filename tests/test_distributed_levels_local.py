@@ -172,6 +172,54 @@ def test_a_url_level_gets_metadata_last_and_latest_finds_it(mem, tmp_path):
     fs.rm(url.split("://", 1)[1].split("/")[0], recursive=True)
 
 
+def test_a_rollback_removes_the_old_timeline_at_every_level_at_its_first_save(mem, tmp_path):
+    """Resumed from the disk level's step 80 (90 and 100 learned badly): the first save, at 81,
+    removes the later steps at once at every level holding a step at or before 81 (the URL level's
+    on its own thread, before any upload), not at each level's next commit (disk at 90, URL at 150):
+    a crash in between must not make ``latest()`` return step 100 of the abandoned run."""
+    fs = fsspec.filesystem("memory")
+    url = f"memory://levels-{uuid.uuid4().hex[:8]}/run"
+    disk = tmp_path / "disk"
+    levels = [Level(mem, every=1, keep=3), Level(disk, every=10), Level(url, every=50)]
+    kw = dict(local_dir=str(tmp_path / "tier"), **OPTS)
+    with DistributedCheckpointer(levels=levels, **kw) as ckpt:
+        for step in (40, 50, 60, 70, 80, 90, 100):
+            ckpt.save(_state(step), step=step).wait()
+    with DistributedCheckpointer(levels=levels, **kw) as ckpt:
+        assert ckpt.latest().step == 100
+        h = ckpt.save(_state(81), step=81)
+        # no wait: the local levels' later steps are gone when save() returns
+        assert _steps(disk) == [f"step-000000{s}" for s in (40, 50, 60, 70, 80)]
+        assert "step-00000090" not in _steps(mem) and "step-00000100" not in _steps(mem)
+        h.wait()
+        ckpt.wait()
+    prefix = url.split("://", 1)[1]
+    assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(prefix, detail=False)) == ["step-00000050"]
+    assert _steps(mem) == ["step-00000080", "step-00000081"]
+    found = lazyckpt.latest(levels)
+    assert (found.step, found.level) == (81, 0)
+    assert _load(found.path)["meta"] == {"step": 81}
+    shutil.rmtree(mem)  # a reboot: the disk level's 80, not the old timeline's 100
+    assert lazyckpt.latest(levels).step == 80
+    fs.rm(prefix.split("/")[0], recursive=True)
+
+
+def test_a_run_starting_below_every_step_a_level_holds_does_not_sweep_it(mem, tmp_path):
+    """No rollback: a fresh run (or a step counter reset by mistake) into an older run's folders.
+    A level holding nothing at or before the start keeps its steps until its own first commit."""
+    disk = tmp_path / "disk"
+    levels = [Level(mem, every=1, keep=3), Level(disk, every=5)]
+    with DistributedCheckpointer(levels=levels, **OPTS) as ckpt:
+        for step in (5, 10):
+            ckpt.save(_state(step), step=step).wait()
+    with DistributedCheckpointer(levels=levels, **OPTS) as ckpt:
+        ckpt.save(_state(1), step=1).wait()
+        assert _steps(disk) == ["step-00000005", "step-00000010"]
+        ckpt.save(_state(5), step=5).wait()  # its first commit there: the old 10 goes
+        assert _steps(disk) == ["step-00000005"]
+    assert _steps(mem) == ["step-00000001", "step-00000005"]
+
+
 def test_refusals(mem, tmp_path):
     with DistributedCheckpointer(**OPTS) as plain:
         with pytest.raises(SaveRefusedError, match="levels"):

@@ -237,6 +237,24 @@ def scenario_extra() -> None:
             RESULT["refused"] = str(exc)
 
 
+def scenario_rollback() -> None:
+    """Rolled back to the disk level's step 3 (the later steps learned badly): the first save, at
+    step 4, removes the abandoned step 6 from the shared disk level before it returns (rank 0, the
+    folder's owner, lists it right then), though the disk level is not due until step 6."""
+    with DistributedCheckpointer(levels=levels(), **options()) as ckpt:
+        assert ckpt.latest().step == 7
+        model, opt = fsdp_model(WIDTH)
+        rank_step(model, opt, 4, width=WIDTH)
+        whole = full(model, opt, 4)
+        if RANK == 0:
+            torch.save(whole, dump_path(4))
+        dist.barrier()
+        h = ckpt.save(state_of(model, opt, 4), step=4)
+        RESULT["disk_at_return"] = sorted(n for n in os.listdir(CONFIG["disk"]) if not n.startswith("."))
+        RESULT["levels_done"] = h.wait() and h.levels_done
+    RESULT["mem"] = sorted(os.listdir(levels()[0].path))
+
+
 def init() -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=PORT)
     dist.init_process_group("gloo", rank=RANK, world_size=WORLD, timeout=timedelta(seconds=60))

@@ -26,7 +26,8 @@ finishes and a callback thread for them. Each level folder is owned by one rank 
 (``Scope.leader``: the coordinator for a shared level and for URLs): it writes the metadata and rank
 0's extra files (Lightning's ``meta.pt``; a node-local level's other leaders read them from rank 0's
 commit report), publishes, and applies retention (``keep`` newest complete steps, after each commit,
-so the newest is never removed; pinned steps are skipped until their copies end). Errors are the
+so the newest is never removed; pinned steps are skipped until their copies end; at the first
+save, a rollback's abandoned steps at once: ``_sweep``). Errors are the
 checkpointer's (its inner ``LazyCheckpointer``'s ledger): a level's failure is one
 ``DistributedLevelError`` per rank, alike on every rank, reported once.
 """
@@ -109,6 +110,13 @@ class _Item:
     step: _Step
 
 
+@dataclass(eq=False)
+class _Sweep:
+    """The first save's retention pass at a URL level (``DistributedLevels._sweep``), on its level thread."""
+
+    level: int
+
+
 class DistributedLevels:
     """The multi-level saver of one ``DistributedCheckpointer`` (see the module docstring)."""
 
@@ -148,6 +156,7 @@ class DistributedLevels:
         self._plans = PlanCache()
         self._latest_calls = 0
         self._memory_checked = False
+        self._swept = False  # the first save removed the steps of a timeline abandoned by a rollback
         self._closed = False
 
     @property
@@ -190,6 +199,9 @@ class DistributedLevels:
         self._retention.saved([first, *admitted], step, first, len(admitted))  # pinned once per copy
         with self._cond:
             self._open.add(st.parts.handle)
+        if not self._swept:
+            self._swept = True
+            self._sweep()
         refused: BaseException | None = None
         try:
             if self.rank == 0 and extra_files:  # a bad name fails the save on every rank, not here alone
@@ -248,7 +260,10 @@ class DistributedLevels:
 
     # -- level threads ----------------------------------------------------------------------------
 
-    def _run(self, item: _Item) -> None:
+    def _run(self, item: _Item | _Sweep) -> None:
+        if isinstance(item, _Sweep):
+            self._sweep_level(item.level)
+            return
         st = item.step
         source = item.level == st.first
         try:
@@ -394,7 +409,7 @@ class DistributedLevels:
         if last:  # its retention may have skipped this step while it was pinned
             self._retain(st.first)
 
-    def _retain(self, index: int) -> None:
+    def _retain(self, index: int, sweep: bool = False) -> None:
         """``MultiLevel``'s retention (``_schedule.Retention``), by the rank that owns this rank's
         folder of the level only; deletions through the inner checkpointer (local: renamed away
         now, freed on its remover thread) or its remote tier."""
@@ -402,8 +417,29 @@ class DistributedLevels:
             inner = self.ctx.inner
             self._retention.apply(
                 index, self.levels[index], self.options.storage_options, True, inner.remove, inner.remote_tier,
-                inner.publish,
+                inner.publish, sweep=sweep,
             )  # fmt: skip
+
+    def _sweep(self) -> None:
+        """At the first save, as ``MultiLevel._sweep``: the steps after this saver's start that it
+        did not write (a timeline abandoned by a rollback) go now at every level holding a complete
+        step at or before the start, not at each level's first commit (a disk level every 100 steps
+        would keep the abandoned ones that long, and ``latest()`` return them after a crash). By
+        each folder's owner only (``_retain``); local levels on the caller's thread (a listing and
+        renames), a URL level on its own level thread, before its first upload."""
+        for i, level in enumerate(self.levels):
+            if self.rank != self.scopes[i].leader:
+                continue
+            if level.is_url:
+                self._workers[i].submit(_Sweep(i))
+            else:
+                self._sweep_level(i)
+
+    def _sweep_level(self, index: int) -> None:
+        try:
+            self._retain(index, sweep=True)
+        except Exception:  # noqa: BLE001 - housekeeping: the level's next commit runs retention again
+            logger.exception("lazyckpt: level %d: retention failed", index)
 
     # -- admission --------------------------------------------------------------------------------
 
