@@ -90,6 +90,7 @@ class Phases:
     def __init__(self) -> None:
         self.s: dict[str, float] = {}
         self.n: dict[str, int] = {}
+        self.each: dict[str, list[float]] = {}
 
     @contextmanager
     def __call__(self, name: str) -> Iterator[None]:
@@ -97,8 +98,10 @@ class Phases:
         try:
             yield
         finally:
-            self.s[name] = self.s.get(name, 0.0) + time.perf_counter() - t
+            dt = time.perf_counter() - t
+            self.s[name] = self.s.get(name, 0.0) + dt
             self.n[name] = self.n.get(name, 0) + 1
+            self.each.setdefault(name, []).append(dt)
 
 
 def _watch_pool(chunks: list[tuple[str, float, int]]) -> Callable[[], None]:
@@ -307,6 +310,8 @@ def main() -> None:
     print("training thread, per checkpoint (s):")
     for name, s in ph.s.items():
         print(f"  {name:<45} {s / n:8.3f}   (total {s:.3f} s over {ph.n[name]} call(s))")
+        if 1 < ph.n[name] <= 64:
+            print(f"  {'':<45} each: {' '.join(f'{x:.3f}' for x in ph.each[name])}")
     print("CPU per thread, per checkpoint (s, user + system):")
     rows = sorted(cpu.per_name().items(), key=lambda kv: -(kv[1][0] + kv[1][1]))
     for name, (u, s) in rows:

@@ -150,6 +150,37 @@ def test_a_memory_filesystem_file_has_one_writer_at_a_time(shm, monkeypatch):
     assert _max_concurrent_writes(shm, monkeypatch) == 1
 
 
+def test_a_memory_filesystem_file_is_written_by_one_thread_not_the_pool(shm, tmp_path, monkeypatch):
+    """Not only one write at a time: one thread (``lazyckpt-writer-memory``) takes every piece of a
+    memory filesystem's file, so the pool's writers do not wake, take the GIL and sleep on the
+    file's lock for each piece (beside a training thread on one spare core, that cost 0.03 s per
+    step of waiting for a core). A disk file's pieces still go to the pool."""
+    real = _fs.pwrite_all
+    writers: dict[str, set[str]] = {}
+
+    def pwrite_all(fd: int, data, offset: int) -> None:  # type: ignore[no-untyped-def]
+        where = os.readlink(f"/proc/self/fd/{fd}")
+        writers.setdefault(os.path.dirname(where), set()).add(threading.current_thread().name)
+        real(fd, data, offset)
+
+    monkeypatch.setattr(_fs, "pwrite_all", pwrite_all)
+    state = {f"t{i}": torch.full((1 << 20,), float(i)) for i in range(8)}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a core to spare: the writers write (not save() itself)
+    try:
+        with LazyCheckpointer(writer_threads=4, chunk_bytes=1 << 20, host_memory_budget=64 << 20,
+                              direct_io=False) as ck:  # fmt: skip
+            ck.save(state, os.path.join(shm, "m.pt")).wait()
+            ck.save(state, str(tmp_path / "d.pt")).wait()
+    finally:
+        torch.set_num_threads(threads)
+    assert writers[shm] == {"lazyckpt-writer-memory"}, writers
+    assert "lazyckpt-writer-memory" not in writers[str(tmp_path)], writers
+    for name in ("m.pt", "d.pt"):
+        folder = shm if name == "m.pt" else str(tmp_path)
+        assert_same(torch.load(os.path.join(folder, name), weights_only=True), state)
+
+
 def test_a_disk_file_has_parallel_writers(tmp_path, monkeypatch):
     """The control: the window above is real (a disk file's pieces are written in parallel)."""
     assert not _fs.is_memory_filesystem(str(tmp_path))

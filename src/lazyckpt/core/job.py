@@ -148,6 +148,8 @@ class Job:
         self.direct = False  # open an O_DIRECT descriptor too
         # One writer at a time (a memory filesystem's file: the kernel serialises writes to one tmpfs
         # file on its inode lock, and parallel writers only spin there and take the training's core).
+        # Such a job's pieces all go to the engine's one memory writer (``Engine._queue_write``);
+        # the lock keeps the rule where they cannot (the pool, when that thread cannot start).
         self.serial: threading.Lock | None = None
         # The state, the counters, the pieces' states and the error: all behind ``_lock``. Creating the
         # file (slow: the journal) has its own lock, so that no step waits for it unless it needs the file.
