@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import sys
 from pathlib import Path
 
-from benchmarks import bench_core, bench_levels, gpt, probe_tmpfs
+from benchmarks import bench_core, bench_levels, bench_paired, gpt, probe_tmpfs
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "lazyckpt"
 
@@ -86,6 +87,24 @@ def test_bench_levels_trains_every_mode_and_resumes_from_each_level(tmp_path, ca
     ):
         assert text in printed, text
     assert set(Path("/dev/shm").glob("lazyckpt-levels-*")) <= left_before  # its memory level was cleaned up
+
+
+def test_bench_paired_takes_turns_in_blocks_and_reports_each_round(tmp_path, mem, capsys):
+    torch = __import__("torch")
+    before = torch.get_num_threads()
+    os.makedirs(mem)
+    try:
+        argv = ["--size", "tiny", "--rounds", "2", "--block", "3", "--modes", "lazy-mem,lazy-mem+disk",
+                "--dir", str(tmp_path), "--memory-dir", mem]  # fmt: skip
+        assert bench_paired.main(argv) == 0
+    finally:
+        torch.set_num_threads(before)
+    out = capsys.readouterr().out
+    assert out.count("round 1:") == out.count("round 2:") == 3  # none, lazy-mem, lazy-mem+disk
+    assert [ln.split()[0] for ln in out.splitlines() if ln.startswith(("none ", "lazy-mem"))] == [
+        "none", "lazy-mem", "lazy-mem+disk"
+    ]  # fmt: skip
+    assert os.listdir(tmp_path) == [] and not any(n.startswith("bench_paired-") for n in os.listdir(mem))
 
 
 def test_bench_core_unknown_mode_exits_1(capsys):
