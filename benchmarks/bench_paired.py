@@ -22,7 +22,6 @@ import os
 import shutil
 import statistics
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ import torch
 
 from . import gpt as _gpt
 from ._modes import DCPAsync, Mode
-from ._run import cli
+from ._run import cli, thread_sched
 from .bench_levels import Levels
 
 MODES = ("none", "dcp", "lazy-mem", "lazy-mem+disk")
@@ -52,12 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _runqueue_s() -> float:
-    """This thread's time waiting for a core (schedstat); 0 where the kernel has none."""
-    try:
-        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as fh:
-            return int(fh.read().split()[1]) / 1e9
-    except (OSError, IndexError, ValueError):
-        return 0.0
+    """This thread's time waiting for a core so far (``_run.thread_sched``); 0 where the kernel has none."""
+    sched = thread_sched()
+    return sched[1] if sched is not None else 0.0
 
 
 def run(args: argparse.Namespace) -> int:
