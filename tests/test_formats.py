@@ -92,7 +92,25 @@ def _torch_objects() -> dict[str, object]:
         "no_tensors": {"a": 1, "b": [2.5, "x"]},
         "parameter": torch.nn.Parameter(torch.randn(2, 2)),
         "big": {"w": torch.randn(300_000), "i": torch.arange(70_000, dtype=torch.int16)},
+        # What the fast pickling path leaves to torch (or to the plain path), next to tensors it takes.
+        "fast_path_fallbacks": {
+            "plain": torch.ones(3),
+            "attribute": _with_attribute(torch.zeros(2)),  # Python state: torch's _rebuild_from_type_v2
+            "conj": torch.ones(2, dtype=torch.complex64).conj(),  # metadata (conj bit) in the record
+            "neg": torch.ones(2, dtype=torch.complex64).conj().imag,  # the neg bit
+            "grad": torch.ones(2, requires_grad=True),
+            "after": torch.arange(3.0),
+        },
+        # Untyped storages in the pickle (a storage saved by itself; torch's v3 record of a uint16 tensor):
+        # the fast path gives up and the whole object goes the plain path.
+        "storage_by_itself": [torch.ones(2), torch.arange(5, dtype=torch.int32).untyped_storage(), torch.zeros(1)],
+        "v3_dtype_record": {"a": torch.ones(2), "uint16": torch.tensor([1, 2, 65535], dtype=torch.uint16)},
     }
+
+
+def _with_attribute(t: torch.Tensor) -> torch.Tensor:
+    t.note = "kept"
+    return t
 
 
 TORCH_CASES = list(_torch_objects())
@@ -105,6 +123,41 @@ def test_torch_planner_writes_torch_save_bytes(tmp_path, monkeypatch, case, name
     (tmp_path / "stock").mkdir()
     want = _stock_torch(obj, tmp_path / "stock" / name, monkeypatch)
     assert _planned_file("torch", obj, tmp_path / name) == want
+
+
+def test_plain_tensors_are_pickled_without_tensor_reduce_ex_and_the_bytes_stay_torch_saves(tmp_path, monkeypatch):
+    """The fast pickling path (``flatten._Pickler``) reduces plain tensors itself: torch's
+    ``Tensor._reduce_ex_internal`` is never called for a model + optimizer state, and the bytes are
+    still torch.save's (made before the patch)."""
+    from lazyckpt.formats import flatten
+
+    obj = _torch_objects()["optimizer"]
+    (tmp_path / "stock").mkdir()
+    want = _stock_torch(obj, tmp_path / "stock" / "o.pt", monkeypatch)
+    assert flatten._fast_path_works()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("Tensor._reduce_ex_internal called: the fast path was not taken")
+
+    monkeypatch.setattr(torch.Tensor, "_reduce_ex_internal", refuse)
+    assert _planned_file("torch", obj, tmp_path / "o.pt") == want
+
+
+@pytest.mark.parametrize(
+    "case", ["fast_path_fallbacks", "storage_by_itself", "v3_dtype_record", "optimizer", "views_and_shared"]
+)
+def test_the_plain_pickling_path_writes_the_same_bytes(tmp_path, monkeypatch, case):
+    """Where the interpreter does not let the fast path work (its self-check fails), the plain path is
+    torch.save's own pickling: same bytes."""
+    from lazyckpt.formats import flatten
+
+    obj = _torch_objects()[case]
+    (tmp_path / "stock").mkdir()
+    want = _stock_torch(obj, tmp_path / "stock" / "p.pt", monkeypatch)
+    monkeypatch.setattr(flatten, "_PERSISTENT_ID", None)
+    monkeypatch.setattr(flatten, "_FAST", [])
+    assert _planned_file("torch", obj, tmp_path / "p.pt") == want
+    assert flatten._FAST == [False]
 
 
 @pytest.mark.parametrize("alignment", [128, 4096])

@@ -242,6 +242,12 @@ def central_directory(records: list[Record], central_offset: int) -> bytes:
     return central + z64 + locator + eocd
 
 
+def central_directory_size(records: list[Record]) -> int:
+    """``len(central_directory(records, ...))`` without building it (46-byte entries, then 56 + 20 + 22
+    bytes of end records)."""
+    return sum(46 + len(rec.name) + len(zip64_extra(rec.size, rec.header_offset)) for rec in records) + 98
+
+
 def plan(
     path: str,
     pickle_bytes: bytes,
@@ -287,7 +293,7 @@ def plan(
             storage_index[rel[len("data/") :]] = len(records)
         records.append(rec)
         cursor = rec.end
-    total = cursor + len(central_directory(records, cursor))  # its size does not depend on the CRCs
+    total = cursor + central_directory_size(records)  # its size does not depend on the CRCs
     return TorchLayout(records, storage_index, central_offset=cursor, total_size=total)
 
 
