@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from benchmarks import bench_core, bench_levels, bench_paired, gpt, probe_tmpfs
+from benchmarks import bench_core, bench_levels, bench_paired, gpt, probe_copy, probe_tmpfs
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "lazyckpt"
 
@@ -144,6 +144,20 @@ def test_probe_tmpfs_times_fresh_and_overwritten_files(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert all(case in printed for case in ("fresh+fallocate", "fresh ", "overwrite"))
     assert list(tmp_path.iterdir()) == []  # its folder is gone
+
+
+def test_probe_copy_runs_every_copy_and_cleans_up(tmp_path, mem, capsys):
+    """Every copy mode runs to a file of the source's size (the probe checks it) and the probe leaves
+    nothing in either folder."""
+    import os
+    import re
+
+    os.makedirs(mem)
+    argv = ["--size", "tiny", "--rounds", "2", "--block", "2", "--bytes", str((17 << 20) + 5)]
+    assert probe_copy.main([*argv, "--src", mem, "--dst", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert all(re.search(rf"{mode} +median", printed) for mode in ("lazyckpt", "bounce", "sendfile", "populate"))
+    assert list(tmp_path.iterdir()) == [] and os.listdir(mem) == []
 
 
 def test_placement_ab_forces_each_placement_and_restores_the_rule(mem, monkeypatch):
