@@ -57,7 +57,7 @@ from lazyckpt.levels._handle import LevelsHandle, Parts
 from lazyckpt.levels._latest import latest_agreed
 from lazyckpt.levels._level import check_step
 from lazyckpt.levels._multi import check_levels
-from lazyckpt.levels._schedule import Backlog, Retention
+from lazyckpt.levels._schedule import Backlog, Retention, Sweep, run_sweep, sweep
 from lazyckpt.storage import fs as _fs
 
 from ..checkpointer import LazyCheckpointer
@@ -108,13 +108,6 @@ class _Step:
 class _Item:
     level: int
     step: _Step
-
-
-@dataclass(eq=False)
-class _Sweep:
-    """The first save's retention pass at a URL level (``DistributedLevels._sweep``), on its level thread."""
-
-    level: int
 
 
 class DistributedLevels:
@@ -260,9 +253,9 @@ class DistributedLevels:
 
     # -- level threads ----------------------------------------------------------------------------
 
-    def _run(self, item: _Item | _Sweep) -> None:
-        if isinstance(item, _Sweep):
-            self._sweep_level(item.level)
+    def _run(self, item: _Item | Sweep) -> None:
+        if isinstance(item, Sweep):
+            run_sweep(self._retain, item.level)
             return
         st = item.step
         source = item.level == st.first
@@ -421,25 +414,13 @@ class DistributedLevels:
             )  # fmt: skip
 
     def _sweep(self) -> None:
-        """At the first save, as ``MultiLevel._sweep``: the steps after this saver's start that it
-        did not write (a timeline abandoned by a rollback) go now at every level holding a complete
-        step at or before the start, not at each level's first commit (a disk level every 100 steps
-        would keep the abandoned ones that long, and ``latest()`` return them after a crash). By
-        each folder's owner only (``_retain``); local levels on the caller's thread (a listing and
-        renames), a URL level on its own level thread, before its first upload."""
-        for i, level in enumerate(self.levels):
-            if self.rank != self.scopes[i].leader:
-                continue
-            if level.is_url:
-                self._workers[i].submit(_Sweep(i))
-            else:
-                self._sweep_level(i)
-
-    def _sweep_level(self, index: int) -> None:
-        try:
-            self._retain(index, sweep=True)
-        except Exception:  # noqa: BLE001 - housekeeping: the level's next commit runs retention again
-            logger.exception("lazyckpt: level %d: retention failed", index)
+        """At the first save, as ``MultiLevel._sweep`` (``_schedule.sweep``): a rollback's abandoned
+        steps go now at every level, by each folder's owner only (a shared disk level every 100
+        steps would otherwise keep them that long, and ``latest()`` return them after a crash)."""
+        sweep(
+            self.levels, self._retain, lambda index, item: self._workers[index].submit(item),
+            owns=lambda index: self.rank == self.scopes[index].leader,
+        )  # fmt: skip
 
     # -- admission --------------------------------------------------------------------------------
 

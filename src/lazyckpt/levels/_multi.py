@@ -45,7 +45,7 @@ from ..errors import WriteError
 from . import _copy
 from ._handle import SOURCE, LevelsHandle, Parts
 from ._level import Level, LevelError, check_step
-from ._schedule import WARN_AFTER_S, Backlog, Retention
+from ._schedule import WARN_AFTER_S, Backlog, Retention, Sweep, run_sweep, sweep
 
 
 def check_levels(levels: tuple[Any, ...]) -> None:
@@ -81,13 +81,6 @@ class _Copy:
 
 
 @dataclass(eq=False)
-class _Sweep:
-    """The first save's retention pass at a URL level (``MultiLevel._sweep``), on its level thread."""
-
-    level: int
-
-
-@dataclass(eq=False)
 class _Feed:
     """The source file of one save and the copies still reading it (pinned while any is)."""
 
@@ -102,7 +95,7 @@ class _Worker:
 
     def __init__(self, owner: MultiLevel, index: int) -> None:
         self.index = index
-        self.thread: Worker[_Copy | _Sweep] = Worker(f"lazyckpt-level-{index}", lambda item: owner.run_copy(self, item))
+        self.thread: Worker[_Copy | Sweep] = Worker(f"lazyckpt-level-{index}", lambda item: owner.run_copy(self, item))
 
 
 class MultiLevel:
@@ -270,12 +263,9 @@ class MultiLevel:
 
     # -- level threads ----------------------------------------------------------------------------
 
-    def run_copy(self, worker: _Worker, item: _Copy | _Sweep) -> None:
-        if isinstance(item, _Sweep):
-            try:
-                self._retain(item.level, sweep=True)
-            except Exception:  # noqa: BLE001 - housekeeping: the next commit there retries it
-                logger.exception("lazyckpt: level %d: retention failed", item.level)
+    def run_copy(self, worker: _Worker, item: _Copy | Sweep) -> None:
+        if isinstance(item, Sweep):
+            run_sweep(self._retain, item.level)
             return
         try:
             self._promote(item)
@@ -366,19 +356,9 @@ class MultiLevel:
         )  # fmt: skip
 
     def _sweep(self) -> None:
-        """At the first save, whose step starts this saver's timeline: every level's steps after it
-        that this saver did not write belong to a timeline abandoned by a rollback (a run resumed
-        from an older step); retention removes them now rather than at each level's first commit,
-        which for a level saved every 100 steps could be 100 steps away, while ``latest()`` would
-        return them. Only at a level holding a complete step at or before the start (the run
-        resumed from these levels; ``Retention.apply(sweep=True)``). Local levels here (a listing
-        and renames: the files are freed on the remover thread); a URL level on its own level
-        thread, before its first upload."""
-        for i, level in enumerate(self.levels):
-            if level.is_url:
-                self._worker(i).thread.submit(_Sweep(i))
-            else:
-                self._retain(i, sweep=True)
+        """At the first save: the steps of a timeline abandoned by a rollback go now, at every level
+        (``_schedule.sweep``)."""
+        sweep(self.levels, self._retain, lambda index, item: self._worker(index).thread.submit(item))
 
     # -- admission --------------------------------------------------------------------------------
 

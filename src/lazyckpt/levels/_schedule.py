@@ -13,7 +13,8 @@ import threading
 import time
 import warnings
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from lazyckpt.commit.folder import is_complete
@@ -185,6 +186,46 @@ class Retention:
             finally:
                 with self._cond:
                     self._removing.discard(path)
+
+
+@dataclass(eq=False)
+class Sweep:
+    """The first save's retention pass at a URL level (``sweep``), on that level's thread."""
+
+    level: int
+
+
+def sweep(
+    levels: Sequence[Level],
+    retain: Callable[..., None],
+    submit: Callable[[int, Sweep], object],
+    owns: Callable[[int], bool] = lambda index: True,
+) -> None:
+    """At a saver's first save, whose step starts its timeline: every level's steps after it that
+    the saver did not write belong to a timeline abandoned by a rollback (a run resumed from an
+    older step); retention removes them now (``retain(index, sweep=True)``: ``Retention.apply``,
+    only at a level holding a complete step at or before the start) rather than at each level's
+    first commit, which for a level saved every 100 steps could be 100 steps away while ``latest()``
+    would return them. Local levels on the caller's thread (a listing and renames: the files are
+    freed on the remover thread); a URL level as a ``Sweep`` item on its own level thread
+    (``submit``), before its first upload. ``owns``: whether this process removes at that level
+    (the distributed levels: each folder's owner only)."""
+    for index, level in enumerate(levels):
+        if not owns(index):
+            continue
+        if level.is_url:
+            submit(index, Sweep(index))
+        else:
+            run_sweep(retain, index)
+
+
+def run_sweep(retain: Callable[..., None], index: int) -> None:
+    """Level ``index``'s sweep; an unexpected error is logged: retention is housekeeping, and the
+    level's next commit runs it again (listing and removal failures are handled inside)."""
+    try:
+        retain(index, sweep=True)
+    except Exception:  # noqa: BLE001 - housekeeping
+        logger.exception("lazyckpt: level %d: retention failed", index)
 
 
 def retention_victims(
