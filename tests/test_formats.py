@@ -92,17 +92,20 @@ def _torch_objects() -> dict[str, object]:
         "no_tensors": {"a": 1, "b": [2.5, "x"]},
         "parameter": torch.nn.Parameter(torch.randn(2, 2)),
         "big": {"w": torch.randn(300_000), "i": torch.arange(70_000, dtype=torch.int16)},
-        # What the fast pickling path leaves to torch (or to the plain path), next to tensors it takes.
-        "fast_path_fallbacks": {
+        # What the fast pickling path reduces itself (metadata bits, requires_grad, an empty state dict
+        # with its _metadata attribute), all in one object.
+        "fast_path": {
             "plain": torch.ones(3),
-            "attribute": _with_attribute(torch.zeros(2)),  # Python state: torch's _rebuild_from_type_v2
             "conj": torch.ones(2, dtype=torch.complex64).conj(),  # metadata (conj bit) in the record
             "neg": torch.ones(2, dtype=torch.complex64).conj().imag,  # the neg bit
             "grad": torch.ones(2, requires_grad=True),
+            "empty_module": torch.nn.Sequential(torch.nn.ReLU()).state_dict(),  # empty, with its _metadata
             "after": torch.arange(3.0),
         },
-        # Untyped storages in the pickle (a storage saved by itself; torch's v3 record of a uint16 tensor):
-        # the fast path gives up and the whole object goes the plain path.
+        # What it leaves to torch, which makes the whole object go the plain path: a tensor with Python
+        # state (torch's _rebuild_from_type_v2 carries its storage), untyped storages in the pickle (a
+        # storage saved by itself; torch's v3 record of a uint16 tensor).
+        "tensor_with_attribute": {"a": torch.ones(2), "attribute": _with_attribute(torch.zeros(2))},
         "storage_by_itself": [torch.ones(2), torch.arange(5, dtype=torch.int32).untyped_storage(), torch.zeros(1)],
         "v3_dtype_record": {"a": torch.ones(2), "uint16": torch.tensor([1, 2, 65535], dtype=torch.uint16)},
     }
@@ -125,13 +128,14 @@ def test_torch_planner_writes_torch_save_bytes(tmp_path, monkeypatch, case, name
     assert _planned_file("torch", obj, tmp_path / name) == want
 
 
-def test_plain_tensors_are_pickled_without_tensor_reduce_ex_and_the_bytes_stay_torch_saves(tmp_path, monkeypatch):
+@pytest.mark.parametrize("case", ["optimizer", "fast_path"])
+def test_plain_tensors_are_pickled_without_tensor_reduce_ex_and_the_bytes_stay_torch_saves(tmp_path, monkeypatch, case):
     """The fast pickling path (``flatten._Pickler``) reduces plain tensors itself: torch's
-    ``Tensor._reduce_ex_internal`` is never called for a model + optimizer state, and the bytes are
-    still torch.save's (made before the patch)."""
+    ``Tensor._reduce_ex_internal`` is never called for a model + optimizer state (or the fast path's
+    own cases), and the bytes are still torch.save's (made before the patch)."""
     from lazyckpt.formats import flatten
 
-    obj = _torch_objects()["optimizer"]
+    obj = _torch_objects()[case]
     (tmp_path / "stock").mkdir()
     want = _stock_torch(obj, tmp_path / "stock" / "o.pt", monkeypatch)
     assert flatten._fast_path_works()
@@ -144,7 +148,8 @@ def test_plain_tensors_are_pickled_without_tensor_reduce_ex_and_the_bytes_stay_t
 
 
 @pytest.mark.parametrize(
-    "case", ["fast_path_fallbacks", "storage_by_itself", "v3_dtype_record", "optimizer", "views_and_shared"]
+    "case",
+    ["fast_path", "tensor_with_attribute", "storage_by_itself", "v3_dtype_record", "optimizer", "views_and_shared"],
 )
 def test_the_plain_pickling_path_writes_the_same_bytes(tmp_path, monkeypatch, case):
     """Where the interpreter does not let the fast path work (its self-check fails), the plain path is

@@ -150,8 +150,10 @@ class _Pickler(pickle.Pickler):
 
     def reducer_override(self, obj: Any) -> Any:
         cls = type(obj)
-        if cls is OrderedDict and self._fast and not obj:
-            return _EMPTY_ORDERED_DICT  # each tensor's backward hooks; what OrderedDict.__reduce__ pickles as
+        if cls is OrderedDict and self._fast and not obj and not obj.__dict__:
+            # each tensor's backward hooks: what OrderedDict.__reduce__ gives for an empty one without
+            # attributes (a module's empty state dict carries _metadata: pickled in full)
+            return _EMPTY_ORDERED_DICT
         if not isinstance(obj, torch.Tensor):
             if self._fast and _is_storage(cls):
                 raise _NeedPlainPath
@@ -281,6 +283,8 @@ def _fast_path_works() -> bool:
     if _PERSISTENT_ID is None or not hasattr(_PERSISTENT_ID, "__set__"):
         return False
     base = torch.arange(6, dtype=torch.float32)
+    with_attribute: Any = OrderedDict()
+    with_attribute._metadata = {"": {"version": 1}}  # as a module's empty state dict has
     sample = {
         "t": base,
         "view": base[1:4],
@@ -290,6 +294,8 @@ def _fast_path_works() -> bool:
         "p": torch.nn.Parameter(torch.zeros(3)),
         "half": torch.zeros(0, dtype=torch.bfloat16),
         "n": [1, 2.0, "x", None, (3,)],
+        "empty": OrderedDict(),
+        "with_attribute": with_attribute,
     }
     try:
         names = tensor_names(sample)
