@@ -18,6 +18,7 @@ with MAP_POPULATE, O_DIRECT).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import mmap
 import os
 import shutil
@@ -25,7 +26,7 @@ import statistics
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -37,29 +38,38 @@ from . import gpt as _gpt
 _CHUNK = 16 << 20
 
 
-def _bounce(src: str, dst: str) -> None:
+def _write(fd: int, dfd: int, piece: memoryview, off: int) -> None:
+    """``piece`` at ``off``: its whole pages through the O_DIRECT descriptor ``dfd`` (if any), the rest buffered."""
+    whole = len(piece) - len(piece) % mmap.PAGESIZE if dfd >= 0 else 0
+    if whole:
+        _fs.pwrite_all(dfd, piece[:whole], off)
+    if whole < len(piece):
+        _fs.pwrite_all(fd, piece[whole:], off + whole)
+
+
+@contextlib.contextmanager
+def _files(src: str, dst: str) -> Iterator[tuple[int, int, int, int]]:
+    """(source fd, its size, destination fd, O_DIRECT destination fd or -1), all closed afterwards."""
     fd_in = os.open(src, os.O_RDONLY)
-    size = os.fstat(fd_in).st_size
-    fd = _fs.open_temporary(dst, size)
-    dfd = _fs.open_direct(dst)
-    buf = mmap.mmap(-1, _CHUNK)
-    view = memoryview(buf)
+    fds = [fd_in]
     try:
+        size = os.fstat(fd_in).st_size
+        fds.append(_fs.open_temporary(dst, size))
+        fds.append(_fs.open_direct(dst))
+        yield fd_in, size, fds[1], fds[2]
+        os.fsync(fds[1])
+    finally:
+        for fd in fds:
+            if fd >= 0:
+                os.close(fd)
+
+
+def _bounce(src: str, dst: str) -> None:
+    with _files(src, dst) as (fd_in, size, fd, dfd), mmap.mmap(-1, _CHUNK) as buf, memoryview(buf) as view:
         for off in range(0, size, _CHUNK):
             n = min(_CHUNK, size - off)
             os.preadv(fd_in, [view[:n]], off)
-            whole = n - n % mmap.PAGESIZE if dfd >= 0 else 0
-            if whole:
-                _fs.pwrite_all(dfd, view[:whole], off)
-            if whole < n:
-                _fs.pwrite_all(fd, view[whole:n], off + whole)
-        os.fsync(fd)
-    finally:
-        view.release()
-        buf.close()
-        for d in (dfd, fd, fd_in):
-            if d >= 0:
-                os.close(d)
+            _write(fd, dfd, view[:n], off)
 
 
 def _sendfile(src: str, dst: str) -> None:
@@ -77,27 +87,14 @@ def _sendfile(src: str, dst: str) -> None:
 
 
 def _populate(src: str, dst: str) -> None:
-    fd_in = os.open(src, os.O_RDONLY)
-    size = os.fstat(fd_in).st_size
-    fd = _fs.open_temporary(dst, size)
-    dfd = _fs.open_direct(dst)
-    whole_map = mmap.mmap(fd_in, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ)
-    view = memoryview(whole_map)
-    try:
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    with (
+        _files(src, dst) as (fd_in, size, fd, dfd),
+        mmap.mmap(fd_in, size, flags=flags, prot=mmap.PROT_READ) as whole,
+        memoryview(whole) as view,
+    ):
         for off in range(0, size, _CHUNK):
-            n = min(_CHUNK, size - off)
-            whole = n - n % mmap.PAGESIZE if dfd >= 0 else 0
-            if whole:
-                _fs.pwrite_all(dfd, view[off : off + whole], off)
-            if whole < n:
-                _fs.pwrite_all(fd, view[off + whole : off + n], off + whole)
-        os.fsync(fd)
-    finally:
-        view.release()
-        whole_map.close()
-        for d in (dfd, fd, fd_in):
-            if d >= 0:
-                os.close(d)
+            _write(fd, dfd, view[off : off + min(_CHUNK, size - off)], off)
 
 
 COPIES: dict[str, Callable[[str, str], None] | None] = {
@@ -156,7 +153,7 @@ def _run(args: argparse.Namespace, modes: list[str], src: str, dst_dir: str) -> 
     totals: dict[str, list[float]] = {m: [] for m in modes}
     for r in range(args.rounds):
         for mode in modes if r % 2 == 0 else modes[::-1]:
-            copy, info = COPIES[mode], {}
+            copy, info = COPIES[mode], dict[str, float]()
             dst = os.path.join(dst_dir, f"{mode}-{r}.bin")
             _gpt.train_step(model, opt, next(batches))  # the switch
             before, t0, thread = _host_ticks(), time.perf_counter(), None
