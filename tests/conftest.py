@@ -26,6 +26,17 @@ def ckpt():
 
 
 @pytest.fixture(autouse=True)
+def _torch_threads_restored():
+    """A test that sets torch's thread count (the benchmarks' smoke tests, the regime tests) must not
+    change the next tests' regime: lazyckpt writes a memory file inside save() or in the background
+    depending on whether a core is spare."""
+    before = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != before:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
 def _no_leaked_threads():
     """Every test must close its checkpointers: no lazyckpt thread may outlive it."""
     yield

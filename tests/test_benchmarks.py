@@ -152,9 +152,14 @@ def test_probe_copy_runs_every_copy_and_cleans_up(tmp_path, mem, capsys):
     import os
     import re
 
+    torch = __import__("torch")
+    before = torch.get_num_threads()
     os.makedirs(mem)
     argv = ["--size", "tiny", "--rounds", "2", "--block", "2", "--bytes", str((17 << 20) + 5)]
-    assert probe_copy.main([*argv, "--src", mem, "--dst", str(tmp_path)]) == 0
+    try:
+        assert probe_copy.main([*argv, "--src", mem, "--dst", str(tmp_path)]) == 0
+    finally:
+        torch.set_num_threads(before)  # it sets 1 (a core to spare): the next tests' regime must not change
     printed = capsys.readouterr().out
     assert all(re.search(rf"{mode} +median", printed) for mode in ("lazyckpt", "bounce", "sendfile", "populate"))
     assert list(tmp_path.iterdir()) == [] and os.listdir(mem) == []

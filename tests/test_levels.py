@@ -115,6 +115,7 @@ def test_retention_never_removes_a_file_a_slower_level_still_copies(mem, tmp_pat
         ck.save(step(1), step=1).wait()
         want[2] = copy.deepcopy(s2 := step(2))
         h2 = ck.save(s2, step=2)
+        h2.wait_local()  # confirms it (as the next optimizer step would, whichever the regime): the copy starts
         assert entered.wait(60)
         ck.save(step(3), step=3).wait()
         assert os.path.exists(levels[0].file(2)), "the copy's source was removed while it was read"
@@ -362,6 +363,7 @@ def test_skip_backpressure_skips_only_the_slow_level(mem, tmp_path, monkeypatch)
     step = _train()
     with LazyCheckpointer(levels=levels, on_backpressure="skip") as ck:
         h1 = ck.save(step(1), step=1)
+        h1.wait_local()  # confirms it (as the next optimizer step would, whichever the regime): the copy starts
         assert entered.wait(60)
         with pytest.warns(BackpressureWarning, match=r"skipped level 1 .* 1 earlier copies .* backlog bound 1") as rec:
             h2 = ck.save(step(2), step=2)
@@ -431,6 +433,7 @@ def test_block_backpressure_waits_for_the_slow_level_and_warns(mem, tmp_path, mo
 
         monkeypatch.setattr(ck, "wait_staged", about_to_wait)
         h1 = ck.save(step(1), step=1)
+        h1.wait_local()  # confirms it (as the next optimizer step would, whichever the regime): the copy starts
         assert entered.wait(60)
         s2, caught, out = step(2), [], {}
 
