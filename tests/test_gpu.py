@@ -289,19 +289,24 @@ def test_capture_in_save_orders_copies_before_a_graph_replay(tmp_path, monkeypat
     assert torch.equal(torch.load(tmp_path / "c.pt", map_location="cpu")["p"], torch.ones(1 << 22))
 
 
-def test_cuda_save_with_live_cpu_pieces_step_waits_for_the_cpu_writes(tmp_path, monkeypatch):
-    """One save holding CUDA tensors (copy stream) and large CPU tensors written straight from their
-    memory (zero copy): a step must wait for the CPU pieces being written, not only for the CUDA
-    copies to be queued. The held CPU write is released only once the step has run (or after a
-    bound): without the wait, the step changes the CPU weights before they are written and the
-    file holds post-step bytes."""
+def test_cuda_save_with_cpu_pieces_step_waits_for_the_cpu_staging(tmp_path, monkeypatch):
+    """One save holding CUDA tensors (copy stream) and large CPU tensors: the planner takes no CPU
+    piece from live memory when a CUDA copy is in the save (zero copy is for CPU-only saves), so
+    the CPU tensors are staged on the host, and a step must wait for that staging, not only for
+    the CUDA copies to be queued. The staging copy of the first CPU tensor is held until the step
+    has run (or a bound): without the guard's host wait, the step changes the CPU weights before
+    they are copied and the file holds post-step bytes.
+
+    (Until 2026-12-04 this test expected live CPU pieces beside CUDA copies, which the planner
+    never makes: on an H200 it failed at its first wait.)"""
     import copy
     import threading
 
+    from lazyckpt.core import engine as _engine
     from test_zero_copy import _Writes
 
     torch.manual_seed(0)
-    cpu_model = torch.nn.Linear(1024, 1024)  # 4 MiB weight: zero copy
+    cpu_model = torch.nn.Linear(1024, 1024)  # 4 MiB weight: a zero-copy candidate in a CPU-only save
     gpu_model = torch.nn.Linear(64, 64).cuda()
     cpu_opt = torch.optim.SGD(cpu_model.parameters(), lr=0.5)
     gpu_opt = torch.optim.SGD(gpu_model.parameters(), lr=0.5)
@@ -313,12 +318,17 @@ def test_cuda_save_with_live_cpu_pieces_step_waits_for_the_cpu_writes(tmp_path, 
         gpu_opt.step()
 
     train()
-    writes = _Writes(monkeypatch, hold_first_live=True)
-    stepped = threading.Event()
+    writes = _Writes(monkeypatch)
+    held, stepped = threading.Event(), threading.Event()
+    real_copy = _engine.Engine._copy_source
 
-    def release_after_step():
-        stepped.wait(5.0)  # bounded: with the protection the step waits for this write
-        writes.release.set()
+    def held_copy(self, job, src, stream):
+        if src.device.type == "cpu" and src.nbytes >= 1 << 20 and not held.is_set():
+            held.set()
+            stepped.wait(5.0)  # bounded: with the protection the step waits for this copy
+        return real_copy(self, job, src, stream)
+
+    monkeypatch.setattr(_engine.Engine, "_copy_source", held_copy)
 
     def state():
         return {"cpu": cpu_model.state_dict(), "gpu": gpu_model.state_dict()}
@@ -326,11 +336,9 @@ def test_cuda_save_with_live_cpu_pieces_step_waits_for_the_cpu_writes(tmp_path, 
     with LazyCheckpointer(direct_io=True, writer_threads=1) as ckpt:
         want = _cpu(copy.deepcopy(state()))
         handle = ckpt.save(state(), tmp_path / "mixed.pt")
-        assert writes.started.wait(30)
-        releaser = threading.Thread(target=release_after_step)
-        releaser.start()
+        assert held.wait(30)
         train()  # the guard runs here
         stepped.set()
-        releaser.join()
         handle.wait()
+    assert writes.live == 0, "a save with CUDA copies took CPU pieces from live memory"
     assert_same(_cpu(torch.load(tmp_path / "mixed.pt")), want)
