@@ -137,19 +137,27 @@ def _flip_middle_byte(path) -> None:
 
 @pytest.fixture
 def crc_passes(monkeypatch):
-    """How many CRC passes (``read_with_crcs`` calls that check at least one range) ran."""
+    """How many CRC passes (``read_with_crcs`` calls that check at least one range, and load()'s
+    reads of the storages into memory with their CRCs checked) ran."""
+    from lazyckpt.levels import _load
     from lazyckpt.recovery import _read
     from lazyckpt.recovery import verify as _verify
 
     count = [0]
     real = _read.read_with_crcs
+    real_storages = _load._read_storages
 
     def counted(read_into, size, ranges, **kwargs):
         count[0] += bool(ranges)
         return real(read_into, size, ranges, **kwargs)
 
-    monkeypatch.setattr(_read, "read_with_crcs", counted)  # load()'s
+    def counted_storages(source, records, path, check, *args):
+        count[0] += bool(check)
+        return real_storages(source, records, path, check, *args)
+
+    monkeypatch.setattr(_read, "read_with_crcs", counted)  # load(mmap=True)'s
     monkeypatch.setattr(_verify, "read_with_crcs", counted)  # verify()'s
+    monkeypatch.setattr(_load, "_read_storages", counted_storages)  # load()'s
     return count
 
 
@@ -203,21 +211,24 @@ def test_a_file_renamed_over_the_name_after_latest_is_checked_again(tmp_path):
         lazyckpt.load(found)
 
 
-def test_load_maps_the_file_it_checked_not_what_was_renamed_onto_its_name(tmp_path, monkeypatch):
+@pytest.mark.parametrize("mmap", [None, True])
+def test_load_maps_the_file_it_checked_not_what_was_renamed_onto_its_name(tmp_path, monkeypatch, mmap):
     """The window between load()'s CRC pass and torch.load's open: a new file renamed onto the
     name there must not be what is returned (it was never checked)."""
     from lazyckpt.levels import _load
 
     _, path = _level_with_one_step(tmp_path, 1.0)
     _, replacement = _level_with_one_step(tmp_path / "b", 2.0)
-    real = _load._read_checked
+    name = "_read_storages" if mmap is None else "_read_checked"
+    real = getattr(_load, name)
 
     def then_replace(*args, **kwargs):
-        real(*args, **kwargs)
+        out = real(*args, **kwargs)
         os.replace(replacement, path)
+        return out
 
-    monkeypatch.setattr(_load, "_read_checked", then_replace)
-    assert_same(lazyckpt.load(path), {"w": torch.full((4096,), 1.0)})
+    monkeypatch.setattr(_load, name, then_replace)
+    assert_same(lazyckpt.load(path, mmap=mmap), {"w": torch.full((4096,), 1.0)})
     assert_same(torch.load(path), {"w": torch.full((4096,), 2.0)})
 
 
@@ -252,3 +263,53 @@ def test_read_with_crcs_gives_each_ranges_crc_whatever_the_pieces(threads):
             got = read_with_crcs(read_into, len(data), ranges, threads=threads, piece=piece, chunk=chunk, into=target)
             assert got == [zlib.crc32(data[a:b]) for a, b in ranges], (piece, chunk)
         assert bytes(into) == data
+
+
+def _mapped(path) -> bool:
+    real = os.path.realpath(path)
+    with open("/proc/self/maps") as fh:
+        return any(line.rstrip().endswith(real) for line in fh)
+
+
+@pytest.mark.parametrize("mmap", [None, False, True])
+def test_load_reads_storages_into_memory_of_their_own_unless_mmap(tmp_path, mmap):
+    """A resume's first optimizer step must not pay copy-on-write page copies of a mapped file: by
+    default every storage is read into memory the process owns (as torch.load does), in one pass
+    with the CRC check; views keep sharing their storage. ``mmap=True`` maps the file as before."""
+    import gc
+
+    base = torch.arange(1 << 16, dtype=torch.float32)
+    state = {"a": base, "view": base[10:20], "b": torch.ones(3, dtype=torch.int64), "empty": torch.empty(0)}
+    folder, path = tmp_path / "lvl", None
+    with LazyCheckpointer(levels=[lazyckpt.Level(folder, every=1, keep=1)]) as ckpt:
+        ckpt.save(state, step=1).wait()
+    found = lazyckpt.latest([folder])
+    path = found.path
+    got = lazyckpt.load(found, mmap=mmap)
+    assert_same(got, state)
+    assert got["view"].untyped_storage().data_ptr() == got["a"].untyped_storage().data_ptr()
+    assert _mapped(path) is bool(mmap)
+    got["a"].add_(1)  # the tensors are the caller's: writable, the file untouched
+    assert_same(torch.load(path), state)
+    del got
+    gc.collect()
+    assert not _mapped(path)
+
+
+def test_load_without_torchs_storage_hook_falls_back_to_torch_load(tmp_path, monkeypatch):
+    """A torch whose private ``_load`` has no ``overall_storage`` (or options the private call cannot
+    take): the checked descriptor is read by torch.load itself, same result, still checked."""
+    import torch.serialization as ser
+
+    state = {"w": torch.arange(1 << 12, dtype=torch.float64), "step": 3}
+    path = tmp_path / "a.pt"
+    torch.save(state, path)
+    real = ser._load
+    monkeypatch.setattr(ser, "_load", lambda zip_file, map_location, pickle_module, **kw: real(
+        zip_file, map_location, pickle_module, **kw))  # fmt: skip
+    assert_same(lazyckpt.load(path), state)
+    monkeypatch.setattr(ser, "_load", real)
+    assert_same(lazyckpt.load(path, weights_only=False, pickle_module=__import__("pickle")), state)
+    _flip_middle_byte(path)
+    with pytest.raises(VerificationError, match="CRC32"):
+        lazyckpt.load(path)

@@ -215,7 +215,7 @@ _CHILD = textwrap.dedent(
     if sys.argv[2] == "off":
         spare.share_lock = lambda fd, path: None
         spare.hold_while_mapped = lambda fd, path: None
-    state = lazyckpt.load(sys.argv[1])
+    state = lazyckpt.load(sys.argv[1], mmap=sys.argv[3] == "mmap")
     print("ready", flush=True)
     sys.stdin.readline()
     print("same" if torch.equal(state["w"], torch.full_like(state["w"], 1.0)) else "changed", flush=True)
@@ -223,13 +223,13 @@ _CHILD = textwrap.dedent(
 )
 
 
-def _other_process_maps(mem: str, protected: bool) -> tuple[str, int]:
+def _other_process_maps(mem: str, protected: bool, mmap: bool = True) -> tuple[str, int]:
     ck = _saver(mem)
     child = None
     try:
         ck.save(_state(1), step=1).wait()
         child = subprocess.Popen(
-            [sys.executable, "-c", _CHILD, _file(mem, 1), "on" if protected else "off"],
+            [sys.executable, "-c", _CHILD, _file(mem, 1), "on" if protected else "off", "mmap" if mmap else "read"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )  # fmt: skip
         assert child.stdout is not None and child.stdin is not None
@@ -254,6 +254,13 @@ def test_a_file_another_process_loaded_is_not_reused(mem):
 def test_without_the_readers_lock_the_other_process_sees_its_tensors_change(mem):
     verdict, reused = _other_process_maps(mem, protected=False)
     assert verdict == "changed" and reused == 1  # the window is real: step 3 went into the mapped pages
+
+
+def test_a_file_another_process_read_into_its_memory_is_reused(mem):
+    """load() without mmap (the default) holds no page of the file once it returns: the memory level
+    reuses the dropped file's pages, and the reader's tensors stay as loaded."""
+    verdict, reused = _other_process_maps(mem, protected=True, mmap=False)
+    assert verdict == "same" and reused == 1
 
 
 # -- failures --------------------------------------------------------------------------------------
