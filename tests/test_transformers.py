@@ -351,3 +351,30 @@ def test_sigkill_mid_save_never_leaves_a_partial_highest_folder(tmp_path: Path) 
     tr = tiny.trainer(tmp_path / "resume", max_steps=step + 1, save_steps=1000)
     tr.train(resume_from_checkpoint=last)
     assert tr.state.global_step == step + 1
+
+
+# -- DDP: 2 CPU processes under torchrun ----------------------------------------------------------
+
+
+def _torchrun(out: Path, lazy: bool) -> None:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _launch import free_port, rank_env
+
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+        str(SCRIPTS / "ddp_train.py"), str(out), "1" if lazy else "0",
+    ]  # fmt: skip
+    res = subprocess.run(cmd, env=rank_env(), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+
+
+def test_ddp_two_processes_write_what_stock_writes(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    _torchrun(out, lazy=False)
+    shutil.move(str(out), str(tmp_path / "stock"))
+    _torchrun(out, lazy=True)
+    shutil.move(str(out), str(tmp_path / "lazy"))
+    names = assert_same_checkpoints(tmp_path / "stock", tmp_path / "lazy")
+    assert names == ["checkpoint-4", "checkpoint-6"]
+    assert {"rng_state_0.pth", "rng_state_1.pth"} <= set(os.listdir(tmp_path / "lazy" / "checkpoint-6"))
+    assert_same(torch.load(tmp_path / "final-lazy.pt"), torch.load(tmp_path / "final-stock.pt"), "final weights")
