@@ -14,4 +14,4 @@ fi
 "$VENV/bin/python" -m pip install -q "$TORCH_SPEC"
 # LAZYCKPT_PINS: extra requirements installed with the project (the oldest supported frameworks, for example).
 # shellcheck disable=SC2086
-"$VENV/bin/python" -m pip install -q -e ".[test,lightning,accelerate,s3]" ${LAZYCKPT_PINS:-}
+"$VENV/bin/python" -m pip install -q -e ".[test,lightning,accelerate,s3,transformers]" ${LAZYCKPT_PINS:-}

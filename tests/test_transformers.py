@@ -23,12 +23,12 @@ import torch
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-import lazyckpt.transformers  # noqa: E402
-from lazyckpt import Level  # noqa: E402
-from lazyckpt.transformers import UnsupportedTrainerError  # noqa: E402
-from lazyckpt.transformers import _compat  # noqa: E402
 from tests._util import assert_same  # noqa: E402
 from tests.transformers_scripts import tiny  # noqa: E402
+
+import lazyckpt.transformers  # noqa: E402
+from lazyckpt import Level  # noqa: E402
+from lazyckpt.transformers import UnsupportedTrainerError, _compat  # noqa: E402
 
 pytestmark = pytest.mark.integration
 SCRIPTS = Path(__file__).parent / "transformers_scripts"
@@ -196,7 +196,9 @@ def test_push_to_hub_pushes_each_folder_after_its_commit_as_stock_does(tmp_path:
             tr.args.push_to_hub = True  # (no hub at test time: the push itself is recorded)
 
             def push(folder: str) -> None:
-                pushed[which].append((os.path.basename(folder), os.path.exists(os.path.join(folder, "trainer_state.json"))))
+                pushed[which].append(
+                    (os.path.basename(folder), os.path.exists(os.path.join(folder, "trainer_state.json")))
+                )
 
             tr._push_from_checkpoint = push
 
@@ -267,7 +269,7 @@ def test_a_transformers_whose_save_path_differs_is_refused(tmp_path: Path, monke
     with pytest.raises(UnsupportedTrainerError, match="saves checkpoints differently"):
         lazyckpt.transformers.install(tr)
     assert "_save_checkpoint" not in vars(tr) and torch.save is _compat._AT_IMPORT["torch.save"]
-    monkeypatch.setattr(transformers, "__version__", "4.57.1")
+    monkeypatch.setattr(_compat.transformers, "__version__", "4.57.1")
     monkeypatch.setattr(_compat, "_checked", {})
     with pytest.raises(UnsupportedTrainerError, match="major version 4"):
         _compat.check_save_path()

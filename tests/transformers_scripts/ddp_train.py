@@ -12,9 +12,9 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
+from tests.transformers_scripts import tiny  # noqa: E402
 
 import lazyckpt.transformers  # noqa: E402
-from tests.transformers_scripts import tiny  # noqa: E402
 
 
 def main() -> None:

@@ -14,9 +14,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import transformers  # noqa: E402
+from tests.transformers_scripts import tiny  # noqa: E402
 
 import lazyckpt.transformers  # noqa: E402
-from tests.transformers_scripts import tiny  # noqa: E402
 
 _fsync = os.fsync
 

@@ -74,7 +74,10 @@ EXPECTED_SAVE_CHECKPOINT_CALLS = (
 #: written by these calls, which the stand-ins take over.
 EXPECTED_FRAGMENTS = (
     (_modeling_utils.PreTrainedModel.save_pretrained, "safe_save_file(shard_state_dict,filename,metadata=metadata)"),
-    (Trainer._save_optimizer_and_scheduler, "torch.save(self.optimizer.state_dict(),os.path.join(output_dir,OPTIMIZER_NAME))"),
+    (
+        Trainer._save_optimizer_and_scheduler,
+        "torch.save(self.optimizer.state_dict(),os.path.join(output_dir,OPTIMIZER_NAME))",
+    ),
     (Trainer._save, "safetensors.torch.save_file("),
 )
 
@@ -184,7 +187,9 @@ class Router(Protocol):
 
     def save_torch(self, obj: Any, path: str) -> None: ...
 
-    def save_safetensors(self, tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str] | None) -> None: ...
+    def save_safetensors(
+        self, tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str] | None
+    ) -> None: ...
 
 
 active: contextvars.ContextVar[Router | None] = contextvars.ContextVar("lazyckpt_transformers_active", default=None)
@@ -246,7 +251,10 @@ _AT_IMPORT: dict[str, Callable[..., Any]] = {
 
 _STAND_INS: dict[str, tuple[tuple[Any, str], Callable[..., Any]]] = {
     "torch.save": (_TORCH_SAVE, _torch_save),
-    "transformers.modeling_utils.safe_save_file": (_SAFE_SAVE_TRANSFORMERS, _safe_save("transformers.modeling_utils.safe_save_file")),
+    "transformers.modeling_utils.safe_save_file": (
+        _SAFE_SAVE_TRANSFORMERS,
+        _safe_save("transformers.modeling_utils.safe_save_file"),
+    ),
     "safetensors.torch.save_file": (_SAFE_SAVE_SAFETENSORS, _safe_save("safetensors.torch.save_file")),
 }
 

@@ -25,6 +25,7 @@ from lazyckpt.core import exit as _exit
 from lazyckpt.core.workers import Worker
 from lazyckpt.storage import fs as _fs
 from lazyckpt.transformers import _compat
+from lazyckpt.transformers._folder import replace_folder, staging_name
 
 if TYPE_CHECKING:
     from transformers import Trainer
@@ -34,15 +35,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("lazyckpt.transformers")
 
-STAGING_PREFIX = ".lazyckpt-"  # staging folders: <run_dir>/.lazyckpt-checkpoint-N.tmp (no stock glob matches)
-STAGING_SUFFIX = ".tmp"
 _PATCHED = ("_save_checkpoint", "_load_best_model", "_finalize_training")
-
-
-def staging_name(final: str) -> str:
-    """The staging folder of ``final`` (deterministic: every process of a job computes the same)."""
-    head, name = os.path.split(final)
-    return os.path.join(head, f"{STAGING_PREFIX}{name}{STAGING_SUFFIX}")
 
 
 class CheckpointSave:
@@ -150,20 +143,6 @@ class CheckpointSave:
         replace_folder(self.staging, self.final)
 
 
-def replace_folder(staging: str, final: str) -> None:
-    """Rename ``staging`` to ``final`` and make it durable; an existing ``final`` (a step saved again,
-    e.g. after a resume) is renamed away first and deleted after."""
-    old = None
-    if os.path.lexists(final):
-        old = f"{staging}.old"
-        shutil.rmtree(old, ignore_errors=True)
-        _fs.rename(final, old)
-    _fs.rename(staging, final)
-    _fs.fsync_dir(os.path.dirname(final))
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 class TransformersHandle:
     """What :func:`lazyckpt.transformers.install` returns: ``wait()`` drains, ``remove()`` restores stock.
 
@@ -188,9 +167,10 @@ class TransformersHandle:
         self._stock = {name: getattr(trainer, name) for name in _PATCHED}
         self._previous = {name: vars(trainer)[name] for name in _PATCHED if name in vars(trainer)}
         _compat.acquire_gate()
-        trainer._save_checkpoint = self._save_checkpoint  # type: ignore[method-assign]
-        trainer._load_best_model = self._load_best_model  # type: ignore[method-assign]
-        trainer._finalize_training = self._finalize_training  # type: ignore[method-assign]
+        replacements = {"_save_checkpoint": self._checkpoint, "_load_best_model": self._best_model}
+        replacements["_finalize_training"] = self._finalize
+        for name, method in replacements.items():
+            setattr(trainer, name, method)
         trainer.__dict__["_lazyckpt_handle"] = self
         _exit.register(self, _drain_at_exit, layer=_exit.INTEGRATION)
 
@@ -261,11 +241,11 @@ class TransformersHandle:
         self.remove()
 
     # -- what the trainer calls ----------------------------------------------------------------------
-    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+    def _checkpoint(self, model: Any, trial: Any) -> None:
         """Stock ``Trainer._save_checkpoint`` (transformers 5.x; ``_compat.EXPECTED_SAVE_CHECKPOINT_CALLS``)
         with the folder written under a staging name and committed in the background."""
         t0 = time.perf_counter()
-        tr = self.trainer
+        tr: Any = self.trainer  # (transformers' annotations of TrainerState are looser than its use)
         args = tr.args
         self._prune()
         self.checkpointer.raise_errors()  # an earlier checkpoint's failure, where stock would have raised
@@ -274,11 +254,13 @@ class TransformersHandle:
 
         if tr.hp_search_backend is None and trial is None:
             tr.store_flos()
-        run_dir, step = tr._get_output_dir(trial=trial), tr.state.global_step
+        run_dir: str = tr._get_output_dir(trial=trial)
+        step = tr.state.global_step
         if self._levels is not None:
-            run_dir = self._levels.fastest_due(step, run_dir)
-            if run_dir is None:  # no level due at this step
+            level_dir = self._levels.fastest_due(step, run_dir)
+            if level_dir is None:  # no level due at this step: nothing saved
                 return
+            run_dir = level_dir
         final = os.path.join(run_dir, _compat.checkpoint_name(step))
         distributed = args.parallel_mode == ParallelMode.DISTRIBUTED
         save = CheckpointSave(self.checkpointer, final, writer=bool(args.should_save), tag=args.process_index)
@@ -333,11 +315,11 @@ class TransformersHandle:
         self.last_save_s = time.perf_counter() - t0
         self.save_seconds.append(self.last_save_s)
 
-    def _load_best_model(self) -> None:
+    def _best_model(self) -> None:
         self.wait()  # the best checkpoint is committed before it is read
         self._stock["_load_best_model"]()
 
-    def _finalize_training(self, *args: Any, **kwargs: Any) -> Any:
+    def _finalize(self, *args: Any, **kwargs: Any) -> Any:
         # Stock reads (best model) and deletes (save_total_limit=1) checkpoint folders here: every
         # pending one is committed and rotated first, as stock's were by now.
         self.wait()

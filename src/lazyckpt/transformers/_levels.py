@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 from lazyckpt import Level, LevelError, SaveRefusedError
 from lazyckpt.storage import fs as _fs
+from lazyckpt.transformers._folder import replace_folder, staging_name
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 
@@ -68,8 +69,6 @@ class TrainerLevels:
 
 def copy_folder(src: str, dst: str) -> None:
     """Copy the committed folder ``src`` to ``dst``: staging name, files fsynced, one rename, parent fsynced."""
-    from lazyckpt.transformers._handle import replace_folder, staging_name
-
     staging = staging_name(dst)
     shutil.rmtree(staging, ignore_errors=True)
     shutil.copytree(src, staging)
