@@ -108,8 +108,10 @@ def main() -> None:
     cfg = dict(layers=a.layers, width=a.width, vocab=a.vocab, seq=a.seq, batch=a.batch)
     base = a.dir or tempfile.mkdtemp(prefix="bench-transformers-", dir=os.getcwd())
     default_threads = torch.get_num_threads()
-    n_params = sum(p.numel() for p in GPT2LMHeadModel(GPT2Config(
-        vocab_size=a.vocab, n_positions=a.seq, n_embd=a.width, n_layer=a.layers, n_head=max(1, a.width // 64))).parameters())  # fmt: skip
+    shape = GPT2Config(
+        vocab_size=a.vocab, n_positions=a.seq, n_embd=a.width, n_layer=a.layers, n_head=max(1, a.width // 64)
+    )
+    n_params = sum(p.numel() for p in GPT2LMHeadModel(shape).parameters())
     print(f"GPT-2 from config: {n_params / 1e6:.1f}M params (AdamW: ~{n_params * 12 / 1e6:.0f} MB per checkpoint), "
           f"{os.cpu_count()} CPUs, folder {base}")  # fmt: skip
     for regime in a.regimes.split(","):
