@@ -13,12 +13,16 @@ Trainer for the same steps, interleaved ``--rounds`` times:
 * ``stock``  ``save_steps=N`` (stock Trainer: synchronous writes, no fsync)
 * ``lazy``   the same after ``lazyckpt.transformers.install(trainer)`` (fsync, atomic folder rename)
 
-Each run's step interval is the time between consecutive ``on_step_begin`` callbacks after ``--warmup``
-steps (it holds the step and, when one is due, the checkpoint and the wait at the next optimizer step);
-stall per checkpoint = (mean interval of the mode - mean interval of ``none``) x save_steps, median over
-rounds. The end of ``train()`` (stock: nothing; lazy: the last checkpoint's drain) is outside the window:
-in a long run only the last checkpoint is not overlapped. "in save" is the time the save call itself
-blocked (stock: the wrapped ``_save_checkpoint``; lazy: ``handle.save_seconds``).
+Each run's step interval ``i`` is the time between ``on_step_begin`` of steps ``i`` and ``i + 1``
+(after ``--warmup`` steps): step ``i``, the checkpoint saved after it, if any, and so the time the save
+call blocked; the wait for that checkpoint's copies falls in the next interval (its optimizer step).
+Stall per checkpoint saved after step ``k``: (interval ``k`` - base) + (interval ``k + 1`` - base), its
+mean over the run's checkpoints, median over rounds. The base: with ``save_steps=10``, the median of the
+same run's intervals that hold no save and no wait (nine in ten: neighbours in time, so drift between
+runs on a shared machine cancels); with ``save_steps=1`` (every interval holds a save) the median
+interval of the ``none`` run of the same round. The end of ``train()`` (lazy: the last checkpoint's drain)
+is outside the window: in a long run only the last checkpoint is not overlapped. "in save" is the time
+the save call itself blocked (stock: the wrapped ``_save_checkpoint``; lazy: ``handle.save_seconds``).
 """
 
 from __future__ import annotations
@@ -92,6 +96,18 @@ def run(mode: str, save_steps: int, steps: int, out: str, cfg: dict[str, int]) -
     return [b - a for a, b in zip(s, s[1:], strict=False)], in_save
 
 
+def stall_per_checkpoint(intervals: list[float], save_steps: int, warmup: int, none_base: float) -> float:
+    """Mean over the run's timed checkpoints of the extra time in the interval of the save and the next."""
+    # interval i starts at step i + 1 (1-based global step); a save follows steps divisible by save_steps
+    saved = [i for i in range(warmup, len(intervals) - 1) if (i + 1) % save_steps == 0]
+    touched = {j for i in saved for j in (i, i + 1)}
+    if save_steps > 1:
+        base = statistics.median(x for j, x in enumerate(intervals[warmup:], warmup) if j not in touched)
+    else:
+        base = none_base
+    return statistics.fmean(intervals[i] + intervals[i + 1] - 2 * base for i in saved)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=4)
@@ -122,15 +138,16 @@ def main() -> None:
             stall: dict[str, list[float]] = {"stock": [], "lazy": []}
             blocked: dict[str, list[float]] = {"stock": [], "lazy": []}
             for r in range(a.rounds):
-                means = {}
+                runs = {}
                 for mode in ("none", "stock", "lazy"):
                     iv, in_save = run(mode, save_steps, steps, os.path.join(base, f"{mode}-{save_steps}-{r}"), cfg)
-                    means[mode] = statistics.fmean(iv[a.warmup :])
+                    runs[mode] = iv
                     blocked.get(mode, []).extend(in_save)
+                none_base = statistics.median(runs["none"][a.warmup :])
                 for mode in ("stock", "lazy"):
-                    stall[mode].append((means[mode] - means["none"]) * save_steps)
-                print(f"  threads={threads} save_steps={save_steps} round {r}: step none {means['none']:.4f} s, "
-                      f"stock {means['stock']:.4f} s, lazy {means['lazy']:.4f} s", flush=True)  # fmt: skip
+                    stall[mode].append(stall_per_checkpoint(runs[mode], save_steps, a.warmup, none_base))
+                print(f"  threads={threads} save_steps={save_steps} round {r}: median step none {none_base:.4f} s, "
+                      f"stall stock {stall['stock'][-1]:.4f}, lazy {stall['lazy'][-1]:.4f}", flush=True)  # fmt: skip
             s_stock, s_lazy = statistics.median(stall["stock"]), statistics.median(stall["lazy"])
             b_stock, b_lazy = statistics.median(blocked["stock"]), statistics.median(blocked["lazy"])
             ratio = s_lazy / s_stock if s_stock > 0 else float("nan")

@@ -129,8 +129,11 @@ def test_resume_from_checkpoint_true_reads_the_lazy_folders(tmp_path: Path) -> N
 
 @pytest.mark.parametrize(
     "case",
-    ["save_only_model", "best_model_limit_1", "best_model_limit_2", "sharded"],
-)
+    [
+        "save_only_model", "best_model_limit_1", "best_model_limit_2", "sharded", "plain_module", "grad_accum",
+        "frozen", "buffer_changed_in_forward",
+    ],
+)  # fmt: skip
 def test_stock_options_give_the_same_folders(tmp_path: Path, case: str) -> None:
     kw: dict[str, Any] = {}
     if case == "save_only_model":
@@ -148,6 +151,26 @@ def test_stock_options_give_the_same_folders(tmp_path: Path, case: str) -> None:
             tr.model.save_pretrained = lambda *a, **k: stock_save(*a, max_shard_size="20KB", **k)
 
         kw = dict(setup=setup, save_total_limit=1)
+    elif case == "plain_module":  # not a PreTrainedModel: Trainer._save calls safetensors.torch.save_file itself
+        kw = dict(plain=True)
+    elif case == "grad_accum":
+        kw = dict(gradient_accumulation_steps=2, max_steps=4)
+    elif case == "frozen":  # a parameter no optimizer owns: captured inside the save
+
+        def setup(tr: Any) -> None:
+            tr.model.transformer.wpe.weight.requires_grad_(False)
+
+        kw = dict(setup=setup)
+    elif case == "buffer_changed_in_forward":  # changed in place by the next forward, after the save returned
+
+        def setup(tr: Any) -> None:
+            tr.model.register_buffer("seen", torch.zeros(4))
+            def count(module: Any, args: Any, kwargs: Any) -> None:
+                module.seen.add_(1)
+
+            tr.model.register_forward_pre_hook(count, with_kwargs=True)
+
+        kw = dict(setup=setup)
     stock, lazy = stock_and_lazy(tmp_path, **kw)
     names = assert_same_checkpoints(stock, lazy)
     if case == "save_only_model":
@@ -156,6 +179,9 @@ def test_stock_options_give_the_same_folders(tmp_path: Path, case: str) -> None:
         state = json.loads((lazy / names[-1] / "trainer_state.json").read_text())
         assert state["best_model_checkpoint"].endswith("checkpoint-2"), state["best_model_checkpoint"]
         assert "checkpoint-2" in names
+    if case == "buffer_changed_in_forward":
+        saved = safetensors_torch.load_file(str(lazy / "checkpoint-4" / "model.safetensors"))["seen"]
+        assert saved.tolist() == [4.0] * 4, saved  # the value at the save, not the next forward's
     if case == "sharded":
         files = os.listdir(lazy / names[-1])
         assert "model.safetensors.index.json" in files and sum(".safetensors" in f for f in files) > 2, files

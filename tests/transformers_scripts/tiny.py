@@ -27,8 +27,25 @@ def model() -> GPT2LMHeadModel:
     return GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=2))
 
 
-def trainer(out: str | os.PathLike[str], trainer_cls: type[Trainer] = Trainer, **overrides: Any) -> Trainer:
-    """A seeded tiny Trainer writing to ``out``; ``overrides`` go to ``TrainingArguments``."""
+class PlainLM(torch.nn.Module):
+    """Not a PreTrainedModel: the Trainer saves its state dict with ``safetensors.torch.save_file``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(128, 16)
+        self.head = torch.nn.Linear(16, 128)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        logits = self.head(self.emb(input_ids))
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        return {"loss": loss, "logits": logits}
+
+
+def trainer(
+    out: str | os.PathLike[str], trainer_cls: type[Trainer] = Trainer, plain: bool = False, **overrides: Any
+) -> Trainer:
+    """A seeded tiny Trainer writing to ``out``; ``overrides`` go to ``TrainingArguments``; ``plain``: a
+    model that is not a ``PreTrainedModel``."""
     set_seed(0)
     args: dict[str, Any] = dict(
         output_dir=os.fspath(out), max_steps=6, save_steps=2, per_device_train_batch_size=4, logging_steps=1,
@@ -37,6 +54,6 @@ def trainer(out: str | os.PathLike[str], trainer_cls: type[Trainer] = Trainer, *
     args.update(overrides)
     evaluate = args.get("eval_strategy", "no") != "no"
     return trainer_cls(
-        model=model(), args=TrainingArguments(**args), train_dataset=Tokens(),
+        model=PlainLM() if plain else model(), args=TrainingArguments(**args), train_dataset=Tokens(),
         eval_dataset=Tokens(16) if evaluate else None,
     )  # fmt: skip
