@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import contextvars
+import functools
 import inspect
 import logging
 import os
@@ -215,6 +216,7 @@ def _routed_path(f: Any) -> tuple[Router, str] | None:
     return router, path
 
 
+@functools.wraps(torch.save)
 def _torch_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
     routed = None if args or kwargs else _routed_path(f)
     if routed is not None and os.path.basename(routed[1]) == OPTIMIZER_NAME:
@@ -227,7 +229,8 @@ def _torch_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
     return _original("torch.save")(obj, f, *args, **kwargs)
 
 
-def _safe_save(name: str) -> Callable[..., Any]:
+def _safe_save(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
     def stand_in(tensors: dict[str, torch.Tensor], filename: Any, metadata: dict[str, str] | None = None) -> Any:
         routed = _routed_path(filename)
         if routed is not None:
@@ -243,19 +246,22 @@ def _safe_save(name: str) -> Callable[..., Any]:
     return stand_in
 
 
+# What each replaced name held at import (a release without one of them is refused by check_save_path
+# before the gate is ever acquired, so None never gets installed).
 _AT_IMPORT: dict[str, Callable[..., Any]] = {
     "torch.save": torch.save,
-    "transformers.modeling_utils.safe_save_file": _modeling_utils.safe_save_file,
+    "transformers.modeling_utils.safe_save_file": getattr(_modeling_utils, "safe_save_file", None),  # type: ignore[dict-item]
     "safetensors.torch.save_file": safetensors.torch.save_file,
 }
-
+_TARGETS = {
+    "torch.save": _TORCH_SAVE,
+    "transformers.modeling_utils.safe_save_file": _SAFE_SAVE_TRANSFORMERS,
+    "safetensors.torch.save_file": _SAFE_SAVE_SAFETENSORS,
+}
 _STAND_INS: dict[str, tuple[tuple[Any, str], Callable[..., Any]]] = {
-    "torch.save": (_TORCH_SAVE, _torch_save),
-    "transformers.modeling_utils.safe_save_file": (
-        _SAFE_SAVE_TRANSFORMERS,
-        _safe_save("transformers.modeling_utils.safe_save_file"),
-    ),
-    "safetensors.torch.save_file": (_SAFE_SAVE_SAFETENSORS, _safe_save("safetensors.torch.save_file")),
+    name: (_TARGETS[name], _torch_save if name == "torch.save" else _safe_save(name, original))
+    for name, original in _AT_IMPORT.items()
+    if original is not None
 }
 
 
