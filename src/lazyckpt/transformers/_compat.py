@@ -128,6 +128,15 @@ def _why_unsupported() -> str | None:
         return f"Trainer._save_checkpoint calls {calls}, expected {list(EXPECTED_SAVE_CHECKPOINT_CALLS)}"
     if not hasattr(_modeling_utils, "safe_save_file"):
         return "transformers.modeling_utils has no safe_save_file"
+    import transformers.trainer as _trainer_module
+
+    for owner, name in (
+        (Trainer, "_finalize_training"),
+        (Trainer, "_load_best_model"),
+        (_trainer_module, "rotate_checkpoints"),
+    ):
+        if not callable(getattr(owner, name, None)):
+            return f"{getattr(owner, '__name__', owner)}.{name} does not exist"
     for fn, fragment in EXPECTED_FRAGMENTS:
         try:
             src = _squash(inspect.getsource(fn))
