@@ -33,8 +33,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from lazyckpt import CheckpointerOptions, IncompleteCheckpointWarning, LazyCheckpointer, Level, verify
+from lazyckpt.errors import UnsupportedTrainerError
 from lazyckpt.transformers import _compat
-from lazyckpt.transformers._compat import UnsupportedTrainerError
 from lazyckpt.transformers._handle import TransformersHandle
 from lazyckpt.transformers._levels import TrainerLevels, checkpoints
 

@@ -36,7 +36,7 @@ import transformers.modeling_utils as _modeling_utils
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from lazyckpt.errors import SaveRefusedError
+from lazyckpt.errors import UnsupportedTrainerError
 
 logger = logging.getLogger("lazyckpt.transformers")
 
@@ -81,11 +81,6 @@ EXPECTED_FRAGMENTS = (
     ),
     (Trainer._save, "safetensors.torch.save_file("),
 )
-
-
-class UnsupportedTrainerError(SaveRefusedError):
-    """``install()`` refused: this Trainer (its class, setup or transformers version) does not save the
-    way ``lazyckpt.transformers`` takes over. Nothing was changed on the trainer."""
 
 
 def call_sequence(fn: Callable[..., Any]) -> list[str]:
