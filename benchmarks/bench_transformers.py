@@ -16,11 +16,12 @@ Trainer for the same steps, interleaved ``--rounds`` times:
 Each run's step interval ``i`` is the time between ``on_step_begin`` of steps ``i`` and ``i + 1``
 (after ``--warmup`` steps): step ``i``, the checkpoint saved after it, if any, and so the time the save
 call blocked; the wait for that checkpoint's copies falls in the next interval (its optimizer step).
-Stall per checkpoint saved after step ``k``: (interval ``k`` - base) + (interval ``k + 1`` - base), its
-mean over the run's checkpoints, median over rounds. The base: with ``save_steps=10``, the median of the
-same run's intervals that hold no save and no wait (nine in ten: neighbours in time, so drift between
-runs on a shared machine cancels); with ``save_steps=1`` (every interval holds a save) the median
-interval of the ``none`` run of the same round. The end of ``train()`` (lazy: the last checkpoint's drain)
+With ``save_steps=10``, stall per checkpoint saved after step ``k`` = (interval ``k`` - base) +
+(interval ``k + 1`` - base), base = the median of the same run's intervals that hold no save and no wait
+(neighbours in time, so drift between runs on a shared machine cancels); its mean over the run's
+checkpoints. With ``save_steps=1`` (every interval holds one save and the wait for the previous one):
+the run's mean interval - the median interval of the ``none`` run of the same round. Median over rounds.
+The end of ``train()`` (lazy: the last checkpoint's drain)
 is outside the window: in a long run only the last checkpoint is not overlapped. "in save" is the time
 the save call itself blocked (stock: the wrapped ``_save_checkpoint``; lazy: ``handle.save_seconds``).
 """
@@ -101,10 +102,9 @@ def stall_per_checkpoint(intervals: list[float], save_steps: int, warmup: int, n
     # interval i starts at step i + 1 (1-based global step); a save follows steps divisible by save_steps
     saved = [i for i in range(warmup, len(intervals) - 1) if (i + 1) % save_steps == 0]
     touched = {j for i in saved for j in (i, i + 1)}
-    if save_steps > 1:
-        base = statistics.median(x for j, x in enumerate(intervals[warmup:], warmup) if j not in touched)
-    else:
-        base = none_base
+    if save_steps == 1:  # every interval holds one save and the wait for the one before: one each
+        return statistics.fmean(intervals[warmup:]) - none_base
+    base = statistics.median(x for j, x in enumerate(intervals[warmup:], warmup) if j not in touched)
     return statistics.fmean(intervals[i] + intervals[i + 1] - 2 * base for i in saved)
 
 
