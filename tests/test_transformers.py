@@ -165,6 +165,7 @@ def test_stock_options_give_the_same_folders(tmp_path: Path, case: str) -> None:
 
         def setup(tr: Any) -> None:
             tr.model.register_buffer("seen", torch.zeros(4))
+
             def count(module: Any, args: Any, kwargs: Any) -> None:
                 module.seen.add_(1)
 
