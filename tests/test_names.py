@@ -33,6 +33,14 @@ def test_accelerate_warning_is_reexported():
     assert LA.IncompleteCheckpointWarning is errors.IncompleteCheckpointWarning
 
 
+def test_transformers_error_is_reexported():
+    import pytest
+
+    LT = pytest.importorskip("lazyckpt.transformers", exc_type=ImportError)
+    assert LT.UnsupportedTrainerError is errors.UnsupportedTrainerError
+    assert issubclass(errors.UnsupportedTrainerError, errors.SaveRefusedError)
+
+
 def test_cleanup_temporaries_is_the_filesystem_modules():
     """``lazyckpt.cleanup_temporaries`` is ``lazyckpt.storage.fs``'s (the old alias module ``_commit``
     is gone with the package layout)."""

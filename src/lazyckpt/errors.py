@@ -9,6 +9,7 @@ from __future__ import annotations
 __all__ = [
     "LazyCkptError",
     "SaveRefusedError",
+    "UnsupportedTrainerError",
     "BackpressureWarning",
     "IncompleteCheckpointWarning",
     "InspectError",
@@ -32,6 +33,11 @@ class LazyCkptError(Exception):
 
 class SaveRefusedError(LazyCkptError, ValueError):
     """``save()`` refused its input before anything was written (nothing is left on disk)."""
+
+
+class UnsupportedTrainerError(SaveRefusedError):
+    """``lazyckpt.transformers.install()`` refused: this Trainer (its class, setup or transformers
+    version) does not save the way the integration takes over. Nothing was changed on the trainer."""
 
 
 class WriteError(LazyCkptError):

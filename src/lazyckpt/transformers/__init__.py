@@ -1,0 +1,134 @@
+"""Lazy ``checkpoint-N`` folders for the Hugging Face ``transformers`` Trainer, with the stock files.
+
+Usage::
+
+    import lazyckpt.transformers
+
+    trainer = Trainer(model=model, args=TrainingArguments(output_dir="out", save_steps=100), ...)
+    handle = lazyckpt.transformers.install(trainer)     # once, before train()
+    trainer.train()                                     # each save returns at once; train() returns
+                                                        # with every checkpoint-N committed
+    trainer.train(resume_from_checkpoint=True)          # stock resume reads them (newest complete)
+    handle.remove()                                     # optional: back to stock saving
+
+How it works (transformers 5.x; docs/ARCHITECTURE.md, "transformers"): ``install`` replaces the trainer
+instance's ``_save_checkpoint`` with stock's statements run into a staging folder
+(``<run_dir>/.lazyckpt-checkpoint-N.tmp``); inside it, the weights (``safe_save_file``) and the optimizer
+state (``torch.save(..., "optimizer.pt")``) go to a :class:`lazyckpt.LazyCheckpointer` (copied while
+the next forward/backward runs; the next ``optimizer.step()`` waits only for what is not copied), the
+small files are stock's. Once every file is durable, a background thread renames the folder to
+``checkpoint-N`` (so stock ``get_last_checkpoint`` never sees a partial folder), then pushes it
+(``push_to_hub``) and applies ``save_total_limit`` as stock does. ``_load_best_model`` and the end of
+``train()`` wait for all of it. The modules: ``_compat`` (everything that knows the Trainer's
+internals, checked at install), ``_handle`` (:class:`TransformersHandle` and one checkpoint's save),
+``_levels`` (``install(levels=)``). The core never imports transformers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from lazyckpt import CheckpointerOptions, IncompleteCheckpointWarning, LazyCheckpointer, Level, verify
+from lazyckpt.errors import UnsupportedTrainerError
+from lazyckpt.transformers import _compat
+from lazyckpt.transformers._handle import TransformersHandle
+from lazyckpt.transformers._levels import TrainerLevels, checkpoints
+
+if TYPE_CHECKING:
+    from transformers import Trainer
+
+__all__ = ["TransformersHandle", "UnsupportedTrainerError", "install", "latest"]
+
+logger = logging.getLogger("lazyckpt.transformers")
+
+_REQUIRED = ("trainer_state.json",)
+_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors")
+_CHECKED_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
+
+
+def install(
+    trainer: Trainer,
+    checkpointer: LazyCheckpointer | None = None,
+    *,
+    levels: Sequence[Level] | None = None,
+    options: CheckpointerOptions | None = None,
+    **core_options: Any,
+) -> TransformersHandle:
+    """Make every ``checkpoint-N`` folder ``trainer`` saves lazy (same files as stock); returns the handle.
+
+    ``checkpointer``: an existing :class:`lazyckpt.LazyCheckpointer` (not closed by ``remove()``);
+    otherwise one is made from ``options`` / ``core_options`` (``host_memory_budget``, ``writer_threads``,
+    ``fsync``, ``zero_copy`` ...) and closed by ``remove()``. ``levels``: ``[Level(path, every, keep), ...]``,
+    fastest first: each checkpoint goes to ``<level>/checkpoint-N`` of every level due at the step
+    (``global_step % every == 0``) instead of ``args.output_dir``; ``keep`` per level replaces
+    ``save_total_limit``; :func:`latest` finds the newest complete one.
+
+    Refused with :class:`UnsupportedTrainerError` (nothing changed): a second install on the same trainer,
+    a Trainer subclass that overrides ``_save_checkpoint``, DeepSpeed, FSDP, XLA or SageMaker MP, and a
+    transformers version whose ``_save_checkpoint`` is not the one this module mirrors.
+    """
+    if checkpointer is not None and (core_options or options is not None):
+        raise TypeError("pass either checkpointer= or core options, not both")
+    if "_lazyckpt_handle" in vars(trainer):
+        raise UnsupportedTrainerError(
+            "lazyckpt.transformers is already installed on this Trainer; call handle.remove() first"
+        )
+    _compat.check_trainer(trainer)
+    _compat.check_save_path()
+    if levels is not None and trainer.args.save_total_limit:
+        raise UnsupportedTrainerError(
+            "lazyckpt.transformers: with levels, each Level's keep= replaces save_total_limit; unset one of them"
+        )
+    trainer_levels = None if levels is None else TrainerLevels(levels)
+    owns = checkpointer is None
+    if checkpointer is None:
+        checkpointer = LazyCheckpointer(options, **core_options)
+    try:
+        return TransformersHandle(trainer, checkpointer, owns, trainer_levels)
+    except BaseException:
+        if owns:
+            checkpointer.close()
+        raise
+
+
+def latest(where: str | os.PathLike[str] | Sequence[Level], *, verify_files: bool = True) -> str | None:
+    """The newest complete ``checkpoint-N`` folder in ``where`` (a run folder, or the levels given to
+    ``install``; between levels holding the same N, the fastest), or None.
+
+    Pass it to ``trainer.train(resume_from_checkpoint=latest(...))``. Complete: the folder holds
+    ``trainer_state.json`` and the model weights, and (``verify_files``) every ``.safetensors`` /
+    ``.pt`` / ``.pth`` / ``.bin`` file in it passes :func:`lazyckpt.verify` (CRCs, structure). A folder
+    that fails is skipped with an :class:`lazyckpt.IncompleteCheckpointWarning` naming it. A lazily
+    written folder is never partial at its name; this also covers stock-written folders and damage.
+    """
+    if isinstance(where, (str, os.PathLike)):
+        candidates = [(n, 0, p) for n, p in checkpoints(os.fspath(where))]
+    else:
+        candidates = [(n, i, p) for i, level in enumerate(where) for n, p in checkpoints(level.path)]
+    for _n, _i, path in sorted(candidates, key=lambda c: (-c[0], c[1])):
+        problem = _problem(path, verify_files)
+        if problem is None:
+            return path
+        warnings.warn(f"lazyckpt.transformers: skipping {path}: {problem}", IncompleteCheckpointWarning, stacklevel=2)
+    return None
+
+
+def _problem(folder: str, verify_files: bool) -> str | None:
+    names = set(os.listdir(folder))
+    missing = [n for n in _REQUIRED if n not in names]
+    if missing:
+        return f"no {missing[0]}"
+    if not any(w in names for w in _WEIGHTS):
+        return "no model weights"
+    if not verify_files:
+        return None
+    for name in sorted(names):
+        if name.endswith(_CHECKED_SUFFIXES):
+            report = verify(os.path.join(folder, name))
+            if not report.ok:
+                return f"{name}: " + "; ".join(report.problems)
+    return None

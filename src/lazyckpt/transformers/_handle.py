@@ -1,0 +1,390 @@
+"""The handle ``install()`` returns, and one checkpoint of the Trainer from its call to its commit.
+
+Data flow (docs/ARCHITECTURE.md, "transformers"): the trainer's ``_save_checkpoint`` (replaced on the
+instance by :meth:`TransformersHandle._save_checkpoint`) runs stock's statements into a staging folder
+with the gate on (:class:`CheckpointSave` is the router: weights and optimizer state go to the
+``LazyCheckpointer``); once every lazy file is done, the *commit* thread ends the folder save, renames
+the staging folder to ``checkpoint-N``, pushes it (``push_to_hub``) and rotates (``save_total_limit``),
+in save order. ``_load_best_model`` and ``_finalize_training`` wait for all of that first.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lazyckpt.commit.folder import FolderSave
+from lazyckpt.core import exit as _exit
+from lazyckpt.core.workers import Worker
+from lazyckpt.storage import fs as _fs
+from lazyckpt.transformers import _compat
+from lazyckpt.transformers._folder import replace_folder, staging_name
+
+if TYPE_CHECKING:
+    from transformers import Trainer
+
+    from lazyckpt import LazyCheckpointer, SaveHandle
+    from lazyckpt.transformers._levels import TrainerLevels
+
+logger = logging.getLogger("lazyckpt.transformers")
+
+_PATCHED = ("_save_checkpoint", "_load_best_model", "_finalize_training")
+
+
+class CheckpointSave:
+    """One ``_save_checkpoint`` call of this process: the router of its gated files, then its commit.
+
+    ``writer``: this process writes the shared files (``args.should_save``); only a writer has lazy
+    files, commits (renames) and rotates. ``after_commit`` runs on the commit thread after the rename
+    (pushes, rotation, level copies), in save order.
+    """
+
+    def __init__(self, checkpointer: LazyCheckpointer, final: str, *, writer: bool, tag: int) -> None:
+        self.checkpointer = checkpointer
+        self.final = final
+        self.staging = staging_name(final)
+        self.writer = writer
+        self.folder: FolderSave | None = None
+        self.after_commit: list[Callable[[], None]] = []
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        self.t_call = time.perf_counter()
+        self.t_committed: float | None = None
+        self._tag = tag
+        self._aborted = False
+        self._remaining = 0
+        self._lock = threading.Lock()
+
+    # -- on the training thread ----------------------------------------------------------------------
+    def prepare(self) -> None:
+        """Main process: a fresh staging folder (one left by a killed run is removed) with its marker."""
+        if not self.writer:
+            return
+        if os.path.lexists(self.staging):
+            shutil.rmtree(self.staging, ignore_errors=True)
+        os.makedirs(os.path.dirname(self.staging), exist_ok=True)
+        self.folder = FolderSave(self.staging, tag=self._tag)
+
+    @property
+    def handles(self) -> list[SaveHandle]:
+        return [] if self.folder is None else list(self.folder.handles)
+
+    def save_torch(self, obj: Any, path: str) -> None:
+        """``torch.save(obj, path)`` for a file of the staging folder, lazily."""
+        assert self.folder is not None, "a routed save on a process that does not write"
+        self.folder.save(self.checkpointer, obj, path, format="torch")
+
+    def save_safetensors(self, tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str] | None) -> None:
+        """``safetensors.torch.save_file(tensors, path, metadata)`` for the staging folder, lazily."""
+        assert self.folder is not None, "a routed save on a process that does not write"
+        self.folder.save(self.checkpointer, tensors, path, format="safetensors", metadata=metadata)
+
+    def finish(self, committer: Callable[[Callable[[], None]], None]) -> None:
+        """Stock's statements ran: commit once every lazy file is done (on ``committer``'s thread)."""
+        if not self.writer:  # (the main process owns the staging folder, even after a failure here)
+            self.done.set()
+            return
+        handles = self.handles
+        self._committer = committer
+        with self._lock:
+            self._remaining = len(handles) + 1
+        for h in handles:
+            h.add_done_callback(self._one_done)
+        self._one_done(None)
+
+    def abort(self, committer: Callable[[Callable[[], None]], None]) -> None:
+        """Stock's statements raised: nothing is committed; the staging folder goes once the lazy files
+        already started are over (never under a writer's feet)."""
+        self._aborted = True
+        self.finish(committer)
+
+    # -- on the commit thread ------------------------------------------------------------------------
+    def _one_done(self, _h: SaveHandle | None) -> None:
+        with self._lock:
+            self._remaining -= 1
+            last = self._remaining == 0
+        if last:
+            self._committer(self.commit)
+
+    def commit(self) -> None:
+        """Every lazy file is done: end the folder save, rename it to its final name, then what follows."""
+        try:
+            failed = next((h for h in self.handles if h.exception() is not None), None)
+            if self._aborted:
+                self.error = RuntimeError(f"the call that saved {self.final} raised")
+                shutil.rmtree(self.staging, ignore_errors=True)
+                return
+            if failed is not None:
+                self.error = failed.exception()
+                logger.error("lazyckpt: %s failed; %s was not written: %r", failed.path, self.final, self.error)
+                shutil.rmtree(self.staging, ignore_errors=True)
+                return
+            self._publish()
+            self.t_committed = time.perf_counter()
+            for step in self.after_commit:
+                step()
+        except BaseException as exc:  # noqa: BLE001 - reported once by the checkpointer (wait, next save)
+            self.error = exc
+            self.checkpointer.add_error(exc)
+        finally:
+            self.done.set()
+
+    def _publish(self) -> None:
+        assert self.folder is not None
+        files = [e.path for e in os.scandir(self.staging) if e.is_file(follow_symlinks=False)]
+        self.folder.end(files)  # stock's own files fsynced, marker gone, folder fsynced
+        replace_folder(self.staging, self.final)
+
+
+class TransformersHandle:
+    """What :func:`lazyckpt.transformers.install` returns: ``wait()`` drains, ``remove()`` restores stock.
+
+    Constructing it installs it on ``trainer`` (``install()`` checks the arguments first).
+    """
+
+    def __init__(
+        self, trainer: Trainer, checkpointer: LazyCheckpointer, owns: bool, levels: TrainerLevels | None = None
+    ) -> None:
+        self.trainer = trainer
+        self.checkpointer = checkpointer
+        self.last_save_s: float | None = None  # seconds the last _save_checkpoint call blocked training
+        self.save_seconds: list[float] = []  # every call's
+        self._owns = owns
+        self._levels = levels
+        self._saves: list[CheckpointSave] = []
+        self._saved: set[str] = set()  # final names this handle saved (the best-checkpoint test counts them)
+        self._warned_unrouted = False
+        self._removed = False
+        self._lock = threading.Lock()
+        self._committer: Worker[Callable[[], None]] = Worker("lazyckpt-transformers-commit", _run, lazy=True)
+        self._stock = {name: getattr(trainer, name) for name in _PATCHED}
+        self._previous = {name: vars(trainer)[name] for name in _PATCHED if name in vars(trainer)}
+        _compat.acquire_gate()
+        replacements = {"_save_checkpoint": self._checkpoint, "_load_best_model": self._best_model}
+        replacements["_finalize_training"] = self._finalize
+        for name, method in replacements.items():
+            setattr(trainer, name, method)
+        trainer.__dict__["_lazyckpt_handle"] = self
+        _exit.register(self, _drain_at_exit, layer=_exit.INTEGRATION)
+
+    # -- public --------------------------------------------------------------------------------------
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every checkpoint saved so far is committed at its ``checkpoint-N`` name (and the
+        rotation after it done); raise the first error nobody has seen. ``timeout``: seconds, then
+        ``TimeoutError``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        try:
+            self.checkpointer.wait(left())  # confirms this thread's copies, waits for the files
+        finally:
+            for save in self._pending():
+                if not save.done.wait(left()):
+                    raise TimeoutError(f"lazyckpt.transformers: {save.final} not committed after {timeout} s")
+            if self._levels is not None:
+                self._levels.drain(left())
+        self._prune()
+        self.checkpointer.raise_errors()
+
+    def pending(self) -> int:
+        """Checkpoints of this process saved but not committed yet."""
+        return len(self._pending())
+
+    @property
+    def removed(self) -> bool:
+        return self._removed
+
+    def remove(self) -> None:
+        """Drain pending checkpoints, then restore the trainer's stock methods (raises a drained error)."""
+        if self._removed:
+            return
+        error: BaseException | None = None
+        try:
+            self.wait()
+        except BaseException as exc:  # noqa: BLE001 - raised after the undo
+            error = exc
+        finally:
+            self._removed = True
+            tr = self.trainer
+            for name in _PATCHED:
+                if name in self._previous:
+                    setattr(tr, name, self._previous[name])
+                else:
+                    tr.__dict__.pop(name, None)
+            tr.__dict__.pop("_lazyckpt_handle", None)
+            _compat.release_gate()
+            self._committer.stop()
+            if self._levels is not None:
+                self._levels.close()
+            _exit.unregister(self)
+            if self._owns:
+                try:
+                    self.checkpointer.close()
+                except BaseException as exc:  # noqa: BLE001
+                    error = error or exc
+        if error is not None:
+            raise error
+
+    def __enter__(self) -> TransformersHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    # -- what the trainer calls ----------------------------------------------------------------------
+    def _checkpoint(self, model: Any, trial: Any) -> None:
+        """Stock ``Trainer._save_checkpoint`` (transformers 5.x; ``_compat.EXPECTED_SAVE_CHECKPOINT_CALLS``)
+        with the folder written under a staging name and committed in the background."""
+        t0 = time.perf_counter()
+        tr: Any = self.trainer  # (transformers' annotations of TrainerState are looser than its use)
+        args = tr.args
+        self._prune()
+        self.checkpointer.raise_errors()  # an earlier checkpoint's failure, where stock would have raised
+        self._track_optimizer()
+        from transformers.trainer import ExportableState, ParallelMode, SaveStrategy
+
+        if tr.hp_search_backend is None and trial is None:
+            tr.store_flos()
+        run_dir: str = tr._get_output_dir(trial=trial)
+        step = tr.state.global_step
+        if self._levels is not None:
+            level_dir = self._levels.fastest_due(step, run_dir)
+            if level_dir is None:  # no level due at this step: nothing saved
+                return
+            run_dir = level_dir
+        final = os.path.join(run_dir, _compat.checkpoint_name(step))
+        distributed = args.parallel_mode == ParallelMode.DISTRIBUTED
+        save = CheckpointSave(self.checkpointer, final, writer=bool(args.should_save), tag=args.process_index)
+        save.prepare()
+        if distributed:
+            torch.distributed.barrier()  # the staging folder exists before any process writes into it
+        self._saved.add(final)
+        token = _compat.active.set(save)
+        try:
+            tr.save_model(save.staging, _internal_call=True)
+            if args.save_strategy in [SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST] and (
+                tr.state.best_global_step
+            ):
+                if distributed:
+                    torch.distributed.barrier()
+                best = os.path.join(run_dir, _compat.checkpoint_name(tr.state.best_global_step))
+                if os.path.exists(best) or best in self._saved:  # stock: saved, so its folder exists
+                    tr.state.best_model_checkpoint = best
+            if not args.save_only_model:
+                tr._save_optimizer_and_scheduler(save.staging)
+                tr._save_scaler(save.staging)
+                tr._save_rng_state(save.staging)
+            if args.should_save:
+                for cb in [c for c in tr.callback_handler.callbacks + [tr.control] if isinstance(c, ExportableState)]:
+                    cb_name = cb.__class__.__name__
+                    cb_state = cb.state()
+                    if isinstance(tr.state.stateful_callbacks[cb_name], list):
+                        tr.state.stateful_callbacks[cb_name].append(cb_state)
+                    else:
+                        tr.state.stateful_callbacks[cb_name] = cb_state
+                tr.state.save_to_json(os.path.join(save.staging, _compat.TRAINER_STATE_NAME))
+        except BaseException:
+            save.abort(self._commit)
+            raise
+        finally:
+            _compat.active.reset(token)
+        if distributed:
+            self._sync_own_files(save)
+            torch.distributed.barrier()  # every process's files are durable in the staging folder
+        if save.writer:
+            self._check_routed(save)
+            if args.push_to_hub:
+                save.after_commit.append(lambda: tr._push_from_checkpoint(final))
+            limit, best_ckpt = args.save_total_limit, tr.state.best_model_checkpoint
+            if self._levels is not None:
+                save.after_commit.append(lambda: self._levels.after_commit(step, final, best_ckpt))  # type: ignore[union-attr]
+            else:
+                save.after_commit.append(lambda: _rotate(run_dir, limit, best_ckpt))
+        with self._lock:
+            self._saves.append(save)
+        save.finish(self._commit)
+        self.last_save_s = time.perf_counter() - t0
+        self.save_seconds.append(self.last_save_s)
+
+    def _best_model(self) -> None:
+        self.wait()  # the best checkpoint is committed before it is read
+        self._stock["_load_best_model"]()
+
+    def _finalize(self, *args: Any, **kwargs: Any) -> Any:
+        # Stock reads (best model) and deletes (save_total_limit=1) checkpoint folders here: every
+        # pending one is committed and rotated first, as stock's were by now.
+        self.wait()
+        from transformers.trainer import ParallelMode
+
+        if self.trainer.args.parallel_mode == ParallelMode.DISTRIBUTED:
+            torch.distributed.barrier()  # the main process's folders are committed before others read them
+        return self._stock["_finalize_training"](*args, **kwargs)
+
+    # -- internals -----------------------------------------------------------------------------------
+    def _commit(self, job: Callable[[], None]) -> None:
+        if not self._committer.submit(job):  # after remove() (or no thread to be had): inline
+            job()
+
+    def _pending(self) -> list[CheckpointSave]:
+        with self._lock:
+            return [s for s in self._saves if not s.done.is_set()]
+
+    def _prune(self) -> None:
+        with self._lock:
+            self._saves = [s for s in self._saves if not s.done.is_set()]
+
+    def _track_optimizer(self) -> None:
+        opt = getattr(self.trainer, "optimizer", None)
+        inner = getattr(opt, "optimizer", opt)
+        if isinstance(inner, torch.optim.Optimizer):
+            self.checkpointer.track(inner)
+
+    def _sync_own_files(self, save: CheckpointSave) -> None:
+        """A process that does not commit: its stock files in the staging folder (``rng_state_<i>.pth``)
+        made durable before the barrier after which the main process may rename the folder."""
+        if save.writer:
+            return
+        rank = self.trainer.args.process_index
+        path = os.path.join(save.staging, f"rng_state_{rank}.pth")
+        if os.path.exists(path):
+            _fs.fsync_file(path)
+
+    def _check_routed(self, save: CheckpointSave) -> None:
+        if save.handles or self._warned_unrouted:
+            return
+        self._warned_unrouted = True
+        logger.warning(
+            "lazyckpt.transformers: %s was written without a single lazy file (the weights and optimizer state "
+            "did not reach lazyckpt): this Trainer's save path differs from the one install() checked",
+            save.final,
+        )
+
+
+def _rotate(run_dir: str, limit: int | None, best: str | None) -> None:
+    import transformers.trainer as _trainer_module  # looked up at call time, as stock's own call is
+
+    _trainer_module.rotate_checkpoints(
+        output_dir=run_dir, save_total_limit=limit, best_model_checkpoint=best, use_mtime=True
+    )
+
+
+def _run(job: Callable[[], None]) -> None:
+    job()
+
+
+def _drain_at_exit(handle: TransformersHandle) -> None:
+    if handle.removed:
+        return
+    try:
+        handle.wait()
+    except BaseException as exc:  # noqa: BLE001 - nobody left to raise to
+        logger.error("lazyckpt.transformers: a checkpoint save failed: %r", exc)
