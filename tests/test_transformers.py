@@ -340,8 +340,9 @@ def test_a_failed_write_leaves_no_folder_and_is_raised_once(tmp_path: Path, monk
 
 
 def _kill_rounds(tmp_path: Path, lazy: bool, rounds: int) -> tuple[list[str], int]:
-    """Start the child, SIGKILL it at a random moment after its first checkpoint, ``rounds`` times;
-    return the problems found (partial highest folders) and how many kills hit a save in flight."""
+    """Start the child, SIGKILL it at a random moment after its first checkpoint (lazy: once a
+    checkpoint is in flight under its staging name), ``rounds`` times; return the problems found
+    (partial highest folders) and how many kills hit a save in flight."""
     out = tmp_path / "out"
     problems, mid_save = [], 0
     rng = __import__("random").Random(1)
@@ -355,7 +356,14 @@ def _kill_rounds(tmp_path: Path, lazy: bool, rounds: int) -> tuple[list[str], in
         while not (out / "started").exists():
             assert proc.poll() is None and time.monotonic() < deadline, "child did not start"
             time.sleep(0.05)
-        time.sleep(rng.uniform(0.2, 1.5))
+        time.sleep(rng.uniform(0.0, 0.5))
+        if lazy:  # force the window: kill while a checkpoint is under its staging name, after one committed
+            while not (
+                list(out.glob("checkpoint-*"))
+                and any(p.name.startswith(".lazyckpt-checkpoint-") for p in out.iterdir())
+            ):
+                assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint in flight"
+                time.sleep(0.005)
         mid_save += any(p.name.startswith(".lazyckpt-checkpoint-") for p in out.iterdir()) or bool(
             lazy is False and list(out.glob("checkpoint-*"))
         )
