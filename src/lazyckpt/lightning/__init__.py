@@ -208,7 +208,9 @@ class LazyCheckpointIO(_CheckpointIO):
         """Make every pending save durable; raise the first background error.
 
         When teardown runs because training raised, saves are still drained but their errors are
-        logged instead of raised, so the training exception is the one that propagates.
+        logged instead of raised, so the training exception is the one that propagates. (On that path
+        Lightning finalizes the loggers before teardown; the plugin has drained at their ``finalize``
+        already, see ``_compat.drained_before_finalize``.)
         """
         handling = sys.exc_info()[1]
         try:
