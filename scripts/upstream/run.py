@@ -25,7 +25,7 @@ import sys
 import tarfile
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -59,7 +59,11 @@ LIGHTNING = Suite(
         "tests_pytorch/checkpointing",
         "tests_pytorch/trainer/connectors/test_checkpoint_connector.py",
         "tests_pytorch/models/test_restore.py",
-        "tests_pytorch/callbacks/test_model_checkpoint*.py",
+        # fits that fail, are interrupted or end early (exception checkpoints, logger finalize, thread
+        # checks: issue 39), tuners that save and restore, callbacks that swap weights or read files
+        "tests_pytorch/loops",
+        "tests_pytorch/tuner",
+        "tests_pytorch/callbacks",
     ),
     # 345 loads of downloaded checkpoints of old releases: nothing a CheckpointIO plugin saves
     ignore=("tests_pytorch/checkpointing/test_legacy_checkpoints.py",),
@@ -220,6 +224,35 @@ def table(results: dict[str, dict[str, dict[str, dict]]]) -> str:
     return "\n".join(lines)
 
 
+def per_file(suite_name: str, by_mode: dict[str, dict[str, dict]]) -> str:
+    """Per test file and mode: passed of run, and the seconds its tests took (setup, call and teardown:
+    a fixture's wait for leftover threads counts); each mode's time over stock's."""
+    files: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0, 0, 0.0]))
+    for mode, rows in by_mode.items():
+        for nodeid, row in rows.items():
+            cell = files[nodeid.split("::")[0]][mode]
+            cell[0] += row["outcome"] == "passed"
+            cell[1] += 1
+            cell[2] += row.get("seconds", 0.0)
+    modes = list(by_mode)
+    head = f"| {suite_name} file | " + " | ".join(f"{m} passed | {m} s" for m in modes)
+    ratios = [m for m in modes if m != "stock" and "stock" in modes]
+    lines = [
+        head + "".join(f" | {m}/stock" for m in ratios) + " |",
+        "|---|" + "---|---|" * len(modes) + "---|" * len(ratios),
+    ]
+    for name in sorted(files):
+        cells = files[name]
+        row = f"| {name} | " + " | ".join(
+            f"{int(cells[m][0])}/{int(cells[m][1])} | {cells[m][2]:.1f}" if m in cells else "- | -" for m in modes
+        )
+        for m in ratios:
+            stock = cells["stock"][2] if "stock" in cells else 0.0
+            row += f" | {cells[m][2] / stock:.2f}" if m in cells and stock > 0 else " | -"
+        lines.append(row + " |")
+    return "\n".join(lines)
+
+
 def lost_by_lazy(reference: dict[str, dict], lazy: dict[str, dict]) -> dict[tuple[str, str], list[str]]:
     """Tests that pass in ``reference`` but not with lazyckpt, grouped by (outcome, blurred first error line)."""
     groups: dict[tuple[str, str], list[str]] = defaultdict(list)
@@ -259,12 +292,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="build/upstream")
     ap.add_argument("--lightning-src")
     ap.add_argument("--accelerate-src")
+    ap.add_argument("--paths", nargs="+", help="run only these test paths (globs allowed) instead of the suites' lists")
     args = ap.parse_args(argv)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, dict[str, dict]]] = {}
     for name in args.suites:
-        suite = SUITES[name]
+        suite = SUITES[name] if not args.paths else replace(SUITES[name], paths=tuple(args.paths))
         if name == "accelerate":
             cwd = accelerate_source(out, args.accelerate_src)
             extra = {"PYTHONPATH": os.pathsep.join(p for p in (str(cwd), os.environ.get("PYTHONPATH", "")) if p)}
@@ -274,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         results[name] = {m: run_mode(suite, m, cwd, out, args.timeout, extra, args.stuck_after) for m in modes}
     report = [f"## Upstream suites, per-test timeout {args.timeout:g} s\n", table(results)]
     report += [differences(SUITES[n], by_mode) for n, by_mode in results.items()]
+    report += ["\n## Per file\n"] + [per_file(n, by_mode) for n, by_mode in results.items()]
     text = "\n".join(report) + "\n"
     (out / "summary.md").write_text(text, encoding="utf-8")
     print(text)

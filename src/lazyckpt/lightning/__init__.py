@@ -208,7 +208,9 @@ class LazyCheckpointIO(_CheckpointIO):
         """Make every pending save durable; raise the first background error.
 
         When teardown runs because training raised, saves are still drained but their errors are
-        logged instead of raised, so the training exception is the one that propagates.
+        logged instead of raised, so the training exception is the one that propagates. (On that path
+        Lightning finalizes the loggers before teardown; the plugin has drained at their ``finalize``
+        already, see ``_compat.drained_before_finalize``.)
         """
         handling = sys.exc_info()[1]
         try:
@@ -360,8 +362,9 @@ class LazyCheckpointIO(_CheckpointIO):
         """Internal API: every multi-level save of this rank over; errors left for ``raise_errors``."""
         self._levels.drain(timeout)
 
-    def drain(self, raise_errors: bool, timeout: float | None = None) -> None:
-        """Internal API: make every pending save durable; its error raised (``raise_errors``) or logged."""
+    def drain(self, raise_errors: bool, timeout: float | None = None, *, loggers_open: bool = False) -> None:
+        """Internal API: make every pending save durable; its error raised (``raise_errors``) or logged.
+        ``loggers_open``: the Trainer's loggers take stats although it no longer runs (their ``finalize``)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         error: BaseException | None = None
         try:
@@ -379,7 +382,7 @@ class LazyCheckpointIO(_CheckpointIO):
             raise
         except BaseException as exc:
             error = exc
-        self._report_stats()
+        self._report_stats(loggers_open)
         with self._lock:
             self._saves = [r for r in self._saves if not r.done.done()]
         if error is None:
@@ -392,13 +395,22 @@ class LazyCheckpointIO(_CheckpointIO):
 
     # -- telemetry ---------------------------------------------------------------------------------
 
-    def _report_stats(self) -> None:
-        """Send finished saves' timings to the Trainer's loggers (training thread only)."""
+    def _report_stats(self, loggers_open: bool = False) -> None:
+        """Send finished saves' timings to the Trainer's loggers (training thread only) while they are
+        open. Lightning finalizes them when a stage ends and, when ``fit`` fails, right after the
+        exception hooks, the Trainer no longer running (the plugin drains and reports from their
+        ``finalize``: ``loggers_open``). A logger written to after its ``finalize`` reopens (TensorBoard:
+        a writer thread nobody closes, an event file that truncates the flushed one). Stats that finish
+        during the exception hooks wait for that ``finalize``; later ones stay in ``stats`` only."""
+        trainer = self._trainer_ref() if self._trainer_ref is not None else None
+        if not loggers_open and not self._torn_down and _compat.is_interrupted(trainer):
+            return  # a failing fit: kept for the loggers' finalize, which Lightning calls next
         with self._lock:
             finished, self._finished = self._finished, []
-        trainer = self._trainer_ref() if self._trainer_ref is not None else None
         if not finished or not self._log_stats or trainer is None or not getattr(trainer, "is_global_zero", True):
             return
+        if not (loggers_open or _compat.is_running(trainer)):
+            return  # the stage is over: its loggers are finalized
         for record, stats in finished:
             _compat.log_save_stats(trainer, stats, record.step)
 

@@ -29,6 +29,7 @@ from lazyckpt.storage.remote import remove_prefix
 class Plugin(Protocol):
     """What the compat layer needs of ``LazyCheckpointIO`` (no import of the adapter: no cycle)."""
 
+    def drain(self, raise_errors: bool, timeout: float | None = None, *, loggers_open: bool = False) -> None: ...
     def on_optimizer_step(self) -> None: ...
     def pending_paths(self) -> set[str]: ...
     def wait(self, timeout: float | None = None) -> None: ...
@@ -235,6 +236,24 @@ def durable_first(method: Callable[..., Any], plugin_ref: weakref.ref) -> Callab
     return after_save_checkpoint
 
 
+def drained_before_finalize(method: Callable[..., Any], plugin_ref: weakref.ref) -> Callable[..., Any]:
+    """Lightning finalizes (closes) the loggers before it tears the strategy down when ``fit`` fails
+    (``trainer/call.py``: ``_interrupt`` then ``trainer._teardown()``, KeyboardInterrupt included) or a
+    tuner ends it (``_call_teardown_hook`` then ``_teardown``), so the plugin's teardown would drain
+    after the loggers are closed. Drain at their ``finalize`` instead: the failed run's saves are
+    durable before a logger that reads checkpoint files scans them, and their stats reach the loggers
+    while they are open. Errors are logged, never raised: raising here would skip the rest of
+    Lightning's teardown (the training exception, if any, is the one that propagates)."""
+
+    def finalize(status: str) -> Any:
+        plugin = plugin_ref()
+        if plugin is not None:
+            plugin.drain(raise_errors=False, loggers_open=True)
+        return method(status)
+
+    return finalize
+
+
 def adaptations(trainer: Any, plugin: weakref.ref) -> list[tuple[object, str, Callable[..., Any]]]:
     """What the plugin (held by weak reference) replaces on a Trainer's callbacks and loggers, as
     (object, attribute, replacement): the things that assume a synchronous plugin."""
@@ -252,6 +271,7 @@ def adaptations(trainer: Any, plugin: weakref.ref) -> list[tuple[object, str, Ca
         if "StochasticWeightAveraging" in names:
             out.append((cb, "transfer_weights", staged_first(cb.transfer_weights, plugin)))
     for logger in getattr(trainer, "loggers", ()):
+        out.append((logger, "finalize", drained_before_finalize(logger.finalize, plugin)))
         if logger_reads_checkpoint_files(logger):
             out.append((logger, "after_save_checkpoint", durable_first(logger.after_save_checkpoint, plugin)))
     return out
@@ -291,6 +311,12 @@ def in_fit(trainer: Any) -> bool:
 def is_running(trainer: Any) -> bool:
     status = getattr(getattr(trainer, "state", None), "status", None)
     return status is None or status == "running"
+
+
+def is_interrupted(trainer: Any) -> bool:
+    """Lightning's failure path runs: the exception hooks, then the loggers' ``finalize``, then teardown."""
+    status = getattr(getattr(trainer, "state", None), "status", None)
+    return status is not None and status == "interrupted"
 
 
 def log_save_stats(trainer: Any, stats: Any, saved_at_step: int | None) -> None:
