@@ -92,7 +92,7 @@ def run(mode: str, save_steps: int, steps: int, out: str, cfg: dict[str, int]) -
     tr.train()
     if handle is not None:
         in_save = list(handle.save_seconds)
-        handle.remove()
+        handle.uninstall()
     s = clock.stamps
     return [b - a for a, b in zip(s, s[1:], strict=False)], in_save
 

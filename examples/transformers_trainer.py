@@ -55,7 +55,7 @@ def compare(root: str, steps: int = 8) -> None:
         tr.train()
         elapsed = time.perf_counter() - t
         if handle is not None:
-            handle.remove()
+            handle.uninstall()
         return elapsed, {k: v.detach().clone() for k, v in tr.model.state_dict().items()}
 
     run("warm-up", False, steps + 1)
@@ -82,7 +82,7 @@ def main() -> None:
     handle = lazyckpt.transformers.install(tr)  # <- lazyckpt
     tr.train()  # each checkpoint returns at once; train() returns with every folder committed
     print("blocked in each save (s):", [round(s, 4) for s in handle.save_seconds])
-    handle.remove()  # <- lazyckpt (optional: back to stock saving)
+    handle.uninstall()  # <- lazyckpt (optional: back to stock saving)
     newest = lazyckpt.transformers.latest(out)  # <- lazyckpt (or stock resume_from_checkpoint=True)
     print("folders:", sorted(n for n in os.listdir(out) if n.startswith("checkpoint-")), "newest complete:", newest)
     print("files:", sorted(os.listdir(newest)) if newest else None)

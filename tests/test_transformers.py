@@ -44,7 +44,7 @@ def run(out: Path, lazy: bool, *, moved_to: Path | None = None, setup: Any = Non
     tr.train()
     if handle is not None:
         assert handle.pending() == 0, "train() returned with a checkpoint not committed"
-        handle.remove()
+        handle.uninstall()
     weights = {k: v.detach().clone() for k, v in tr.model.state_dict().items()}
     if moved_to is not None:
         shutil.move(str(out), str(moved_to))
@@ -116,14 +116,14 @@ def test_resume_from_checkpoint_true_reads_the_lazy_folders(tmp_path: Path) -> N
     tr = tiny.trainer(out, max_steps=6, save_steps=2)
     handle = lazyckpt.transformers.install(tr)
     tr.train()
-    handle.remove()
+    handle.uninstall()
     uninterrupted = {k: v.clone() for k, v in tr.model.state_dict().items()}
     shutil.rmtree(out / "checkpoint-6")  # as if killed before step 6 was saved
     assert lazyckpt.transformers.latest(out) == str(out / "checkpoint-4")
     again = tiny.trainer(out, max_steps=6, save_steps=2)
     handle = lazyckpt.transformers.install(again)
     again.train(resume_from_checkpoint=True)  # stock get_last_checkpoint: checkpoint-4
-    handle.remove()
+    handle.uninstall()
     assert_same(dict(again.model.state_dict()), uninterrupted, "resumed vs uninterrupted")
 
 
@@ -212,7 +212,7 @@ def test_the_save_returns_before_the_folder_is_committed_and_the_name_only_ever_
     # by the end of train() (the callback runs before that).
     assert seen == [(2, False, True), (4, False, True), (6, False, True)], seen
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
-    handle.remove()
+    handle.uninstall()
 
 
 def test_push_to_hub_pushes_each_folder_after_its_commit_as_stock_does(tmp_path: Path) -> None:
@@ -245,7 +245,7 @@ def test_levels_write_checkpoint_folders_by_level_and_latest_finds_the_newest_co
     tr = tiny.trainer(tmp_path / "unused", save_steps=1, max_steps=4)
     handle = lazyckpt.transformers.install(tr, levels=levels)
     tr.train()
-    handle.remove()
+    handle.uninstall()
     assert sorted(os.listdir(fast)) == ["checkpoint-3", "checkpoint-4"]
     assert sorted(os.listdir(slow)) == ["checkpoint-2", "checkpoint-4"]
     for level in (fast, slow):  # the tensors and stock files of that step (paths inside differ: not compared)
@@ -267,9 +267,9 @@ def test_install_twice_is_refused(tmp_path: Path) -> None:
     handle = lazyckpt.transformers.install(tr)
     with pytest.raises(UnsupportedTrainerError, match="already installed"):
         lazyckpt.transformers.install(tr)
-    handle.remove()
+    handle.uninstall()
     assert "_save_checkpoint" not in vars(tr)
-    lazyckpt.transformers.install(tr).remove()  # after remove(), again
+    lazyckpt.transformers.install(tr).uninstall()  # after uninstall(), again
 
 
 def test_a_subclass_overriding_save_checkpoint_is_refused(tmp_path: Path) -> None:
@@ -308,7 +308,7 @@ def test_the_gate_is_restored_and_routes_nothing_outside_a_checkpoint(tmp_path: 
     handle = lazyckpt.transformers.install(tr)
     torch.save({"x": torch.ones(2)}, tmp_path / "optimizer.pt")  # not inside a checkpoint: stock
     assert torch.load(tmp_path / "optimizer.pt")["x"].sum() == 2
-    handle.remove()
+    handle.uninstall()
     assert torch.save is originals["torch.save"]
     assert transformers.modeling_utils.safe_save_file is originals["transformers.modeling_utils.safe_save_file"]
 
@@ -333,7 +333,7 @@ def test_a_failed_write_leaves_no_folder_and_is_raised_once(tmp_path: Path, monk
     assert calls["n"] > 0
     assert not any(p.name.startswith("checkpoint-") for p in out.iterdir()), os.listdir(out)
     handle.wait()  # raised once: not again
-    handle.remove()
+    handle.uninstall()
 
 
 # -- a real process killed mid-save --------------------------------------------------------------
@@ -415,3 +415,14 @@ def test_ddp_two_processes_write_what_stock_writes(tmp_path: Path) -> None:
     assert names == ["checkpoint-4", "checkpoint-6"]
     assert {"rng_state_0.pth", "rng_state_1.pth"} <= set(os.listdir(tmp_path / "lazy" / "checkpoint-6"))
     assert_same(torch.load(tmp_path / "final-lazy.pt"), torch.load(tmp_path / "final-stock.pt"), "final weights")
+
+
+def test_remove_is_the_deprecated_spelling_of_uninstall(tmp_path: Path) -> None:
+    """The lifecycle vocabulary (docs/ARCHITECTURE.md): ``uninstall()`` ends an install, as on the
+    Accelerate handle; ``remove()`` (the issue's first spelling) still works, with a DeprecationWarning."""
+    tr = tiny.trainer(tmp_path / "out", max_steps=1, save_steps=1000)
+    handle = lazyckpt.transformers.install(tr)
+    with pytest.warns(DeprecationWarning, match="uninstall"):
+        handle.remove()
+    assert handle.uninstalled and "_lazyckpt_handle" not in vars(tr)
+    handle.uninstall()  # idempotent

@@ -24,7 +24,7 @@ def main() -> None:
     handle = lazyckpt.transformers.install(tr) if lazy else None
     tr.train()
     if handle is not None:
-        handle.remove()
+        handle.uninstall()
     if tr.args.process_index == 0:
         weights = {k: v.detach().clone() for k, v in tr.model.state_dict().items()}
         torch.save(weights, os.path.join(os.path.dirname(out), f"final-{'lazy' if lazy else 'stock'}.pt"))

@@ -9,7 +9,7 @@ Usage::
     trainer.train()                                     # each save returns at once; train() returns
                                                         # with every checkpoint-N committed
     trainer.train(resume_from_checkpoint=True)          # stock resume reads them (newest complete)
-    handle.remove()                                     # optional: back to stock saving
+    handle.uninstall()                                     # optional: back to stock saving
 
 How it works (transformers 5.x; docs/ARCHITECTURE.md, "transformers"): ``install`` replaces the trainer
 instance's ``_save_checkpoint`` with stock's statements run into a staging folder
@@ -60,9 +60,9 @@ def install(
 ) -> TransformersHandle:
     """Make every ``checkpoint-N`` folder ``trainer`` saves lazy (same files as stock); returns the handle.
 
-    ``checkpointer``: an existing :class:`lazyckpt.LazyCheckpointer` (not closed by ``remove()``);
+    ``checkpointer``: an existing :class:`lazyckpt.LazyCheckpointer` (not closed by ``uninstall()``);
     otherwise one is made from ``options`` / ``core_options`` (``host_memory_budget``, ``writer_threads``,
-    ``fsync``, ``zero_copy`` ...) and closed by ``remove()``. ``levels``: ``[Level(path, every, keep), ...]``,
+    ``fsync``, ``zero_copy`` ...) and closed by ``uninstall()``. ``levels``: ``[Level(path, every, keep), ...]``,
     fastest first: each checkpoint goes to ``<level>/checkpoint-N`` of every level due at the step
     (``global_step % every == 0``) instead of ``args.output_dir``; ``keep`` per level replaces
     ``save_total_limit``; :func:`latest` finds the newest complete one.
@@ -75,7 +75,7 @@ def install(
         raise TypeError("pass either checkpointer= or core options, not both")
     if "_lazyckpt_handle" in vars(trainer):
         raise UnsupportedTrainerError(
-            "lazyckpt.transformers is already installed on this Trainer; call handle.remove() first"
+            "lazyckpt.transformers is already installed on this Trainer; call handle.uninstall() first"
         )
     _compat.check_trainer(trainer)
     _compat.check_save_path()

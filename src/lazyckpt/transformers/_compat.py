@@ -11,7 +11,7 @@ Two things live here:
   and ``safetensors.torch.save_file``. They route a call to the active :class:`Router` (a context
   variable, set only while an installed ``_save_checkpoint`` runs on this thread) when the file lies
   directly in its staging folder; every other call goes to the original. Reference counted by
-  installs; the last ``remove()`` restores the originals (left alone if somebody replaced them since).
+  installs; the last ``uninstall()`` restores the originals (left alone if somebody replaced them since).
 
 It imports nothing else of this package.
 """
@@ -270,7 +270,7 @@ _STAND_INS: dict[str, tuple[tuple[Any, str], Callable[..., Any]]] = {
 
 
 def _original(name: str) -> Callable[..., Any]:
-    """The function a stand-in replaced (after the last remove(), what was there at import)."""
+    """The function a stand-in replaced (after the last uninstall(), what was there at import)."""
     return _originals.get(name) or _AT_IMPORT[name]
 
 

@@ -15,6 +15,7 @@ import os
 import shutil
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -144,7 +145,7 @@ class CheckpointSave:
 
 
 class TransformersHandle:
-    """What :func:`lazyckpt.transformers.install` returns: ``wait()`` drains, ``remove()`` restores stock.
+    """What :func:`lazyckpt.transformers.install` returns: ``wait()`` drains, ``uninstall()`` restores stock.
 
     Constructing it installs it on ``trainer`` (``install()`` checks the arguments first).
     """
@@ -200,11 +201,28 @@ class TransformersHandle:
         return len(self._pending())
 
     @property
+    def uninstalled(self) -> bool:
+        """True once ``uninstall()`` ran: the trainer saves as stock again."""
+        return self._removed
+
+    @property
     def removed(self) -> bool:
+        """Deprecated: ``uninstalled`` (the lifecycle vocabulary, docs/ARCHITECTURE.md)."""
+        warnings.warn(
+            "TransformersHandle.removed is deprecated; use handle.uninstalled", DeprecationWarning, stacklevel=2
+        )
         return self._removed
 
     def remove(self) -> None:
-        """Drain pending checkpoints, then restore the trainer's stock methods (raises a drained error)."""
+        """Deprecated: ``uninstall()`` (``remove(path)`` deletes a checkpoint on ``LazyCheckpointer``)."""
+        warnings.warn(
+            "TransformersHandle.remove() is deprecated; use handle.uninstall()", DeprecationWarning, stacklevel=2
+        )
+        self.uninstall()
+
+    def uninstall(self) -> None:
+        """Drain pending checkpoints, then restore the trainer's stock methods (raises a drained error).
+        Idempotent; also run by ``with install(...)`` and at interpreter exit."""
         if self._removed:
             return
         error: BaseException | None = None
@@ -238,7 +256,7 @@ class TransformersHandle:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.remove()
+        self.uninstall()
 
     # -- what the trainer calls ----------------------------------------------------------------------
     def _checkpoint(self, model: Any, trial: Any) -> None:
@@ -331,7 +349,7 @@ class TransformersHandle:
 
     # -- internals -----------------------------------------------------------------------------------
     def _commit(self, job: Callable[[], None]) -> None:
-        if not self._committer.submit(job):  # after remove() (or no thread to be had): inline
+        if not self._committer.submit(job):  # after uninstall() (or no thread to be had): inline
             job()
 
     def _pending(self) -> list[CheckpointSave]:
@@ -382,7 +400,7 @@ def _run(job: Callable[[], None]) -> None:
 
 
 def _drain_at_exit(handle: TransformersHandle) -> None:
-    if handle.removed:
+    if handle.uninstalled:
         return
     try:
         handle.wait()
