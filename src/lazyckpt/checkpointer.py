@@ -497,7 +497,8 @@ class LazyCheckpointer(_exit.ClosedOnExit):
             if job.completion.report is not None:
                 self._errors.publish(job.completion.report)
             ready = self._removals.finished(job)
-        self._removals.run(ready)
+            pending = list(self._jobs) if ready else []
+        self._removals.run(ready, pending)
         if job.error is not None:
             logger.debug("lazyckpt: save to %s failed: %s", job.path, job.error)
         else:
