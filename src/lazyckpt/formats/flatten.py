@@ -158,7 +158,9 @@ class _Pickler(pickle.Pickler):
             if self._fast and _is_storage(cls):
                 raise _NeedPlainPath
             return NotImplemented
-        name = self.names.get(id(obj), f"<tensor inside an object, shape {tuple(obj.shape)}>")
+        name = self.names.get(id(obj))
+        if name is None:  # built only when needed: this runs for every tensor on the caller's thread
+            name = f"<tensor inside an object, shape {tuple(obj.shape)}>"
         refuse_unsupported(obj, name)
         storage = obj.untyped_storage()
         self._tensors_by_storage.setdefault(storage._cdata, []).append((name, obj, obj._version))
@@ -259,14 +261,16 @@ def _location(device: torch.device) -> str:
 
 
 def _has_fast_reduce(t: torch.Tensor) -> bool:
-    """Whether ``Tensor.__reduce_ex__`` would take its plain branch for ``t`` (and warn about nothing)."""
+    """Whether ``Tensor.__reduce_ex__`` would take its plain branch for ``t`` (and warn about nothing).
+
+    Quantized tensors never get here: ``refuse_unsupported`` has refused them before.
+    """
     return (
         type(t) is torch.Tensor
         and not t.__dict__
         and t._backward_hooks is None
         and t.device.type in ("cpu", "cuda")
         and t.dtype not in _V3_DTYPES
-        and not t.is_quantized
         and not t.is_sparse
     )
 
