@@ -35,6 +35,7 @@ from _util import hold_staging  # noqa: E402
 from accelerate_scripts import acc_common as C  # noqa: E402
 from lazyckpt import LazyCheckpointer  # noqa: E402
 from lazyckpt.accelerate import _compat as _accelerate_compat  # noqa: E402
+from lazyckpt.commit.folder import MARKER_PREFIX  # noqa: E402
 from lazyckpt.errors import WriteError  # noqa: E402
 from lazyckpt.storage import fs as _fs  # noqa: E402
 
@@ -719,7 +720,7 @@ def test_marker_that_cannot_be_made_durable_fails_the_save(tmp_path, installs, m
     real = _fs.fsync_file
 
     def failing(path):
-        if os.path.basename(path).startswith(LA.PENDING_MARKER_PREFIX):
+        if os.path.basename(path).startswith(MARKER_PREFIX):
             raise OSError(5, "injected EIO on the marker")
         return real(path)
 

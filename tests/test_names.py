@@ -18,12 +18,34 @@ def test_every_error_and_warning_is_defined_in_errors():
                 assert getattr(errors, name) is obj
 
 
-def test_old_import_paths_still_work():
-    from lazyckpt.checkpointer import BackpressureWarning
+def test_old_import_paths_still_work_and_the_leftover_aliases_warn():
+    """The aliases of names that moved (BackpressureWarning from lazyckpt.checkpointer, Accelerate's
+    PENDING_MARKER_PREFIX) still work, with a DeprecationWarning naming the new spelling."""
+    import pytest
+
     from lazyckpt.cli.inspect import InspectError
 
+    with pytest.warns(DeprecationWarning, match="use lazyckpt.BackpressureWarning"):
+        from lazyckpt.checkpointer import BackpressureWarning
     assert BackpressureWarning is errors.BackpressureWarning is lazyckpt.BackpressureWarning
     assert InspectError is errors.InspectError
+    assert "BackpressureWarning" not in lazyckpt.checkpointer.__all__
+    LA = pytest.importorskip("lazyckpt.accelerate")
+    from lazyckpt.commit.folder import MARKER_PREFIX
+
+    with pytest.warns(DeprecationWarning, match="use lazyckpt.commit.folder.MARKER_PREFIX"):
+        assert LA.PENDING_MARKER_PREFIX == MARKER_PREFIX
+    assert "PENDING_MARKER_PREFIX" not in LA.__all__
+    with pytest.raises(AttributeError):
+        LA.NO_SUCH_NAME  # noqa: B018
+
+
+def test_every_error_lazyckpt_raises_derives_from_lazyckpterror():
+    """``except lazyckpt.LazyCkptError`` catches every error class of lazyckpt.errors (InspectError too)."""
+    for name in errors.__all__:
+        obj = getattr(errors, name)
+        if issubclass(obj, Exception) and not issubclass(obj, Warning):
+            assert issubclass(obj, errors.LazyCkptError), name
 
 
 def test_accelerate_warning_is_reexported():

@@ -24,6 +24,7 @@ from lazyckpt.core.plan import SavePlan
 from lazyckpt.core.pool import HostBufferPool, default_host_memory_budget
 from lazyckpt.core.removal import OrderedRemovals, Remover
 from lazyckpt.core.report import ErrorLedger, Report, raise_first
+from lazyckpt.core.warn import deprecated_names
 from lazyckpt.formats import base as _format
 from lazyckpt.formats.flatten import Source
 from lazyckpt.options import Backpressure, CheckpointerOptions
@@ -31,11 +32,16 @@ from lazyckpt.options import merge as merge_options
 from lazyckpt.storage import fs as _fs
 from lazyckpt.storage import remote as _remote
 
-from .errors import BackpressureWarning, CheckpointerClosedError, SaveRefusedError, WriteError
+from . import errors as _errors
+from .errors import CheckpointerClosedError, SaveRefusedError, WriteError
 
-__all__ = ["BackpressureWarning", "LazyCheckpointer"]  # BackpressureWarning: its old import path
+__all__ = ["LazyCheckpointer"]
 from .levels import Level
 from .levels._multi import MultiLevel, check_levels
+
+__getattr__ = deprecated_names(
+    __name__, {"BackpressureWarning": (_errors.BackpressureWarning, "lazyckpt.BackpressureWarning")}
+)  # its old import path
 
 logger = logging.getLogger(__name__)
 
