@@ -24,7 +24,7 @@ from lazyckpt.accelerate._folder_save import SaveStateCall, SaveStateCalls, stoc
 from lazyckpt.accelerate._levels import LevelSaves
 from lazyckpt.accelerate._patch import InstancePatch
 from lazyckpt.accelerate._retention import OldFolders
-from lazyckpt.accelerate._sharded import ShardedSaves
+from lazyckpt.accelerate._sharded import ShardedRoute
 from lazyckpt.core import exit as _exit
 from lazyckpt.core import guard as _guard
 from lazyckpt.core.report import raise_first
@@ -64,7 +64,7 @@ class AccelerateHandle:
         self._owns = owns_checkpointer
         self._saves = SaveStateCalls()
         self._old_folders = OldFolders(checkpointer)
-        self._sharded = ShardedSaves(self, checkpointer)  # FSDP sharded saves
+        self._sharded = ShardedRoute(self, checkpointer)  # FSDP sharded saves
         self._steps_seen = _guard.steps()  # optimizer steps at install / the last save_state
         self._tracked: set[int] = set()
         self._tracked_refs: list[Any] = []

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("lazyckpt.accelerate")
 
 
-class Owner(Protocol):
+class HandleOwner(Protocol):
     """What the levels need of their ``AccelerateHandle``."""
 
     load_timeout: float
@@ -109,7 +109,7 @@ class LevelSaves:
     """One handle's saves by level: the ``MultiLevel`` (main process), the step counter, the pending
     level handles, and the thread that waits for other processes' parts (several processes)."""
 
-    def __init__(self, owner: Owner, accelerator: Any, checkpointer: LazyCheckpointer, levels: Any) -> None:
+    def __init__(self, owner: HandleOwner, accelerator: Any, checkpointer: LazyCheckpointer, levels: Any) -> None:
         levels = tuple(levels)
         check_levels(levels)
         refuse_automatic_naming(accelerator)

@@ -2,7 +2,7 @@
 
 ``_compat`` wraps accelerate's ``save_fsdp_model`` / ``save_fsdp_optimizer`` and stands in for
 ``torch.distributed.checkpoint.save``; for an installed accelerator it hands exactly their call to
-:meth:`ShardedSaves.route` (registered with ``_compat.set_route`` by the handle). Each call is saved
+:meth:`ShardedRoute.route` (registered with ``_compat.set_route`` by the handle). Each call is saved
 lazily, on every process (collective, as ``dcp.save`` is), into the same ``pytorch_model_fsdp_<i>`` /
 ``optimizer_<i>`` folder, committed whole once every process's part is durable. Inside an installed
 ``save_state`` the output folder's marker waits for it too (``SaveStateCall.add_sharded``).
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from lazyckpt.distributed import DistributedCheckpointer
 
 
-class ShardedSaves:
+class ShardedRoute:
     """One handle's sharded saves: the ``DistributedCheckpointer`` (made at the first one) they go to."""
 
     def __init__(self, owner: object, checkpointer: LazyCheckpointer) -> None:

@@ -205,7 +205,7 @@ COMMIT = Decision(True)
 
 
 @dataclass(frozen=True)
-class Result:
+class CommitResult:
     """How publishing a committed save ended (the coordinator's rename, or its ``.metadata`` upload)."""
 
     ok: bool
@@ -215,7 +215,7 @@ class Result:
         return "ok" if self.ok else "err:" + self.why
 
     @classmethod
-    def decode(cls, raw: str) -> Result:
+    def decode(cls, raw: str) -> CommitResult:
         return cls(True) if raw == "ok" else cls(False, raw.removeprefix("err:"))
 
 
@@ -272,10 +272,10 @@ class StoreProtocol:
         raw = self.wait_value(n, "outcome", deadline, liveness, 0)
         return None if raw is None else Decision.decode(raw)
 
-    def wait_result(self, n: int | str, deadline: float, liveness: Liveness | None = None) -> Result | None:
+    def wait_result(self, n: int | str, deadline: float, liveness: Liveness | None = None) -> CommitResult | None:
         """How the coordinator's publishing ended, or None at ``deadline`` or once it is dead."""
         raw = self.wait_value(n, "result", deadline, liveness, 0)
-        return None if raw is None else Result.decode(raw)
+        return None if raw is None else CommitResult.decode(raw)
 
     def wait_value(
         self, n: int | str, name: str, deadline: float, liveness: Liveness | None = None, writer: int = 0
@@ -290,7 +290,7 @@ class StoreProtocol:
                 return None
         raise AssertionError("unreachable")
 
-    def set_result(self, n: int | str, result: Result) -> None:
+    def set_result(self, n: int | str, result: CommitResult) -> None:
         self.store.set(self._key(n, "result"), result.encode())
 
     def ack(self, n: int | str) -> None:

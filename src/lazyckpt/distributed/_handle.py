@@ -1,5 +1,5 @@
 """A distributed save as its rank sees it: the handle ``save()`` returns, the commit thread's
-record of it (``Save``), how it failed (``Outcome``), and its path and extra files as given."""
+record of it (``Save``), how it failed (``Failure``), and its path and extra files as given."""
 
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ class Save:
 
 
 @dataclass
-class Outcome:
+class Failure:
     """Why a save failed, as every rank learns it."""
 
     message: str

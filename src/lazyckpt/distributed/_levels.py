@@ -47,13 +47,13 @@ from typing import Any
 
 from torch.distributed.checkpoint.utils import _DistWrapper
 
-from lazyckpt.core.handle import CallbackRunner, Completion, SaveHandle, SaveStats
+from lazyckpt.core.handle import CallbackRunner, Completion, SaveHandle
 from lazyckpt.core.report import Report
 from lazyckpt.core.workers import Worker
 from lazyckpt.levels import Found, Level
 from lazyckpt.levels import _copy as _level_copy
 from lazyckpt.levels._collective import StoreExchange
-from lazyckpt.levels._handle import LevelsHandle, Parts
+from lazyckpt.levels._handle import LevelsHandle, Parts, not_due
 from lazyckpt.levels._latest import latest_agreed
 from lazyckpt.levels._level import check_step
 from lazyckpt.levels._multi import check_levels
@@ -66,7 +66,7 @@ from . import _commit
 from ._commit import RankReport
 from ._core import classify_start_error, complete_handle, confirm_ready, local_outcome, resolve_handle, start_rank_file
 from ._decide import Decider
-from ._handle import DistributedSaveHandle, Outcome, Save, extra_name
+from ._handle import DistributedSaveHandle, Failure, Save, extra_name
 from ._plan import PlanCache, plan_save
 from ._promote import check_file, copy_checked, renamed
 from ._topology import Scope, dedup_groups, probe
@@ -174,7 +174,7 @@ class DistributedLevels:
         t0 = time.perf_counter()
         due = self._due(step, due)
         if not due:
-            return _not_due(step, t0)
+            return not_due(step, t0)
         confirm_ready()  # earlier saves whose copies are over: this thread's ops came before
         ctx, first = self.ctx, due[0]
         n = ctx.next_n()
@@ -350,7 +350,7 @@ class DistributedLevels:
             raise SaveRefusedError(f"due must hold level indices in [0, {len(self.levels)}), got {list(due)!r}")
         return picked
 
-    def _commit(self, index: int, entry: Save, report: RankReport) -> Outcome | None:
+    def _commit(self, index: int, entry: Save, report: RankReport) -> Failure | None:
         """One level folder's two-phase commit, this rank's side; None when committed."""
         ctx, scope = self.ctx, self.scopes[index]
         ctx.decider.proto.post(entry.n, report)
@@ -364,7 +364,7 @@ class DistributedLevels:
         return outcome
 
     def _error(
-        self, index: int, step: int, entry: Save, outcome: Outcome, own: BaseException | None
+        self, index: int, step: int, entry: Save, outcome: Failure, own: BaseException | None
     ) -> DistributedLevelError:
         level = self.levels[index]
         cause = outcome.cause or (own if own is not None and self.rank in outcome.ranks else None)
@@ -438,18 +438,3 @@ class DistributedLevels:
         local = [s for lv, s in zip(self.levels, self.scopes, strict=True) if not lv.is_url]
         sharing = max((len(s.group) for s in local), default=1)
         _level_copy.check_memory(self.levels, entry.layout.total_size * sharing)
-
-
-class _NotDue(SaveHandle):
-    """No level is due at ``step``: a finished handle whose stats say skipped."""
-
-    def __init__(self, path: str, outcome: Any = None, *, step: int) -> None:
-        super().__init__(path, outcome)
-        self.step = step
-
-
-def _not_due(step: int, t0: float) -> SaveHandle:
-    completion = Completion(f"step {step}: no level due", _NotDue, step=step)
-    skipped = SaveStats(completion.handle.path, 0, 0, time.perf_counter() - t0, 0.0, 0.0, 0.0, 0.0, 0.0, skipped=True)
-    completion.finish(skipped, None)
-    return completion.handle

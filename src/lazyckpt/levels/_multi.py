@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from lazyckpt.core.handle import CallbackRunner, Completion, Outcome, SaveHandle, SaveStats
+from lazyckpt.core.handle import CallbackRunner, SaveHandle
 from lazyckpt.core.job import error_context
 from lazyckpt.core.report import ErrorLedger, Report
 from lazyckpt.core.workers import Worker
@@ -43,7 +43,7 @@ from lazyckpt.storage import remote as _remote
 
 from ..errors import WriteError
 from . import _copy
-from ._handle import SOURCE, LevelsHandle, Parts
+from ._handle import SOURCE, LevelsHandle, Parts, not_due
 from ._level import Level, LevelError, check_step
 from ._schedule import WARN_AFTER_S, Backlog, Retention, Sweep, run_sweep, sweep
 
@@ -165,7 +165,7 @@ class MultiLevel:
         self.ckpt.raise_errors()  # an unseen error of an earlier save (any level) first, as save() does
         due = [i for i, lv in enumerate(self.levels) if lv.due(step)] if due is None else sorted(set(due))
         if not due:
-            return _not_due(step, t0)
+            return not_due(step, t0)
         if not self._memory_checked and nbytes is not None:
             self._memory_checked = True
             _copy.check_memory(self.levels, nbytes())
@@ -416,18 +416,3 @@ class MultiLevel:
             _fs.unlink(path)
         except OSError:
             pass
-
-
-class _NotDue(SaveHandle):
-    """No level is due at ``step``: a finished handle whose stats say skipped."""
-
-    def __init__(self, path: str, outcome: Outcome | None = None, *, step: int) -> None:
-        super().__init__(path, outcome)
-        self.step = step
-
-
-def _not_due(step: int, t0: float) -> SaveHandle:
-    completion = Completion(f"step {step}: no level due", _NotDue, step=step)
-    path = completion.handle.path
-    completion.finish(SaveStats(path, 0, 0, time.perf_counter() - t0, 0.0, 0.0, 0.0, 0.0, 0.0, skipped=True), None)
-    return completion.handle
