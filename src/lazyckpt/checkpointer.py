@@ -36,8 +36,7 @@ from . import errors as _errors
 from .errors import CheckpointerClosedError, SaveRefusedError, WriteError
 
 __all__ = ["LazyCheckpointer"]
-from .levels import Level
-from .levels._multi import MultiLevel, check_levels
+from .levels import Level, MultiLevel, check_levels
 
 __getattr__ = deprecated_names(
     __name__, {"BackpressureWarning": (_errors.BackpressureWarning, "lazyckpt.BackpressureWarning")}

@@ -37,9 +37,7 @@ from lazyckpt.commit.folder import marker_is_stale, pending_markers
 from lazyckpt.core.handle import Completion, SaveHandle, SaveStats
 from lazyckpt.core.workers import Worker
 from lazyckpt.errors import IncompleteCheckpointError, SaveRefusedError
-from lazyckpt.levels import _copy
-from lazyckpt.levels._level import Level, check_step
-from lazyckpt.levels._multi import MultiLevel, check_levels
+from lazyckpt.levels import Level, MultiLevel, check_levels, check_step, tensor_bytes
 
 if TYPE_CHECKING:
     from lazyckpt import LazyCheckpointer
@@ -167,7 +165,7 @@ class LevelSaves:
 
     def _nbytes(self) -> int:
         """The checkpoint's size, for the memory statement at the first save: the models' and optimizers' tensors."""
-        return _copy.tensor_bytes(_compat.state_of(self.accelerator))
+        return tensor_bytes(_compat.state_of(self.accelerator))
 
     def _clear_fastest(self, step: int) -> None:
         """Before step ``step`` is saved again (a save_state with no optimizer step since, or after a

@@ -50,14 +50,23 @@ from torch.distributed.checkpoint.utils import _DistWrapper
 from lazyckpt.core.handle import CallbackRunner, Completion, SaveHandle
 from lazyckpt.core.report import Report
 from lazyckpt.core.workers import Worker
-from lazyckpt.levels import Found, Level
-from lazyckpt.levels import _copy as _level_copy
-from lazyckpt.levels._collective import StoreExchange
-from lazyckpt.levels._handle import LevelsHandle, Parts, not_due
-from lazyckpt.levels._latest import latest_agreed
-from lazyckpt.levels._level import check_step
-from lazyckpt.levels._multi import check_levels
-from lazyckpt.levels._schedule import Backlog, Retention, Sweep, run_sweep, sweep
+from lazyckpt.levels import (
+    Backlog,
+    Found,
+    Level,
+    LevelsHandle,
+    Parts,
+    Retention,
+    StoreExchange,
+    Sweep,
+    check_levels,
+    check_memory,
+    check_step,
+    latest_agreed,
+    not_due,
+    run_sweep,
+    sweep,
+)
 from lazyckpt.storage import fs as _fs
 
 from ..checkpointer import LazyCheckpointer
@@ -437,4 +446,4 @@ class DistributedLevels:
         self._memory_checked = True
         local = [s for lv, s in zip(self.levels, self.scopes, strict=True) if not lv.is_url]
         sharing = max((len(s.group) for s in local), default=1)
-        _level_copy.check_memory(self.levels, entry.layout.total_size * sharing)
+        check_memory(self.levels, entry.layout.total_size * sharing)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lazyckpt.core.warn import user_stacklevel
-from lazyckpt.recovery._read import READ_THREADS, FileIdentity
+from lazyckpt.recovery import READ_THREADS, FileIdentity
 from lazyckpt.recovery.check import folder_problems
 from lazyckpt.recovery.dcp import is_dcp_folder, rank_problems
 from lazyckpt.recovery.verify import verify as verify_file

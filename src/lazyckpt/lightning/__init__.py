@@ -39,8 +39,7 @@ from lazyckpt import CheckpointerOptions, LazyCheckpointer, SaveHandle, SaveStat
 from lazyckpt.core import exit as _exit
 from lazyckpt.core import guard as _guard
 from lazyckpt.errors import CheckpointerClosedError, LazyCkptError, StaleTensorError
-from lazyckpt.levels import Level
-from lazyckpt.levels._multi import MultiLevel
+from lazyckpt.levels import Level, MultiLevel
 from lazyckpt.lightning import _compat, _levels, _sharded
 from lazyckpt.lightning._levels import MultiLevelCheckpoint
 from lazyckpt.options import merge as _merge_options

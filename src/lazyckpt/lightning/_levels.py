@@ -41,8 +41,7 @@ from lazyckpt.checkpointer import LazyCheckpointer
 from lazyckpt.core.handle import SaveHandle
 from lazyckpt.core.report import raise_first
 from lazyckpt.errors import LazyCkptError, LevelError, SaveRefusedError
-from lazyckpt.levels import Level
-from lazyckpt.levels._multi import MultiLevel, check_levels
+from lazyckpt.levels import Level, MultiLevel, check_levels
 from lazyckpt.lightning import _compat, _sharded
 from lazyckpt.options import CheckpointerOptions
 
