@@ -222,8 +222,14 @@ class LazyCheckpointer(_exit.ClosedOnExit):
         """Block until every save made so far is durable and every ``remove()`` has run, then raise
         the oldest background error nobody has seen (see ``raise_errors``). ``timeout``: seconds
         (``None``: no limit); ``TimeoutError`` when they are not all done by then."""
+        self._drain(timeout)
+        self._raise_unreported()
+
+    def _drain(self, timeout: float | None) -> None:
+        """Wait for the levels' copies, then every pending save, removal and upload (``wait()``,
+        ``close()``); ``TimeoutError`` naming what is not done after ``timeout`` seconds."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        if self._levels is not None:  # first: its copies end with retention removals
+        if self._levels is not None:  # first: its copies feed on this checkpointer's saves and removals
             self._levels.drain(_left(deadline))
         with self._lock:
             jobs = list(self._jobs)
@@ -236,7 +242,6 @@ class LazyCheckpointer(_exit.ClosedOnExit):
             raise TimeoutError(f"pending removals not done after {timeout} s") from None
         if self._remote is not None and not self._remote.wait(_left(deadline)):
             raise TimeoutError(f"pending uploads not done after {timeout} s")
-        self._raise_unreported()
 
     def publish(self, report: Report) -> None:
         """Internal API (saves made on this checkpointer's behalf: the distributed commit): put a
@@ -365,13 +370,7 @@ class LazyCheckpointer(_exit.ClosedOnExit):
         The promise stays: a declared tensor changed in place while a save still reads it fails
         that save with ``StaleTensorError`` (through ``.data`` it cannot be seen; don't).
         """
-        for t in tensors:
-            if isinstance(t, torch.nn.Module):
-                _guard.freeze(*(p for p in t.parameters() if not p.requires_grad))
-            elif isinstance(t, torch.Tensor):
-                _guard.freeze(t)
-            else:
-                raise TypeError(f"declare_frozen takes tensors or modules, got {type(t).__name__}")
+        _guard.freeze(*tensors)
 
     def close(self) -> None:
         """Drain every pending save and removal, stop the threads, free the buffers; raise any unseen
@@ -380,15 +379,7 @@ class LazyCheckpointer(_exit.ClosedOnExit):
             self._engine.stop()  # joins a callback thread that closed us from inside
             return
         try:
-            if self._levels is not None:  # its copies feed on this checkpointer's saves and removals
-                self._levels.drain()
-            with self._lock:
-                jobs = list(self._jobs)
-            for job in jobs:
-                job.handle.wait_done()
-            self._remover.wait()
-            if self._remote is not None:
-                self._remote.wait()
+            self._drain(None)
         finally:
             self._closed = True
             if self._levels is not None:
