@@ -20,9 +20,10 @@ from lazyckpt.core.backpressure import skipped_handle
 from lazyckpt.core.engine import Engine, write_error
 from lazyckpt.core.handle import CallbackRunner, SaveHandle
 from lazyckpt.core.job import Job
+from lazyckpt.core.pending import PendingSaves
 from lazyckpt.core.plan import SavePlan
 from lazyckpt.core.pool import HostBufferPool, default_host_memory_budget
-from lazyckpt.core.removal import OrderedRemovals, Remover
+from lazyckpt.core.removal import Remover
 from lazyckpt.core.report import ErrorLedger, Report, raise_first
 from lazyckpt.core.warn import deprecated_names
 from lazyckpt.formats import base as _format
@@ -100,8 +101,7 @@ class LazyCheckpointer(_exit.ClosedOnExit):
         self.direct_io = options.direct_io
         self.zero_copy = options.zero_copy
         self.capture_in_save = options.capture_in_save
-        self._lock = threading.Lock()
-        self._jobs: list[Job] = []  # saved, not yet committed, in save() order
+        self._lock = threading.Lock()  # the remote tier's creation
         self._errors = ErrorLedger()  # failed saves and removals whose error nobody has seen yet
         self._cleaned_dirs: set[str] = set()
         self._closed = False
@@ -109,7 +109,7 @@ class LazyCheckpointer(_exit.ClosedOnExit):
         self._levels: MultiLevel | None = None if options.levels is None else MultiLevel(self, options.levels, options)
         self._engine = Engine(self.pool, options.writer_threads, self._job_done)
         self._remover = Remover(on_failed=self._errors.publish)
-        self._removals = OrderedRemovals(self._remover)  # remove() calls waiting for pending saves
+        self._pending = PendingSaves(self._remover, on_failed=self._errors.publish)  # saved, not yet committed
         self._remote: _remote.RemoteTier | None = None  # URL saves: started by the first one
         _exit.register(self, _close_at_exit, layer=_exit.CORE)
 
@@ -203,11 +203,8 @@ class LazyCheckpointer(_exit.ClosedOnExit):
         layout = planner.plan(os.fspath(path) if named_as is None else named_as, plan.phases, crc=self.crc)
         sources, file_bytes = planner.sources, layout.file_bytes
         nbytes = sum(s.nbytes for s in sources)
-        if self._backpressure.skip:
-            with self._lock:
-                pending = sum(j.nbytes for j in self._jobs)
-            if self._backpressure.should_skip(pending, nbytes, final):
-                return skipped_handle(final, t0)
+        if self._backpressure.skip and self._backpressure.should_skip(self._pending.nbytes(), nbytes, final):
+            return skipped_handle(final, t0)
         lazy, eager = plan.split(sources)
         job = Job(
             path=final, tmp=_fs.temporary_path(final), fmt=format, sources=sources, lazy=lazy,
@@ -231,9 +228,7 @@ class LazyCheckpointer(_exit.ClosedOnExit):
         deadline = None if timeout is None else time.monotonic() + timeout
         if self._levels is not None:  # first: its copies feed on this checkpointer's saves and removals
             self._levels.drain(_left(deadline))
-        with self._lock:
-            jobs = list(self._jobs)
-        for job in jobs:
+        for job in self._pending.jobs():
             if not job.handle.wait_done(_left(deadline)):
                 raise TimeoutError(f"pending saves not durable after {timeout} s")
         try:
@@ -293,14 +288,8 @@ class LazyCheckpointer(_exit.ClosedOnExit):
             url = str(path)
             tier = self.remote_tier()
             return tier.remove(url, *tier.resolve(url))
-        target = os.path.abspath(os.fspath(path))
         trash = None if trash_dir is None else os.path.abspath(os.fspath(trash_dir))
-        inside = target.rstrip(os.sep) + os.sep
-        with self._lock:  # orders this against _job_done: a job is either still here or committed
-            behind = {j for j in self._jobs if j.path == target or j.path.startswith(inside)}
-            if behind:
-                return self._removals.queue(target, trash, behind)
-        return self._remover.remove(target, trash)
+        return self._pending.remove(os.path.abspath(os.fspath(path)), trash)
 
     def reuse(self, path: str) -> bool:
         """Internal API (a memory level's retention): keep the pages of the file at ``path`` for the
@@ -310,28 +299,26 @@ class LazyCheckpointer(_exit.ClosedOnExit):
         reused (a save to it pending, a reader, closed, not a memory filesystem, ...: then
         ``remove()`` it). Never raises."""
         target = os.path.abspath(os.fspath(path))
-        inside = target.rstrip(os.sep) + os.sep
+        # no save to ``path`` may be registered (and commit onto it) meanwhile
+        return self._pending.unless_behind(target, lambda: not self._closed and self._reuse_now(target))
+
+    def _reuse_now(self, target: str) -> bool:
         spares = self._engine.spares
-        with self._lock:  # no save to ``path`` may be registered (and commit onto it) meanwhile
-            if self._closed or any(j.path == target or j.path.startswith(inside) for j in self._jobs):
-                return False
-            if not os.path.isdir(target) or os.path.islink(target):
-                return spares.offer(target)
-            root = os.path.dirname(target)
-            if not _fs.is_memory_filesystem(root):
-                return False
-            try:
-                self._remover.remove(target, salvage=lambda taken: spares.offer_folder(taken, root))
-            except OSError as exc:
-                logger.debug("lazyckpt: %s not reused: %s", target, exc)
-                return False
-            return True
+        if not os.path.isdir(target) or os.path.islink(target):
+            return spares.offer(target)
+        root = os.path.dirname(target)
+        if not _fs.is_memory_filesystem(root):
+            return False
+        try:
+            self._remover.remove(target, salvage=lambda taken: spares.offer_folder(taken, root))
+        except OSError as exc:
+            logger.debug("lazyckpt: %s not reused: %s", target, exc)
+            return False
+        return True
 
     def wait_staged(self, timeout: float | None = None) -> None:
         """Block until every pending save's host copies are done (saved tensors may change)."""
-        with self._lock:
-            jobs = list(self._jobs)
-        for job in jobs:
+        for job in self._pending.jobs():
             job.handle.wait_staged(timeout)
 
     def wait_path(self, path: str | os.PathLike[str], timeout: float | None = None) -> None:
@@ -340,17 +327,13 @@ class LazyCheckpointer(_exit.ClosedOnExit):
         if _remote.is_url(path):
             handles = self._remote.pending_handles(str(path)) if self._remote is not None else []
         else:
-            final = os.path.abspath(os.fspath(path))
-            with self._lock:
-                handles = [j.handle for j in self._jobs if j.path == final]
+            handles = self._pending.handles_to(os.path.abspath(os.fspath(path)))
         for handle in handles:
             handle.wait(timeout)
 
     def pending_paths(self) -> set[str]:
         """Final paths of saves not yet committed (URLs: not yet complete in the store)."""
-        with self._lock:
-            paths = {j.path for j in self._jobs}
-        return paths | (self._remote.pending_urls() if self._remote is not None else set())
+        return self._pending.paths() | (self._remote.pending_urls() if self._remote is not None else set())
 
     def track(self, *optimizers: torch.optim.Optimizer) -> None:
         """Declare optimizers whose parameters and state are guarded by their ``step()``.
@@ -422,8 +405,7 @@ class LazyCheckpointer(_exit.ClosedOnExit):
         except BaseException:
             _remote.discard_local(local_path)
             raise
-        with self._lock:
-            nbytes = next((j.file_bytes for j in self._jobs if j.handle is local), 0)
+        nbytes = self._pending.file_bytes(local)
         if not nbytes and local.stats is not None:
             nbytes = local.stats.file_bytes
         return tier.register(url, fs, rpath, local, nbytes, t0)
@@ -461,8 +443,7 @@ class LazyCheckpointer(_exit.ClosedOnExit):
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(device))
             job.save_events[device] = event
-        with self._lock:
-            self._jobs.append(job)
+        self._pending.add(job)
         if job.lazy:
             _guard.add(job)
         try:
@@ -481,20 +462,10 @@ class LazyCheckpointer(_exit.ClosedOnExit):
         self._engine.submit(job)
 
     def _job_done(self, job: Job) -> None:
-        """Engine callback (committer thread): the handle's outcome is resolved but not yet visible.
-
-        Publishing the error here, before the handle is done, means that whoever sees the save
-        finished also finds its error. Removals that were waiting for this save run here too: after
-        its commit, before the committer moves on to later saves. Nothing here may warn or call user
-        code (warnings are issued on the caller's thread, in ``_raise_unreported``).
-        """
-        with self._lock:
-            self._jobs.remove(job)
-            if job.completion.report is not None:
-                self._errors.publish(job.completion.report)
-            ready = self._removals.finished(job)
-            pending = list(self._jobs) if ready else []
-        self._removals.run(ready, pending)
+        """Engine callback (committer thread): the handle's outcome is resolved but not yet visible
+        (``PendingSaves.finished``). Nothing here may warn or call user code (warnings are issued on
+        the caller's thread, in ``_raise_unreported``)."""
+        self._pending.finished(job)
         if job.error is not None:
             logger.debug("lazyckpt: save to %s failed: %s", job.path, job.error)
         else:
