@@ -311,7 +311,7 @@ class AccelerateHandle:
 
     def _track_new_optimizers(self) -> None:
         new = []
-        for opt in self.accelerator._optimizers:
+        for opt in _compat.prepared_optimizers(self.accelerator):
             inner = _compat.unwrap_optimizer(opt)
             if inner is not None and id(inner) not in self._tracked:
                 self._tracked.add(id(inner))

@@ -3,7 +3,7 @@ and the module ``__getattr__`` that keeps an old public name working with a Depr
 
 from __future__ import annotations
 
-import sys
+import inspect
 import warnings
 from collections.abc import Callable
 from types import FrameType
@@ -19,9 +19,10 @@ def user_stacklevel() -> int:
     name the first frame outside lazyckpt and the frameworks it plugs into: right whatever path
     led there, where a fixed number is right for one path only. On a lazyckpt thread, or when
     every frame is a framework's, the outermost frame."""
-    frame = sys._getframe(1)  # the function that calls warnings.warn: stacklevel 1
+    here = inspect.currentframe()
+    frame = here.f_back if here is not None else None  # the function that calls warnings.warn: stacklevel 1
     level = 1
-    while frame.f_back is not None and _package(frame) in _SKIPPED:
+    while frame is not None and frame.f_back is not None and _package(frame) in _SKIPPED:
         frame = frame.f_back
         level += 1
     return level

@@ -73,11 +73,7 @@ class RankFile:
 
     def __init__(self, ckpt: LazyCheckpointer, tensors: list[tuple[str, str, torch.Tensor]]) -> None:
         self.ckpt = ckpt
-        self.sources: list[Source] = []
-        for key, name, t in tensors:
-            nbytes = t.numel() * t.element_size()
-            flat = t.reshape(-1).view(torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
-            self.sources.append(Source(key, flat, nbytes, [(name, t, t._version)]))
+        self.sources = [Source.of_tensor(key, name, t) for key, name, t in tensors]
         # Rank files are never written inside save(): their folder is committed by the coordinator.
         self.plan = SavePlan.decide(ckpt.options, self.sources, "", allow_inline=False, capture_in_save=False)
         if 64 % storage_alignment() != 0:  # the layout cannot honour page phases: no zero copy

@@ -69,10 +69,18 @@ class Source:
     def release(self) -> None:
         self._bytes, self.checks = None, []
 
+    @classmethod
+    def of_tensor(cls, key: str, name: str, t: torch.Tensor) -> Source:
+        """One tensor's bytes as a record (a safetensors entry, a DCP rank file's item), checked
+        against in-place changes under ``name``."""
+        nbytes = t.numel() * t.element_size()
+        flat = t.detach().reshape(-1).view(torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+        return cls(key, flat, nbytes, [(name, t, _version(t))])
+
     def first_stale(self) -> str | None:
         """Name of a tensor changed in place since save(), or None."""
         for name, tensor, version in self.checks:
-            if tensor._version != version:
+            if _version(tensor) != version:
                 return name
         return None
 
@@ -108,6 +116,11 @@ def refuse_unsupported(t: torch.Tensor, name: str) -> None:
         raise SaveRefusedError(f"{name}: quantized tensors are not supported; dequantize() or use torch.save")
     if t.device.type not in ("cpu", "cuda") and not torch._C._has_storage(t):
         raise SaveRefusedError(f"{name}: tensors on {t.device.type} have no storage to stage; move them to CPU first")
+
+
+def _version(t: torch.Tensor) -> int:
+    """torch's in-place change counter of ``t`` (what a save's checks compare)."""
+    return t._version
 
 
 def _flat_bytes(storage: torch.UntypedStorage) -> torch.Tensor:

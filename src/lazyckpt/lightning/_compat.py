@@ -140,7 +140,8 @@ def split_path(path: Any) -> tuple[str, bool]:
 
 
 def find_strategy(plugin: Plugin, max_depth: int = 40) -> Any:
-    frame: FrameType | None = sys._getframe(2)
+    here = inspect.currentframe()  # find_strategy's; 2: the caller of our caller
+    frame: FrameType | None = here.f_back.f_back if here is not None and here.f_back is not None else None
     for _ in range(max_depth):
         if frame is None:
             return None
