@@ -300,8 +300,7 @@ def _fast_path_works() -> bool:
     if _PERSISTENT_ID is None or not hasattr(_PERSISTENT_ID, "__set__"):
         return False
     base = torch.arange(6, dtype=torch.float32)
-    with_attribute: Any = OrderedDict()
-    with_attribute._metadata = {"": {"version": 1}}  # as a module's empty state dict has
+    with_attribute = torch.nn.Module().state_dict()  # an OrderedDict with a _metadata attribute
     sample = {
         "t": base,
         "view": base[1:4],
