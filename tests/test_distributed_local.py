@@ -17,6 +17,7 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 
 import _launch  # noqa: E402
 from lazyckpt import CheckpointerOptions, SaveRefusedError, StaleTensorError  # noqa: E402
+from lazyckpt.core.handle import wait_finished  # noqa: E402
 from lazyckpt.core.job import Stage  # noqa: E402
 from lazyckpt.distributed import DistributedCheckpointer, DistributedSaveError, verify_checkpoint  # noqa: E402
 from lazyckpt.distributed._commit import cleanup_leftovers, staging_path  # noqa: E402
@@ -215,7 +216,7 @@ def test_an_unseen_failure_is_raised_by_wait_not_by_the_next_save(dckpt, tmp_pat
     monkeypatch.setattr(_fs, "pwrite_all", enospc)
     h1 = dckpt.save({"w": torch.ones(1024)}, tmp_path / "a")
     h1.wait_staged()
-    assert h1.wait_finished(10)  # the commit thread has decided
+    assert wait_finished(h1, 10)  # the commit thread has decided
     monkeypatch.setattr(_fs, "pwrite_all", real)
     h2 = dckpt.save({"w": torch.ones(1024)}, tmp_path / "b")  # does not raise h1's error
     with pytest.raises(DistributedSaveError, match="No space left") as info:
@@ -403,10 +404,10 @@ def test_a_lazy_save_is_confirmed_on_the_training_thread_never_the_commit_thread
             c.close()
         elif entry == "wait_staged":
             c.wait_staged(timeout=20)
-            h.wait_finished(20)  # not a confirming wait: wait_staged() did it
+            wait_finished(h, 20)  # not a confirming wait: wait_staged() did it
         else:
             c.save({"w": torch.ones(2)}, tmp_path / "d")
-            h.wait_finished(20)
+            wait_finished(h, 20)
         assert h.done() and h.exception() is None
     finally:
         if not c.closed:

@@ -25,6 +25,7 @@ from lazyckpt.accelerate._levels import LevelSaves
 from lazyckpt.accelerate._patch import InstancePatch
 from lazyckpt.accelerate._retention import OldFolders
 from lazyckpt.accelerate._sharded import ShardedRoute
+from lazyckpt.checkpointer import producer_of
 from lazyckpt.core import exit as _exit
 from lazyckpt.core import guard as _guard
 from lazyckpt.core.report import raise_first
@@ -252,7 +253,7 @@ class AccelerateHandle:
             finisher=self._on_finisher,
             uploader=self._on_uploader,
             url=url,
-            publish=None if prepare is None else self.checkpointer.publish,
+            publish=None if prepare is None else producer_of(self.checkpointer).publish,
         )
         if prepare is not None:
             prepare(call)

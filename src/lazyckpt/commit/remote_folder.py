@@ -27,7 +27,8 @@ from lazyckpt.storage.remote import RemoteTier
 
 
 class Checkpointer(Protocol):
-    """What folder saves at URLs need of their checkpointer (``LazyCheckpointer``)."""
+    """What folder saves at URLs need of their checkpointer: its producer interface
+    (``core/producer.Producer``, ``lazyckpt.checkpointer.producer_of(ckpt)``)."""
 
     @property
     def options(self) -> CheckpointerOptions: ...

@@ -31,14 +31,14 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from lazyckpt.core import guard as _guard
-from lazyckpt.core.handle import Completion, SaveHandle, SaveStats
+from lazyckpt.core.handle import Completion, SaveHandle, SaveStats, confirm, finished_report, wait_finished
 from lazyckpt.core.job import Job
 from lazyckpt.core.plan import SavePlan
 from lazyckpt.formats.flatten import Source, flatten_torch
 from lazyckpt.formats.torch_zip import storage_alignment
 from lazyckpt.storage import fs as _fs
 
-from ..checkpointer import LazyCheckpointer
+from ..checkpointer import LazyCheckpointer, producer_of
 from ..errors import LazyCkptError, SaveRefusedError, WriteError
 from ._handle import Save
 from ._layout import RankFileLayout
@@ -91,7 +91,7 @@ class RankFile:
             layout=layout, file_bytes=layout.file_bytes, crc=self.ckpt.crc, fsync=self.ckpt.fsync,
             wait_in_closure=self.ckpt.wait_in_closure, t0=t0,
         )  # fmt: skip
-        self.ckpt.run_job(job, eager, self.plan.direct)
+        producer_of(self.ckpt).run_job(job, eager, self.plan.direct)
         job.t_returned = time.perf_counter()
         return job.handle
 
@@ -162,7 +162,7 @@ def bind_local(completion: Completion, local: SaveHandle) -> None:
     """Make the distributed handle's waits (``wait()``, ``exception(timeout)``, the checkpointer's)
     confirm ``local``, this rank's file, on the waiting thread first: the distributed outcome needs
     every rank's file committed, and this rank's is committed only once confirmed."""
-    completion.bind(confirm=local.confirm)  # a no-op once the file is committed
+    completion.bind(confirm=functools.partial(confirm, local))  # a no-op once the file is committed
 
 
 def local_outcome(local: SaveHandle) -> BaseException | None:
@@ -172,8 +172,8 @@ def local_outcome(local: SaveHandle) -> BaseException | None:
     distributed save reports it, as its cause. (The core publishes that error on the inner ledger
     just before the file is done: a ``raise_errors()`` on another thread in between would raise it
     bare; the distributed checkpointer's own waits first wait for the saves that carry it.)"""
-    local.wait_finished()
-    report = local.report
+    wait_finished(local)
+    report = finished_report(local)
     if report is not None:
         report.claim()
         return report.error
@@ -191,14 +191,14 @@ def resolve_handle(
     completion.bind()  # nothing left to confirm
     report = completion.resolve(stats, error)
     if report is not None:
-        ckpt.publish(report)
+        producer_of(ckpt).publish(report)
     return True
 
 
 def complete_handle(ckpt: LazyCheckpointer, completion: Completion) -> None:
     """Make the outcome visible; done-callbacks run on the core's callback thread, as a job's do
     (they may wait for other saves, which the distributed commit thread commits)."""
-    completion.complete(ckpt.callbacks)
+    completion.complete(producer_of(ckpt).callbacks)
 
 
 def classify_start_error(exc: BaseException, rank: int, final: str) -> BaseException:

@@ -69,7 +69,7 @@ from lazyckpt.levels import (
 )
 from lazyckpt.storage import fs as _fs
 
-from ..checkpointer import LazyCheckpointer
+from ..checkpointer import LazyCheckpointer, producer_of
 from ..errors import CheckpointerClosedError, DistributedLevelError, SaveRefusedError, UploadError
 from . import _commit
 from ._commit import RankReport
@@ -254,7 +254,7 @@ class DistributedLevels:
         return self._callbacks
 
     def publish(self, report: Report) -> None:
-        self.ctx.inner.publish(report)  # one ledger: wait() / close() raise it once
+        producer_of(self.ctx.inner).publish(report)  # one ledger: wait() / close() raise it once
 
     def forget(self, handle: LevelsHandle) -> None:
         with self._cond:
@@ -319,7 +319,7 @@ class DistributedLevels:
         own: BaseException | None = None
         try:
             if level.is_url:
-                entry.remote = RemoteFolder.create(ctx.inner.remote_tier(), entry.final)
+                entry.remote = RemoteFolder.create(producer_of(ctx.inner).remote_tier(), entry.final)
                 entry.staging = entry.remote.local  # the coordinator's .metadata and manifest
                 name = f"__{self.rank}_0.{ctx.decider.token[:16]}-{key}.distcp"  # a name of its own per save
                 check_file(src, source.layout.file_crc)
@@ -417,9 +417,10 @@ class DistributedLevels:
         now, freed on its remover thread) or its remote tier."""
         if self.rank == self.scopes[index].leader:
             inner = self.ctx.inner
+            producer = producer_of(inner)
             self._retention.apply(
-                index, self.levels[index], self.options.storage_options, True, inner.remove, inner.remote_tier,
-                inner.publish, sweep=sweep,
+                index, self.levels[index], self.options.storage_options, True, inner.remove, producer.remote_tier,
+                producer.publish, sweep=sweep,
             )  # fmt: skip
 
     def _sweep(self) -> None:

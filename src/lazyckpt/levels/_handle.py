@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Protocol
 
-from lazyckpt.core.handle import CallbackRunner, Completion, Outcome, SaveHandle, SaveStats
+from lazyckpt.core.handle import CallbackRunner, Completion, Outcome, SaveHandle, SaveStats, wait_finished
 from lazyckpt.core.report import Report
 
 
@@ -64,7 +64,7 @@ class LevelsHandle(SaveHandle):
                 self._source.wait_staged(timeout)
             except TimeoutError:
                 return False
-        return self.wait_finished(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return wait_finished(self, None if deadline is None else max(0.0, deadline - time.monotonic()))
 
 
 class Parts:

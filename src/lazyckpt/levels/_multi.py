@@ -60,7 +60,6 @@ class Saver(Protocol):
     def save(self, obj: Any, path: str) -> SaveHandle: ...
     def raise_errors(self) -> None: ...
     def remove(self, path: str) -> Any: ...
-    def reuse(self, path: str) -> bool: ...
     def wait_staged(self, timeout: float | None = None) -> None: ...
 
 
@@ -100,15 +99,23 @@ class _Worker:
 
 class MultiLevel:
     """The multi-level saver of one checkpointer: file checkpoints (``folder=False``,
-    ``step-<n>.pt``) or folder checkpoints (``folder=True``, ``step-<n>``)."""
+    ``step-<n>.pt``) or folder checkpoints (``folder=True``, ``step-<n>``). ``reuse``: the
+    checkpointer's page reuse for a memory level's dropped steps (``Producer.reuse``), None for none."""
 
     def __init__(
-        self, ckpt: Saver, levels: tuple[Level, ...], options: CheckpointerOptions, *, folder: bool = False
+        self,
+        ckpt: Saver,
+        levels: tuple[Level, ...],
+        options: CheckpointerOptions,
+        *,
+        folder: bool = False,
+        reuse: Callable[[str], bool] | None = None,
     ) -> None:
         check_levels(levels)
         if len({lv.path for lv in levels}) != len(levels):
             raise ValueError("two levels share a path; give each level its own folder")
         self.ckpt = ckpt
+        self._reuse = reuse
         self.levels = levels
         self.options = options
         self.folder = folder
@@ -349,7 +356,7 @@ class MultiLevel:
         ``LazyCheckpointer.remove`` (local: renamed away now, freed on its remover thread) or the
         remote tier (a URL level: on its own level thread)."""
         level = self.levels[index]
-        reuse = self.ckpt.reuse if level.reuse_pages and index in self._sourced else None
+        reuse = self._reuse if level.reuse_pages and index in self._sourced else None
         self._retention.apply(
             index, level, self.options.storage_options, self.folder, self.ckpt.remove,
             self._remote_tier, self._ledger.publish, reuse, sweep,

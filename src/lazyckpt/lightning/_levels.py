@@ -37,7 +37,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from lazyckpt.checkpointer import LazyCheckpointer
+from lazyckpt.checkpointer import LazyCheckpointer, producer_of
 from lazyckpt.core.handle import SaveHandle
 from lazyckpt.core.report import raise_first
 from lazyckpt.errors import LazyCkptError, LevelError, SaveRefusedError
@@ -86,7 +86,7 @@ class _PluginSaver:
         return self._plugin.open_checkpointer().remove(path)
 
     def reuse(self, path: str) -> bool:
-        return self._plugin.open_checkpointer().reuse(path)
+        return producer_of(self._plugin.open_checkpointer()).reuse(path)
 
     def wait_staged(self, timeout: float | None = None) -> None:
         self._plugin.open_checkpointer().wait_staged(timeout)
@@ -115,7 +115,9 @@ class PluginLevels:
             if found is not None:
                 return found
             self._refuse_taken(levels)
-            made = self._savers[levels] = MultiLevel(_PluginSaver(plugin), levels, plugin.open_checkpointer().options)
+            saver = _PluginSaver(plugin)
+            options = plugin.open_checkpointer().options
+            made = self._savers[levels] = MultiLevel(saver, levels, options, reuse=saver.reuse)
             return made
 
     def save_sharded(
