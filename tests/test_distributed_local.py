@@ -254,7 +254,7 @@ def test_a_folder_that_is_no_checkpoint_is_refused_not_replaced(dckpt, tmp_path)
 
 
 def test_a_checkpoint_moved_aside_by_a_dead_save_is_restored_not_deleted(tmp_path):
-    """publish() without RENAME_EXCHANGE moves the old folder aside first; if the process dies
+    """swap_in() without RENAME_EXCHANGE moves the old folder aside first; if the process dies
     right then, the next cleanup puts it back."""
     aside = staging_path(str(tmp_path / "c"), "deadbeef", 1, old=True)
     os.makedirs(aside)
@@ -329,7 +329,7 @@ def test_publish_without_exchange_puts_the_old_checkpoint_back_when_the_rename_f
     monkeypatch.setattr(_commit, "_exchange", lambda a, b: False)
     monkeypatch.setattr(_commit.os, "rename", rename)
     with pytest.raises(OSError, match="injected"):
-        _commit.publish(str(tmp_path / "staging"), str(tmp_path / "final"), str(tmp_path / "old"), fsync=True)
+        _commit.swap_in(str(tmp_path / "staging"), str(tmp_path / "final"), str(tmp_path / "old"), fsync=True)
     assert (tmp_path / "final" / ".metadata").read_text() == "old"
     assert sorted(os.listdir(tmp_path)) == ["final", "staging"]
 
@@ -347,7 +347,7 @@ def test_publish_says_when_the_new_checkpoint_is_in_place_but_not_durable(tmp_pa
 
     monkeypatch.setattr(_commit, "fsync_dir", fsync_dir)
     with pytest.raises(_commit.NotDurableError):
-        _commit.publish(str(tmp_path / "staging"), str(tmp_path / "final"), str(tmp_path / "old"), fsync=True)
+        _commit.swap_in(str(tmp_path / "staging"), str(tmp_path / "final"), str(tmp_path / "old"), fsync=True)
     assert (tmp_path / "final" / ".metadata").read_text() == "new"
     assert sorted(os.listdir(tmp_path)) == ["final"]  # the old one deleted all the same
 

@@ -13,8 +13,7 @@ import torch
 
 from lazyckpt.core import exit as _exit
 from lazyckpt.core import guard as _guard
-from lazyckpt.core.backpressure import Backpressure as HostBackpressure
-from lazyckpt.core.backpressure import skipped_handle
+from lazyckpt.core.backpressure import BackpressureGate, skipped_handle
 from lazyckpt.core.engine import Engine
 from lazyckpt.core.handle import SaveHandle
 from lazyckpt.core.job import Job
@@ -95,7 +94,7 @@ class LazyCheckpointer(_exit.ClosedOnExit):
         self.fsync, self.crc, self.wait_in_closure = options.fsync, options.crc, options.wait_in_closure
         self.on_backpressure: Backpressure = options.on_backpressure
         self.pool = HostBufferPool(budget, options.chunk_bytes, pin)
-        self._backpressure = HostBackpressure(self.pool, skip=options.on_backpressure == "skip")
+        self._backpressure = BackpressureGate(self.pool, skip=options.on_backpressure == "skip")
         self.direct_io = options.direct_io
         self.zero_copy = options.zero_copy
         self.capture_in_save = options.capture_in_save

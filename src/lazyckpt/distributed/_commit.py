@@ -143,7 +143,7 @@ def cleanup_leftovers(directory: str) -> list[str]:
             path = os.path.join(directory, name)
             final = os.path.join(directory, name[1 : name.index(".lazyckpt-dist-")])
             if m.group(2) and not os.path.lexists(final):
-                # A previous checkpoint moved aside by publish() without RENAME_EXCHANGE, and the
+                # A previous checkpoint moved aside by swap_in() without RENAME_EXCHANGE, and the
                 # process died before the new one took its name: put it back, never delete it.
                 os.rename(path, final)
                 logger.warning("lazyckpt: restored %s from %s (a save died while replacing it)", final, path)
@@ -424,7 +424,7 @@ class NotDurableError(OSError):
     """The new checkpoint is at its final name, but making the rename durable failed."""
 
 
-def publish(staging: str, final: str, old: str, fsync: bool) -> None:
+def swap_in(staging: str, final: str, old: str, fsync: bool) -> None:
     """Make ``staging`` visible as ``final`` in one rename; an existing ``final`` is swapped out
     atomically (``renameat2(RENAME_EXCHANGE)``) and deleted, so a reader sees the old checkpoint or
     the new one, never neither (except where the kernel lacks the exchange: two renames).

@@ -56,7 +56,7 @@ class Decider:
             remote.upload(name)
         remote.upload(_commit.MANIFEST)
 
-    def publish_remote(self, entry: _Save, reports: dict[int, RankReport]) -> Failure | None:
+    def commit_remote(self, entry: _Save, reports: dict[int, RankReport]) -> Failure | None:
         """Coordinator, after deciding "commit": upload ``.metadata``, which makes it a checkpoint
         (replacing a previous one at the prefix in one PUT), then delete the previous checkpoint's
         data files (best effort)."""
@@ -108,11 +108,11 @@ class Decider:
             outcome = _abort_reason(decided)
             outcome.cause = own_exc
         elif entry.remote is not None:
-            outcome = self.publish_remote(entry, reports)
+            outcome = self.commit_remote(entry, reports)
         else:
             try:
                 old = _commit.staging_path(entry.final, self.token, entry.n, old=True)
-                _commit.publish(entry.staging, entry.final, old, self.fsync)
+                _commit.swap_in(entry.staging, entry.final, old, self.fsync)
             except OSError as exc:
                 if isinstance(exc, _commit.NotDurableError):
                     why = f"rank {self.rank} (coordinator): {exc}"
@@ -254,7 +254,7 @@ class Decider:
                 world_size=self.world_size,
             )  # fmt: skip
             old = _commit.staging_path(entry.final, self.token, entry.n, old=True)
-            _commit.publish(entry.staging, entry.final, old, self.fsync)
+            _commit.swap_in(entry.staging, entry.final, old, self.fsync)
         except Exception as exc:  # noqa: BLE001 - every rank must learn it
             if not isinstance(exc, _commit.NotDurableError):
                 shutil.rmtree(entry.staging, ignore_errors=True)
