@@ -36,7 +36,7 @@ class ShardedRoute:
         ``dcp.save(state_dict, storage_writer=FileSystemWriter(path))``, lazily, on every process
         (collective, as dcp.save is): the same folder through a ``DistributedCheckpointer``."""
         if self.closed:
-            raise RuntimeError("lazyckpt.accelerate: routing a save after remove()")  # not reached: unrouted
+            raise RuntimeError("lazyckpt.accelerate: routing a save after uninstall()")  # not reached: unrouted
         call = _compat.active_save.get()
         if not isinstance(call, SaveStateCall) or call.owner is not self.owner:
             call = None
