@@ -393,7 +393,7 @@ def test_a_lazy_save_is_confirmed_on_the_training_thread_never_the_commit_thread
     c = DistributedCheckpointer(host_memory_budget=4 << 20, chunk_bytes=1 << 20, commit_timeout=30)
     try:
         h = c.save({"model": model.state_dict()}, tmp_path / "c")
-        job = h._local._o.confirm.__self__  # the rank file's core job (its bound confirmation hook)
+        job = h._part.handle._o.confirm.__self__  # the rank file's core job (its bound confirmation hook)
         assert job.lazy and job.wait_for(Stage.READ, 10)  # copies over: only a confirmation is missing
         assert not h.done()
         if entry == "handle.wait":

@@ -40,7 +40,7 @@ from ._core import (
     start_rank_file,
 )
 from ._decide import Decider, store_host_rank
-from ._handle import DistributedSaveHandle, Save, extra_name, resolve_path, save_error
+from ._handle import DistributedSaveHandle, LocalPart, Save, extra_name, resolve_path, save_error
 from ._levels import Context, DistributedLevels
 from ._plan import PlanCache, RankPlan, plan_save
 from ._upload import RemoteFolder
@@ -270,7 +270,8 @@ class DistributedCheckpointer(_exit.ClosedOnExit):
         final = resolve_path(path)
         url = _remote.is_url(final)
         n = self._next_n()
-        completion = Completion(final, DistributedSaveHandle, url=final if url else None)
+        part = LocalPart()
+        completion = Completion(final, DistributedSaveHandle, url=final if url else None, part=part)
         handle: DistributedSaveHandle = completion.handle  # type: ignore[assignment]
 
         def prepare() -> str:  # coordinator, inside the planning collective
@@ -291,7 +292,7 @@ class DistributedCheckpointer(_exit.ClosedOnExit):
             return staging
 
         plan = plan_save(state, self._dist, final, prepare, self._plan_cache, n)
-        entry = Save(n, final, plan.staging, handle, t0, metadata=plan.metadata, completion=completion)
+        entry = Save(n, final, plan.staging, handle, t0, metadata=plan.metadata, completion=completion, part=part)
         if self._dist.is_coordinator and extra_files:
             entry.extra_files = {extra_name(name): bytes(data) for name, data in extra_files.items()}
         with self._lock:

@@ -12,7 +12,7 @@ The core's save lives on in two places here. Confirmation (``Job.confirm``): a r
 committed only after its lazy tensors' versions were re-checked on the training thread once the
 copies were over; the distributed commit thread therefore waits for the file without confirming
 (``local_outcome``), and the training-thread entry points confirm (``confirm_ready``, and the
-distributed handle's ``_confirm``, ``bind_local``). Errors: one ``ErrorLedger``, the inner
+distributed handle's ``LocalPart``, ``bind_local``). Errors: one ``ErrorLedger``, the inner
 checkpointer's: a rank file's own report is claimed by the distributed save that carries it as its
 cause, and the distributed save's report is published there (``finish``).
 """
@@ -117,8 +117,8 @@ def start_rank_file(ckpt: LazyCheckpointer, entry: Save, plan: RankPlan) -> None
     entry.layout = layout
     path = os.path.join(entry.staging, entry.file)
     entry.local = rank_file.start(path, layout, entry.t0)
-    assert entry.handle is not None and entry.completion is not None
-    entry.handle.bind_local(entry.local)
+    assert entry.handle is not None and entry.completion is not None and entry.part is not None
+    entry.part.handle = entry.local
     bind_local(entry.completion, entry.local)
     confirm_in_forward()
 

@@ -75,7 +75,7 @@ from . import _commit
 from ._commit import RankReport
 from ._core import classify_start_error, complete_handle, confirm_ready, local_outcome, resolve_handle, start_rank_file
 from ._decide import Decider
-from ._handle import DistributedSaveHandle, Failure, Save, extra_name
+from ._handle import DistributedSaveHandle, Failure, LocalPart, Save, extra_name
 from ._plan import PlanCache, plan_save
 from ._promote import check_file, copy_checked, renamed
 from ._topology import Scope, dedup_groups, probe
@@ -191,10 +191,13 @@ class DistributedLevels:
         final = self.levels[first].folder(step)
         plan = plan_save(state, ctx.wrapper, final, lambda: "", self._plans, n, groups=self._groups)
         admitted = [i for i in due[1:] if self._admit(i, step)]  # all of them: "block" only
-        completion = Completion(final, DistributedSaveHandle)
+        part = LocalPart()
+        completion = Completion(final, DistributedSaveHandle, part=part)
         handle: DistributedSaveHandle = completion.handle  # type: ignore[assignment]
         staging = _commit.staging_path(final, ctx.decider.token, key)
-        entry = Save(key, final, staging, handle, t0, metadata=copy.copy(plan.metadata), completion=completion)
+        entry = Save(
+            key, final, staging, handle, t0, metadata=copy.copy(plan.metadata), completion=completion, part=part
+        )
         entry.file = f"__{self.rank}_0.distcp"
         st = _Step(n, step, first, entry, plan.needs, plan.metadata, readers=len(admitted))
         st.parts = Parts(final, step, handle, [first, *admitted], self, t0)
