@@ -114,3 +114,31 @@ def test_integrations_take_checkpointer_options():
     assert plugin._options == CheckpointerOptions(writer_threads=2, fsync=False)
     with pytest.raises(TypeError):
         LL.LazyCheckpointIO(object(), options=CheckpointerOptions())  # type: ignore[arg-type]
+
+
+def test_the_classes_users_hold_carry_no_internal_api():
+    """Issue 36 item 5: what producers need of a public object is reached through its producer
+    interface (``producer_of``, ``core.handle``'s functions, the plugin's runtime), not its methods."""
+    import pytest
+
+    from lazyckpt.checkpointer import producer_of
+    from lazyckpt.core.handle import confirm, finished_report, wait_finished
+    from lazyckpt.distributed import DistributedSaveHandle
+
+    gone = {
+        lazyckpt.LazyCheckpointer: ("publish", "callbacks", "reuse", "remote_tier", "run_job"),
+        lazyckpt.SaveHandle: ("report", "confirm", "wait_finished"),
+        DistributedSaveHandle: ("bind_local",),
+    }
+    for cls, names in gone.items():
+        for name in names:
+            assert not hasattr(cls, name), f"{cls.__name__}.{name}"
+    for cls in (lazyckpt.LazyCheckpointer, lazyckpt.SaveHandle):
+        assert "Internal API" not in "".join(inspect.getdoc(m) or "" for _, m in inspect.getmembers(cls))
+    with lazyckpt.LazyCheckpointer(host_memory_budget=1 << 20) as ckpt:
+        assert producer_of(ckpt).callbacks is not None
+    assert callable(confirm) and callable(finished_report) and callable(wait_finished)
+    L = pytest.importorskip("lazyckpt.lightning")
+    for name in ("start_save", "open_checkpointer", "wait_path", "on_optimizer_step", "raise_errors",
+                 "levels_saver", "save_sharded_levels", "settle_levels", "drain", "save_sharded"):  # fmt: skip
+        assert not hasattr(L.LazyCheckpointIO, name), f"LazyCheckpointIO.{name}"
