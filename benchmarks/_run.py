@@ -264,7 +264,7 @@ class Bench:
         try:
             _gpt.train_step(self.model, self.opt, self.batches.next(), before_step=before_step)
         finally:
-            handle.uninstall()
+            handle.remove()
         if marks.get("hook", 0) - marks.get("before", 0) > 1e-4:
             mode.blocked.append((marks["before"], marks["hook"], "guard"))
         self.step_no += 1
