@@ -146,7 +146,7 @@ def main() -> None:
                 handle.wait()  # every save durable
             drain = time.perf_counter() - t0
             if handle is not None:
-                handle.remove()
+                handle.uninstall()
             t0 = time.perf_counter()
             os.sync()  # nothing of this phase spills into the next one (stock's page cache included)
             synced[phase].append(time.perf_counter() - t0)  # what stock leaves to the kernel to write

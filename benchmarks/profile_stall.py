@@ -270,7 +270,7 @@ def run_accelerate(args: argparse.Namespace, out: Path, ph: Phases, *, levels: b
             acc.save_state()
     with ph("final drain (handle.wait)"):
         handle.wait()
-    handle.remove()
+    handle.uninstall()
 
 
 LOOPS = {

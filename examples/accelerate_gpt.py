@@ -77,7 +77,7 @@ def main() -> None:
     lazy = statistics.median(train(args.steps, save=True))
     handle.wait()  # <- lazyckpt: every checkpoint durable
     accelerator.load_state()  # newest checkpoint, exactly as saved
-    handle.remove()  # <- lazyckpt: back to stock (optional)
+    handle.uninstall()  # <- lazyckpt: back to stock (optional)
 
     say(f"step without checkpoint            {base:7.3f} s")
     say(f"stall per save_state, stock        {stock - base:+7.3f} s   (no fsync)")

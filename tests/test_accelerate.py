@@ -35,6 +35,7 @@ from _util import hold_staging  # noqa: E402
 from accelerate_scripts import acc_common as C  # noqa: E402
 from lazyckpt import LazyCheckpointer  # noqa: E402
 from lazyckpt.accelerate import _compat as _accelerate_compat  # noqa: E402
+from lazyckpt.commit.folder import MARKER_PREFIX  # noqa: E402
 from lazyckpt.errors import WriteError  # noqa: E402
 from lazyckpt.storage import fs as _fs  # noqa: E402
 
@@ -72,7 +73,7 @@ def installs():
     yield _install
     for h in made:
         try:
-            h.remove()
+            h.uninstall()
         except Exception:  # noqa: BLE001 - a test may leave a deliberately failed save behind
             pass
     assert accelerate.checkpointing.save is STOCK_SAVE
@@ -638,7 +639,7 @@ def test_user_hooks_and_custom_objects(tmp_path, installs):
     assert_restored(C.snapshot(acc2, *split(objs2), customs2), want)
 
 
-def test_remove_restores_stock_behaviour(tmp_path, installs):
+def test_uninstall_restores_stock_behaviour(tmp_path, installs):
     acc, objs, _ = make()
     user_hook = acc.register_save_state_pre_hook(lambda m, w, d: None)
     hooks_before = list(acc._save_model_state_pre_hook)
@@ -653,14 +654,14 @@ def test_remove_restores_stock_behaviour(tmp_path, installs):
     step(acc, objs, gen)
     acc.save_state(str(tmp_path / "a"))
     assert gated.pending_paths()
-    h.remove()  # drains first
+    h.uninstall()  # drains first
     assert not gated.pending_paths() and LA.is_complete(tmp_path / "a")
     assert "save_state" not in vars(acc) and "load_state" not in vars(acc)
     assert acc.save_state.__func__ is class_save
     assert accelerate.checkpointing.save is STOCK_SAVE
     assert list(acc._save_model_state_pre_hook) == hooks_before
     assert not gated.closed  # a checkpointer passed in belongs to the caller
-    h.remove()  # idempotent
+    h.uninstall()  # idempotent
     acc.save_state(str(tmp_path / "b"))  # stock again: synchronous, nothing pending, no marker
     assert not gated.pending_paths()
     assert C.file_tree(tmp_path / "b") == C.file_tree(tmp_path / "a")
@@ -707,8 +708,24 @@ def test_install_arguments(installs):
     assert "save_state" not in vars(acc)
     h = installs(acc, host_memory_budget=64 << 20, writer_threads=2, load_timeout=5)
     assert isinstance(h.checkpointer, LazyCheckpointer) and h.load_timeout == 5
-    h.remove()
-    assert h.checkpointer.closed  # created by install(): closed by remove()
+    h.uninstall()
+    assert h.checkpointer.closed  # created by install(): closed by uninstall()
+
+
+def test_old_remove_name_warns_and_still_uninstalls(tmp_path, installs):
+    """``handle.remove()`` / ``handle.removed``: the old names of ``uninstall()`` / ``uninstalled``."""
+    acc, objs, _ = make()
+    h = installs(acc, host_memory_budget=64 << 20)
+    step(acc, objs, torch.Generator().manual_seed(0))
+    acc.save_state(str(tmp_path / "a"))
+    with pytest.warns(DeprecationWarning, match="uninstalled"):
+        assert h.removed is False
+    with pytest.warns(DeprecationWarning, match=r"handle\.uninstall\(\)"):
+        h.remove()  # drains first, as uninstall() does
+    assert h.uninstalled and LA.is_complete(tmp_path / "a")
+    assert "save_state" not in vars(acc) and h.checkpointer.closed
+    with pytest.warns(DeprecationWarning):
+        assert h.removed is True
 
 
 def test_marker_that_cannot_be_made_durable_fails_the_save(tmp_path, installs, monkeypatch):
@@ -719,7 +736,7 @@ def test_marker_that_cannot_be_made_durable_fails_the_save(tmp_path, installs, m
     real = _fs.fsync_file
 
     def failing(path):
-        if os.path.basename(path).startswith(LA.PENDING_MARKER_PREFIX):
+        if os.path.basename(path).startswith(MARKER_PREFIX):
             raise OSError(5, "injected EIO on the marker")
         return real(path)
 

@@ -141,7 +141,7 @@ def test_a_memory_level_writes_each_step_folder_over_the_pages_of_the_one_retent
     got = stock_restore_subprocess(tmp_path, [Level(mem).folder(5), Level(mem).folder(6)], model=model_kw)
     for restored, step in zip(got, (5, 6), strict=True):
         assert_restored(restored, snaps[step])
-    h.remove()
+    h.uninstall()
     assert sorted(os.listdir(mem)) == ["step-00000005", "step-00000006"]  # the spares went with the saver
 
 
@@ -281,7 +281,7 @@ def test_refusals(tmp_path, mem, installs):
         plain.step = 3
     with pytest.raises(ValueError, match="no levels"):
         LA.load_latest(plain.accelerator)
-    h.remove()
+    h.uninstall()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -307,7 +307,7 @@ def _state(acc, objs):
 def test_memory_level_wiped_restores_from_disk_and_training_continues_exactly(tmp_path, mem, installs):
     levels = [Level(mem, every=1, keep=2), Level(tmp_path / "disk", every=3, keep=2)]
     acc, objs, h, snaps = _run_to(levels, 7, installs=installs)
-    h.remove()
+    h.uninstall()
     shutil.rmtree(mem)  # a reboot: node memory is gone
     # the uninterrupted run: 7 steps, then 3 more
     ref_acc, ref_objs, _ = make()
@@ -357,7 +357,7 @@ def test_nothing_to_restore_returns_none(tmp_path, mem, installs):
 def test_load_latest_without_install_uses_stock_load_state(tmp_path, mem, installs):
     levels = [Level(mem, every=1, keep=1), Level(tmp_path / "disk", every=2, keep=1)]
     _acc, _objs, h, snaps = _run_to(levels, 3, installs=installs)
-    h.remove()
+    h.uninstall()
     fresh_accelerate_state_reset()
     acc2, objs2, _ = make(seed=99)
     found = LA.load_latest(acc2, levels)
@@ -418,7 +418,7 @@ def test_an_s3_level_restores_through_the_download_path(tmp_path, mem, installs,
     inside = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{url.removeprefix('s3://')}/step-00000004", refresh=True))
     assert inside == [".lazyckpt-complete", "model.safetensors", "optimizer.bin", "random_states_0.pkl",
                       "scheduler.bin"]  # fmt: skip
-    h.remove()
+    h.uninstall()
     shutil.rmtree(mem)
     fresh_accelerate_state_reset()
     acc2, objs2, _ = make(seed=5)

@@ -48,7 +48,7 @@ def installs():
     yield lambda acc, **kw: made.append(LA.install(acc, **kw)) or made[-1]
     for h in made:
         try:
-            h.remove()
+            h.uninstall()
         except Exception:  # noqa: BLE001
             pass
     import accelerate.checkpointing
@@ -91,7 +91,7 @@ def _restore(url, storage_options, tmp_path, **make_kw):
         acc.load_state(url)
         return C.snapshot(acc, *split(objs), customs)
     finally:
-        h.remove()
+        h.uninstall()
 
 
 def _same(got, want):
@@ -157,7 +157,7 @@ def test_s3_round_trip_and_failed_upload_leaves_nothing_loadable(tmp_path, insta
     # first, the upload fails with a typed error, and load_state refuses the prefix.
     proxy = FaultProxy(moto)
     try:
-        h.remove()
+        h.uninstall()
         bad = dict(opts, client_kwargs=dict(opts["client_kwargs"], endpoint_url=proxy.endpoint))
         h = installs(acc, storage_options=bad, local_dir=str(tmp_path / "tier2"), upload_retries=1)
         proxy.add("fail", lambda method, path: method == "PUT" and "optimizer" in path, times=1000)

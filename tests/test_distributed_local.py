@@ -17,6 +17,7 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 
 import _launch  # noqa: E402
 from lazyckpt import CheckpointerOptions, SaveRefusedError, StaleTensorError  # noqa: E402
+from lazyckpt.core.handle import wait_finished  # noqa: E402
 from lazyckpt.core.job import Stage  # noqa: E402
 from lazyckpt.distributed import DistributedCheckpointer, DistributedSaveError, verify_checkpoint  # noqa: E402
 from lazyckpt.distributed._commit import cleanup_leftovers, staging_path  # noqa: E402
@@ -215,7 +216,7 @@ def test_an_unseen_failure_is_raised_by_wait_not_by_the_next_save(dckpt, tmp_pat
     monkeypatch.setattr(_fs, "pwrite_all", enospc)
     h1 = dckpt.save({"w": torch.ones(1024)}, tmp_path / "a")
     h1.wait_staged()
-    assert h1.wait_finished(10)  # the commit thread has decided
+    assert wait_finished(h1, 10)  # the commit thread has decided
     monkeypatch.setattr(_fs, "pwrite_all", real)
     h2 = dckpt.save({"w": torch.ones(1024)}, tmp_path / "b")  # does not raise h1's error
     with pytest.raises(DistributedSaveError, match="No space left") as info:
@@ -253,7 +254,7 @@ def test_a_folder_that_is_no_checkpoint_is_refused_not_replaced(dckpt, tmp_path)
 
 
 def test_a_checkpoint_moved_aside_by_a_dead_save_is_restored_not_deleted(tmp_path):
-    """publish() without RENAME_EXCHANGE moves the old folder aside first; if the process dies
+    """swap_in() without RENAME_EXCHANGE moves the old folder aside first; if the process dies
     right then, the next cleanup puts it back."""
     aside = staging_path(str(tmp_path / "c"), "deadbeef", 1, old=True)
     os.makedirs(aside)
@@ -328,7 +329,7 @@ def test_publish_without_exchange_puts_the_old_checkpoint_back_when_the_rename_f
     monkeypatch.setattr(_commit, "_exchange", lambda a, b: False)
     monkeypatch.setattr(_commit.os, "rename", rename)
     with pytest.raises(OSError, match="injected"):
-        _commit.publish(str(tmp_path / "staging"), str(tmp_path / "final"), str(tmp_path / "old"), fsync=True)
+        _commit.swap_in(str(tmp_path / "staging"), str(tmp_path / "final"), str(tmp_path / "old"), fsync=True)
     assert (tmp_path / "final" / ".metadata").read_text() == "old"
     assert sorted(os.listdir(tmp_path)) == ["final", "staging"]
 
@@ -346,7 +347,7 @@ def test_publish_says_when_the_new_checkpoint_is_in_place_but_not_durable(tmp_pa
 
     monkeypatch.setattr(_commit, "fsync_dir", fsync_dir)
     with pytest.raises(_commit.NotDurableError):
-        _commit.publish(str(tmp_path / "staging"), str(tmp_path / "final"), str(tmp_path / "old"), fsync=True)
+        _commit.swap_in(str(tmp_path / "staging"), str(tmp_path / "final"), str(tmp_path / "old"), fsync=True)
     assert (tmp_path / "final" / ".metadata").read_text() == "new"
     assert sorted(os.listdir(tmp_path)) == ["final"]  # the old one deleted all the same
 
@@ -392,7 +393,7 @@ def test_a_lazy_save_is_confirmed_on_the_training_thread_never_the_commit_thread
     c = DistributedCheckpointer(host_memory_budget=4 << 20, chunk_bytes=1 << 20, commit_timeout=30)
     try:
         h = c.save({"model": model.state_dict()}, tmp_path / "c")
-        job = h._local._o.confirm.__self__  # the rank file's core job (its bound confirmation hook)
+        job = h._part.handle._o.confirm.__self__  # the rank file's core job (its bound confirmation hook)
         assert job.lazy and job.wait_for(Stage.READ, 10)  # copies over: only a confirmation is missing
         assert not h.done()
         if entry == "handle.wait":
@@ -403,10 +404,10 @@ def test_a_lazy_save_is_confirmed_on_the_training_thread_never_the_commit_thread
             c.close()
         elif entry == "wait_staged":
             c.wait_staged(timeout=20)
-            h.wait_finished(20)  # not a confirming wait: wait_staged() did it
+            wait_finished(h, 20)  # not a confirming wait: wait_staged() did it
         else:
             c.save({"w": torch.ones(2)}, tmp_path / "d")
-            h.wait_finished(20)
+            wait_finished(h, 20)
         assert h.done() and h.exception() is None
     finally:
         if not c.closed:

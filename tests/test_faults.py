@@ -14,6 +14,7 @@ import torch
 
 from _util import assert_same
 from lazyckpt import BackpressureWarning, CheckpointerClosedError, LazyCheckpointer, SaveRefusedError, WriteError
+from lazyckpt.core.handle import wait_finished
 from lazyckpt.storage import fs as _fs
 
 PREVIOUS = {"previous": torch.arange(10)}
@@ -106,7 +107,7 @@ def test_zero_byte_write_is_an_error(ckpt, tmp_path, monkeypatch):
 def test_unobserved_error_surfaces_from_next_save(ckpt, tmp_path, monkeypatch):
     heal = _failing_pwrite(monkeypatch, OSError(errno.ENOSPC, "full"))
     h = ckpt.save(_state(), tmp_path / "a.pt")
-    h.wait_finished()  # wait for the failure without observing it (as a user who never calls h.wait())
+    wait_finished(h)  # wait for the failure without observing it (as a user who never calls h.wait())
     heal()
     with pytest.raises(WriteError):
         ckpt.save(_state(), tmp_path / "b.pt")

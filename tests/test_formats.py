@@ -147,6 +147,32 @@ def test_plain_tensors_are_pickled_without_tensor_reduce_ex_and_the_bytes_stay_t
     assert _planned_file("torch", obj, tmp_path / "o.pt") == want
 
 
+class _Held:  # a tensor tensor_names cannot name: it is an attribute of an object
+    def __init__(self, t):
+        self.t = t
+
+
+def test_pickling_builds_a_tensor_description_only_for_tensors_without_a_name():
+    """reducer_override runs for every tensor on save()'s thread: the fallback text for a tensor that
+    tensor_names could not name is built only for such a tensor, not as a default for every lookup."""
+    from lazyckpt.formats import flatten
+
+    class Names(dict):
+        defaults: list[object] = []
+
+        def get(self, key, *default):
+            self.defaults.extend(default)
+            return super().get(key, *default)
+
+    obj = _torch_objects()["optimizer"]
+    names = Names(flatten.tensor_names(obj))
+    for fast in (True, False):
+        flatten._pickle(obj, names, fast)
+    assert names.defaults == []
+    with pytest.raises(SaveRefusedError, match=r"<tensor inside an object, shape \(3,\)>: meta tensors"):
+        flatten.flatten_torch({"held": _Held(torch.empty(3, device="meta"))})
+
+
 @pytest.mark.parametrize(
     "case",
     ["fast_path", "tensor_with_attribute", "storage_by_itself", "v3_dtype_record", "optimizer", "views_and_shared"],

@@ -13,8 +13,7 @@ import warnings
 import pytest
 import torch
 
-from lazyckpt import LazyCheckpointer
-from lazyckpt.checkpointer import BackpressureWarning
+from lazyckpt import BackpressureWarning, LazyCheckpointer
 from lazyckpt.errors import WriteError
 from lazyckpt.storage import fs as _fs
 

@@ -11,6 +11,7 @@ import torch
 from lazyckpt import LazyCheckpointer, StaleTensorError
 from lazyckpt.core import engine as _engine
 from lazyckpt.core import job as _job
+from lazyckpt.core.handle import wait_finished
 from lazyckpt.core.job import FileState, Stage
 from lazyckpt.storage import fs as _fs
 
@@ -96,7 +97,7 @@ def test_the_commit_waits_for_the_confirmation_not_only_for_the_file(tmp_path):
         assert job.wait_for(Stage.READ, 30)
         with job._lock:
             assert job._changed.wait_for(lambda: job.file is FileState.WRITTEN, 30)
-        assert not h.wait_finished(1.0)  # the committer may run: it must not commit (no confirming here)
+        assert not wait_finished(h, 1.0)  # the committer may run: it must not commit (no confirming here)
         assert job.stage is Stage.READ and not (tmp_path / "a.pt").exists()
         h.wait(30)  # confirms on this thread
         assert job.stage is Stage.CONFIRMED and (tmp_path / "a.pt").exists()

@@ -220,6 +220,25 @@ def test_sigkilled_training_restarts_from_the_newest_complete_step(mem, tmp_path
     assert entries[-1]["found"] is not None and entries[-1]["found"][0] > 10
 
 
+def test_latest_warnings_name_the_callers_line_on_the_agreed_path_too(tmp_path):
+    """latest()'s warnings (a level that cannot be listed, a step skipped) name the line of the code
+    that asked, also on the path the ranks agree on (the distributed checkpointer's latest())."""
+    from lazyckpt.levels._collective import StoreExchange
+    from lazyckpt.levels._latest import latest_agreed
+
+    levels = [Level(tmp_path / "a", every=1), Level("nosuchprotocol://bucket/b", every=1)]
+    os.makedirs(tmp_path / "a")
+    with open(levels[0].file(3), "wb") as fh:
+        fh.write(b"not a checkpoint")
+    exchange = StoreExchange(torch.distributed.HashStore(), "t", rank=0, world=1, timeout=10)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert latest_agreed(levels, exchange) is None
+        assert lazyckpt.latest(levels) is None
+    said = [(w.message, w.filename) for w in seen if issubclass(w.category, IncompleteCheckpointWarning)]
+    assert len(said) == 4 and {f for _, f in said} == {__file__}, said
+
+
 def test_corrupt_memory_copy_is_skipped_then_a_wiped_memory_level_falls_back_to_disk(mem, tmp_path):
     levels = [Level(mem, every=1, keep=2), Level(tmp_path / "disk", every=2, keep=2)]
     step, want = _train(), {}

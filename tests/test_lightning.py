@@ -483,6 +483,7 @@ def test_link_waits_for_a_pending_save_to_the_link_path(tmp_path, monkeypatch):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from lazyckpt.lightning._compat import link_after_pending as _link_after_pending
+    from lazyckpt.lightning._compat import runtime_of
     from lazyckpt.storage import fs as _fs
 
     gate = threading.Event()
@@ -495,7 +496,7 @@ def test_link_waits_for_a_pending_save_to_the_link_path(tmp_path, monkeypatch):
     trainer = types.SimpleNamespace(is_global_zero=True, strategy=types.SimpleNamespace(barrier=lambda: None))
     import weakref
 
-    link = _link_after_pending(ModelCheckpoint._link_checkpoint, weakref.ref(plugin))
+    link = _link_after_pending(ModelCheckpoint._link_checkpoint, weakref.ref(runtime_of(plugin)))
     t = threading.Thread(target=link, args=(trainer, str(target), str(last)))
     t.start()
     t.join(0.2)

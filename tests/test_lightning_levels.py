@@ -251,6 +251,7 @@ def test_strategies_that_bypass_checkpoint_io_are_refused_but_the_sharded_ones_s
     """DeepSpeed saves through its engine: refused. ModelParallelStrategy (DCP folders) is served by
     every rank's sharded save (tests/test_lightning_levels_sharded.py runs it)."""
     from lazyckpt.lightning import _levels
+    from lazyckpt.lightning._compat import runtime_of
 
     def trainer_with(name: str, **attrs: Any) -> Any:  # the least a Trainer needs for the check
         strategy = type(name, (), {"__module__": "lightning.pytorch.strategies", **attrs})()
@@ -258,9 +259,9 @@ def test_strategies_that_bypass_checkpoint_io_are_refused_but_the_sharded_ones_s
         return type("Trainer", (), {"strategy": strategy})()
 
     with pytest.raises(SaveRefusedError, match="DeepSpeed"):
-        _levels._plugin_of(trainer_with("DeepSpeedStrategy"))
+        _levels._runtime_of(trainer_with("DeepSpeedStrategy"))
     served = trainer_with("ModelParallelStrategy", _save_distributed_checkpoint=True)
-    assert _levels._plugin_of(served) is served.strategy.checkpoint_io
+    assert _levels._runtime_of(served) is runtime_of(served.strategy.checkpoint_io)
 
 
 # -- real processes ---------------------------------------------------------------------------------

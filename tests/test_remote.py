@@ -329,7 +329,7 @@ def test_s3_backlog_bound_blocks_and_warns_with_numbers(tmp_path, s3, proxy, mon
         first = ck.save(_state(seed=12), f"s3://{bucket}/b/1.pt")
         first.wait_local()
         assert hold.arrived.wait(60)
-        tier = ck._remote
+        tier = ck._producer.remote
         real_wait = tier._cond.wait
         blocked = []
 

@@ -101,6 +101,36 @@ def test_remove_of_a_folder_follows_every_pending_save_into_it(tmp_path, monkeyp
         assert fut.done() and os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("trash", ["renamed", "other_filesystem"])
+def test_remove_of_a_folder_keeps_a_later_save_into_it(tmp_path, monkeypatch, trash):
+    """A save into the folder started after remove() writes its temporary there while the removal
+    waits for the earlier save: the removal takes the folder away without that later save's
+    temporary, and the later save commits into the same folder name."""
+    gate = _held_writes(monkeypatch)
+    if trash == "other_filesystem":  # the folder cannot be renamed: deleted in place
+        real_rename = _fs.rename
+
+        def exdev(src, dst):
+            if os.path.basename(src) == "checkpoint_0":
+                raise OSError(errno.EXDEV, "cross-device link")
+            real_rename(src, dst)
+
+        monkeypatch.setattr(_fs, "rename", exdev)
+    with LazyCheckpointer(host_memory_budget=64 << 20, chunk_bytes=1 << 20) as ckpt:
+        folder = tmp_path / "checkpoint_0"
+        first = ckpt.save({"w": torch.full((10_000,), 1.0)}, folder / "a.bin")
+        fut = ckpt.remove(folder, trash_dir=tmp_path)
+        later = ckpt.save({"w": torch.full((10_000,), 2.0)}, folder / "b.bin")
+        gate.set()
+        first.wait(30)
+        later.wait(30)
+        assert fut.result(timeout=30) is None
+        ckpt.wait(30)
+        assert os.listdir(tmp_path) == ["checkpoint_0"]
+        assert os.listdir(folder) == ["b.bin"]
+        assert torch.load(folder / "b.bin")["w"][0].item() == 2.0
+
+
 def test_remove_behind_a_failed_save_of_a_new_path_has_nothing_to_delete(tmp_path, monkeypatch):
     """The path is missing when the removal's turn comes (the save failed, nothing was there): the
     removal completes quietly; the save's error is raised once, by the save's own reporting."""

@@ -22,6 +22,7 @@ import torch
 
 import lazyckpt
 from lazyckpt import LazyCheckpointer, Level, WriteError
+from lazyckpt.checkpointer import producer_of
 from lazyckpt.errors import IncompleteCheckpointWarning
 from lazyckpt.formats import torch_zip
 from lazyckpt.storage import fs as _fs
@@ -310,7 +311,7 @@ def test_a_dropped_step_folder_gives_each_large_file_to_the_save_of_its_name(mem
         ck.save(_state(1, 16), os.path.join(step(1), "small.pt")).wait()  # under FOLDER_MIN_BYTES
         model = os.stat(os.path.join(step(1), "model.pt")).st_ino
         opt = os.stat(os.path.join(step(1), "shard", "opt.pt")).st_ino
-        assert ck.reuse(step(1))
+        assert producer_of(ck).reuse(step(1))
         assert not os.path.exists(step(1))  # gone from its name at once, in one rename
         assert len(_temporaries(mem)) == 2  # the two large files, parked in the level
         ck.save(_big(3.0, 1 << 18), os.path.join(step(2), "model.pt")).wait()  # smaller: the file is cut
@@ -333,8 +334,10 @@ def test_the_spares_of_a_folder_replace_those_of_the_folder_before(mem):
     with LazyCheckpointer(host_memory_budget=64 << 20) as ck:
         for n, name in [(1, "a.pt"), (2, "b.pt")]:
             ck.save(_big(float(n)), os.path.join(mem, f"step-{n}", name)).wait()
-        assert ck.reuse(os.path.join(mem, "step-1")) and len(_temporaries(mem)) == 1
-        assert ck.reuse(os.path.join(mem, "step-2")) and len(_temporaries(mem)) == 1  # a.pt's spare dropped
+        assert producer_of(ck).reuse(os.path.join(mem, "step-1")) and len(_temporaries(mem)) == 1
+        assert (
+            producer_of(ck).reuse(os.path.join(mem, "step-2")) and len(_temporaries(mem)) == 1
+        )  # a.pt's spare dropped
         ck.save(_big(3.0), os.path.join(mem, "step-3", "a.pt")).wait()
         assert ck._engine.spares.reused == 0
         ck.save(_big(3.0), os.path.join(mem, "step-3", "b.pt")).wait()
@@ -353,12 +356,12 @@ def test_a_folder_with_a_save_pending_inside_is_not_reused(mem, monkeypatch):
         gate = WriteGate(monkeypatch)  # ... where the next save's writes wait: it is pending
         h = ck.save(_big(2.0), os.path.join(folder, "late.pt"))
         try:
-            assert not ck.reuse(folder)
+            assert not producer_of(ck).reuse(folder)
             assert os.path.isdir(folder) and _temporaries(mem) == []
         finally:
             gate.release()
         h.wait()
-        assert ck.reuse(folder)
+        assert producer_of(ck).reuse(folder)
 
 
 def test_a_file_a_reader_holds_in_a_dropped_folder_is_deleted_not_reused(mem):
@@ -369,7 +372,7 @@ def test_a_file_a_reader_holds_in_a_dropped_folder_is_deleted_not_reused(mem):
         fd = os.open(os.path.join(folder, "model.pt"), os.O_RDONLY)
         try:
             _spare.share_lock(fd, os.path.join(folder, "model.pt"))  # lazyckpt.load's side
-            assert ck.reuse(folder)
+            assert producer_of(ck).reuse(folder)
             ck.save(_big(3.0), os.path.join(mem, "step-2", "model.pt")).wait()
             ck.save(_big(4.0), os.path.join(mem, "step-2", "opt.pt")).wait()
             assert ck._engine.spares.reused == 1  # opt.pt only

@@ -12,8 +12,9 @@ from lazyckpt.options import CheckpointerOptions
 from lazyckpt.recovery.verify import VerifyReport, verify
 from lazyckpt.storage.fs import cleanup_temporaries
 
-from .checkpointer import BackpressureWarning, LazyCheckpointer
+from .checkpointer import LazyCheckpointer
 from .errors import (
+    BackpressureWarning,
     CheckpointerClosedError,
     IncompleteCheckpointError,
     IncompleteCheckpointWarning,

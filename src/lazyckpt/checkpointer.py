@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -15,27 +13,32 @@ import torch
 
 from lazyckpt.core import exit as _exit
 from lazyckpt.core import guard as _guard
-from lazyckpt.core.backpressure import Backpressure as HostBackpressure
-from lazyckpt.core.backpressure import skipped_handle
-from lazyckpt.core.engine import Engine, write_error
-from lazyckpt.core.handle import CallbackRunner, SaveHandle
+from lazyckpt.core.backpressure import BackpressureGate, skipped_handle
+from lazyckpt.core.engine import Engine
+from lazyckpt.core.handle import SaveHandle
 from lazyckpt.core.job import Job
+from lazyckpt.core.pending import PendingSaves
 from lazyckpt.core.plan import SavePlan
 from lazyckpt.core.pool import HostBufferPool, default_host_memory_budget
-from lazyckpt.core.removal import OrderedRemovals, Remover
+from lazyckpt.core.producer import Producer
+from lazyckpt.core.removal import Remover
 from lazyckpt.core.report import ErrorLedger, Report, raise_first
+from lazyckpt.core.warn import deprecated_names
 from lazyckpt.formats import base as _format
-from lazyckpt.formats.flatten import Source
 from lazyckpt.options import Backpressure, CheckpointerOptions
 from lazyckpt.options import merge as merge_options
 from lazyckpt.storage import fs as _fs
 from lazyckpt.storage import remote as _remote
 
-from .errors import BackpressureWarning, CheckpointerClosedError, SaveRefusedError, WriteError
+from . import errors as _errors
+from .errors import CheckpointerClosedError, SaveRefusedError
 
-__all__ = ["BackpressureWarning", "LazyCheckpointer"]  # BackpressureWarning: its old import path
-from .levels import Level
-from .levels._multi import MultiLevel, check_levels
+__all__ = ["LazyCheckpointer"]
+from .levels import Level, MultiLevel, check_levels
+
+__getattr__ = deprecated_names(
+    __name__, {"BackpressureWarning": (_errors.BackpressureWarning, "lazyckpt.BackpressureWarning")}
+)  # its old import path
 
 logger = logging.getLogger(__name__)
 
@@ -91,21 +94,24 @@ class LazyCheckpointer(_exit.ClosedOnExit):
         self.fsync, self.crc, self.wait_in_closure = options.fsync, options.crc, options.wait_in_closure
         self.on_backpressure: Backpressure = options.on_backpressure
         self.pool = HostBufferPool(budget, options.chunk_bytes, pin)
-        self._backpressure = HostBackpressure(self.pool, skip=options.on_backpressure == "skip")
+        self._backpressure = BackpressureGate(self.pool, skip=options.on_backpressure == "skip")
         self.direct_io = options.direct_io
         self.zero_copy = options.zero_copy
         self.capture_in_save = options.capture_in_save
-        self._lock = threading.Lock()
-        self._jobs: list[Job] = []  # saved, not yet committed, in save() order
         self._errors = ErrorLedger()  # failed saves and removals whose error nobody has seen yet
         self._cleaned_dirs: set[str] = set()
         self._closed = False
         # before any thread starts: a level folder that cannot be made refuses the construction
-        self._levels: MultiLevel | None = None if options.levels is None else MultiLevel(self, options.levels, options)
+        self._levels: MultiLevel | None = (
+            None if options.levels is None else MultiLevel(self, options.levels, options, reuse=self._reuse)
+        )
         self._engine = Engine(self.pool, options.writer_threads, self._job_done)
         self._remover = Remover(on_failed=self._errors.publish)
-        self._removals = OrderedRemovals(self._remover)  # remove() calls waiting for pending saves
-        self._remote: _remote.RemoteTier | None = None  # URL saves: started by the first one
+        self._pending = PendingSaves(self._remover, on_failed=self._errors.publish)  # saved, not yet committed
+        self._producer = Producer(
+            options, self.pool, self._engine, self._pending, self._remover, self._errors,
+            closed=lambda: self._closed, on_remote=self._on_remote,
+        )  # fmt: skip
         _exit.register(self, _close_at_exit, layer=_exit.CORE)
 
     # -- public API -------------------------------------------------------------------------------
@@ -198,18 +204,15 @@ class LazyCheckpointer(_exit.ClosedOnExit):
         layout = planner.plan(os.fspath(path) if named_as is None else named_as, plan.phases, crc=self.crc)
         sources, file_bytes = planner.sources, layout.file_bytes
         nbytes = sum(s.nbytes for s in sources)
-        if self._backpressure.skip:
-            with self._lock:
-                pending = sum(j.nbytes for j in self._jobs)
-            if self._backpressure.should_skip(pending, nbytes, final):
-                return skipped_handle(final, t0)
+        if self._backpressure.skip and self._backpressure.should_skip(self._pending.nbytes(), nbytes, final):
+            return skipped_handle(final, t0)
         lazy, eager = plan.split(sources)
         job = Job(
             path=final, tmp=_fs.temporary_path(final), fmt=format, sources=sources, lazy=lazy,
             layout=layout, file_bytes=file_bytes, crc=self.crc, fsync=self.fsync,
             wait_in_closure=self.wait_in_closure, t0=t0, before_commit=before_commit,
         )  # fmt: skip
-        self.run_job(job, eager, plan.direct, plan.inline)
+        self._producer.run_job(job, eager, plan.direct, plan.inline)
         job.t_returned = time.perf_counter()
         return job.handle
 
@@ -217,31 +220,25 @@ class LazyCheckpointer(_exit.ClosedOnExit):
         """Block until every save made so far is durable and every ``remove()`` has run, then raise
         the oldest background error nobody has seen (see ``raise_errors``). ``timeout``: seconds
         (``None``: no limit); ``TimeoutError`` when they are not all done by then."""
+        self._drain(timeout)
+        self._raise_unreported()
+
+    def _drain(self, timeout: float | None) -> None:
+        """Wait for the levels' copies, then every pending save, removal and upload (``wait()``,
+        ``close()``); ``TimeoutError`` naming what is not done after ``timeout`` seconds."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        if self._levels is not None:  # first: its copies end with retention removals
+        if self._levels is not None:  # first: its copies feed on this checkpointer's saves and removals
             self._levels.drain(_left(deadline))
-        with self._lock:
-            jobs = list(self._jobs)
-        for job in jobs:
+        for job in self._pending.jobs():
             if not job.handle.wait_done(_left(deadline)):
                 raise TimeoutError(f"pending saves not durable after {timeout} s")
         try:
             self._remover.wait(_left(deadline))
         except TimeoutError:
             raise TimeoutError(f"pending removals not done after {timeout} s") from None
-        if self._remote is not None and not self._remote.wait(_left(deadline)):
+        remote = self._producer.remote
+        if remote is not None and not remote.wait(_left(deadline)):
             raise TimeoutError(f"pending uploads not done after {timeout} s")
-        self._raise_unreported()
-
-    def publish(self, report: Report) -> None:
-        """Internal API (saves made on this checkpointer's behalf: the distributed commit): put a
-        failed save's report on this checkpointer's ledger, to be claimed once."""
-        self._errors.publish(report)
-
-    @property
-    def callbacks(self) -> CallbackRunner:
-        """Internal API: the thread that runs this checkpointer's done-callbacks."""
-        return self._engine.callbacks
 
     def raise_errors(self) -> None:
         """Raise the oldest background error nobody has seen yet (a failed save or removal, or one
@@ -281,66 +278,31 @@ class LazyCheckpointer(_exit.ClosedOnExit):
         self._check_open()
         if _remote.is_url(path):
             url = str(path)
-            tier = self.remote_tier()
+            tier = self._producer.remote_tier()
             return tier.remove(url, *tier.resolve(url))
-        target = os.path.abspath(os.fspath(path))
         trash = None if trash_dir is None else os.path.abspath(os.fspath(trash_dir))
-        inside = target.rstrip(os.sep) + os.sep
-        with self._lock:  # orders this against _job_done: a job is either still here or committed
-            behind = {j for j in self._jobs if j.path == target or j.path.startswith(inside)}
-            if behind:
-                return self._removals.queue(target, trash, behind)
-        return self._remover.remove(target, trash)
-
-    def reuse(self, path: str) -> bool:
-        """Internal API (a memory level's retention): keep the pages of the file at ``path`` for the
-        next save into its folder instead of deleting it (``storage/spare.py``). A folder (a step
-        of a folder level) is renamed away and removed as ``remove()`` does, its large files kept
-        for the saves of the same names into the next step folder. False when the path may not be
-        reused (a save to it pending, a reader, closed, not a memory filesystem, ...: then
-        ``remove()`` it). Never raises."""
-        target = os.path.abspath(os.fspath(path))
-        inside = target.rstrip(os.sep) + os.sep
-        spares = self._engine.spares
-        with self._lock:  # no save to ``path`` may be registered (and commit onto it) meanwhile
-            if self._closed or any(j.path == target or j.path.startswith(inside) for j in self._jobs):
-                return False
-            if not os.path.isdir(target) or os.path.islink(target):
-                return spares.offer(target)
-            root = os.path.dirname(target)
-            if not _fs.is_memory_filesystem(root):
-                return False
-            try:
-                self._remover.remove(target, salvage=lambda taken: spares.offer_folder(taken, root))
-            except OSError as exc:
-                logger.debug("lazyckpt: %s not reused: %s", target, exc)
-                return False
-            return True
+        return self._pending.remove(os.path.abspath(os.fspath(path)), trash)
 
     def wait_staged(self, timeout: float | None = None) -> None:
         """Block until every pending save's host copies are done (saved tensors may change)."""
-        with self._lock:
-            jobs = list(self._jobs)
-        for job in jobs:
+        for job in self._pending.jobs():
             job.handle.wait_staged(timeout)
 
     def wait_path(self, path: str | os.PathLike[str], timeout: float | None = None) -> None:
         """Block until every pending save to ``path`` is durable; raise its error if it failed."""
         handles: list[SaveHandle]
         if _remote.is_url(path):
-            handles = self._remote.pending_handles(str(path)) if self._remote is not None else []
+            remote = self._producer.remote
+            handles = remote.pending_handles(str(path)) if remote is not None else []
         else:
-            final = os.path.abspath(os.fspath(path))
-            with self._lock:
-                handles = [j.handle for j in self._jobs if j.path == final]
+            handles = self._pending.handles_to(os.path.abspath(os.fspath(path)))
         for handle in handles:
             handle.wait(timeout)
 
     def pending_paths(self) -> set[str]:
         """Final paths of saves not yet committed (URLs: not yet complete in the store)."""
-        with self._lock:
-            paths = {j.path for j in self._jobs}
-        return paths | (self._remote.pending_urls() if self._remote is not None else set())
+        remote = self._producer.remote
+        return self._pending.paths() | (remote.pending_urls() if remote is not None else set())
 
     def track(self, *optimizers: torch.optim.Optimizer) -> None:
         """Declare optimizers whose parameters and state are guarded by their ``step()``.
@@ -360,13 +322,7 @@ class LazyCheckpointer(_exit.ClosedOnExit):
         The promise stays: a declared tensor changed in place while a save still reads it fails
         that save with ``StaleTensorError`` (through ``.data`` it cannot be seen; don't).
         """
-        for t in tensors:
-            if isinstance(t, torch.nn.Module):
-                _guard.freeze(*(p for p in t.parameters() if not p.requires_grad))
-            elif isinstance(t, torch.Tensor):
-                _guard.freeze(t)
-            else:
-                raise TypeError(f"declare_frozen takes tensors or modules, got {type(t).__name__}")
+        _guard.freeze(*tensors)
 
     def close(self) -> None:
         """Drain every pending save and removal, stop the threads, free the buffers; raise any unseen
@@ -375,22 +331,14 @@ class LazyCheckpointer(_exit.ClosedOnExit):
             self._engine.stop()  # joins a callback thread that closed us from inside
             return
         try:
-            if self._levels is not None:  # its copies feed on this checkpointer's saves and removals
-                self._levels.drain()
-            with self._lock:
-                jobs = list(self._jobs)
-            for job in jobs:
-                job.handle.wait_done()
-            self._remover.wait()
-            if self._remote is not None:
-                self._remote.wait()
+            self._drain(None)
         finally:
             self._closed = True
             if self._levels is not None:
                 self._levels.close()
             self._engine.stop()
-            if self._remote is not None:  # after the engine: its uploads wait for local commits
-                self._remote.close()
+            if self._producer.remote is not None:  # after the engine: its uploads wait for local commits
+                self._producer.remote.close()
             self._remover.stop()
             self._engine.spares.clear()  # after the engine: no writer takes one any more
             self.pool.close()
@@ -399,22 +347,20 @@ class LazyCheckpointer(_exit.ClosedOnExit):
 
     # -- internals --------------------------------------------------------------------------------
 
+    def _reuse(self, path: str) -> bool:
+        return self._producer.reuse(path)  # the levels are made before the producer
+
+    def _on_remote(self) -> None:
+        _exit.register(self, _close_at_exit, layer=_exit.CORE, early=True)  # uploads: see core/exit.py
+
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointerClosedError("this LazyCheckpointer is closed; create a new one")
 
-    def remote_tier(self) -> _remote.RemoteTier:
-        """Internal API: the remote tier (local folder, upload threads), made at the first use."""
-        with self._lock:
-            if self._remote is None:
-                self._remote = _remote.RemoteTier(self.options, self._errors.publish, self._engine.callbacks)
-                _exit.register(self, _close_at_exit, layer=_exit.CORE, early=True)  # uploads: see core/exit.py
-            return self._remote
-
     def _save_url(self, obj: Any, url: str, t0: float, **kwargs: Any) -> SaveHandle:
         """A URL save: the local save into the remote tier's folder, then its upload (``_remote.py``)."""
         self._check_open()
-        tier = self.remote_tier()
+        tier = self._producer.remote_tier()
         fs, rpath = tier.resolve(url)
         if not tier.admit(skip=self.on_backpressure == "skip"):
             self._backpressure.skip_upload(url, tier)
@@ -426,8 +372,7 @@ class LazyCheckpointer(_exit.ClosedOnExit):
         except BaseException:
             _remote.discard_local(local_path)
             raise
-        with self._lock:
-            nbytes = next((j.file_bytes for j in self._jobs if j.handle is local), 0)
+        nbytes = self._pending.file_bytes(local)
         if not nbytes and local.stats is not None:
             nbytes = local.stats.file_bytes
         return tier.register(url, fs, rpath, local, nbytes, t0)
@@ -440,64 +385,11 @@ class LazyCheckpointer(_exit.ClosedOnExit):
             _fs.cleanup_temporaries(directory)
         return final
 
-    def run_job(self, job: Job, eager: list[Source], direct: bool, inline: bool = False) -> None:
-        """Internal API (the distributed checkpointer's rank files use it too): capture unguarded
-        tensors (``inline``: write them), register the job with the guard, hand it to the engine. The
-        temporary file is created by the first writer that needs it (``Engine.open``): creating and
-        fallocating it can wait 0.1-0.4 s on the filesystem's journal while the previous checkpoint
-        is being written, and on a memory filesystem reserving it allocates every page of the file
-        (0.35 s per 1.2 GB here: bench_levels' lazy-mem, spare core). Only ``inline`` opens it here."""
-        job.direct = direct
-        folder = os.path.dirname(job.tmp)
-        if _fs.is_memory_filesystem(folder):  # one writer at a time: see Job.serial
-            job.serial = threading.Lock()
-        if inline:  # save() writes the file itself
-            self._engine.open(job)
-            if job.error is not None:
-                _raise_described(job, job.error)
-        elif not os.access(folder, os.W_OK):  # what is sure to fail fails here; the rest in the handle
-            code = errno.EROFS if os.statvfs(folder).f_flag & os.ST_RDONLY else errno.EACCES
-            refused = WriteError(f"cannot create {job.tmp}: {os.strerror(code)}", path=job.path, errno=code)
-            _raise_described(job, refused)
-        if self.pool.pin_memory and self.pool.pin_device is None and torch.cuda.is_initialized():
-            self.pool.pin_device = torch.cuda.current_device()
-        for device in {s.device for s in job.lazy if s.device.type == "cuda"}:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(device))
-            job.save_events[device] = event
-        with self._lock:
-            self._jobs.append(job)
-        if job.lazy:
-            _guard.add(job)
-        try:
-            for src in eager:
-                if inline:
-                    self._engine.write_now(job, src)
-                else:
-                    self._engine.stage_now(job, src)
-        except Exception as exc:
-            job.fail(write_error(job, "staging for", exc))
-        except BaseException as exc:  # Ctrl-C on a full pool: the save fails cleanly, the interrupt goes on
-            job.fail(write_error(job, "staging for", exc))
-            job.completion.caller_saw_error()  # the caller sees the interrupt itself, not this save's error again
-            self._engine.submit(job)  # the engine unlinks the temporary file and releases the guard
-            raise
-        self._engine.submit(job)
-
     def _job_done(self, job: Job) -> None:
-        """Engine callback (committer thread): the handle's outcome is resolved but not yet visible.
-
-        Publishing the error here, before the handle is done, means that whoever sees the save
-        finished also finds its error. Removals that were waiting for this save run here too: after
-        its commit, before the committer moves on to later saves. Nothing here may warn or call user
-        code (warnings are issued on the caller's thread, in ``_raise_unreported``).
-        """
-        with self._lock:
-            self._jobs.remove(job)
-            if job.completion.report is not None:
-                self._errors.publish(job.completion.report)
-            ready = self._removals.finished(job)
-        self._removals.run(ready)
+        """Engine callback (committer thread): the handle's outcome is resolved but not yet visible
+        (``PendingSaves.finished``). Nothing here may warn or call user code (warnings are issued on
+        the caller's thread, in ``_raise_unreported``)."""
+        self._pending.finished(job)
         if job.error is not None:
             logger.debug("lazyckpt: save to %s failed: %s", job.path, job.error)
         else:
@@ -509,12 +401,10 @@ class LazyCheckpointer(_exit.ClosedOnExit):
         self._backpressure.warn_if_staging_waited()
 
 
-def _raise_described(job: Job, exc: BaseException) -> None:
-    """Raise a save's refusal as its caller is to get it (a level's ``LevelError``: ``Job.described``)."""
-    described = job.described(exc)
-    if described is exc:
-        raise exc
-    raise described from exc
+def producer_of(ckpt: LazyCheckpointer) -> Producer:
+    """Internal API: the producer interface of ``ckpt`` (``core/producer.py``): its engine, ledger,
+    done-callback thread and remote tier, for the code that saves on its behalf."""
+    return ckpt._producer
 
 
 def _left(deadline: float | None) -> float | None:

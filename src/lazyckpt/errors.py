@@ -70,7 +70,7 @@ class CheckpointerClosedError(LazyCkptError, RuntimeError):
     """The checkpointer was closed; create a new one."""
 
 
-class InspectError(Exception):
+class InspectError(LazyCkptError):
     """``lazyckpt inspect`` cannot show a path; the CLI prints the message and exits with status 1."""
 
 

@@ -93,7 +93,7 @@ def save_state_while_training(acc, model, opt, device: str = "cpu", marker: bool
         RESULT["complete_after"] = lazyckpt.accelerate.is_complete(out)
     acc.load_state(out)
     record_loaded(full_dump(model, opt.optimizer), dump)
-    handle.remove()
+    handle.uninstall()
 
 
 def hold_data_writes() -> threading.Event:
@@ -151,13 +151,13 @@ def scenario_routed() -> None:
     fsdp_utils.load_fsdp_model(fsdp, acc, model, out)
     fsdp_utils.load_fsdp_optimizer(fsdp, acc, opt, model, out)
     record_loaded(full_dump(model, opt), dump)
-    # a dcp.save outside accelerate's functions, and accelerate's after remove(), are stock
+    # a dcp.save outside accelerate's functions, and accelerate's after uninstall(), are stock
     import torch.distributed.checkpoint as dcp
 
     plain = os.path.join(WORKDIR, "plain")
     dcp.save({"x": torch.ones(4)}, storage_writer=dcp.FileSystemWriter(plain))
     RESULT["plain"] = listing(plain)
-    handle.remove()
+    handle.uninstall()
     fsdp_utils.save_fsdp_model(fsdp, acc, model, os.path.join(WORKDIR, "stock"))
     RESULT["stock"] = listing(os.path.join(WORKDIR, "stock", "pytorch_model_fsdp_0"))
     acc.wait_for_everyone()
@@ -187,7 +187,7 @@ def scenario_write_error() -> None:
     RESULT["model"] = listing(os.path.join(out, "pytorch_model_fsdp_0"))
     RESULT["optimizer"] = listing(os.path.join(out, "optimizer_0"))
     handle.wait()  # reported once
-    handle.remove()
+    handle.uninstall()
     acc.wait_for_everyone()
 
 

@@ -77,7 +77,7 @@ def train(mem, disk, out):
     C.train_step(acc, model, opt, sched, gen, vocab=MODEL["vocab"])  # training moves on at once
     h.wait()
     reused = h.checkpointer._engine.spares.reused  # step 4's files written over step 1's pages (main process)
-    h.remove()
+    h.uninstall()
     if rank == 0:
         with open(os.path.join(out, "summary.json"), "w") as fh:
             json.dump({"window": window, "reused": reused}, fh)
@@ -101,7 +101,7 @@ def restore(mem, disk, out):
     except AssertionError as exc:
         print(f"rank {rank}: {exc}", file=sys.stderr)
         ok = False
-    h.remove()
+    h.uninstall()
     results = [None, None]
     dist.all_gather_object(results, [found.step, found.level, ok])
     if rank == 0:

@@ -107,7 +107,7 @@ def main():
         }
         with open(os.path.join(out, "summary.json"), "w") as f:
             json.dump(summary, f)
-    handle.remove()
+    handle.uninstall()
     acc.wait_for_everyone()
     acc.end_training()
 

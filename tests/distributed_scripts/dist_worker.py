@@ -444,7 +444,7 @@ def scenario_lone_waiter() -> None:
         h.wait()
         RESULT["waited_s"] = time.monotonic() - t
     else:
-        job = ckpt._inner._jobs[-1]
+        job = ckpt._inner._pending.jobs()[-1]
         assert job.wait_for(Stage.READ, 30), "copies not over"
         RESULT["confirmed_before_forward"] = job.stage is Stage.CONFIRMED
     train_step(model, opt, 1)

@@ -13,7 +13,7 @@ Usage::
         optimizer.step()                                    # waits here only if copies are still running
         accelerator.save_state(...)                         # returns promptly
     handle.wait()                                           # every pending save durable; raises the first error
-    handle.remove()                                         # back to stock behaviour (after draining)
+    handle.uninstall()                                         # back to stock behaviour (after draining)
 
 How it works (checked against accelerate 1.15):
 
@@ -52,7 +52,7 @@ How it works (checked against accelerate 1.15):
   those and no marker; it then lacks the model and optimizer files, so loading it fails loudly.
 
 Modules, in the order a save flows through them: ``_patch`` (what install() puts on the Accelerator and
-remove() takes off), ``_handle`` (:class:`AccelerateHandle`: one ``save_state`` / ``load_state`` call from
+uninstall() takes off), ``_handle`` (:class:`AccelerateHandle`: one ``save_state`` / ``load_state`` call from
 start to end, its threads, its drain at exit), ``_folder_save`` (one ``save_state`` call of this process:
 files, marker, end, upload), ``_retention`` (``total_limit``), ``_sharded`` (the FSDP / DCP route),
 ``_url`` (folders at URLs), ``_load`` (which folder ``load_state`` may read), ``_compat`` (everything that
@@ -72,6 +72,7 @@ from lazyckpt.accelerate._patch import installed
 from lazyckpt.accelerate._restore import load_latest
 from lazyckpt.commit.folder import MARKER_PREFIX, is_complete
 from lazyckpt.commit.folder import pending_markers as pending_markers  # the core's, as documented below
+from lazyckpt.core.warn import deprecated_names
 from lazyckpt.errors import IncompleteCheckpointError, IncompleteCheckpointWarning
 
 if TYPE_CHECKING:
@@ -83,13 +84,15 @@ __all__ = [
     "AccelerateHandle",
     "IncompleteCheckpointError",
     "IncompleteCheckpointWarning",
-    "PENDING_MARKER_PREFIX",
     "is_complete",
 ]
 
-#: Prefix of the hidden per-process marker files that flag a folder whose lazy save is not durable yet
-#: (the core's ``lazyckpt.commit.folder.MARKER_PREFIX``; ``pending_markers`` and ``is_complete`` are the core's too).
-PENDING_MARKER_PREFIX = MARKER_PREFIX
+#: ``PENDING_MARKER_PREFIX``, deprecated: the core's ``lazyckpt.commit.folder.MARKER_PREFIX`` (the prefix of the
+#: hidden per-process markers of a folder whose lazy save is not durable yet; ``pending_markers`` and ``is_complete``
+#: are the core's too).
+__getattr__ = deprecated_names(
+    __name__, {"PENDING_MARKER_PREFIX": (MARKER_PREFIX, "lazyckpt.commit.folder.MARKER_PREFIX")}
+)
 
 
 def install(
@@ -103,10 +106,10 @@ def install(
 ) -> AccelerateHandle:
     """Make ``accelerator.save_state`` lazy (same files as stock) and ``load_state`` wait for pending saves.
 
-    ``checkpointer``: an existing :class:`lazyckpt.LazyCheckpointer` to use (not closed by ``remove()``);
+    ``checkpointer``: an existing :class:`lazyckpt.LazyCheckpointer` to use (not closed by ``uninstall()``);
     otherwise one is created from ``options`` (a :class:`lazyckpt.CheckpointerOptions`) and/or ``core_options``
     (the same fields as keywords, overriding ``options``: ``host_memory_budget``, ``writer_threads``, ``fsync``,
-    ``on_backpressure``, ``crc``, ``chunk_bytes`` ...) and closed by ``remove()``.
+    ``on_backpressure``, ``crc``, ``chunk_bytes`` ...) and closed by ``uninstall()``.
     ``levels``: ``[Level(path, every, keep), ...]``, fastest first: a bare ``accelerator.save_state()`` then
     saves the stock folder to ``<level>/step-<8 digits>`` of every level due at the step (``handle.step``:
     the first prepared optimizer's real steps), and :func:`load_latest` restores the newest complete one
@@ -125,7 +128,7 @@ def install(
             "(it would save single files by level; install saves save_state folders by level)"
         )
     if installed(accelerator) is not None:
-        raise RuntimeError("lazyckpt.accelerate is already installed on this Accelerator; call remove() first")
+        raise RuntimeError("lazyckpt.accelerate is already installed on this Accelerator; call uninstall() first")
     owns = checkpointer is None
     if checkpointer is None:
         checkpointer = LazyCheckpointer(options, **core_options)

@@ -357,9 +357,19 @@ def real_steps(optimizer: torch.optim.Optimizer) -> int:
     return _real_steps.get(optimizer, 0)
 
 
+def prepared_optimizers(accelerator: Any) -> list[Any]:
+    """The optimizers ``accelerator.prepare`` wrapped, in order (Accelerate keeps them privately)."""
+    return list(accelerator._optimizers)
+
+
+def prepared_models(accelerator: Any) -> list[Any]:
+    """The models ``accelerator.prepare`` wrapped, in order (Accelerate keeps them privately)."""
+    return list(accelerator._models)
+
+
 def first_optimizer(accelerator: Any) -> torch.optim.Optimizer | None:
     """The torch optimizer inside the accelerator's first prepared optimizer, or None."""
-    for opt in accelerator._optimizers:
+    for opt in prepared_optimizers(accelerator):
         inner = unwrap_optimizer(opt)
         if inner is not None:
             return inner
@@ -368,7 +378,8 @@ def first_optimizer(accelerator: Any) -> torch.optim.Optimizer | None:
 
 def state_of(accelerator: Any) -> list[Any]:
     """The prepared models' and optimizers' state dicts (their tensors: the checkpoint's size)."""
-    return [m.state_dict() for m in accelerator._models] + [o.state_dict() for o in accelerator._optimizers]
+    models, optimizers = prepared_models(accelerator), prepared_optimizers(accelerator)
+    return [m.state_dict() for m in models] + [o.state_dict() for o in optimizers]
 
 
 def all_gather(obj: Any) -> list[Any]:

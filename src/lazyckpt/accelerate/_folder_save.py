@@ -29,6 +29,7 @@ from accelerate.utils.constants import RNG_STATE_NAME, SCALER_NAME
 from accelerate.utils.other import clean_state_dict_for_safetensors
 
 from lazyckpt.accelerate import _compat
+from lazyckpt.checkpointer import producer_of
 from lazyckpt.commit import remote_folder as _remote_folder
 from lazyckpt.commit.folder import FolderSave
 from lazyckpt.core.handle import Completion
@@ -162,7 +163,7 @@ class SaveStateCall:
         """The local folder is complete: its files to the URL, the manifest last (``remote_folder``)."""
         try:
             assert self.folder is not None and self.url is not None
-            _remote_folder.upload(self.checkpointer, self.folder, self.url)
+            _remote_folder.upload(producer_of(self.checkpointer), self.folder, self.url)
         except BaseException as exc:  # noqa: BLE001 - an UploadError, reported once by the checkpointer
             self._fail(exc)
         finally:

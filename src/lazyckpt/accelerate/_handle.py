@@ -8,7 +8,7 @@ its upload on the *uploader* thread. ``load_state`` reads what ``_load`` (or ``_
 
 Threads: the finisher (marker fsyncs, folder ends, in order) and the uploader (folders saved to URLs,
 in save order), each one ``core.workers.Worker`` started at its first job; the checkpointer's own.
-All end with ``remove()``; at exit the handle is drained first (``core.exit``, the integrations'
+All end with ``uninstall()``; at exit the handle is drained first (``core.exit``, the integrations'
 layer; before the interpreter's shutdown once it saved to a URL, as uploads need).
 """
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +25,8 @@ from lazyckpt.accelerate._folder_save import SaveStateCall, SaveStateCalls, stoc
 from lazyckpt.accelerate._levels import LevelSaves
 from lazyckpt.accelerate._patch import InstancePatch
 from lazyckpt.accelerate._retention import OldFolders
-from lazyckpt.accelerate._sharded import ShardedSaves
+from lazyckpt.accelerate._sharded import ShardedRoute
+from lazyckpt.checkpointer import producer_of
 from lazyckpt.core import exit as _exit
 from lazyckpt.core import guard as _guard
 from lazyckpt.core.report import raise_first
@@ -42,7 +44,7 @@ Job = Callable[[], None]
 
 
 class AccelerateHandle:
-    """What :func:`install` returns: ``wait()`` drains pending saves, ``remove()`` restores stock behaviour.
+    """What :func:`install` returns: ``wait()`` drains pending saves, ``uninstall()`` restores stock behaviour.
 
     Made by ``install()``, which checks its arguments first; constructing it installs it on ``accelerator``.
     """
@@ -64,7 +66,7 @@ class AccelerateHandle:
         self._owns = owns_checkpointer
         self._saves = SaveStateCalls()
         self._old_folders = OldFolders(checkpointer)
-        self._sharded = ShardedSaves(self, checkpointer)  # FSDP sharded saves
+        self._sharded = ShardedRoute(self, checkpointer)  # FSDP sharded saves
         self._steps_seen = _guard.steps()  # optimizer steps at install / the last save_state
         self._tracked: set[int] = set()
         self._tracked_refs: list[Any] = []
@@ -151,11 +153,29 @@ class AccelerateHandle:
         return self._saves.pending()
 
     @property
+    def uninstalled(self) -> bool:
+        """True once ``uninstall()`` ran: ``save_state``/``load_state`` are stock again."""
+        return self._removed
+
+    @property
     def removed(self) -> bool:
+        """Deprecated: ``uninstalled``."""
+        warnings.warn(
+            "AccelerateHandle.removed is deprecated; use handle.uninstalled", DeprecationWarning, stacklevel=2
+        )
         return self._removed
 
     def remove(self) -> None:
-        """Drain pending saves, then restore the stock ``save_state``/``load_state`` (raises a drained error)."""
+        """Deprecated: ``uninstall()`` (``remove(path)`` deletes a checkpoint on ``LazyCheckpointer``)."""
+        warnings.warn(
+            "AccelerateHandle.remove() is deprecated; use handle.uninstall()", DeprecationWarning, stacklevel=2
+        )
+        self.uninstall()
+
+    def uninstall(self) -> None:
+        """Drain pending saves, then restore the stock ``save_state``/``load_state`` (raises a drained error).
+        The handle's terminal verb (``close()`` on the objects a user makes; ``uninstall()`` on those
+        ``install()`` returns): idempotent, also run by ``with install(...)`` and at interpreter exit."""
         if self._removed:
             return
         error: BaseException | None = None
@@ -185,7 +205,7 @@ class AccelerateHandle:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.remove()
+        self.uninstall()
 
     # -- what the installed save_state / load_state / pre-hook call ----------------------------------
     def _save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> Any:
@@ -252,7 +272,7 @@ class AccelerateHandle:
             finisher=self._on_finisher,
             uploader=self._on_uploader,
             url=url,
-            publish=None if prepare is None else self.checkpointer.publish,
+            publish=None if prepare is None else producer_of(self.checkpointer).publish,
         )
         if prepare is not None:
             prepare(call)
@@ -290,7 +310,7 @@ class AccelerateHandle:
 
     # -- internals -----------------------------------------------------------------------------------
     def _on_finisher(self, job: Job) -> None:
-        if not self._finisher.submit(job):  # after remove() (or no thread to be had): inline
+        if not self._finisher.submit(job):  # after uninstall() (or no thread to be had): inline
             job()
 
     def _on_uploader(self, job: Job) -> None:
@@ -311,7 +331,7 @@ class AccelerateHandle:
 
     def _track_new_optimizers(self) -> None:
         new = []
-        for opt in self.accelerator._optimizers:
+        for opt in _compat.prepared_optimizers(self.accelerator):
             inner = _compat.unwrap_optimizer(opt)
             if inner is not None and id(inner) not in self._tracked:
                 self._tracked.add(id(inner))
@@ -340,7 +360,7 @@ def _run(job: Job) -> None:
 
 
 def _drain_at_exit(handle: AccelerateHandle) -> None:
-    if handle.removed:
+    if handle.uninstalled:
         return
     try:
         handle.wait()

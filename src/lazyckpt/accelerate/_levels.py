@@ -33,13 +33,12 @@ from accelerate.utils.constants import RNG_STATE_NAME
 
 from lazyckpt.accelerate import _compat
 from lazyckpt.accelerate._folder_save import SaveStateCall
+from lazyckpt.checkpointer import producer_of
 from lazyckpt.commit.folder import marker_is_stale, pending_markers
-from lazyckpt.core.handle import Completion, SaveHandle, SaveStats
+from lazyckpt.core.handle import Completion, SaveHandle, SaveStats, confirm
 from lazyckpt.core.workers import Worker
 from lazyckpt.errors import IncompleteCheckpointError, SaveRefusedError
-from lazyckpt.levels import _copy
-from lazyckpt.levels._level import Level, check_step
-from lazyckpt.levels._multi import MultiLevel, check_levels
+from lazyckpt.levels import Level, MultiLevel, check_levels, check_step, tensor_bytes
 
 if TYPE_CHECKING:
     from lazyckpt import LazyCheckpointer
@@ -47,7 +46,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("lazyckpt.accelerate")
 
 
-class Owner(Protocol):
+class HandleOwner(Protocol):
     """What the levels need of their ``AccelerateHandle``."""
 
     load_timeout: float
@@ -109,7 +108,7 @@ class LevelSaves:
     """One handle's saves by level: the ``MultiLevel`` (main process), the step counter, the pending
     level handles, and the thread that waits for other processes' parts (several processes)."""
 
-    def __init__(self, owner: Owner, accelerator: Any, checkpointer: LazyCheckpointer, levels: Any) -> None:
+    def __init__(self, owner: HandleOwner, accelerator: Any, checkpointer: LazyCheckpointer, levels: Any) -> None:
         levels = tuple(levels)
         check_levels(levels)
         refuse_automatic_naming(accelerator)
@@ -122,7 +121,10 @@ class LevelSaves:
         self.processes = int(accelerator.num_processes)
         self.last: SaveHandle | None = None  # the last bare save_state's handle
         opts = checkpointer.options
-        self._multi = MultiLevel(checkpointer, levels, opts, folder=True) if self.main else None
+        self.producer = producer_of(checkpointer)  # its ledger and callback thread for the level handles
+        self._multi = (
+            MultiLevel(checkpointer, levels, opts, folder=True, reuse=self.producer.reuse) if self.main else None
+        )
         self._pending: dict[int, SaveHandle] = {}  # step -> a level save not yet done
         self._others: Worker[tuple[SaveStateCall, Completion]] = Worker(
             "lazyckpt-accelerate-levels", self._wait_for_others, lazy=True
@@ -167,7 +169,7 @@ class LevelSaves:
 
     def _nbytes(self) -> int:
         """The checkpoint's size, for the memory statement at the first save: the models' and optimizers' tensors."""
-        return _copy.tensor_bytes(_compat.state_of(self.accelerator))
+        return tensor_bytes(_compat.state_of(self.accelerator))
 
     def _clear_fastest(self, step: int) -> None:
         """Before step ``step`` is saved again (a save_state with no optimizer step since, or after a
@@ -213,11 +215,11 @@ class LevelSaves:
                 for h in list(call.handles):
                     h.wait_staged(timeout)
 
-            def confirm(timeout: float | None) -> None:
+            def confirm_all(timeout: float | None) -> None:
                 for h in list(call.handles):
-                    h.confirm(timeout)
+                    confirm(h, timeout)
 
-            completion.bind(settle=settle, confirm=confirm)
+            completion.bind(settle=settle, confirm=confirm_all)
             call.on_end = lambda c: self._part_ended(c, completion)
 
         self.owner.save_into(path, safe_serialization, kwargs, prepare=prepare)
@@ -228,17 +230,17 @@ class LevelSaves:
         try:
             if call.failed is not None:
                 completion.adopt(call.failed)  # the same report as the checkpointer's: claimed once
-                completion.complete(self.checkpointer.callbacks)
+                completion.complete(self.producer.callbacks)
             elif self._multi is not None and self.processes > 1 and call.ended:
                 if not self._others.submit((call, completion)):
                     self._wait_for_others((call, completion))
             else:
                 error = None if call.ended else IncompleteCheckpointError(f"lazyckpt: {call.folder} was not completed")
-                completion.finish(_stats(call), error, self.checkpointer.publish, self.checkpointer.callbacks)
+                completion.finish(_stats(call), error, self.producer.publish, self.producer.callbacks)
         except BaseException as exc:  # noqa: BLE001 - the level handle must end
             logger.exception("lazyckpt.accelerate: ending a level save failed")
             if not completion.handle.done():
-                completion.finish(None, exc, self.checkpointer.publish, self.checkpointer.callbacks)
+                completion.finish(None, exc, self.producer.publish, self.producer.callbacks)
 
     def _wait_for_others(self, item: tuple[SaveStateCall, Completion]) -> None:
         """Main process: the folder is complete once no process's marker is left and every
@@ -265,7 +267,7 @@ class LevelSaves:
                 break
             time.sleep(delay)
             delay = min(delay * 2, 0.1)
-        completion.finish(_stats(call), error, self.checkpointer.publish, self.checkpointer.callbacks)
+        completion.finish(_stats(call), error, self.producer.publish, self.producer.callbacks)
 
     # -- the handle's wait / remove ------------------------------------------------------------------
     def drain(self, timeout: float | None = None) -> None:

@@ -1,4 +1,4 @@
-"""What ``install()`` puts on an Accelerator, and how ``remove()`` takes it off again.
+"""What ``install()`` puts on an Accelerator, and how ``uninstall()`` takes it off again.
 
 On the instance: ``save_state`` / ``load_state`` attributes that call the handle's
 (``_compat.InstalledMethod``: they pickle as the stock methods) and a save-state pre-hook that runs
@@ -40,7 +40,7 @@ class InstancePatch:
         route: _compat.DcpRoute,
     ) -> None:
         if installed(accelerator) is not None:
-            raise RuntimeError("lazyckpt.accelerate is already installed on this Accelerator; call remove() first")
+            raise RuntimeError("lazyckpt.accelerate is already installed on this Accelerator; call uninstall() first")
         self.accelerator = accelerator
         self.owner = owner
         self.stock_save_state = accelerator.save_state

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from lazyckpt import LazyCheckpointer
 from lazyckpt.accelerate import _compat
 from lazyckpt.accelerate._patch import installed
+from lazyckpt.checkpointer import producer_of
 from lazyckpt.commit import remote_folder as _remote_folder
 from lazyckpt.levels import Found, latest
 from lazyckpt.storage.remote import is_url
@@ -84,9 +85,9 @@ def load_latest(
 def _downloaded(url: str, storage_options: dict[str, Any] | None) -> Any:
     """A folder at ``url`` downloaded (the files its manifest names) for an accelerator without lazyckpt."""
     with LazyCheckpointer(storage_options=storage_options) as ckpt:
-        dest = _remote_folder.local_folder(ckpt, url)
+        dest = _remote_folder.local_folder(producer_of(ckpt), url)
         try:
-            _remote_folder.download(ckpt, url, dest)
+            _remote_folder.download(producer_of(ckpt), url, dest)
             yield dest
         finally:
             shutil.rmtree(os.path.dirname(dest), ignore_errors=True)

@@ -2,7 +2,7 @@
 
 ``_compat`` wraps accelerate's ``save_fsdp_model`` / ``save_fsdp_optimizer`` and stands in for
 ``torch.distributed.checkpoint.save``; for an installed accelerator it hands exactly their call to
-:meth:`ShardedSaves.route` (registered with ``_compat.set_route`` by the handle). Each call is saved
+:meth:`ShardedRoute.route` (registered with ``_compat.set_route`` by the handle). Each call is saved
 lazily, on every process (collective, as ``dcp.save`` is), into the same ``pytorch_model_fsdp_<i>`` /
 ``optimizer_<i>`` folder, committed whole once every process's part is durable. Inside an installed
 ``save_state`` the output folder's marker waits for it too (``SaveStateCall.add_sharded``).
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from lazyckpt.distributed import DistributedCheckpointer
 
 
-class ShardedSaves:
+class ShardedRoute:
     """One handle's sharded saves: the ``DistributedCheckpointer`` (made at the first one) they go to."""
 
     def __init__(self, owner: object, checkpointer: LazyCheckpointer) -> None:
@@ -36,7 +36,7 @@ class ShardedSaves:
         ``dcp.save(state_dict, storage_writer=FileSystemWriter(path))``, lazily, on every process
         (collective, as dcp.save is): the same folder through a ``DistributedCheckpointer``."""
         if self.closed:
-            raise RuntimeError("lazyckpt.accelerate: routing a save after remove()")  # not reached: unrouted
+            raise RuntimeError("lazyckpt.accelerate: routing a save after uninstall()")  # not reached: unrouted
         call = _compat.active_save.get()
         if not isinstance(call, SaveStateCall) or call.owner is not self.owner:
             call = None

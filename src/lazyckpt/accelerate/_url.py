@@ -17,6 +17,7 @@ import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from lazyckpt.checkpointer import producer_of
 from lazyckpt.commit import remote_folder as _remote_folder
 from lazyckpt.errors import BackpressureWarning, IncompleteCheckpointError, SaveRefusedError
 from lazyckpt.storage.remote import is_url
@@ -71,7 +72,7 @@ def admit_upload(saves: SaveStateCalls, url: str, bound: int) -> None:
 
 def local_folder(checkpointer: LazyCheckpointer, url: str) -> str:
     """A fresh local folder of the remote tier for the save of ``url``."""
-    return _remote_folder.local_folder(checkpointer, url)
+    return _remote_folder.local_folder(producer_of(checkpointer), url)
 
 
 @contextlib.contextmanager
@@ -81,10 +82,10 @@ def downloaded(checkpointer: LazyCheckpointer, saves: SaveStateCalls, url: str) 
     mine = saves.to_url(url)
     for call in mine:
         call.wait()
-    dest = _remote_folder.local_folder(checkpointer, url)
+    dest = _remote_folder.local_folder(producer_of(checkpointer), url)
     try:
         try:
-            _remote_folder.download(checkpointer, url, dest)
+            _remote_folder.download(producer_of(checkpointer), url, dest)
         except IncompleteCheckpointError as exc:
             failed = next((c.error for c in reversed(mine) if c.error is not None), None)
             raise exc from failed

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from lazyckpt.core.handle import SaveHandle
 
 
-class Saver(Protocol):
+class FileSaver(Protocol):
     """What a folder save needs of its checkpointer (``LazyCheckpointer``)."""
 
     def save(
@@ -193,7 +193,7 @@ class FolderSave:
         """Block until the marker is durable; raise its WriteError if it cannot be (the file then fails)."""
         self.marker_durable.result()
 
-    def save(self, checkpointer: Saver, obj: Any, path: str | os.PathLike[str], **options: Any) -> SaveHandle:
+    def save(self, checkpointer: FileSaver, obj: Any, path: str | os.PathLike[str], **options: Any) -> SaveHandle:
         """``checkpointer.save(obj, path, **options)`` as a file of this folder save (recorded for :meth:`end`)."""
         if self.ended:
             raise RuntimeError(f"lazyckpt: the save into {self.folder} has ended; begin a new FolderSave")

@@ -27,7 +27,8 @@ from lazyckpt.storage.remote import RemoteTier
 
 
 class Checkpointer(Protocol):
-    """What folder saves at URLs need of their checkpointer (``LazyCheckpointer``)."""
+    """What folder saves at URLs need of their checkpointer: its producer interface
+    (``core/producer.Producer``, ``lazyckpt.checkpointer.producer_of(ckpt)``)."""
 
     @property
     def options(self) -> CheckpointerOptions: ...
@@ -71,12 +72,12 @@ def upload(checkpointer: Checkpointer, folder: str, url: str) -> dict[str, Any]:
 
     Raises ``UploadError`` (the local folder is then kept, and named in the error). On success the
     local copy is removed, or kept at ``<local_dir>/<protocol>/<key>`` with ``keep_local``."""
-    manifest, prefix = publish(checkpointer.remote_tier(), folder, url)
+    manifest, prefix = upload_folder(checkpointer.remote_tier(), folder, url)
     prefix.finish_local()  # the save's own <pid>-<n> folder goes too
     return manifest
 
 
-def publish(tier: RemoteTier, folder: str, url: str, scratch: str | None = None) -> tuple[dict[str, Any], Prefix]:
+def upload_folder(tier: RemoteTier, folder: str, url: str, scratch: str | None = None) -> tuple[dict[str, Any], Prefix]:
     """Upload the files of the complete local ``folder`` to ``url``, then the manifest, written in
     ``scratch`` (default: ``folder`` itself; another folder leaves ``folder`` untouched, as a level
     copy must). The local files stay: the caller decides (``Prefix.finish_local``). Raises

@@ -21,7 +21,7 @@ from lazyckpt.storage import remote as _remote
 logger = logging.getLogger(__name__)
 
 
-class Backpressure:
+class BackpressureGate:
     """One checkpointer's skip decisions and backpressure warnings (``skipped`` counts the skips)."""
 
     def __init__(self, pool: HostBufferPool, skip: bool) -> None:

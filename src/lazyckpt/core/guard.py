@@ -63,9 +63,18 @@ def track(optimizer: torch.optim.Optimizer) -> None:
         _tracked.add(inner if isinstance(inner, torch.optim.Optimizer) else optimizer)
 
 
-def freeze(*tensors: torch.Tensor) -> None:
+def freeze(*tensors: torch.Tensor | torch.nn.Module) -> None:
+    """Declare ``tensors`` frozen; a module stands for its parameters that do not require grad."""
+    flat: list[torch.Tensor] = []
+    for t in tensors:
+        if isinstance(t, torch.nn.Module):
+            flat.extend(p for p in t.parameters() if not p.requires_grad)
+        elif isinstance(t, torch.Tensor):
+            flat.append(t)
+        else:
+            raise TypeError(f"declare_frozen takes tensors or modules, got {type(t).__name__}")
     with _lock:
-        for t in tensors:
+        for t in flat:
             _frozen.add(t)
 
 

@@ -81,11 +81,6 @@ class SaveHandle:
         """True once the save's error reached someone (this handle or the checkpointer)."""
         return self._o.report is not None and self._o.report.claimed
 
-    @property
-    def report(self) -> Report | None:
-        """Internal API: the failed save's ``Report`` (claimed once, shared with the ledger), once done."""
-        return self._o.report if self._o.done.is_set() else None
-
     def done(self) -> bool:
         """True once the save is committed or has failed."""
         return self._o.done.is_set()
@@ -155,21 +150,37 @@ class SaveHandle:
         called into lazyckpt after the copies (see ``Job.confirm``): this confirms it on this
         thread first, so a thread waiting for its own save never waits for itself."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        self.confirm(timeout)
+        confirm(self, timeout)
         return self._o.done.wait(_left(deadline))
 
-    def confirm(self, timeout: float | None = None) -> None:
-        """Internal API: confirm the save on this thread once its copies are over (waiting for them
-        at most ``timeout``); nothing once it is done. Every wait runs it first."""
-        confirm = self._o.confirm
-        if confirm is not None and not self._o.done.is_set():
-            confirm(timeout)
 
-    def wait_finished(self, timeout: float | None = None) -> bool:
-        """Internal API, for producer threads (an upload, a distributed commit): wait for the outcome
-        WITHOUT confirming. Such a thread is not the one that mutates the tensors, so its check
-        would prove nothing; the training thread's next call into lazyckpt confirms."""
-        return self._o.done.wait(timeout)
+# -- the producers' view of a handle they did not make (an upload of a local save, a distributed commit
+# of a rank file): functions here, not methods of the class users hold.
+
+
+def _outcome(handle: SaveHandle) -> Outcome:
+    return handle._o
+
+
+def confirm(handle: SaveHandle, timeout: float | None = None) -> None:
+    """Confirm ``handle``'s save on this thread once its copies are over (waiting for them at most
+    ``timeout``); nothing once it is done. Every wait runs it first."""
+    o = _outcome(handle)
+    if o.confirm is not None and not o.done.is_set():
+        o.confirm(timeout)
+
+
+def wait_finished(handle: SaveHandle, timeout: float | None = None) -> bool:
+    """For producer threads (an upload, a distributed commit): wait for ``handle``'s outcome WITHOUT
+    confirming. Such a thread is not the one that mutates the tensors, so its check would prove
+    nothing; the training thread's next call into lazyckpt confirms."""
+    return _outcome(handle).done.wait(timeout)
+
+
+def finished_report(handle: SaveHandle) -> Report | None:
+    """The failed save's ``Report`` (claimed once, shared with the ledger), once done; else None."""
+    o = _outcome(handle)
+    return o.report if o.done.is_set() else None
 
 
 class Completion:
@@ -219,7 +230,7 @@ class Completion:
 
     def adopt(self, other: SaveHandle) -> None:
         """Resolve as ``other``'s finished outcome (the same report: claimed once)."""
-        self._o.stats, self._o.error, self._o.report = other.stats, other.exception(), other.report
+        self._o.stats, self._o.error, self._o.report = other.stats, other.exception(), finished_report(other)
 
     def complete(self, runner: CallbackRunner | None = None) -> None:
         """Make the outcome visible; the done-callbacks go to ``runner`` (or run here)."""

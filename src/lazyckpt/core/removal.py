@@ -12,16 +12,17 @@ WHEN the rename happens (at once, or in the commit queue behind a pending save: 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
 import shutil
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from lazyckpt.core.report import Report
 from lazyckpt.core.workers import Worker
@@ -97,11 +98,21 @@ class Remover:
             self._pending.append(done)
         return done
 
-    def run(self, path: str, trash_dir: str | None, done: RemovalFuture) -> None:
+    def run(self, path: str, trash_dir: str | None, done: RemovalFuture, keep: Sequence[Kept] = ()) -> None:
         """Perform a reserved removal; never raises (errors go to ``done``). A path that is missing
-        by now (its pending save failed, and no older file was there) has nothing to free."""
+        by now (its pending save failed, and no older file was there) has nothing to free.
+
+        ``keep``: saves into the folder ``path`` started after ``remove()`` (still pending): their
+        temporaries stay at their names (the folder is made again around them), so they commit into
+        the folder's name instead of into the trash. Their ``open_lock`` is held meanwhile, so no
+        temporary is created while the folder is between its two names."""
         try:
-            trash = _take_away(path, trash_dir)
+            with contextlib.ExitStack() as held:
+                for saving in keep:
+                    held.enter_context(saving.open_lock)
+                trash = _take_away(path, trash_dir, [k.tmp for k in keep])
+                if trash is not None and keep:
+                    _put_back(trash, path, [k.tmp for k in keep])
         except FileNotFoundError:
             logger.debug("lazyckpt: %s is gone already; nothing to remove", path)
             done.set_result(None)
@@ -187,14 +198,39 @@ class OrderedRemovals:
         self._queued = [q for q in self._queued if q.behind]
         return ready
 
-    def run(self, ready: list[_Queued]) -> None:
+    def run(self, ready: list[_Queued], pending: Sequence[Kept] = ()) -> None:
+        """Run the ``ready`` removals; ``pending``: the saves still pending (those into a removed
+        folder keep their temporaries there: ``Remover.run``)."""
         for queued in ready:
-            self._remover.run(queued.path, queued.trash_dir, queued.future)
+            inside = queued.path.rstrip(os.sep) + os.sep
+            keep = [k for k in pending if k.path.startswith(inside)]
+            self._remover.run(queued.path, queued.trash_dir, queued.future, keep)
 
 
-def _take_away(path: str, trash_dir: str | None) -> str | None:
+class Kept(Protocol):
+    """A pending save into a folder being removed (``Job``): its final and temporary names, and the
+    lock its temporary is created under."""
+
+    path: str
+    tmp: str
+    open_lock: threading.Lock
+
+
+def _put_back(trash: str, path: str, temporaries: list[str]) -> None:
+    """Make the folder ``path`` again and move the ``temporaries`` (paths under it) back from ``trash``."""
+    os.makedirs(path, exist_ok=True)
+    _fs.fsync_dir(os.path.dirname(path))
+    for tmp in temporaries:
+        os.makedirs(os.path.dirname(tmp), exist_ok=True)
+        taken = os.path.join(trash, os.path.relpath(tmp, path))
+        if os.path.lexists(taken):
+            _fs.rename(taken, tmp)
+
+
+def _take_away(path: str, trash_dir: str | None, keep: Sequence[str] = ()) -> str | None:
     """Free the name ``path`` now: rename it to a temporary (returned), or, for a symlink or across
-    filesystems, delete it in place (None). Raises ``FileNotFoundError`` as ``os.remove`` does."""
+    filesystems, delete it in place (None; the files named in ``keep`` stay). Raises
+    ``FileNotFoundError`` as ``os.remove`` does."""
     if os.path.islink(path) or not os.path.lexists(path):
         _fs.unlink(path)  # a symlink; or raise FileNotFoundError
         return None
@@ -204,13 +240,26 @@ def _take_away(path: str, trash_dir: str | None) -> str | None:
     except OSError as exc:
         if exc.errno not in (errno.EXDEV, errno.EBUSY):
             raise
-        _delete(path)  # another filesystem (or a mount point): delete in place, now
+        _delete(path, keep)  # another filesystem (or a mount point): delete in place, now
         return None
     return trash
 
 
-def _delete(path: str) -> None:
+def _delete(path: str, keep: Sequence[str] = ()) -> None:
+    if keep and os.path.isdir(path) and not os.path.islink(path):
+        _delete_around(path, set(keep))
+        return
     if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path)
     else:
         _fs.unlink(path)
+
+
+def _delete_around(folder: str, keep: set[str]) -> None:
+    """Delete what is in ``folder`` except the files in ``keep`` (and the folders holding them)."""
+    for root, dirs, files in os.walk(folder, topdown=False):
+        for name in files + [d for d in dirs if os.path.islink(os.path.join(root, d))]:
+            if os.path.join(root, name) not in keep:
+                _fs.unlink(os.path.join(root, name))
+        if root != folder and not os.listdir(root):
+            os.rmdir(root)

@@ -18,10 +18,10 @@ from torch.distributed.checkpoint.utils import _DistWrapper
 from lazyckpt.core import exit as _exit
 from lazyckpt.core.handle import Completion, SaveHandle
 from lazyckpt.core.workers import Worker
-from lazyckpt.levels import Found, Level
+from lazyckpt.levels import Found, Level, StoreExchange
 from lazyckpt.storage import remote as _remote
 
-from ..checkpointer import LazyCheckpointer
+from ..checkpointer import LazyCheckpointer, producer_of
 from ..errors import (
     CheckpointerClosedError,
     SaveRefusedError,
@@ -40,7 +40,7 @@ from ._core import (
     start_rank_file,
 )
 from ._decide import Decider, store_host_rank
-from ._handle import DistributedSaveHandle, Save, extra_name, resolve_path, save_error
+from ._handle import DistributedSaveHandle, LocalPart, Save, extra_name, resolve_path, save_error
 from ._levels import Context, DistributedLevels
 from ._plan import PlanCache, RankPlan, plan_save
 from ._upload import RemoteFolder
@@ -157,7 +157,7 @@ class DistributedCheckpointer(_exit.ClosedOnExit):
         dist.broadcast_object_list(token, src=self._dist.global_coordinator_rank, group=self._group)
         self._token = str(token[0])
         _commit.add_live(self._token)
-        store = dist.distributed_c10d._get_default_store()
+        store = StoreExchange.default_store()
         self._proto = _commit.StoreProtocol(store, self._token, self.rank, self.world_size)
         # A heartbeat of its own (not the commit thread, which may wait long for a slow rank's own
         # file): a dead or vanished rank fails the save on the others within seconds.
@@ -270,7 +270,8 @@ class DistributedCheckpointer(_exit.ClosedOnExit):
         final = resolve_path(path)
         url = _remote.is_url(final)
         n = self._next_n()
-        completion = Completion(final, DistributedSaveHandle, url=final if url else None)
+        part = LocalPart()
+        completion = Completion(final, DistributedSaveHandle, url=final if url else None, part=part)
         handle: DistributedSaveHandle = completion.handle  # type: ignore[assignment]
 
         def prepare() -> str:  # coordinator, inside the planning collective
@@ -291,7 +292,7 @@ class DistributedCheckpointer(_exit.ClosedOnExit):
             return staging
 
         plan = plan_save(state, self._dist, final, prepare, self._plan_cache, n)
-        entry = Save(n, final, plan.staging, handle, t0, metadata=plan.metadata, completion=completion)
+        entry = Save(n, final, plan.staging, handle, t0, metadata=plan.metadata, completion=completion, part=part)
         if self._dist.is_coordinator and extra_files:
             entry.extra_files = {extra_name(name): bytes(data) for name, data in extra_files.items()}
         with self._lock:
@@ -394,7 +395,7 @@ class DistributedCheckpointer(_exit.ClosedOnExit):
         interpreter's shutdown (``core/exit.py``'s early drain), after which s3fs could not upload;
         the distributed layer drains before the inner checkpointer's."""
         _exit.register(self, _close_at_exit, layer=_exit.DISTRIBUTED, early=True)  # again: updates
-        return self._inner.remote_tier()
+        return producer_of(self._inner).remote_tier()
 
     def _start_file(self, entry: Save, plan: RankPlan) -> None:
         # To a URL, every save's data files have names of their own: a previous checkpoint at the

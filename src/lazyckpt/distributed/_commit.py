@@ -143,7 +143,7 @@ def cleanup_leftovers(directory: str) -> list[str]:
             path = os.path.join(directory, name)
             final = os.path.join(directory, name[1 : name.index(".lazyckpt-dist-")])
             if m.group(2) and not os.path.lexists(final):
-                # A previous checkpoint moved aside by publish() without RENAME_EXCHANGE, and the
+                # A previous checkpoint moved aside by swap_in() without RENAME_EXCHANGE, and the
                 # process died before the new one took its name: put it back, never delete it.
                 os.rename(path, final)
                 logger.warning("lazyckpt: restored %s from %s (a save died while replacing it)", final, path)
@@ -205,7 +205,7 @@ COMMIT = Decision(True)
 
 
 @dataclass(frozen=True)
-class Result:
+class CommitResult:
     """How publishing a committed save ended (the coordinator's rename, or its ``.metadata`` upload)."""
 
     ok: bool
@@ -215,7 +215,7 @@ class Result:
         return "ok" if self.ok else "err:" + self.why
 
     @classmethod
-    def decode(cls, raw: str) -> Result:
+    def decode(cls, raw: str) -> CommitResult:
         return cls(True) if raw == "ok" else cls(False, raw.removeprefix("err:"))
 
 
@@ -272,10 +272,10 @@ class StoreProtocol:
         raw = self.wait_value(n, "outcome", deadline, liveness, 0)
         return None if raw is None else Decision.decode(raw)
 
-    def wait_result(self, n: int | str, deadline: float, liveness: Liveness | None = None) -> Result | None:
+    def wait_result(self, n: int | str, deadline: float, liveness: Liveness | None = None) -> CommitResult | None:
         """How the coordinator's publishing ended, or None at ``deadline`` or once it is dead."""
         raw = self.wait_value(n, "result", deadline, liveness, 0)
-        return None if raw is None else Result.decode(raw)
+        return None if raw is None else CommitResult.decode(raw)
 
     def wait_value(
         self, n: int | str, name: str, deadline: float, liveness: Liveness | None = None, writer: int = 0
@@ -290,7 +290,7 @@ class StoreProtocol:
                 return None
         raise AssertionError("unreachable")
 
-    def set_result(self, n: int | str, result: Result) -> None:
+    def set_result(self, n: int | str, result: CommitResult) -> None:
         self.store.set(self._key(n, "result"), result.encode())
 
     def ack(self, n: int | str) -> None:
@@ -424,7 +424,7 @@ class NotDurableError(OSError):
     """The new checkpoint is at its final name, but making the rename durable failed."""
 
 
-def publish(staging: str, final: str, old: str, fsync: bool) -> None:
+def swap_in(staging: str, final: str, old: str, fsync: bool) -> None:
     """Make ``staging`` visible as ``final`` in one rename; an existing ``final`` is swapped out
     atomically (``renameat2(RENAME_EXCHANGE)``) and deleted, so a reader sees the old checkpoint or
     the new one, never neither (except where the kernel lacks the exchange: two renames).

@@ -12,7 +12,7 @@ The core's save lives on in two places here. Confirmation (``Job.confirm``): a r
 committed only after its lazy tensors' versions were re-checked on the training thread once the
 copies were over; the distributed commit thread therefore waits for the file without confirming
 (``local_outcome``), and the training-thread entry points confirm (``confirm_ready``, and the
-distributed handle's ``_confirm``, ``bind_local``). Errors: one ``ErrorLedger``, the inner
+distributed handle's ``LocalPart``, ``bind_local``). Errors: one ``ErrorLedger``, the inner
 checkpointer's: a rank file's own report is claimed by the distributed save that carries it as its
 cause, and the distributed save's report is published there (``finish``).
 """
@@ -31,14 +31,14 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from lazyckpt.core import guard as _guard
-from lazyckpt.core.handle import Completion, SaveHandle, SaveStats
+from lazyckpt.core.handle import Completion, SaveHandle, SaveStats, confirm, finished_report, wait_finished
 from lazyckpt.core.job import Job
 from lazyckpt.core.plan import SavePlan
 from lazyckpt.formats.flatten import Source, flatten_torch
 from lazyckpt.formats.torch_zip import storage_alignment
 from lazyckpt.storage import fs as _fs
 
-from ..checkpointer import LazyCheckpointer
+from ..checkpointer import LazyCheckpointer, producer_of
 from ..errors import LazyCkptError, SaveRefusedError, WriteError
 from ._handle import Save
 from ._layout import RankFileLayout
@@ -73,11 +73,7 @@ class RankFile:
 
     def __init__(self, ckpt: LazyCheckpointer, tensors: list[tuple[str, str, torch.Tensor]]) -> None:
         self.ckpt = ckpt
-        self.sources: list[Source] = []
-        for key, name, t in tensors:
-            nbytes = t.numel() * t.element_size()
-            flat = t.reshape(-1).view(torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
-            self.sources.append(Source(key, flat, nbytes, [(name, t, t._version)]))
+        self.sources = [Source.of_tensor(key, name, t) for key, name, t in tensors]
         # Rank files are never written inside save(): their folder is committed by the coordinator.
         self.plan = SavePlan.decide(ckpt.options, self.sources, "", allow_inline=False, capture_in_save=False)
         if 64 % storage_alignment() != 0:  # the layout cannot honour page phases: no zero copy
@@ -95,7 +91,7 @@ class RankFile:
             layout=layout, file_bytes=layout.file_bytes, crc=self.ckpt.crc, fsync=self.ckpt.fsync,
             wait_in_closure=self.ckpt.wait_in_closure, t0=t0,
         )  # fmt: skip
-        self.ckpt.run_job(job, eager, self.plan.direct)
+        producer_of(self.ckpt).run_job(job, eager, self.plan.direct)
         job.t_returned = time.perf_counter()
         return job.handle
 
@@ -121,8 +117,8 @@ def start_rank_file(ckpt: LazyCheckpointer, entry: Save, plan: RankPlan) -> None
     entry.layout = layout
     path = os.path.join(entry.staging, entry.file)
     entry.local = rank_file.start(path, layout, entry.t0)
-    assert entry.handle is not None and entry.completion is not None
-    entry.handle.bind_local(entry.local)
+    assert entry.handle is not None and entry.completion is not None and entry.part is not None
+    entry.part.handle = entry.local
     bind_local(entry.completion, entry.local)
     confirm_in_forward()
 
@@ -166,7 +162,7 @@ def bind_local(completion: Completion, local: SaveHandle) -> None:
     """Make the distributed handle's waits (``wait()``, ``exception(timeout)``, the checkpointer's)
     confirm ``local``, this rank's file, on the waiting thread first: the distributed outcome needs
     every rank's file committed, and this rank's is committed only once confirmed."""
-    completion.bind(confirm=local.confirm)  # a no-op once the file is committed
+    completion.bind(confirm=functools.partial(confirm, local))  # a no-op once the file is committed
 
 
 def local_outcome(local: SaveHandle) -> BaseException | None:
@@ -176,8 +172,8 @@ def local_outcome(local: SaveHandle) -> BaseException | None:
     distributed save reports it, as its cause. (The core publishes that error on the inner ledger
     just before the file is done: a ``raise_errors()`` on another thread in between would raise it
     bare; the distributed checkpointer's own waits first wait for the saves that carry it.)"""
-    local.wait_finished()
-    report = local.report
+    wait_finished(local)
+    report = finished_report(local)
     if report is not None:
         report.claim()
         return report.error
@@ -195,14 +191,14 @@ def resolve_handle(
     completion.bind()  # nothing left to confirm
     report = completion.resolve(stats, error)
     if report is not None:
-        ckpt.publish(report)
+        producer_of(ckpt).publish(report)
     return True
 
 
 def complete_handle(ckpt: LazyCheckpointer, completion: Completion) -> None:
     """Make the outcome visible; done-callbacks run on the core's callback thread, as a job's do
     (they may wait for other saves, which the distributed commit thread commits)."""
-    completion.complete(ckpt.callbacks)
+    completion.complete(producer_of(ckpt).callbacks)
 
 
 def classify_start_error(exc: BaseException, rank: int, final: str) -> BaseException:

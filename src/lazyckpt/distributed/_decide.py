@@ -6,7 +6,7 @@ metadata, decide commit or abort (the first decision set in the store holds), pu
 staging folder, or upload ``.metadata`` last at a URL), set the result, wait for the others'
 acknowledgements. Others: wait for the decision (deciding abort themselves when the coordinator
 died or never answers within ``commit_timeout``), then for the result. Messages are typed
-(``_commit.Decision`` / ``Result``); outcomes are ``_Outcome`` (None: committed).
+(``_commit.Decision`` / ``CommitResult``); outcomes are ``Failure`` (None: committed).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 from ..errors import UploadError
 from . import _commit
-from ._commit import COMMIT, Decision, Liveness, RankReport, Result, StoreProtocol
-from ._handle import Outcome as _Outcome
+from ._commit import COMMIT, CommitResult, Decision, Liveness, RankReport, StoreProtocol
+from ._handle import Failure
 from ._handle import Save as _Save
 from ._topology import Scope
 
@@ -56,7 +56,7 @@ class Decider:
             remote.upload(name)
         remote.upload(_commit.MANIFEST)
 
-    def publish_remote(self, entry: _Save, reports: dict[int, RankReport]) -> _Outcome | None:
+    def commit_remote(self, entry: _Save, reports: dict[int, RankReport]) -> Failure | None:
         """Coordinator, after deciding "commit": upload ``.metadata``, which makes it a checkpoint
         (replacing a previous one at the prefix in one PUT), then delete the previous checkpoint's
         data files (best effort)."""
@@ -67,16 +67,16 @@ class Decider:
         except UploadError as exc:
             remote.remove_uploaded()  # .metadata first (the failed PUT may have landed), before the others learn
             why = f"nothing was committed; rank {self.rank} (coordinator) could not upload .metadata: {exc}"
-            self.proto.set_result(entry.n, Result(False, why))
-            return _Outcome(why, (self.rank,), upload=True, cause=exc)
+            self.proto.set_result(entry.n, CommitResult(False, why))
+            return Failure(why, (self.rank,), upload=True, cause=exc)
         remote.remove_stale({r.file for r in reports.values()})
         remote.abort_unfinished()  # before the result: then the others may start their next save
-        self.proto.set_result(entry.n, Result(True))
+        self.proto.set_result(entry.n, CommitResult(True))
         return None
 
     # -- the commit -------------------------------------------------------------------------------
 
-    def coordinate(self, entry: _Save, deadline: float) -> _Outcome | None:
+    def coordinate(self, entry: _Save, deadline: float) -> Failure | None:
         """Coordinator: gather, write the metadata, decide, publish. None when committed."""
         reports, missing, dead = self.proto.gather(entry.n, deadline, self.liveness)
         own_exc: Exception | None = None
@@ -101,28 +101,28 @@ class Decider:
                 decided = self.proto.decide(entry.n, Decision.abort(why, [self.rank], isinstance(exc, UploadError)))
             else:
                 decided = self.proto.decide(entry.n, COMMIT)
-        outcome: _Outcome | None = None
+        outcome: Failure | None = None
         if not decided.commit:
             if entry.remote is None:
                 shutil.rmtree(entry.staging, ignore_errors=True)
             outcome = _abort_reason(decided)
             outcome.cause = own_exc
         elif entry.remote is not None:
-            outcome = self.publish_remote(entry, reports)
+            outcome = self.commit_remote(entry, reports)
         else:
             try:
                 old = _commit.staging_path(entry.final, self.token, entry.n, old=True)
-                _commit.publish(entry.staging, entry.final, old, self.fsync)
+                _commit.swap_in(entry.staging, entry.final, old, self.fsync)
             except OSError as exc:
                 if isinstance(exc, _commit.NotDurableError):
                     why = f"rank {self.rank} (coordinator): {exc}"
                 else:
                     shutil.rmtree(entry.staging, ignore_errors=True)
                     why = f"nothing was committed; rank {self.rank} (coordinator) could not publish the folder: {exc}"
-                self.proto.set_result(entry.n, Result(False, why))
-                outcome = _Outcome(why, (self.rank,), cause=exc)
+                self.proto.set_result(entry.n, CommitResult(False, why))
+                outcome = Failure(why, (self.rank,), cause=exc)
             else:
-                self.proto.set_result(entry.n, Result(True))
+                self.proto.set_result(entry.n, CommitResult(True))
         # Ranks that never reported may be dead (no acknowledgment to wait for) or merely slow: they
         # still need the outcome when they get there, so the keys stay unless every rank acknowledged.
         others = [r for r in range(self.world_size) if r != self.rank and r not in missing]
@@ -152,7 +152,7 @@ class Decider:
         upload = any(reports[r].upload_failed for r in failed)
         return Decision.abort(why, failed + (dead or missing), upload)
 
-    def follow(self, entry: _Save, deadline: float) -> _Outcome | None:
+    def follow(self, entry: _Save, deadline: float) -> Failure | None:
         """Other ranks: wait for the coordinator's decision (or decide abort when it never comes)."""
         decided = self._await_decision(entry, deadline)
         if not decided.commit:
@@ -164,14 +164,14 @@ class Decider:
         if result is None:
             died = self.liveness.dead([0])
             when = "died before confirming" if died else f"did not confirm within {self.commit_timeout} s"
-            return _Outcome(
+            return Failure(
                 f"the coordinator (rank 0) decided to commit but {when}; "
                 f"{entry.final} holds either the complete new checkpoint or the previous state",
                 (0,),
                 undo=False,
             )
         # To a URL, publishing is uploading .metadata: its failure is an upload failure.
-        return _Outcome(result.why, (0,), upload=entry.remote is not None)
+        return Failure(result.why, (0,), upload=entry.remote is not None)
 
     @staticmethod
     def _discard_own(entry: _Save) -> None:
@@ -206,7 +206,7 @@ class Decider:
 
     # -- node-local levels: one folder per node, one decision for all -----------------------------
 
-    def commit_node(self, entry: _Save, deadline: float, scope: Scope) -> _Outcome | None:
+    def commit_node(self, entry: _Save, deadline: float, scope: Scope) -> Failure | None:
         """A node-local level's folder of one step, on every rank (acknowledgments included). The
         coordinator decides for every node at once: commit once every rank's file is durable in its
         node's staging folder, else abort. Then each node's leader writes that folder's
@@ -221,7 +221,7 @@ class Decider:
             decided = self.proto.decide(entry.n, self._abort_for(reports, missing, dead) or COMMIT)
         else:
             decided = self._await_decision(entry, deadline)
-        outcome: _Outcome | None
+        outcome: Failure | None
         if not decided.commit:
             if self.rank == scope.leader:
                 shutil.rmtree(entry.staging, ignore_errors=True)
@@ -241,7 +241,7 @@ class Decider:
             self.proto.drop(entry.n, tuple(_node_result(g[0]) for g in scope.groups))
         return outcome
 
-    def _publish_node(self, entry: _Save, scope: Scope) -> Result:
+    def _publish_node(self, entry: _Save, scope: Scope) -> CommitResult:
         """A node's leader: its folder's metadata (the reports of its ranks) and rank 0's extra
         files, then the rename."""
         try:
@@ -254,14 +254,14 @@ class Decider:
                 world_size=self.world_size,
             )  # fmt: skip
             old = _commit.staging_path(entry.final, self.token, entry.n, old=True)
-            _commit.publish(entry.staging, entry.final, old, self.fsync)
+            _commit.swap_in(entry.staging, entry.final, old, self.fsync)
         except Exception as exc:  # noqa: BLE001 - every rank must learn it
             if not isinstance(exc, _commit.NotDurableError):
                 shutil.rmtree(entry.staging, ignore_errors=True)
-            return Result(False, f"rank {self.rank} could not publish its node's folder {entry.final}: {exc}")
-        return Result(True)
+            return CommitResult(False, f"rank {self.rank} could not publish its node's folder {entry.final}: {exc}")
+        return CommitResult(True)
 
-    def _node_results(self, entry: _Save, scope: Scope) -> _Outcome | None:
+    def _node_results(self, entry: _Save, scope: Scope) -> Failure | None:
         failures: list[tuple[int, str]] = []
         for leader in sorted(g[0] for g in scope.groups):
             raw = self.proto.wait_value(
@@ -270,16 +270,16 @@ class Decider:
             if raw is None:
                 died = self.liveness.dead([leader])
                 failures.append((leader, "died before confirming" if died else "did not confirm in time"))
-            elif not (result := Result.decode(raw)).ok:
+            elif not (result := CommitResult.decode(raw)).ok:
                 failures.append((leader, result.why))
         if not failures:
             return None
         why = "; ".join(f"the node of rank {leader}: {what}" for leader, what in failures)
-        return _Outcome(f"not committed on every node ({why})", tuple(r for r, _ in failures), undo=False)
+        return Failure(f"not committed on every node ({why})", tuple(r for r, _ in failures), undo=False)
 
 
-def _abort_reason(decided: Decision) -> _Outcome:
-    return _Outcome("nothing was committed; " + decided.why, decided.ranks, upload=decided.upload)
+def _abort_reason(decided: Decision) -> Failure:
+    return Failure("nothing was committed; " + decided.why, decided.ranks, upload=decided.upload)
 
 
 def _node_result(leader: int) -> str:

@@ -1,5 +1,5 @@
 """A distributed save as its rank sees it: the handle ``save()`` returns, the commit thread's
-record of it (``Save``), how it failed (``Outcome``), and its path and extra files as given."""
+record of it (``Save``), how it failed (``Failure``), and its path and extra files as given."""
 
 from __future__ import annotations
 
@@ -16,6 +16,14 @@ from ._layout import RankFileLayout
 from ._upload import RemoteFolder
 
 
+class LocalPart:
+    """This rank's file of a distributed save as its handle sees it: the file's handle, set by the
+    distributed checkpointer (``Save.part``) once the file's save started."""
+
+    def __init__(self) -> None:
+        self.handle: SaveHandle | None = None
+
+
 class DistributedSaveHandle(SaveHandle):
     """A pending distributed save (``SaveHandle``'s methods). ``wait_staged()`` concerns this rank's
     tensors; ``wait()`` returns once the checkpoint is committed on every rank, and raises
@@ -27,17 +35,15 @@ class DistributedSaveHandle(SaveHandle):
     committed on its local disk; ``done()`` / ``wait()`` once the checkpoint is committed in the
     store (every rank's file uploaded, then ``.metadata``)."""
 
-    def __init__(self, path: str, outcome: HandleOutcome | None = None, url: str | None = None) -> None:
+    def __init__(
+        self, path: str, outcome: HandleOutcome | None = None, url: str | None = None, part: LocalPart | None = None
+    ) -> None:
         super().__init__(path, outcome)
         self.url = url  # a save to a URL (as ``RemoteSaveHandle.url``); None for a local folder
-        self._local: SaveHandle | None = None
-
-    def bind_local(self, local: SaveHandle) -> None:
-        """Internal API (the distributed checkpointer): this rank's file's handle, once started."""
-        self._local = local
+        self._part = part if part is not None else LocalPart()
 
     def local(self) -> bool:
-        local = self._local
+        local = self._part.handle
         if self.url is None or local is None:
             return self.done()
         return local.done()
@@ -45,7 +51,7 @@ class DistributedSaveHandle(SaveHandle):
     def wait_local(self, timeout: float | None = None) -> SaveStats:
         """This rank's file committed on local disk: its stats (for a local save: ``wait()``). If
         it failed, the distributed save's error, once every rank knows it."""
-        local = self._local
+        local = self._part.handle
         if self.url is None or local is None:
             return self.wait(timeout)
         if not local.wait_done(timeout):  # confirms this rank's file first
@@ -55,11 +61,11 @@ class DistributedSaveHandle(SaveHandle):
         return local.stats
 
     def staged(self) -> bool:
-        local = self._local
+        local = self._part.handle
         return super().staged() or (local is not None and local.staged())
 
     def wait_staged(self, timeout: float | None = None) -> None:
-        local = self._local
+        local = self._part.handle
         if local is not None:
             local.wait_staged(timeout)
         else:
@@ -85,10 +91,11 @@ class Save:
     extra_files: dict[str, bytes] = field(default_factory=dict)  # coordinator: written beside .metadata
     remote: RemoteFolder | None = None  # a save to a URL: its objects and this rank's local folder
     completion: Completion | None = None  # of ``handle``: the commit thread finishes it
+    part: LocalPart | None = None  # shared with ``handle``: ``local`` once started
 
 
 @dataclass
-class Outcome:
+class Failure:
     """Why a save failed, as every rank learns it."""
 
     message: str

@@ -47,26 +47,35 @@ from typing import Any
 
 from torch.distributed.checkpoint.utils import _DistWrapper
 
-from lazyckpt.core.handle import CallbackRunner, Completion, SaveHandle, SaveStats
+from lazyckpt.core.handle import CallbackRunner, Completion, SaveHandle
 from lazyckpt.core.report import Report
 from lazyckpt.core.workers import Worker
-from lazyckpt.levels import Found, Level
-from lazyckpt.levels import _copy as _level_copy
-from lazyckpt.levels._collective import StoreExchange
-from lazyckpt.levels._handle import LevelsHandle, Parts
-from lazyckpt.levels._latest import latest_agreed
-from lazyckpt.levels._level import check_step
-from lazyckpt.levels._multi import check_levels
-from lazyckpt.levels._schedule import Backlog, Retention, Sweep, run_sweep, sweep
+from lazyckpt.levels import (
+    Backlog,
+    Found,
+    Level,
+    LevelsHandle,
+    Parts,
+    Retention,
+    StoreExchange,
+    Sweep,
+    check_levels,
+    check_memory,
+    check_step,
+    latest_agreed,
+    not_due,
+    run_sweep,
+    sweep,
+)
 from lazyckpt.storage import fs as _fs
 
-from ..checkpointer import LazyCheckpointer
+from ..checkpointer import LazyCheckpointer, producer_of
 from ..errors import CheckpointerClosedError, DistributedLevelError, SaveRefusedError, UploadError
 from . import _commit
 from ._commit import RankReport
 from ._core import classify_start_error, complete_handle, confirm_ready, local_outcome, resolve_handle, start_rank_file
 from ._decide import Decider
-from ._handle import DistributedSaveHandle, Outcome, Save, extra_name
+from ._handle import DistributedSaveHandle, Failure, LocalPart, Save, extra_name
 from ._plan import PlanCache, plan_save
 from ._promote import check_file, copy_checked, renamed
 from ._topology import Scope, dedup_groups, probe
@@ -174,7 +183,7 @@ class DistributedLevels:
         t0 = time.perf_counter()
         due = self._due(step, due)
         if not due:
-            return _not_due(step, t0)
+            return not_due(step, t0)
         confirm_ready()  # earlier saves whose copies are over: this thread's ops came before
         ctx, first = self.ctx, due[0]
         n = ctx.next_n()
@@ -182,10 +191,13 @@ class DistributedLevels:
         final = self.levels[first].folder(step)
         plan = plan_save(state, ctx.wrapper, final, lambda: "", self._plans, n, groups=self._groups)
         admitted = [i for i in due[1:] if self._admit(i, step)]  # all of them: "block" only
-        completion = Completion(final, DistributedSaveHandle)
+        part = LocalPart()
+        completion = Completion(final, DistributedSaveHandle, part=part)
         handle: DistributedSaveHandle = completion.handle  # type: ignore[assignment]
         staging = _commit.staging_path(final, ctx.decider.token, key)
-        entry = Save(key, final, staging, handle, t0, metadata=copy.copy(plan.metadata), completion=completion)
+        entry = Save(
+            key, final, staging, handle, t0, metadata=copy.copy(plan.metadata), completion=completion, part=part
+        )
         entry.file = f"__{self.rank}_0.distcp"
         st = _Step(n, step, first, entry, plan.needs, plan.metadata, readers=len(admitted))
         st.parts = Parts(final, step, handle, [first, *admitted], self, t0)
@@ -245,7 +257,7 @@ class DistributedLevels:
         return self._callbacks
 
     def publish(self, report: Report) -> None:
-        self.ctx.inner.publish(report)  # one ledger: wait() / close() raise it once
+        producer_of(self.ctx.inner).publish(report)  # one ledger: wait() / close() raise it once
 
     def forget(self, handle: LevelsHandle) -> None:
         with self._cond:
@@ -310,7 +322,7 @@ class DistributedLevels:
         own: BaseException | None = None
         try:
             if level.is_url:
-                entry.remote = RemoteFolder.create(ctx.inner.remote_tier(), entry.final)
+                entry.remote = RemoteFolder.create(producer_of(ctx.inner).remote_tier(), entry.final)
                 entry.staging = entry.remote.local  # the coordinator's .metadata and manifest
                 name = f"__{self.rank}_0.{ctx.decider.token[:16]}-{key}.distcp"  # a name of its own per save
                 check_file(src, source.layout.file_crc)
@@ -350,7 +362,7 @@ class DistributedLevels:
             raise SaveRefusedError(f"due must hold level indices in [0, {len(self.levels)}), got {list(due)!r}")
         return picked
 
-    def _commit(self, index: int, entry: Save, report: RankReport) -> Outcome | None:
+    def _commit(self, index: int, entry: Save, report: RankReport) -> Failure | None:
         """One level folder's two-phase commit, this rank's side; None when committed."""
         ctx, scope = self.ctx, self.scopes[index]
         ctx.decider.proto.post(entry.n, report)
@@ -364,7 +376,7 @@ class DistributedLevels:
         return outcome
 
     def _error(
-        self, index: int, step: int, entry: Save, outcome: Outcome, own: BaseException | None
+        self, index: int, step: int, entry: Save, outcome: Failure, own: BaseException | None
     ) -> DistributedLevelError:
         level = self.levels[index]
         cause = outcome.cause or (own if own is not None and self.rank in outcome.ranks else None)
@@ -408,9 +420,10 @@ class DistributedLevels:
         now, freed on its remover thread) or its remote tier."""
         if self.rank == self.scopes[index].leader:
             inner = self.ctx.inner
+            producer = producer_of(inner)
             self._retention.apply(
-                index, self.levels[index], self.options.storage_options, True, inner.remove, inner.remote_tier,
-                inner.publish, sweep=sweep,
+                index, self.levels[index], self.options.storage_options, True, inner.remove, producer.remote_tier,
+                producer.publish, sweep=sweep,
             )  # fmt: skip
 
     def _sweep(self) -> None:
@@ -437,19 +450,4 @@ class DistributedLevels:
         self._memory_checked = True
         local = [s for lv, s in zip(self.levels, self.scopes, strict=True) if not lv.is_url]
         sharing = max((len(s.group) for s in local), default=1)
-        _level_copy.check_memory(self.levels, entry.layout.total_size * sharing)
-
-
-class _NotDue(SaveHandle):
-    """No level is due at ``step``: a finished handle whose stats say skipped."""
-
-    def __init__(self, path: str, outcome: Any = None, *, step: int) -> None:
-        super().__init__(path, outcome)
-        self.step = step
-
-
-def _not_due(step: int, t0: float) -> SaveHandle:
-    completion = Completion(f"step {step}: no level due", _NotDue, step=step)
-    skipped = SaveStats(completion.handle.path, 0, 0, time.perf_counter() - t0, 0.0, 0.0, 0.0, 0.0, 0.0, skipped=True)
-    completion.finish(skipped, None)
-    return completion.handle
+        check_memory(self.levels, entry.layout.total_size * sharing)

@@ -170,7 +170,7 @@ def _state_key(flat: dict[str, Any]) -> bytes | None:
     h = hashlib.sha256()
     for fqn, obj in flat.items():
         if isinstance(obj, DTensor):
-            local = obj._local_tensor
+            local = _local(obj)
             desc: tuple[Any, ...] = (
                 "D", tuple(obj.shape), repr(obj.placements), id(obj.device_mesh), tuple(local.shape),
                 str(local.dtype), str(local.layout), local.requires_grad, local.is_pinned(),
@@ -183,6 +183,11 @@ def _state_key(flat: dict[str, Any]) -> bytes | None:
             desc = ("B",)  # a BYTE_IO item, whatever the value
         h.update(repr((fqn, desc)).encode())
     return h.digest()
+
+
+def _local(dt: DTensor) -> torch.Tensor:
+    """This rank's shard of ``dt``: what ``to_local()`` gives, without an autograd call each."""
+    return dt._local_tensor
 
 
 def _digest(items: list[WriteItem]) -> bytes:
@@ -211,7 +216,7 @@ def resolve(plan: RankPlan) -> tuple[list[tuple[WriteItem, torch.Tensor]], list[
         obj = flat.get(item.index.fqn)
         data: torch.Tensor | io.BytesIO
         if isinstance(obj, DTensor) and item.type != WriteItemType.BYTE_IO:
-            data = obj._local_tensor  # what resolve_data's to_local() gives, without an autograd call each
+            data = _local(obj)
         else:
             data = plan.planner.resolve_data(item)
         if item.type == WriteItemType.BYTE_IO:

@@ -69,10 +69,18 @@ class Source:
     def release(self) -> None:
         self._bytes, self.checks = None, []
 
+    @classmethod
+    def of_tensor(cls, key: str, name: str, t: torch.Tensor) -> Source:
+        """One tensor's bytes as a record (a safetensors entry, a DCP rank file's item), checked
+        against in-place changes under ``name``."""
+        nbytes = t.numel() * t.element_size()
+        flat = t.detach().reshape(-1).view(torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+        return cls(key, flat, nbytes, [(name, t, _version(t))])
+
     def first_stale(self) -> str | None:
         """Name of a tensor changed in place since save(), or None."""
         for name, tensor, version in self.checks:
-            if tensor._version != version:
+            if _version(tensor) != version:
                 return name
         return None
 
@@ -108,6 +116,11 @@ def refuse_unsupported(t: torch.Tensor, name: str) -> None:
         raise SaveRefusedError(f"{name}: quantized tensors are not supported; dequantize() or use torch.save")
     if t.device.type not in ("cpu", "cuda") and not torch._C._has_storage(t):
         raise SaveRefusedError(f"{name}: tensors on {t.device.type} have no storage to stage; move them to CPU first")
+
+
+def _version(t: torch.Tensor) -> int:
+    """torch's in-place change counter of ``t`` (what a save's checks compare)."""
+    return t._version
 
 
 def _flat_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -158,7 +171,9 @@ class _Pickler(pickle.Pickler):
             if self._fast and _is_storage(cls):
                 raise _NeedPlainPath
             return NotImplemented
-        name = self.names.get(id(obj), f"<tensor inside an object, shape {tuple(obj.shape)}>")
+        name = self.names.get(id(obj))
+        if name is None:  # built only when needed: this runs for every tensor on the caller's thread
+            name = f"<tensor inside an object, shape {tuple(obj.shape)}>"
         refuse_unsupported(obj, name)
         storage = obj.untyped_storage()
         self._tensors_by_storage.setdefault(storage._cdata, []).append((name, obj, obj._version))
@@ -259,14 +274,16 @@ def _location(device: torch.device) -> str:
 
 
 def _has_fast_reduce(t: torch.Tensor) -> bool:
-    """Whether ``Tensor.__reduce_ex__`` would take its plain branch for ``t`` (and warn about nothing)."""
+    """Whether ``Tensor.__reduce_ex__`` would take its plain branch for ``t`` (and warn about nothing).
+
+    Quantized tensors never get here: ``refuse_unsupported`` has refused them before.
+    """
     return (
         type(t) is torch.Tensor
         and not t.__dict__
         and t._backward_hooks is None
         and t.device.type in ("cpu", "cuda")
         and t.dtype not in _V3_DTYPES
-        and not t.is_quantized
         and not t.is_sparse
     )
 
@@ -283,8 +300,7 @@ def _fast_path_works() -> bool:
     if _PERSISTENT_ID is None or not hasattr(_PERSISTENT_ID, "__set__"):
         return False
     base = torch.arange(6, dtype=torch.float32)
-    with_attribute: Any = OrderedDict()
-    with_attribute._metadata = {"": {"version": 1}}  # as a module's empty state dict has
+    with_attribute = torch.nn.Module().state_dict()  # an OrderedDict with a _metadata attribute
     sample = {
         "t": base,
         "view": base[1:4],

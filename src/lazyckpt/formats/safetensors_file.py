@@ -65,7 +65,7 @@ class SafetensorsFormat:
                 raise SaveRefusedError(f"{name}: safetensors needs contiguous tensors; call .contiguous() first")
         _refuse_shared(obj)
         order = sorted(obj, key=lambda n: (_RANK[DTYPES[obj[n].dtype]], n))
-        sources = [_source(name, obj[name]) for name in order]
+        sources = [Source.of_tensor(name, name, obj[name]) for name in order]
         return SafetensorsPlanner(metadata, sources, {name: TensorInfo.of(obj[name]) for name in order})
 
 
@@ -167,12 +167,6 @@ def with_crc(head: bytes, crc: int) -> bytes:
     if head[8:CRC_AT] != PREFIX:  # only a bug here could get this far: never patch a user's bytes
         raise ValueError("safetensors header does not start with lazyckpt's CRC placeholder")
     return head[:CRC_AT] + f"{crc:08x}".encode() + head[CRC_AT + 8 :]
-
-
-def _source(name: str, t: torch.Tensor) -> Source:
-    nbytes = t.numel() * t.element_size()
-    flat = t.detach().reshape(-1).view(torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
-    return Source(name, flat, nbytes, [(name, t, t._version)])
 
 
 def _check_metadata(metadata: Any) -> None:

@@ -3,6 +3,15 @@
 The scheduling (which levels are due), retention and ``latest()`` work on step numbers and level
 folders only; they do not depend on the file format or on who writes the files, so a distributed
 saver can reuse them with DCP folders (``_level.py`` names, ``_latest.py`` picks).
+
+Below ``__all__``: the pieces the producers of multi-level saves share (the checkpointer's files,
+Accelerate's folders, Lightning's plugins, the distributed checkpointer's DCP folders). They are
+imported from here, never from this package's private modules; not public API, no stability promise.
+``MultiLevel`` is the one-process runner (``check_levels`` / ``check_step`` check its arguments);
+``LevelsHandle``, ``Parts`` and ``not_due`` make the handle of a levels save; ``Backlog``,
+``Retention``, ``Sweep`` / ``sweep`` / ``run_sweep`` are the schedule a runner holds;
+``latest_agreed`` over a ``StoreExchange`` finds the newest step every rank holds; ``check_memory``
+is the first save's memory statement, ``tensor_bytes`` the size it is computed from.
 """
 
 from ._latest import Found, latest
@@ -10,3 +19,20 @@ from ._level import Level, LevelError, MemoryLevelWarning
 from ._load import load
 
 __all__ = ["Found", "Level", "LevelError", "MemoryLevelWarning", "latest", "load"]
+
+# Shared with the producers (see the module docstring).
+from ._collective import StoreExchange as StoreExchange  # noqa: E402
+from ._copy import check_memory as check_memory  # noqa: E402
+from ._copy import tensor_bytes as tensor_bytes  # noqa: E402
+from ._handle import LevelsHandle as LevelsHandle  # noqa: E402
+from ._handle import Parts as Parts  # noqa: E402
+from ._handle import not_due as not_due  # noqa: E402
+from ._latest import latest_agreed as latest_agreed  # noqa: E402
+from ._level import check_step as check_step  # noqa: E402
+from ._multi import MultiLevel as MultiLevel  # noqa: E402
+from ._multi import check_levels as check_levels  # noqa: E402
+from ._schedule import Backlog as Backlog  # noqa: E402
+from ._schedule import Retention as Retention  # noqa: E402
+from ._schedule import Sweep as Sweep  # noqa: E402
+from ._schedule import run_sweep as run_sweep  # noqa: E402
+from ._schedule import sweep as sweep  # noqa: E402

@@ -56,12 +56,20 @@ class StoreExchange:
         self.store, self.prefix, self.rank, self.world, self.timeout = store, prefix, rank, world, timeout
         self._round = 0
 
+    @staticmethod
+    def default_store() -> Any:
+        """The default process group's key-value store (torch keeps it privately); the distributed
+        checkpointer's commit protocol uses it too."""
+        import torch.distributed as dist
+
+        return dist.distributed_c10d._get_default_store()
+
     @classmethod
     def default(cls, timeout: float) -> StoreExchange:
         """Over the default process group's ranks and store (torch.distributed initialized)."""
         import torch.distributed as dist
 
-        store = dist.distributed_c10d._get_default_store()
+        store = cls.default_store()
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         prefix = f"lazyckpt/latest/{restart}/{next(_calls)}"
         return cls(store, prefix, dist.get_rank(), dist.get_world_size(), timeout)

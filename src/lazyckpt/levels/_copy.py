@@ -119,7 +119,7 @@ def upload_folder(tier: RemoteTier, src: str, url: str) -> None:
     local copy in a scratch folder: ``src`` is a level's checkpoint and stays untouched).
     ``UploadError`` on failure, with nothing left that reads as a checkpoint at ``url``."""
     with tempfile.TemporaryDirectory(prefix="lazyckpt-manifest-") as scratch:
-        _remote_folder.publish(tier, src, url, scratch=scratch)
+        _remote_folder.upload_folder(tier, src, url, scratch=scratch)
 
 
 def _copy_data(fd_in: int, fd_out: int, size: int, new: str) -> None:

@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Protocol
 
-from lazyckpt.core.handle import CallbackRunner, Completion, Outcome, SaveHandle, SaveStats
+from lazyckpt.core.handle import CallbackRunner, Completion, Outcome, SaveHandle, SaveStats, wait_finished
 from lazyckpt.core.report import Report
 
 
@@ -64,7 +64,7 @@ class LevelsHandle(SaveHandle):
                 self._source.wait_staged(timeout)
             except TimeoutError:
                 return False
-        return self.wait_finished(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return wait_finished(self, None if deadline is None else max(0.0, deadline - time.monotonic()))
 
 
 class Parts:
@@ -114,3 +114,19 @@ class Parts:
         self.handle.levels_done.sort()
         self._owner.forget(self.handle)
         self.completion.complete(self._owner.callbacks)
+
+
+class NotDue(SaveHandle):
+    """No level is due at ``step``: a finished handle whose stats say skipped."""
+
+    def __init__(self, path: str, outcome: Outcome | None = None, *, step: int) -> None:
+        super().__init__(path, outcome)
+        self.step = step
+
+
+def not_due(step: int, t0: float) -> SaveHandle:
+    """The handle of ``save(obj, step=n)`` when no level is due at ``step`` (every multi-level saver's)."""
+    completion = Completion(f"step {step}: no level due", NotDue, step=step)
+    skipped = SaveStats(completion.handle.path, 0, 0, time.perf_counter() - t0, 0.0, 0.0, 0.0, 0.0, 0.0, skipped=True)
+    completion.finish(skipped, None)
+    return completion.handle

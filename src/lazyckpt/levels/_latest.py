@@ -14,7 +14,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from lazyckpt.recovery._read import READ_THREADS, FileIdentity
+from lazyckpt.core.warn import user_stacklevel
+from lazyckpt.recovery import READ_THREADS, FileIdentity
 from lazyckpt.recovery.check import folder_problems
 from lazyckpt.recovery.dcp import is_dcp_folder, rank_problems
 from lazyckpt.recovery.verify import verify as verify_file
@@ -94,7 +95,7 @@ def latest(
         warnings.warn(
             f"lazyckpt.latest: skipping {path} (level {index}, step {step}): {problem}",
             IncompleteCheckpointWarning,
-            stacklevel=2,
+            stacklevel=user_stacklevel(),
         )
     return None
 
@@ -116,7 +117,7 @@ def latest_agreed(
             warnings.warn(
                 f"lazyckpt.latest: skipping {path} (level {index}, step {step}) on rank {rank}: {problem}",
                 IncompleteCheckpointWarning,
-                stacklevel=4,
+                stacklevel=user_stacklevel(),
             )
         return problem is None
 
@@ -138,7 +139,7 @@ def _listings(
             warnings.warn(
                 f"lazyckpt.latest: cannot list level {index} ({level.path}): {exc}",
                 IncompleteCheckpointWarning,
-                stacklevel=3,
+                stacklevel=user_stacklevel(),
             )
     return out
 

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from lazyckpt.recovery import _read
+from lazyckpt.recovery import reads as _read
 from lazyckpt.storage import fs as _fs
 from lazyckpt.storage import remote as _remote
 from lazyckpt.storage import spare as _spare

@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from lazyckpt.core.handle import CallbackRunner, Completion, Outcome, SaveHandle, SaveStats
+from lazyckpt.core.handle import CallbackRunner, SaveHandle
 from lazyckpt.core.job import error_context
 from lazyckpt.core.report import ErrorLedger, Report
 from lazyckpt.core.workers import Worker
@@ -43,7 +43,7 @@ from lazyckpt.storage import remote as _remote
 
 from ..errors import WriteError
 from . import _copy
-from ._handle import SOURCE, LevelsHandle, Parts
+from ._handle import SOURCE, LevelsHandle, Parts, not_due
 from ._level import Level, LevelError, check_step
 from ._schedule import WARN_AFTER_S, Backlog, Retention, Sweep, run_sweep, sweep
 
@@ -60,7 +60,6 @@ class Saver(Protocol):
     def save(self, obj: Any, path: str) -> SaveHandle: ...
     def raise_errors(self) -> None: ...
     def remove(self, path: str) -> Any: ...
-    def reuse(self, path: str) -> bool: ...
     def wait_staged(self, timeout: float | None = None) -> None: ...
 
 
@@ -100,15 +99,23 @@ class _Worker:
 
 class MultiLevel:
     """The multi-level saver of one checkpointer: file checkpoints (``folder=False``,
-    ``step-<n>.pt``) or folder checkpoints (``folder=True``, ``step-<n>``)."""
+    ``step-<n>.pt``) or folder checkpoints (``folder=True``, ``step-<n>``). ``reuse``: the
+    checkpointer's page reuse for a memory level's dropped steps (``Producer.reuse``), None for none."""
 
     def __init__(
-        self, ckpt: Saver, levels: tuple[Level, ...], options: CheckpointerOptions, *, folder: bool = False
+        self,
+        ckpt: Saver,
+        levels: tuple[Level, ...],
+        options: CheckpointerOptions,
+        *,
+        folder: bool = False,
+        reuse: Callable[[str], bool] | None = None,
     ) -> None:
         check_levels(levels)
         if len({lv.path for lv in levels}) != len(levels):
             raise ValueError("two levels share a path; give each level its own folder")
         self.ckpt = ckpt
+        self._reuse = reuse
         self.levels = levels
         self.options = options
         self.folder = folder
@@ -165,7 +172,7 @@ class MultiLevel:
         self.ckpt.raise_errors()  # an unseen error of an earlier save (any level) first, as save() does
         due = [i for i, lv in enumerate(self.levels) if lv.due(step)] if due is None else sorted(set(due))
         if not due:
-            return _not_due(step, t0)
+            return not_due(step, t0)
         if not self._memory_checked and nbytes is not None:
             self._memory_checked = True
             _copy.check_memory(self.levels, nbytes())
@@ -349,7 +356,7 @@ class MultiLevel:
         ``LazyCheckpointer.remove`` (local: renamed away now, freed on its remover thread) or the
         remote tier (a URL level: on its own level thread)."""
         level = self.levels[index]
-        reuse = self.ckpt.reuse if level.reuse_pages and index in self._sourced else None
+        reuse = self._reuse if level.reuse_pages and index in self._sourced else None
         self._retention.apply(
             index, level, self.options.storage_options, self.folder, self.ckpt.remove,
             self._remote_tier, self._ledger.publish, reuse, sweep,
@@ -416,18 +423,3 @@ class MultiLevel:
             _fs.unlink(path)
         except OSError:
             pass
-
-
-class _NotDue(SaveHandle):
-    """No level is due at ``step``: a finished handle whose stats say skipped."""
-
-    def __init__(self, path: str, outcome: Outcome | None = None, *, step: int) -> None:
-        super().__init__(path, outcome)
-        self.step = step
-
-
-def _not_due(step: int, t0: float) -> SaveHandle:
-    completion = Completion(f"step {step}: no level due", _NotDue, step=step)
-    path = completion.handle.path
-    completion.finish(SaveStats(path, 0, 0, time.perf_counter() - t0, 0.0, 0.0, 0.0, 0.0, 0.0, skipped=True), None)
-    return completion.handle

@@ -11,7 +11,7 @@ optimizer closure) and right before the update. Every other tensor and every non
 captured inside ``save_checkpoint``, so the file always holds what ``dump_checkpoint`` produced.
 
 Concurrency contract: the plugin's methods are called from the training thread; completions arrive
-on lazyckpt's background threads and only touch the plugin's own bookkeeping under ``_lock``.
+on lazyckpt's background threads and only touch the plugin's own bookkeeping (``_runtime``) under its lock.
 Loggers, callbacks and the Trainer are only ever touched from the training thread.
 
 Works with ``lightning`` (``lightning.pytorch`` / ``lightning.fabric``) and with the standalone
@@ -24,51 +24,18 @@ averaging swaps wait for pending copies, checkpoint-uploading loggers wait for p
 from __future__ import annotations
 
 import logging
-import os
-import sys
-import threading
-import time
 import warnings
-import weakref
-from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any
 
-from lazyckpt import CheckpointerOptions, LazyCheckpointer, SaveHandle, SaveStats
-from lazyckpt.core import exit as _exit
-from lazyckpt.core import guard as _guard
-from lazyckpt.errors import CheckpointerClosedError, LazyCkptError, StaleTensorError
-from lazyckpt.levels import Level
-from lazyckpt.levels._multi import MultiLevel
-from lazyckpt.lightning import _compat, _levels, _sharded
+from lazyckpt import CheckpointerOptions, LazyCheckpointer, SaveStats
+from lazyckpt.errors import CheckpointerClosedError
+from lazyckpt.lightning import _compat, _runtime
 from lazyckpt.lightning._levels import MultiLevelCheckpoint
 from lazyckpt.options import merge as _merge_options
 
 __all__ = ["LazyCheckpointIO", "MultiLevelCheckpoint"]
 
 log = logging.getLogger(__name__)
-
-# -- bookkeeping -----------------------------------------------------------------------------------
-
-
-@dataclass
-class _Save:
-    """One save_checkpoint call: durable once ``done`` resolves (after the upload for a URL)."""
-
-    key: str  # absolute local path, or the URL as given
-    handle: SaveHandle
-    step: int | None
-    done: Future = field(default_factory=Future)  # finished (errors go to the core's ledger, not here)
-
-
-_STALE_NOTE = (
-    "lazyckpt.lightning: a tensor of this checkpoint was changed in place outside optimizer.step() "
-    "before its host copy was done, so the save was abandoned instead of writing a mixed state. Code "
-    "that edits parameters or optimizer state in place between a save and the next step (weight swaps, "
-    "manual clamping, custom callbacks) must call `LazyCheckpointIO.wait_staged()` first."
-)
-
 
 _CheckpointIO: Any = _compat.checkpoint_io_base()
 
@@ -112,25 +79,12 @@ class LazyCheckpointIO(_CheckpointIO):
         self._user_checkpointer = checkpointer
         self._init_runtime()
         _compat.register_with_loaded_packages(LazyCheckpointIO)
-        _exit.register(self, _drain_at_exit, layer=_exit.INTEGRATION)
 
     def _init_runtime(self) -> None:
-        self._ckpt: LazyCheckpointer | None = self._user_checkpointer
-        self._lock = threading.Lock()
-        self._saves: list[_Save] = []  # not yet reported to the caller, in save order
-        self._finished: list[tuple[_Save, SaveStats]] = []  # stats not yet sent to loggers
-        self.stats: list[SaveStats] = []  # every completed save of this plugin, in completion order
-        self._strategy_ref: weakref.ref | None = None
-        self._trainer_ref: weakref.ref | None = None
-        self._patched: list[tuple[object, str]] = []
-        self._warned_bypass = False
-        self._torn_down = False  # set by teardown, cleared by the next optimizer step
-        self._attach_tries = 0
-        self._sharded: _sharded.ShardedSaves | None = None  # ModelParallelStrategy / sharded FSDP saves
-        self._sharded_seen: weakref.ref | None = None  # the last strategy the step hook looked at
-        self._levels = _levels.PluginLevels()  # MultiLevelCheckpoint's savers
-        _compat.live_plugins.add(self)
-        _compat.install_step_hook()
+        """Its checkpointer, pending saves and the Trainer it serves: ``_runtime.PluginRuntime``, which the
+        step hook, ``MultiLevelCheckpoint`` and the strategy patches use (registered at exit there)."""
+        self._runtime = _runtime.PluginRuntime(self, self._options, self._log_stats, self._user_checkpointer)
+        self.stats: list[SaveStats] = self._runtime.stats  # every completed save, in completion order
 
     # Spawn-based launchers (ddp_spawn) pickle the Trainer, plugins included: send the options only.
     def __getstate__(self) -> dict[str, Any]:
@@ -140,7 +94,6 @@ class LazyCheckpointIO(_CheckpointIO):
         self.__dict__.update(state)
         self._user_checkpointer = None
         self._init_runtime()
-        _exit.register(self, _drain_at_exit, layer=_exit.INTEGRATION)
 
     # -- CheckpointIO ------------------------------------------------------------------------------
 
@@ -148,42 +101,27 @@ class LazyCheckpointIO(_CheckpointIO):
         """Start a background save of ``checkpoint`` to ``path``; returns once the state is captured."""
         if storage_options is not None:
             raise TypeError(f"`storage_options` is not supported by {type(self).__name__}.")
-        self.raise_errors()
-        trainer = self._attach()
-        record = self._start(checkpoint, path, trainer)
-        if self._outside_fit(trainer):
+        rt = self._runtime
+        rt.raise_errors()
+        trainer = rt.attach()
+        record = rt.start(checkpoint, path, trainer)
+        if rt.outside_fit(trainer):
             # Outside a running fit (before it, after teardown, validate/test/predict, an exception
             # checkpoint, ddp_spawn's result collection) no optimizer step or teardown may come to
             # finish it: behave like the stock plugin and return with the file in place.
-            self._wait_for([record])
-            if self._torn_down or not _compat.in_fit(trainer):
-                self._release_resources()  # no thread outlives a save made outside any fit
-
-    def start_save(self, checkpoint: dict[str, Any], path: str) -> SaveHandle:
-        """Internal API (the source save of a ``MultiLevelCheckpoint`` step, inside a running fit):
-        what ``save_checkpoint`` does there, returning the save's handle. Raises nothing earlier."""
-        return self._start(checkpoint, path, self._attach()).handle
-
-    def _start(self, checkpoint: dict[str, Any], path: Any, trainer: Any) -> _Save:
-        self._report_stats()
-        key, is_url = _compat.split_path(path)
-        if not is_url:
-            os.makedirs(os.path.dirname(key), exist_ok=True)
-        handle = self.open_checkpointer().save(checkpoint, key)  # a URL: local tier, then upload (core)
-        record = _Save(key=key, handle=handle, step=getattr(trainer, "global_step", None))
-        with self._lock:
-            self._saves.append(record)
-        handle.add_done_callback(lambda h: self._on_committed(record, h))
-        return record
+            rt.wait_for([record])
+            if rt.torn_down or not _compat.in_fit(trainer):
+                rt.release_resources()  # no thread outlives a save made outside any fit
 
     def remove_checkpoint(self, path: Any) -> None:
         """Delete ``path`` without waiting: the core orders a delete after a pending save to it
         (and before a later one); for a URL, after its upload."""
-        self._attach()
+        rt = self._runtime
+        rt.attach()
         key, is_url = _compat.split_path(path)
-        if self._sharded is not None and self._sharded.defer_removal(key):
+        if rt.sharded is not None and rt.sharded.defer_removal(key):
             return  # a sharded save to this folder is pending: deleted once it commits
-        ckpt = self._ckpt
+        ckpt = rt.ckpt
         if ckpt is None or ckpt.closed:
             _compat.delete_checkpoint(key, is_url=is_url)
             return
@@ -199,7 +137,7 @@ class LazyCheckpointIO(_CheckpointIO):
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
         """Drain pending saves (their errors are raised here), then load like ``TorchCheckpointIO``."""
-        self._attach()
+        self._runtime.attach()
         self.wait()
         stock = _compat.stock_torch_io(_CheckpointIO)
         return _compat.stock_load(stock, path, map_location, weights_only)
@@ -212,289 +150,25 @@ class LazyCheckpointIO(_CheckpointIO):
         Lightning finalizes the loggers before teardown; the plugin has drained at their ``finalize``
         already, see ``_compat.drained_before_finalize``.)
         """
-        handling = sys.exc_info()[1]
-        try:
-            self.drain(raise_errors=handling is None)
-        finally:
-            self._unpatch()
-            self._trainer_ref = self._strategy_ref = self._sharded_seen = None
-            self._torn_down = True
-            self._attach_tries = 0
-            self._release_resources()
-
-    def _outside_fit(self, trainer: Any) -> bool:
-        """True unless this save comes from a running ``fit`` of a Trainer, or from Fabric."""
-        if self._torn_down:
-            return True
-        if trainer is not None:
-            return not (_compat.in_fit(trainer) and _compat.is_running(trainer))
-        # No Trainer found: Fabric (saves stay lazy, drained at load/exit), or a Trainer's strategy
-        # whose module is not attached yet (a save before fit).
-        strategy = self._strategy_ref() if self._strategy_ref is not None else None
-        return strategy is not None and _compat.is_trainer_strategy(strategy)
-
-    def _release_resources(self) -> None:
-        sharded, self._sharded = self._sharded, None
-        if sharded is not None:
-            try:
-                sharded.close()  # drained by drain(): raises nothing new
-            except LazyCkptError as exc:
-                log.error("lazyckpt: closing the sharded checkpointer: %s", exc)
-        self._levels.close()  # drained by drain(); its copies feed on the checkpointer below
-        if self._ckpt is not None and self._user_checkpointer is None:
-            ckpt, self._ckpt = self._ckpt, None
-            ckpt.close()
+        self._runtime.teardown()
 
     # -- public extras -----------------------------------------------------------------------------
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every pending save is durable (uploaded for URLs) and every delete done; raise
         the first unseen error. ``timeout``: seconds (``None``: no limit), then ``TimeoutError``."""
-        self.drain(raise_errors=True, timeout=timeout)
+        self._runtime.wait(timeout)
 
-    def wait_staged(self) -> None:
-        """Block until every pending host copy is done: live tensors may then change in place."""
-        if self._ckpt is not None:
-            self._ckpt.wait_staged()
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """Block until every pending host copy is done: live tensors may then change in place.
+        ``timeout``: seconds (``None``: no limit), then ``TimeoutError``."""
+        self._runtime.wait_staged(timeout)
 
     def pending_paths(self) -> set[str]:
         """Paths (absolute, or URLs) whose saves are not yet durable."""
-        sharded = self._sharded.pending_paths() if self._sharded is not None else set()
-        with self._lock:
-            return {r.key for r in self._saves if not r.done.done()} | sharded
+        return self._runtime.pending_paths()
 
     @property
     def checkpointer(self) -> LazyCheckpointer | None:
         """The underlying checkpointer (None until the first save)."""
-        return self._ckpt
-
-    # -- completion --------------------------------------------------------------------------------
-
-    def open_checkpointer(self) -> LazyCheckpointer:
-        """Internal API: the plugin's checkpointer, created at the first call (closed at teardown)."""
-        if self._ckpt is None:
-            self._ckpt = LazyCheckpointer(self._options)
-        return self._ckpt
-
-    def _on_committed(self, record: _Save, handle: SaveHandle) -> None:
-        """Runs on a lazyckpt thread once the file is committed (a URL: complete in the store) or
-        the save failed."""
-        stats = handle.stats
-        if handle.exception() is not None or stats is None:  # the core reports it, once
-            record.done.set_result(None)
-            return
-        with self._lock:
-            self._finished.append((record, stats))
-            self.stats.append(stats)
-        if stats.skipped:
-            log.warning("lazyckpt: save to %s was skipped (on_backpressure='skip'): no file written", record.key)
-        log.debug(
-            "lazyckpt: %s committed: stall %.3fs (in save %.3fs, step waited %.3fs), staged %.3fs, "
-            "write %.3fs at %.2f GB/s, %d bytes",
-            stats.path,
-            stats.blocked_s + stats.guard_wait_s,
-            stats.blocked_s,
-            stats.guard_wait_s,
-            stats.staged_s,
-            stats.write_s,
-            stats.write_gbps,
-            stats.bytes,
-        )
-        record.done.set_result(None)
-
-    def wait_path(self, key: str) -> None:
-        """Internal API (the ``save_last="link"`` patch): block until this plugin's pending saves to
-        ``key`` (an absolute path or URL) are durable; raise an unseen background error."""
-        pending = self._pending_for(key)
-        if pending:
-            self._wait_for(pending)
-
-    def on_optimizer_step(self) -> None:
-        """Internal API, called by the process-wide optimizer-step hook at every step: finds the
-        Trainer at its first optimizer steps, before any checkpoint (so strategies that bypass
-        CheckpointIO are reported at setup rather than never), and routes sharded saves."""
-        self._torn_down = False
-        if self._strategy_ref is None and self._attach_tries < 3:
-            self._attach_tries += 1
-            self._attach()
-        self._install_sharded()
-
-    def _pending_for(self, key: str) -> list[_Save]:
-        """This plugin's saves to ``key`` not yet durable, in save order."""
-        with self._lock:
-            return [r for r in self._saves if r.key == key and not r.done.done()]
-
-    def _wait_for(self, records: list[_Save], deadline: float | None = None) -> None:
-        for record in records:
-            # The core commits a save with lazily copied tensors only once a thread that may change
-            # them confirms it after the copies (docs/ARCHITECTURE.md, "The guard"); this thread is
-            # that thread, so waiting without confirming would wait for itself. The handle's wait
-            # confirms; ``exception`` does it without claiming the error (the ledger reports it).
-            record.handle.exception(None if deadline is None else _left(deadline))
-            record.done.result(None if deadline is None else _left(deadline))  # our callback ran
-        self.raise_errors()
-
-    def raise_errors(self) -> None:
-        """Internal API: raise the oldest unseen background error (a save's, then a level copy's).
-        The core decides what was reported; the plugin only explains a stale tensor."""
-        try:
-            if self._ckpt is not None:
-                self._ckpt.raise_errors()
-        except StaleTensorError as exc:
-            _explain(exc)
-            raise
-        self._levels.raise_errors()
-
-    def levels_saver(self, levels: tuple[Level, ...]) -> MultiLevel:
-        """Internal API (``MultiLevelCheckpoint``): the multi-level saver for ``levels`` over this
-        plugin's saves (one staging per step); drained by ``wait``/teardown, closed with them."""
-        return self._levels.saver(self, levels)
-
-    def save_sharded_levels(
-        self, strategy: Any, levels: tuple[Level, ...], checkpoint: dict[str, Any], step: int, due: list[int]
-    ) -> SaveHandle:
-        """Internal API (``MultiLevelCheckpoint`` with a strategy that saves with DCP; every rank, a
-        collective): the step's shards to its due levels through a ``DistributedCheckpointer`` per
-        tuple of levels, made at first use; drained by ``wait``/teardown, closed with them."""
-        return self._levels.save_sharded(self._options, strategy, levels, checkpoint, step, due)
-
-    def settle_levels(self, timeout: float | None = None) -> None:
-        """Internal API: every multi-level save of this rank over; errors left for ``raise_errors``."""
-        self._levels.drain(timeout)
-
-    def drain(self, raise_errors: bool, timeout: float | None = None, *, loggers_open: bool = False) -> None:
-        """Internal API: make every pending save durable; its error raised (``raise_errors``) or logged.
-        ``loggers_open``: the Trainer's loggers take stats although it no longer runs (their ``finalize``)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        error: BaseException | None = None
-        try:
-            # first: the levels' copies end with retention removals (through the checkpointer below);
-            # raises nothing but TimeoutError. Sharded saves: every rank drains, a commit needs them all.
-            self._levels.drain(timeout)
-            if self._sharded is not None:
-                self._sharded.wait(timeout)
-            if self._ckpt is not None:  # saves durable, deletes done; raises the first unseen error
-                self._ckpt.wait(timeout)
-            with self._lock:
-                records = list(self._saves)
-            self._wait_for(records, deadline)  # uploads, and their errors
-        except TimeoutError:
-            raise
-        except BaseException as exc:
-            error = exc
-        self._report_stats(loggers_open)
-        with self._lock:
-            self._saves = [r for r in self._saves if not r.done.done()]
-        if error is None:
-            return
-        if isinstance(error, StaleTensorError):
-            _explain(error)
-        if raise_errors:
-            raise error
-        log.error("lazyckpt: background save failed: %s", error, exc_info=error)
-
-    # -- telemetry ---------------------------------------------------------------------------------
-
-    def _report_stats(self, loggers_open: bool = False) -> None:
-        """Send finished saves' timings to the Trainer's loggers (training thread only) while they are
-        open. Lightning finalizes them when a stage ends and, when ``fit`` fails, right after the
-        exception hooks, the Trainer no longer running (the plugin drains and reports from their
-        ``finalize``: ``loggers_open``). A logger written to after its ``finalize`` reopens (TensorBoard:
-        a writer thread nobody closes, an event file that truncates the flushed one). Stats that finish
-        during the exception hooks wait for that ``finalize``; later ones stay in ``stats`` only."""
-        trainer = self._trainer_ref() if self._trainer_ref is not None else None
-        if not loggers_open and not self._torn_down and _compat.is_interrupted(trainer):
-            return  # a failing fit: kept for the loggers' finalize, which Lightning calls next
-        with self._lock:
-            finished, self._finished = self._finished, []
-        if not finished or not self._log_stats or trainer is None or not getattr(trainer, "is_global_zero", True):
-            return
-        if not (loggers_open or _compat.is_running(trainer)):
-            return  # the stage is over: its loggers are finalized
-        for record, stats in finished:
-            _compat.log_save_stats(trainer, stats, record.step)
-
-    # -- finding and adapting the Trainer ----------------------------------------------------------
-
-    def _attach(self) -> Any:
-        """Find the strategy/Trainer calling this plugin; adapt them once. Returns the Trainer or None."""
-        strategy = _compat.find_strategy(self)
-        current = self._strategy_ref() if self._strategy_ref is not None else None
-        known = self._trainer_ref() if self._trainer_ref is not None else None
-        if strategy is None or (strategy is current and (known is not None or _compat.trainer_of(strategy) is None)):
-            return known  # (a strategy seen before its module was attached is looked at again)
-        self._strategy_ref = weakref.ref(strategy)
-        reason = None if _sharded.sharded_state_key(strategy) else _compat.bypass_reason(strategy)
-        if reason and not self._warned_bypass:
-            self._warned_bypass = True
-            warnings.warn(
-                f"LazyCheckpointIO has no effect on saving with this strategy: {reason} and never calls "
-                "CheckpointIO.save_checkpoint (checkpoints are written synchronously by that strategy). "
-                "Use FSDPStrategy(state_dict_type='full') or a DDP/single-device strategy for lazy saves.",
-                stacklevel=3,
-            )
-        trainer = _compat.trainer_of(strategy)
-        if trainer is None:
-            self._trainer_ref = None
-            return None
-        self._unpatch()
-        self._trainer_ref = weakref.ref(trainer)
-        self._adapt(trainer)
-        return trainer
-
-    def _adapt(self, trainer: Any) -> None:
-        if trainer.is_global_zero:  # other ranks never save: no waiting
-            for opt in getattr(trainer, "optimizers", ()):
-                _guard.track(opt)  # not through a checkpointer: loading alone must start no thread
-        for obj, attr, replacement in _compat.adaptations(trainer, weakref.ref(self)):
-            self._patch(obj, attr, replacement)
-
-    def _install_sharded(self) -> None:
-        """Called by the optimizer-step hook at every step on every rank: strategies that save with
-        DCP themselves get their saves routed through a ``DistributedCheckpointer`` (see
-        ``_lightning_sharded``). Only from here, never from a rank-0-only call (``remove_checkpoint``):
-        every rank must switch at the same step, or the ranks' saves would not meet."""
-        seen = self._sharded_seen() if self._sharded_seen is not None else None
-        if seen is not None and (_sharded.sharded_state_key(seen) is None or "save_checkpoint" in vars(seen)):
-            return  # nothing to do, or already installed
-        strategy = _compat.find_strategy(self)
-        if strategy is None:
-            return
-        self._sharded_seen = weakref.ref(strategy)
-        key = _sharded.sharded_state_key(strategy)
-        if key is not None:
-            for name, method in _sharded.strategy_patches(strategy, weakref.ref(self), key).items():
-                self._patch(strategy, name, method)
-
-    def save_sharded(self, strategy: Any, checkpoint: dict[str, Any], filepath: Any, key: str) -> None:
-        """Internal API (the sharded strategy's replaced ``save_checkpoint``): one collective save."""
-        if self._sharded is None:
-            self._sharded = _sharded.ShardedSaves(self._options)
-        self._sharded.save(strategy, checkpoint, filepath, key)
-
-    def _patch(self, obj: object, attr: str, replacement: Callable[..., Any]) -> None:
-        if attr in vars(obj):  # already adapted (by this or another plugin): leave it
-            return
-        setattr(obj, attr, replacement)
-        self._patched.append((obj, attr))
-
-    def _unpatch(self) -> None:
-        for obj, attr in self._patched:
-            vars(obj).pop(attr, None)
-        self._patched = []
-
-
-def _left(deadline: float) -> float:
-    return max(0.0, deadline - time.monotonic())
-
-
-def _explain(exc: BaseException) -> None:
-    if hasattr(exc, "add_note") and _STALE_NOTE not in getattr(exc, "__notes__", ()):  # Python >= 3.11
-        exc.add_note(_STALE_NOTE)
-
-
-def _drain_at_exit(plugin: LazyCheckpointIO) -> None:
-    try:
-        plugin.drain(raise_errors=False)
-    except BaseException as exc:  # never raise from an atexit handler
-        log.error("lazyckpt: draining pending checkpoints at exit failed: %s", exc)
+        return self._runtime.ckpt

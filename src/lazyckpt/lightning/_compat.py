@@ -27,7 +27,8 @@ from lazyckpt.storage.remote import remove_prefix
 
 
 class Plugin(Protocol):
-    """What the compat layer needs of ``LazyCheckpointIO`` (no import of the adapter: no cycle)."""
+    """What the compat layer needs of a ``LazyCheckpointIO``'s runtime (``_runtime.PluginRuntime``; no
+    import of it: no cycle)."""
 
     def drain(self, raise_errors: bool, timeout: float | None = None, *, loggers_open: bool = False) -> None: ...
     def on_optimizer_step(self) -> None: ...
@@ -140,8 +141,11 @@ def split_path(path: Any) -> tuple[str, bool]:
 # -- helpers bound to the plugin by weak reference -------------------------------------------------
 
 
-def find_strategy(plugin: Plugin, max_depth: int = 40) -> Any:
-    frame: FrameType | None = sys._getframe(2)
+def find_strategy(plugin: object, max_depth: int = 40) -> Any:
+    """The strategy whose ``_checkpoint_io`` is ``plugin`` (the ``LazyCheckpointIO``), found in the
+    callers' frames (from the caller of find_strategy's caller on), or None."""
+    here = inspect.currentframe()  # find_strategy's; 2: the caller of our caller
+    frame: FrameType | None = here.f_back.f_back if here is not None and here.f_back is not None else None
     for _ in range(max_depth):
         if frame is None:
             return None
@@ -163,7 +167,18 @@ def find_strategy(plugin: Plugin, max_depth: int = 40) -> Any:
 
 _log = logging.getLogger(__name__)
 
-live_plugins: weakref.WeakSet[Plugin] = weakref.WeakSet()
+# every live LazyCheckpointIO -> its runtime (the plugin holds the runtime; the runtime holds the plugin weakly)
+runtimes: weakref.WeakKeyDictionary[Any, Plugin] = weakref.WeakKeyDictionary()
+
+
+def runtime_of(plugin: object) -> Plugin | None:
+    """The runtime of ``plugin`` if it is a ``LazyCheckpointIO``, else None."""
+    try:
+        return runtimes.get(plugin)
+    except TypeError:  # not weakly referenceable: no LazyCheckpointIO
+        return None
+
+
 step_hook_installed = False
 
 
@@ -183,8 +198,8 @@ def install_step_hook() -> None:
 def on_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     # Finds the Trainer at its first optimizer steps, before any checkpoint, so that strategies
     # that bypass CheckpointIO are reported at setup rather than never.
-    for plugin in list(live_plugins):
-        plugin.on_optimizer_step()
+    for runtime in list(runtimes.values()):
+        runtime.on_optimizer_step()
     return None
 
 

@@ -37,12 +37,11 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from lazyckpt.checkpointer import LazyCheckpointer
+from lazyckpt.checkpointer import LazyCheckpointer, producer_of
 from lazyckpt.core.handle import SaveHandle
 from lazyckpt.core.report import raise_first
 from lazyckpt.errors import LazyCkptError, LevelError, SaveRefusedError
-from lazyckpt.levels import Level
-from lazyckpt.levels._multi import MultiLevel, check_levels
+from lazyckpt.levels import Level, MultiLevel, check_levels
 from lazyckpt.lightning import _compat, _sharded
 from lazyckpt.options import CheckpointerOptions
 
@@ -56,7 +55,8 @@ log = logging.getLogger(__name__)
 
 @runtime_checkable
 class LevelsPlugin(Protocol):
-    """What the callback and its savers need of ``LazyCheckpointIO`` (no import of the adapter)."""
+    """What the callback and its savers need of a ``LazyCheckpointIO``: its runtime
+    (``_runtime.PluginRuntime``, found with ``_compat.runtime_of``; no import of it)."""
 
     def start_save(self, checkpoint: dict[str, Any], path: str) -> SaveHandle: ...
     def open_checkpointer(self) -> LazyCheckpointer: ...
@@ -87,7 +87,7 @@ class _PluginSaver:
         return self._plugin.open_checkpointer().remove(path)
 
     def reuse(self, path: str) -> bool:
-        return self._plugin.open_checkpointer().reuse(path)
+        return producer_of(self._plugin.open_checkpointer()).reuse(path)
 
     def wait_staged(self, timeout: float | None = None) -> None:
         self._plugin.open_checkpointer().wait_staged(timeout)
@@ -116,7 +116,9 @@ class PluginLevels:
             if found is not None:
                 return found
             self._refuse_taken(levels)
-            made = self._savers[levels] = MultiLevel(_PluginSaver(plugin), levels, plugin.open_checkpointer().options)
+            saver = _PluginSaver(plugin)
+            options = plugin.open_checkpointer().options
+            made = self._savers[levels] = MultiLevel(saver, levels, options, reuse=saver.reuse)
             return made
 
     def save_sharded(
@@ -217,7 +219,7 @@ class MultiLevelCheckpoint(_Callback):
         return {"levels": self.levels, "last_handle": None, "_io": None, "_seen": None, "_sharded": False}
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        self._io = _plugin_of(trainer) if stage == "fit" else None
+        self._io = _runtime_of(trainer) if stage == "fit" else None
         self._sharded = self._io is not None and _sharded.sharded_state_key(trainer.strategy) is not None
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -307,11 +309,13 @@ def _rebuild(rank: int, described: dict[str, Any] | None) -> Exception:
     return LevelError(message, info["level"], info["level_path"], info["step"], info["path"], errno=info["errno"])
 
 
-def _plugin_of(trainer: Any) -> LevelsPlugin:
-    """The Trainer's ``LazyCheckpointIO``; refuse a Trainer without one, or a strategy it cannot serve."""
+def _runtime_of(trainer: Any) -> LevelsPlugin:
+    """The runtime of the Trainer's ``LazyCheckpointIO``; refuse a Trainer without one, or a strategy it
+    cannot serve."""
     strategy = trainer.strategy
     io = getattr(strategy, "checkpoint_io", None)
-    if not isinstance(io, LevelsPlugin):
+    runtime = _compat.runtime_of(io)
+    if not isinstance(runtime, LevelsPlugin):
         raise TypeError(
             "MultiLevelCheckpoint saves through lazyckpt.lightning.LazyCheckpointIO, but this Trainer's "
             f"checkpoint_io is {type(io).__name__}. Give the Trainer the plugin too: "
@@ -323,4 +327,4 @@ def _plugin_of(trainer: Any) -> LevelsPlugin:
             f"MultiLevelCheckpoint cannot save with {type(strategy).__name__}: {reason}. Use "
             "ModelParallelStrategy, FSDPStrategy(state_dict_type='sharded'), a DDP or a single-device strategy."
         )
-    return io
+    return runtime

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
-from lazyckpt.core.handle import CallbackRunner, Completion, Outcome, SaveHandle, SaveStats
+from lazyckpt.core.handle import CallbackRunner, Completion, Outcome, SaveHandle, SaveStats, wait_finished
 from lazyckpt.core.removal import RemovalFuture
 from lazyckpt.core.report import Report
 from lazyckpt.core.workers import Worker
@@ -103,7 +103,7 @@ class RemoteSaveHandle(SaveHandle):
         deadline = None if timeout is None else time.monotonic() + timeout
         if not self.local_handle.wait_done(timeout):  # confirms the local save on this thread
             return False
-        return self.wait_finished(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return wait_finished(self, None if deadline is None else max(0.0, deadline - time.monotonic()))
 
 
 @dataclass(eq=False)
@@ -294,7 +294,7 @@ class RemoteTier:
 
     def _upload(self, item: _Upload) -> None:
         local = item.handle.local_handle
-        local.wait_finished()  # committed by the local engine; confirmed by the training's thread, never here
+        wait_finished(local)  # committed by the local engine; confirmed by the training's thread, never here
         stats = local.stats
         if local.exception() is not None or stats is None or stats.skipped:
             item.completion.adopt(local)
