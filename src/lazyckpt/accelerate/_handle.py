@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +28,7 @@ from lazyckpt.accelerate._sharded import ShardedRoute
 from lazyckpt.checkpointer import producer_of
 from lazyckpt.core import exit as _exit
 from lazyckpt.core import guard as _guard
+from lazyckpt.core.installed import InstalledHandle
 from lazyckpt.core.report import raise_first
 from lazyckpt.core.workers import Worker
 from lazyckpt.errors import SaveRefusedError
@@ -43,7 +43,7 @@ logger = logging.getLogger("lazyckpt.accelerate")
 Job = Callable[[], None]
 
 
-class AccelerateHandle:
+class AccelerateHandle(InstalledHandle):
     """What :func:`install` returns: ``wait()`` drains pending saves, ``uninstall()`` restores stock behaviour.
 
     Made by ``install()``, which checks its arguments first; constructing it installs it on ``accelerator``.
@@ -151,26 +151,6 @@ class AccelerateHandle:
     def pending(self) -> int:
         """Number of save_state calls of this accelerator whose files are not all durable yet."""
         return self._saves.pending()
-
-    @property
-    def uninstalled(self) -> bool:
-        """True once ``uninstall()`` ran: ``save_state``/``load_state`` are stock again."""
-        return self._removed
-
-    @property
-    def removed(self) -> bool:
-        """Deprecated: ``uninstalled``."""
-        warnings.warn(
-            "AccelerateHandle.removed is deprecated; use handle.uninstalled", DeprecationWarning, stacklevel=2
-        )
-        return self._removed
-
-    def remove(self) -> None:
-        """Deprecated: ``uninstall()`` (``remove(path)`` deletes a checkpoint on ``LazyCheckpointer``)."""
-        warnings.warn(
-            "AccelerateHandle.remove() is deprecated; use handle.uninstall()", DeprecationWarning, stacklevel=2
-        )
-        self.uninstall()
 
     def uninstall(self) -> None:
         """Drain pending saves, then restore the stock ``save_state``/``load_state`` (raises a drained error).

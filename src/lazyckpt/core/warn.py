@@ -11,7 +11,9 @@ from typing import Any
 
 # Frames of these packages are passed over: a warning names the line of the user's code that led
 # to lazyckpt (``ckpt.save(...)``, ``trainer.fit(...)``, ``accelerator.save_state(...)``).
-_SKIPPED = frozenset({"lazyckpt", "lightning", "pytorch_lightning", "lightning_fabric", "accelerate", "torch"})
+_SKIPPED = frozenset(
+    {"lazyckpt", "lightning", "pytorch_lightning", "lightning_fabric", "accelerate", "transformers", "torch"}
+)
 
 
 def user_stacklevel() -> int:

@@ -15,7 +15,6 @@ import os
 import shutil
 import threading
 import time
-import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +22,7 @@ import torch
 
 from lazyckpt.commit.folder import FolderSave
 from lazyckpt.core import exit as _exit
+from lazyckpt.core.installed import InstalledHandle
 from lazyckpt.core.workers import Worker
 from lazyckpt.storage import fs as _fs
 from lazyckpt.transformers import _compat
@@ -144,7 +144,7 @@ class CheckpointSave:
         replace_folder(self.staging, self.final)
 
 
-class TransformersHandle:
+class TransformersHandle(InstalledHandle):
     """What :func:`lazyckpt.transformers.install` returns: ``wait()`` drains, ``uninstall()`` restores stock.
 
     Constructing it installs it on ``trainer`` (``install()`` checks the arguments first).
@@ -199,26 +199,6 @@ class TransformersHandle:
     def pending(self) -> int:
         """Checkpoints of this process saved but not committed yet."""
         return len(self._pending())
-
-    @property
-    def uninstalled(self) -> bool:
-        """True once ``uninstall()`` ran: the trainer saves as stock again."""
-        return self._removed
-
-    @property
-    def removed(self) -> bool:
-        """Deprecated: ``uninstalled`` (the lifecycle vocabulary, docs/ARCHITECTURE.md)."""
-        warnings.warn(
-            "TransformersHandle.removed is deprecated; use handle.uninstalled", DeprecationWarning, stacklevel=2
-        )
-        return self._removed
-
-    def remove(self) -> None:
-        """Deprecated: ``uninstall()`` (``remove(path)`` deletes a checkpoint on ``LazyCheckpointer``)."""
-        warnings.warn(
-            "TransformersHandle.remove() is deprecated; use handle.uninstall()", DeprecationWarning, stacklevel=2
-        )
-        self.uninstall()
 
     def uninstall(self) -> None:
         """Drain pending checkpoints, then restore the trainer's stock methods (raises a drained error).
