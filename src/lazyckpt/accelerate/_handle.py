@@ -28,7 +28,7 @@ from lazyckpt.accelerate._sharded import ShardedRoute
 from lazyckpt.checkpointer import producer_of
 from lazyckpt.core import exit as _exit
 from lazyckpt.core import guard as _guard
-from lazyckpt.core.installed import InstalledHandle
+from lazyckpt.core.installed import InstalledHandle, drain_at_exit
 from lazyckpt.core.report import raise_first
 from lazyckpt.core.workers import Worker
 from lazyckpt.errors import SaveRefusedError
@@ -89,7 +89,7 @@ class AccelerateHandle(InstalledHandle):
             if self._levels is not None:
                 self._levels.close()
             raise
-        _exit.register(self, _drain_at_exit, layer=_exit.INTEGRATION)
+        _exit.register(self, drain_at_exit, layer=_exit.INTEGRATION)
         if any(level.is_url for level in self.levels):  # its copies upload: drained before shutdown too
             self._drain_before_shutdown()
 
@@ -332,17 +332,8 @@ class AccelerateHandle(InstalledHandle):
         a plain atexit hook (``core/exit.py``)."""
         if not self._exit_early:
             self._exit_early = True
-            _exit.register(self, _drain_at_exit, layer=_exit.INTEGRATION, early=True)
+            _exit.register(self, drain_at_exit, layer=_exit.INTEGRATION, early=True)
 
 
 def _run(job: Job) -> None:
     job()
-
-
-def _drain_at_exit(handle: AccelerateHandle) -> None:
-    if handle.uninstalled:
-        return
-    try:
-        handle.wait()
-    except BaseException as exc:  # noqa: BLE001 - nobody left to raise to
-        logger.error("lazyckpt.accelerate: a checkpoint save failed: %r", exc)

@@ -5,6 +5,7 @@ whether it ran; ``remove()`` / ``removed``, the first spellings, keep working wi
 
 from __future__ import annotations
 
+import logging
 import warnings
 
 
@@ -15,6 +16,9 @@ class InstalledHandle:
     _removed: bool = False
 
     def uninstall(self) -> None:
+        raise NotImplementedError
+
+    def wait(self, timeout: float | None = None) -> None:
         raise NotImplementedError
 
     @property
@@ -36,3 +40,14 @@ class InstalledHandle:
             f"{type(self).__name__}.remove() is deprecated; use handle.uninstall()", DeprecationWarning, stacklevel=2
         )
         self.uninstall()
+
+
+def drain_at_exit(handle: InstalledHandle) -> None:
+    """The exit hook of a handle still installed (``core/exit.py``): its pending saves durable before
+    the interpreter goes; an error is logged, there is nobody left to raise it to."""
+    if handle.uninstalled:
+        return
+    try:
+        handle.wait()
+    except BaseException as exc:  # noqa: BLE001 - nobody left to raise to
+        logging.getLogger(type(handle).__module__).error("lazyckpt: a checkpoint save failed: %r", exc)

@@ -22,7 +22,7 @@ import torch
 
 from lazyckpt.commit.folder import FolderSave
 from lazyckpt.core import exit as _exit
-from lazyckpt.core.installed import InstalledHandle
+from lazyckpt.core.installed import InstalledHandle, drain_at_exit
 from lazyckpt.core.workers import Worker
 from lazyckpt.storage import fs as _fs
 from lazyckpt.transformers import _compat
@@ -173,7 +173,7 @@ class TransformersHandle(InstalledHandle):
         for name, method in replacements.items():
             setattr(trainer, name, method)
         trainer.__dict__["_lazyckpt_handle"] = self
-        _exit.register(self, _drain_at_exit, layer=_exit.INTEGRATION)
+        _exit.register(self, drain_at_exit, layer=_exit.INTEGRATION)
 
     # -- public --------------------------------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> None:
@@ -377,12 +377,3 @@ def _rotate(run_dir: str, limit: int | None, best: str | None) -> None:
 
 def _run(job: Callable[[], None]) -> None:
     job()
-
-
-def _drain_at_exit(handle: TransformersHandle) -> None:
-    if handle.uninstalled:
-        return
-    try:
-        handle.wait()
-    except BaseException as exc:  # noqa: BLE001 - nobody left to raise to
-        logger.error("lazyckpt.transformers: a checkpoint save failed: %r", exc)
