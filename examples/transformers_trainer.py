@@ -67,6 +67,7 @@ def compare(root: str, steps: int = 8) -> None:
     print(f"transformers Trainer, GPT-2 from a config, {steps} steps, checkpoint-N every step:")
     print(f"  stall per checkpoint: stock {(stock - none) / steps:.3f} s, lazy {(lazy - none) / steps:.3f} s")
     print(f"  final weights stock == lazy: {same}; folders: {sorted(os.listdir(os.path.join(root, 'lazy')))}")
+    print("  (stock leaves its files in the page cache; lazyckpt fsyncs each file before the folder's rename)")
 
 
 def main() -> None:
