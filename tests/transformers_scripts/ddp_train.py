@@ -31,4 +31,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from tests._util import run_then_exit
+
+    run_then_exit(main)  # no interpreter finalization: gloo's exit abort (tests/_util.py, README troubleshooting)
