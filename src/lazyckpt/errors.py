@@ -24,6 +24,8 @@ __all__ = [
     "LevelError",
     "DistributedLevelError",
     "MemoryLevelWarning",
+    "ReplicationError",
+    "ReplicationWarning",
 ]
 
 
@@ -196,3 +198,23 @@ class DistributedLevelError(LevelError, DistributedSaveError):
 
 class MemoryLevelWarning(UserWarning):
     """A memory level (tmpfs) would hold more than the stated fraction of RAM."""
+
+
+class ReplicationError(LevelError):
+    """A step of a level with ``replicas=k`` could not be held in a peer's memory (the partner node
+    is gone or its pair timed out, the partner could not store it: ``errno`` ENOSPC, or the bytes
+    it received did not match the primary's CRC32). The local copy stands: the step is recorded as
+    not replicated (``DistributedCheckpointer.not_replicated``) and one ``ReplicationWarning`` says
+    so; saves and training go on. ``partner`` is the rank the files were sent to."""
+
+    def __init__(
+        self, message: str, level: int, level_path: str, step: int, path: str, errno: int | None = None,
+        partner: int | None = None,
+    ) -> None:  # fmt: skip
+        LevelError.__init__(self, message, level, level_path, step, path, errno=errno)
+        self.partner = partner
+
+
+class ReplicationWarning(UserWarning):
+    """Steps of a replicated level were not replicated (see ``ReplicationError``), or a replica was
+    skipped at restore (torn, corrupt: its CRC32 does not match the primary's)."""

@@ -42,12 +42,21 @@ def levels() -> list[Level]:
     """This rank's view of the levels: its node's memory folder, the shared disk, S3."""
     every, keep = CONFIG.get("every", [1, 3, 6]), CONFIG.get("keep", [2, 2, 2])
     out = [
-        Level(os.path.join(CONFIG["mem"], f"node{RANK}"), every=every[0], keep=keep[0]),
+        Level(mem_folder(), every=every[0], keep=keep[0], replicas=CONFIG.get("replicas", 0)),
         Level(CONFIG["disk"], every=every[1], keep=keep[1]),
     ]
     if CONFIG.get("s3"):
         out.append(Level(CONFIG["s3"], every=every[2], keep=keep[2]))
     return out
+
+
+def node() -> int:
+    """This rank's node: ``per_node`` ranks each (CONFIG; default 1, each rank a node)."""
+    return RANK // CONFIG.get("per_node", 1)
+
+
+def mem_folder() -> str:
+    return os.path.join(CONFIG["mem"], f"node{node()}")
 
 
 def options() -> dict:
@@ -253,6 +262,74 @@ def scenario_rollback() -> None:
         RESULT["disk_at_return"] = sorted(n for n in os.listdir(CONFIG["disk"]) if not n.startswith("."))
         RESULT["levels_done"] = h.wait() and h.levels_done
     RESULT["mem"] = sorted(os.listdir(levels()[0].path))
+
+
+def tree(root: str) -> list[str]:
+    """Every file under ``root`` (relative paths), temporaries included."""
+    return sorted(os.path.relpath(os.path.join(d, n), root) for d, _, names in os.walk(root) for n in names)
+
+
+def scenario_replicate() -> None:
+    """Train CONFIG["steps"] steps with a replicated memory level; wait; this rank's replication
+    stats and its node's memory folder (replicas included)."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with DistributedCheckpointer(levels=levels(), **options()) as ckpt:
+            handles = train(ckpt, 1, CONFIG.get("steps", 5))
+            RESULT["levels_done"] = {step: h.wait() and h.levels_done for step, h in handles.items()}
+            ckpt.wait()
+            stats = ckpt.replication
+            assert stats is not None
+            RESULT["stats"] = {
+                "steps": stats.steps_replicated, "sent": stats.bytes_sent, "received": stats.bytes_received,
+                "not_replicated": {s: [e.errno, e.partner, str(e)] for s, e in stats.not_replicated.items()},
+            }  # fmt: skip
+    RESULT["warnings"] = [f"{w.category.__name__}: {w.message}" for w in seen]
+    if RANK % CONFIG.get("per_node", 1) == 0:
+        RESULT["tree"] = tree(mem_folder())
+
+
+def scenario_replicate_enospc() -> None:
+    """The replicas' memory of rank CONFIG["full_rank"] is full (ENOSPC on every replica file it
+    receives): its sender's steps are not replicated (one ReplicationWarning), the local copies
+    stand, training goes on."""
+    import lazyckpt.storage.fs as _fs
+
+    if RANK == CONFIG["full_rank"]:
+        real = _fs.open_temporary
+
+        def full(path, size):
+            if "/replicas/" in path:
+                raise OSError(errno.ENOSPC, "No space left on device (injected)", path)
+            return real(path, size)
+
+        _fs.open_temporary = full
+    scenario_replicate()
+
+
+def scenario_replicate_kill() -> None:
+    """The ranks of node CONFIG["kill_node"] SIGKILL themselves while receiving the replica of
+    step CONFIG["kill_step"] (mid-file); the survivors stop with a typed error in bounded time."""
+    from lazyckpt.levels import _wire
+
+    if node() == CONFIG["kill_node"]:
+        real = _wire.Sink.write
+
+        def write(self, data, offset):
+            if self.header.get("step") == CONFIG["kill_step"] and offset == 0:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(self, data, offset)
+
+        _wire.Sink.write = write
+    ckpt = DistributedCheckpointer(levels=levels(), **options())
+    try:
+        handles = train(ckpt, 1, CONFIG["kill_step"] + 4)
+        for h in handles.values():
+            h.wait()
+        ckpt.wait()
+        raise AssertionError("training went on although a node died")
+    except (RuntimeError, DistributedLevelError, TimeoutError) as exc:  # gloo: the peers are gone
+        RESULT["stopped_by"] = f"{type(exc).__name__}: {exc}"[:500]
 
 
 def init() -> None:

@@ -38,7 +38,7 @@ from lazyckpt.commit.folder import marker_is_stale, pending_markers
 from lazyckpt.core.handle import Completion, SaveHandle, SaveStats, confirm
 from lazyckpt.core.workers import Worker
 from lazyckpt.errors import IncompleteCheckpointError, SaveRefusedError
-from lazyckpt.levels import Level, MultiLevel, check_levels, check_step, tensor_bytes
+from lazyckpt.levels import Level, MultiLevel, check_levels, check_step, refuse_replicas, tensor_bytes
 
 if TYPE_CHECKING:
     from lazyckpt import LazyCheckpointer
@@ -111,6 +111,7 @@ class LevelSaves:
     def __init__(self, owner: HandleOwner, accelerator: Any, checkpointer: LazyCheckpointer, levels: Any) -> None:
         levels = tuple(levels)
         check_levels(levels)
+        refuse_replicas(levels, "Accelerate's save_state (a folder per process group)")
         refuse_automatic_naming(accelerator)
         self.owner = owner
         self.accelerator = accelerator

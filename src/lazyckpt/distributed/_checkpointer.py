@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.utils import _DistWrapper
 from lazyckpt.core import exit as _exit
 from lazyckpt.core.handle import Completion, SaveHandle
 from lazyckpt.core.workers import Worker
-from lazyckpt.levels import Found, Level, StoreExchange
+from lazyckpt.levels import Found, Level, ReplicationStats, StoreExchange
 from lazyckpt.storage import remote as _remote
 
 from ..checkpointer import LazyCheckpointer, producer_of
@@ -190,6 +190,12 @@ class DistributedCheckpointer(_exit.ClosedOnExit):
         # A URL level uploads from the level threads: drained while s3fs still works (core/exit.py)
         urls = self._levels is not None and self._levels.has_urls
         _exit.register(self, _close_at_exit, layer=_exit.DISTRIBUTED, early=urls)
+
+    @property
+    def replication(self) -> ReplicationStats | None:
+        """This rank's replication so far (``ReplicationStats``; None without a level with ``replicas``)."""
+        replicator = None if self._levels is None else self._levels.replicator
+        return None if replicator is None else replicator.stats
 
     @property
     def levels(self) -> tuple[Level, ...]:

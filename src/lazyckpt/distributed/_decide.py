@@ -21,12 +21,13 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from lazyckpt.levels import Scope
+
 from ..errors import UploadError
 from . import _commit
 from ._commit import COMMIT, CommitResult, Decision, Liveness, RankReport, StoreProtocol
 from ._handle import Failure
 from ._handle import Save as _Save
-from ._topology import Scope
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ holding that node's ranks' files and a ``.metadata`` locating them). Data flow o
 (collective: every rank, same steps, same order), mirroring ``levels._multi.MultiLevel``:
 
     caller thread: the due levels; DCP planning on the checkpointer's gloo group, replicated items
-        deduplicated within each node's ranks only (``_plan``, ``_topology.dedup_groups``); then
+        deduplicated within each node's ranks only (``_plan``, ``levels.dedup_groups``); then
         (after the collective, so that no rank waits in it for one held here) each slower due
         level admitted under its backlog bound (at the bound: confirm this rank's pending saves,
         wait, warn); this rank's ONE file, the only device-to-host staging, started on the core's
@@ -57,13 +57,16 @@ from lazyckpt.levels import (
     LevelsHandle,
     Parts,
     Retention,
+    Scope,
     StoreExchange,
     Sweep,
     check_levels,
     check_memory,
     check_step,
+    dedup_groups,
     latest_agreed,
     not_due,
+    probe,
     run_sweep,
     sweep,
 )
@@ -78,7 +81,7 @@ from ._decide import Decider
 from ._handle import DistributedSaveHandle, Failure, LocalPart, Save, extra_name
 from ._plan import PlanCache, plan_save
 from ._promote import check_file, copy_checked, renamed
-from ._topology import Scope, dedup_groups, probe
+from ._replicas import replicate, replicator_of
 from ._upload import RemoteFolder
 
 logger = logging.getLogger(__name__)
@@ -110,6 +113,7 @@ class _Step:
     readers: int  # admitted copies still to read the source file
     extra: dict[str, bytes] = field(default_factory=dict)  # rank 0: the extra files, into every level folder
     source_done: threading.Event = field(default_factory=threading.Event)
+    replicate: dict[int, tuple[str, str, int | None]] = field(default_factory=dict)  # committed: (folder, file, crc)
     parts: Parts | None = None
 
 
@@ -145,6 +149,8 @@ class DistributedLevels:
         self.options = ctx.inner.options
         self.scopes: list[Scope] = probe(levels, ctx.decider.token, self.rank, ctx.decider.world_size, ctx.all_gather)
         self._groups = dedup_groups(self.scopes, self.world)
+        self.replicator = replicator_of(levels, self.scopes, self.rank, ctx.wrapper.group, ctx.decider.commit_timeout,
+                                        self.options.fsync)  # fmt: skip
         for level, scope in zip(levels, self.scopes, strict=True):
             if not level.is_url and self.rank == scope.leader:  # dead saves' staging folders, copies
                 _commit.cleanup_leftovers(level.path)
@@ -160,6 +166,22 @@ class DistributedLevels:
         self._memory_checked = False
         self._swept = False  # the first save removed the steps of a timeline abandoned by a rollback
         self._closed = False
+
+    def _replicate(self, index: int, st: _Step) -> None:
+        """Level ``index``'s part of step ``st`` ended: its commit to the peers, else (a failed
+        commit, on every rank alike) the replicator's expectation cancelled."""
+        assert self.replicator is not None
+        committed = st.replicate.pop(index, None)
+        try:
+            if committed is not None:
+                replicate(self.replicator, index, st.step, *committed, self._leads(index))
+                return
+        except Exception:  # noqa: BLE001 - a bug: this step is not replicated, drain() still ends
+            logger.exception("lazyckpt: step %d could not be handed to the replicator", st.step)
+        self.replicator.cancel()
+
+    def _leads(self, index: int) -> bool:
+        return self.rank == self.scopes[index].leader
 
     @property
     def has_urls(self) -> bool:
@@ -220,6 +242,8 @@ class DistributedLevels:
                 refused = entry.error
         handle.add_done_callback(lambda h: self._source_done(st, h))
         for i in [first, *admitted]:
+            if self.replicator is not None and i in self.replicator.rings:
+                self.replicator.expect()
             self._workers[i].submit(_Item(i, st))
         if refused is not None:
             raise refused
@@ -231,7 +255,10 @@ class DistributedLevels:
         prefix = f"lazyckpt/{self.ctx.decider.token}/latest/{self._latest_calls}"
         self._latest_calls += 1
         exchange = StoreExchange(self.ctx.store, prefix, self.rank, self.world, timeout)
-        return latest_agreed(self.levels, exchange, storage_options, verify)
+        group = None if self.replicator is None else self.replicator.group
+        return latest_agreed(
+            self.levels, exchange, storage_options, verify, scopes=self.scopes, replication_group=group
+        )
 
     def drain(self, timeout: float | None = None) -> None:
         """Wait for every multi-level save (confirming this rank's files on this thread)."""
@@ -240,6 +267,8 @@ class DistributedLevels:
             handles = list(self._open)
         for h in handles:
             h.exception(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if self.replicator is not None:  # bounded: each round by the replication group's timeout
+            self.replicator.drain(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def close(self) -> None:
         """Stop the level threads (after ``drain``) and the callback thread."""
@@ -248,6 +277,8 @@ class DistributedLevels:
         self._closed = True
         for worker in self._workers.values():
             worker.stop()
+        if self.replicator is not None:
+            self.replicator.close()
         self._callbacks.stop()
 
     # -- the handles' owner (``levels._handle.Owner``) ---------------------------------------------
@@ -286,6 +317,8 @@ class DistributedLevels:
         finally:
             if not source:
                 self._backlog.done(item.level)
+            if self.replicator is not None and item.level in self.replicator.rings:  # once per expect()
+                self._replicate(item.level, st)
 
     def _commit_source(self, st: _Step) -> None:
         """The fastest level's folder: this rank's file durable (or failed), then the commit."""
@@ -300,6 +333,8 @@ class DistributedLevels:
             report = RankReport(self.rank, False, error=f"{type(own).__name__}: {own}")
         outcome = self._commit(st.first, entry, report)
         self._finish_source(entry, None if outcome is None else self._error(st.first, st.step, entry, outcome, own))
+        if outcome is None and entry.layout is not None:
+            st.replicate[st.first] = (entry.final, entry.file, entry.layout.file_crc)
 
     def _promote(self, index: int, st: _Step) -> None:
         """A slower level's copy of this rank's file, once the source committed (on every rank alike)."""
@@ -307,6 +342,8 @@ class DistributedLevels:
         st.source_done.wait()  # always set: the source's commit always ends
         written = st.entry.handle is not None and st.entry.handle.exception() is None
         error = self._copy_and_commit(index, st) if written else None
+        if written and error is None and st.entry.layout is not None:
+            st.replicate[index] = (self.levels[index].folder(st.step), st.entry.file, st.entry.layout.file_crc)
         self._release(st)
         if written and error is None:
             self._retain(index)

@@ -10,7 +10,9 @@ imported from here, never from this package's private modules; not public API, n
 ``MultiLevel`` is the one-process runner (``check_levels`` / ``check_step`` check its arguments);
 ``LevelsHandle``, ``Parts`` and ``not_due`` make the handle of a levels save; ``Backlog``,
 ``Retention``, ``Sweep`` / ``sweep`` / ``run_sweep`` are the schedule a runner holds;
-``latest_agreed`` over a ``StoreExchange`` finds the newest step every rank holds; ``check_memory``
+``latest_agreed`` over a ``StoreExchange`` finds the newest step every rank holds (restoring a
+node's replicated steps first: ``_restore.py``); ``Scope`` / ``probe`` / ``dedup_groups`` say who shares
+each level's folder; ``Ring`` / ``Replicator`` hold a node-local level's steps in peers' memory; ``check_memory``
 is the first save's memory statement, ``tensor_bytes`` the size it is computed from.
 """
 
@@ -31,8 +33,15 @@ from ._latest import latest_agreed as latest_agreed  # noqa: E402
 from ._level import check_step as check_step  # noqa: E402
 from ._multi import MultiLevel as MultiLevel  # noqa: E402
 from ._multi import check_levels as check_levels  # noqa: E402
+from ._multi import refuse_replicas as refuse_replicas  # noqa: E402
+from ._replica import ReplicationStats as ReplicationStats  # noqa: E402
+from ._replica import Replicator as Replicator  # noqa: E402
+from ._replica import Ring as Ring  # noqa: E402
 from ._schedule import Backlog as Backlog  # noqa: E402
 from ._schedule import Retention as Retention  # noqa: E402
 from ._schedule import Sweep as Sweep  # noqa: E402
 from ._schedule import run_sweep as run_sweep  # noqa: E402
 from ._schedule import sweep as sweep  # noqa: E402
+from ._topology import Scope as Scope  # noqa: E402
+from ._topology import dedup_groups as dedup_groups  # noqa: E402
+from ._topology import probe as probe  # noqa: E402

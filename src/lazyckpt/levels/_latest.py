@@ -7,11 +7,13 @@ process, another node, or a distributed saver's folders are read the same way.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 from lazyckpt.core.warn import user_stacklevel
@@ -23,6 +25,8 @@ from lazyckpt.recovery.verify import verify as verify_file
 from ..errors import IncompleteCheckpointWarning
 from . import _collective
 from ._level import Level, as_level, list_steps, step_of
+from ._restore import restore
+from ._topology import Scope, probe
 
 logger = logging.getLogger(__name__)
 
@@ -106,10 +110,17 @@ def latest_agreed(
     storage_options: dict[str, Any] | None = None,
     verify: bool = True,
     listings: dict[int, dict[int, str]] | None = None,
+    scopes: Sequence[Scope] | None = None,
+    replication_group: Any = None,
 ) -> Found | None:
     """``latest()`` agreed among ``exchange``'s ranks (every one of them calls it); ``listings``:
-    this rank's levels as already listed."""
+    this rank's levels as already listed. Levels with ``replicas``: first, each node's folder gets
+    back the replicated steps newer than its own from its partners (``_restore.restore``), over
+    ``replication_group`` (a distributed checkpointer's) or a gloo group made for it; ``scopes``:
+    who shares each level's folder, probed here when not given."""
     rank, world = exchange.rank, exchange.world
+    if _replicated(levels) and _restore_replicas(levels, exchange, scopes, replication_group):
+        listings = None  # a node's folder gained the steps restored from its partners' replicas
 
     def usable(index: int, step: int, path: str) -> bool:
         problem, _ = _problem(path, storage_options, verify, rank=rank, world=world)
@@ -124,6 +135,41 @@ def latest_agreed(
     mine = _listings(levels, storage_options) if listings is None else listings
     agreed = _collective.agree(mine, usable, exchange)
     return None if agreed is None else Found(agreed[2], agreed[0], agreed[1])
+
+
+def _replicated(levels: Iterable[Level | str | os.PathLike[str]]) -> bool:
+    return any(as_level(entry).replicas for entry in levels)
+
+
+def _restore_replicas(
+    entries: Iterable[Level | str | os.PathLike[str]],
+    exchange: _collective.StoreExchange,
+    scopes: Sequence[Scope] | None,
+    group: Any,
+) -> bool:
+    """Collective: ``_restore.restore`` with the levels' scopes (probed now when not given) and a
+    gloo group (``group``, else one made for it and destroyed after: the default group's ranks)."""
+    levels = [as_level(entry) for entry in entries]
+    if scopes is None:
+        token = hashlib.sha1(exchange.prefix.encode()).hexdigest()
+        scopes = probe(levels, token, exchange.rank, exchange.world, exchange.all_gather)
+    made: list[Any] = []
+
+    def the_group() -> Any:
+        if group is not None:
+            return group
+        import torch.distributed as dist
+
+        made.append(dist.new_group(backend="gloo", timeout=timedelta(seconds=max(30.0, min(exchange.timeout, 600.0)))))
+        return made[-1]
+
+    try:
+        return restore(levels, scopes, exchange.all_gather, exchange.rank, the_group)
+    finally:
+        if made:
+            import torch.distributed as dist
+
+            dist.destroy_process_group(made[0])
 
 
 def _listings(

@@ -48,6 +48,14 @@ class Level:
             folder (not for ``DistributedCheckpointer`` levels). Files that a lazyckpt reader holds
             (``lazyckpt.load``, ``verify``, ``latest``) or that this process maps are never reused.
             False: always delete (another process reading old files with plain ``torch.load``).
+        replicas: ``k`` >= 1: every committed step of this level is also held in the memory of
+            ``k`` other nodes (``DistributedCheckpointer`` levels only; the level must be node-local:
+            a folder the construction's probe finds shared by one node's ranks only). Ring order
+            over nodes: node ``g`` sends to nodes ``g+1 .. g+k``, each rank its own files to the
+            same local rank there (``<level>/replicas/node-<g>/step-<n>``), in the background, on
+            a gloo group of its own; ``keep`` applies to the replicas too. ``latest()`` restores a
+            node's copy from a peer's replica (CRC-checked against the primary's CRCs) when its
+            own is gone. See docs/ARCHITECTURE.md, "Node loss".
     """
 
     path: str
@@ -55,6 +63,7 @@ class Level:
     keep: int | None = None
     backlog: int = 2
     reuse_pages: bool = True
+    replicas: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, (str, os.PathLike)):
@@ -67,6 +76,10 @@ class Level:
             raise ValueError(f"Level keep must be >= 1 or None, got {self.keep}")
         if int(self.backlog) < 1:
             raise ValueError(f"Level backlog must be >= 1, got {self.backlog}")
+        if isinstance(self.replicas, bool) or int(self.replicas) < 0:
+            raise ValueError(f"Level replicas must be an int >= 0, got {self.replicas!r}")
+        if self.replicas and self.is_url:
+            raise ValueError(f"Level replicas: {self.path} is a URL; replicas are for a node's memory level")
 
     @property
     def is_url(self) -> bool:

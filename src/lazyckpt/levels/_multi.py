@@ -54,6 +54,18 @@ def check_levels(levels: tuple[Any, ...]) -> None:
         raise TypeError("levels must be a non-empty list of lazyckpt.Level")
 
 
+def refuse_replicas(levels: tuple[Any, ...], who: str) -> None:
+    """``ValueError`` for a level with ``replicas`` given to a saver that cannot replicate (one
+    process's files or folders: peers' memory needs the ranks of a ``DistributedCheckpointer``)."""
+    for i, level in enumerate(levels):
+        if getattr(level, "replicas", 0):
+            raise ValueError(
+                f"level {i} ({level.path}): replicas={level.replicas} needs torch.distributed and a "
+                f"node-local level of a lazyckpt.distributed.DistributedCheckpointer; {who} saves from one "
+                "process and cannot hold copies in peers' memory (use replicas=0 here)"
+            )
+
+
 class Saver(Protocol):
     """What the multi-level saver needs of its ``LazyCheckpointer`` (no import of the facade)."""
 
@@ -112,6 +124,7 @@ class MultiLevel:
         reuse: Callable[[str], bool] | None = None,
     ) -> None:
         check_levels(levels)
+        refuse_replicas(levels, "this saver (files, Accelerate folders, Lightning single-file checkpoints)")
         if len({lv.path for lv in levels}) != len(levels):
             raise ValueError("two levels share a path; give each level its own folder")
         self.ckpt = ckpt

@@ -16,6 +16,7 @@ import shutil
 from collections.abc import Sequence
 
 from lazyckpt import Level, LevelError, SaveRefusedError
+from lazyckpt.levels import refuse_replicas
 from lazyckpt.storage import fs as _fs
 from lazyckpt.transformers._folder import replace_folder, staging_name
 
@@ -36,6 +37,7 @@ class TrainerLevels:
                     f"lazyckpt.transformers: URL levels ({level.path}) are not supported; use local folders"
                 )
             os.makedirs(level.path, exist_ok=True)
+        refuse_replicas(tuple(levels), "the transformers Trainer's checkpoints")
         self.levels = tuple(levels)
 
     def due(self, step: int) -> list[Level]:

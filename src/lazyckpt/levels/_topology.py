@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lazyckpt.levels import Level
+from ._level import Level
 
 PROBE_PREFIX = ".lazyckpt-probe-"
 
@@ -83,7 +83,9 @@ def probe(
         if level.is_url:
             scopes.append(Scope((everyone,), everyone))
             continue
-        seen = [views_of_rank[i] for views_of_rank in gathered]
+        seen = [
+            None if v is None else tuple(v) for v in (views_of_rank[i] for views_of_rank in gathered)
+        ]  # JSON: lists
         scopes.append(_scope(level, i, seen, rank))
     return scopes
 

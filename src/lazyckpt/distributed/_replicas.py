@@ -1,0 +1,55 @@
+"""A node-local DCP level's replicas (``Level(replicas=k)``): what the distributed levels hand to the
+one replicator of ``lazyckpt.levels`` (its ring, its gloo group; after each commit, this rank's
+files of the committed folder with their CRC32s as written)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from lazyckpt.formats.dcp import MANIFEST, METADATA
+from lazyckpt.levels import Level, Replicator, Ring, Scope
+
+logger = logging.getLogger(__name__)
+
+
+def replicator_of(
+    levels: Sequence[Level], scopes: Sequence[Scope], rank: int, group: Any, commit_timeout: float, fsync: bool
+) -> Replicator | None:
+    """The replicator of the level with ``replicas`` (at most one: its steps go to the peers in
+    commit order) on a gloo group of its own (collective: every rank of the checkpointer's
+    ``group``); ``ValueError`` alike on every rank for a level that cannot be replicated
+    (``Ring.of``: a shared level, too few nodes, unequal nodes). None without replicas."""
+    rings = {i: Ring.of(i, lv, scopes[i], rank) for i, lv in enumerate(levels) if lv.replicas}
+    if not rings:
+        return None
+    if len(rings) > 1:
+        raise ValueError(f"levels {sorted(rings)} both have replicas: give replicas to one level (node memory)")
+    timeout = timedelta(seconds=max(10.0, min(60.0, commit_timeout)))
+    ranks = dist.get_process_group_ranks(group)
+    own = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout, use_local_synchronization=True)
+    return Replicator(levels, rings, own, fsync)
+
+
+def replicate(
+    replicator: Replicator, index: int, step: int, folder: str, name: str, crc: int | None, leader: bool
+) -> None:
+    """After level ``index``'s commit of ``step`` (on its thread, every rank alike): this rank's
+    file ``name`` of the committed ``folder`` and, for the folder's owner (``leader``), its
+    ``.metadata``, manifest and extra files (the manifest's CRC32s: the primary's)."""
+    files: list[tuple[str, int | None]] = [(name, crc)]
+    if leader:
+        try:
+            with open(os.path.join(folder, MANIFEST)) as stream:
+                manifest = json.load(stream)
+            files += [(n, e.get("crc32")) for n, e in manifest["files"].items() if e.get("rank") is None]
+            files += [(METADATA, manifest[METADATA].get("crc32")), (MANIFEST, None)]
+        except (OSError, ValueError, KeyError) as exc:  # the replica will not be whole
+            logger.warning("lazyckpt: %s: cannot read its manifest to replicate it: %s", folder, exc)
+    replicator.submit(index, step, folder, files)
