@@ -1,7 +1,8 @@
-"""Flatten: what every format shares to turn the object passed to ``save()`` into bytes to write
-now and sources (tensor bytes) to copy later: ``Source``, the checks that refuse tensors lazyckpt
-cannot stage, and torch.save's pickler (``flatten_torch``, used by the torch format and by any
-format made of torch.save items). Each format's own validation and layout live in its module.
+"""Capture: what a save copies lazily (a decision, not a byte layout). Every format shares it to turn the
+object passed to ``save()`` into bytes to write now and sources (tensor bytes) to copy later: ``Source``,
+the checks that refuse tensors lazyckpt cannot stage, and torch.save's pickler (``flatten_torch``, used by
+the torch format and by any format made of torch.save items). Each format's own validation and layout
+live in its module.
 
 Runs on the caller's thread inside ``save()``. Pickling here is what snapshots every non-tensor
 value (optimizer ``param_groups``, per-parameter state dicts, loop counters): the pickle bytes are
