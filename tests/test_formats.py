@@ -130,15 +130,15 @@ def test_torch_planner_writes_torch_save_bytes(tmp_path, monkeypatch, case, name
 
 @pytest.mark.parametrize("case", ["optimizer", "fast_path"])
 def test_plain_tensors_are_pickled_without_tensor_reduce_ex_and_the_bytes_stay_torch_saves(tmp_path, monkeypatch, case):
-    """The fast pickling path (``flatten._Pickler``) reduces plain tensors itself: torch's
+    """The fast pickling path (``capture._Pickler``) reduces plain tensors itself: torch's
     ``Tensor._reduce_ex_internal`` is never called for a model + optimizer state (or the fast path's
     own cases), and the bytes are still torch.save's (made before the patch)."""
-    from lazyckpt.formats import flatten
+    from lazyckpt.core import capture
 
     obj = _torch_objects()[case]
     (tmp_path / "stock").mkdir()
     want = _stock_torch(obj, tmp_path / "stock" / "o.pt", monkeypatch)
-    assert flatten._fast_path_works()
+    assert capture._fast_path_works()
 
     def refuse(*args, **kwargs):
         raise AssertionError("Tensor._reduce_ex_internal called: the fast path was not taken")
@@ -155,7 +155,7 @@ class _Held:  # a tensor tensor_names cannot name: it is an attribute of an obje
 def test_pickling_builds_a_tensor_description_only_for_tensors_without_a_name():
     """reducer_override runs for every tensor on save()'s thread: the fallback text for a tensor that
     tensor_names could not name is built only for such a tensor, not as a default for every lookup."""
-    from lazyckpt.formats import flatten
+    from lazyckpt.core import capture
 
     class Names(dict):
         defaults: list[object] = []
@@ -165,12 +165,12 @@ def test_pickling_builds_a_tensor_description_only_for_tensors_without_a_name():
             return super().get(key, *default)
 
     obj = _torch_objects()["optimizer"]
-    names = Names(flatten.tensor_names(obj))
+    names = Names(capture.tensor_names(obj))
     for fast in (True, False):
-        flatten._pickle(obj, names, fast)
+        capture._pickle(obj, names, fast)
     assert names.defaults == []
     with pytest.raises(SaveRefusedError, match=r"<tensor inside an object, shape \(3,\)>: meta tensors"):
-        flatten.flatten_torch({"held": _Held(torch.empty(3, device="meta"))})
+        capture.flatten_torch({"held": _Held(torch.empty(3, device="meta"))})
 
 
 @pytest.mark.parametrize(
@@ -180,15 +180,15 @@ def test_pickling_builds_a_tensor_description_only_for_tensors_without_a_name():
 def test_the_plain_pickling_path_writes_the_same_bytes(tmp_path, monkeypatch, case):
     """Where the interpreter does not let the fast path work (its self-check fails), the plain path is
     torch.save's own pickling: same bytes."""
-    from lazyckpt.formats import flatten
+    from lazyckpt.core import capture
 
     obj = _torch_objects()[case]
     (tmp_path / "stock").mkdir()
     want = _stock_torch(obj, tmp_path / "stock" / "p.pt", monkeypatch)
-    monkeypatch.setattr(flatten, "_PERSISTENT_ID", None)
-    monkeypatch.setattr(flatten, "_FAST", [])
+    monkeypatch.setattr(capture, "_PERSISTENT_ID", None)
+    monkeypatch.setattr(capture, "_FAST", [])
     assert _planned_file("torch", obj, tmp_path / "p.pt") == want
-    assert flatten._FAST == [False]
+    assert capture._FAST == [False]
 
 
 @pytest.mark.parametrize("alignment", [128, 4096])

@@ -17,13 +17,13 @@ from collections.abc import Callable
 
 import torch
 
+from lazyckpt.core.capture import Source
 from lazyckpt.core.handle import CallbackRunner
 from lazyckpt.core.job import FileState, Job, Piece, PieceState, Stage, WriteFrom
 from lazyckpt.core.pool import PAGE, HostBufferPool
 from lazyckpt.core.workers import Worker
 from lazyckpt.errors import WriteError
 from lazyckpt.formats.crc import crc32
-from lazyckpt.formats.flatten import Source
 from lazyckpt.storage import fs as _fs
 from lazyckpt.storage.spare import Spares
 

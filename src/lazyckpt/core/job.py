@@ -27,12 +27,12 @@ from typing import Any
 import torch
 
 from lazyckpt.core import guard as _guard
+from lazyckpt.core.capture import Source
 from lazyckpt.core.handle import Completion, SaveStats
 from lazyckpt.core.pool import Buffer
 from lazyckpt.errors import StaleTensorError
 from lazyckpt.formats.base import Layout
 from lazyckpt.formats.crc import crc32_combine
-from lazyckpt.formats.flatten import Source
 
 # How the error of a failed save is put to its caller: set by the multi-level saver around the saves
 # it makes into a level (``levels/_multi.py``: the error then names the level and the step); each job

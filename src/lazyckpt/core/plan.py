@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import torch
 
 from lazyckpt.core import guard as _guard
+from lazyckpt.core.capture import Source
 from lazyckpt.core.pool import PAGE
-from lazyckpt.formats.flatten import Source
 from lazyckpt.options import CheckpointerOptions
 from lazyckpt.storage import fs as _fs
 

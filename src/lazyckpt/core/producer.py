@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from lazyckpt.core import guard as _guard
+from lazyckpt.core.capture import Source
 from lazyckpt.core.engine import Engine, write_error
 from lazyckpt.core.handle import CallbackRunner
 from lazyckpt.core.job import Job
@@ -27,7 +28,6 @@ from lazyckpt.core.pool import HostBufferPool
 from lazyckpt.core.removal import Remover
 from lazyckpt.core.report import ErrorLedger, Report
 from lazyckpt.errors import WriteError
-from lazyckpt.formats.flatten import Source
 from lazyckpt.storage import fs as _fs
 from lazyckpt.storage import remote as _remote
 

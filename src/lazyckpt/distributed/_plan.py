@@ -186,8 +186,10 @@ def _state_key(flat: dict[str, Any]) -> bytes | None:
 
 
 def _local(dt: DTensor) -> torch.Tensor:
-    """This rank's shard of ``dt``: what ``to_local()`` gives, without an autograd call each."""
-    return dt._local_tensor
+    """This rank's shard of ``dt``: ``to_local()`` with autograd off (no autograd call each: the local
+    tensor itself; a view of it for a DTensor parameter)."""
+    with torch.no_grad():
+        return dt.to_local()
 
 
 def _digest(items: list[WriteItem]) -> bytes:

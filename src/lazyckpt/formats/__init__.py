@@ -1,1 +1,1 @@
-"""Byte layouts only: torch.save's zip, safetensors, the pickler that flattens state, CRC32."""
+"""Byte layouts only: torch.save's zip, safetensors, CRC32 (what is captured lazily: core/capture.py)."""

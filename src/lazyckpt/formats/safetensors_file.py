@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
+from lazyckpt.core.capture import Source, refuse_unsupported
 from lazyckpt.core.pool import PAGE
 from lazyckpt.errors import SaveRefusedError
 from lazyckpt.formats.crc import crc32, crc32_combine
-from lazyckpt.formats.flatten import Source, refuse_unsupported
 
 CRC_KEY = "lazyckpt_crc32"
 PREFIX = b'{"__metadata__":{"' + CRC_KEY.encode() + b'":"'  # right after the 8-byte length

@@ -1,6 +1,6 @@
 """The torch format: ``torch.save``'s file, a stored (uncompressed) zip, written by offset.
 
-``TorchFormat.flatten`` pickles the object as torch.save does (``_flatten.flatten_torch``), one
+``TorchFormat.flatten`` pickles the object as torch.save does (``core.capture.flatten_torch``), one
 source per storage; ``TorchPlanner.plan`` lays the zip out (``plan``) as a ``TorchLayout``. The zip
 types (``Record``, ``record_at``, ``central_directory``) are what ``verify`` rebuilds a file with.
 
@@ -21,10 +21,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from lazyckpt.core.capture import Source, flatten_torch
 from lazyckpt.core.pool import PAGE
 from lazyckpt.errors import SaveRefusedError
 from lazyckpt.formats.crc import crc32
-from lazyckpt.formats.flatten import Source, flatten_torch
 
 _U32 = 0xFFFFFFFF  # the "see zip64 extra" marker
 _ZIP64_LIMIT = _U32  # sizes/offsets from here on need zip64 fields (tests lower it)

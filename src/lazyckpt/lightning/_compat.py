@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 import sys
+import types
 import weakref
 from collections.abc import Callable
 from types import FrameType
@@ -203,19 +204,23 @@ def on_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) 
     return None
 
 
-def pending_aware_file_exists(cb: Any, plugin_ref: weakref.ref) -> Callable[..., bool]:
-    def file_exists(filepath: Any, trainer: Any) -> bool:
-        # Same contract as ModelCheckpoint.file_exists (rank 0 decides), but a file still being
-        # written counts as existing, so version suffixes (-v1) match the stock plugin.
+class PendingAwareCheckpoint:
+    """``ModelCheckpoint.file_exists`` (rank 0 decides), as a method bound onto the callback instance
+    (``self`` is the ModelCheckpoint, as in stock's), where a file still being written counts as existing,
+    so version suffixes (-v1) match the stock plugin."""
+
+    def file_exists(self: Any, filepath: Any, trainer: Any, *, plugin_ref: weakref.ref) -> bool:
         plugin = plugin_ref()
         local = False
         if trainer.is_global_zero:
-            local = bool(cb._fs.exists(filepath))
+            local = bool(self._fs.exists(filepath))
             if not local and plugin is not None:
                 local = split_path(filepath)[0] in plugin.pending_paths()
         return bool(trainer.strategy.reduce_boolean_decision(local, all=False))
 
-    return file_exists
+
+def pending_aware_file_exists(cb: Any, plugin_ref: weakref.ref) -> Callable[..., bool]:
+    return types.MethodType(functools.partial(PendingAwareCheckpoint.file_exists, plugin_ref=plugin_ref), cb)
 
 
 def link_after_pending(method: Callable[..., Any], plugin_ref: weakref.ref) -> Callable[..., Any]:

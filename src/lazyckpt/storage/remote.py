@@ -181,7 +181,9 @@ class RemoteTier:
             with self._cond:
                 self._filesystems[protocol] = fs
             return fs, rpath
-        return fs, fs._strip_protocol(url)
+        from fsspec.core import strip_protocol  # (fsspec is imported: filesystem() made fs)
+
+        return fs, strip_protocol(url)  # fs's class strips: the protocol's registered one
 
     def local_file(self, rpath: str) -> str:
         """A fresh local path for one single-file save, in this process's files folder (nothing is

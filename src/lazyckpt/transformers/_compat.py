@@ -83,6 +83,11 @@ EXPECTED_FRAGMENTS = (
 )
 
 
+def stock_save_checkpoint() -> Callable[..., Any]:
+    """``Trainer._save_checkpoint`` as this transformers defines it (read at each check, never cached)."""
+    return Trainer._save_checkpoint
+
+
 def call_sequence(fn: Callable[..., Any]) -> list[str]:
     """The functions called in ``fn``'s body, in source order (``a.b.c`` as written)."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
@@ -116,7 +121,7 @@ def _why_unsupported() -> str | None:
     if major != 5:
         return f"major version {major}"
     try:
-        calls = call_sequence(Trainer._save_checkpoint)
+        calls = call_sequence(stock_save_checkpoint())
     except (OSError, TypeError, SyntaxError) as exc:
         return f"the source of Trainer._save_checkpoint cannot be read ({exc})"
     if tuple(calls) != EXPECTED_SAVE_CHECKPOINT_CALLS:
@@ -148,7 +153,7 @@ def check_trainer(trainer: Any) -> None:
         raise UnsupportedTrainerError(
             f"lazyckpt.transformers.install takes a transformers.Trainer, got {type(trainer).__name__}"
         )
-    if type(trainer)._save_checkpoint is not Trainer._save_checkpoint:
+    if type(trainer)._save_checkpoint is not stock_save_checkpoint():
         raise UnsupportedTrainerError(
             f"lazyckpt.transformers: {type(trainer).__qualname__} overrides _save_checkpoint; install() replaces "
             "that method and would drop your override. Override save_model / _save / _save_rng_state instead "

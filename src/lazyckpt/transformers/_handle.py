@@ -1,20 +1,23 @@
 """The handle ``install()`` returns, and one checkpoint of the Trainer from its call to its commit.
 
 Data flow (docs/ARCHITECTURE.md, "transformers"): the trainer's ``_save_checkpoint`` (replaced on the
-instance by :meth:`TransformersHandle._save_checkpoint`) runs stock's statements into a staging folder
-with the gate on (:class:`CheckpointSave` is the router: weights and optimizer state go to the
-``LazyCheckpointer``); once every lazy file is done, the *commit* thread ends the folder save, renames
-the staging folder to ``checkpoint-N``, pushes it (``push_to_hub``) and rotates (``save_total_limit``),
-in save order. ``_load_best_model`` and ``_finalize_training`` wait for all of that first.
+instance by :meth:`SaveCheckpointMirror.save_checkpoint`, bound onto the trainer) runs stock's statements
+into a staging folder with the gate on (:class:`CheckpointSave` is the router: weights and optimizer state
+go to the ``LazyCheckpointer``); once every lazy file is done, the *commit* thread (:class:`Checkpoints`)
+ends the folder save, renames the staging folder to ``checkpoint-N``, pushes it (``push_to_hub``) and
+rotates (``save_total_limit``), in save order. ``_load_best_model`` and ``_finalize_training`` wait for all
+of that first.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
 import threading
 import time
+import types
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -47,9 +50,14 @@ class CheckpointSave:
     (pushes, rotation, level copies), in save order.
     """
 
-    def __init__(self, checkpointer: LazyCheckpointer, final: str, *, writer: bool, tag: int) -> None:
+    def __init__(
+        self, checkpointer: LazyCheckpointer, final: str, *, step: int, writer: bool, distributed: bool, tag: int
+    ) -> None:
         self.checkpointer = checkpointer
         self.final = final
+        self.run_dir = os.path.dirname(final)
+        self.step = step
+        self.distributed = distributed
         self.staging = staging_name(final)
         self.writer = writer
         self.folder: FolderSave | None = None
@@ -144,6 +152,184 @@ class CheckpointSave:
         replace_folder(self.staging, self.final)
 
 
+class Checkpoints:
+    """lazyckpt's side of the trainer's checkpoints, what :class:`SaveCheckpointMirror` asks of it in stock's
+    order (``before``, ``start``, ``saved``, ``abort``, ``end``): the staging folders, the saves not yet
+    committed, the commit thread (commit, push, rotation or level copies, in save order)."""
+
+    def __init__(self, trainer: Trainer, checkpointer: LazyCheckpointer, levels: TrainerLevels | None) -> None:
+        self.trainer = trainer
+        self.checkpointer = checkpointer
+        self.levels = levels
+        self.last_save_s: float | None = None  # seconds the last _save_checkpoint call blocked training
+        self.save_seconds: list[float] = []  # every call's
+        self._saves: list[CheckpointSave] = []
+        self._saved: set[str] = set()  # final names saved here (a best checkpoint may be one not committed yet)
+        self._warned_unrouted = False
+        self._lock = threading.Lock()
+        self._committer: Worker[Callable[[], None]] = Worker("lazyckpt-transformers-commit", _run, lazy=True)
+
+    # -- the mirror's calls, on the training thread --------------------------------------------------
+    def before(self) -> None:
+        """An earlier checkpoint's failure raised here, where stock would have raised it; the optimizer
+        tracked (the next ``step()`` waits for its copies)."""
+        self.prune()
+        self.checkpointer.raise_errors()
+        opt = getattr(self.trainer, "optimizer", None)
+        inner = getattr(opt, "optimizer", opt)
+        if isinstance(inner, torch.optim.Optimizer):
+            self.checkpointer.track(inner)
+
+    def start(self, run_dir: str, step: int) -> CheckpointSave | None:
+        """The save of ``checkpoint-<step>`` (under the fastest level due, with levels; None when none is),
+        its staging folder made before any process writes into it."""
+        from transformers.trainer import ParallelMode
+
+        if self.levels is not None:
+            level_dir = self.levels.fastest_due(step, run_dir)
+            if level_dir is None:  # no level due at this step: nothing saved
+                return None
+            run_dir = level_dir
+        args = self.trainer.args
+        final = os.path.join(run_dir, _compat.checkpoint_name(step))
+        distributed = args.parallel_mode == ParallelMode.DISTRIBUTED
+        save = CheckpointSave(
+            self.checkpointer,
+            final,
+            step=step,
+            writer=bool(args.should_save),
+            distributed=distributed,
+            tag=args.process_index,
+        )
+        save.prepare()
+        if distributed:
+            torch.distributed.barrier()  # the staging folder exists before any process writes into it
+        self._saved.add(final)
+        return save
+
+    def saved(self, final: str) -> bool:
+        """Whether ``final`` was saved here (committed or not: stock's folder would exist by now)."""
+        return final in self._saved
+
+    def abort(self, save: CheckpointSave) -> None:
+        save.abort(self.commit)
+
+    def end(self, save: CheckpointSave, push: Callable[[], None] | None, best: str | None, t0: float) -> None:
+        """Stock's statements ran: every process's files durable, then the commit and what follows it
+        (``push``, rotation or level copies) queued on the commit thread."""
+        if save.distributed:
+            self._sync_own_files(save)
+            torch.distributed.barrier()  # every process's files are durable in the staging folder
+        if save.writer:
+            self._check_routed(save)
+            if push is not None:
+                save.after_commit.append(push)
+            levels, step, final, run_dir = self.levels, save.step, save.final, save.run_dir
+            if levels is not None:
+                save.after_commit.append(lambda: levels.after_commit(step, final, best))
+            else:
+                limit = self.trainer.args.save_total_limit
+                save.after_commit.append(lambda: _rotate(run_dir, limit, best))
+        with self._lock:
+            self._saves.append(save)
+        save.finish(self.commit)
+        self.last_save_s = time.perf_counter() - t0
+        self.save_seconds.append(self.last_save_s)
+
+    # -- the handle's calls --------------------------------------------------------------------------
+    def commit(self, job: Callable[[], None]) -> None:
+        if not self._committer.submit(job):  # after uninstall() (or no thread to be had): inline
+            job()
+
+    def pending(self) -> list[CheckpointSave]:
+        with self._lock:
+            return [s for s in self._saves if not s.done.is_set()]
+
+    def prune(self) -> None:
+        with self._lock:
+            self._saves = [s for s in self._saves if not s.done.is_set()]
+
+    def stop(self) -> None:
+        self._committer.stop()
+
+    def _sync_own_files(self, save: CheckpointSave) -> None:
+        """A process that does not commit: its stock files in the staging folder (``rng_state_<i>.pth``)
+        made durable before the barrier after which the main process may rename the folder."""
+        if save.writer:
+            return
+        rank = self.trainer.args.process_index
+        path = os.path.join(save.staging, f"rng_state_{rank}.pth")
+        if os.path.exists(path):
+            _fs.fsync_file(path)
+
+    def _check_routed(self, save: CheckpointSave) -> None:
+        if save.handles or self._warned_unrouted:
+            return
+        self._warned_unrouted = True
+        logger.warning(
+            "lazyckpt.transformers: %s was written without a single lazy file (the weights and optimizer state "
+            "did not reach lazyckpt): this Trainer's save path differs from the one install() checked",
+            save.final,
+        )
+
+
+class SaveCheckpointMirror:
+    """Stock ``Trainer._save_checkpoint`` (transformers 5.x; ``_compat.EXPECTED_SAVE_CHECKPOINT_CALLS``) with
+    the folder written under a staging name and committed in the background.
+
+    A method of the trainer: :class:`TransformersHandle` binds :meth:`save_checkpoint` onto the trainer
+    instance in place of ``_save_checkpoint`` (``self`` is the trainer, so stock's calls of its own methods
+    read as stock writes them); lazyckpt's side (staging folder, gate, commit) is the :class:`Checkpoints`
+    it is bound with.
+    """
+
+    def save_checkpoint(self: Any, model: Any, trial: Any, *, checkpoints: Checkpoints) -> None:
+        t0 = time.perf_counter()
+        args = self.args  # (transformers' annotations of TrainerState are looser than its use: self is Any)
+        checkpoints.before()
+        from transformers.trainer import ExportableState, SaveStrategy
+
+        if self.hp_search_backend is None and trial is None:
+            self.store_flos()
+        save = checkpoints.start(self._get_output_dir(trial=trial), self.state.global_step)
+        if save is None:
+            return
+        token = _compat.active.set(save)
+        try:
+            self.save_model(save.staging, _internal_call=True)
+            if args.save_strategy in [SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST] and (
+                self.state.best_global_step
+            ):
+                if save.distributed:
+                    torch.distributed.barrier()
+                best = os.path.join(save.run_dir, _compat.checkpoint_name(self.state.best_global_step))
+                if os.path.exists(best) or checkpoints.saved(best):  # stock: saved, so its folder exists
+                    self.state.best_model_checkpoint = best
+            if not args.save_only_model:
+                self._save_optimizer_and_scheduler(save.staging)
+                self._save_scaler(save.staging)
+                self._save_rng_state(save.staging)
+            if args.should_save:
+                for cb in [
+                    c for c in self.callback_handler.callbacks + [self.control] if isinstance(c, ExportableState)
+                ]:
+                    cb_name = cb.__class__.__name__
+                    cb_state = cb.state()
+                    if isinstance(self.state.stateful_callbacks[cb_name], list):
+                        self.state.stateful_callbacks[cb_name].append(cb_state)
+                    else:
+                        self.state.stateful_callbacks[cb_name] = cb_state
+                self.state.save_to_json(os.path.join(save.staging, _compat.TRAINER_STATE_NAME))
+        except BaseException:
+            checkpoints.abort(save)
+            raise
+        finally:
+            _compat.active.reset(token)
+        final = save.final
+        push = (lambda: self._push_from_checkpoint(final)) if args.push_to_hub else None
+        checkpoints.end(save, push, self.state.best_model_checkpoint, t0)
+
+
 class TransformersHandle(InstalledHandle):
     """What :func:`lazyckpt.transformers.install` returns: ``wait()`` drains, ``uninstall()`` restores stock.
 
@@ -155,25 +341,30 @@ class TransformersHandle(InstalledHandle):
     ) -> None:
         self.trainer = trainer
         self.checkpointer = checkpointer
-        self.last_save_s: float | None = None  # seconds the last _save_checkpoint call blocked training
-        self.save_seconds: list[float] = []  # every call's
         self._owns = owns
         self._levels = levels
-        self._saves: list[CheckpointSave] = []
-        self._saved: set[str] = set()  # final names this handle saved (the best-checkpoint test counts them)
-        self._warned_unrouted = False
+        self._checkpoints = Checkpoints(trainer, checkpointer, levels)
         self._removed = False
-        self._lock = threading.Lock()
-        self._committer: Worker[Callable[[], None]] = Worker("lazyckpt-transformers-commit", _run, lazy=True)
         self._stock = {name: getattr(trainer, name) for name in _PATCHED}
         self._previous = {name: vars(trainer)[name] for name in _PATCHED if name in vars(trainer)}
         _compat.acquire_gate()
-        replacements = {"_save_checkpoint": self._checkpoint, "_load_best_model": self._best_model}
+        mirror = functools.partial(SaveCheckpointMirror.save_checkpoint, checkpoints=self._checkpoints)
+        replacements = {"_save_checkpoint": types.MethodType(mirror, trainer), "_load_best_model": self._best_model}
         replacements["_finalize_training"] = self._finalize
         for name, method in replacements.items():
             setattr(trainer, name, method)
         trainer.__dict__["_lazyckpt_handle"] = self
         _exit.register(self, drain_at_exit, layer=_exit.INTEGRATION)
+
+    @property
+    def last_save_s(self) -> float | None:
+        """Seconds the last ``_save_checkpoint`` call blocked training."""
+        return self._checkpoints.last_save_s
+
+    @property
+    def save_seconds(self) -> list[float]:
+        """Seconds each ``_save_checkpoint`` call blocked training."""
+        return self._checkpoints.save_seconds
 
     # -- public --------------------------------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> None:
@@ -188,17 +379,17 @@ class TransformersHandle(InstalledHandle):
         try:
             self.checkpointer.wait(left())  # confirms this thread's copies, waits for the files
         finally:
-            for save in self._pending():
+            for save in self._checkpoints.pending():
                 if not save.done.wait(left()):
                     raise TimeoutError(f"lazyckpt.transformers: {save.final} not committed after {timeout} s")
             if self._levels is not None:
                 self._levels.drain(left())
-        self._prune()
+        self._checkpoints.prune()
         self.checkpointer.raise_errors()
 
     def pending(self) -> int:
         """Checkpoints of this process saved but not committed yet."""
-        return len(self._pending())
+        return len(self._checkpoints.pending())
 
     def uninstall(self) -> None:
         """Drain pending checkpoints, then restore the trainer's stock methods (raises a drained error).
@@ -220,7 +411,7 @@ class TransformersHandle(InstalledHandle):
                     tr.__dict__.pop(name, None)
             tr.__dict__.pop("_lazyckpt_handle", None)
             _compat.release_gate()
-            self._committer.stop()
+            self._checkpoints.stop()
             if self._levels is not None:
                 self._levels.close()
             _exit.unregister(self)
@@ -239,80 +430,6 @@ class TransformersHandle(InstalledHandle):
         self.uninstall()
 
     # -- what the trainer calls ----------------------------------------------------------------------
-    def _checkpoint(self, model: Any, trial: Any) -> None:
-        """Stock ``Trainer._save_checkpoint`` (transformers 5.x; ``_compat.EXPECTED_SAVE_CHECKPOINT_CALLS``)
-        with the folder written under a staging name and committed in the background."""
-        t0 = time.perf_counter()
-        tr: Any = self.trainer  # (transformers' annotations of TrainerState are looser than its use)
-        args = tr.args
-        self._prune()
-        self.checkpointer.raise_errors()  # an earlier checkpoint's failure, where stock would have raised
-        self._track_optimizer()
-        from transformers.trainer import ExportableState, ParallelMode, SaveStrategy
-
-        if tr.hp_search_backend is None and trial is None:
-            tr.store_flos()
-        run_dir: str = tr._get_output_dir(trial=trial)
-        step = tr.state.global_step
-        if self._levels is not None:
-            level_dir = self._levels.fastest_due(step, run_dir)
-            if level_dir is None:  # no level due at this step: nothing saved
-                return
-            run_dir = level_dir
-        final = os.path.join(run_dir, _compat.checkpoint_name(step))
-        distributed = args.parallel_mode == ParallelMode.DISTRIBUTED
-        save = CheckpointSave(self.checkpointer, final, writer=bool(args.should_save), tag=args.process_index)
-        save.prepare()
-        if distributed:
-            torch.distributed.barrier()  # the staging folder exists before any process writes into it
-        self._saved.add(final)
-        token = _compat.active.set(save)
-        try:
-            tr.save_model(save.staging, _internal_call=True)
-            if args.save_strategy in [SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST] and (
-                tr.state.best_global_step
-            ):
-                if distributed:
-                    torch.distributed.barrier()
-                best = os.path.join(run_dir, _compat.checkpoint_name(tr.state.best_global_step))
-                if os.path.exists(best) or best in self._saved:  # stock: saved, so its folder exists
-                    tr.state.best_model_checkpoint = best
-            if not args.save_only_model:
-                tr._save_optimizer_and_scheduler(save.staging)
-                tr._save_scaler(save.staging)
-                tr._save_rng_state(save.staging)
-            if args.should_save:
-                for cb in [c for c in tr.callback_handler.callbacks + [tr.control] if isinstance(c, ExportableState)]:
-                    cb_name = cb.__class__.__name__
-                    cb_state = cb.state()
-                    if isinstance(tr.state.stateful_callbacks[cb_name], list):
-                        tr.state.stateful_callbacks[cb_name].append(cb_state)
-                    else:
-                        tr.state.stateful_callbacks[cb_name] = cb_state
-                tr.state.save_to_json(os.path.join(save.staging, _compat.TRAINER_STATE_NAME))
-        except BaseException:
-            save.abort(self._commit)
-            raise
-        finally:
-            _compat.active.reset(token)
-        if distributed:
-            self._sync_own_files(save)
-            torch.distributed.barrier()  # every process's files are durable in the staging folder
-        if save.writer:
-            self._check_routed(save)
-            if args.push_to_hub:
-                save.after_commit.append(lambda: tr._push_from_checkpoint(final))
-            limit, best_ckpt = args.save_total_limit, tr.state.best_model_checkpoint
-            if self._levels is not None:
-                save.after_commit.append(lambda: self._levels.after_commit(step, final, best_ckpt))  # type: ignore[union-attr]
-            else:
-                save.after_commit.append(lambda: _rotate(run_dir, limit, best_ckpt))
-        with self._lock:
-            self._saves.append(save)
-        save.finish(self._commit)
-        self.last_save_s = time.perf_counter() - t0
-        self.save_seconds.append(self.last_save_s)
-
     def _best_model(self) -> None:
         self.wait()  # the best checkpoint is committed before it is read
         self._stock["_load_best_model"]()
@@ -326,45 +443,6 @@ class TransformersHandle(InstalledHandle):
         if self.trainer.args.parallel_mode == ParallelMode.DISTRIBUTED:
             torch.distributed.barrier()  # the main process's folders are committed before others read them
         return self._stock["_finalize_training"](*args, **kwargs)
-
-    # -- internals -----------------------------------------------------------------------------------
-    def _commit(self, job: Callable[[], None]) -> None:
-        if not self._committer.submit(job):  # after uninstall() (or no thread to be had): inline
-            job()
-
-    def _pending(self) -> list[CheckpointSave]:
-        with self._lock:
-            return [s for s in self._saves if not s.done.is_set()]
-
-    def _prune(self) -> None:
-        with self._lock:
-            self._saves = [s for s in self._saves if not s.done.is_set()]
-
-    def _track_optimizer(self) -> None:
-        opt = getattr(self.trainer, "optimizer", None)
-        inner = getattr(opt, "optimizer", opt)
-        if isinstance(inner, torch.optim.Optimizer):
-            self.checkpointer.track(inner)
-
-    def _sync_own_files(self, save: CheckpointSave) -> None:
-        """A process that does not commit: its stock files in the staging folder (``rng_state_<i>.pth``)
-        made durable before the barrier after which the main process may rename the folder."""
-        if save.writer:
-            return
-        rank = self.trainer.args.process_index
-        path = os.path.join(save.staging, f"rng_state_{rank}.pth")
-        if os.path.exists(path):
-            _fs.fsync_file(path)
-
-    def _check_routed(self, save: CheckpointSave) -> None:
-        if save.handles or self._warned_unrouted:
-            return
-        self._warned_unrouted = True
-        logger.warning(
-            "lazyckpt.transformers: %s was written without a single lazy file (the weights and optimizer state "
-            "did not reach lazyckpt): this Trainer's save path differs from the one install() checked",
-            save.final,
-        )
 
 
 def _rotate(run_dir: str, limit: int | None, best: str | None) -> None:

@@ -1,7 +1,8 @@
-"""Flatten: what every format shares to turn the object passed to ``save()`` into bytes to write
-now and sources (tensor bytes) to copy later: ``Source``, the checks that refuse tensors lazyckpt
-cannot stage, and torch.save's pickler (``flatten_torch``, used by the torch format and by any
-format made of torch.save items). Each format's own validation and layout live in its module.
+"""Capture: what a save copies lazily (a decision, not a byte layout). Every format shares it to turn the
+object passed to ``save()`` into bytes to write now and sources (tensor bytes) to copy later: ``Source``,
+the checks that refuse tensors lazyckpt cannot stage, and torch.save's pickler (``flatten_torch``, used by
+the torch format and by any format made of torch.save items). Each format's own validation and layout
+live in its module.
 
 Runs on the caller's thread inside ``save()``. Pickling here is what snapshots every non-tensor
 value (optimizer ``param_groups``, per-parameter state dicts, loop counters): the pickle bytes are
@@ -168,7 +169,7 @@ class _Pickler(pickle.Pickler):
             # attributes (a module's empty state dict carries _metadata: pickled in full)
             return _EMPTY_ORDERED_DICT
         if not isinstance(obj, torch.Tensor):
-            if self._fast and _is_storage(cls):
+            if self._fast and _is_storage(obj):
                 raise _NeedPlainPath
             return NotImplemented
         name = self.names.get(id(obj))
@@ -207,7 +208,7 @@ class _Pickler(pickle.Pickler):
 
     def storage_id(self, obj: Any) -> Any:
         """torch.save's persistent_id: the record of a storage, None for anything else."""
-        if not _is_storage(type(obj)):
+        if not _is_storage(obj):
             return None
         if isinstance(obj, TypedStorage):
             return self._record(
@@ -246,10 +247,12 @@ _PERSISTENT_ID: Any = pickle.Pickler.__dict__.get("persistent_id")  # the C slot
 _V3_DTYPES = frozenset(torch.storage._new_dtypes())
 
 
-def _is_storage(cls: type) -> bool:
+def _is_storage(obj: Any) -> bool:
+    """torch.save's test of a storage (``persistent_id``), once per type: both parts depend on the type only."""
+    cls = type(obj)
     is_storage = _IS_STORAGE.get(cls)
     if is_storage is None:
-        is_storage = _IS_STORAGE[cls] = issubclass(cls, TypedStorage) or cls in torch._storage_classes
+        is_storage = _IS_STORAGE[cls] = isinstance(obj, TypedStorage) or torch.is_storage(obj)
     return is_storage
 
 
