@@ -219,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     made = []
     if args.mem is None:
-        args.mem = tempfile.mkdtemp(prefix="lazyckpt-bench-node-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        args.mem = tempfile.mkdtemp(prefix="lazyckpt-bench-node-", dir=shm)
         made.append(args.mem)
     if args.disk is None:
         args.disk = tempfile.mkdtemp(prefix=".bench-node-disk-", dir=os.getcwd())

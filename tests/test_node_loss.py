@@ -56,7 +56,7 @@ def test_two_nodes_a_wiped_node_restarts_from_its_partners_replica_then_both_wip
     from node 0's replica (ranks 2, 3 read their own node's folder), the state is exact. Both nodes
     wiped: step 3 from disk."""
     results = run("replicate", steps=5)
-    for r, res in enumerate(results):
+    for res in results:
         assert res["stats"]["steps"] == 5 and not res["stats"]["not_replicated"], res["stats"]
         assert res["stats"]["sent"] > 0 and res["stats"]["received"] > 0
         assert not [w for w in res["warnings"] if w.startswith("Replication")], res["warnings"]

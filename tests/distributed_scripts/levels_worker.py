@@ -295,7 +295,7 @@ def scenario_replicate_enospc() -> None:
     stand, training goes on."""
     import lazyckpt.storage.fs as _fs
 
-    if RANK == CONFIG["full_rank"]:
+    if CONFIG["full_rank"] == RANK:
         real = _fs.open_temporary
 
         def full(path, size):
