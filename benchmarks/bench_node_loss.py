@@ -46,27 +46,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from benchmarks import gpt
+from benchmarks import bench_distributed, gpt
 from benchmarks._resume import drop_page_cache
 
 MODES = ["none", "memory", "memory+replica"]
 
 
 def _model(size: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    from torch.distributed.fsdp import fully_shard
-
-    model = gpt.build(size)
-    for block in model.h:
-        fully_shard(block)
-    fully_shard(model)
-    return model, gpt.make_optimizer(model)
-
-
-def _state(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> dict:
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    msd, osd = get_state_dict(model, opt)
-    return {"model": msd, "optim": osd, "step": step}
+    """bench_distributed's FSDP2 GPT + AdamW."""
+    return bench_distributed._model(argparse.Namespace(size=size, ddp=False), torch.device("cpu"))
 
 
 def _levels(args: argparse.Namespace, rank: int, replicas: int, tag: str) -> list:
@@ -90,7 +78,7 @@ def _run(args: argparse.Namespace, mode: str, rank: int, model, opt, batches, ta
     for i in range(1, args.steps + 1):
         gpt.train_step(model, opt, next(batches))
         if ckpt is not None:
-            ckpt.save(_state(model, opt, i), step=i)
+            ckpt.save(bench_distributed._state(model, opt, i), step=i)
     dist.barrier()
     loop = time.perf_counter() - t0
     sent = 0
@@ -117,7 +105,7 @@ def _restore(args: argparse.Namespace, rank: int, tag: str, size: str) -> dict[s
     found = lazyckpt.latest(_levels(args, rank, 1, tag))
     t_latest = time.perf_counter() - t0
     assert found is not None
-    state = _state(model, opt, -1)
+    state = bench_distributed._state(model, opt, -1)
     dcp.load(state, checkpoint_id=found.path)
     from torch.distributed.checkpoint.state_dict import set_state_dict
 

@@ -24,6 +24,7 @@ import _launch  # noqa: E402
 import lazyckpt  # noqa: E402
 from lazyckpt import BackpressureWarning, Level, SaveRefusedError  # noqa: E402
 from lazyckpt.distributed import DistributedCheckpointer, DistributedLevelError, _levels  # noqa: E402
+from lazyckpt.levels import _runner  # noqa: E402
 from lazyckpt.levels._collective import StoreExchange  # noqa: E402
 from lazyckpt.storage import fs as _fs  # noqa: E402
 
@@ -66,15 +67,15 @@ def test_retention_keeps_a_step_until_every_slower_level_has_copied_it(mem, tmp_
         return real(src, staging, *args, **kwargs)
 
     first_copied = threading.Event()
-    real_promote = _levels.DistributedLevels._promote
+    real_copy = _runner.Runner._copy
 
-    def promote(self, index, st):
-        real_promote(self, index, st)
-        if index == 1:
+    def promote(self, item):
+        real_copy(self, item)
+        if item.level == 1:
             first_copied.set()  # the first disk's copy of step 2 ended: its reader is gone
 
     monkeypatch.setattr(_levels, "copy_checked", held)
-    monkeypatch.setattr(_levels.DistributedLevels, "_promote", promote)
+    monkeypatch.setattr(_runner.Runner, "_copy", promote)
     levels = [Level(mem, every=1, keep=1), Level(disk, every=2, keep=2), Level(disk2, every=2, keep=2)]
     with DistributedCheckpointer(levels=levels, **OPTS) as ckpt:
         h2 = ckpt.save(_state(2), step=2)

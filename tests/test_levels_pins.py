@@ -10,8 +10,7 @@ import threading
 import torch
 
 from lazyckpt import LazyCheckpointer, Level
-from lazyckpt.levels import _copy
-from lazyckpt.levels._multi import MultiLevel
+from lazyckpt.levels import _copy, _runner
 
 
 def _state(step: int) -> dict:
@@ -21,7 +20,7 @@ def _state(step: int) -> dict:
 def test_a_file_feeding_two_slower_levels_stays_until_both_copied_it(mem, tmp_path, monkeypatch):
     disk, disk2 = tmp_path / "disk", tmp_path / "disk2"
     release, entered, first_copied = threading.Event(), threading.Event(), threading.Event()
-    real_copy, real_promote = _copy.copy_file, MultiLevel._promote
+    real_copy, real_promote = _copy.copy_file, _runner.Runner._copy
 
     def held(src, dst, fsync):
         if os.path.dirname(dst) == str(disk2):
@@ -35,7 +34,7 @@ def test_a_file_feeding_two_slower_levels_stays_until_both_copied_it(mem, tmp_pa
             first_copied.set()  # the first disk's copy of step 2 ended: its reader is gone
 
     monkeypatch.setattr(_copy, "copy_file", held)
-    monkeypatch.setattr(MultiLevel, "_promote", promote)
+    monkeypatch.setattr(_runner.Runner, "_copy", promote)
     levels = [Level(mem, every=1, keep=1), Level(disk, every=2, keep=2), Level(disk2, every=2, keep=2)]
     with LazyCheckpointer(levels=levels) as ckpt:
         h2 = ckpt.save(_state(2), step=2)

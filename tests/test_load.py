@@ -313,3 +313,11 @@ def test_load_without_torchs_storage_hook_falls_back_to_torch_load(tmp_path, mon
     _flip_middle_byte(path)
     with pytest.raises(VerificationError, match="CRC32"):
         lazyckpt.load(path)
+    reads = []
+    real_read = lazyckpt.levels._load._read_storages
+    monkeypatch.setattr(lazyckpt.levels._load, "_read_storages", lambda *a: reads.append(a) or real_read(*a))
+    monkeypatch.setattr(ser, "_load", lambda zip_file, map_location, pickle_module, **kw: real(
+        zip_file, map_location, pickle_module, **kw))  # fmt: skip
+    with pytest.raises(VerificationError, match="CRC32"):  # the fallback checks too, reading the file once
+        lazyckpt.load(path)
+    assert not reads

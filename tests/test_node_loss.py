@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import errno
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -20,6 +19,7 @@ if not dist.is_available():
     pytest.skip("torch.distributed unavailable", allow_module_level=True)
 
 import _launch  # noqa: E402
+from test_distributed_levels import _flip_byte  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "distributed_scripts" / "levels_worker.py"
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -40,14 +40,6 @@ def run(tmp_path, monkeypatch, mem):
 def _wipe(folder: Path) -> None:
     shutil.rmtree(folder)
     folder.mkdir()  # a replaced node: the folder is there, empty
-
-
-def _flip_byte(path: Path) -> None:
-    with open(path, "r+b") as fh:
-        fh.seek(os.path.getsize(path) // 2)
-        byte = fh.read(1)[0]
-        fh.seek(-1, os.SEEK_CUR)
-        fh.write(bytes([byte ^ 0xFF]))
 
 
 def test_two_nodes_a_wiped_node_restarts_from_its_partners_replica_then_both_wiped_from_disk(run):

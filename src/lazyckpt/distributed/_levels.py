@@ -2,7 +2,8 @@
 
 Every due level gets a DCP folder ``<level>/step-<n, 8 digits>`` (a node-local level: one per node,
 holding that node's ranks' files and a ``.metadata`` locating them). Data flow of one save
-(collective: every rank, same steps, same order), mirroring ``levels._multi.MultiLevel``:
+(collective: every rank, same steps, same order); this object is the DCP producer of the one
+multi-level runner (``levels.Runner``), which holds the schedule, the level threads and the handles:
 
     caller thread: the due levels; DCP planning on the checkpointer's gloo group, replicated items
         deduplicated within each node's ranks only (``_plan``, ``levels.dedup_groups``); then
@@ -16,18 +17,20 @@ holding that node's ranks' files and a ``.metadata`` locating them). Data flow o
         every rank.
     lazyckpt-dist-level-<i>, each slower due level, FIFO: once the source committed, this rank's
         OWN file copied (CRC-checked) or uploaded from the fastest level's committed folder
-        (``_promote``), the report, the level's commit; unpin the source; retention; its part.
-    core callback thread: the source handle's done-callback: retention of the fastest level.
+        (``_promote``), the report, the level's commit (``promote``); then the runner unpins the
+        source, applies retention, ends its part.
+    core callback thread: the source handle's done-callback (the runner's): retention of the fastest level.
 
-Ownership: this object owns the level threads and their queues, the backlog counters, the pins (a
+Ownership: the runner owns the level threads and their queues, the backlog counters, the pins (a
 step of the fastest level is pinned while this rank's copies read it; a level commit needs every
-rank's report, so once its leader's copy is committed, every rank's is done), the handles it
-finishes and a callback thread for them. Each level folder is owned by one rank of those sharing it
+rank's report, so once its leader's copy is committed, every rank's is done), the handles and the
+callback thread that finishes them; this object owns the planning cache, the source commits, the
+replicator of a level with ``replicas``. Each level folder is owned by one rank of those sharing it
 (``Scope.leader``: the coordinator for a shared level and for URLs): it writes the metadata and rank
 0's extra files (Lightning's ``meta.pt``; a node-local level's other leaders read them from rank 0's
 commit report), publishes, and applies retention (``keep`` newest complete steps, after each commit,
 so the newest is never removed; pinned steps are skipped until their copies end; at the first
-save, a rollback's abandoned steps at once: ``_sweep``). Errors are the
+save, a rollback's abandoned steps at once: ``Runner.sweep_once``). Errors are the
 checkpointer's (its inner ``LazyCheckpointer``'s ledger): a level's failure is one
 ``DistributedLevelError`` per rank, alike on every rank, reported once.
 """
@@ -39,7 +42,6 @@ import dataclasses
 import logging
 import os
 import shutil
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -47,19 +49,15 @@ from typing import Any
 
 from torch.distributed.checkpoint.utils import _DistWrapper
 
-from lazyckpt.core.handle import CallbackRunner, Completion, SaveHandle
+from lazyckpt.core.handle import Completion, SaveHandle
 from lazyckpt.core.report import Report
-from lazyckpt.core.workers import Worker
 from lazyckpt.levels import (
-    Backlog,
+    Feed,
     Found,
     Level,
-    LevelsHandle,
-    Parts,
-    Retention,
+    Runner,
     Scope,
     StoreExchange,
-    Sweep,
     check_levels,
     check_memory,
     check_step,
@@ -67,10 +65,9 @@ from lazyckpt.levels import (
     latest_agreed,
     not_due,
     probe,
-    run_sweep,
-    sweep,
 )
 from lazyckpt.storage import fs as _fs
+from lazyckpt.storage.remote import RemoteTier
 
 from ..checkpointer import LazyCheckpointer, producer_of
 from ..errors import CheckpointerClosedError, DistributedLevelError, SaveRefusedError, UploadError
@@ -110,17 +107,8 @@ class _Step:
     entry: Save  # its folder: this rank's file and the source handle
     needs: frozenset[Any]  # every item this rank saved (its shard): what it loads back
     metadata: Any  # the global Metadata: each level folder's .metadata starts from a copy
-    readers: int  # admitted copies still to read the source file
     extra: dict[str, bytes] = field(default_factory=dict)  # rank 0: the extra files, into every level folder
-    source_done: threading.Event = field(default_factory=threading.Event)
     replicate: dict[int, tuple[str, str, int | None]] = field(default_factory=dict)  # committed: (folder, file, crc)
-    parts: Parts | None = None
-
-
-@dataclass(eq=False)
-class _Item:
-    level: int
-    step: _Step
 
 
 class DistributedLevels:
@@ -155,16 +143,12 @@ class DistributedLevels:
             if not level.is_url and self.rank == scope.leader:  # dead saves' staging folders, copies
                 _commit.cleanup_leftovers(level.path)
                 _fs.cleanup_temporaries(level.path)
-        self._cond = threading.Condition()
-        self._callbacks = CallbackRunner()
-        self._workers = {i: Worker(f"lazyckpt-dist-level-{i}", self._run, lazy=True) for i in range(len(levels))}
-        self._backlog = Backlog(self._cond)  # admitted copies per level, not yet ended
-        self._retention = Retention(self._cond, len(levels))  # steps saved, pinned, being removed
-        self._open: set[LevelsHandle] = set()
+        self.runner = Runner(
+            levels, self, self.options.storage_options, folder=True, name="lazyckpt-dist-level", owns=self._leads
+        )
         self._plans = PlanCache()
         self._latest_calls = 0
         self._memory_checked = False
-        self._swept = False  # the first save removed the steps of a timeline abandoned by a rollback
         self._closed = False
 
     def _replicate(self, index: int, st: _Step) -> None:
@@ -203,7 +187,8 @@ class DistributedLevels:
         if self._closed:
             raise CheckpointerClosedError("this DistributedCheckpointer is closed; create a new one")
         t0 = time.perf_counter()
-        due = self._due(step, due)
+        runner = self.runner
+        due = runner.due(step, due)
         if not due:
             return not_due(step, t0)
         confirm_ready()  # earlier saves whose copies are over: this thread's ops came before
@@ -212,7 +197,8 @@ class DistributedLevels:
         key = f"{n}-{first}"
         final = self.levels[first].folder(step)
         plan = plan_save(state, ctx.wrapper, final, lambda: "", self._plans, n, groups=self._groups)
-        admitted = [i for i in due[1:] if self._admit(i, step)]  # all of them: "block" only
+        # all of them ("block" only); at the bound, this rank's pending files are confirmed first
+        admitted = [i for i in due[1:] if runner.admit(i, step, None, ctx.inner.wait_staged)]
         part = LocalPart()
         completion = Completion(final, DistributedSaveHandle, part=part)
         handle: DistributedSaveHandle = completion.handle  # type: ignore[assignment]
@@ -221,14 +207,10 @@ class DistributedLevels:
             key, final, staging, handle, t0, metadata=copy.copy(plan.metadata), completion=completion, part=part
         )
         entry.file = f"__{self.rank}_0.distcp"
-        st = _Step(n, step, first, entry, plan.needs, plan.metadata, readers=len(admitted))
-        st.parts = Parts(final, step, handle, [first, *admitted], self, t0)
-        self._retention.saved([first, *admitted], step, first, len(admitted))  # pinned once per copy
-        with self._cond:
-            self._open.add(st.parts.handle)
-        if not self._swept:
-            self._swept = True
-            self._sweep()
+        st = _Step(n, step, first, entry, plan.needs, plan.metadata)
+        feed = runner.begin(step, first, final, admitted, pin_save=False, context=st)  # pinned once per copy
+        levels_handle = runner.parts(feed, handle, final, [first, *admitted], t0)
+        runner.sweep_once()
         refused: BaseException | None = None
         try:
             if self.rank == 0 and extra_files:  # a bad name fails the save on every rank, not here alone
@@ -240,15 +222,17 @@ class DistributedLevels:
             if not isinstance(entry.error, Exception) or isinstance(entry.error, SaveRefusedError):
                 completion.caller_saw_error()  # raised here, not again by wait() or close()
                 refused = entry.error
-        handle.add_done_callback(lambda h: self._source_done(st, h))
         for i in [first, *admitted]:
             if self.replicator is not None and i in self.replicator.rings:
                 self.replicator.expect()
-            self._workers[i].submit(_Item(i, st))
+        if not runner.submit(first, st):  # the source commit, on the fastest level's thread; none: closed
+            self._finish_source(entry, CheckpointerClosedError("lazyckpt: the level threads are stopped"))
+            self.ended(first, None, st)
+        runner.start(feed, admitted, unpin_save=False)
         if refused is not None:
             raise refused
         self._check_memory(entry)
-        return st.parts.handle
+        return levels_handle
 
     def latest(self, storage_options: dict[str, Any] | None, verify: bool, timeout: float) -> Found | None:
         """Collective over the checkpointer's ranks (``lazyckpt.latest`` agreed through the store)."""
@@ -263,10 +247,7 @@ class DistributedLevels:
     def drain(self, timeout: float | None = None) -> None:
         """Wait for every multi-level save (confirming this rank's files on this thread)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            handles = list(self._open)
-        for h in handles:
-            h.exception(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+        self.runner.drain(timeout)
         if self.replicator is not None:  # bounded: each round by the replication group's timeout
             self.replicator.drain(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
@@ -275,50 +256,49 @@ class DistributedLevels:
         if self._closed:
             return
         self._closed = True
-        for worker in self._workers.values():
-            worker.stop()
+        self.runner.close()
         if self.replicator is not None:
             self.replicator.close()
-        self._callbacks.stop()
 
-    # -- the handles' owner (``levels._handle.Owner``) ---------------------------------------------
+    # -- the runner's producer (``levels.LevelProducer``) ---------------------------------------------
 
-    @property
-    def callbacks(self) -> CallbackRunner:
-        return self._callbacks
+    def run(self, st: _Step) -> None:
+        """The source commit of one save, on the fastest due level's thread."""
+        try:
+            self._commit_source(st)
+        except BaseException as exc:  # noqa: BLE001 - a bug: the handle must still end
+            logger.exception("lazyckpt: level %d of step %d failed unexpectedly", st.first, st.step)
+            self._finish_source(st.entry, exc)
+        finally:
+            self.ended(st.first, None, st)
+
+    def promote(self, index: int, feed: Feed) -> DistributedLevelError | None:
+        """A slower level's copy of this rank's file, once the source committed (on every rank alike)."""
+        st: _Step = feed.context
+        error = self._copy_and_commit(index, st)
+        if error is None and st.entry.layout is not None:
+            st.replicate[index] = (self.levels[index].folder(st.step), st.entry.file, st.entry.layout.file_crc)
+        return error
+
+    def ended(self, index: int, feed: Feed | None, st: _Step | None = None) -> None:
+        """Level ``index``'s part of a save ended: its replication (a replicated level) settled."""
+        if self.replicator is not None and index in self.replicator.rings:
+            self._replicate(index, st if st is not None else feed.context)  # type: ignore[union-attr]
+
+    def discard(self, path: str) -> None:  # pragma: no cover - the source is always a local level's folder
+        pass
 
     def publish(self, report: Report) -> None:
         producer_of(self.ctx.inner).publish(report)  # one ledger: wait() / close() raise it once
 
-    def forget(self, handle: LevelsHandle) -> None:
-        with self._cond:
-            self._open.discard(handle)
+    def remove(self, path: str) -> Any:
+        return self.ctx.inner.remove(path)
 
-    # -- level threads ----------------------------------------------------------------------------
+    def remote_tier(self) -> RemoteTier:
+        return producer_of(self.ctx.inner).remote_tier()
 
-    def _run(self, item: _Item | Sweep) -> None:
-        if isinstance(item, Sweep):
-            run_sweep(self._retain, item.level)
-            return
-        st = item.step
-        source = item.level == st.first
-        try:
-            if source:
-                self._commit_source(st)
-            else:
-                self._promote(item.level, st)
-        except BaseException as exc:  # noqa: BLE001 - a bug: the handle must still end
-            logger.exception("lazyckpt: level %d of step %d failed unexpectedly", item.level, st.step)
-            if source:
-                self._finish_source(st.entry, exc)
-            else:
-                assert st.parts is not None
-                st.parts.part_done(item.level, written=False)
-        finally:
-            if not source:
-                self._backlog.done(item.level)
-            if self.replicator is not None and item.level in self.replicator.rings:  # once per expect()
-                self._replicate(item.level, st)
+    def reuse(self, index: int) -> None:
+        return None  # not for distributed levels (Level.reuse_pages)
 
     def _commit_source(self, st: _Step) -> None:
         """The fastest level's folder: this rank's file durable (or failed), then the commit."""
@@ -335,19 +315,6 @@ class DistributedLevels:
         self._finish_source(entry, None if outcome is None else self._error(st.first, st.step, entry, outcome, own))
         if outcome is None and entry.layout is not None:
             st.replicate[st.first] = (entry.final, entry.file, entry.layout.file_crc)
-
-    def _promote(self, index: int, st: _Step) -> None:
-        """A slower level's copy of this rank's file, once the source committed (on every rank alike)."""
-        assert st.parts is not None
-        st.source_done.wait()  # always set: the source's commit always ends
-        written = st.entry.handle is not None and st.entry.handle.exception() is None
-        error = self._copy_and_commit(index, st) if written else None
-        if written and error is None and st.entry.layout is not None:
-            st.replicate[index] = (self.levels[index].folder(st.step), st.entry.file, st.entry.layout.file_crc)
-        self._release(st)
-        if written and error is None:
-            self._retain(index)
-        st.parts.part_done(index, error, written=written and error is None)
 
     def _copy_and_commit(self, index: int, st: _Step) -> DistributedLevelError | None:
         ctx, level, source = self.ctx, self.levels[index], st.entry
@@ -391,14 +358,6 @@ class DistributedLevels:
         return RankReport(self.rank, True, entry.file, layout.total_size, layout.file_crc, storage, needs=needs,
                           extra_files=extra)  # fmt: skip
 
-    def _due(self, step: int, due: Sequence[int] | None) -> list[int]:
-        if due is None:
-            return [i for i, lv in enumerate(self.levels) if lv.due(step)]
-        picked = sorted(set(due))
-        if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(self.levels) for i in picked):
-            raise SaveRefusedError(f"due must hold level indices in [0, {len(self.levels)}), got {list(due)!r}")
-        return picked
-
     def _commit(self, index: int, entry: Save, report: RankReport) -> Failure | None:
         """One level folder's two-phase commit, this rank's side; None when committed."""
         ctx, scope = self.ctx, self.scopes[index]
@@ -433,51 +392,6 @@ class DistributedLevels:
         assert entry.completion is not None
         if resolve_handle(self.ctx.inner, entry.completion, stats, error):
             complete_handle(self.ctx.inner, entry.completion)
-
-    def _source_done(self, st: _Step, handle: SaveHandle) -> None:
-        """The source handle's done-callback (the core's callback thread)."""
-        assert st.parts is not None
-        st.source_done.set()
-        written = handle.exception() is None
-        if written:
-            self._retain(st.first)
-        st.parts.part_done(st.first, written=written)
-
-    def _release(self, st: _Step) -> None:
-        with self._cond:
-            st.readers -= 1
-            last = st.readers == 0
-        self._retention.unpin(st.first, st.step)
-        if last:  # its retention may have skipped this step while it was pinned
-            self._retain(st.first)
-
-    def _retain(self, index: int, sweep: bool = False) -> None:
-        """``MultiLevel``'s retention (``_schedule.Retention``), by the rank that owns this rank's
-        folder of the level only; deletions through the inner checkpointer (local: renamed away
-        now, freed on its remover thread) or its remote tier."""
-        if self.rank == self.scopes[index].leader:
-            inner = self.ctx.inner
-            producer = producer_of(inner)
-            self._retention.apply(
-                index, self.levels[index], self.options.storage_options, True, inner.remove, producer.remote_tier,
-                producer.publish, sweep=sweep,
-            )  # fmt: skip
-
-    def _sweep(self) -> None:
-        """At the first save, as ``MultiLevel._sweep`` (``_schedule.sweep``): a rollback's abandoned
-        steps go now at every level, by each folder's owner only (a shared disk level every 100
-        steps would otherwise keep them that long, and ``latest()`` return them after a crash)."""
-        sweep(
-            self.levels, self._retain, lambda index, item: self._workers[index].submit(item),
-            owns=lambda index: self.rank == self.scopes[index].leader,
-        )  # fmt: skip
-
-    # -- admission --------------------------------------------------------------------------------
-
-    def _admit(self, index: int, step: int) -> bool:
-        """Reserve a place in level ``index``'s backlog; at the bound, confirm this rank's pending
-        files (their copies can then run) and wait for one, warned (``_schedule.Backlog``)."""
-        return self._backlog.admit(index, self.levels[index], step, None, self.ctx.inner.wait_staged)
 
     def _check_memory(self, entry: Save) -> None:
         """First save: the memory statement (``levels._copy.check_memory``), for this node: this

@@ -7,13 +7,14 @@ saver can reuse them with DCP folders (``_level.py`` names, ``_latest.py`` picks
 Below ``__all__``: the pieces the producers of multi-level saves share (the checkpointer's files,
 Accelerate's folders, Lightning's plugins, the distributed checkpointer's DCP folders). They are
 imported from here, never from this package's private modules; not public API, no stability promise.
-``MultiLevel`` is the one-process runner (``check_levels`` / ``check_step`` check its arguments);
-``LevelsHandle``, ``Parts`` and ``not_due`` make the handle of a levels save; ``Backlog``,
-``Retention``, ``Sweep`` / ``sweep`` / ``run_sweep`` are the schedule a runner holds;
-``latest_agreed`` over a ``StoreExchange`` finds the newest step every rank holds (restoring a
-node's replicated steps first: ``_restore.py``); ``Scope`` / ``probe`` / ``dedup_groups`` say who shares
-each level's folder; ``Ring`` / ``Replicator`` hold a node-local level's steps in peers' memory; ``check_memory``
-is the first save's memory statement, ``tensor_bytes`` the size it is computed from.
+``Runner`` (its ``LevelProducer`` interface, ``Feed``) is the one owner of the schedule, the level
+threads and the handles; ``MultiLevel`` is its producer of one process's files and folders
+(``check_levels`` / ``check_step`` / ``refuse_replicas`` check its arguments); ``LevelsHandle``
+and ``not_due`` are the handles of a levels save; ``latest_agreed`` over a
+``StoreExchange`` finds the newest step every rank holds (restoring a node's replicated steps first:
+``_restore.py``); ``Scope`` / ``probe`` / ``dedup_groups`` say who shares each level's folder;
+``Ring`` / ``Replicator`` / ``ReplicationStats`` hold a node-local level's steps in peers' memory;
+``check_memory`` is the first save's memory statement, ``tensor_bytes`` the size it is computed from.
 """
 
 from ._latest import Found, latest
@@ -27,7 +28,6 @@ from ._collective import StoreExchange as StoreExchange  # noqa: E402
 from ._copy import check_memory as check_memory  # noqa: E402
 from ._copy import tensor_bytes as tensor_bytes  # noqa: E402
 from ._handle import LevelsHandle as LevelsHandle  # noqa: E402
-from ._handle import Parts as Parts  # noqa: E402
 from ._handle import not_due as not_due  # noqa: E402
 from ._latest import latest_agreed as latest_agreed  # noqa: E402
 from ._level import check_step as check_step  # noqa: E402
@@ -37,11 +37,9 @@ from ._multi import refuse_replicas as refuse_replicas  # noqa: E402
 from ._replica import ReplicationStats as ReplicationStats  # noqa: E402
 from ._replica import Replicator as Replicator  # noqa: E402
 from ._replica import Ring as Ring  # noqa: E402
-from ._schedule import Backlog as Backlog  # noqa: E402
-from ._schedule import Retention as Retention  # noqa: E402
-from ._schedule import Sweep as Sweep  # noqa: E402
-from ._schedule import run_sweep as run_sweep  # noqa: E402
-from ._schedule import sweep as sweep  # noqa: E402
+from ._runner import Feed as Feed  # noqa: E402
+from ._runner import LevelProducer as LevelProducer  # noqa: E402
+from ._runner import Runner as Runner  # noqa: E402
 from ._topology import Scope as Scope  # noqa: E402
 from ._topology import dedup_groups as dedup_groups  # noqa: E402
 from ._topology import probe as probe  # noqa: E402

@@ -312,9 +312,11 @@ def _load_private(
     ``torch.load(mmap=True)`` fills with the mapped file: here a lookup of the storages by offset)."""
     unpickle = _private_unpickler(weights_only, kwargs)
     records = _records(source, path)
-    storages = _read_storages(source, records, path, check, threads, piece)
-    if unpickle is None:  # a torch without the hook, or options it cannot take: torch.load reads again
+    if unpickle is None:  # a torch without the hook, or options it cannot take: CRCs here, torch.load reads
+        if check:
+            _read_checked(source, records, path, threads, piece)
         return torch.load(_read.fd_path(source.fd, path), map_location=location, weights_only=weights_only, **kwargs)
+    storages = _read_storages(source, records, path, check, threads, piece)
     return unpickle(_read.fd_path(source.fd, path), location, _Storages(storages, path))
 
 

@@ -14,10 +14,11 @@ folders) goes the same way, ``produce(path)`` making the fastest level's folder 
         unpins the source, applies level i's retention, ends its part of the handle
     core callback thread (the source save's done-callback): the source level's retention
 
-Ownership: this object owns the level threads, their queues, the pins, the multi-level error
-ledger, a callback runner for the handles it finishes, its remote tier (URL levels) and its staging
-folder. The core checkpointer is used through its public methods only (``save``, ``remove``,
-``wait_staged``, ``raise_errors``).
+Ownership: the schedule, the level threads, the pins and the handles are its ``Runner``'s
+(``_runner.py``); this object is that runner's producer of files and folders: it owns the
+multi-level error ledger, its remote tier (URL levels) and its staging folder. The core
+checkpointer is used through its public methods only (``save``, ``remove``, ``wait_staged``,
+``raise_errors``).
 """
 
 from __future__ import annotations
@@ -30,22 +31,21 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
-from lazyckpt.core.handle import CallbackRunner, SaveHandle
+from lazyckpt.core.handle import SaveHandle
 from lazyckpt.core.job import error_context
 from lazyckpt.core.report import ErrorLedger, Report
-from lazyckpt.core.workers import Worker
 from lazyckpt.options import CheckpointerOptions
 from lazyckpt.storage import fs as _fs
 from lazyckpt.storage import remote as _remote
 
 from ..errors import WriteError
 from . import _copy
-from ._handle import SOURCE, LevelsHandle, Parts, not_due
+from ._handle import SOURCE, not_due
 from ._level import Level, LevelError, check_step
-from ._schedule import WARN_AFTER_S, Backlog, Retention, Sweep, run_sweep, sweep
+from ._runner import Feed, Runner
+from ._schedule import WARN_AFTER_S
 
 
 def check_levels(levels: tuple[Any, ...]) -> None:
@@ -78,37 +78,6 @@ class Saver(Protocol):
 logger = logging.getLogger(__name__)
 
 
-@dataclass(eq=False)
-class _Copy:
-    """One slower level's copy of one step, fed by ``source`` (a committed file once it is done)."""
-
-    level: int
-    step: int
-    src: str
-    source: SaveHandle
-    source_done: threading.Event
-    parts: Parts
-    feed: _Feed
-
-
-@dataclass(eq=False)
-class _Feed:
-    """The source file of one save and the copies still reading it (pinned while any is)."""
-
-    level: int | None  # the level it belongs to; None: a staging file, deleted after the copies
-    step: int
-    path: str
-    readers: int
-
-
-class _Worker:
-    """One slower level's thread (FIFO) and its admitted copies not yet finished (owner's lock)."""
-
-    def __init__(self, owner: MultiLevel, index: int) -> None:
-        self.index = index
-        self.thread: Worker[_Copy | Sweep] = Worker(f"lazyckpt-level-{index}", lambda item: owner.run_copy(self, item))
-
-
 class MultiLevel:
     """The multi-level saver of one checkpointer: file checkpoints (``folder=False``,
     ``step-<n>.pt``) or folder checkpoints (``folder=True``, ``step-<n>``). ``reuse``: the
@@ -133,17 +102,12 @@ class MultiLevel:
         self.options = options
         self.folder = folder
         self._cond = threading.Condition()
-        self._backlog = Backlog(self._cond)
         self._ledger = ErrorLedger()
-        self._callbacks = CallbackRunner()
-        self._workers: dict[int, _Worker] = {}
-        self._retention = Retention(self._cond, len(levels))  # steps saved, pinned, being removed
-        self._open: set[LevelsHandle] = set()
+        self.runner = Runner(levels, self, options.storage_options, folder=folder)
         self._tier: _remote.RemoteTier | None = None
         self._staging: str | None = None
         self._counter = itertools.count()
         self._memory_checked = False
-        self._swept = False  # the first save removed the steps of a timeline abandoned by a rollback
         self._sourced: set[int] = set()  # levels the core saver has written into (their files may be reused)
         self._closed = False
         for i, level in enumerate(levels):
@@ -183,7 +147,8 @@ class MultiLevel:
         step = check_step(step)
         t0 = time.perf_counter()
         self.ckpt.raise_errors()  # an unseen error of an earlier save (any level) first, as save() does
-        due = [i for i, lv in enumerate(self.levels) if lv.due(step)] if due is None else sorted(set(due))
+        runner = self.runner
+        due = runner.due(step, due)
         if not due:
             return not_due(step, t0)
         if not self._memory_checked and nbytes is not None:
@@ -191,50 +156,27 @@ class MultiLevel:
             _copy.check_memory(self.levels, nbytes())
         first = due[0] if not self.levels[due[0]].is_url else None
         targets = due[1:] if first is not None else due
-        admitted = [i for i in targets if self._admit(i, step)]
+        skip = self.options.on_backpressure == "skip"
+        admitted = [i for i in targets if runner.admit(i, step, skip, self.ckpt.wait_staged, WARN_AFTER_S)]
         src = self.path(first, step) if first is not None else self._staging_path(step)
         if first is not None:
             self._sourced.add(first)
-        feed = _Feed(first, step, src, len(admitted))
-        # pinned once per copy: the file stays until the last copy has read it
-        # and once more by the save itself until it is done: a folder (or file) still being written is
-        # never a retention victim, even when a newer step's folder already exists beside it
-        self._retention.saved(([] if first is None else [first]) + admitted, step, first, len(admitted) + 1)
+        feed = runner.begin(step, first, src, admitted, pin_save=True)
         # a failed write into the fastest level (a URL level's: into its staging file) is that level's
         # LevelError, whether the core raises it in save() or reports it through the handle
         token = error_context.set(self._level_failure(due[0], step))
         try:
-            if not self._swept:
-                self._swept = True
-                self._sweep()
+            runner.sweep_once()
             source = produce(src)
         except BaseException:
-            self._unadmit(admitted, feed)
+            runner.abandon(feed, admitted, pin_save=True)
             raise
         finally:
             error_context.reset(token)
         part = SOURCE if first is None else first
-        parts = Parts(self.path(due[0], step), step, source, [part, *admitted], self, t0)
-        handle = parts.handle
+        handle = runner.parts(feed, source, self.path(due[0], step), [part, *admitted], t0)
         handle.levels_skipped = [i for i in targets if i not in admitted]
-        with self._cond:
-            self._open.add(handle)
-        source_done = threading.Event()
-        for i in admitted:
-            self._workers[i].thread.submit(_Copy(i, step, src, source, source_done, parts, feed))
-
-        def on_source(h: SaveHandle) -> None:  # core callback thread (or here, if already done)
-            source_done.set()
-            written = h.exception() is None and not (h.stats is not None and h.stats.skipped)
-            if first is not None:
-                self._retention.unpin(first, step)
-            if first is not None and written:
-                self._retain(first)
-            if not admitted and first is None:
-                self._discard_staging(src)
-            parts.part_done(part, written=written)
-
-        source.add_done_callback(on_source)
+        runner.start(feed, admitted, unpin_save=True)
         return handle
 
     def path(self, index: int, step: int) -> str:
@@ -248,64 +190,49 @@ class MultiLevel:
     def drain(self, timeout: float | None = None) -> None:
         """Wait for every multi-level save (confirming their source saves on this thread);
         ``TimeoutError`` when they are not all done within ``timeout`` seconds."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            handles = list(self._open)
-        for handle in handles:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            handle.exception(timeout=left)
+        self.runner.drain(timeout)
 
     def close(self) -> None:
         """Stop the level threads (after ``drain``), the callback thread, the tier; remove staging."""
         if self._closed:
             return
         self._closed = True
-        for worker in self._workers.values():
-            worker.thread.stop()
-        self._callbacks.stop()
+        self.runner.close()
         if self._tier is not None:
             self._tier.close()
         if self._staging is not None:
             shutil.rmtree(self._staging, ignore_errors=True)
 
-    # -- handle side ------------------------------------------------------------------------------
+    @property
+    def skipped_copies(self) -> int:
+        """Level copies skipped so far (``on_backpressure="skip"``)."""
+        return self.runner.skipped_copies
+
+    # -- the runner's producer (``_runner.LevelProducer``) -------------------------------------------
+
+    def promote(self, index: int, feed: Feed) -> LevelError | None:
+        return self._copy_to(index, feed.step, feed.path)
+
+    def ended(self, index: int, feed: Feed) -> None:
+        pass
+
+    def run(self, item: Any) -> None:  # pragma: no cover - MultiLevel queues no items of its own
+        raise TypeError(f"lazyckpt: unexpected level item {item!r}")
 
     def publish(self, report: Report) -> None:
         self._ledger.publish(report)
 
-    def forget(self, handle: LevelsHandle) -> None:
-        with self._cond:
-            self._open.discard(handle)
+    def remove(self, path: str) -> Any:
+        return self.ckpt.remove(path)
 
-    @property
-    def callbacks(self) -> CallbackRunner:
-        return self._callbacks
+    def remote_tier(self) -> _remote.RemoteTier:
+        return self._remote_tier()
 
-    # -- level threads ----------------------------------------------------------------------------
+    def reuse(self, index: int) -> Callable[[str], bool] | None:
+        return self._reuse if self.levels[index].reuse_pages and index in self._sourced else None
 
-    def run_copy(self, worker: _Worker, item: _Copy | Sweep) -> None:
-        if isinstance(item, Sweep):
-            run_sweep(self._retain, item.level)
-            return
-        try:
-            self._promote(item)
-        except BaseException:  # noqa: BLE001 - a bug: the handle must still end
-            logger.exception("lazyckpt: level %d copy of step %d failed unexpectedly", item.level, item.step)
-            item.parts.part_done(item.level, written=False)
-        finally:
-            self._backlog.done(worker.index)
-
-    def _promote(self, item: _Copy) -> None:
-        item.source_done.wait()  # always set: the engine ends every save it accepted
-        source = item.source
-        written = source.exception() is None and not (source.stats is not None and source.stats.skipped)
-        error: LevelError | None = None
-        if written:
-            error = self._copy_to(item.level, item.step, item.src)
-        self._release(item.feed)
-        if written and error is None:
-            self._retain(item.level)
-        item.parts.part_done(item.level, error, written=written and error is None)
+    def discard(self, path: str) -> None:
+        self._discard_staging(path)
 
     def _level_failure(self, index: int, step: int) -> Callable[[BaseException], BaseException]:
         """How a failed save into level ``index`` at ``step`` reaches the caller: a ``WriteError``
@@ -349,73 +276,12 @@ class MultiLevel:
             return err
         return None
 
-    def _release(self, feed: _Feed) -> None:
-        with self._cond:
-            feed.readers -= 1
-            last = feed.readers == 0
-        if feed.level is not None:
-            self._retention.unpin(feed.level, feed.step)
-        if not last:
-            return
-        if feed.level is None:
-            self._discard_staging(feed.path)
-        else:  # its retention may have skipped this file while it was pinned
-            self._retain(feed.level)
-
-    # -- retention --------------------------------------------------------------------------------
-
-    def _retain(self, index: int, sweep: bool = False) -> None:
-        """Level ``index``'s retention (``_schedule.Retention.apply``): deletions through
-        ``LazyCheckpointer.remove`` (local: renamed away now, freed on its remover thread) or the
-        remote tier (a URL level: on its own level thread)."""
-        level = self.levels[index]
-        reuse = self._reuse if level.reuse_pages and index in self._sourced else None
-        self._retention.apply(
-            index, level, self.options.storage_options, self.folder, self.ckpt.remove,
-            self._remote_tier, self._ledger.publish, reuse, sweep,
-        )  # fmt: skip
-
-    def _sweep(self) -> None:
-        """At the first save: the steps of a timeline abandoned by a rollback go now, at every level
-        (``_schedule.sweep``)."""
-        sweep(self.levels, self._retain, lambda index, item: self._worker(index).thread.submit(item))
-
-    # -- admission --------------------------------------------------------------------------------
-
-    def _worker(self, index: int) -> _Worker:
-        with self._cond:
-            if index not in self._workers:
-                self._workers[index] = _Worker(self, index)
-            return self._workers[index]
-
-    def _admit(self, index: int, step: int) -> bool:
-        """Reserve a place in level ``index``'s backlog; at the bound, skip it (``"skip"``) or wait
-        (``_schedule.Backlog``: the pending source saves are confirmed here first)."""
-        self._worker(index)
-        skip = self.options.on_backpressure == "skip"
-        return self._backlog.admit(
-            index, self.levels[index], step, skip, self.ckpt.wait_staged, warn_after=WARN_AFTER_S
-        )
-
-    @property
-    def skipped_copies(self) -> int:
-        """Level copies skipped so far (``on_backpressure="skip"``)."""
-        return self._backlog.skipped
-
-    def _unadmit(self, admitted: list[int], feed: _Feed) -> None:
-        """A failed ``produce``: give back the backlog places and every pin ``saved`` took (one per
-        copy, one for the save itself)."""
-        for i in admitted:
-            self._backlog.done(i)
-        if feed.level is not None:
-            self._retention.unpin(feed.level, feed.step, len(admitted) + 1)
-
     # -- resources --------------------------------------------------------------------------------
 
     def _remote_tier(self) -> _remote.RemoteTier:
         with self._cond:
             if self._tier is None:
-                self._tier = _remote.RemoteTier(self.options, self._ledger.publish, self._callbacks)
+                self._tier = _remote.RemoteTier(self.options, self._ledger.publish, self.runner.callbacks)
             return self._tier
 
     def _staging_path(self, step: int) -> str:
