@@ -16,14 +16,19 @@ steps (drain excluded: a user's run is long) minus the baseline's, over the step
 (what is still queued when the loop ends: the last commits, the last replications) is printed
 apart. Bytes sent per step are this benchmark's rank 0's replicated bytes over the steps.
 
-Restore (after the last round's ``memory+replica`` run, its last step also on disk): node 1's memory
-is wiped (a replaced node), the page cache dropped (root only; else said), then on every rank, timed:
-``lazyckpt.latest(levels)`` (which restores node 1's step from node 0's replica), stock ``dcp.load``
-into a fresh model and optimizer, and one optimizer step; the slowest rank's time is the restore
-time. Then the same with node 0's replicas wiped too: node 1 loads the disk level's copy.
+``--device-s S`` stands for a GPU (whose compute leaves the cores free): each step sleeps ``S``
+seconds, then AdamW runs on the kept gradients (the state still changes at every step). Without it,
+forward and backward run on the CPU, and 4 processes on 2 cores leave no core spare.
+
+Resume (the last round's ``memory+replica`` run, its last step also on disk), each case in fresh
+processes with the page cache dropped (root only; else said), timed on every rank from after the
+model is built: ``lazyckpt.latest(levels)`` (restoring a wiped node's step from a peer's replica),
+stock ``dcp.load``, ``set_state_dict``, the first optimizer step, less one steady step; the slowest
+rank counts. Cases: nothing lost; node 1's memory wiped (a replaced node: its step comes from node
+0's replica); node 1's memory and node 0's replicas wiped (node 1 reads the disk level).
 
 Usage: python -m benchmarks.bench_node_loss [--nproc 4] [--per-node 2] [--size small] [--steps 6]
-       [--rounds 2] [--threads 1] [--mem /dev/shm/...] [--disk DIR] [--json FILE]
+       [--rounds 2] [--threads 1] [--device-s 0] [--mem /dev/shm/...] [--disk DIR] [--json FILE]
 On a 2-core machine, 4 training processes leave no core spare: the replica's cost is then taken
 from training; the figures say so, and the regime where a core is spare needs a larger machine.
 """
@@ -67,6 +72,16 @@ def _levels(args: argparse.Namespace, rank: int, replicas: int, tag: str) -> lis
     ]
 
 
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, batches: Any, device_s: float) -> None:
+    """One training step: forward, backward, AdamW on the CPU; or (``device_s`` > 0, standing for a
+    GPU's compute, which leaves the cores free) ``device_s`` of sleep and AdamW on the kept gradients."""
+    if device_s > 0:
+        time.sleep(device_s)
+        opt.step()
+    else:
+        gpt.train_step(model, opt, next(batches))
+
+
 def _run(args: argparse.Namespace, mode: str, rank: int, model, opt, batches, tag: str) -> dict[str, Any]:
     from lazyckpt.distributed import DistributedCheckpointer
 
@@ -74,9 +89,10 @@ def _run(args: argparse.Namespace, mode: str, rank: int, model, opt, batches, ta
     if mode != "none":
         ckpt = DistributedCheckpointer(levels=_levels(args, rank, int(mode.endswith("replica")), tag))
     dist.barrier()
+    cpu0 = _cpu()
     t0 = time.perf_counter()
     for i in range(1, args.steps + 1):
-        gpt.train_step(model, opt, next(batches))
+        _step(model, opt, batches, args.device_s)
         if ckpt is not None:
             ckpt.save(bench_distributed._state(model, opt, i), step=i)
     dist.barrier()
@@ -86,41 +102,43 @@ def _run(args: argparse.Namespace, mode: str, rank: int, model, opt, batches, ta
         ckpt.wait()
         stats = ckpt.replication
         sent = 0 if stats is None else stats.bytes_sent
+    cpu1 = _cpu()
+    if ckpt is not None:
         ckpt.close()
     dist.barrier()
-    return {"loop_s": loop, "drain_s": time.perf_counter() - t0 - loop, "sent": sent}
+    cpu = {k: (cpu1[k] - cpu0[k]) / args.steps for k in cpu0}
+    return {"loop_s": loop, "drain_s": time.perf_counter() - t0 - loop, "sent": sent, "cpu": cpu}
 
 
-def _restore(args: argparse.Namespace, rank: int, tag: str, size: str) -> dict[str, Any]:
-    """latest() (+ the replica restore) + dcp.load + one optimizer step, timed on this rank."""
-    import torch.distributed.checkpoint as dcp
+def _cpu() -> dict[str, float]:
+    """CPU seconds of this process's threads: training, lazyckpt's replicator, lazyckpt's others, the rest."""
+    import threading
 
-    import lazyckpt
-
-    model, opt = _model(size)
-    batches = gpt.BatchStream(gpt.config_for(size), seed=rank + 100)
-    gpt.train_step(model, opt, next(batches))  # the optimizer state exists, as in a fresh job's first
-    dist.barrier()
-    t0 = time.perf_counter()
-    found = lazyckpt.latest(_levels(args, rank, 1, tag))
-    t_latest = time.perf_counter() - t0
-    assert found is not None
-    state = bench_distributed._state(model, opt, -1)
-    dcp.load(state, checkpoint_id=found.path)
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    t_load = time.perf_counter() - t0
-    gpt.train_step(model, opt, next(batches))
-    total = time.perf_counter() - t0
-    return {"step": found.step, "level": found.level, "latest_s": t_latest, "load_s": t_load, "total_s": total}
+    tick = os.sysconf("SC_CLK_TCK")
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out = {"train": 0.0, "replica": 0.0, "lazyckpt": 0.0, "other": 0.0}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        name = names.get(int(tid), "")
+        role = ("train" if int(tid) == threading.main_thread().native_id else "replica" if name == "lazyckpt-replica"
+                else "lazyckpt" if name.startswith("lazyckpt") else "other")  # fmt: skip
+        out[role] += (int(fields[11]) + int(fields[12])) / tick
+    return out
 
 
-def _worker(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
+def _init(rank: int, args: argparse.Namespace, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if args.threads:
         torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", rank=rank, world_size=args.nproc)
+
+
+def _train_worker(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
+    _init(rank, args, port)
     model, opt = _model(args.size)
     batches = gpt.BatchStream(gpt.config_for(args.size), seed=rank)
     for _ in range(2):
@@ -129,29 +147,75 @@ def _worker(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
     for r in range(args.rounds):
         for mode in MODES:
             runs[mode].append(_run(args, mode, rank, model, opt, batches, f"r{r}-{mode}"))
-    tag = f"r{args.rounds - 1}-memory+replica"
-    restores: dict[str, Any] = {}
-    node1 = os.path.join(args.mem, tag, "node1")
-    for case in ("replica", "disk"):
-        dist.barrier()
-        if rank == 0:
-            shutil.rmtree(node1, ignore_errors=True)
-            os.makedirs(node1)
-            if case == "disk":
-                shutil.rmtree(os.path.join(args.mem, tag, "node0", "replicas"), ignore_errors=True)
-            restores["page_cache_dropped"] = drop_page_cache()
-        dist.barrier()
-        restores[case] = _restore(args, rank, tag, args.size)
-    queue.put((rank, {"runs": runs, "restores": restores}))
+    queue.put((rank, runs))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _summary(args: argparse.Namespace, per_rank: dict[int, dict[str, Any]]) -> dict[str, Any]:
-    runs = per_rank[0]["runs"]
+def _restore_worker(rank: int, args: argparse.Namespace, port: int, queue: Any, tag: str) -> None:
+    """In a fresh process: latest() (+ the replica restore) + dcp.load + one optimizer step, timed
+    on this rank, then one steady step (the resume cost is the first less the steady one)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    import lazyckpt
+
+    _init(rank, args, port)
+    model, opt = _model(args.size)
+    batches = gpt.BatchStream(gpt.config_for(args.size), seed=rank + 100)
+    gpt.train_step(model, opt, next(batches))  # the optimizer state exists, as in a fresh job's first
+    dist.barrier()
+    t0 = time.perf_counter()
+    found = lazyckpt.latest(_levels(args, rank, 1, tag))
+    t_latest = time.perf_counter() - t0
+    assert found is not None
+    state = bench_distributed._state(model, opt, -1)
+    dcp.load(state, checkpoint_id=found.path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    t_load = time.perf_counter() - t0
+    gpt.train_step(model, opt, next(batches))
+    total = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    gpt.train_step(model, opt, next(batches))
+    steady = time.perf_counter() - t1
+    queue.put((rank, {"step": found.step, "level": found.level, "latest_s": t_latest, "load_s": t_load,
+                      "total_s": total, "steady_s": steady}))  # fmt: skip
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _spawn(fn: Any, args: argparse.Namespace, *extra: Any) -> dict[int, Any]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(fn, args=(args, port, queue, *extra), nprocs=args.nproc, start_method="spawn")
+    return dict(queue.get() for _ in range(args.nproc))
+
+
+def _restores(args: argparse.Namespace) -> dict[str, Any]:
+    """The last round's replicated run, resumed three ways, each in fresh processes: nothing lost;
+    node 1's memory wiped (its step from node 0's replica); node 1's memory and node 0's replicas
+    wiped (node 1 from the disk level). The page cache is dropped before each (root only)."""
+    tag = f"r{args.rounds - 1}-memory+replica"
+    base = os.path.join(args.mem, tag)
+    out: dict[str, Any] = {}
+    for case in ("intact", "replica", "disk"):
+        if case != "intact":
+            shutil.rmtree(os.path.join(base, "node1"), ignore_errors=True)
+            os.makedirs(os.path.join(base, "node1"))
+        if case == "disk":
+            shutil.rmtree(os.path.join(base, "node0", "replicas"), ignore_errors=True)
+        out["page_cache_dropped"] = drop_page_cache()
+        out[case] = _spawn(_restore_worker, args, tag)
+    return out
+
+
+def _summary(args: argparse.Namespace, runs: dict[str, Any], restores: dict[str, Any]) -> dict[str, Any]:
     base = statistics.median(x["loop_s"] for x in runs["none"])
     out: dict[str, Any] = {"nproc": args.nproc, "per_node": args.per_node, "size": args.size, "steps": args.steps,
-                           "rounds": args.rounds, "threads": args.threads, "modes": {}}  # fmt: skip
+                           "rounds": args.rounds, "threads": args.threads, "device_s": args.device_s,
+                           "modes": {}}  # fmt: skip
     for mode in MODES:
         loop = statistics.median(x["loop_s"] for x in runs[mode])
         out["modes"][mode] = {
@@ -159,17 +223,19 @@ def _summary(args: argparse.Namespace, per_rank: dict[int, dict[str, Any]]) -> d
             "stall_per_step_s": (loop - base) / args.steps,
             "drain_s": statistics.median(x["drain_s"] for x in runs[mode]),
             "sent_per_step_bytes": statistics.median(x["sent"] for x in runs[mode]) / args.steps,
+            "cpu_per_step_s": {k: statistics.median(x["cpu"][k] for x in runs[mode]) for k in runs[mode][0]["cpu"]},
         }
-    for case in ("replica", "disk"):
-        ranks = [per_rank[r]["restores"][case] for r in sorted(per_rank)]
+    for case in ("intact", "replica", "disk"):
+        ranks = [restores[case][r] for r in sorted(restores[case])]
         out[f"restore_{case}"] = {
             "step": ranks[0]["step"],
             "levels": [x["level"] for x in ranks],
             "slowest_total_s": max(x["total_s"] for x in ranks),
             "slowest_latest_s": max(x["latest_s"] for x in ranks),
             "slowest_load_s": max(x["load_s"] for x in ranks),
+            "cost_s": max(x["total_s"] - x["steady_s"] for x in ranks),
         }
-    out["page_cache_dropped"] = per_rank[0]["restores"].get("page_cache_dropped")
+    out["page_cache_dropped"] = restores.get("page_cache_dropped")
     return out
 
 
@@ -177,20 +243,25 @@ def _print(s: dict[str, Any]) -> None:
     m = s["modes"]
     print(f"node loss: {s['nproc']} gloo processes as {s['nproc'] // s['per_node']} nodes, GPT {s['size']} FSDP2 + "
           f"AdamW, {s['steps']} steps x {s['rounds']} rounds, torch threads {s['threads'] or 'default'}")  # fmt: skip
-    print(f"{'mode':<16}{'step s':>10}{'stall/step s':>14}{'drain s':>10}{'sent/step MB':>14}")
+    print(f"{'mode':<16}{'step s':>10}{'stall/step s':>14}{'drain s':>10}{'sent/step MB':>14}"
+          "   rank 0's CPU s/step: training / replicator / other lazyckpt / rest (drain included)")  # fmt: skip
     for mode in MODES:
-        x = m[mode]
+        x, c = m[mode], m[mode]["cpu_per_step_s"]
         print(f"{mode:<16}{x['step_s']:>10.3f}{x['stall_per_step_s']:>14.3f}{x['drain_s']:>10.3f}"
-              f"{x['sent_per_step_bytes'] / 1e6:>14.1f}")  # fmt: skip
+              f"{x['sent_per_step_bytes'] / 1e6:>14.1f}   {c['train']:.3f} / {c['replica']:.3f} / {c['lazyckpt']:.3f}"
+              f" / {c['other']:.3f}")  # fmt: skip
     mem, rep = m["memory"]["stall_per_step_s"], m["memory+replica"]["stall_per_step_s"]
     if mem > 0:
         print(f"replica adds {100 * (rep - mem) / mem:+.0f}% to the memory level's in-loop stall per step")
-    r, d = s["restore_replica"], s["restore_disk"]
-    print(f"restore of the lost node (latest + dcp.load + 1 step, slowest rank; page cache "
-          f"{'dropped' if s['page_cache_dropped'] else 'NOT dropped'}): from the replica {r['slowest_total_s']:.2f} s "
-          f"(step {r['step']}, levels {r['levels']}; latest {r['slowest_latest_s']:.2f} s), from the disk level "
-          f"{d['slowest_total_s']:.2f} s (step {d['step']}, levels {d['levels']}): "
-          f"disk/replica {d['slowest_total_s'] / r['slowest_total_s']:.2f}x")  # fmt: skip
+    print(f"resume in fresh processes (latest + dcp.load + set_state_dict + the first step, less one steady "
+          f"step; slowest rank; page cache {'dropped' if s['page_cache_dropped'] else 'NOT dropped'}):")  # fmt: skip
+    for case, what in (("intact", "nothing lost: each node's memory"), ("replica", "node 1 wiped: its step from "
+                       "node 0's replica"), ("disk", "node 1 and the replicas wiped: node 1 from disk")):  # fmt: skip
+        r = s[f"restore_{case}"]
+        print(f"  {what:<48} cost {r['cost_s']:6.2f} s (to the first step's end {r['slowest_total_s']:.2f} s; "
+              f"latest {r['slowest_latest_s']:.2f} s) step {r['step']}, levels {r['levels']}")  # fmt: skip
+    rep, disk = s["restore_replica"]["cost_s"], s["restore_disk"]["cost_s"]
+    print(f"lost node: disk level / replica resume cost = {disk / rep:.2f}x")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -201,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device-s", type=float, default=0.0, help="stand for a GPU: sleep this long per step, then AdamW")
     p.add_argument("--mem", default=None, help="memory folder base (default: a new /dev/shm folder)")
     p.add_argument("--disk", default=None, help="disk level base (default: a new folder under the cwd)")
     p.add_argument("--json", default=None)
@@ -213,18 +285,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.disk is None:
         args.disk = tempfile.mkdtemp(prefix=".bench-node-disk-", dir=os.getcwd())
         made.append(args.disk)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
     try:
-        mp.start_processes(_worker, args=(args, port, queue), nprocs=args.nproc, start_method="spawn")
-        per_rank = dict(queue.get() for _ in range(args.nproc))
+        per_rank = _spawn(_train_worker, args)
+        restores = _restores(args)
     finally:
         for path in made:
             shutil.rmtree(path, ignore_errors=True)
-    summary = _summary(args, per_rank)
+    summary = _summary(args, per_rank[0], restores)
     _print(summary)
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1))
