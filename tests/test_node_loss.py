@@ -156,3 +156,27 @@ def test_replicas_where_no_peer_can_hold_them_are_refused_when_the_saver_is_buil
         with pytest.raises(ValueError, match="needs a node-local level|at least 2 nodes"):
             DistributedCheckpointer(levels=[Level(tmp_path / "m", replicas=1)])
     assert not [t for t in set(threading.enumerate()) - before if t.name.startswith("lazyckpt") and t.is_alive()]
+
+
+def test_a_fresh_checkpointer_restores_the_wiped_node_in_its_own_latest(run):
+    """The restart asks ``DistributedCheckpointer.latest()`` first (its own replication group):
+    node 1 wiped, step 5 agreed and loaded exactly on every rank."""
+    run("replicate", steps=5)
+    _wipe(run.mem / "node1")
+    back = run("restart_checkpointer_first")
+    assert [(res["found"]["step"], res["found"]["level"]) for res in back] == [(5, 0)] * 4
+    assert all(res["restored"] for res in back)
+
+
+def test_a_primary_corrupted_after_its_commit_is_not_replicated(run):
+    """Rank 0's memory file of step 2 changes after its commit: its partner (rank 2) checks the bytes
+    against the CRC32 rank 0 wrote, refuses them and says so; step 2 is recorded as not replicated
+    on rank 0 (one warning), every other step and link replicates."""
+    results = run("replicate_corrupt_source", steps=4)
+    r0 = results[0]
+    assert list(r0["stats"]["not_replicated"]) == ["2"], r0["stats"]
+    assert "did not match the primary's CRC32" in r0["stats"]["not_replicated"]["2"][2]
+    assert r0["stats"]["steps"] == 3
+    assert [w for w in r0["warnings"] if w.startswith("ReplicationWarning")], r0["warnings"]
+    assert all(res["stats"]["steps"] == 4 for res in results[1:]), [res["stats"] for res in results]
+    assert not any("node-0000/step-00000002/__0_0.distcp" in p for p in results[2]["tree"]), results[2]["tree"]

@@ -307,6 +307,40 @@ def scenario_replicate_enospc() -> None:
     scenario_replicate()
 
 
+def scenario_restart_checkpointer_first() -> None:
+    """A fresh job asks its DistributedCheckpointer first (``ckpt.latest()``: the restore runs on the
+    checkpointer's replication group), then loads with stock DCP."""
+    with DistributedCheckpointer(levels=levels(), **options()) as ckpt:
+        found = ckpt.latest()
+        assert found is not None, "nothing found"
+        RESULT["found"] = {"step": found.step, "level": found.level, "path": found.path}
+        check_restored(found)
+        RESULT["restored"] = True
+
+
+def scenario_replicate_corrupt_source() -> None:
+    """Rank 0's committed memory file of step 2 gets a flipped byte before it is replicated (node
+    memory corrupted after the commit): the partner refuses it (not the primary's CRC32), rank 0
+    records step 2 as not replicated; the other steps replicate."""
+    from lazyckpt.levels import _replica
+
+    if RANK == 0:
+        real = _replica.Replicator.submit
+
+        def submit(self, index, step, folder, files):
+            if step == 2:
+                path = os.path.join(folder, "__0_0.distcp")
+                with open(path, "r+b") as fh:
+                    fh.seek(os.path.getsize(path) // 2)
+                    byte = fh.read(1)[0]
+                    fh.seek(-1, os.SEEK_CUR)
+                    fh.write(bytes([byte ^ 0xFF]))
+            return real(self, index, step, folder, files)
+
+        _replica.Replicator.submit = submit
+    scenario_replicate()
+
+
 def scenario_replicate_kill() -> None:
     """The ranks of node CONFIG["kill_node"] SIGKILL themselves while receiving the replica of
     step CONFIG["kill_step"] (mid-file); the survivors stop with a typed error in bounded time."""
