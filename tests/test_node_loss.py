@@ -180,3 +180,18 @@ def test_a_primary_corrupted_after_its_commit_is_not_replicated(run):
     assert [w for w in r0["warnings"] if w.startswith("ReplicationWarning")], r0["warnings"]
     assert all(res["stats"]["steps"] == 4 for res in results[1:]), [res["stats"] for res in results]
     assert not any("node-0000/step-00000002/__0_0.distcp" in p for p in results[2]["tree"]), results[2]["tree"]
+
+
+def test_a_partner_whose_replication_is_dead_costs_one_timeout_and_a_warning_training_goes_on(run):
+    """Rank 2 trains but its replicator takes no part: rank 0 (which sends to and receives from it)
+    fails its first round at the replication group's timeout (10 s here), then records every step
+    as not replicated without waiting again, warned once; all steps commit on every level; ranks 1
+    and 3 replicate every step."""
+    results = run("replicate_partner_silent", steps=4, silent_rank=2, commit_timeout=10)
+    r0 = results[0]
+    assert sorted(int(s) for s in r0["stats"]["not_replicated"]) == [1, 2, 3, 4], r0["stats"]
+    assert all(e[1] == 2 for e in r0["stats"]["not_replicated"].values())
+    assert len([w for w in r0["warnings"] if w.startswith("ReplicationWarning")]) == 1, r0["warnings"]
+    assert all(done in ([0], [0, 1]) for done in r0["levels_done"].values()), r0["levels_done"]
+    for r in (1, 3):
+        assert results[r]["stats"]["steps"] == 4 and not results[r]["stats"]["not_replicated"], results[r]["stats"]

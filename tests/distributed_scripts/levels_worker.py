@@ -63,6 +63,8 @@ def options() -> dict:
     opts = dict(OPTS)
     if CONFIG.get("s3"):
         opts.update(storage_options=CONFIG["storage_options"], local_dir=os.path.join(WORKDIR, f"tier-{RANK}"))
+    if CONFIG.get("commit_timeout"):
+        opts.update(commit_timeout=CONFIG["commit_timeout"])
     return opts
 
 
@@ -338,6 +340,18 @@ def scenario_replicate_corrupt_source() -> None:
             return real(self, index, step, folder, files)
 
         _replica.Replicator.submit = submit
+    scenario_replicate()
+
+
+def scenario_replicate_partner_silent() -> None:
+    """Rank CONFIG["silent_rank"]'s replicator never takes part (its thread runs nothing: a partner
+    whose replication side is dead while its training goes on): its partner's first round fails at
+    the replication group's timeout, that pair is not used again, every later step is recorded as
+    not replicated with one warning; training and the other links go on."""
+    from lazyckpt.levels import _replica
+
+    if CONFIG["silent_rank"] == RANK:
+        _replica.Replicator._replicate = lambda self, item: None
     scenario_replicate()
 
 
