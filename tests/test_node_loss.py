@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -195,3 +196,21 @@ def test_a_partner_whose_replication_is_dead_costs_one_timeout_and_a_warning_tra
     assert all(done in ([0], [0, 1]) for done in r0["levels_done"].values()), r0["levels_done"]
     for r in (1, 3):
         assert results[r]["stats"]["steps"] == 4 and not results[r]["stats"]["not_replicated"], results[r]["stats"]
+
+
+def test_the_memory_statement_counts_the_replicas_a_node_holds(mem, monkeypatch):
+    """A replicated memory level holds keep x (1 + k) checkpoints plus its queued ones: the first
+    save's statement counts them (here 2 x 2 + 2 of 100 KB: above half of a 1 MB 'RAM', where the
+    same level without replicas, 2 x 100 KB, is not)."""
+    import warnings
+
+    from lazyckpt import Level, MemoryLevelWarning
+    from lazyckpt.levels import _copy
+
+    monkeypatch.setattr(_copy, "memory_total", lambda: 1 << 20)
+    os.makedirs(mem)  # a tmpfs folder: only memory filesystems are counted
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _copy.check_memory((Level(mem, keep=2),), 100_000)
+    with pytest.warns(MemoryLevelWarning, match=r"keep=2 x \(1 \+ 1 replicas\) \+ 2 backlog"):
+        _copy.check_memory((Level(mem, keep=2, replicas=1),), 100_000)

@@ -239,7 +239,9 @@ def tensor_bytes(obj: Any) -> int:
 
 def check_memory(levels: tuple[Level, ...], size: int) -> None:
     """First save: the memory levels (tmpfs) hold ``keep`` checkpoints plus the files pinned by
-    slower levels' backlogs; warn with the numbers when that exceeds MEMORY_FRACTION of RAM."""
+    slower levels' backlogs (a level with ``replicas=k``: also ``k x keep`` of its peers' and up to
+    its ``backlog`` of its own still open for sending); warn with the numbers when that exceeds
+    MEMORY_FRACTION of RAM."""
     total = memory_total()
     held, unbounded, parts = 0, [], []
     for i, level in enumerate(levels):
@@ -249,8 +251,10 @@ def check_memory(levels: tuple[Level, ...], size: int) -> None:
             unbounded.append(f"level {i} ({level.path})")
             continue
         backlogs = sum(lv.backlog for lv in levels[i + 1 :])
-        held += (level.keep + backlogs) * size
-        parts.append(f"level {i} ({level.path}): keep={level.keep} + {backlogs} backlog")
+        k = int(getattr(level, "replicas", 0))  # peers' steps held here: k x keep, + their files in flight
+        held += (level.keep * (1 + k) + backlogs + (level.backlog if k else 0)) * size
+        parts.append(f"level {i} ({level.path}): keep={level.keep}" + (f" x (1 + {k} replicas)" if k else "")
+                     + f" + {backlogs + (level.backlog if k else 0)} backlog")  # fmt: skip
     limit = MEMORY_FRACTION * total
     if unbounded:
         warnings.warn(
