@@ -81,13 +81,15 @@ def _async_group() -> dist.ProcessGroup:
     return _ASYNC_GROUP[0]
 
 
-def _thread_cpu() -> dict[str, float]:
+def _thread_cpu(own: dict[str, str] | None = None) -> dict[str, float]:
     """CPU seconds (user + system) of this process's threads, by role: the training (main) thread,
-    lazyckpt's threads, and the rest (torch's intra-op pool, gloo, DCP's async thread)."""
+    lazyckpt's threads, and the rest (torch's intra-op pool, gloo, DCP's async thread); ``own``:
+    {thread name: role} for threads counted apart."""
     tick = os.sysconf("SC_CLK_TCK")
     names = {t.native_id: t.name for t in threading.enumerate()}
     main = threading.main_thread().native_id
-    out = {"train": 0.0, "lazyckpt": 0.0, "other": 0.0}
+    own = own or {}
+    out = {"train": 0.0, **dict.fromkeys(own.values(), 0.0), "lazyckpt": 0.0, "other": 0.0}
     for tid in os.listdir("/proc/self/task"):
         try:
             with open(f"/proc/self/task/{tid}/stat") as fh:
@@ -96,7 +98,9 @@ def _thread_cpu() -> dict[str, float]:
             continue
         cpu = (int(fields[11]) + int(fields[12])) / tick
         name = names.get(int(tid), "")
-        role = "train" if int(tid) == main else "lazyckpt" if name.startswith("lazyckpt") else "other"
+        role = (
+            "train" if int(tid) == main else own.get(name) or ("lazyckpt" if name.startswith("lazyckpt") else "other")
+        )
         out[role] += cpu
     return out
 

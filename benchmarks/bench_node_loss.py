@@ -112,22 +112,7 @@ def _run(args: argparse.Namespace, mode: str, rank: int, model, opt, batches, ta
 
 def _cpu() -> dict[str, float]:
     """CPU seconds of this process's threads: training, lazyckpt's replicator, lazyckpt's others, the rest."""
-    import threading
-
-    tick = os.sysconf("SC_CLK_TCK")
-    names = {t.native_id: t.name for t in threading.enumerate()}
-    out = {"train": 0.0, "replica": 0.0, "lazyckpt": 0.0, "other": 0.0}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        name = names.get(int(tid), "")
-        role = ("train" if int(tid) == threading.main_thread().native_id else "replica" if name == "lazyckpt-replica"
-                else "lazyckpt" if name.startswith("lazyckpt") else "other")  # fmt: skip
-        out[role] += (int(fields[11]) + int(fields[12])) / tick
-    return out
+    return bench_distributed._thread_cpu({"lazyckpt-replica": "replica"})
 
 
 def _init(rank: int, args: argparse.Namespace, port: int) -> None:
