@@ -11,7 +11,7 @@ import torch
 
 import lazyckpt
 from _util import assert_same
-from lazyckpt import LazyCheckpointer, VerificationError
+from lazyckpt import IncompleteCheckpointWarning, LazyCheckpointer, VerificationError
 
 
 def _state() -> dict:
@@ -139,25 +139,25 @@ def _flip_middle_byte(path) -> None:
 def crc_passes(monkeypatch):
     """How many CRC passes (``read_with_crcs`` calls that check at least one range, and load()'s
     reads of the storages into memory with their CRCs checked) ran."""
-    from lazyckpt.levels import _load
+    from lazyckpt.levels import _preread
     from lazyckpt.recovery import _read
     from lazyckpt.recovery import verify as _verify
 
     count = [0]
     real = _read.read_with_crcs
-    real_storages = _load._read_storages
+    real_storages = _preread.read_storages
 
     def counted(read_into, size, ranges, **kwargs):
         count[0] += bool(ranges)
         return real(read_into, size, ranges, **kwargs)
 
-    def counted_storages(source, records, path, check, *args):
-        count[0] += bool(check)
-        return real_storages(source, records, path, check, *args)
+    def counted_storages(source, data, threads, piece, crc):
+        count[0] += bool(crc)
+        return real_storages(source, data, threads, piece, crc)
 
     monkeypatch.setattr(_read, "read_with_crcs", counted)  # load(mmap=True)'s
     monkeypatch.setattr(_verify, "read_with_crcs", counted)  # verify()'s
-    monkeypatch.setattr(_load, "_read_storages", counted_storages)  # load()'s
+    monkeypatch.setattr(_preread, "read_storages", counted_storages)  # latest()'s and load()'s
     return count
 
 
@@ -178,6 +178,39 @@ def test_a_resume_checks_every_crc_once(tmp_path, crc_passes):
     assert crc_passes[0] == 1  # load() trusted latest()'s pass over the same, unchanged file
     lazyckpt.load(found.path)
     assert crc_passes[0] == 2  # a path says nothing about what was checked: checked again
+
+
+def test_a_resume_reads_the_file_once(tmp_path, monkeypatch):
+    """latest() reads the storages while checking them; load(found) unpickles those, once; the
+    next load of the same Found reads the file again, into memory of its own."""
+    from lazyckpt.levels import _preread
+
+    folder, _ = _level_with_one_step(tmp_path)
+    reads = []
+    real = _preread.read_storages
+    monkeypatch.setattr(_preread, "read_storages", lambda *a, crc: reads.append(crc) or real(*a, crc=crc))
+    found = lazyckpt.latest([folder])
+    assert found.preread is not None and found.preread.nbytes == 4096 * 4 and reads == [True]
+    first = lazyckpt.load(found)
+    assert reads == [True] and found.preread.nbytes == 0  # taken: the Found holds nothing more
+    assert_same(first, {"w": torch.full((4096,), 1.0)})
+    second = lazyckpt.load(found)
+    assert reads == [True, False]  # read again; not checked again (same identity)
+    first["w"].add_(1)
+    assert_same(second, {"w": torch.full((4096,), 1.0)})  # memory of its own
+    assert lazyckpt.latest([folder], preload=False).preread is None
+    assert lazyckpt.latest([folder], verify=False).preread is None
+
+
+def test_a_corrupt_newest_file_holds_nothing_and_the_older_one_is_preread(tmp_path):
+    folder, _ = _level_with_one_step(tmp_path, 1.0)
+    newer = folder / "step-00000009.pt"
+    torch.save({"w": torch.full((4096,), 2.0)}, newer)
+    _flip_middle_byte(newer)
+    with pytest.warns(IncompleteCheckpointWarning, match="step-00000009"):
+        found = lazyckpt.latest([folder])
+    assert found.step == 7 and found.preread is not None
+    assert_same(lazyckpt.load(found), {"w": torch.full((4096,), 1.0)})
 
 
 def test_an_unverified_found_is_checked_by_load(tmp_path, crc_passes):
@@ -215,19 +248,19 @@ def test_a_file_renamed_over_the_name_after_latest_is_checked_again(tmp_path):
 def test_load_maps_the_file_it_checked_not_what_was_renamed_onto_its_name(tmp_path, monkeypatch, mmap):
     """The window between load()'s CRC pass and torch.load's open: a new file renamed onto the
     name there must not be what is returned (it was never checked)."""
-    from lazyckpt.levels import _load
+    from lazyckpt.levels import _load, _preread
 
     _, path = _level_with_one_step(tmp_path, 1.0)
     _, replacement = _level_with_one_step(tmp_path / "b", 2.0)
-    name = "_read_storages" if mmap is None else "_read_checked"
-    real = getattr(_load, name)
+    module, name = (_preread, "read_storages") if mmap is None else (_load, "_read_checked")
+    real = getattr(module, name)
 
     def then_replace(*args, **kwargs):
         out = real(*args, **kwargs)
         os.replace(replacement, path)
         return out
 
-    monkeypatch.setattr(_load, name, then_replace)
+    monkeypatch.setattr(module, name, then_replace)
     assert_same(lazyckpt.load(path, mmap=mmap), {"w": torch.full((4096,), 1.0)})
     assert_same(torch.load(path), {"w": torch.full((4096,), 2.0)})
 
@@ -314,8 +347,8 @@ def test_load_without_torchs_storage_hook_falls_back_to_torch_load(tmp_path, mon
     with pytest.raises(VerificationError, match="CRC32"):
         lazyckpt.load(path)
     reads = []
-    real_read = lazyckpt.levels._load._read_storages
-    monkeypatch.setattr(lazyckpt.levels._load, "_read_storages", lambda *a: reads.append(a) or real_read(*a))
+    real_read = lazyckpt.levels._preread.read_storages
+    monkeypatch.setattr(lazyckpt.levels._preread, "read_storages", lambda *a: reads.append(a) or real_read(*a))
     monkeypatch.setattr(ser, "_load", lambda zip_file, map_location, pickle_module, **kw: real(
         zip_file, map_location, pickle_module, **kw))  # fmt: skip
     with pytest.raises(VerificationError, match="CRC32"):  # the fallback checks too, reading the file once

@@ -17,7 +17,8 @@ and ``not_due`` are the handles of a levels save; ``latest_agreed`` over a
 ``check_memory`` is the first save's memory statement, ``tensor_bytes`` the size it is computed from.
 """
 
-from ._latest import Found, latest
+from ._found import Found
+from ._latest import latest
 from ._level import Level, LevelError, MemoryLevelWarning
 from ._load import load
 

@@ -12,7 +12,6 @@ import logging
 import os
 import warnings
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -21,29 +20,17 @@ from lazyckpt.recovery import READ_THREADS, FileIdentity
 from lazyckpt.recovery.check import folder_problems
 from lazyckpt.recovery.dcp import is_dcp_folder, rank_problems
 from lazyckpt.recovery.verify import verify as verify_file
+from lazyckpt.storage import remote as _remote
 
 from ..errors import IncompleteCheckpointWarning
 from . import _collective
+from ._found import Found, Preread
 from ._level import Level, as_level, list_steps, step_of
+from ._preread import preread
 from ._restore import restore
 from ._topology import Scope, probe
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Found:
-    """What ``latest()`` found: the file or folder (or URL) ``path``, its ``step``, and ``level``,
-    the index of its level in the list given to ``latest()``.
-
-    ``verified``: the identity of the local file whose every CRC ``latest()`` checked (None when
-    it checked none: a folder, a URL, ``verify=False``, or a ``Found`` made by hand). ``load()``
-    skips its own CRC pass only for a file it opens with that same identity."""
-
-    path: str
-    step: int
-    level: int
-    verified: FileIdentity | None = field(default=None, repr=False, compare=False, kw_only=True)
 
 
 def latest(
@@ -54,6 +41,7 @@ def latest(
     collective: bool | None = None,
     timeout: float = 600.0,
     threads: int = READ_THREADS,
+    preload: bool = True,
 ) -> Found | None:
     """The newest step that is complete at some level and passes verification (every CRC; a URL
     by ranged reads); among the levels holding that step, the first one given (the fastest).
@@ -86,16 +74,21 @@ def latest(
 
     ``threads``: readers of a local file, whose CRCs are computed as it is read (see
     ``recovery/_read.py``); the ``Found`` names the file so checked (``Found.verified``), and
-    ``load()`` does not check it again."""
+    ``load()`` does not check it again. ``preload`` (default True, with ``verify``): that one pass
+    reads a torch.save file's storages into memory of their own, as ``load()`` would, and the
+    ``Found`` holds them (``Found.preread``) until ``lazyckpt.load(found)`` takes them: a resume
+    reads the file once (``latest()`` costs the allocation, ``load()`` only the unpickling).
+    ``preload=False`` for a caller that only wants the name (``found.path`` read by another loader);
+    a ``Found`` dropped unused frees them."""
     listings = _listings(levels, storage_options)
     if _collective.active(collective, listings, lambda path: is_dcp_folder(path, storage_options)):
         return latest_agreed(levels, _collective.StoreExchange.default(timeout), storage_options, verify, listings)
     candidates = [(step, index, path) for index, steps in listings.items() for step, path in steps.items()]
     candidates.sort(key=lambda c: (-c[0], c[1]))
     for step, index, path in candidates:
-        problem, identity = _problem(path, storage_options, verify, threads=threads)
+        problem, identity, held = _problem(path, storage_options, verify, threads=threads, preload=preload)
         if problem is None:
-            return Found(path, step, index, verified=identity)
+            return Found(path, step, index, verified=identity, preread=held)
         warnings.warn(
             f"lazyckpt.latest: skipping {path} (level {index}, step {step}): {problem}",
             IncompleteCheckpointWarning,
@@ -123,7 +116,7 @@ def latest_agreed(
         listings = None  # a node's folder gained the steps restored from its partners' replicas
 
     def usable(index: int, step: int, path: str) -> bool:
-        problem, _ = _problem(path, storage_options, verify, rank=rank, world=world)
+        problem, _, _ = _problem(path, storage_options, verify, rank=rank, world=world)
         if problem is not None:
             warnings.warn(
                 f"lazyckpt.latest: skipping {path} (level {index}, step {step}) on rank {rank}: {problem}",
@@ -197,35 +190,41 @@ def _problem(
     rank: int | None = None,
     world: int = 1,
     threads: int = READ_THREADS,
-) -> tuple[str | None, FileIdentity | None]:
+    preload: bool = False,
+) -> tuple[str | None, FileIdentity | None, Preread | None]:
     """(why ``path`` is not a complete checkpoint, or None when it is; the identity of the file
-    whose every CRC was checked, when one was). With ``rank``: whether that rank (of ``world``)
-    can load its own items from a DCP folder saved by a job of that layout
-    (``recovery.dcp.rank_problems``); other paths, and such folders without a list for that rank,
-    are checked whole."""
+    whose every CRC was checked, when one was; with ``preload``, its storages read by that check).
+    With ``rank``: whether that rank (of ``world``) can load its own items from a DCP folder saved
+    by a job of that layout (``recovery.dcp.rank_problems``); other paths, and such folders without
+    a list for that rank, are checked whole."""
     if rank is not None and step_of(path.rstrip("/").rsplit("/", 1)[-1], folder=True) is not None:
         try:
             problems = rank_problems(path, rank, world, storage_options, verify)
         except Exception as exc:  # unreadable: not a checkpoint to resume from
-            return f"cannot be read: {exc}", None
+            return f"cannot be read: {exc}", None, None
         if problems is not None:
-            return "; ".join(problems) or None, None
-    return _whole_problem(path, storage_options, verify, threads)
+            return "; ".join(problems) or None, None, None
+    return _whole_problem(path, storage_options, verify, threads, preload)
 
 
 def _whole_problem(
-    path: str, storage_options: dict[str, Any] | None, verify: bool, threads: int
-) -> tuple[str | None, FileIdentity | None]:
-    """(why ``path`` is not a complete checkpoint, or None when it is; the verified file's identity)."""
+    path: str, storage_options: dict[str, Any] | None, verify: bool, threads: int, preload: bool
+) -> tuple[str | None, FileIdentity | None, Preread | None]:
+    """(why ``path`` is not a complete checkpoint, or None when it is; the verified file's identity;
+    its storages, read into memory by the check, with ``preload`` and a local torch.save file)."""
     name = path.rstrip("/").rsplit("/", 1)[-1]
+    held = None
     try:
         if step_of(name, folder=True) is not None:
-            return "; ".join(folder_problems(path, storage_options, verify)) or None, None
+            return "; ".join(folder_problems(path, storage_options, verify)) or None, None, None
         if not verify:
-            return None, None
-        report = verify_file(path, storage_options, threads=threads)
+            return None, None, None
+        if preload and not _remote.is_url(path):
+            report, held = preread(path, threads)
+        else:
+            report = verify_file(path, storage_options, threads=threads)
     except FileNotFoundError:  # removed by retention since the listing
-        return "gone since it was listed", None
+        return "gone since it was listed", None, None
     except Exception as exc:  # unreadable: not a checkpoint to resume from
-        return f"cannot be read: {exc}", None
-    return (None, report.identity) if report.ok else ("; ".join(report.problems), None)
+        return f"cannot be read: {exc}", None, None
+    return (None, report.identity, held) if report.ok else ("; ".join(report.problems), None, None)

@@ -5,7 +5,7 @@
 
     levels = [Level("/dev/shm/run1", every=1, keep=2), Level("/ckpt/run1", every=100, keep=3)]
     trainer = L.Trainer(plugins=[LazyCheckpointIO()], callbacks=[MultiLevelCheckpoint(levels)])
-    found = lazyckpt.latest(levels)
+    found = lazyckpt.latest(levels, preload=False)   # a name for Lightning to load: nothing read ahead
     trainer.fit(model, ckpt_path=found.path if found else None)   # stock Lightning resumes
 
 At the end of each training batch whose optimizer steps reached a multiple of a level's ``every``
@@ -201,7 +201,7 @@ class MultiLevelCheckpoint(_Callback):
     once, from ``fit``: at the next due step, after that step's save was handed over, or at the end
     of ``fit`` (on every rank at once in a distributed run). ``last_handle`` (global rank 0; every
     rank with a sharded strategy): the newest save's ``LevelsHandle``.
-    Resume with stock Lightning: ``trainer.fit(model, ckpt_path=lazyckpt.latest(levels).path)``.
+    Resume with stock Lightning: ``trainer.fit(model, ckpt_path=lazyckpt.latest(levels, preload=False).path)``.
     """
 
     def __init__(self, levels: Sequence[Level]) -> None:

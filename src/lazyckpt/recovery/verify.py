@@ -72,17 +72,28 @@ def verify(
         return _verify_url(path, storage_options)
     with open(path, "rb") as fh:
         _spare.share_lock(fh.fileno(), path)  # a memory level's file: its pages are not reused meanwhile
-        before = FileIdentity.of(fh.fileno())
-        report = VerifyReport(path, "unknown", before.size)
-        if before.size == 0:
-            report.problems.append("empty file")
-            return report
-        with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            torch_zip = mm[:4] == b"PK\x03\x04"
-            known = _parallel_crcs(fh.fileno(), mm, readers(path, threads)) if torch_zip else {}
-            _verify_bytes(mm, mm, report, lambda a, b: known[(a, b)] if (a, b) in known else _crc(mm, a, b))
-        if report.ok and FileIdentity.of(fh.fileno()) == before:
-            report.identity = before
+        fd = fh.fileno()
+        return verify_fd(fd, path, lambda mm: _parallel_crcs(fd, mm, readers(path, threads)))
+
+
+KnownCrcs = Callable[[mmap.mmap], dict[tuple[int, int], int]]  # a torch zip's map -> {(start, stop): CRC32}
+
+
+def verify_fd(fd: int, path: str, known_crcs: KnownCrcs) -> VerifyReport:
+    """``verify`` of the local file open as ``fd`` (share-locked by the caller, when it is a memory
+    level's), with the records' CRCs that ``known_crcs`` computes for a torch zip (``_parallel_crcs``,
+    or ``lazyckpt.load``'s read of the storages into memory, which checks them as they land): any
+    range it leaves out is computed here."""
+    before = FileIdentity.of(fd)
+    report = VerifyReport(path, "unknown", before.size)
+    if before.size == 0:
+        report.problems.append("empty file")
+        return report
+    with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as mm:
+        known = known_crcs(mm) if mm[:4] == b"PK\x03\x04" else {}
+        _verify_bytes(mm, mm, report, lambda a, b: known[(a, b)] if (a, b) in known else _crc(mm, a, b))
+    if report.ok and FileIdentity.of(fd) == before:
+        report.identity = before
     return report
 
 
