@@ -193,7 +193,7 @@ def main() -> None:
     for index, step, t_latest, t_load, t_torch in resumes:
         name = ("memory", "disk")[index]
         print(f"{name:>12}  {step:>4}  {t_latest:>10.3f}  {t_load:>15.3f}  {t_latest + t_load:>7.3f}  {t_torch:>12.3f}")
-    print("resume with stock Lightning: trainer.fit(model, ckpt_path=lazyckpt.latest(levels).path)")
+    print("resume with stock Lightning: trainer.fit(model, ckpt_path=lazyckpt.latest(levels, preload=False).path)")
     if not (math.isfinite(t_lazy) and math.isfinite(t_multi)):
         raise SystemExit(1)
 

@@ -75,7 +75,9 @@ def test_resume_from_latest_continues_exactly_as_an_uninterrupted_run(mem, tmp_p
     _fit(levels, 6)
     found = lazyckpt.latest(levels)
     assert found is not None and (found.step, found.level) == (6, 0)
+    assert found.preread is not None and found.preread.nbytes > 0  # latest() read it ahead
     resumed = _fit(levels, 10, ckpt_path=found.path)  # stock Lightning resumes: one line
+    assert found.preread.nbytes == 0  # the plugin freed it before the stock load of that path
     assert_same(state_of(resumed), state_of(whole))
     for step in (9, 10):
         assert_same(load(levels[0].file(step)), load(ref.file(step)), f"memory {step}")

@@ -202,6 +202,23 @@ def test_a_resume_reads_the_file_once(tmp_path, monkeypatch):
     assert lazyckpt.latest([folder], verify=False).preread is None
 
 
+def test_a_path_load_takes_what_latest_read_ahead_while_its_found_lives(tmp_path, monkeypatch):
+    from lazyckpt.levels import _preread
+
+    folder, path = _level_with_one_step(tmp_path)
+    reads = []
+    real = _preread.read_storages
+    monkeypatch.setattr(_preread, "read_storages", lambda *a, crc: reads.append(crc) or real(*a, crc=crc))
+    found = lazyckpt.latest([folder])
+    assert_same(lazyckpt.load(str(path)), {"w": torch.full((4096,), 1.0)})
+    assert reads == [True] and found.preread.nbytes == 0  # the path's load took them
+    found = lazyckpt.latest([folder])
+    lazyckpt.levels.Preread.release(str(path))  # a loader reading the path itself frees them
+    assert found.preread.nbytes == 0
+    assert_same(lazyckpt.load(found), {"w": torch.full((4096,), 1.0)})
+    assert reads == [True, True, False]
+
+
 def test_a_corrupt_newest_file_holds_nothing_and_the_older_one_is_preread(tmp_path):
     folder, _ = _level_with_one_step(tmp_path, 1.0)
     newer = folder / "step-00000009.pt"

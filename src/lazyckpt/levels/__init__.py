@@ -14,7 +14,8 @@ and ``not_due`` are the handles of a levels save; ``latest_agreed`` over a
 ``StoreExchange`` finds the newest step every rank holds (restoring a node's replicated steps first:
 ``_restore.py``); ``Scope`` / ``probe`` / ``dedup_groups`` say who shares each level's folder;
 ``Ring`` / ``Replicator`` / ``ReplicationStats`` hold a node-local level's steps in peers' memory;
-``check_memory`` is the first save's memory statement, ``tensor_bytes`` the size it is computed from.
+``check_memory`` is the first save's memory statement, ``tensor_bytes`` the size it is computed from;
+``Preread`` what ``latest()`` read ahead for ``load()`` (a loader that reads a path itself releases it).
 """
 
 from ._found import Found
@@ -28,6 +29,7 @@ __all__ = ["Found", "Level", "LevelError", "MemoryLevelWarning", "latest", "load
 from ._collective import StoreExchange as StoreExchange  # noqa: E402
 from ._copy import check_memory as check_memory  # noqa: E402
 from ._copy import tensor_bytes as tensor_bytes  # noqa: E402
+from ._found import Preread as Preread  # noqa: E402
 from ._handle import LevelsHandle as LevelsHandle  # noqa: E402
 from ._handle import not_due as not_due  # noqa: E402
 from ._latest import latest_agreed as latest_agreed  # noqa: E402

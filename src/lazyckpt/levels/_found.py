@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import threading
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -11,16 +13,21 @@ from lazyckpt.recovery import FileIdentity
 
 
 class Preread:
-    """The storages of a file that ``latest()`` read into memory while checking its CRCs, keyed
-    by each storage record's data offset, for the file of ``identity``. ``load()`` takes them once
-    (``take``): a second ``load()`` of the same ``Found`` reads the file again, and a ``Found``
-    dropped unused frees them. Owned by the ``Found``; the lock makes ``take`` one-shot across
-    threads."""
+    """The storages of the file at ``path`` that ``latest()`` read into memory while checking its
+    CRCs, keyed by each storage record's data offset, for the file of ``identity``. ``load()``
+    takes them once (``take``): a second ``load()`` reads the file again, and a ``Found`` dropped
+    unused frees them. Owned by the ``Found``; also findable by the file's real path while that
+    ``Found`` lives (``registered``: ``load(found.path)`` takes them too, and ``release`` drops them,
+    as the Lightning plugin does before a stock load of that path). The lock makes ``take`` one-shot
+    across threads."""
 
-    def __init__(self, identity: FileIdentity, storages: dict[int, torch.UntypedStorage]) -> None:
+    _live: weakref.WeakValueDictionary[str, Preread] = weakref.WeakValueDictionary()
+
+    def __init__(self, path: str, identity: FileIdentity, storages: dict[int, torch.UntypedStorage]) -> None:
         self.identity = identity
         self._storages: dict[int, torch.UntypedStorage] | None = storages
         self._lock = threading.Lock()
+        Preread._live[os.path.realpath(path)] = self
 
     def take(self, identity: FileIdentity) -> dict[int, torch.UntypedStorage] | None:
         """The storages, once, when ``identity`` is the file they were read from; else None."""
@@ -32,6 +39,19 @@ class Preread:
     def nbytes(self) -> int:
         with self._lock:
             return sum(s.nbytes() for s in (self._storages or {}).values())
+
+    @classmethod
+    def registered(cls, path: str) -> Preread | None:
+        """The live ``Preread`` of the file at ``path`` (by real path), if any."""
+        return cls._live.get(os.path.realpath(path))
+
+    @classmethod
+    def release(cls, path: str) -> None:
+        """Free what was read ahead for ``path`` (its ``Found`` then holds nothing)."""
+        held = cls.registered(path)
+        if held is not None:
+            with held._lock:
+                held._storages = None
 
 
 @dataclass(frozen=True)

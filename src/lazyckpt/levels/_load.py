@@ -19,8 +19,10 @@ here. That pass was also the read (``latest(preload=True)``, the default: ``_pre
 read the storages into memory of their own while checking them, and the ``Found`` holds them):
 ``load(found)`` takes them (``Preread.take``, once, for that same identity) and only unpickles,
 so a resume reads the file once (measured on this VM, GPT + AdamW, 1.17 GB from the memory level,
-to the end of the first step: 4.1x torch.load from disk, was 2.7x with a check pass and a read). A URL is read by ranged reads into ONE host buffer, which ``torch.load`` unpickles (one memory
-copy per storage). ``weights_only`` (default True, as torch's) and ``map_location`` are passed
+to the end of the first step: 4.5x torch.load from disk, was 2.7x with a check pass and a read);
+``load(found.path)`` finds them too while that ``Found`` lives (``Preread.registered``). A URL is
+read by ranged reads into ONE host buffer, which ``torch.load`` unpickles (one memory copy per
+storage). ``weights_only`` (default True, as torch's) and ``map_location`` are passed
 through. The buffers, the threads and the file descriptor belong to the call. A checkpoint file is
 never changed after its commit (lazyckpt and torch.save rename complete files into place), so the
 bytes checked are the bytes read or mapped. On a memory filesystem the descriptor is share-locked
@@ -42,7 +44,7 @@ from lazyckpt.storage import spare as _spare
 
 from ..errors import VerificationError
 from . import _preread
-from ._found import Found
+from ._found import Found, Preread
 from ._preread import FileSource, Record, Seekable, check_compressed, check_crc, is_zip, records
 
 
@@ -93,7 +95,8 @@ def load(
             verified = found is not None and found.verified is not None and found.verified == identity
             check = verify and not verified
             # what latest() read into memory while checking this very file (once: then it is the caller's)
-            preread = found.preread.take(identity) if found is not None and found.preread is not None else None
+            ahead = found.preread if found is not None else Preread.registered(path)
+            preread = ahead.take(identity) if ahead is not None else None
             if zipped and not mmap:  # each storage read into memory of its own: what torch.load gives
                 result = _load_private(
                     source, path, check, threads, piece_bytes, location, weights_only, torch_load_kwargs, preread

@@ -210,7 +210,7 @@ def preread(path: str, threads: int, piece: int = _read.PIECE_BYTES) -> tuple[Ve
 
         report = verify_fd(source.fd, path, known)
     if report.ok and report.identity is not None and held:
-        return report, Preread(report.identity, held)
+        return report, Preread(path, report.identity, held)
     return report, None
 
 

@@ -24,11 +24,13 @@ averaging swaps wait for pending copies, checkpoint-uploading loggers wait for p
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from typing import Any
 
 from lazyckpt import CheckpointerOptions, LazyCheckpointer, SaveStats
 from lazyckpt.errors import CheckpointerClosedError
+from lazyckpt.levels import Preread
 from lazyckpt.lightning import _compat, _runtime
 from lazyckpt.lightning._levels import MultiLevelCheckpoint
 from lazyckpt.options import merge as _merge_options
@@ -136,9 +138,12 @@ class LazyCheckpointIO(_CheckpointIO):
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        """Drain pending saves (their errors are raised here), then load like ``TorchCheckpointIO``."""
+        """Drain pending saves (their errors are raised here), then load like ``TorchCheckpointIO``
+        (what ``lazyckpt.latest()`` read ahead for this file is freed first: stock reads it)."""
         self._runtime.attach()
         self.wait()
+        if isinstance(path, (str, os.PathLike)):
+            Preread.release(os.fspath(path))
         stock = _compat.stock_torch_io(_CheckpointIO)
         return _compat.stock_load(stock, path, map_location, weights_only)
 
