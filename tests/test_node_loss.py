@@ -135,6 +135,21 @@ def test_a_node_killed_while_replicas_are_in_flight_ends_the_survivors_and_no_ha
     assert all(res["restored"] for res in back)
 
 
+def test_a_sender_killed_between_the_files_of_its_part_leaves_a_half_part_that_is_never_restored(run):
+    """The window forced: rank 2 dies after its rank file of step 4 reached node 0 under its final
+    name, before the rest of its part and the index. With node 1 replaced, the restart must not take
+    that half part for step 4: node 1 gets step 3 back from node 0's memory (level 0), whole."""
+    results = run("replicate_kill_sending", expect_dead=(2,), kill_step=4, timeout=240)
+    assert all(res["stopped_by"] for i, res in enumerate(results) if i != 2), results
+    half = [p for p in run.mem.glob("node0/replicas/*1/*4") if p.is_dir()]
+    assert half and any(f.name.endswith(".distcp") for f in half[0].iterdir()), half  # a file under its name
+    assert not any(f.name.startswith(".lazyckpt-replica-from-2") for f in half[0].iterdir())  # no index
+    _wipe(run.mem / "node1")
+    back = run("restart")
+    assert [(res["found"]["step"], res["found"]["level"]) for res in back] == [(3, 0)] * 4, back
+    assert all(res["restored"] for res in back)
+
+
 def test_replicas_where_no_peer_can_hold_them_are_refused_when_the_saver_is_built(tmp_path):
     """``replicas`` needs a node-local level of a DistributedCheckpointer with k+1 nodes: refused
     (ValueError) on one process's savers, on a URL, below 0; a 1-rank job (one node) refused at

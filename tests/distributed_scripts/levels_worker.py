@@ -380,6 +380,43 @@ def scenario_replicate_kill() -> None:
         RESULT["stopped_by"] = f"{type(exc).__name__}: {exc}"[:500]
 
 
+def scenario_replicate_kill_sending() -> None:
+    """Rank 2 (node 1's first rank) SIGKILLs itself as it reads the second file of its part of step
+    CONFIG["kill_step"] to send (its rank file sent and renamed at rank 0, the index never written):
+    the window where a half part lies in node 0's replica folder. The others stop with a typed error."""
+    from lazyckpt.levels import _wire
+
+    class Dies:
+        def __init__(self, real):
+            self.real, self.name, self.size, self.crc = real, real.name, real.size, real.crc
+
+        @property
+        def fd(self):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        def close(self):
+            self.real.close()
+
+    if RANK == 2:
+        real_run = _wire.Link.run
+
+        def run(self, dst, header, files, src, sink_for):
+            if header and header.get("step") == CONFIG["kill_step"] and len(files) >= 2:
+                files = [files[0], Dies(files[1]), *files[2:]]
+            return real_run(self, dst, header, files, src, sink_for)
+
+        _wire.Link.run = run
+    ckpt = DistributedCheckpointer(levels=levels(), **options())
+    try:
+        handles = train(ckpt, 1, CONFIG["kill_step"] + 4)
+        for h in handles.values():
+            h.wait()
+        ckpt.wait()
+        raise AssertionError("training went on although rank 2 died")
+    except (RuntimeError, DistributedLevelError, TimeoutError) as exc:  # gloo: the peer is gone
+        RESULT["stopped_by"] = f"{type(exc).__name__}: {exc}"[:500]
+
+
 def init() -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=PORT)
     dist.init_process_group("gloo", rank=RANK, world_size=WORLD, timeout=timedelta(seconds=60))
