@@ -119,3 +119,27 @@ def test_model_parallel_enospc_on_one_rank_fails_fit_on_both_with_the_level_erro
     assert reports[1]["errno"] == 28
     assert os.listdir(tmp_path / "disk") == []
     assert len(_steps(tmp_path / "mem")) == 2
+
+
+@pytest.mark.timeout(600)
+def test_model_parallel_levels_with_replicas_hold_each_nodes_steps_in_the_others_memory(tmp_path):
+    """Each of the 2 ranks stands for a node (its own memory folder), ``Level(..., replicas=1)``
+    through MultiLevelCheckpoint: every step's shards are committed in the rank's own folder and
+    held whole (index written) in the other's; the fit ends exactly as the same fit without
+    replicas, with no lazyckpt warning. (A resume from a replica is not run here: Lightning's
+    ModelParallel load broadcasts rank 0's ckpt_path, so one machine cannot give each rank its own
+    node's folder; tests/test_node_loss.py covers the restore with DistributedCheckpointer.)"""
+    _phase(tmp_path, "first")
+    reports = _phase(tmp_path, "replicas")
+    assert [r["global_step"] for r in reports] == [5, 5] and not any(r["warnings"] for r in reports), reports
+    assert_same(_end(tmp_path, "replicas"), _end(tmp_path, "first"))
+    for node, other in ((0, 1), (1, 0)):
+        own = tmp_path / "memr" / f"node{node}"
+        assert _steps(own) == [4, 5]
+        assert f"__{node}_0.distcp" in os.listdir(own / "step-00000005")
+        held = own / "replicas" / f"node-{other:04d}"
+        assert _steps(held) == [4, 5]  # keep=2 on the replicas too
+        for step in (4, 5):
+            names = set(os.listdir(held / f"step-{step:08d}"))
+            assert f"__{other}_0.distcp" in names and f".lazyckpt-replica-from-{other}.json" in names, names
+    assert _steps(tmp_path / "diskr") == [3]

@@ -34,6 +34,7 @@ import errno
 import json
 import os
 import sys
+import warnings
 from typing import Any
 
 import lightning as L
@@ -146,6 +147,17 @@ def phase_first(out: str, report: dict[str, Any]) -> None:
     report["global_step"] = fit(out, "first", levels(out), 5).global_step
 
 
+def phase_replicas(out: str, report: dict[str, Any]) -> None:
+    """Each rank stands for a node (its own memory folder, OUT/memr/node<rank>), replicas=1: every
+    step's shards also held in the other rank's memory; to step 5, as ``first``."""
+    own = [Level(os.path.join(out, "memr", f"node{RANK}"), every=1, keep=2, replicas=1),
+           Level(os.path.join(out, "diskr"), every=3, keep=2)]  # fmt: skip
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        report["global_step"] = fit(out, "replicas", own, 5).global_step
+    report["warnings"] = [f"{w.category.__name__}: {w.message}" for w in seen if "lazyckpt" in str(w.message)]
+
+
 def phase_wiped(out: str, report: dict[str, Any]) -> None:
     resume(out, "wiped", report)
     fit(out, "plain3", None, STEPS, ckpt_path=os.path.join(out, "disk", "step-00000003"))
@@ -200,7 +212,7 @@ def main() -> None:
     out, phase = sys.argv[1], sys.argv[2]
     report: dict[str, Any] = {"rank": RANK, "raised": None}
     phases = {"stock": phase_stock, "first": phase_first, "resume": lambda o, r: resume(o, "resume", r),
-              "wiped": phase_wiped, "enospc": phase_enospc}  # fmt: skip
+              "wiped": phase_wiped, "enospc": phase_enospc, "replicas": phase_replicas}  # fmt: skip
     try:
         phases[phase](out, report)
     except BaseException as exc:
