@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import collections
+import copy
 import os
+import pickle
 import shutil
 
 import pytest
@@ -198,6 +200,10 @@ def test_a_resume_reads_the_file_once(tmp_path, monkeypatch):
     assert reads == [True, False]  # read again; not checked again (same identity)
     first["w"].add_(1)
     assert_same(second, {"w": torch.full((4096,), 1.0)})  # memory of its own
+    found = lazyckpt.latest([folder])
+    sent = pickle.loads(pickle.dumps(found))  # broadcast to the other ranks: the name, not the memory
+    assert sent == found and sent.preread is None and found.preread.nbytes == 4096 * 4
+    assert copy.deepcopy(found).preread is None
     assert lazyckpt.latest([folder], preload=False).preread is None
     assert lazyckpt.latest([folder], verify=False).preread is None
 

@@ -6,6 +6,7 @@ import os
 import threading
 import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -40,6 +41,11 @@ class Preread:
         with self._lock:
             return sum(s.nbytes() for s in (self._storages or {}).values())
 
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        """Pickled (a ``Found`` broadcast to the other ranks, a deepcopy) as nothing: the storages
+        are this process's memory, never sent."""
+        return _nothing, ()
+
     @classmethod
     def registered(cls, path: str) -> Preread | None:
         """The live ``Preread`` of the file at ``path`` (by real path), if any."""
@@ -52,6 +58,10 @@ class Preread:
         if held is not None:
             with held._lock:
                 held._storages = None
+
+
+def _nothing() -> None:
+    return None
 
 
 @dataclass(frozen=True)
