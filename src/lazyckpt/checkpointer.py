@@ -103,7 +103,9 @@ class LazyCheckpointer(_exit.ClosedOnExit):
         self._closed = False
         # before any thread starts: a level folder that cannot be made refuses the construction
         self._levels: MultiLevel | None = (
-            None if options.levels is None else MultiLevel(self, options.levels, options, reuse=self._reuse)
+            None
+            if options.levels is None
+            else MultiLevel(self, options.levels, options, reuse=self._reuse, replicate=True)
         )
         self._engine = Engine(self.pool, options.writer_threads, self._job_done)
         self._remover = Remover(on_failed=self._errors.publish)

@@ -23,7 +23,7 @@ from lazyckpt.recovery.verify import verify as verify_file
 from lazyckpt.storage import remote as _remote
 
 from ..errors import IncompleteCheckpointWarning
-from . import _collective
+from . import _collective, _single
 from ._found import Found, Preread
 from ._level import Level, as_level, list_steps, step_of
 from ._preread import preread
@@ -70,7 +70,10 @@ def latest(
     whose levels hold nothing posts so and returns None at once (no step is held by every rank).
     Levels holding other checkpoints only (files, Accelerate folders) are this process's own view,
     as outside a job (callers that pick on one process and broadcast keep working).
-    ``collective=True`` / ``False`` forces either.
+    ``collective=True`` / ``False`` forces either. With a level with ``replicas`` whose folders hold
+    one writer's files (``LazyCheckpointer(levels=)`` saved by rank 0), it is collective too: the
+    newest step any node holds whole is first copied into every node's folder that lacks it
+    (``_single.restore_files``), and the ranks must end on one step (else ``RuntimeError``).
 
     ``threads``: readers of a local file, whose CRCs are computed as it is read (see
     ``recovery/_read.py``); the ``Found`` names the file so checked (``Found.verified``), and
@@ -81,8 +84,27 @@ def latest(
     ``preload=False`` for a caller that only wants the name (``found.path`` read by another loader);
     a ``Found`` dropped unused frees them."""
     listings = _listings(levels, storage_options)
-    if _collective.active(collective, listings, lambda path: is_dcp_folder(path, storage_options)):
+    is_dcp = lambda path: is_dcp_folder(path, storage_options)  # noqa: E731
+    single = collective is None and _replicated(levels) and _single.files_of_one_writer(listings, is_dcp, timeout)
+    if not single and _collective.active(collective, listings, is_dcp):
         return latest_agreed(levels, _collective.StoreExchange.default(timeout), storage_options, verify, listings)
+    if single:
+        entries = [as_level(entry) for entry in levels]
+        index = _single.replicated_index(entries)
+        assert index is not None
+        _single.restore_files(entries, index, min(timeout, 60.0), fsync=False)
+        listings = _listings(levels, storage_options)  # a node's folder may have gained the newest step
+    found = _newest(listings, storage_options, verify, threads, preload)
+    if single:
+        _single.agree(None if found is None else found.step, min(timeout, 60.0))
+    return found
+
+
+def _newest(
+    listings: dict[int, dict[int, str]], storage_options: dict[str, Any] | None, verify: bool, threads: int,
+    preload: bool,
+) -> Found | None:  # fmt: skip
+    """This process's newest usable candidate, the fastest level first (see ``latest``)."""
     candidates = [(step, index, path) for index, steps in listings.items() for step, path in steps.items()]
     candidates.sort(key=lambda c: (-c[0], c[1]))
     for step, index, path in candidates:

@@ -40,11 +40,11 @@ from lazyckpt.options import CheckpointerOptions
 from lazyckpt.storage import fs as _fs
 from lazyckpt.storage import remote as _remote
 
-from ..errors import WriteError
+from ..errors import SaveRefusedError, WriteError
 from . import _copy
 from ._handle import SOURCE, not_due
 from ._level import Level, LevelError, check_step
-from ._runner import Feed, Runner
+from ._runner import Feed, Runner, written
 from ._schedule import WARN_AFTER_S
 
 
@@ -91,9 +91,17 @@ class MultiLevel:
         *,
         folder: bool = False,
         reuse: Callable[[str], bool] | None = None,
+        replicate: bool = False,
     ) -> None:
         check_levels(levels)
-        refuse_replicas(levels, "this saver (files, Accelerate folders, Lightning single-file checkpoints)")
+        if not replicate or folder:
+            refuse_replicas(levels, "this saver (Accelerate folders, Lightning single-file checkpoints)")
+        from ._single import SingleWriter, replicated_index
+
+        replicated = replicated_index(levels)
+        # collective (every rank builds the checkpointer): rank 0 writes, the next nodes hold copies
+        self._single = None if replicated is None else SingleWriter(levels, replicated, options.fsync)
+        self._replicated = replicated
         if len({lv.path for lv in levels}) != len(levels):
             raise ValueError("two levels share a path; give each level its own folder")
         self.ckpt = ckpt
@@ -146,6 +154,11 @@ class MultiLevel:
         statement at the first save (None: not checked). ``due``: as for ``save``."""
         step = check_step(step)
         t0 = time.perf_counter()
+        if self._single is not None and self._single.rank != 0:
+            raise SaveRefusedError(
+                f"rank {self._single.rank}: with a level with replicas, global rank 0 alone saves (the job's one "
+                "writer; this rank's checkpointer holds copies or nothing)"
+            )
         self.ckpt.raise_errors()  # an unseen error of an earlier save (any level) first, as save() does
         runner = self.runner
         due = runner.due(step, due)
@@ -173,6 +186,14 @@ class MultiLevel:
             raise
         finally:
             error_context.reset(token)
+        if self._single is not None and first is not None and first == self._replicated:
+            single = self._single  # before the runner's callback: queued before the handle is done
+
+            def replicate_source(h: SaveHandle, single: Any = single, path: str = src) -> None:
+                if written(h):
+                    single.submit(step, path)
+
+            source.add_done_callback(replicate_source)
         part = SOURCE if first is None else first
         handle = runner.parts(feed, source, self.path(due[0], step), [part, *admitted], t0)
         handle.levels_skipped = [i for i in targets if i not in admitted]
@@ -190,7 +211,12 @@ class MultiLevel:
     def drain(self, timeout: float | None = None) -> None:
         """Wait for every multi-level save (confirming their source saves on this thread);
         ``TimeoutError`` when they are not all done within ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         self.runner.drain(timeout)
+        if self._single is not None and not self._single.drain(
+            None if deadline is None else max(0.0, deadline - time.monotonic())
+        ):
+            raise TimeoutError(f"the copies to the other nodes' memory not done after {timeout} s")
 
     def close(self) -> None:
         """Stop the level threads (after ``drain``), the callback thread, the tier; remove staging."""
@@ -198,6 +224,8 @@ class MultiLevel:
             return
         self._closed = True
         self.runner.close()
+        if self._single is not None:
+            self._single.close()
         if self._tier is not None:
             self._tier.close()
         if self._staging is not None:
@@ -211,7 +239,10 @@ class MultiLevel:
     # -- the runner's producer (``_runner.LevelProducer``) -------------------------------------------
 
     def promote(self, index: int, feed: Feed) -> LevelError | None:
-        return self._copy_to(index, feed.step, feed.path)
+        error = self._copy_to(index, feed.step, feed.path)
+        if error is None and self._single is not None and index == self._replicated:
+            self._single.submit(feed.step, self.path(index, feed.step))
+        return error
 
     def ended(self, index: int, feed: Feed) -> None:
         pass

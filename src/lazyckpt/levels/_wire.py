@@ -66,8 +66,12 @@ class Sink:
     against the primary's CRC32 from the header before its rename; the index last (``commit``).
     Every byte is drained even after a failure, so the link stays in step."""
 
-    def __init__(self, folder: str, header: dict[str, Any], fsync: bool, index_name: str | None) -> None:
+    def __init__(
+        self, folder: str, header: dict[str, Any], fsync: bool, index_name: str | None,
+        check: Callable[[str], None] | None = None,
+    ) -> None:  # fmt: skip
         self.folder, self.header, self.fsync, self.index_name = folder, header, fsync, index_name
+        self.check = check  # of each whole file before its rename (raises OSError: refused as a CRC mismatch)
         self.error: BaseException | None = None
         self.crc_mismatch = False
         self._fd: int | None = None
@@ -103,6 +107,12 @@ class Sink:
             if self.error is None and self._crc != want:
                 self.crc_mismatch = True
                 raise OSError(errno.EIO, f"{name}: CRC32 {self._crc:#010x} received, the primary's is {want:#010x}")
+            if self.error is None and self.check is not None:
+                try:
+                    self.check(self._tmp)
+                except OSError as exc:
+                    self.crc_mismatch = True
+                    raise OSError(errno.EIO, f"{name}: {exc}") from exc
             if self.error is None and self.fsync:
                 _fs.fsync(fd)
         except BaseException as exc:  # noqa: BLE001

@@ -1,0 +1,364 @@
+"""Copies of ONE writer's files in other nodes' memory: ``Level(replicas=k)`` on a
+``LazyCheckpointer(levels=...)`` built on every rank of a torch.distributed job whose global rank 0
+alone saves (DDP: every rank holds the same state). Every node then ends with a loadable copy.
+
+Why not the ring of ``_replica.py``: there every rank saves every step, so a receiver posts its
+gloo receive when it commits the same step itself and both ends are in one round. Here the other
+ranks never save: a receive posted ahead would sit through the steps between saves, and gloo cannot
+cancel it (a timeout breaks the pair for good). So the writer ANNOUNCES each transfer in the job's
+c10d store (``<prefix>/<holder rank>/<n>``: the step, or ``bye``) and only then starts the gloo
+round; the holder's ``lazyckpt-replica-rx`` thread waits on that key in one-second waits (so its own
+``close()`` can end it) and joins the round when the key appears.
+
+Who: the level's nodes are the probe's groups (``Ring.of``: node-local, >= k+1 nodes of one size);
+the writer's node is followed by the k next nodes (mod the node count), whose first ranks hold the
+copies, each in its node's own level folder under the level's own name (``step-<n>.pt``: a file any
+loader takes; nobody else writes that folder). The writer's ``lazyckpt-replica`` thread sends each
+committed file (opened when queued: retention may unlink it meanwhile) to each holder in turn
+(``_wire.Link``: sizes, header, 32 MiB chunks, acknowledgment) on a gloo group of its own. The
+holder (``_wire.Sink``) writes a temporary name, checks the stream's CRC32 against the one the writer
+read, then checks the zip's records against their CRC32s (the primary's, written by the writer from
+the tensors) before the rename: a torn or corrupt copy is never at a final name. ``keep`` applies.
+A failure records the step as not replicated (``ReplicationError``, one ``ReplicationWarning`` per
+holder) and never fails a save; a holder whose round failed is not used again.
+
+Restore (``restore_files``, collective, from ``latest()``): every node's first rank posts the steps
+its folder holds whole (verified); the newest step any node holds is sent, by the first node holding
+it, to every node that lacks it (the same plan on every rank), so each node's folder holds it before
+``latest()`` reads the folders; the ranks then check that they agree on one step.
+
+Owns: the gloo groups (this object's; the restore's own), the two threads, the open files queued.
+Waits: ``drain`` (ended by the sender's items, each round bounded by the group's timeout),
+``close`` (the writer: its queue then ``bye``; a holder: the writer's ``bye``, at most ``timeout``
+seconds, then it stops waiting).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import uuid
+import warnings
+from collections import deque
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+from ..errors import ReplicationError, ReplicationWarning
+from ._collective import StoreExchange
+from ._level import Level, list_steps
+from ._replica import ReplicationStats, Ring
+from ._topology import probe
+from ._wire import CRC_MISMATCH, OK, Link, OutFile, Sink, header_of, open_files
+
+logger = logging.getLogger(__name__)
+
+POLL = timedelta(seconds=1)
+
+
+def replicated_index(levels: Sequence[Level]) -> int | None:
+    """The index of the one level with ``replicas``; None for none; ``ValueError`` for two."""
+    found = [i for i, lv in enumerate(levels) if lv.replicas]
+    if len(found) > 1:
+        raise ValueError(f"levels {found} both have replicas: give replicas to one level (node memory)")
+    return found[0] if found else None
+
+
+def _check_file(path: str) -> None:
+    """The received file's records against the CRC32s the writer put in it (the primary's)."""
+    from lazyckpt.recovery.verify import verify
+
+    report = verify(path)
+    if not report.ok:
+        raise OSError(5, "; ".join(report.problems))
+
+
+class _Job:
+    """The job's view for one replicated level: a gloo group of our own, the probe, the ring."""
+
+    def __init__(self, levels: Sequence[Level], index: int, timeout: float) -> None:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            raise ValueError(
+                f"level {index} ({levels[index].path}): replicas={levels[index].replicas} needs a torch.distributed "
+                "job of several nodes (init_process_group before the checkpointer is built, on every rank)"
+            )
+        self.dist = dist
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+        self.token = str(self.gather(uuid.uuid4().hex if self.rank == 0 else None)[0])
+        scope = probe([levels[index]], self.token, self.rank, self.world, self.gather)[0]
+        self.ring = Ring.of(index, levels[index], scope, self.rank)
+        self.leaders = [g[0] for g in self.ring.groups]
+
+    def gather(self, value: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world
+        self.dist.all_gather_object(out, value, group=self.group)
+        return out
+
+
+class SingleWriter:
+    """The save side (see the module docstring). Built on every rank (collective)."""
+
+    def __init__(self, levels: Sequence[Level], index: int, fsync: bool, timeout: float = 60.0) -> None:
+        self.levels, self.index, self.level, self.fsync, self.timeout = levels, index, levels[index], fsync, timeout
+        job = _Job(levels, index, timeout)
+        self.rank, self.group = job.rank, job.group
+        ring = job.ring
+        writer = ring.node_of(0)
+        n = len(ring.groups)
+        self.holders = [job.leaders[(writer + j) % n] for j in range(1, ring.k + 1)]
+        self.store = StoreExchange.default_store()
+        self.prefix = f"lazyckpt/single/{job.token[:16]}"
+        self.stats = ReplicationStats()
+        self._link = Link(self.group)
+        self._cond = threading.Condition()
+        self._queue: deque[tuple[int, list[OutFile]]] = deque()
+        self._queued = 0
+        self._closed = False
+        self._seq = {h: 0 for h in self.holders}
+        self._broken: set[int] = set()
+        self._warned: set[int] = set()
+        self._bye = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if self.rank == 0:
+            self._thread = threading.Thread(target=self._send_loop, name="lazyckpt-replica", daemon=True)
+        elif self.rank in self.holders:
+            self._thread = threading.Thread(target=self._receive_loop, name="lazyckpt-replica-rx", daemon=True)
+        if self._thread is not None:
+            self._thread.start()
+
+    # -- the writer -------------------------------------------------------------------------------
+
+    def submit(self, step: int, path: str) -> None:
+        """``path`` (level ``index``'s committed file of ``step``) to the holders: opened now, queued."""
+        try:
+            files = open_files(os.path.dirname(path), [(os.path.basename(path), None)])
+        except OSError as exc:
+            for holder in self.holders:
+                self._failed(step, holder, exc.errno, f"cannot read the committed file: {exc}")
+            return
+        with self._cond:
+            if self._closed:
+                for f in files:
+                    f.close()
+                return
+            self._queue.append((step, files))
+            self._queued += 1
+            self._cond.notify_all()
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait for every queued file (each round bounded by the group's timeout)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._queued == 0, timeout)
+
+    def close(self) -> None:
+        """The writer: send what is queued, then ``bye``. A holder: wait for the writer's ``bye``
+        (at most ``timeout`` s: a writer that died sends none), then stop."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread is None:
+            return
+        if self.rank == 0:
+            self._thread.join()  # each round is bounded by the group's timeout
+            return
+        if not self._bye.wait(self.timeout):
+            logger.info("lazyckpt: no word from the writer (rank 0) within %g s: stop holding copies", self.timeout)
+        self._stop.set()
+        self._thread.join(self.timeout)
+
+    def _send_loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: bool(self._queue) or self._closed)
+                if not self._queue:
+                    break
+                step, files = self._queue.popleft()
+            try:
+                self._send(step, files)
+            except BaseException:  # noqa: BLE001 - a bug: the step is not replicated, the thread goes on
+                logger.exception("lazyckpt: replication of step %d failed unexpectedly", step)
+            finally:
+                for f in files:
+                    f.close()
+                with self._cond:
+                    self._queued -= 1
+                    self._cond.notify_all()
+        for holder in self.holders:
+            if holder not in self._broken:
+                self._announce(holder, {"bye": True})
+
+    def _announce(self, holder: int, what: dict[str, Any]) -> None:
+        key = f"{self.prefix}/{holder}/{self._seq[holder]}"
+        self._seq[holder] += 1
+        self.store.set(key, json.dumps(what))
+
+    def _send(self, step: int, files: list[OutFile]) -> None:
+        whole = True
+        for holder in self.holders:
+            if holder in self._broken:
+                self._failed(step, holder, None, f"rank {holder}'s pair failed earlier")
+                whole = False
+                continue
+            try:
+                self._announce(holder, {"step": step})
+                ack, _ = self._link.run(holder, header_of(files, step=step), files, None, None)
+            except Exception as exc:  # noqa: BLE001 - the pair is gone: never used again
+                self._broken.add(holder)
+                self._failed(step, holder, None, f"the link to rank {holder} failed: {exc}")
+                whole = False
+                continue
+            if ack != OK:
+                code = ack if ack is not None and ack > 0 else None
+                why = "it refused the bytes (CRC32 mismatch with the primary's)" if ack == CRC_MISMATCH else "it failed"
+                self._failed(step, holder, code, why + (f" ({os.strerror(code)})" if code else ""))
+                whole = False
+            else:
+                self.stats.bytes_sent += sum(f.size for f in files)
+                self._warned.discard(holder)
+        if whole:
+            self.stats.steps_replicated += 1
+
+    def _failed(self, step: int, holder: int, code: int | None, why: str) -> None:
+        level = self.level
+        err = ReplicationError(
+            f"lazyckpt: level {self.index} ({level.path}), step {step}: not replicated to rank {holder}: {why}; "
+            "the local copy stands",
+            self.index, level.path, step, level.file(step), errno=code, partner=holder,
+        )  # fmt: skip
+        self.stats.not_replicated[step] = err
+        if holder in self._warned:
+            logger.info("%s", err)
+            return
+        self._warned.add(holder)
+        try:  # on the replication thread: under -W error the warning must not end the round
+            warnings.warn(f"{err} (warned once per holder until a step reaches it again)", ReplicationWarning, 2)
+        except Exception:  # noqa: BLE001
+            logger.warning("%s", err)
+
+    # -- a holder ---------------------------------------------------------------------------------
+
+    def _receive_loop(self) -> None:
+        seq = 0
+        while True:
+            key = f"{self.prefix}/{self.rank}/{seq}"
+            try:
+                self.store.wait([key], POLL)
+            except Exception:  # noqa: BLE001 - not yet: look again, unless closed
+                if self._stop.is_set():
+                    return
+                continue
+            seq += 1
+            what = json.loads(self.store.get(key))
+            if what.get("bye"):
+                self._bye.set()
+                return
+            if not self._receive(int(what["step"])):
+                self._bye.set()  # the writer's side of the pair is gone: nothing more comes
+                return
+
+    def _receive(self, step: int) -> bool:
+        def sink_for(head: dict[str, Any]) -> Sink:
+            return Sink(self.level.path, head, self.fsync, None, check=_check_file)
+
+        try:
+            _, sink = self._link.run(None, None, [], 0, sink_for)
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("lazyckpt: the copy of step %d from rank 0 failed: %s; no more copies here", step, exc)
+            return False
+        if sink is None or sink.error is not None:
+            logger.warning("lazyckpt: the copy of step %d from rank 0 not stored: %s", step, sink and sink.error)
+            return True
+        self.stats.bytes_received += sum(int(f["size"]) for f in sink.header.get("files", []))
+        self._retain(step)
+        return True
+
+    def _retain(self, newest: int) -> None:
+        keep = self.level.keep
+        if keep is None:
+            return
+        steps = sorted(s for s in list_steps(self.level) if s <= newest)
+        for s in steps[:-keep]:
+            try:
+                os.unlink(self.level.file(s))
+            except OSError:
+                pass
+
+
+def restore_files(levels: Sequence[Level], index: int, timeout: float, fsync: bool) -> None:
+    """Collective (every rank of the job): the newest step any node's folder of level ``index``
+    holds whole, sent to every node lacking it (see the module docstring)."""
+    job = _Job(levels, index, timeout)
+    level, ring = levels[index], job.ring
+    mine = None
+    if job.rank in job.leaders:
+        mine = sorted(s for s, path in list_steps(level).items() if _intact(path))
+    everyone = job.gather(mine)
+    held = {node: set(everyone[leader] or []) for node, leader in enumerate(job.leaders)}
+    newest = max((s for steps in held.values() for s in steps), default=None)
+    if newest is not None:
+        holder = next(node for node in range(len(ring.groups)) if newest in held[node])
+        link = Link(job.group)
+        for node in range(len(ring.groups)):
+            if newest in held[node]:
+                continue
+            src, dst = job.leaders[holder], job.leaders[node]
+            try:
+                if job.rank == src:
+                    files = open_files(level.path, [(os.path.basename(level.file(newest)), None)])
+                    try:
+                        link.run(dst, header_of(files, step=newest), files, None, None)
+                    finally:
+                        for f in files:
+                            f.close()
+                elif job.rank == dst:
+                    link.run(None, None, [], src, lambda head: Sink(level.path, head, fsync, None, check=_check_file))
+            except Exception as exc:  # noqa: BLE001 - that node goes without: latest() then agrees lower
+                logger.warning("lazyckpt.latest: step %d to node %d from node %d failed: %s", newest, node, holder, exc)
+    job.gather(None)  # every node's folder is settled before any rank reads its own
+    job.dist.destroy_process_group(job.group)
+
+
+def files_of_one_writer(listings: dict[int, dict[int, str]], is_dcp: Any, timeout: float) -> bool:
+    """Collective in a job (torch.distributed initialized, several ranks), False outside one:
+    whether the levels hold one writer's files (some rank lists a file checkpoint, none a DCP
+    folder), agreed by every rank: a rank whose folders are empty decides as the others do."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return False
+    paths = [p for steps in listings.values() for p in steps.values()]
+    mine = "dcp" if any(is_dcp(p) for p in paths) else "files" if paths else "none"
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=min(timeout, 60.0)))
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, mine, group=group)
+    dist.destroy_process_group(group)
+    return "files" in out and "dcp" not in out
+
+
+def _intact(path: str) -> bool:
+    try:
+        _check_file(path)
+    except OSError:
+        return False
+    return True
+
+
+def agree(step: int | None, timeout: float) -> None:
+    """``RuntimeError`` unless every rank of the job found the same step (never a silent divergence)."""
+    import torch.distributed as dist
+
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, step, group=group)
+    dist.destroy_process_group(group)
+    if len(set(out)) > 1:
+        raise RuntimeError(
+            f"lazyckpt.latest: the ranks found different steps ({dict(enumerate(out))}) in a level with replicas: "
+            "a copy failed its check after the restore; look at the warnings above"
+        )

@@ -1,0 +1,110 @@
+"""One rank of a single-writer replication test (CPU, gloo): DDP-style, every rank holds the same
+state; ``LazyCheckpointer(levels=[Level(mem/node<n>, every=1, keep=2, replicas=1), Level(disk,
+every=3, keep=2)])`` built on every rank, global rank 0 alone saves. ``per_node`` ranks share one
+memory folder (standing for a node).
+
+Usage: single_worker.py SCENARIO RANK WORLD PORT WORKDIR (``tests/_worker.py``); the run comes from
+the env var LAZYCKPT_TEST_SINGLE (JSON: ``mem``, ``disk``, ``per_node``, ``steps``, ``corrupt_step``).
+Rank 0 writes WORKDIR/state-<step>.pt (torch.save, the state each save was given) as the reference.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import _worker
+import lazyckpt
+from _util import assert_same
+from lazyckpt import LazyCheckpointer, Level
+
+ARGS = _worker.parse_argv()
+SCENARIO, RANK, WORLD, PORT, WORKDIR = ARGS
+RESULT: dict = {"ok": True}
+CONFIG = json.loads(os.environ.get("LAZYCKPT_TEST_SINGLE", "{}"))
+
+
+def node() -> int:
+    return RANK // CONFIG.get("per_node", 1)
+
+
+def levels() -> list[Level]:
+    return [
+        Level(os.path.join(CONFIG["mem"], f"node{node()}"), every=1, keep=2, replicas=1),
+        Level(CONFIG["disk"], every=3, keep=2),
+    ]
+
+
+def state_at(step: int) -> dict:
+    """What every rank holds after ``step`` steps (DDP: the same everywhere)."""
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(256, 256, generator=g), "m": torch.randn(4096, generator=g), "step": step}
+
+
+def scenario_train() -> None:
+    """Every rank builds the checkpointer; rank 0 saves steps 1..steps; a corrupt_step's file is
+    damaged on rank 0 right after its commit, before its copy is sent (the window forced)."""
+    from lazyckpt.levels import _single
+
+    if RANK == 0 and CONFIG.get("corrupt_step"):
+        real = _single.SingleWriter.submit
+
+        def submit(self, step, path):
+            if step == CONFIG["corrupt_step"]:
+                with open(path, "r+b") as f:  # a byte of the first tensor's data (well inside the file)
+                    f.seek(os.path.getsize(path) // 3)
+                    byte = f.read(1)
+                    f.seek(-1, 1)
+                    f.write(bytes([byte[0] ^ 0xFF]))
+            return real(self, step, path)
+
+        _single.SingleWriter.submit = submit
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with LazyCheckpointer(levels=levels(), writer_threads=2) as ckpt:
+            if RANK == 0:
+                for step in range(1, CONFIG["steps"] + 1):
+                    state = state_at(step)
+                    torch.save(state, os.path.join(WORKDIR, f"state-{step}.pt"))
+                    ckpt.save(state, step=step).wait()
+                ckpt.wait()
+            else:
+                try:
+                    ckpt.save(state_at(1), step=1)
+                except lazyckpt.SaveRefusedError as exc:
+                    RESULT["refused"] = str(exc)
+            dist.barrier()
+        single = ckpt._levels._single  # noqa: SLF001 - the test reads the replication stats
+        RESULT["stats"] = {  # after close(): a holder's ends with the writer's bye
+            "steps": single.stats.steps_replicated,
+            "sent": single.stats.bytes_sent,
+            "received": single.stats.bytes_received,
+            "not_replicated": sorted(single.stats.not_replicated),
+        }
+    RESULT["warnings"] = [f"{w.category.__name__}: {w.message}" for w in seen if "lazyckpt" in str(w.message)]
+
+
+def scenario_restart() -> None:
+    """A fresh job: ``latest(levels)`` on every rank (collective), then the state loaded exactly."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        found = lazyckpt.latest(levels())
+    RESULT["warnings"] = [str(w.message) for w in seen]
+    assert found is not None, "nothing found"
+    RESULT["found"] = {"step": found.step, "level": found.level, "path": found.path}
+    assert_same(lazyckpt.load(found), torch.load(os.path.join(WORKDIR, f"state-{found.step}.pt")))
+    RESULT["restored"] = True
+
+
+def init() -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=PORT)
+    dist.init_process_group("gloo", rank=RANK, world_size=WORLD, timeout=timedelta(seconds=60))
+
+
+if __name__ == "__main__":
+    _worker.run(ARGS, globals(), RESULT, init)

@@ -1,0 +1,80 @@
+"""Node loss when ONE rank writes (DDP: ``LazyCheckpointer(levels=)`` built on every rank, global
+rank 0 saving; ``Level(replicas=1)`` on the node-local memory level): 4 gloo ranks as 2 nodes
+(``per_node`` ranks share one /dev/shm folder). Every committed file is copied into the next node's
+memory folder under its own name; at a restart ``latest()`` (collective) gives every node the
+newest step some node holds, and every rank loads it exactly (``tests/distributed_scripts/single_worker.py``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available():
+    pytest.skip("torch.distributed unavailable", allow_module_level=True)
+
+import _launch  # noqa: E402
+
+WORKER = Path(__file__).resolve().parent / "distributed_scripts" / "single_worker.py"
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+@pytest.fixture
+def run(tmp_path, monkeypatch, mem):
+    config = {"mem": mem, "disk": str(tmp_path / "disk"), "per_node": 2, "steps": 5}
+
+    def go(scenario: str, world: int = 4, **extra):
+        monkeypatch.setenv("LAZYCKPT_TEST_SINGLE", json.dumps({**config, **extra}))
+        results = _launch.launch(WORKER, scenario, world, tmp_path, timeout=180)
+        for r, res in enumerate(results):
+            assert res["ok"], f"rank {r}: {res.get('traceback') or res.get('error')}"
+        return results
+
+    go.mem = Path(mem)  # type: ignore[attr-defined]
+    return go
+
+
+def _steps(folder: Path) -> list[int]:
+    return sorted(int(n[5:13]) for n in os.listdir(folder) if n.startswith("step-") and n.endswith(".pt"))
+
+
+def _wipe(folder: Path) -> None:
+    shutil.rmtree(folder)
+    folder.mkdir()  # a replaced node: the folder is there, empty
+
+
+def test_rank_zeros_files_reach_the_next_node_and_a_wiped_node_gets_them_back(run):
+    """Rank 0 saves 5 steps: node 1's folder holds steps 4 and 5 too (keep=2), whole; another
+    rank's save is refused. Node 0 wiped: every rank agrees on step 5 from its own node's folder
+    (node 0's got it back from node 1) and loads it exactly. Both wiped: step 3 from disk."""
+    results = run("train")
+    assert results[0]["stats"]["steps"] == 5 and not results[0]["stats"]["not_replicated"], results[0]
+    assert results[2]["stats"]["received"] == results[0]["stats"]["sent"] > 0
+    assert all("global rank 0 alone saves" in res["refused"] for res in results[1:])
+    assert not any(res["warnings"] for res in results), [res["warnings"] for res in results]
+    assert _steps(run.mem / "node0") == _steps(run.mem / "node1") == [4, 5]
+    assert not [n for n in os.listdir(run.mem / "node1") if n.endswith(".tmp")]
+    _wipe(run.mem / "node0")
+    back = run("restart")
+    for r, res in enumerate(back):
+        assert res["found"] == {"step": 5, "level": 0, "path": str(run.mem / f"node{r // 2}" / "step-00000005.pt")}
+        assert res["restored"]
+    _wipe(run.mem / "node0")
+    _wipe(run.mem / "node1")
+    back = run("restart")
+    assert [(res["found"]["step"], res["found"]["level"]) for res in back] == [(3, 1)] * 4, back
+
+
+def test_a_primary_corrupted_after_its_commit_is_refused_by_the_holder(run):
+    """Rank 0's file of step 4 is damaged after its commit, before it is sent (forced): node 1
+    refuses it (the zip's CRC32s are the primary's), step 4 is recorded as not replicated with one
+    ReplicationWarning, and node 1 never holds a step-4 file; step 5 is replicated as usual."""
+    results = run("train", corrupt_step=4)
+    assert results[0]["stats"]["not_replicated"] == [4], results[0]["stats"]
+    assert results[0]["stats"]["steps"] == 4
+    assert [w for w in results[0]["warnings"] if w.startswith("ReplicationWarning")], results[0]["warnings"]
+    assert _steps(run.mem / "node1") == [3, 5]
