@@ -27,11 +27,11 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:Us
 def run(tmp_path, monkeypatch, mem):
     config = {"mem": mem, "disk": str(tmp_path / "disk"), "per_node": 2, "steps": 5}
 
-    def go(scenario: str, world: int = 4, **extra):
+    def go(scenario: str, world: int = 4, expect_dead: tuple[int, ...] = (), **extra):
         monkeypatch.setenv("LAZYCKPT_TEST_SINGLE", json.dumps({**config, **extra}))
-        results = _launch.launch(WORKER, scenario, world, tmp_path, timeout=180)
+        results = _launch.launch(WORKER, scenario, world, tmp_path, timeout=180, expect_dead=expect_dead)
         for r, res in enumerate(results):
-            assert res["ok"], f"rank {r}: {res.get('traceback') or res.get('error')}"
+            assert r in expect_dead or res["ok"], f"rank {r}: {res.get('traceback') or res.get('error')}"
         return results
 
     go.mem = Path(mem)  # type: ignore[attr-defined]
@@ -78,3 +78,16 @@ def test_a_primary_corrupted_after_its_commit_is_refused_by_the_holder(run):
     assert results[0]["stats"]["steps"] == 4
     assert [w for w in results[0]["warnings"] if w.startswith("ReplicationWarning")], results[0]["warnings"]
     assert _steps(run.mem / "node1") == [3, 5]
+
+
+def test_the_writer_killed_while_sending_leaves_no_file_behind_and_the_restart_agrees(run):
+    """Rank 0 dies as it starts sending step 4 (the holder had made its temporary file): the
+    others stop with a typed error, node 1 holds steps 2 and 3 and no temporary file; with node 0
+    replaced, every rank resumes from step 3, node 0's folder given it back from node 1."""
+    results = run("train_kill", expect_dead=(0,), kill_step=4)
+    assert all(res["stopped_by"] for res in results[1:]), results
+    names = os.listdir(run.mem / "node1")
+    assert _steps(run.mem / "node1") == [2, 3] and not [n for n in names if n.endswith(".tmp")], names
+    _wipe(run.mem / "node0")
+    back = run("restart")
+    assert [(res["found"]["step"], res["found"]["level"]) for res in back] == [(3, 0)] * 4, back

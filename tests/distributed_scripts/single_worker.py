@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import warnings
 from datetime import timedelta
 
@@ -87,6 +88,37 @@ def scenario_train() -> None:
             "not_replicated": sorted(single.stats.not_replicated),
         }
     RESULT["warnings"] = [f"{w.category.__name__}: {w.message}" for w in seen if "lazyckpt" in str(w.message)]
+
+
+def scenario_train_kill() -> None:
+    """Rank 0 SIGKILLs itself as it reads its file of step kill_step to send it (the holder has
+    announced the round and made its temporary file); the others stop with a typed error."""
+    from lazyckpt.levels import _wire
+
+    class Dies:
+        def __init__(self, real):
+            self.real, self.name, self.size, self.crc = real, real.name, real.size, real.crc
+
+        @property
+        def fd(self):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        def close(self):
+            self.real.close()
+
+    if RANK == 0:
+        real_run = _wire.Link.run
+
+        def run(self, dst, header, files, src, sink_for):
+            if header and header.get("step") == CONFIG["kill_step"]:
+                files = [Dies(f) for f in files]
+            return real_run(self, dst, header, files, src, sink_for)
+
+        _wire.Link.run = run
+    try:
+        scenario_train()
+    except RuntimeError as exc:  # gloo: the writer is gone
+        RESULT["stopped_by"] = f"{type(exc).__name__}: {exc}"[:500]
 
 
 def scenario_restart() -> None:

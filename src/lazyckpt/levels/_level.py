@@ -49,13 +49,16 @@ class Level:
             (``lazyckpt.load``, ``verify``, ``latest``) or that this process maps are never reused.
             False: always delete (another process reading old files with plain ``torch.load``).
         replicas: ``k`` >= 1: every committed step of this level is also held in the memory of
-            ``k`` other nodes (``DistributedCheckpointer`` levels only; the level must be node-local:
-            a folder the construction's probe finds shared by one node's ranks only). Ring order
-            over nodes: node ``g`` sends to nodes ``g+1 .. g+k``, each rank its own files to the
+            ``k`` other nodes (the level must be node-local: a folder the construction's probe
+            finds shared by one node's ranks only). ``DistributedCheckpointer`` levels: ring order
+            over nodes, node ``g`` sends to nodes ``g+1 .. g+k``, each rank its own files to the
             same local rank there (``<level>/replicas/node-<g>/step-<n>``), in the background, on
-            a gloo group of its own; ``keep`` applies to the replicas too. ``latest()`` restores a
-            node's copy from a peer's replica (CRC-checked against the primary's CRCs) when its
-            own is gone. See docs/ARCHITECTURE.md, "Node loss".
+            a gloo group of its own; ``latest()`` restores a node's copy from a peer's replica
+            (CRC-checked against the primary's CRCs) when its own is gone. ``LazyCheckpointer``
+            levels in a torch.distributed job (built on every rank, global rank 0 saving: DDP):
+            rank 0's files are copied into the next ``k`` nodes' folders under their own names,
+            and ``latest()`` gives every node the newest step any node holds. ``keep`` applies to
+            the copies too. See docs/ARCHITECTURE.md, "Node loss".
     """
 
     path: str

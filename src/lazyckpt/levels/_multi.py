@@ -55,13 +55,14 @@ def check_levels(levels: tuple[Any, ...]) -> None:
 
 
 def refuse_replicas(levels: tuple[Any, ...], who: str) -> None:
-    """``ValueError`` for a level with ``replicas`` given to a saver that cannot replicate (one
-    process's files or folders: peers' memory needs the ranks of a ``DistributedCheckpointer``)."""
+    """``ValueError`` for a level with ``replicas`` given to a saver that cannot replicate (a saver
+    made on one process only: peers' memory needs a checkpointer on every rank)."""
     for i, level in enumerate(levels):
         if getattr(level, "replicas", 0):
             raise ValueError(
                 f"level {i} ({level.path}): replicas={level.replicas} needs torch.distributed and a "
-                f"node-local level of a lazyckpt.distributed.DistributedCheckpointer; {who} saves from one "
+                "node-local level of a checkpointer built on every rank (lazyckpt.distributed."
+                f"DistributedCheckpointer, or LazyCheckpointer(levels=) saved by rank 0); {who} saves from one "
                 "process and cannot hold copies in peers' memory (use replicas=0 here)"
             )
 

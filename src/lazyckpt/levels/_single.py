@@ -83,8 +83,8 @@ class _Job:
 
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
             raise ValueError(
-                f"level {index} ({levels[index].path}): replicas={levels[index].replicas} needs a torch.distributed "
-                "job of several nodes (init_process_group before the checkpointer is built, on every rank)"
+                f"level {index} ({levels[index].path}): replicas={levels[index].replicas} needs torch.distributed: "
+                "a job of several nodes (init_process_group before the checkpointer is built, on every rank)"
             )
         self.dist = dist
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -263,11 +263,8 @@ class SingleWriter:
                 return
 
     def _receive(self, step: int) -> bool:
-        def sink_for(head: dict[str, Any]) -> Sink:
-            return Sink(self.level.path, head, self.fsync, None, check=_check_file)
-
         try:
-            _, sink = self._link.run(None, None, [], 0, sink_for)
+            _, sink = _received(self._link, 0, self.level.path, self.fsync)
         except Exception as exc:  # noqa: BLE001
             logger.warning("lazyckpt: the copy of step %d from rank 0 failed: %s; no more copies here", step, exc)
             return False
@@ -317,7 +314,7 @@ def restore_files(levels: Sequence[Level], index: int, timeout: float, fsync: bo
                         for f in files:
                             f.close()
                 elif job.rank == dst:
-                    link.run(None, None, [], src, lambda head: Sink(level.path, head, fsync, None, check=_check_file))
+                    _received(link, src, level.path, fsync)
             except Exception as exc:  # noqa: BLE001 - that node goes without: latest() then agrees lower
                 logger.warning("lazyckpt.latest: step %d to node %d from node %d failed: %s", newest, node, holder, exc)
     job.gather(None)  # every node's folder is settled before any rank reads its own
@@ -339,6 +336,23 @@ def files_of_one_writer(listings: dict[int, dict[int, str]], is_dcp: Any, timeou
     dist.all_gather_object(out, mine, group=group)
     dist.destroy_process_group(group)
     return "files" in out and "dcp" not in out
+
+
+def _received(link: Link, src: int, folder: str, fsync: bool) -> tuple[int | None, Sink | None]:
+    """One round receiving ``src``'s file into ``folder`` (checked before its rename); a round that
+    fails mid-file leaves no temporary file."""
+    made: list[Sink] = []
+
+    def sink_for(head: dict[str, Any]) -> Sink:
+        made.append(Sink(folder, head, fsync, None, check=_check_file))
+        return made[-1]
+
+    try:
+        return link.run(None, None, [], src, sink_for)
+    except BaseException:
+        for sink in made:
+            sink.abandon()
+        raise
 
 
 def _intact(path: str) -> bool:

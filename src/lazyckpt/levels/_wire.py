@@ -128,6 +128,13 @@ class Sink:
                 self.error = exc
         _fs.discard(self._tmp)
 
+    def abandon(self) -> None:
+        """The round failed mid-file (the sender died): no temporary file is left behind."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+            _fs.discard(self._tmp)
+
     def commit(self) -> int:
         """The acknowledgment: the index written (``index_name``) when every file came whole."""
         if self.error is None and self.index_name is not None:
