@@ -131,6 +131,7 @@ def scenario_restart() -> None:
     RESULT["found"] = {"step": found.step, "level": found.level, "path": found.path}
     assert_same(lazyckpt.load(found), torch.load(os.path.join(WORKDIR, f"state-{found.step}.pt")))
     RESULT["restored"] = True
+    dist.barrier()  # rank 0 hosts the store: it must not exit while the others still read it
 
 
 def init() -> None:

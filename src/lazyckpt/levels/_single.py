@@ -46,12 +46,14 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
+from lazyckpt.storage import spare as _spare
+
 from ..errors import ReplicationError, ReplicationWarning
 from ._collective import StoreExchange
 from ._level import Level, list_steps
 from ._replica import ReplicationStats, Ring
 from ._topology import probe
-from ._wire import CRC_MISMATCH, OK, Link, OutFile, Sink, header_of, open_files
+from ._wire import CRC_MISMATCH, OK, Link, OutFile, Sink, crc_of, header_of
 
 logger = logging.getLogger(__name__)
 
@@ -75,29 +77,36 @@ def _check_file(path: str) -> None:
         raise OSError(5, "; ".join(report.problems))
 
 
+def _in_job() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 class _Job:
-    """The job's view for one replicated level: a gloo group of our own, the probe, the ring."""
+    """The job's view for one replicated level: the probe and the ring, agreed through the c10d
+    store (``StoreExchange``: no sockets to close under a rank still reading); ``group()``, a gloo
+    group of our own for the transfers (collective: every rank calls it, or none)."""
 
     def __init__(self, levels: Sequence[Level], index: int, timeout: float) -> None:
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        if not _in_job():
             raise ValueError(
                 f"level {index} ({levels[index].path}): replicas={levels[index].replicas} needs torch.distributed: "
                 "a job of several nodes (init_process_group before the checkpointer is built, on every rank)"
             )
-        self.dist = dist
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+        self.timeout = timeout
+        self.exchange = StoreExchange.default(timeout)
+        self.rank, self.world = self.exchange.rank, self.exchange.world
+        self.gather = self.exchange.all_gather
         self.token = str(self.gather(uuid.uuid4().hex if self.rank == 0 else None)[0])
         scope = probe([levels[index]], self.token, self.rank, self.world, self.gather)[0]
         self.ring = Ring.of(index, levels[index], scope, self.rank)
         self.leaders = [g[0] for g in self.ring.groups]
 
-    def gather(self, value: Any) -> list[Any]:
-        out: list[Any] = [None] * self.world
-        self.dist.all_gather_object(out, value, group=self.group)
-        return out
+    def group(self) -> Any:
+        import torch.distributed as dist
+
+        return dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout))
 
 
 class SingleWriter:
@@ -106,7 +115,7 @@ class SingleWriter:
     def __init__(self, levels: Sequence[Level], index: int, fsync: bool, timeout: float = 60.0) -> None:
         self.levels, self.index, self.level, self.fsync, self.timeout = levels, index, levels[index], fsync, timeout
         job = _Job(levels, index, timeout)
-        self.rank, self.group = job.rank, job.group
+        self.rank, self.group = job.rank, job.group()
         ring = job.ring
         writer = ring.node_of(0)
         n = len(ring.groups)
@@ -135,9 +144,11 @@ class SingleWriter:
     # -- the writer -------------------------------------------------------------------------------
 
     def submit(self, step: int, path: str) -> None:
-        """``path`` (level ``index``'s committed file of ``step``) to the holders: opened now, queued."""
+        """``path`` (level ``index``'s committed file of ``step``) to the holders: opened and
+        share-locked now (the memory level never reuses the pages of a file it still has to send),
+        queued; its CRC32 is read on the sending thread."""
         try:
-            files = open_files(os.path.dirname(path), [(os.path.basename(path), None)])
+            files = [_open_locked(path)]
         except OSError as exc:
             for holder in self.holders:
                 self._failed(step, holder, exc.errno, f"cannot read the committed file: {exc}")
@@ -200,6 +211,9 @@ class SingleWriter:
 
     def _send(self, step: int, files: list[OutFile]) -> None:
         whole = True
+        for f in files:
+            if f.crc < 0:
+                f.crc = crc_of(f.fd, f.size)
         for holder in self.holders:
             if holder in self._broken:
                 self._failed(step, holder, None, f"rank {holder}'s pair failed earlier")
@@ -298,16 +312,18 @@ def restore_files(levels: Sequence[Level], index: int, timeout: float, fsync: bo
     everyone = job.gather(mine)
     held = {node: set(everyone[leader] or []) for node, leader in enumerate(job.leaders)}
     newest = max((s for steps in held.values() for s in steps), default=None)
-    if newest is not None:
+    plan = [] if newest is None else [node for node in range(len(ring.groups)) if newest not in held[node]]
+    if plan:
+        assert newest is not None
         holder = next(node for node in range(len(ring.groups)) if newest in held[node])
-        link = Link(job.group)
-        for node in range(len(ring.groups)):
-            if newest in held[node]:
-                continue
+        group = job.group()
+        link = Link(group)
+        for node in plan:
             src, dst = job.leaders[holder], job.leaders[node]
             try:
                 if job.rank == src:
-                    files = open_files(level.path, [(os.path.basename(level.file(newest)), None)])
+                    files = [_open_locked(level.file(newest))]
+                    files[0].crc = crc_of(files[0].fd, files[0].size)
                     try:
                         link.run(dst, header_of(files, step=newest), files, None, None)
                     finally:
@@ -317,24 +333,25 @@ def restore_files(levels: Sequence[Level], index: int, timeout: float, fsync: bo
                     _received(link, src, level.path, fsync)
             except Exception as exc:  # noqa: BLE001 - that node goes without: latest() then agrees lower
                 logger.warning("lazyckpt.latest: step %d to node %d from node %d failed: %s", newest, node, holder, exc)
-    job.gather(None)  # every node's folder is settled before any rank reads its own
-    job.dist.destroy_process_group(job.group)
+        job.gather(None)  # every round is over on every rank (and every folder settled): the group is unused
+        _destroy(group)
+
+
+def _destroy(group: Any) -> None:
+    import torch.distributed as dist
+
+    dist.destroy_process_group(group)
 
 
 def files_of_one_writer(listings: dict[int, dict[int, str]], is_dcp: Any, timeout: float) -> bool:
     """Collective in a job (torch.distributed initialized, several ranks), False outside one:
     whether the levels hold one writer's files (some rank lists a file checkpoint, none a DCP
     folder), agreed by every rank: a rank whose folders are empty decides as the others do."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+    if not _in_job():
         return False
     paths = [p for steps in listings.values() for p in steps.values()]
     mine = "dcp" if any(is_dcp(p) for p in paths) else "files" if paths else "none"
-    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=min(timeout, 60.0)))
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, mine, group=group)
-    dist.destroy_process_group(group)
+    out = StoreExchange.default(timeout).all_gather(mine)
     return "files" in out and "dcp" not in out
 
 
@@ -355,6 +372,18 @@ def _received(link: Link, src: int, folder: str, fsync: bool) -> tuple[int | Non
         raise
 
 
+def _open_locked(path: str) -> OutFile:
+    """``path`` open for sending, share-locked on a memory filesystem (``storage/spare.py``: its
+    pages are not reused while the descriptor is open); its CRC32 not read yet (-1)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        _spare.share_lock(fd, path)
+        return OutFile(os.path.basename(path), fd, os.fstat(fd).st_size, -1)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def _intact(path: str) -> bool:
     try:
         _check_file(path)
@@ -365,12 +394,7 @@ def _intact(path: str) -> bool:
 
 def agree(step: int | None, timeout: float) -> None:
     """``RuntimeError`` unless every rank of the job found the same step (never a silent divergence)."""
-    import torch.distributed as dist
-
-    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, step, group=group)
-    dist.destroy_process_group(group)
+    out = StoreExchange.default(timeout).all_gather(step)
     if len(set(out)) > 1:
         raise RuntimeError(
             f"lazyckpt.latest: the ranks found different steps ({dict(enumerate(out))}) in a level with replicas: "

@@ -43,7 +43,7 @@ def open_files(folder: str, files: Sequence[tuple[str, int | None]]) -> list[Out
             fd = os.open(os.path.join(folder, name), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
             size = os.fstat(fd).st_size
             out.append(OutFile(name, fd, size, 0))
-            out[-1].crc = _crc_of(fd, size) if want is None else int(want)
+            out[-1].crc = crc_of(fd, size) if want is None else int(want)
     except BaseException:
         for f in out:
             f.close()
@@ -51,7 +51,8 @@ def open_files(folder: str, files: Sequence[tuple[str, int | None]]) -> list[Out
     return out
 
 
-def _crc_of(fd: int, size: int) -> int:
+def crc_of(fd: int, size: int) -> int:
+    """CRC32 of the ``size`` bytes of the open file ``fd``."""
     crc, offset = 0, 0
     while offset < size:
         data = os.pread(fd, min(CHUNK, size - offset), offset)
