@@ -23,6 +23,7 @@ checkpointer is used through its public methods only (``save``, ``remove``, ``wa
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -167,7 +168,9 @@ class MultiLevel:
             return not_due(step, t0)
         if not self._memory_checked and nbytes is not None:
             self._memory_checked = True
-            _copy.check_memory(self.levels, nbytes())
+            # one writer: its node holds its own steps only (the copies are in other nodes' memory)
+            own = tuple(dataclasses.replace(lv, replicas=0) for lv in self.levels)
+            _copy.check_memory(own, nbytes())
         first = due[0] if not self.levels[due[0]].is_url else None
         targets = due[1:] if first is not None else due
         skip = self.options.on_backpressure == "skip"
