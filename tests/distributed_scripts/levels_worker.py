@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 import _worker
 import lazyckpt
-from _util import assert_same, fsdp_model, full_dump, rank_step
+from _util import DiesOnRead, assert_same, fsdp_model, full_dump, rank_step
 from lazyckpt import Level
 from lazyckpt.distributed import DistributedCheckpointer, DistributedLevelError
 
@@ -378,23 +378,12 @@ def scenario_replicate_kill_sending() -> None:
     the window where a half part lies in node 0's replica folder. The others stop with a typed error."""
     from lazyckpt.levels import _wire
 
-    class Dies:
-        def __init__(self, real):
-            self.real, self.name, self.size, self.crc = real, real.name, real.size, real.crc
-
-        @property
-        def fd(self):
-            os.kill(os.getpid(), signal.SIGKILL)
-
-        def close(self):
-            self.real.close()
-
     if RANK == 2:
         real_run = _wire.Link.run
 
         def run(self, dst, header, files, src, sink_for):
             if header and header.get("step") == CONFIG["kill_step"] and len(files) >= 2:
-                files = [files[0], Dies(files[1]), *files[2:]]
+                files = [files[0], DiesOnRead(files[1]), *files[2:]]
             return real_run(self, dst, header, files, src, sink_for)
 
         _wire.Link.run = run

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import warnings
 from datetime import timedelta
 
@@ -21,7 +20,7 @@ import torch.distributed as dist
 
 import _worker
 import lazyckpt
-from _util import assert_same
+from _util import DiesOnRead, assert_same
 from lazyckpt import LazyCheckpointer, Level
 
 ARGS = _worker.parse_argv()
@@ -95,23 +94,12 @@ def scenario_train_kill() -> None:
     announced the round and made its temporary file); the others stop with a typed error."""
     from lazyckpt.levels import _wire
 
-    class Dies:
-        def __init__(self, real):
-            self.real, self.name, self.size, self.crc = real, real.name, real.size, real.crc
-
-        @property
-        def fd(self):
-            os.kill(os.getpid(), signal.SIGKILL)
-
-        def close(self):
-            self.real.close()
-
     if RANK == 0:
         real_run = _wire.Link.run
 
         def run(self, dst, header, files, src, sink_for):
             if header and header.get("step") == CONFIG["kill_step"]:
-                files = [Dies(f) for f in files]
+                files = [DiesOnRead(f) for f in files]
             return real_run(self, dst, header, files, src, sink_for)
 
         _wire.Link.run = run

@@ -56,8 +56,12 @@ class Preread:
         """Free what was read ahead for ``path`` (its ``Found`` then holds nothing)."""
         held = cls.registered(path)
         if held is not None:
-            with held._lock:
-                held._storages = None
+            held.drop()
+
+    def drop(self) -> None:
+        """Free the storages (a ``take`` after this gets None)."""
+        with self._lock:
+            self._storages = None
 
 
 def _nothing() -> None:

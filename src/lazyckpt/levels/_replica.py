@@ -147,6 +147,20 @@ class ReplicationStats:
     not_replicated: dict[int, ReplicationError] = field(default_factory=dict)
 
 
+def warn_once(warned: set[int], partner: int, err: ReplicationError) -> None:
+    """A ``ReplicationWarning`` for ``err``, once per ``partner`` until a step reaches it again
+    (the caller discards it from ``warned`` then); logged otherwise. Called on a replication
+    thread: under ``-W error`` the warning must not end the round."""
+    if partner in warned:
+        logger.info("%s", err)
+        return
+    warned.add(partner)
+    try:
+        warnings.warn(f"{err} (warned once per partner until a step reaches it again)", ReplicationWarning, 3)
+    except Exception:  # noqa: BLE001
+        logger.warning("%s", err)
+
+
 class Replicator:
     """The save side (see the module docstring): one thread, one gloo group, one replicated level."""
 
@@ -274,14 +288,7 @@ class Replicator:
             item.index, level.path, item.step, level.folder(item.step), errno=code, partner=partner,
         )  # fmt: skip
         self.stats.not_replicated[item.step] = err
-        if partner in self._warned:
-            logger.info("%s", err)
-            return
-        self._warned.add(partner)
-        try:  # on the replication thread: under -W error the warning must not end the round
-            warnings.warn(f"{err} (warned once per partner until a step reaches it again)", ReplicationWarning, 2)
-        except Exception:  # noqa: BLE001
-            logger.warning("%s", err)
+        warn_once(self._warned, partner, err)
 
     def _retain(self, index: int, node: int, step: int) -> None:
         """``keep`` on the replicas of ``node`` held here (this node's first rank): the steps older

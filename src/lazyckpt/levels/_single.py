@@ -40,7 +40,6 @@ import logging
 import os
 import threading
 import uuid
-import warnings
 from collections import deque
 from collections.abc import Sequence
 from datetime import timedelta
@@ -48,10 +47,10 @@ from typing import Any
 
 from lazyckpt.storage import spare as _spare
 
-from ..errors import ReplicationError, ReplicationWarning
+from ..errors import ReplicationError
 from ._collective import StoreExchange
 from ._level import Level, list_steps
-from ._replica import ReplicationStats, Ring
+from ._replica import ReplicationStats, Ring, warn_once
 from ._topology import probe
 from ._wire import CRC_MISMATCH, OK, Link, OutFile, Sink, crc_of, header_of
 
@@ -246,14 +245,7 @@ class SingleWriter:
             self.index, level.path, step, level.file(step), errno=code, partner=holder,
         )  # fmt: skip
         self.stats.not_replicated[step] = err
-        if holder in self._warned:
-            logger.info("%s", err)
-            return
-        self._warned.add(holder)
-        try:  # on the replication thread: under -W error the warning must not end the round
-            warnings.warn(f"{err} (warned once per holder until a step reaches it again)", ReplicationWarning, 2)
-        except Exception:  # noqa: BLE001
-            logger.warning("%s", err)
+        warn_once(self._warned, holder, err)
 
     # -- a holder ---------------------------------------------------------------------------------
 
