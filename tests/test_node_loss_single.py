@@ -91,3 +91,14 @@ def test_the_writer_killed_while_sending_leaves_no_file_behind_and_the_restart_a
     _wipe(run.mem / "node0")
     back = run("restart")
     assert [(res["found"]["step"], res["found"]["level"]) for res in back] == [(3, 0)] * 4, back
+
+
+def test_copies_behind_by_the_levels_backlog_skip_the_step_instead_of_waiting(run):
+    """The sending held (forced) while rank 0 saves 5 steps: steps 1 and 2 wait (backlog=2: one in
+    flight, one queued), 3, 4, 5 are recorded as not replicated at once (no save waits, memory stays
+    bounded); once released, node 1 holds steps 1 and 2."""
+    results = run("train_slow")
+    assert results[0]["stats"]["not_replicated"] == [3, 4, 5], results[0]["stats"]
+    assert results[0]["stats"]["steps"] == 2
+    assert len([w for w in results[0]["warnings"] if w.startswith("ReplicationWarning")]) == 1
+    assert _steps(run.mem / "node1") == [1, 2]

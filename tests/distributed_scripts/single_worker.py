@@ -72,6 +72,8 @@ def scenario_train() -> None:
                     state = state_at(step)
                     torch.save(state, os.path.join(WORKDIR, f"state-{step}.pt"))
                     ckpt.save(state, step=step).wait()
+                for release in RELEASE:
+                    release()
                 ckpt.wait()
             else:
                 try:
@@ -107,6 +109,29 @@ def scenario_train_kill() -> None:
         scenario_train()
     except RuntimeError as exc:  # gloo: the writer is gone
         RESULT["stopped_by"] = f"{type(exc).__name__}: {exc}"[:500]
+
+
+def scenario_train_slow() -> None:
+    """Rank 0's sending is held until every save is made (forced): with backlog=2, steps 1 and 2
+    wait (one in flight, one queued), steps 3..5 go without copies; then it is released."""
+    import threading
+
+    from lazyckpt.levels import _wire
+
+    gate = threading.Event()
+    if RANK == 0:
+        real_run = _wire.Link.run
+
+        def run(self, dst, header, files, src, sink_for):
+            gate.wait(120)
+            return real_run(self, dst, header, files, src, sink_for)
+
+        _wire.Link.run = run
+    RELEASE.append(gate.set)
+    scenario_train()
+
+
+RELEASE: list = []  # called by scenario_train once its saves are made
 
 
 def scenario_restart() -> None:

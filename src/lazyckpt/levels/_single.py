@@ -145,7 +145,16 @@ class SingleWriter:
     def submit(self, step: int, path: str) -> None:
         """``path`` (level ``index``'s committed file of ``step``) to the holders: opened and
         share-locked now (the memory level never reuses the pages of a file it still has to send),
-        queued; its CRC32 is read on the sending thread."""
+        queued; its CRC32 is read on the sending thread. With the level's ``backlog`` of steps
+        already waiting or in flight, the step is recorded as not replicated instead (memory stays
+        bounded: each queued file keeps its pages)."""
+        with self._cond:
+            behind = self._queued >= self.level.backlog
+        if behind:  # never wait here (the core's callback thread): the step goes without copies
+            for holder in self.holders:
+                why = f"the copies are {self.level.backlog} steps behind (the level's backlog): skipped"
+                self._failed(step, holder, None, why)
+            return
         try:
             files = [_open_locked(path)]
         except OSError as exc:
