@@ -72,6 +72,8 @@ def scenario_train() -> None:
                     state = state_at(step)
                     torch.save(state, os.path.join(WORKDIR, f"state-{step}.pt"))
                     ckpt.save(state, step=step).wait()
+                    if not RELEASE:  # each step's copy made before the next save: none is behind the backlog
+                        ckpt.wait()
                 for release in RELEASE:
                     release()
                 ckpt.wait()

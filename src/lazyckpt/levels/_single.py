@@ -264,7 +264,10 @@ class SingleWriter:
             key = f"{self.prefix}/{self.rank}/{seq}"
             try:
                 self.store.wait([key], POLL)
-            except Exception:  # noqa: BLE001 - not yet: look again, unless closed
+            except Exception as exc:  # noqa: BLE001 - not yet: look again, unless closed
+                if _unreachable(exc):  # the store (on the writer's host) is gone: nothing more comes
+                    self._bye.set()
+                    return
                 if self._stop.is_set():
                     return
                 continue
@@ -371,6 +374,14 @@ def _received(link: Link, src: int, folder: str, fsync: bool) -> tuple[int | Non
         for sink in made:
             sink.abandon()
         raise
+
+
+def _unreachable(exc: BaseException) -> bool:
+    """A store error that is no timeout: the connection to the store is lost."""
+    import torch.distributed as dist
+
+    network = getattr(dist, "DistNetworkError", None)
+    return network is not None and isinstance(exc, network)
 
 
 def _open_locked(path: str) -> OutFile:
