@@ -421,3 +421,26 @@ def test_declared_frozen_tensor_changed_during_save_fails_loudly(tmp_path, monke
         with pytest.raises(StaleTensorError):
             h.wait()
     assert not (tmp_path / "c.pt").exists()
+
+
+def test_waiting_for_a_save_confirms_the_saves_committed_before_it(tmp_path, monkeypatch):
+    """A thread waiting for its own save must not wait for itself through an earlier save: the
+    committer commits in save order, and a save still read when the caller last called into
+    lazyckpt can be confirmed only on that caller's thread (Lightning's ``OnExceptionCheckpoint``:
+    a save outside ``fit`` right after ``ModelCheckpoint``'s, no step between; it hung ~1 in 8 CI
+    runs). Forced: the first save's reads are held through the second ``save()``."""
+    reads_may_run = threading.Event()
+    p = torch.nn.Parameter(torch.ones(1 << 20))
+    opt = torch.optim.SGD([p], lr=0.1)
+    with LazyCheckpointer() as c:
+        c.track(opt)
+        _hold_readers(monkeypatch, reads_may_run)
+        first = c.save({"p": p}, tmp_path / "a.pt")
+        second = c.save({"x": torch.full((1 << 10,), 2.0)}, tmp_path / "b.pt")  # a's copies still held
+        reads_may_run.set()
+        second.wait(20)  # confirms a on this thread; without that, the committer waits on a for ever
+        first.wait(20)
+        with torch.no_grad():
+            p.mul_(3)  # after the waits: the files hold the state at save()
+    assert_same(torch.load(tmp_path / "a.pt")["p"], torch.nn.Parameter(torch.ones(1 << 20)))
+    assert_same(torch.load(tmp_path / "b.pt")["x"], torch.full((1 << 10,), 2.0))

@@ -99,6 +99,8 @@ class Engine:
             "lazyckpt-writer-memory", self._write_item, lazy=True, on_error=_item_failed
         )
         self._committer: Worker[Job] = Worker("lazyckpt-committer", self._commit_one)
+        self._order_lock = threading.Lock()
+        self._uncommitted: list[Job] = []  # in the committer's order (``ahead``)
         self._stopped = False
         self.callbacks = CallbackRunner()  # done-callbacks: never on the committer (they may wait)
 
@@ -106,9 +108,21 @@ class Engine:
 
     def submit(self, job: Job) -> None:
         """Queue a job whose file is open and whose eager sources are staged."""
-        job.settle = self.settle
-        self._committer.submit(job)
+        job.settle, job.ahead = self.settle, self.ahead
+        with self._order_lock:
+            self._uncommitted.append(job)
+        if not self._committer.submit(job):  # stopped (the checkpointer refuses saves before that)
+            with self._order_lock:
+                self._uncommitted.remove(job)
         self._stager.submit(job)
+
+    def ahead(self, job: Job) -> list[Job]:
+        """The jobs the committer takes before ``job`` (in submission order) and has not finished."""
+        with self._order_lock:
+            for i, queued in enumerate(self._uncommitted):
+                if queued is job:
+                    return self._uncommitted[:i]
+        return []
 
     def _queue_write(self, item: Piece | Job) -> None:
         """Hand a piece (or a job to finalise) to its writer: a memory filesystem's file to the one
@@ -421,6 +435,8 @@ class Engine:
             job.fail(write_error(job, "committing", exc))
         finally:
             self._complete(job)
+            with self._order_lock:
+                self._uncommitted.remove(job)
 
     def _commit(self, job: Job) -> None:
         job.wait_committable()  # written, then confirmed on a thread that mutates the tensors, or failed

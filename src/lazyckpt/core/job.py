@@ -175,6 +175,7 @@ class Job:
         self.guard_wait_s = 0.0
         self.live_pieces: list[Piece] = []
         self.settle: Callable[[Job], None] | None = None  # Engine.settle: copy what is not written yet
+        self.ahead: Callable[[Job], list[Job]] | None = None  # Engine.ahead: the jobs committed before it
         self.completion.bind(settle=self._settle_for_wait, confirm=self._confirm_for_wait)
 
     def __repr__(self) -> str:
@@ -244,6 +245,7 @@ class Job:
         with self._lock:
             if self.error is None:
                 self.error = exc
+            self._changed.notify_all()  # a wait for its confirmation ends (``_confirm_for_wait``)
 
     def _stale(self, sources: list[Source]) -> StaleTensorError | None:
         for src in sources:
@@ -413,9 +415,19 @@ class Job:
         self._confirm_for_wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def _confirm_for_wait(self, timeout: float | None) -> None:
-        """``handle.wait()`` and the checkpointer's waits: the commit waits for a confirmation."""
-        if self.wait_for(Stage.READ, timeout):
-            self.confirm()
+        """``handle.wait()`` and the checkpointer's waits: the commit waits for a confirmation, and
+        the committer takes one engine's saves in order, so a save made before this one and read
+        until after the caller's last call into lazyckpt holds this commit too. The waiting thread
+        may be the only one that can confirm it (the one that changes the tensors; Lightning's
+        ``OnExceptionCheckpoint`` saves right after ``ModelCheckpoint`` with no step between):
+        confirm those first, in order, then this one."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for job in [*(self.ahead(self) if self.ahead is not None else ()), self]:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            with job._lock:  # read over (confirmable), or failed (needs no confirmation)
+                if not job._changed.wait_for(lambda j=job: j._stage >= Stage.READ or j.error is not None, left):
+                    return
+            job.confirm()
 
     # -- the file ---------------------------------------------------------------------------------
 
