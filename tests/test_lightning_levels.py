@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,7 +20,7 @@ import torch  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 import lazyckpt  # noqa: E402
-from _launch import rank_env, run_session  # noqa: E402
+from _launch import launch, rank_env, run_session  # noqa: E402
 from lazyckpt import Level, LevelError, SaveRefusedError  # noqa: E402
 from lazyckpt.lightning import LazyCheckpointIO, MultiLevelCheckpoint  # noqa: E402
 from lazyckpt.storage import fs as _fs  # noqa: E402
@@ -321,3 +322,41 @@ def test_ddp_level_error_is_raised_on_every_rank_at_once(tmp_path):
         assert report["raised"] == "LevelError" and report["level"] == 1, report
         assert "level 1" in report["message"] and "No space left" in report["message"]
     assert os.listdir(tmp_path / "disk") == []
+
+
+@pytest.mark.timeout(420)
+def test_ddp_with_replicas_a_lost_nodes_memory_comes_back_from_the_other_node(tmp_path):
+    """Issue 37 items 3-4 through Lightning DDP (rank 0 alone writes single-file checkpoints): 2 ranks
+    standing for 2 nodes, ``Level(mem/node<r>, replicas=1)``. Node 1 holds rank 0's steps; node 0's
+    memory lost, a fresh job's ``latest(levels)`` (collective, before ``fit``) puts step 5 back into
+    node 0's folder and both ranks resume from the memory level exactly; both memories lost: the
+    disk level."""
+    script, env = Path(SCRIPTS) / "levels_replicas.py", {"PYTHONPATH": os.path.dirname(TESTS)}  # + benchmarks/
+    first = launch(script, "first", 2, tmp_path, timeout=300, env=env)
+    assert all(r["global_step"] == 5 and not r.get("warnings") for r in first), first
+    reference = first[0]["reference"]
+    mem = tmp_path / "memr"
+    assert _steps(mem / "node0") == [4, 5] and _steps(mem / "node1") == [4, 5]  # node 1: rank 0's copies
+    for step in (4, 5):
+        assert lazyckpt.verify(mem / "node1" / f"step-{step:08d}.pt").ok
+    shutil.rmtree(mem / "node0")  # node 0 replaced: its memory is empty
+    os.makedirs(mem / "node0")
+    resumed = launch(script, "resume", 2, tmp_path, timeout=300, env=env)
+    for r in resumed:  # from the memory level (node 0: the copy node 1 sent back), exactly
+        assert r["found"] == [5, 0] and r["global_step"] == 10 and r["digest"] == reference, r
+        assert not r.get("warnings"), r
+    assert _steps(mem / "node0") == [9, 10] and _steps(mem / "node1") == [9, 10]
+    for node in ("node0", "node1"):  # both memories lost: the disk level (step 9), never a step some rank lacks
+        shutil.rmtree(mem / node)
+        os.makedirs(mem / node)
+    again = launch(script, "resume", 2, tmp_path, timeout=300, env=env)
+    assert all(r["found"] == [9, 1] and r["digest"] == reference for r in again), again
+
+
+def test_replicas_without_a_distributed_job_are_a_value_error_at_fit(tmp_path):
+    """``replicas`` needs other nodes: one process is refused when the saver is built (fit's setup),
+    before any step."""
+    levels = [Level(str(tmp_path / "mem"), every=1, replicas=1), Level(str(tmp_path / "disk"), every=2)]
+    with pytest.raises(ValueError, match="replicas=1 needs torch.distributed"):
+        _fit(levels, 2)
+    assert not (tmp_path / "mem").exists() or _steps(tmp_path / "mem") == []

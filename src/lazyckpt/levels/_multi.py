@@ -97,7 +97,7 @@ class MultiLevel:
     ) -> None:
         check_levels(levels)
         if not replicate or folder:
-            refuse_replicas(levels, "this saver (Accelerate folders, Lightning single-file checkpoints)")
+            refuse_replicas(levels, "this saver (Accelerate's folders: one node only)")
         from ._single import SingleWriter, replicated_index
 
         replicated = replicated_index(levels)

@@ -60,7 +60,7 @@ class LevelsPlugin(Protocol):
 
     def start_save(self, checkpoint: dict[str, Any], path: str) -> SaveHandle: ...
     def open_checkpointer(self) -> LazyCheckpointer: ...
-    def levels_saver(self, levels: tuple[Level, ...]) -> MultiLevel: ...
+    def levels_saver(self, levels: tuple[Level, ...], replicate: bool = False) -> MultiLevel: ...
     def save_sharded_levels(
         self, strategy: Any, levels: tuple[Level, ...], checkpoint: dict[str, Any], step: int, due: list[int]
     ) -> SaveHandle: ...
@@ -110,16 +110,20 @@ class PluginLevels:
         if shared:  # two savers' retention would delete each other's files
             raise ValueError(f"another MultiLevelCheckpoint of this Trainer already uses {', '.join(shared)}")
 
-    def saver(self, plugin: LevelsPlugin, levels: tuple[Level, ...]) -> MultiLevel:
+    def saver(self, plugin: LevelsPlugin, levels: tuple[Level, ...], replicate: bool = False) -> MultiLevel:
+        """The saver of ``levels``, made at first use. ``replicate``: a level has ``replicas``, every
+        rank calls this (collective: rank 0 the one writer, the next nodes' first ranks hold copies)."""
         with self._lock:
             found = self._savers.get(levels)
             if found is not None:
                 return found
             self._refuse_taken(levels)
-            saver = _PluginSaver(plugin)
-            options = plugin.open_checkpointer().options
-            made = self._savers[levels] = MultiLevel(saver, levels, options, reuse=saver.reuse)
-            return made
+        saver = _PluginSaver(plugin)
+        options = plugin.open_checkpointer().options
+        made = MultiLevel(saver, levels, options, reuse=saver.reuse, replicate=replicate)  # not under the lock
+        with self._lock:
+            self._savers[levels] = made
+        return made
 
     def save_sharded(
         self, options: CheckpointerOptions, strategy: Any, levels: tuple[Level, ...], checkpoint: dict[str, Any],
@@ -202,6 +206,9 @@ class MultiLevelCheckpoint(_Callback):
     of ``fit`` (on every rank at once in a distributed run). ``last_handle`` (global rank 0; every
     rank with a sharded strategy): the newest save's ``LevelsHandle``.
     Resume with stock Lightning: ``trainer.fit(model, ckpt_path=lazyckpt.latest(levels, preload=False).path)``.
+    A level with ``replicas=k`` under DDP: every rank builds the saver at ``setup`` (collective; rank 0
+    still saves alone), the next ``k`` nodes' first ranks hold copies; resume with ``latest()`` called
+    on every rank after ``init_process_group`` and before the Trainer (docs/lightning.md).
     """
 
     def __init__(self, levels: Sequence[Level]) -> None:
@@ -221,6 +228,10 @@ class MultiLevelCheckpoint(_Callback):
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self._io = _runtime_of(trainer) if stage == "fit" else None
         self._sharded = self._io is not None and _sharded.sharded_state_key(trainer.strategy) is not None
+        if self._io is not None and not self._sharded and any(lv.replicas for lv in self.levels):
+            # rank 0 alone saves the full state: every rank builds the saver now (a collective; the
+            # process group is up), the next nodes' first ranks holding rank 0's steps in memory
+            self._io.levels_saver(self.levels, replicate=True)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self._seen = trainer.global_step  # a resumed fit does not save the step it resumed from again

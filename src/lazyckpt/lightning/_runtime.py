@@ -146,10 +146,10 @@ class PluginRuntime:
 
     # -- levels ------------------------------------------------------------------------------------
 
-    def levels_saver(self, levels: tuple[Level, ...]) -> MultiLevel:
+    def levels_saver(self, levels: tuple[Level, ...], replicate: bool = False) -> MultiLevel:
         """``MultiLevelCheckpoint``: the multi-level saver for ``levels`` over this plugin's saves (one
         staging per step); drained by ``wait``/teardown, closed with them."""
-        return self._levels.saver(self, levels)
+        return self._levels.saver(self, levels, replicate)
 
     def save_sharded_levels(
         self, strategy: Any, levels: tuple[Level, ...], checkpoint: dict[str, Any], step: int, due: list[int]

@@ -1,0 +1,77 @@
+"""One rank of the Lightning DDP node-loss test (tests/test_lightning_levels.py), started by the test as
+torchrun would (``LOCAL_RANK`` set: Lightning starts no process), the process group initialized before
+the Trainer is made (Lightning then uses it), so that ``lazyckpt.latest(levels)`` before ``fit`` is the
+collective it is in a job. Each of the 2 ranks stands for a node: its own memory folder
+WORKDIR/memr/node<rank>; strategy="ddp", so global rank 0 alone saves the full state and the other
+node's first rank holds a copy of each step (``Level(..., replicas=1)``).
+
+Usage: levels_replicas.py SCENARIO RANK WORLD PORT WORKDIR (``tests/_worker.py``).
+
+- ``first``: an uninterrupted fit to 10 (its state's digest, every rank), then a fit to 5 with the
+  levels [memr/node<rank> every 1 keep 2 replicas 1, diskr every 3 keep 2].
+- ``resume`` (a fresh job; the test may have emptied node folders): ``found = lazyckpt.latest(levels)``,
+  then a stock resume ``fit(ckpt_path=found.path)`` to 10.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from datetime import timedelta
+
+import _worker
+
+ARGS = _worker.parse_argv()
+os.environ.update(LOCAL_RANK=str(ARGS.rank), NODE_RANK="0", WORLD_SIZE=str(ARGS.world), MASTER_ADDR="127.0.0.1",
+                  MASTER_PORT=ARGS.port)  # fmt: skip
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import lazyckpt  # noqa: E402
+from lazyckpt import Level  # noqa: E402
+from lazyckpt.lightning import LazyCheckpointIO, MultiLevelCheckpoint  # noqa: E402
+from lightning_scripts.levels_gpt import StepGPT, digest, level_trainer, state_of  # noqa: E402
+
+RESULT: dict = {"ok": True}
+STEPS = 10
+
+
+def levels() -> list[Level]:
+    return [
+        Level(os.path.join(ARGS.workdir, "memr", f"node{ARGS.rank}"), every=1, keep=2, replicas=1),
+        Level(os.path.join(ARGS.workdir, "diskr"), every=3, keep=2),
+    ]
+
+
+def fit(steps: int, level_list: list[Level] | None, ckpt_path: str | None = None) -> str:
+    torch.manual_seed(0)
+    callbacks = [MultiLevelCheckpoint(level_list)] if level_list else []
+    trainer = level_trainer(callbacks, [LazyCheckpointIO()], max_steps=steps, devices=2, strategy="ddp",
+                            deterministic=False)  # fmt: skip
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer.fit(StepGPT(batches=8), ckpt_path=ckpt_path)
+    RESULT.setdefault("warnings", []).extend(str(w.message) for w in seen if "lazyckpt" in str(w.message))
+    RESULT["global_step"] = trainer.global_step
+    return digest(state_of(trainer))
+
+
+def scenario_first() -> None:
+    RESULT["reference"] = fit(STEPS, None)
+    fit(5, levels())
+
+
+def scenario_resume() -> None:
+    found = lazyckpt.latest(levels())  # collective: a lost node's memory comes back from its holder
+    RESULT["found"] = None if found is None else [found.step, found.level]
+    RESULT["digest"] = fit(STEPS, levels(), ckpt_path=found.path if found else None)
+
+
+def init() -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ARGS.port}", rank=ARGS.rank,
+                            world_size=ARGS.world, timeout=timedelta(seconds=120))  # fmt: skip
+
+
+if __name__ == "__main__":
+    _worker.run(ARGS, globals(), RESULT, init)
