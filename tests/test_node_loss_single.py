@@ -28,6 +28,7 @@ def run(tmp_path, monkeypatch, mem):
     config = {"mem": mem, "disk": str(tmp_path / "disk"), "per_node": 2, "steps": 5}
 
     def go(scenario: str, world: int = 4, expect_dead: tuple[int, ...] = (), **extra):
+        """``world`` ranks, ``per_node`` (2) of them per node: 4 ranks are 2 nodes, 6 are 3."""
         monkeypatch.setenv("LAZYCKPT_TEST_SINGLE", json.dumps({**config, **extra}))
         results = _launch.launch(WORKER, scenario, world, tmp_path, timeout=180, expect_dead=expect_dead)
         for r, res in enumerate(results):
@@ -67,6 +68,24 @@ def test_rank_zeros_files_reach_the_next_node_and_a_wiped_node_gets_them_back(ru
     _wipe(run.mem / "node1")
     back = run("restart")
     assert [(res["found"]["step"], res["found"]["level"]) for res in back] == [(3, 1)] * 4, back
+
+
+def test_three_nodes_with_two_replicas_two_nodes_lost_come_back_from_the_third(run):
+    """6 ranks as 3 nodes, ``replicas=2``: rank 0's steps are held by both other nodes (each its
+    own copy, received once). Nodes 0 and 1 wiped: node 2 sends step 5 back to both, every rank
+    loads it exactly from its own node's folder."""
+    results = run("train", world=6, replicas=2)
+    stats = results[0]["stats"]
+    assert stats["steps"] == 5 and not stats["not_replicated"], stats
+    assert results[2]["stats"]["received"] == results[4]["stats"]["received"] == stats["sent"] // 2 > 0
+    assert not any(res["warnings"] for res in results), [res["warnings"] for res in results]
+    assert _steps(run.mem / "node0") == _steps(run.mem / "node1") == _steps(run.mem / "node2") == [4, 5]
+    _wipe(run.mem / "node0")
+    _wipe(run.mem / "node1")
+    back = run("restart", world=6, replicas=2)
+    for r, res in enumerate(back):
+        assert res["found"] == {"step": 5, "level": 0, "path": str(run.mem / f"node{r // 2}" / "step-00000005.pt")}
+        assert res["restored"] and not res["warnings"], res
 
 
 def test_a_primary_corrupted_after_its_commit_is_refused_by_the_holder(run):

@@ -4,7 +4,8 @@ every=3, keep=2)])`` built on every rank, global rank 0 alone saves. ``per_node`
 memory folder (standing for a node).
 
 Usage: single_worker.py SCENARIO RANK WORLD PORT WORKDIR (``tests/_worker.py``); the run comes from
-the env var LAZYCKPT_TEST_SINGLE (JSON: ``mem``, ``disk``, ``per_node``, ``steps``, ``corrupt_step``).
+the env var LAZYCKPT_TEST_SINGLE (JSON: ``mem``, ``disk``, ``per_node``, ``steps``, ``corrupt_step``,
+``replicas`` (default 1)).
 Rank 0 writes WORKDIR/state-<step>.pt (torch.save, the state each save was given) as the reference.
 """
 
@@ -35,7 +36,7 @@ def node() -> int:
 
 def levels() -> list[Level]:
     return [
-        Level(os.path.join(CONFIG["mem"], f"node{node()}"), every=1, keep=2, replicas=1),
+        Level(os.path.join(CONFIG["mem"], f"node{node()}"), every=1, keep=2, replicas=CONFIG.get("replicas", 1)),
         Level(CONFIG["disk"], every=3, keep=2),
     ]
 
