@@ -423,11 +423,15 @@ class Job:
         confirm those first, in order, then this one."""
         deadline = None if timeout is None else time.monotonic() + timeout
         for job in [*(self.ahead(self) if self.ahead is not None else ()), self]:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            with job._lock:  # read over (confirmable), or failed (needs no confirmation)
-                if not job._changed.wait_for(lambda j=job: j._stage >= Stage.READ or j.error is not None, left):
-                    return
+            if not job.wait_confirmable(None if deadline is None else max(0.0, deadline - time.monotonic())):
+                return
             job.confirm()
+
+    def wait_confirmable(self, timeout: float | None) -> bool:
+        """Block until nothing reads the tensors any more (READ: ``confirm`` can check them) or the
+        job failed (nothing to confirm); False when ``timeout`` ran out first."""
+        with self._lock:
+            return self._changed.wait_for(lambda: self._stage >= Stage.READ or self.error is not None, timeout)
 
     # -- the file ---------------------------------------------------------------------------------
 

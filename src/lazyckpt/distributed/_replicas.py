@@ -14,7 +14,7 @@ from typing import Any
 import torch.distributed as dist
 
 from lazyckpt.formats.dcp import MANIFEST, METADATA
-from lazyckpt.levels import Level, Replicator, Ring, Scope
+from lazyckpt.levels import Level, Replicator, Ring, Scope, replicated_index
 
 logger = logging.getLogger(__name__)
 
@@ -26,11 +26,10 @@ def replicator_of(
     commit order) on a gloo group of its own (collective: every rank of the checkpointer's
     ``group``); ``ValueError`` alike on every rank for a level that cannot be replicated
     (``Ring.of``: a shared level, too few nodes, unequal nodes). None without replicas."""
-    rings = {i: Ring.of(i, lv, scopes[i], rank) for i, lv in enumerate(levels) if lv.replicas}
-    if not rings:
+    index = replicated_index(levels)
+    if index is None:
         return None
-    if len(rings) > 1:
-        raise ValueError(f"levels {sorted(rings)} both have replicas: give replicas to one level (node memory)")
+    rings = {index: Ring.of(index, levels[index], scopes[index], rank)}
     timeout = timedelta(seconds=max(10.0, min(60.0, commit_timeout)))
     ranks = dist.get_process_group_ranks(group)
     own = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout, use_local_synchronization=True)

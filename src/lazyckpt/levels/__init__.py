@@ -40,6 +40,7 @@ from ._multi import refuse_replicas as refuse_replicas  # noqa: E402
 from ._replica import ReplicationStats as ReplicationStats  # noqa: E402
 from ._replica import Replicator as Replicator  # noqa: E402
 from ._replica import Ring as Ring  # noqa: E402
+from ._replica import replicated_index as replicated_index  # noqa: E402
 from ._runner import Feed as Feed  # noqa: E402
 from ._runner import LevelProducer as LevelProducer  # noqa: E402
 from ._runner import Runner as Runner  # noqa: E402

@@ -27,6 +27,7 @@ from . import _collective, _single
 from ._found import Found, Preread
 from ._level import Level, as_level, list_steps, step_of
 from ._preread import preread
+from ._replica import replicated_index
 from ._restore import restore
 from ._topology import Scope, probe
 
@@ -90,7 +91,7 @@ def latest(
         return latest_agreed(levels, _collective.StoreExchange.default(timeout), storage_options, verify, listings)
     if single:
         entries = [as_level(entry) for entry in levels]
-        index = _single.replicated_index(entries)
+        index = replicated_index(entries)
         assert index is not None
         _single.restore_files(entries, index, min(timeout, 60.0), fsync=False)
         listings = _listings(levels, storage_options)  # a node's folder may have gained the newest step

@@ -98,7 +98,8 @@ class MultiLevel:
         check_levels(levels)
         if not replicate or folder:
             refuse_replicas(levels, "this saver (Accelerate's folders: one node only)")
-        from ._single import SingleWriter, replicated_index
+        from ._replica import replicated_index
+        from ._single import SingleWriter
 
         replicated = replicated_index(levels)
         # collective (every rank builds the checkpointer): rank 0 writes, the next nodes hold copies

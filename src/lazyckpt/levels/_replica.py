@@ -82,6 +82,14 @@ def replica_steps(level: Level, node: int) -> list[int]:
     return sorted(int(m.group(1)) for name in names if (m := FOLDER_RE.match(name)))
 
 
+def replicated_index(levels: Sequence[Level]) -> int | None:
+    """The index of the one level with ``replicas``; None for none; ``ValueError`` for two."""
+    found = [i for i, lv in enumerate(levels) if lv.replicas]
+    if len(found) > 1:
+        raise ValueError(f"levels {found} both have replicas: give replicas to one level (node memory)")
+    return found[0] if found else None
+
+
 @dataclass(frozen=True)
 class Ring:
     """Who sends one replicated level's files to whom (see the module docstring)."""

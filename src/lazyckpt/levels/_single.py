@@ -45,26 +45,16 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
-from lazyckpt.storage import spare as _spare
-
 from ..errors import ReplicationError
 from ._collective import StoreExchange
 from ._level import Level, list_steps
 from ._replica import ReplicationStats, Ring, warn_once
 from ._topology import probe
-from ._wire import CRC_MISMATCH, OK, Link, OutFile, Sink, crc_of, header_of
+from ._wire import CRC_MISMATCH, LATER, OK, Link, OutFile, Sink, crc_of, header_of, open_files
 
 logger = logging.getLogger(__name__)
 
 POLL = timedelta(seconds=1)
-
-
-def replicated_index(levels: Sequence[Level]) -> int | None:
-    """The index of the one level with ``replicas``; None for none; ``ValueError`` for two."""
-    found = [i for i, lv in enumerate(levels) if lv.replicas]
-    if len(found) > 1:
-        raise ValueError(f"levels {found} both have replicas: give replicas to one level (node memory)")
-    return found[0] if found else None
 
 
 def _check_file(path: str) -> None:
@@ -156,7 +146,7 @@ class SingleWriter:
                 self._failed(step, holder, None, why)
             return
         try:
-            files = [_open_locked(path)]
+            files = open_files(os.path.dirname(path), [(os.path.basename(path), LATER)], lock=True)
         except OSError as exc:
             for holder in self.holders:
                 self._failed(step, holder, exc.errno, f"cannot read the committed file: {exc}")
@@ -220,7 +210,7 @@ class SingleWriter:
     def _send(self, step: int, files: list[OutFile]) -> None:
         whole = True
         for f in files:
-            if f.crc < 0:
+            if f.crc == LATER:
                 f.crc = crc_of(f.fd, f.size)
         for holder in self.holders:
             if holder in self._broken:
@@ -307,27 +297,29 @@ class SingleWriter:
 
 def restore_files(levels: Sequence[Level], index: int, timeout: float, fsync: bool) -> None:
     """Collective (every rank of the job): the newest step any node's folder of level ``index``
-    holds whole, sent to every node lacking it (see the module docstring)."""
+    holds whole, sent to every node lacking it (see the module docstring). Each node's first rank
+    checks its files newest first and posts the first whole one: an older step is never needed
+    (``latest()`` then reads the chosen file once more, preloading it)."""
     job = _Job(levels, index, timeout)
     level, ring = levels[index], job.ring
     mine = None
     if job.rank in job.leaders:
-        mine = sorted(s for s, path in list_steps(level).items() if _intact(path))
+        steps = list_steps(level)
+        mine = next((s for s in sorted(steps, reverse=True) if _intact(steps[s])), None)
     everyone = job.gather(mine)
-    held = {node: set(everyone[leader] or []) for node, leader in enumerate(job.leaders)}
-    newest = max((s for steps in held.values() for s in steps), default=None)
-    plan = [] if newest is None else [node for node in range(len(ring.groups)) if newest not in held[node]]
+    held = {node: everyone[leader] for node, leader in enumerate(job.leaders)}
+    newest = max((s for s in held.values() if s is not None), default=None)
+    plan = [] if newest is None else [node for node in range(len(ring.groups)) if held[node] != newest]
     if plan:
         assert newest is not None
-        holder = next(node for node in range(len(ring.groups)) if newest in held[node])
+        holder = next(node for node in range(len(ring.groups)) if held[node] == newest)
         group = job.group()
         link = Link(group)
         for node in plan:
             src, dst = job.leaders[holder], job.leaders[node]
             try:
                 if job.rank == src:
-                    files = [_open_locked(level.file(newest))]
-                    files[0].crc = crc_of(files[0].fd, files[0].size)
+                    files = open_files(level.path, [(os.path.basename(level.file(newest)), None)], lock=True)
                     try:
                         link.run(dst, header_of(files, step=newest), files, None, None)
                     finally:
@@ -382,18 +374,6 @@ def _unreachable(exc: BaseException) -> bool:
 
     network = getattr(dist, "DistNetworkError", None)
     return network is not None and isinstance(exc, network)
-
-
-def _open_locked(path: str) -> OutFile:
-    """``path`` open for sending, share-locked on a memory filesystem (``storage/spare.py``: its
-    pages are not reused while the descriptor is open); its CRC32 not read yet (-1)."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    try:
-        _spare.share_lock(fd, path)
-        return OutFile(os.path.basename(path), fd, os.fstat(fd).st_size, -1)
-    except BaseException:
-        os.close(fd)
-        raise
 
 
 def _intact(path: str) -> bool:

@@ -13,9 +13,11 @@ from typing import Any
 
 from lazyckpt.formats.crc import crc32
 from lazyckpt.storage import fs as _fs
+from lazyckpt.storage import spare as _spare
 
 CHUNK = 32 << 20
 OK, FAILED, CRC_MISMATCH = 0, -1, -2  # acknowledgments; > 0: an errno
+LATER = -1  # ``open_files``: the CRC32 is read later (``crc_of``, on the sending thread)
 
 
 @dataclass
@@ -34,15 +36,19 @@ class OutFile:
             pass
 
 
-def open_files(folder: str, files: Sequence[tuple[str, int | None]]) -> list[OutFile]:
-    """``folder``'s ``files`` ((name, the primary's CRC32 or None: computed now, for small files
-    written once such as a manifest)) opened for sending."""
+def open_files(folder: str, files: Sequence[tuple[str, int | None]], lock: bool = False) -> list[OutFile]:
+    """``folder``'s ``files`` ((name, the primary's CRC32, ``LATER``, or None: computed now, for
+    small files written once such as a manifest)) opened for sending. ``lock``: each share-locked
+    (``storage/spare.py``: a memory level does not reuse its pages while it is open)."""
     out: list[OutFile] = []
     try:
         for name, want in files:
-            fd = os.open(os.path.join(folder, name), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-            size = os.fstat(fd).st_size
-            out.append(OutFile(name, fd, size, 0))
+            path = os.path.join(folder, name)
+            out.append(OutFile(name, os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)), 0, LATER))
+            fd = out[-1].fd
+            if lock:
+                _spare.share_lock(fd, path)
+            size = out[-1].size = os.fstat(fd).st_size
             out[-1].crc = crc_of(fd, size) if want is None else int(want)
     except BaseException:
         for f in out:
