@@ -208,6 +208,7 @@ def test_a_partner_whose_replication_is_dead_costs_one_timeout_and_a_warning_tra
     assert sorted(int(s) for s in r0["stats"]["not_replicated"]) == [1, 2, 3, 4], r0["stats"]
     assert all(e[1] == 2 for e in r0["stats"]["not_replicated"].values())
     assert len([w for w in r0["warnings"] if w.startswith("ReplicationWarning")]) == 1, r0["warnings"]
+    assert r0["rounds_with_silent"] == 1, r0  # the broken pair is never used again (4 without that)
     assert all(done in ([0], [0, 1]) for done in r0["levels_done"].values()), r0["levels_done"]
     for r in (1, 3):
         assert results[r]["stats"]["steps"] == 4 and not results[r]["stats"]["not_replicated"], results[r]["stats"]

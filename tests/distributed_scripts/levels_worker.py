@@ -347,11 +347,22 @@ def scenario_replicate_partner_silent() -> None:
     """Rank CONFIG["silent_rank"]'s replicator never takes part (its thread runs nothing: a partner
     whose replication side is dead while its training goes on): its partner's first round fails at
     the replication group's timeout, that pair is not used again, every later step is recorded as
-    not replicated with one warning; training and the other links go on."""
-    from lazyckpt.levels import _replica
+    not replicated with one warning; training and the other links go on. RESULT["rounds_with_silent"]:
+    this rank's rounds that named the silent rank (its broken pair must not be used again)."""
+    from lazyckpt.levels import _replica, _wire
 
-    if CONFIG["silent_rank"] == RANK:
+    silent = CONFIG["silent_rank"]
+    if silent == RANK:
         _replica.Replicator._replicate = lambda self, item: None
+    RESULT["rounds_with_silent"] = 0
+    real_run = _wire.Link.run
+
+    def run(self, dst, header, files, src, sink_for):
+        if silent in (dst, src):
+            RESULT["rounds_with_silent"] += 1
+        return real_run(self, dst, header, files, src, sink_for)
+
+    _wire.Link.run = run
     scenario_replicate()
 
 
