@@ -93,9 +93,13 @@ def latest(
         entries = [as_level(entry) for entry in levels]
         index = replicated_index(entries)
         assert index is not None
-        _single.restore_files(entries, index, min(timeout, 60.0), fsync=False)
+        # read ahead by the restore's check (a node's first rank): _newest takes them, not a second read
+        checked = _single.restore_files(entries, index, min(timeout, 60.0), fsync=False, threads=threads,
+                                        preload=preload and verify)  # fmt: skip
         listings = _listings(levels, storage_options)  # a node's folder may have gained the newest step
     found = _newest(listings, storage_options, verify, threads, preload)
+    if single:
+        del checked  # what _newest did not take is freed
     if single:
         _single.agree(None if found is None else found.step, min(timeout, 60.0))
     return found
@@ -243,6 +247,9 @@ def _whole_problem(
         if not verify:
             return None, None, None
         if preload and not _remote.is_url(path):
+            ahead = _read_ahead(path)
+            if ahead is not None:
+                return None, ahead.identity, ahead
             report, held = preread(path, threads)
         else:
             report = verify_file(path, storage_options, threads=threads)
@@ -251,3 +258,18 @@ def _whole_problem(
     except Exception as exc:  # unreadable: not a checkpoint to resume from
         return f"cannot be read: {exc}", None, None
     return (None, report.identity, held) if report.ok else ("; ".join(report.problems), None, None)
+
+
+def _read_ahead(path: str) -> Preread | None:
+    """The storages of the very file at ``path`` (same identity) that a check in this process has
+    read and verified already and nobody took (the one writer's restore reads each node's newest
+    file ahead so): the same bytes, verified, so not read again."""
+    held = Preread.registered(path)
+    if held is None or held.nbytes == 0:
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    same = FileIdentity(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) == held.identity
+    return held if same else None

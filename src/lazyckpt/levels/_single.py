@@ -47,7 +47,9 @@ from typing import Any
 
 from ..errors import ReplicationError
 from ._collective import StoreExchange
+from ._found import Preread
 from ._level import Level, list_steps
+from ._preread import preread
 from ._replica import ReplicationStats, Ring, warn_once
 from ._topology import probe
 from ._wire import CRC_MISMATCH, LATER, OK, Link, OutFile, Sink, crc_of, header_of, open_files
@@ -295,17 +297,30 @@ class SingleWriter:
                 pass
 
 
-def restore_files(levels: Sequence[Level], index: int, timeout: float, fsync: bool) -> None:
+def restore_files(
+    levels: Sequence[Level], index: int, timeout: float, fsync: bool, threads: int = 8, preload: bool = False
+) -> list[Preread]:
     """Collective (every rank of the job): the newest step any node's folder of level ``index``
     holds whole, sent to every node lacking it (see the module docstring). Each node's first rank
-    checks its files newest first and posts the first whole one: an older step is never needed
-    (``latest()`` then reads the chosen file once more, preloading it)."""
+    checks its files newest first and posts the first whole one: an older step is never needed.
+    ``preload``: that check reads the file's storages into memory (``preread``); returned, to be
+    kept until ``latest()`` picked its file (it takes them rather than reading the file again)."""
     job = _Job(levels, index, timeout)
     level, ring = levels[index], job.ring
-    mine = None
+    mine, kept = None, []
     if job.rank in job.leaders:
         steps = list_steps(level)
-        mine = next((s for s in sorted(steps, reverse=True) if _intact(steps[s])), None)
+        for s in sorted(steps, reverse=True):
+            if not preload:
+                if _intact(steps[s]):
+                    mine = s
+                    break
+                continue
+            report, ahead = preread(steps[s], threads)
+            if report.ok:
+                mine = s
+                kept += [ahead] if ahead is not None else []
+                break
     everyone = job.gather(mine)
     held = {node: everyone[leader] for node, leader in enumerate(job.leaders)}
     newest = max((s for s in held.values() if s is not None), default=None)
@@ -331,6 +346,7 @@ def restore_files(levels: Sequence[Level], index: int, timeout: float, fsync: bo
                 logger.warning("lazyckpt.latest: step %d to node %d from node %d failed: %s", newest, node, holder, exc)
         job.gather(None)  # every round is over on every rank (and every folder settled): the group is unused
         _destroy(group)
+    return kept
 
 
 def _destroy(group: Any) -> None:
