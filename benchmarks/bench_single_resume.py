@@ -165,9 +165,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
         base = statistics.median(x["to_step_s"] for x in results["torch.load disk"])
         nbytes = os.path.getsize(disk_file)
+        dropped = all(x.get("dropped", x.get("page_cache_dropped")) for v in results.values() for x in v)
         print(f"one writer, 2 processes as 2 nodes, {args.size} GPT + AdamW, {nbytes / 1e9:.2f} GB per checkpoint; "
               f"rank 0 (node 0) timed from after its model is built; medians of {args.rounds} rounds; "
-              f"page cache dropped: {all(x.get('dropped', x.get('page_cache_dropped')) for v in results.values() for x in v)}")  # fmt: skip
+              f"page cache dropped: {dropped}")  # fmt: skip
         print(f"{'case':18s} {'level':>5s} {'latest s':>9s} {'resume s':>9s} {'1st step extra s':>17s} "
               f"{'to step s':>10s} {'vs torch.load disk':>19s}")  # fmt: skip
         for name, rs in results.items():
