@@ -64,7 +64,8 @@ def test_rank_zeros_files_reach_the_next_node_and_a_wiped_node_gets_them_back(ru
     for r, res in enumerate(back):
         assert res["found"] == {"step": 5, "level": 0, "path": str(run.mem / f"node{r // 2}" / "step-00000005.pt")}
         assert res["restored"]
-        assert res["storage_reads"] == 1, res  # node 1's first rank: its restore check was its latest()'s read
+        assert res["storage_reads"] == 1, res  # node 1's first rank: its restore check was its latest()'s read;
+        # node 0's: the check of the copy it received
     _wipe(run.mem / "node0")
     _wipe(run.mem / "node1")
     back = run("restart")

@@ -139,17 +139,23 @@ RELEASE: list = []  # called by scenario_train once its saves are made
 
 def scenario_restart() -> None:
     """A fresh job: ``latest(levels)`` on every rank (collective), then the state loaded exactly.
-    RESULT["storage_reads"]: how many times this rank read a checkpoint's storages (the restore's
-    check of a node's newest file and ``latest()``'s own read are one read)."""
+    RESULT["storage_reads"]: how many times this rank read a checkpoint's data, reading its storages
+    or checking it (the restore's check of a node's newest file or of the copy it received, and
+    ``latest()``'s own read, are one read)."""
     from lazyckpt.levels import _preread
+    from lazyckpt.recovery import verify as _verify
 
-    real_read, RESULT["storage_reads"] = _preread.read_storages, 0
+    RESULT["storage_reads"] = 0
 
-    def counted(*args, **kwargs):
-        RESULT["storage_reads"] += 1
-        return real_read(*args, **kwargs)
+    def counted(real):
+        def read(*args, **kwargs):
+            RESULT["storage_reads"] += 1
+            return real(*args, **kwargs)
 
-    _preread.read_storages = counted
+        return read
+
+    _preread.read_storages = counted(_preread.read_storages)
+    _verify.verify = counted(_verify.verify)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         found = lazyckpt.latest(levels())

@@ -22,13 +22,11 @@ class Preread:
     as the Lightning plugin does before a stock load of that path). The lock makes ``take`` one-shot
     across threads."""
 
-    _live: weakref.WeakValueDictionary[str, Preread] = weakref.WeakValueDictionary()
-
     def __init__(self, path: str, identity: FileIdentity, storages: dict[int, torch.UntypedStorage]) -> None:
         self.identity = identity
         self._storages: dict[int, torch.UntypedStorage] | None = storages
         self._lock = threading.Lock()
-        Preread._live[os.path.realpath(path)] = self
+        _LIVE[os.path.realpath(path)] = self
 
     def take(self, identity: FileIdentity) -> dict[int, torch.UntypedStorage] | None:
         """The storages, once, when ``identity`` is the file they were read from; else None."""
@@ -46,10 +44,24 @@ class Preread:
         are this process's memory, never sent."""
         return _nothing, ()
 
+    def moved(self, path: str) -> None:
+        """The file read was renamed to ``path`` since (a received copy, read under its temporary
+        name): findable there, with the renamed file's identity when only its ctime changed (a
+        rename's); else not findable there."""
+        try:
+            st = os.stat(path)
+        except OSError:
+            return
+        now = FileIdentity(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        was = self.identity
+        if (now.dev, now.ino, now.size, now.mtime_ns) == (was.dev, was.ino, was.size, was.mtime_ns):
+            self.identity = now
+            _LIVE[os.path.realpath(path)] = self
+
     @classmethod
     def registered(cls, path: str) -> Preread | None:
         """The live ``Preread`` of the file at ``path`` (by real path), if any."""
-        return cls._live.get(os.path.realpath(path))
+        return _LIVE.get(os.path.realpath(path))
 
     @classmethod
     def release(cls, path: str) -> None:
@@ -62,6 +74,9 @@ class Preread:
         """Free the storages (a ``take`` after this gets None)."""
         with self._lock:
             self._storages = None
+
+
+_LIVE: weakref.WeakValueDictionary[str, Preread] = weakref.WeakValueDictionary()  # by real path
 
 
 def _nothing() -> None:

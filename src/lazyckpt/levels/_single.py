@@ -341,7 +341,10 @@ def restore_files(
                         for f in files:
                             f.close()
                 elif job.rank == dst:
-                    _received(link, src, level.path, fsync)
+                    check = _read_ahead_check(kept, threads) if preload else _check_file
+                    _received(link, src, level.path, fsync, check)
+                    for ahead in kept:  # read under its temporary name, renamed since
+                        ahead.moved(level.file(newest))
             except Exception as exc:  # noqa: BLE001 - that node goes without: latest() then agrees lower
                 logger.warning("lazyckpt.latest: step %d to node %d from node %d failed: %s", newest, node, holder, exc)
         job.gather(None)  # every round is over on every rank (and every folder settled): the group is unused
@@ -367,13 +370,28 @@ def files_of_one_writer(listings: dict[int, dict[int, str]], is_dcp: Any, timeou
     return "files" in out and "dcp" not in out
 
 
-def _received(link: Link, src: int, folder: str, fsync: bool) -> tuple[int | None, Sink | None]:
-    """One round receiving ``src``'s file into ``folder`` (checked before its rename); a round that
-    fails mid-file leaves no temporary file."""
+def _read_ahead_check(kept: list[Preread], threads: int) -> Any:
+    """A received file's check (as ``_check_file``) that reads its storages ahead for ``latest()``
+    (appended to ``kept``): the restored node's read is the check's."""
+
+    def check(path: str) -> None:
+        report, ahead = preread(path, threads)
+        if not report.ok:
+            raise OSError(5, "; ".join(report.problems))
+        kept.extend([ahead] if ahead is not None else [])
+
+    return check
+
+
+def _received(
+    link: Link, src: int, folder: str, fsync: bool, check: Any = _check_file
+) -> tuple[int | None, Sink | None]:
+    """One round receiving ``src``'s file into ``folder`` (``check``ed before its rename); a round
+    that fails mid-file leaves no temporary file."""
     made: list[Sink] = []
 
     def sink_for(head: dict[str, Any]) -> Sink:
-        made.append(Sink(folder, head, fsync, None, check=_check_file))
+        made.append(Sink(folder, head, fsync, None, check=check))
         return made[-1]
 
     try:
