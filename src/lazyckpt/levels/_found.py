@@ -49,10 +49,9 @@ class Preread:
         name): findable there, with the renamed file's identity when only its ctime changed (a
         rename's); else not findable there."""
         try:
-            st = os.stat(path)
+            now = FileIdentity.at(path)
         except OSError:
             return
-        now = FileIdentity(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
         was = self.identity
         if (now.dev, now.ino, now.size, now.mtime_ns) == (was.dev, was.ino, was.size, was.mtime_ns):
             self.identity = now

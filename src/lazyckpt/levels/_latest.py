@@ -100,7 +100,6 @@ def latest(
     found = _newest(listings, storage_options, verify, threads, preload)
     if single:
         del checked  # what _newest did not take is freed
-    if single:
         _single.agree(None if found is None else found.step, min(timeout, 60.0))
     return found
 
@@ -268,8 +267,6 @@ def _read_ahead(path: str) -> Preread | None:
     if held is None or held.nbytes == 0:
         return None
     try:
-        st = os.stat(path)
+        return held if FileIdentity.at(path) == held.identity else None
     except OSError:
         return None
-    same = FileIdentity(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) == held.identity
-    return held if same else None

@@ -307,20 +307,18 @@ def restore_files(
     kept until ``latest()`` picked its file (it takes them rather than reading the file again)."""
     job = _Job(levels, index, timeout)
     level, ring = levels[index], job.ring
-    mine, kept = None, []
+    mine: int | None = None
+    kept: list[Preread] = []
+    check = _read_ahead_check(kept, threads) if preload else _check_file  # own files and received copies
     if job.rank in job.leaders:
         steps = list_steps(level)
         for s in sorted(steps, reverse=True):
-            if not preload:
-                if _intact(steps[s]):
-                    mine = s
-                    break
+            try:
+                check(steps[s])
+            except OSError:
                 continue
-            report, ahead = preread(steps[s], threads)
-            if report.ok:
-                mine = s
-                kept += [ahead] if ahead is not None else []
-                break
+            mine = s
+            break
     everyone = job.gather(mine)
     held = {node: everyone[leader] for node, leader in enumerate(job.leaders)}
     newest = max((s for s in held.values() if s is not None), default=None)
@@ -341,7 +339,6 @@ def restore_files(
                         for f in files:
                             f.close()
                 elif job.rank == dst:
-                    check = _read_ahead_check(kept, threads) if preload else _check_file
                     _received(link, src, level.path, fsync, check)
                     for ahead in kept:  # read under its temporary name, renamed since
                         ahead.moved(level.file(newest))
@@ -408,14 +405,6 @@ def _unreachable(exc: BaseException) -> bool:
 
     network = getattr(dist, "DistNetworkError", None)
     return network is not None and isinstance(exc, network)
-
-
-def _intact(path: str) -> bool:
-    try:
-        _check_file(path)
-    except OSError:
-        return False
-    return True
 
 
 def agree(step: int | None, timeout: float) -> None:

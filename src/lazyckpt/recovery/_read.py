@@ -48,7 +48,15 @@ class FileIdentity:
 
     @classmethod
     def of(cls, fd: int) -> FileIdentity:
-        st = os.fstat(fd)
+        return cls._of(os.fstat(fd))
+
+    @classmethod
+    def at(cls, path: str) -> FileIdentity:
+        """The identity of the file at ``path`` now (``OSError`` when there is none)."""
+        return cls._of(os.stat(path))
+
+    @classmethod
+    def _of(cls, st: os.stat_result) -> FileIdentity:
         return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
