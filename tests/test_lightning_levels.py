@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("lightning")
 
 import torch  # noqa: E402
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 
 import lazyckpt  # noqa: E402
 from _launch import launch, rank_env, run_session  # noqa: E402
@@ -157,21 +157,48 @@ def _full_disk(monkeypatch: Any, disk: str) -> None:
     monkeypatch.setattr(_fs, "open_temporary", full)
 
 
-def test_failing_disk_level_raises_level_error_once_memory_level_keeps_working(mem, tmp_path, monkeypatch):
+class _RaisedAt(Callback):
+    """Records the global step at which ``fit`` raised."""
+
+    def __init__(self) -> None:
+        self.step: int | None = None
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self.step = trainer.global_step
+
+
+@pytest.mark.parametrize("early", [False, True], ids=["as-it-comes", "copy-failed-before-the-raise"])
+def test_failing_disk_level_raises_level_error_once_memory_level_keeps_working(mem, tmp_path, monkeypatch, early):
+    """The disk level's ENOSPC is raised once, from fit, at the first due step after it is seen, and
+    only after that step was handed to the memory level. ``early``: each step's copies are let end
+    before the callback looks for errors, so the failed copy of step 2 is raised at step 2 itself."""
+    from lazyckpt.lightning._runtime import PluginRuntime
+
+    if early:
+        real_raise = PluginRuntime.raise_errors
+
+        def settled_first(self: Any) -> None:
+            self.settle_levels(60)
+            real_raise(self)
+
+        monkeypatch.setattr(PluginRuntime, "raise_errors", settled_first)
     disk = str(tmp_path / "disk")
     _full_disk(monkeypatch, disk)
     levels = [Level(mem, every=1, keep=3), Level(disk, every=2)]
-    io = LazyCheckpointIO()
+    io, raised = LazyCheckpointIO(), _RaisedAt()
     with pytest.raises(LevelError) as info:
-        _fit(levels, 12, io=io)
+        _fit(levels, 12, io=io, extra=[raised])
     err = info.value
     assert err.level == 1 and err.level_path == disk and err.errno == errno.ENOSPC and err.step % 2 == 0
     assert "level 1" in str(err) and isinstance(err.__cause__, OSError)
     assert os.listdir(disk) == []  # no partial file, no temporary
     newest = _steps(mem)[-1]
-    assert newest > err.step  # raised at a later step, after that step was handed to the memory level
-    io.wait()  # reported once: nothing left to raise
+    assert raised.step is not None and err.step <= raised.step
+    assert newest == raised.step  # the step it was raised at was handed to the memory level first
+    if early:
+        assert err.step == raised.step == 2
     monkeypatch.undo()
+    io.wait()  # reported once: nothing left to raise
     found = lazyckpt.latest(levels)
     assert found is not None and (found.step, found.level) == (newest, 0)
     assert _fit(levels, 12, ckpt_path=found.path).global_step == 12
