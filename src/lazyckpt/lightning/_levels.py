@@ -202,7 +202,8 @@ class MultiLevelCheckpoint(_Callback):
     Needs ``Trainer(plugins=[LazyCheckpointIO()])`` (refused at ``fit`` otherwise; so is DeepSpeed).
     Saves only inside ``fit`` (never in validate/test/predict), each step at most once; errors
     (``LevelError`` naming the level; ``DistributedLevelError`` with a sharded strategy) are raised
-    once, from ``fit``: at the next due step, after that step's save was handed over, or at the end
+    once, from ``fit``: at the first due step after it is seen (the failing step's own when its
+    copy failed before the callback looked), once that step's save was handed over, or at the end
     of ``fit`` (on every rank at once in a distributed run). ``last_handle`` (global rank 0; every
     rank with a sharded strategy): the newest save's ``LevelsHandle``.
     Resume with stock Lightning: ``trainer.fit(model, ckpt_path=lazyckpt.latest(levels, preload=False).path)``.
