@@ -117,6 +117,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=2, help="untimed step intervals at the start of a run")
+    ap.add_argument(
+        "--min-steps",
+        type=int,
+        default=30,
+        help="timed steps per run, at least (10 until 2026-12-05: one slow step moved a mean by 0.01 s)",
+    )
     ap.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary folder on disk)")
     ap.add_argument("--save-steps", default="1,10")
     ap.add_argument("--regimes", default="1,default", help="torch threads: 1 (a spare core) and/or default")
@@ -134,7 +140,7 @@ def main() -> None:
         threads = 1 if regime == "1" else default_threads
         torch.set_num_threads(threads)
         for save_steps in (int(s) for s in a.save_steps.split(",")):
-            steps = a.warmup + 1 + max(10, 3 * save_steps)
+            steps = a.warmup + 1 + max(a.min_steps, 3 * save_steps)
             stall: dict[str, list[float]] = {"stock": [], "lazy": []}
             blocked: dict[str, list[float]] = {"stock": [], "lazy": []}
             for r in range(a.rounds):
