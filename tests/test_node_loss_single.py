@@ -123,3 +123,16 @@ def test_copies_behind_by_the_levels_backlog_skip_the_step_instead_of_waiting(ru
     assert results[0]["stats"]["steps"] == 2
     assert len([w for w in results[0]["warnings"] if w.startswith("ReplicationWarning")]) == 1
     assert _steps(run.mem / "node1") == [1, 2]
+
+
+def test_a_dead_holder_leaves_every_local_copy_and_warns_once(run):
+    """Node 1's holder is SIGKILLed before rank 0's first save: every step is still committed at
+    both of rank 0's levels, each recorded as not replicated (naming the holder), one
+    ReplicationWarning, and rank 0 never waits on the dead holder past the first failed round."""
+    results = run("train_holder_dead", expect_dead=(2,))
+    res = results[0]
+    assert res["stats"] == {"steps": 0, "not_replicated": [1, 2, 3, 4, 5]}, res
+    assert {partner for _, partner in res["errors"].values()} == {2}, res["errors"]
+    assert len([w for w in res["warnings"] if w.startswith("ReplicationWarning")]) == 1, res["warnings"]
+    assert _steps(run.mem / "node0") == [4, 5] and _steps(run.mem / "node1") == []
+    assert max(res["seconds"][1:]) < 10, res["seconds"]  # the broken holder is not tried again

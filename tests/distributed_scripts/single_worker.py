@@ -137,6 +137,56 @@ def scenario_train_slow() -> None:
 RELEASE: list = []  # called by scenario_train once its saves are made
 
 
+def _alive(rank: int) -> bool:
+    """Whether ``rank`` (which wrote WORKDIR/holder.pid before it killed itself) still runs."""
+    try:
+        with open(os.path.join(WORKDIR, "holder.pid")) as fh:
+            pid = int(fh.read() or 0)
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, ValueError):
+        return not os.path.exists(os.path.join(WORKDIR, "holder.pid"))
+
+
+def scenario_train_holder_dead() -> None:
+    """Node 1's first rank (the holder) is SIGKILLed once every rank has built the checkpointer;
+    rank 0 then saves 5 steps as usual. RESULT["seconds"]: each save's wall time to durable."""
+    import signal
+    import time
+
+    holder = CONFIG.get("per_node", 1)  # node 1's first rank
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        ckpt = LazyCheckpointer(levels=levels(), writer_threads=2)  # collective
+        if holder == RANK:
+            with open(os.path.join(WORKDIR, "holder.pid"), "w") as fh:
+                fh.write(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        if RANK != 0:
+            ckpt.close()
+            open(os.path.join(WORKDIR, f"closed-{RANK}"), "w").close()
+            return
+        deadline = time.monotonic() + 60
+        others = [r for r in range(1, WORLD) if r != holder]
+        while not all(os.path.exists(os.path.join(WORKDIR, f"closed-{r}")) for r in others) or _alive(holder):
+            assert time.monotonic() < deadline, "the other ranks did not close, or the holder is alive"
+            time.sleep(0.05)
+        RESULT["seconds"] = []
+        with ckpt:
+            for step in range(1, CONFIG["steps"] + 1):
+                t0 = time.monotonic()
+                state = state_at(step)
+                torch.save(state, os.path.join(WORKDIR, f"state-{step}.pt"))
+                ckpt.save(state, step=step).wait()
+                ckpt.wait()
+                RESULT["seconds"].append(time.monotonic() - t0)
+        single = ckpt._levels._single  # noqa: SLF001 - the test reads the replication stats
+        stats = single.stats
+        RESULT["stats"] = {"steps": stats.steps_replicated, "not_replicated": sorted(stats.not_replicated)}
+        RESULT["errors"] = {s: (e.errno, e.partner) for s, e in stats.not_replicated.items()}
+    RESULT["warnings"] = [f"{w.category.__name__}: {w.message}" for w in seen if "lazyckpt" in str(w.message)]
+
+
 def scenario_restart() -> None:
     """A fresh job: ``latest(levels)`` on every rank (collective), then the state loaded exactly.
     RESULT["storage_reads"]: how many times this rank read a checkpoint's data, reading its storages
