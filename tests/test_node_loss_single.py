@@ -6,6 +6,7 @@ newest step some node holds, and every rank loads it exactly (``tests/distribute
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -36,6 +37,7 @@ def run(tmp_path, monkeypatch, mem):
         return results
 
     go.mem = Path(mem)  # type: ignore[attr-defined]
+    go.disk = Path(config["disk"])  # type: ignore[attr-defined]
     return go
 
 
@@ -136,3 +138,18 @@ def test_a_dead_holder_leaves_every_local_copy_and_warns_once(run):
     assert len([w for w in res["warnings"] if w.startswith("ReplicationWarning")]) == 1, res["warnings"]
     assert _steps(run.mem / "node0") == [4, 5] and _steps(run.mem / "node1") == []
     assert max(res["seconds"][1:]) < 10, res["seconds"]  # the broken holder is not tried again
+
+
+def test_enospc_in_the_holders_memory_is_a_typed_error_and_the_local_copy_stands(run):
+    """Node 1's memory is full when step 3's copy arrives (forced): step 3 is recorded as not
+    replicated with ReplicationError(errno=ENOSPC, partner=2), one ReplicationWarning; rank 0's
+    copy of step 3 was committed; no temporary file is left on node 1; steps 4 and 5 reach it."""
+    results = run("train_holder_full", full_step=3)
+    stats = results[0]["stats"]
+    assert stats["not_replicated"] == [3] and stats["errors"] == {"3": [errno.ENOSPC, 2]}, stats
+    assert stats["steps"] == 4
+    warned = [w for w in results[0]["warnings"] if w.startswith("ReplicationWarning")]
+    assert len(warned) == 1 and "No space left" in warned[0], results[0]["warnings"]
+    assert os.path.exists(os.path.join(run.disk, "step-00000003.pt"))  # the writer's own levels had it
+    names = os.listdir(run.mem / "node1")
+    assert _steps(run.mem / "node1") == [4, 5] and not [n for n in names if n.endswith(".tmp")], names

@@ -90,6 +90,7 @@ def scenario_train() -> None:
             "sent": single.stats.bytes_sent,
             "received": single.stats.bytes_received,
             "not_replicated": sorted(single.stats.not_replicated),
+            "errors": {s: [e.errno, e.partner] for s, e in single.stats.not_replicated.items()},
         }
     RESULT["warnings"] = [f"{w.category.__name__}: {w.message}" for w in seen if "lazyckpt" in str(w.message)]
 
@@ -135,6 +136,26 @@ def scenario_train_slow() -> None:
 
 
 RELEASE: list = []  # called by scenario_train once its saves are made
+
+
+def scenario_train_holder_full() -> None:
+    """The holder's memory is full when step CONFIG["full_step"]'s copy arrives (ENOSPC injected
+    on its temporary file); the other steps are copied as usual."""
+    import errno
+
+    import lazyckpt.storage.fs as _fs
+
+    if CONFIG.get("per_node", 1) == RANK:
+        real = _fs.open_temporary
+        name = f"step-{CONFIG['full_step']:08d}"
+
+        def full(path, size):
+            if name in os.path.basename(path):
+                raise OSError(errno.ENOSPC, "No space left on device (injected)", path)
+            return real(path, size)
+
+        _fs.open_temporary = full
+    scenario_train()
 
 
 def _alive(rank: int) -> bool:
