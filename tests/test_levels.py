@@ -563,3 +563,21 @@ def test_a_big_copy_goes_through_o_direct_and_keeps_every_byte(tmp_path, monkeyp
     if direct_writes[0] < 0:
         pytest.skip("this filesystem takes no O_DIRECT")
     assert sorted(os.listdir(tmp_path / "out")) == ["a.bin", "b.bin"]  # no temporary left
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("every", 0), ("every", 1.5), ("every", "2"), ("every", True), ("keep", 0), ("keep", 2.5), ("backlog", 0),
+     ("backlog", "2"), ("replicas", -1), ("replicas", 1.5), ("replicas", "1"), ("replicas", True)],
+)  # fmt: skip
+def test_a_level_refuses_counts_that_are_not_whole_numbers(tmp_path, field, value):
+    """A float, a string or a bool where a count goes is a ValueError when the Level is made (not a
+    TypeError at the first save, nor a silently truncated count)."""
+    with pytest.raises(ValueError, match=f"Level {field} must be an int"):
+        Level(tmp_path, **{field: value})
+
+
+def test_a_levels_counts_are_ints(tmp_path):
+    level = Level(tmp_path, every=torch.tensor(3).item(), keep=None, backlog=4, replicas=0)
+    assert (level.every, level.keep, level.backlog, level.replicas) == (3, None, 4, 0)
+    assert all(type(v) is int for v in (level.every, level.backlog, level.replicas))

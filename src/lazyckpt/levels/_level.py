@@ -73,14 +73,15 @@ class Level:
             raise TypeError(f"Level path must be a str or os.PathLike, got {type(self.path).__name__}")
         raw = os.fspath(self.path)
         object.__setattr__(self, "path", raw if _remote.is_url(raw) else os.path.abspath(raw))
-        if int(self.every) < 1:
-            raise ValueError(f"Level every must be >= 1, got {self.every}")
-        if self.keep is not None and int(self.keep) < 1:
-            raise ValueError(f"Level keep must be >= 1 or None, got {self.keep}")
-        if int(self.backlog) < 1:
-            raise ValueError(f"Level backlog must be >= 1, got {self.backlog}")
-        if isinstance(self.replicas, bool) or int(self.replicas) < 0:
-            raise ValueError(f"Level replicas must be an int >= 0, got {self.replicas!r}")
+        for name, least in (("every", 1), ("keep", 1), ("backlog", 1), ("replicas", 0)):
+            value = getattr(self, name)
+            if name == "keep" and value is None:
+                continue
+            number = _whole(value)
+            if number is None or number < least:
+                allowed = " or None" if name == "keep" else ""
+                raise ValueError(f"Level {name} must be an int >= {least}{allowed}, got {value!r}")
+            object.__setattr__(self, name, number)  # an int (a numpy integer becomes one)
         if self.replicas and self.is_url:
             raise ValueError(f"Level replicas: {self.path} is a URL; replicas are for a node's memory level")
 
@@ -101,6 +102,17 @@ class Level:
 
     def join(self, name: str) -> str:
         return f"{self.path.rstrip('/')}/{name}" if self.is_url else os.path.join(self.path, name)
+
+
+def _whole(value: Any) -> int | None:
+    """``value`` as an int when it is an integer (``operator.index``: numpy integers too), else None
+    (a float, a string, a bool)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def check_step(step: Any) -> int:
