@@ -86,6 +86,48 @@ def test_resume_from_latest_continues_exactly_as_an_uninterrupted_run(mem, tmp_p
     assert_same(load(levels[1].file(8)), load(ref.file(8)), "disk 8")
 
 
+class _Batches(Callback):
+    """Counts the training batches this fit ran."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.count += 1
+
+
+def _resumable_fit(levels: list[Level], steps: int, ckpt_path: str | None = None) -> tuple[Any, Any, int]:
+    torch.manual_seed(0)
+    model = StepGPT(batches=4)
+    callback, batches = MultiLevelCheckpoint(levels, resume=True), _Batches()
+    trainer = level_trainer([callback, batches], [LazyCheckpointIO()], max_steps=steps)
+    trainer.fit(model, ckpt_path=ckpt_path)
+    return trainer, callback, batches.count
+
+
+def test_resume_true_restores_the_newest_step_at_setup_or_starts_fresh(mem, tmp_path, caplog):
+    """``MultiLevelCheckpoint(levels, resume=True)`` and a bare ``fit(model)``: nothing in the levels ->
+    a fresh start; then the newest step (memory) -> exactly an uninterrupted run; memory wiped -> the
+    disk level's step; an explicit ``ckpt_path`` wins, with a warning."""
+    ref, whole = _uninterrupted(tmp_path, 10)
+    levels = [Level(mem, every=1, keep=2), Level(tmp_path / "disk", every=3, keep=2)]
+    trainer, callback, ran = _resumable_fit(levels, 6)
+    assert callback.resumed_from is None and trainer.global_step == 6 and ran == 6
+    trainer, callback, ran = _resumable_fit(levels, 10)
+    assert (callback.resumed_from.step, callback.resumed_from.level) == (6, 0)
+    assert trainer.global_step == 10 and ran == 4  # steps 7..10 only
+    assert_same(state_of(trainer), state_of(whole))
+    shutil.rmtree(mem)  # a reboot: the disk level's step 9
+    trainer, callback, ran = _resumable_fit(levels, 10)
+    assert (callback.resumed_from.step, callback.resumed_from.level) == (9, 1) and ran == 1
+    assert_same(state_of(trainer), state_of(whole))
+    with caplog.at_level("WARNING", logger="lazyckpt.lightning._levels"):
+        trainer, callback, ran = _resumable_fit(levels, 10, ckpt_path=str(ref.file(7)))
+    assert callback.resumed_from.step == 10 and ran == 3  # step 7's file won: steps 8 to 10 again
+    assert "was restored, not step 10" in caplog.text
+    assert_same(state_of(trainer), state_of(whole))
+
+
 def test_memory_level_wiped_resumes_from_the_disk_level(mem, tmp_path):
     ref, whole = _uninterrupted(tmp_path, 10)
     levels = [Level(mem, every=1, keep=2), Level(tmp_path / "disk", every=3)]
@@ -377,6 +419,28 @@ def test_ddp_with_replicas_a_lost_nodes_memory_comes_back_from_the_other_node(tm
         shutil.rmtree(mem / node)
         os.makedirs(mem / node)
     again = launch(script, "resume", 2, tmp_path, timeout=300, env=env)
+    assert all(r["found"] == [9, 1] and r["digest"] == reference for r in again), again
+
+
+def test_ddp_resume_true_restores_a_lost_node_when_lightning_makes_the_process_group(tmp_path):
+    """No process group before ``fit`` (Lightning makes it, as under its own launcher or SLURM):
+    ``MultiLevelCheckpoint(levels, resume=True)`` agrees on the step at setup (collective), node 0's
+    emptied memory gets step 5 back from node 1, and both ranks resume exactly; both emptied: the
+    disk level's step 9 (every rank the same)."""
+    script, env = Path(SCRIPTS) / "levels_replicas.py", {"PYTHONPATH": os.path.dirname(TESTS)}
+    first = launch(script, "first", 2, tmp_path, timeout=300, env=env)
+    reference = first[0]["reference"]
+    mem = tmp_path / "memr"
+    shutil.rmtree(mem / "node0")
+    os.makedirs(mem / "node0")
+    resumed = launch(script, "resume_in_fit", 2, tmp_path, timeout=300, env=env)
+    for r in resumed:
+        assert r["found"] == [5, 0] and r["global_step"] == 10 and r["digest"] == reference, r
+        assert not r.get("warnings"), r
+    for node in ("node0", "node1"):
+        shutil.rmtree(mem / node)
+        os.makedirs(mem / node)
+    again = launch(script, "resume_in_fit", 2, tmp_path, timeout=300, env=env)
     assert all(r["found"] == [9, 1] and r["digest"] == reference for r in again), again
 
 

@@ -11,6 +11,8 @@ Usage: levels_replicas.py SCENARIO RANK WORLD PORT WORKDIR (``tests/_worker.py``
   levels [memr/node<rank> every 1 keep 2 replicas 1, diskr every 3 keep 2].
 - ``resume`` (a fresh job; the test may have emptied node folders): ``found = lazyckpt.latest(levels)``,
   then a stock resume ``fit(ckpt_path=found.path)`` to 10.
+- ``resume_in_fit``: no process group before ``fit`` (Lightning makes it); ``MultiLevelCheckpoint(levels,
+  resume=True)`` and a bare ``fit`` to 10.
 """
 
 from __future__ import annotations
@@ -44,9 +46,9 @@ def levels() -> list[Level]:
     ]
 
 
-def fit(steps: int, level_list: list[Level] | None, ckpt_path: str | None = None) -> str:
+def fit(steps: int, level_list: list[Level] | None, ckpt_path: str | None = None, resume: bool = False) -> str:
     torch.manual_seed(0)
-    callbacks = [MultiLevelCheckpoint(level_list)] if level_list else []
+    callbacks = [MultiLevelCheckpoint(level_list, resume=resume)] if level_list else []
     trainer = level_trainer(callbacks, [LazyCheckpointIO()], max_steps=steps, devices=2, strategy="ddp",
                             deterministic=False)  # fmt: skip
     with warnings.catch_warnings(record=True) as seen:
@@ -54,6 +56,9 @@ def fit(steps: int, level_list: list[Level] | None, ckpt_path: str | None = None
         trainer.fit(StepGPT(batches=8), ckpt_path=ckpt_path)
     RESULT.setdefault("warnings", []).extend(str(w.message) for w in seen if "lazyckpt" in str(w.message))
     RESULT["global_step"] = trainer.global_step
+    if resume:
+        found = callbacks[0].resumed_from
+        RESULT["found"] = None if found is None else [found.step, found.level]
     return digest(state_of(trainer))
 
 
@@ -68,7 +73,16 @@ def scenario_resume() -> None:
     RESULT["digest"] = fit(STEPS, levels(), ckpt_path=found.path if found else None)
 
 
+def scenario_resume_in_fit() -> None:
+    """No process group before ``fit`` (Lightning makes it, as with its own launcher or SLURM):
+    ``MultiLevelCheckpoint(levels, resume=True)`` finds the step at setup, collectively."""
+    assert not dist.is_initialized()
+    RESULT["digest"] = fit(STEPS, levels(), resume=True)
+
+
 def init() -> None:
+    if ARGS.scenario == "resume_in_fit":
+        return  # Lightning initializes the process group inside fit
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ARGS.port}", rank=ARGS.rank,
                             world_size=ARGS.world, timeout=timedelta(seconds=120))  # fmt: skip
 

@@ -71,7 +71,23 @@ def dump_checkpoint(trainer: Any) -> dict[str, Any]:
     """What ``trainer.save_checkpoint`` would write (model, optimizers, schedulers, loops, callbacks,
     precision, hyper-parameters, the hooks' additions), without its save and barrier. Lightning has
     no public call for the dump alone; every Lightning >= 2.0 has this one."""
-    return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)  # type: ignore[no-any-return]
+    return _connector(trainer).dump_checkpoint(weights_only=False)  # type: ignore[no-any-return]
+
+
+def load_before_restore(trainer: Any, path: str) -> None:
+    """Have ``trainer`` restore from ``path`` although ``fit`` got no ``ckpt_path``: called from a
+    callback's ``setup`` (fit: the process group is up), before the Trainer restores. ``resume_start``
+    loads the file (through the strategy and its checkpoint IO, with Lightning's migration); the
+    Trainer's own ``resume_start(None)`` that follows only forgets the path, so ``restore_model``,
+    ``restore_callbacks`` and ``restore_training_state`` then restore this checkpoint (Lightning 2.1
+    to 2.6: ``_run`` calls the setup hooks before ``_restore_modules_and_callbacks``). A ``ckpt_path``
+    given to ``fit`` is loaded after this one and wins."""
+    _connector(trainer).resume_start(path)
+
+
+def _connector(trainer: Any) -> Any:
+    """The Trainer's checkpoint connector (private in Lightning 2.x; its dump and restore entry points)."""
+    return trainer._checkpoint_connector
 
 
 def register_with_loaded_packages(plugin_class: type) -> None:

@@ -41,7 +41,7 @@ from lazyckpt.checkpointer import LazyCheckpointer, producer_of
 from lazyckpt.core.handle import SaveHandle
 from lazyckpt.core.report import raise_first
 from lazyckpt.errors import LazyCkptError, LevelError, SaveRefusedError
-from lazyckpt.levels import Level, MultiLevel, check_levels
+from lazyckpt.levels import Found, Level, MultiLevel, check_levels
 from lazyckpt.lightning import _compat, _sharded
 from lazyckpt.options import CheckpointerOptions
 
@@ -198,6 +198,13 @@ class MultiLevelCheckpoint(_Callback):
             level's ``every`` counts optimizer steps (``trainer.global_step``); it is due at the end of
             the training batch whose steps reach a multiple of it (gradient accumulation: the batch
             that stepped; several optimizers stepping in one batch: each multiple passed counts once).
+        resume: ``True``: ``fit`` (given no ``ckpt_path``) resumes from the newest step of the levels,
+            found at ``setup`` by ``lazyckpt.latest(levels)`` on every rank once the process group is up
+            (collective: the ranks agree on one step; a replaced node's memory gets its copy back from
+            a peer first); nothing found: a fresh start. ``resumed_from``: that ``Found``, or None.
+            Works however the processes were started (Lightning's launcher, SLURM, torchrun). Not
+            with a strategy that saves with DCP (``ValueError`` at ``setup``): pass
+            ``ckpt_path=lazyckpt.latest(levels).path`` there. A ``ckpt_path`` given to ``fit`` wins.
 
     Needs ``Trainer(plugins=[LazyCheckpointIO()])`` (refused at ``fit`` otherwise; so is DeepSpeed).
     Saves only inside ``fit`` (never in validate/test/predict), each step at most once; errors
@@ -206,33 +213,63 @@ class MultiLevelCheckpoint(_Callback):
     copy failed before the callback looked), once that step's save was handed over, or at the end
     of ``fit`` (on every rank at once in a distributed run). ``last_handle`` (global rank 0; every
     rank with a sharded strategy): the newest save's ``LevelsHandle``.
-    Resume with stock Lightning: ``trainer.fit(model, ckpt_path=lazyckpt.latest(levels, preload=False).path)``.
+    Resume with stock Lightning: ``trainer.fit(model, ckpt_path=lazyckpt.latest(levels, preload=False).path)``
+    (one node), or ``MultiLevelCheckpoint(levels, resume=True)`` and ``trainer.fit(model)`` (any job).
     A level with ``replicas=k`` under DDP: every rank builds the saver at ``setup`` (collective; rank 0
-    still saves alone), the next ``k`` nodes' first ranks hold copies; resume with ``latest()`` called
-    on every rank after ``init_process_group`` and before the Trainer (docs/lightning.md).
+    still saves alone), the next ``k`` nodes' first ranks hold copies (docs/lightning.md).
     """
 
-    def __init__(self, levels: Sequence[Level]) -> None:
+    def __init__(self, levels: Sequence[Level], resume: bool = False) -> None:
         super().__init__()
         self.levels = tuple(levels)
         check_levels(self.levels)
         if len({lv.path for lv in self.levels}) != len(self.levels):
             raise ValueError("two levels share a path; give each level its own folder")
+        self.resume = bool(resume)
+        self.resumed_from: Found | None = None
         self.last_handle: SaveHandle | None = None
         self._io: LevelsPlugin | None = None
         self._seen: int | None = None  # the global step of the last batch end looked at
         self._sharded = False  # the strategy saves with DCP: every rank saves its shards
 
     def __getstate__(self) -> dict[str, Any]:  # ddp_spawn pickles the Trainer: the levels only
-        return {"levels": self.levels, "last_handle": None, "_io": None, "_seen": None, "_sharded": False}
+        return {"levels": self.levels, "resume": self.resume, "resumed_from": None, "last_handle": None,
+                "_io": None, "_seen": None, "_sharded": False}  # fmt: skip
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self._io = _runtime_of(trainer) if stage == "fit" else None
         self._sharded = self._io is not None and _sharded.sharded_state_key(trainer.strategy) is not None
+        if self._io is not None and self.resume:
+            self._resume(trainer)
         if self._io is not None and not self._sharded and any(lv.replicas for lv in self.levels):
             # rank 0 alone saves the full state: every rank builds the saver now (a collective; the
             # process group is up), the next nodes' first ranks holding rank 0's steps in memory
             self._io.levels_saver(self.levels, replicate=True)
+
+    def _resume(self, trainer: Any) -> None:
+        """``resume=True``: every rank (the process group is up) agrees on the newest step it can load
+        from its own node's folders, then the Trainer restores it (``_compat.load_before_restore``)."""
+        if self._sharded:
+            raise ValueError(
+                "MultiLevelCheckpoint(resume=True) with a strategy that saves with DCP: its restore loads "
+                "into the set-up model, after this callback's setup; pass "
+                "fit(ckpt_path=lazyckpt.latest(levels).path) instead (called on every rank)"
+            )
+        from lazyckpt.levels import latest
+
+        found = latest(list(self.levels), preload=False)  # collective in a distributed job
+        self.resumed_from = found
+        if found is not None:
+            log.info("lazyckpt: resuming from step %d of level %d (%s)", found.step, found.level, found.path)
+            _compat.load_before_restore(trainer, found.path)
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        given = getattr(trainer, "ckpt_path", None)
+        if self.resumed_from is not None and given is not None:
+            log.warning(
+                "lazyckpt: fit(ckpt_path=%s) was restored, not step %d of the levels that resume=True found",
+                given, self.resumed_from.step,
+            )  # fmt: skip
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self._seen = trainer.global_step  # a resumed fit does not save the step it resumed from again
