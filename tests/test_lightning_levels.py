@@ -128,6 +128,16 @@ def test_resume_true_restores_the_newest_step_at_setup_or_starts_fresh(mem, tmp_
     assert_same(state_of(trainer), state_of(whole))
 
 
+def test_resume_true_is_refused_with_a_strategy_that_saves_with_dcp(tmp_path):
+    """Its restore loads into the set-up model, after the callback's setup: a ValueError naming the
+    way that works (``ckpt_path=lazyckpt.latest(levels).path``), before anything is read."""
+    callback = MultiLevelCheckpoint([Level(tmp_path / "mem", every=1)], resume=True)
+    callback._sharded = True  # what setup finds for ModelParallelStrategy
+    with pytest.raises(ValueError, match=r"ckpt_path=lazyckpt.latest\(levels\).path"):
+        callback._resume(None)
+    assert callback.resumed_from is None
+
+
 def test_memory_level_wiped_resumes_from_the_disk_level(mem, tmp_path):
     ref, whole = _uninterrupted(tmp_path, 10)
     levels = [Level(mem, every=1, keep=2), Level(tmp_path / "disk", every=3)]
