@@ -128,13 +128,21 @@ def test_resume_true_restores_the_newest_step_at_setup_or_starts_fresh(mem, tmp_
     assert_same(state_of(trainer), state_of(whole))
 
 
-def test_resume_true_is_refused_with_a_strategy_that_saves_with_dcp(tmp_path):
-    """Its restore loads into the set-up model, after the callback's setup: a ValueError naming the
-    way that works (``ckpt_path=lazyckpt.latest(levels).path``), before anything is read."""
+def test_resume_true_is_refused_with_a_strategy_that_restores_after_its_setup(tmp_path):
+    """DCP-saving strategies, and any whose ``restore_checkpoint_after_setup`` (FSDP's full state
+    dicts): their restore loads into the set-up model, after the callback's setup: a ValueError
+    naming the way that works (``ckpt_path=lazyckpt.latest(levels).path``), before anything is read."""
+    from types import SimpleNamespace
+
     callback = MultiLevelCheckpoint([Level(tmp_path / "mem", every=1)], resume=True)
     callback._sharded = True  # what setup finds for ModelParallelStrategy
+    trainer = SimpleNamespace(strategy=SimpleNamespace(restore_checkpoint_after_setup=False))
     with pytest.raises(ValueError, match=r"ckpt_path=lazyckpt.latest\(levels\).path"):
-        callback._resume(None)
+        callback._resume(trainer)
+    callback._sharded = False  # FSDPStrategy with full state dicts: restores after its setup too
+    trainer = SimpleNamespace(strategy=SimpleNamespace(restore_checkpoint_after_setup=True))
+    with pytest.raises(ValueError, match="SimpleNamespace: its restore loads into the set-up model"):
+        callback._resume(trainer)
     assert callback.resumed_from is None
 
 
@@ -452,6 +460,19 @@ def test_ddp_resume_true_restores_a_lost_node_when_lightning_makes_the_process_g
         os.makedirs(mem / node)
     again = launch(script, "resume_in_fit", 2, tmp_path, timeout=300, env=env)
     assert all(r["found"] == [9, 1] and r["digest"] == reference for r in again), again
+
+
+def test_ddp_resume_true_without_replicas_agrees_on_a_step_every_rank_can_load(tmp_path):
+    """Node-local memory without replicas: rank 0's node holds steps 4 and 5, node 1's memory
+    nothing. ``resume=True`` makes the ranks agree (collective ``latest``): both resume from the disk
+    level's step 3, exactly; each rank's own newest would be 5 on rank 0 and 3 on rank 1."""
+    script, env = Path(SCRIPTS) / "levels_replicas.py", {"PYTHONPATH": os.path.dirname(TESTS)}
+    first = launch(script, "first_plain", 2, tmp_path, timeout=300, env=env)
+    mem = tmp_path / "memr"
+    assert _steps(mem / "node0") == [4, 5] and not (mem / "node1").exists(), first
+    resumed = launch(script, "resume_in_fit_plain", 2, tmp_path, timeout=300, env=env)
+    for r in resumed:
+        assert r["found"] == [3, 1] and r["global_step"] == 10 and r["digest"] == first[0]["reference"], r
 
 
 def test_replicas_without_a_distributed_job_are_a_value_error_at_fit(tmp_path):

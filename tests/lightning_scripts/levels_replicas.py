@@ -13,6 +13,7 @@ Usage: levels_replicas.py SCENARIO RANK WORLD PORT WORKDIR (``tests/_worker.py``
   then a stock resume ``fit(ckpt_path=found.path)`` to 10.
 - ``resume_in_fit``: no process group before ``fit`` (Lightning makes it); ``MultiLevelCheckpoint(levels,
   resume=True)`` and a bare ``fit`` to 10.
+- ``first_plain``, ``resume_in_fit_plain``: the same with ``replicas=0`` (node 1's memory stays empty).
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ STEPS = 10
 
 
 def levels() -> list[Level]:
+    replicas = 0 if ARGS.scenario.endswith("_plain") else 1
     return [
-        Level(os.path.join(ARGS.workdir, "memr", f"node{ARGS.rank}"), every=1, keep=2, replicas=1),
+        Level(os.path.join(ARGS.workdir, "memr", f"node{ARGS.rank}"), every=1, keep=2, replicas=replicas),
         Level(os.path.join(ARGS.workdir, "diskr"), every=3, keep=2),
     ]
 
@@ -80,8 +82,18 @@ def scenario_resume_in_fit() -> None:
     RESULT["digest"] = fit(STEPS, levels(), resume=True)
 
 
+def scenario_first_plain() -> None:
+    """``first`` with a memory level without replicas (rank 0's node alone holds its steps)."""
+    scenario_first()
+
+
+def scenario_resume_in_fit_plain() -> None:
+    """``resume_in_fit`` over those levels: the ranks must agree on a step every rank can load."""
+    scenario_resume_in_fit()
+
+
 def init() -> None:
-    if ARGS.scenario == "resume_in_fit":
+    if ARGS.scenario.startswith("resume_in_fit"):
         return  # Lightning initializes the process group inside fit
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ARGS.port}", rank=ARGS.rank,
                             world_size=ARGS.world, timeout=timedelta(seconds=120))  # fmt: skip

@@ -249,15 +249,19 @@ class MultiLevelCheckpoint(_Callback):
     def _resume(self, trainer: Any) -> None:
         """``resume=True``: every rank (the process group is up) agrees on the newest step it can load
         from its own node's folders, then the Trainer restores it (``_compat.load_before_restore``)."""
-        if self._sharded:
+        if self._sharded or getattr(trainer.strategy, "restore_checkpoint_after_setup", False):
             raise ValueError(
-                "MultiLevelCheckpoint(resume=True) with a strategy that saves with DCP: its restore loads "
+                f"MultiLevelCheckpoint(resume=True) with {type(trainer.strategy).__name__}: its restore loads "
                 "into the set-up model, after this callback's setup; pass "
                 "fit(ckpt_path=lazyckpt.latest(levels).path) instead (called on every rank)"
             )
         from lazyckpt.levels import latest
 
-        found = latest(list(self.levels), preload=False)  # collective in a distributed job
+        # several ranks agree on one step: a level with replicas agrees by itself (its one writer's
+        # restore first); file levels only when asked (else each process would pick its own newest)
+        several = int(getattr(trainer, "world_size", 1)) > 1
+        collective = True if several and not any(lv.replicas for lv in self.levels) else None
+        found = latest(list(self.levels), preload=False, collective=collective)
         self.resumed_from = found
         if found is not None:
             log.info("lazyckpt: resuming from step %d of level %d (%s)", found.step, found.level, found.path)
@@ -265,7 +269,7 @@ class MultiLevelCheckpoint(_Callback):
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         given = getattr(trainer, "ckpt_path", None)
-        if self.resumed_from is not None and given is not None:
+        if self.resumed_from is not None and given is not None and str(given) != self.resumed_from.path:
             log.warning(
                 "lazyckpt: fit(ckpt_path=%s) was restored, not step %d of the levels that resume=True found",
                 given, self.resumed_from.step,
