@@ -118,10 +118,7 @@ def _whole(value: Any) -> int | None:
 def check_step(step: Any) -> int:
     """``step`` as an ``int`` >= 0 (any integer type: ``numpy.int64``, a 0-dim integer tensor), else
     ``SaveRefusedError`` (a ``ValueError``); ``bool`` is refused."""
-    try:
-        value = operator.index(step) if not isinstance(step, bool) else None
-    except TypeError:
-        value = None
+    value = _whole(step)
     if value is None or value < 0:
         raise SaveRefusedError(f"step must be an int >= 0, got {step!r}")
     return value

@@ -41,7 +41,7 @@ from lazyckpt.checkpointer import LazyCheckpointer, producer_of
 from lazyckpt.core.handle import SaveHandle
 from lazyckpt.core.report import raise_first
 from lazyckpt.errors import LazyCkptError, LevelError, SaveRefusedError
-from lazyckpt.levels import Found, Level, MultiLevel, check_levels
+from lazyckpt.levels import Found, Level, MultiLevel, check_levels, latest
 from lazyckpt.lightning import _compat, _sharded
 from lazyckpt.options import CheckpointerOptions
 
@@ -203,8 +203,9 @@ class MultiLevelCheckpoint(_Callback):
             (collective: the ranks agree on one step; a replaced node's memory gets its copy back from
             a peer first); nothing found: a fresh start. ``resumed_from``: that ``Found``, or None.
             Works however the processes were started (Lightning's launcher, SLURM, torchrun). Not
-            with a strategy that saves with DCP (``ValueError`` at ``setup``): pass
-            ``ckpt_path=lazyckpt.latest(levels).path`` there. A ``ckpt_path`` given to ``fit`` wins.
+            with a strategy that restores after its setup (ModelParallel, FSDP: ``ValueError`` at
+            ``setup``): pass ``ckpt_path=lazyckpt.latest(levels).path`` there. A ``ckpt_path`` given to
+            ``fit`` wins.
 
     Needs ``Trainer(plugins=[LazyCheckpointIO()])`` (refused at ``fit`` otherwise; so is DeepSpeed).
     Saves only inside ``fit`` (never in validate/test/predict), each step at most once; errors
@@ -255,8 +256,6 @@ class MultiLevelCheckpoint(_Callback):
                 "into the set-up model, after this callback's setup; pass "
                 "fit(ckpt_path=lazyckpt.latest(levels).path) instead (called on every rank)"
             )
-        from lazyckpt.levels import latest
-
         # several ranks agree on one step: a level with replicas agrees by itself (its one writer's
         # restore first); file levels only when asked (else each process would pick its own newest)
         several = int(getattr(trainer, "world_size", 1)) > 1
