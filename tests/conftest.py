@@ -37,6 +37,28 @@ def _torch_threads_restored():
 
 
 @pytest.fixture(autouse=True)
+def _small_disk_files_in_the_background(monkeypatch):
+    """The tests in this process exercise the background path for disk files of any size, as with a
+    core to spare (GPU training): on this 2-core machine torch's default threads make every test the
+    busy regime, where ``save()`` writes a small disk file itself (``core/plan.write_in_save``) and
+    most lazy-path tests would test nothing. The busy regime's own tests (``test_busy_regime.py``)
+    set the product's bound back (``busy_rule``); memory filesystems keep the product's rule, and
+    processes the tests start (``tests/*_scripts``) run the product's rule unchanged."""
+    from lazyckpt.core import plan
+
+    monkeypatch.setattr(plan, "INLINE_MAX_BYTES", 0)
+
+
+@pytest.fixture
+def busy_rule(monkeypatch):
+    """The product's placement rule for disk files (undoes ``_small_disk_files_in_the_background``)."""
+    from lazyckpt.core import plan
+
+    monkeypatch.setattr(plan, "INLINE_MAX_BYTES", 64 << 20)
+    return plan
+
+
+@pytest.fixture(autouse=True)
 def _no_leaked_threads():
     """Every test must close its checkpointers: no lazyckpt thread may outlive it."""
     yield

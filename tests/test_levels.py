@@ -192,7 +192,7 @@ def test_another_saves_error_raised_inside_a_level_save_is_not_relabelled(mem, t
         return real_open(tmp, size)
 
     monkeypatch.setattr(_fs, "open_temporary", full)
-    monkeypatch.setattr(_plan, "write_in_save", lambda memory, devices: False)
+    monkeypatch.setattr(_plan, "write_in_save", lambda memory, devices, nbytes=0: False)
     with LazyCheckpointer(levels=[Level(mem, keep=2)]) as ck:
         failing = ck.save({"w": torch.ones(4)}, other)
         real_check = _copy.check_memory
@@ -305,7 +305,7 @@ def test_a_failure_of_the_fastest_level_is_its_level_error(mem, tmp_path, monkey
         return real(tmp, size)
 
     monkeypatch.setattr(_fs, "open_temporary", full_memory)
-    monkeypatch.setattr(_plan, "write_in_save", lambda memory, devices: False)  # opened in the background
+    monkeypatch.setattr(_plan, "write_in_save", lambda memory, devices, nbytes=0: False)  # opened in the background
     levels = [Level(mem, every=1, keep=2), Level(tmp_path / "disk", every=1, keep=2)]
     step = _train()
     ck = LazyCheckpointer(levels=levels)

@@ -352,7 +352,7 @@ def test_a_folder_with_a_save_pending_inside_is_not_reused(mem, monkeypatch):
     folder = os.path.join(mem, "step-1")
     with LazyCheckpointer(host_memory_budget=64 << 20) as ck:
         ck.save(_big(1.0), os.path.join(folder, "model.pt")).wait()
-        monkeypatch.setattr(plan, "write_in_save", lambda memory, devices: False)  # written in the background
+        monkeypatch.setattr(plan, "write_in_save", lambda memory, devices, nbytes=0: False)  # written in the background
         gate = WriteGate(monkeypatch)  # ... where the next save's writes wait: it is pending
         h = ck.save(_big(2.0), os.path.join(folder, "late.pt"))
         try:

@@ -172,7 +172,7 @@ class Engine:
 
     def write_now(self, job: Job, src: Source) -> None:
         """Write a CPU source on the caller's thread, straight from its memory, before ``save()``
-        returns (``core/plan.write_in_save``: a memory filesystem and no core to spare).
+        returns (``core/plan.write_in_save``: no core to spare, and a memory filesystem or a small file).
         Counted like any piece, so the job finalises and commits in the background as usual."""
         self.open(job)
         for piece in self._pieces(job, src):
