@@ -128,6 +128,31 @@ def test_resume_true_restores_the_newest_step_at_setup_or_starts_fresh(mem, tmp_
     assert_same(state_of(trainer), state_of(whole))
 
 
+class _SetupFails(Callback):
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        raise RuntimeError("a later callback's setup failed")
+
+
+def test_resume_true_forgets_its_load_when_fit_raises_before_the_restore(mem, tmp_path):
+    """The callback loads at its ``setup``; a later callback's ``setup`` raises before the Trainer
+    restores: the loaded checkpoint must not stay in the Trainer's connector (a later ``validate`` or
+    ``fit`` on that Trainer would restore it)."""
+    levels = [Level(mem, every=1, keep=2)]
+    _resumable_fit(levels, 3)
+    torch.manual_seed(0)
+    model = StepGPT(batches=4)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    callback = MultiLevelCheckpoint(levels, resume=True)
+    trainer = level_trainer([callback, _SetupFails()], [LazyCheckpointIO()], max_steps=5)
+    with pytest.raises(RuntimeError, match="later callback's setup failed"):
+        trainer.fit(model)
+    assert callback.resumed_from is not None and callback.resumed_from.step == 3  # it had loaded step 3
+    connector = trainer._checkpoint_connector
+    assert connector._loaded_checkpoint == {} and connector._ckpt_path is None
+    connector.restore_model()  # what a later run's restore would apply: nothing
+    assert_same(model.state_dict(), before)
+
+
 def test_resume_true_is_refused_with_a_strategy_that_restores_after_its_setup(tmp_path):
     """DCP-saving strategies, and any whose ``restore_checkpoint_after_setup`` (FSDP's full state
     dicts): their restore loads into the set-up model, after the callback's setup: a ValueError

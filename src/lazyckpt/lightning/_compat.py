@@ -85,6 +85,14 @@ def load_before_restore(trainer: Any, path: str) -> None:
     _connector(trainer).resume_start(path)
 
 
+def forget_loaded(trainer: Any) -> None:
+    """What ``resume_end`` clears of a loaded checkpoint (the path, the dict), without its barrier (an
+    exception path must not wait for the other ranks): nothing is restored from it afterwards."""
+    connector = _connector(trainer)
+    connector._ckpt_path = None
+    connector._loaded_checkpoint = {}
+
+
 def _connector(trainer: Any) -> Any:
     """The Trainer's checkpoint connector (private in Lightning 2.x; its dump and restore entry points)."""
     return trainer._checkpoint_connector

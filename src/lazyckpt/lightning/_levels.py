@@ -274,6 +274,13 @@ class MultiLevelCheckpoint(_Callback):
                 given, self.resumed_from.step,
             )  # fmt: skip
 
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        """A fit that raised between this callback's load (``setup``) and the Trainer's restore (another
+        callback's ``setup``, ``configure_model``) leaves the checkpoint in the Trainer's connector, where
+        a later ``validate``/``fit`` on the same Trainer would restore it: forget it (no collective)."""
+        if self.resumed_from is not None:
+            _compat.forget_loaded(trainer)
+
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self._seen = trainer.global_step  # a resumed fit does not save the step it resumed from again
 
