@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -127,8 +128,16 @@ def main() -> None:
     ap.add_argument("--save-steps", default="1,10")
     ap.add_argument("--regimes", default="1,default", help="torch threads: 1 (a spare core) and/or default")
     a = ap.parse_args()
+    base = a.dir or tempfile.mkdtemp(prefix="bench-transformers-", dir=os.getcwd())  # on disk, not a tmpfs /tmp
+    try:
+        _main(a, base)
+    finally:
+        if not a.dir:  # ~2 GB of checkpoint folders after a full run
+            shutil.rmtree(base, ignore_errors=True)
+
+
+def _main(a: argparse.Namespace, base: str) -> None:
     cfg = dict(layers=a.layers, width=a.width, vocab=a.vocab, seq=a.seq, batch=a.batch)
-    base = a.dir or tempfile.mkdtemp(prefix="bench-transformers-", dir=os.getcwd())
     default_threads = torch.get_num_threads()
     shape = GPT2Config(
         vocab_size=a.vocab, n_positions=a.seq, n_embd=a.width, n_layer=a.layers, n_head=max(1, a.width // 64)
