@@ -38,7 +38,8 @@ def _torch_threads_restored():
 
 @pytest.fixture(autouse=True)
 def _small_disk_files_in_the_background(monkeypatch):
-    """The tests in this process exercise the background path for disk files of any size, as with a
+    """The tests in this process exercise the background path for disk files of any size (with
+    tensor data or not), as with a
     core to spare (GPU training): on this 2-core machine torch's default threads make every test the
     busy regime, where ``save()`` writes a small disk file itself (``core/plan.write_in_save``) and
     most lazy-path tests would test nothing. The busy regime's own tests (``test_busy_regime.py``)

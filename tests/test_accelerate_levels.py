@@ -152,7 +152,8 @@ def test_save_state_returns_before_the_copies_and_the_explicit_folder_keeps_toda
 
     acc, objs, _ = make()
     # a disk folder as the fastest level: on tmpfs with every core training, save() writes the files
-    # itself (core/plan.py, write_in_save), and this test holds the background writes
+    # itself (core/plan.py, write_in_save; small disk files too, but conftest.py sets that bound to 0
+    # here), and this test holds the background writes
     levels = [Level(tmp_path / "fast", every=1, keep=3), Level(tmp_path / "disk", every=1)]
     h = installs(acc, levels=levels)
     C.train_step(acc, *objs[:3], _gen(0))

@@ -56,6 +56,7 @@ def test_the_rule(busy):
     assert plan.write_in_save(False, CPU, plan.INLINE_MAX_BYTES)
     assert not plan.write_in_save(False, CPU, large)  # a large one: the background's O_DIRECT writes
     assert plan.write_in_save(True, CPU, large)  # a memory filesystem: any size (a write is a memory copy)
+    assert not plan.write_in_save(False, CPU, 0)  # no tensor data on a disk: nothing to gain, created by a writer
     assert not plan.write_in_save(False, [torch.device("cuda", 0)], small)  # device tensors: copies overlap
     assert not plan.write_in_save(True, [torch.device("cpu"), torch.device("cuda", 0)], small)
     if usable_cpus() >= 2:
@@ -144,6 +145,38 @@ def test_a_failed_write_inside_save_fails_that_save_loudly_and_leaves_no_file(tm
         monkeypatch.setattr(_fs, "pwrite_all", real)
         ckpt.save({"model": model.state_dict()}, tmp_path / "c.pt").wait()  # usable again
     assert os.listdir(tmp_path) == ["c.pt"]
+
+
+def test_a_failed_creation_inside_save_fails_the_save_in_its_handle(tmp_path, busy, monkeypatch):
+    """A small disk file is created inside save() in this regime: a full disk (ENOSPC from the
+    reservation) still fails the save in its handle, as a writer's creation does, never in save()."""
+    model, opt = _trained()
+    created: list[str] = []
+
+    def full(tmp, size):  # type: ignore[no-untyped-def]
+        created.append(threading.current_thread().name)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with LazyCheckpointer() as ckpt:
+        ckpt.track(opt)
+        monkeypatch.setattr(_fs, "open_temporary", full)
+        h = ckpt.save({"model": model.state_dict()}, tmp_path / "c.pt")  # returns
+        assert created == [threading.current_thread().name]  # created (tried) inside save()
+        with pytest.raises(WriteError, match="cannot create") as info:
+            h.wait()
+        assert info.value.errno == errno.ENOSPC
+        monkeypatch.undo()
+        ckpt.save({"model": model.state_dict()}, tmp_path / "c.pt").wait()  # usable again
+    assert os.listdir(tmp_path) == ["c.pt"]
+
+
+def test_an_explicit_direct_io_keeps_the_background_writes(tmp_path, busy, monkeypatch):
+    model, opt = _trained()
+    writers = data_writers(monkeypatch)
+    with LazyCheckpointer(direct_io=True) as ckpt:
+        ckpt.track(opt)
+        ckpt.save({"model": model.state_dict(), "optim": opt.state_dict()}, tmp_path / "c.pt").wait()
+    assert writers and all(name.startswith("lazyckpt-") for name in writers)
 
 
 @pytest.mark.integration

@@ -288,7 +288,9 @@ def test_before_commit_failure_fails_the_save(ckpt, tmp_path):
 
 def test_save_does_not_wait_for_the_file_to_be_created(ckpt, tmp_path, monkeypatch):
     """Creating and fallocating the temporary file can wait 0.1-0.4 s on an ext4 journal while the
-    previous checkpoint is written and fsynced: a writer does it, not save(). The creation is held
+    previous checkpoint is written and fsynced: a writer does it, not save() (with a core to spare,
+    or a file above the busy regime's bound: conftest.py sets it to 0 here; below it, every core
+    training, save() writes and so creates the file itself, test_busy_regime.py). The creation is held
     here until save() returned (with the creation back in save(), save() would sit there until the
     watchdog lets it go, and the test fails)."""
     _prepare(ckpt, tmp_path)

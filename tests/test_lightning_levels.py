@@ -151,6 +151,15 @@ def test_resume_true_forgets_its_load_when_fit_raises_before_the_restore(mem, tm
     assert connector._loaded_checkpoint == {} and connector._ckpt_path is None
     connector.restore_model()  # what a later run's restore would apply: nothing
     assert_same(model.state_dict(), before)
+    # only this fit's own pending load is forgotten: not another path, not after a restore ended
+    from types import SimpleNamespace
+
+    from lazyckpt.lightning import _compat
+
+    for held, path in (({"state": 1}, "/given.ckpt"), ({}, None)):
+        other = SimpleNamespace(_checkpoint_connector=SimpleNamespace(_loaded_checkpoint=held, _ckpt_path=path))
+        _compat.forget_loaded(other, callback.resumed_from.path)
+        assert other._checkpoint_connector._loaded_checkpoint == held and other._checkpoint_connector._ckpt_path == path
 
 
 def test_resume_true_is_refused_with_a_strategy_that_restores_after_its_setup(tmp_path):

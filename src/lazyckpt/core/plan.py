@@ -51,7 +51,9 @@ class SavePlan:
         always planned lazily)."""
         devices = [s.device for s in sources]
         memory = bool(final) and _fs.is_memory_filesystem(os.path.dirname(os.path.abspath(final)))
+        # an explicit direct_io=True keeps a disk file's O_DIRECT writes (background) in any regime
         inline = allow_inline and write_in_save(memory, devices, sum(s.nbytes for s in sources))
+        inline = inline and (memory or options.direct_io is not True)
         capture = options.capture_in_save if capture_in_save is None else capture_in_save
         # Nothing guarded: all eager. Listing the guarded storages walks every tracked optimizer's
         # tensors: skipped for saves without tensor data (Accelerate's scheduler.bin, sampler.bin).
@@ -100,8 +102,10 @@ def use_direct_io(option: bool | None, sizes: list[int]) -> bool:
 def write_in_save(memory: bool, devices: list[torch.device], nbytes: int = 0) -> bool:
     """Whether ``save()`` writes the file itself instead of handing it to the background threads:
     when training uses every core (``torch.get_num_threads()`` >= the usable CPUs), every tensor is
-    on the CPU, and the file goes to a memory filesystem (tmpfs, ramfs: ``memory``) or holds at
-    most ``INLINE_MAX_BYTES`` of tensor data (``nbytes``).
+    on the CPU, and the file goes to a memory filesystem (tmpfs, ramfs: ``memory``) or holds some
+    tensor data but at most ``INLINE_MAX_BYTES`` (``nbytes``; per file: a folder of many small
+    files is written in ``save()`` file by file). A file written in ``save()`` is also created
+    there: on a disk that may wait on the journal while the previous checkpoint is fsynced.
 
     With every core training, lazyckpt's threads run beside the training's intra-op threads, which
     all wait at the end of each parallel op for the one that lost its core: a background copy
@@ -117,7 +121,7 @@ def write_in_save(memory: bool, devices: list[torch.device], nbytes: int = 0) ->
     free and kept."""
     if any(d.type != "cpu" for d in devices) or torch.get_num_threads() < usable_cpus():
         return False
-    return memory or nbytes <= INLINE_MAX_BYTES
+    return memory or 0 < nbytes <= INLINE_MAX_BYTES
 
 
 def usable_cpus() -> int:

@@ -107,19 +107,19 @@ class Producer:
         is created by the first writer that needs it (``Engine.open``): creating and fallocating it can
         wait 0.1-0.4 s on the filesystem's journal while the previous checkpoint is being written, and
         on a memory filesystem reserving it allocates every page of the file (0.35 s per 1.2 GB here:
-        bench_levels' lazy-mem, spare core). Only ``inline`` opens it here."""
+        bench_levels' lazy-mem, spare core). Only ``inline`` opens it here (``plan.write_in_save``:
+        no core to spare, and a memory filesystem or a small file); its failure, like a writer's,
+        fails the save in its handle."""
         job.direct = direct
         folder = os.path.dirname(job.tmp)
         if _fs.is_memory_filesystem(folder):  # one writer at a time: see Job.serial
             job.serial = threading.Lock()
-        if inline:  # save() writes the file itself
-            self.engine.open(job)
-            if job.error is not None:
-                _raise_described(job, job.error)
-        elif not os.access(folder, os.W_OK):  # what is sure to fail fails here; the rest in the handle
+        if not os.access(folder, os.W_OK):  # what is sure to fail fails here; the rest in the handle
             code = errno.EROFS if os.statvfs(folder).f_flag & os.ST_RDONLY else errno.EACCES
             refused = WriteError(f"cannot create {job.tmp}: {os.strerror(code)}", path=job.path, errno=code)
             _raise_described(job, refused)
+        if inline:  # save() writes the file itself; a failed creation (ENOSPC) fails the job, as a writer's would
+            self.engine.open(job)
         if self.pool.pin_memory and self.pool.pin_device is None and torch.cuda.is_initialized():
             self.pool.pin_device = torch.cuda.current_device()
         for device in {s.device for s in job.lazy if s.device.type == "cuda"}:

@@ -85,10 +85,17 @@ def load_before_restore(trainer: Any, path: str) -> None:
     _connector(trainer).resume_start(path)
 
 
-def forget_loaded(trainer: Any) -> None:
-    """What ``resume_end`` clears of a loaded checkpoint (the path, the dict), without its barrier (an
-    exception path must not wait for the other ranks): nothing is restored from it afterwards."""
+def forget_loaded(trainer: Any, path: str) -> None:
+    """What ``resume_end`` clears of the checkpoint ``load_before_restore(trainer, path)`` loaded (the
+    dict; the path, which the Trainer's own ``resume_start(None)`` already forgot), without its
+    barrier (an exception path must not wait for the other ranks): nothing is restored from it
+    afterwards. Nothing is touched once a restore ended (the dict is empty) or when the connector
+    holds another path (a ``ckpt_path`` given to ``fit`` or set on the Trainer)."""
     connector = _connector(trainer)
+    if not connector._loaded_checkpoint or connector._ckpt_path not in (None, path):
+        return
+    if getattr(connector, "_user_managed", False):
+        return
     connector._ckpt_path = None
     connector._loaded_checkpoint = {}
 

@@ -232,10 +232,11 @@ class MultiLevelCheckpoint(_Callback):
         self._io: LevelsPlugin | None = None
         self._seen: int | None = None  # the global step of the last batch end looked at
         self._sharded = False  # the strategy saves with DCP: every rank saves its shards
+        self._loading: str | None = None  # the path this fit loaded at setup, until the Trainer restored it
 
     def __getstate__(self) -> dict[str, Any]:  # ddp_spawn pickles the Trainer: the levels only
         return {"levels": self.levels, "resume": self.resume, "resumed_from": None, "last_handle": None,
-                "_io": None, "_seen": None, "_sharded": False}  # fmt: skip
+                "_io": None, "_seen": None, "_sharded": False, "_loading": None}  # fmt: skip
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self._io = _runtime_of(trainer) if stage == "fit" else None
@@ -265,6 +266,7 @@ class MultiLevelCheckpoint(_Callback):
         if found is not None:
             log.info("lazyckpt: resuming from step %d of level %d (%s)", found.step, found.level, found.path)
             _compat.load_before_restore(trainer, found.path)
+            self._loading = found.path
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         given = getattr(trainer, "ckpt_path", None)
@@ -277,11 +279,14 @@ class MultiLevelCheckpoint(_Callback):
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         """A fit that raised between this callback's load (``setup``) and the Trainer's restore (another
         callback's ``setup``, ``configure_model``) leaves the checkpoint in the Trainer's connector, where
-        a later ``validate``/``fit`` on the same Trainer would restore it: forget it (no collective)."""
-        if self.resumed_from is not None:
-            _compat.forget_loaded(trainer)
+        a later ``validate``/``fit`` on the same Trainer would restore it: forget it (no collective).
+        Only this fit's own load, still pending: not a path the user gave or set on the Trainer."""
+        loading, self._loading = self._loading, None
+        if loading is not None:
+            _compat.forget_loaded(trainer, loading)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self._loading = None  # the Trainer restored it and ended the resume (resume_end) before this hook
         self._seen = trainer.global_step  # a resumed fit does not save the step it resumed from again
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
