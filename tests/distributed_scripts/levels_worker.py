@@ -367,15 +367,30 @@ def scenario_replicate_partner_silent() -> None:
 
 
 def scenario_replicate_kill() -> None:
-    """The ranks of node CONFIG["kill_node"] SIGKILL themselves while receiving the replica of
-    step CONFIG["kill_step"] (mid-file); the survivors stop with a typed error in bounded time."""
+    """Node CONFIG["kill_node"] is lost while receiving the replica of step CONFIG["kill_step"]
+    (mid-file): the first of its ranks to get there SIGKILLs all of them at once (the node's other
+    ranks first, then itself), as a lost machine would; the survivors stop with a typed error in
+    bounded time. (Each rank killing only itself left a race in the test: a rank whose partner died
+    first could stop with a typed error, its training's collective failing, before its own kill.)"""
     from lazyckpt.levels import _wire
 
     if node() == CONFIG["kill_node"]:
+        pids = os.path.join(WORKDIR, f"pids-node-{node()}")
+        os.makedirs(pids, exist_ok=True)
+        with open(os.path.join(pids, str(RANK)), "w") as f:  # before step 1's collectives: all there by step 3
+            f.write(str(os.getpid()))
         real = _wire.Sink.write
 
         def write(self, data, offset):
             if self.header.get("step") == CONFIG["kill_step"] and offset == 0:
+                for name in os.listdir(pids):
+                    with open(os.path.join(pids, name)) as f:
+                        pid = int(f.read())
+                    if pid != os.getpid():
+                        try:
+                            os.kill(pid, signal.SIGKILL)
+                        except ProcessLookupError:  # pragma: no cover - it got there first
+                            pass
                 os.kill(os.getpid(), signal.SIGKILL)
             return real(self, data, offset)
 
