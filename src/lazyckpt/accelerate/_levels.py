@@ -17,14 +17,22 @@ Data flow of one bare ``save_state()`` (docs/accelerate.md, "Multi-level checkpo
     level threads (``MultiLevel``): copy the complete folder whole to the slower due levels (or upload
         it, manifest last), apply each level's ``keep``.
 
+Several nodes (``_nodes.py``): the levels' scopes are probed at install; a process that does not see
+the main process's folder of the fastest due level (a node-local level: another node) saves into a
+staging folder of its own and sends its RNG file to the main process through the c10d store, which
+writes it into its folder before the folder counts as complete; a level with ``replicas`` then
+holds the whole folder in the next nodes' memory (``levels.SingleWriter``: the main process's
+``MultiLevel`` sends, the holders' ``SingleWriter`` receives), and ``load_latest`` (collective)
+gives every node the newest step before each process loads its own node's folder.
+
 The step numbering and its override live in :class:`StepCounter`; restore in ``_restore.py``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
-import socket
 import time
 import weakref
 from typing import TYPE_CHECKING, Any, Protocol
@@ -33,12 +41,22 @@ from accelerate.utils.constants import RNG_STATE_NAME
 
 from lazyckpt.accelerate import _compat
 from lazyckpt.accelerate._folder_save import SaveStateCall
+from lazyckpt.accelerate._nodes import Nodes, staging_of
 from lazyckpt.checkpointer import producer_of
 from lazyckpt.commit.folder import marker_is_stale, pending_markers
 from lazyckpt.core.handle import Completion, SaveHandle, SaveStats, confirm
 from lazyckpt.core.workers import Worker
 from lazyckpt.errors import IncompleteCheckpointError, SaveRefusedError
-from lazyckpt.levels import Level, MultiLevel, check_levels, check_step, refuse_replicas, tensor_bytes
+from lazyckpt.levels import (
+    Level,
+    MultiLevel,
+    SingleWriter,
+    check_levels,
+    check_step,
+    refuse_replicas,
+    replicated_index,
+    tensor_bytes,
+)
 
 if TYPE_CHECKING:
     from lazyckpt import LazyCheckpointer
@@ -111,7 +129,6 @@ class LevelSaves:
     def __init__(self, owner: HandleOwner, accelerator: Any, checkpointer: LazyCheckpointer, levels: Any) -> None:
         levels = tuple(levels)
         check_levels(levels)
-        refuse_replicas(levels, "Accelerate's save_state (a folder per process group)")
         refuse_automatic_naming(accelerator)
         self.owner = owner
         self.accelerator = accelerator
@@ -123,11 +140,20 @@ class LevelSaves:
         self.last: SaveHandle | None = None  # the last bare save_state's handle
         opts = checkpointer.options
         self.producer = producer_of(checkpointer)  # its ledger and callback thread for the level handles
+        # collective (every process installs): who shares each level's folder (several processes)
+        rank = int(accelerator.process_index)
+        self.nodes = Nodes(levels, rank, self.processes, owner.load_timeout) if self.processes > 1 else None
+        if self.nodes is None:
+            refuse_replicas(levels, "Accelerate's save_state in one process")
+        replicated = replicated_index(levels)
         self._multi = (
-            MultiLevel(checkpointer, levels, opts, folder=True, reuse=self.producer.reuse) if self.main else None
-        )
+            MultiLevel(checkpointer, levels, opts, folder=True, reuse=self.producer.reuse, replicate=True)
+            if self.main
+            else None
+        )  # with replicas: the main process's MultiLevel sends its folders, the other processes hold copies
+        self._holder = None if self.main or replicated is None else SingleWriter(levels, replicated, opts.fsync)
         self._pending: dict[int, SaveHandle] = {}  # step -> a level save not yet done
-        self._others: Worker[tuple[SaveStateCall, Completion]] = Worker(
+        self._others: Worker[tuple[SaveStateCall, Completion, _Gather | None]] = Worker(
             "lazyckpt-accelerate-levels", self._wait_for_others, lazy=True
         )
 
@@ -149,12 +175,24 @@ class LevelSaves:
                 f"must be a local folder (every process writes into it), not {self.levels[due[0]].path}"
             )
 
+        gather = self._gather(due[0]) if due and self.nodes is not None else None
+
         def produce(path: str) -> SaveHandle:
-            return self._produce(path, safe_serialization, kwargs)
+            marker = Nodes.hold(path) if gather is not None and gather.outside else None
+            try:
+                return self._produce(path, safe_serialization, kwargs, gather=gather and gather.held(marker))
+            except BaseException:
+                if marker is not None:
+                    Nodes.release(marker)
+                raise
 
         handle: SaveHandle
         if self._multi is not None:
             handle = self._multi.save_with(step, produce, nbytes=self._nbytes)
+        elif due and gather is not None and self.nodes is not None and gather.posts:
+            # another node: its RNG file to the main process through the store, its staging folder removed
+            folder = self.levels[due[0]].folder(step)
+            handle = self._produce(staging_of(folder), safe_serialization, kwargs, gather=gather, label=folder)
         elif due:  # another process: its files into the same folder; the main process copies it on
             handle = self._produce(self.levels[due[0]].folder(step), safe_serialization, kwargs)
         else:
@@ -189,17 +227,23 @@ class LevelSaves:
             except OSError as exc:
                 logger.warning("lazyckpt.accelerate: could not move the old %s away: %s", folder, exc)
 
-    def _agree(self, step: int) -> int:
-        """Every process saves the same step on the same node (one collective, every process). The
-        refusals are raised on every process alike (each sees the same gathered list)."""
-        seen = _compat.all_gather((step, socket.gethostname()))
-        steps = sorted({s for s, _ in seen})
-        hosts = sorted({h for _, h in seen})
-        if len(hosts) > 1:
+    def _gather(self, index: int) -> _Gather:
+        """This bare save's exchange of RNG files (several processes; every process, in step): the
+        processes outside the main process's folder of level ``index`` (the fastest due)."""
+        assert self.nodes is not None
+        outside = self.nodes.outside(index)
+        if outside and _compat.is_sharded_fsdp(self.accelerator):
             raise SaveRefusedError(
-                f"lazyckpt.accelerate: save_state by level runs on one node; these processes run on {hosts}. "
-                "Save to explicit shared folders (save_state(output_dir)) instead"
+                f"lazyckpt.accelerate: level {index} ({self.levels[index].path}) is one node's folder, and FSDP's "
+                "SHARDED_STATE_DICT saves every process's shards: save by level to folders every process shares"
             )
+        rank = int(self.accelerator.process_index)
+        return _Gather(self.nodes.next_seq(), outside, posts=rank in outside)
+
+    def _agree(self, step: int) -> int:
+        """Every process saves the same step (one collective, every process). The refusal is raised
+        on every process alike (each sees the same gathered list)."""
+        steps = sorted(set(_compat.all_gather(step)))
         if len(steps) > 1:
             raise SaveRefusedError(
                 f"lazyckpt.accelerate: the processes would save different steps {steps}; set handle.step on "
@@ -207,9 +251,13 @@ class LevelSaves:
             )
         return step
 
-    def _produce(self, path: str, safe_serialization: bool, kwargs: dict[str, Any]) -> SaveHandle:
-        """The lazy ``save_state`` into ``path``; a handle done once the folder is complete."""
-        completion = Completion(path)
+    def _produce(
+        self, path: str, safe_serialization: bool, kwargs: dict[str, Any], *, gather: _Gather | None = None,
+        label: str | None = None,
+    ) -> SaveHandle:  # fmt: skip
+        """The lazy ``save_state`` into ``path``; a handle (named ``label``, default ``path``) done
+        once the folder is complete (``gather``: with the other nodes' RNG files, see ``_nodes.py``)."""
+        completion = Completion(label or path)
 
         def prepare(call: SaveStateCall) -> None:
             def settle(timeout: float | None) -> None:
@@ -221,20 +269,25 @@ class LevelSaves:
                     confirm(h, timeout)
 
             completion.bind(settle=settle, confirm=confirm_all)
-            call.on_end = lambda c: self._part_ended(c, completion)
+            call.on_end = lambda c: self._part_ended(c, completion, gather)
 
         self.owner.save_into(path, safe_serialization, kwargs, prepare=prepare)
         return completion.handle
 
     # -- the finisher thread, then (several processes) the watcher thread ----------------------------------
-    def _part_ended(self, call: SaveStateCall, completion: Completion) -> None:
+    def _part_ended(self, call: SaveStateCall, completion: Completion, gather: _Gather | None = None) -> None:
         try:
+            if gather is not None and gather.posts and self.nodes is not None:  # another node's process
+                error = call.error if call.failed is not None else None
+                if error is None and not call.ended:
+                    error = IncompleteCheckpointError(f"lazyckpt: {call.folder} was not completed")
+                self.nodes.post(gather.seq, call.folder or "", error)
             if call.failed is not None:
                 completion.adopt(call.failed)  # the same report as the checkpointer's: claimed once
                 completion.complete(self.producer.callbacks)
             elif self._multi is not None and self.processes > 1 and call.ended:
-                if not self._others.submit((call, completion)):
-                    self._wait_for_others((call, completion))
+                if not self._others.submit((call, completion, gather)):
+                    self._wait_for_others((call, completion, gather))
             else:
                 error = None if call.ended else IncompleteCheckpointError(f"lazyckpt: {call.folder} was not completed")
                 completion.finish(_stats(call), error, self.producer.publish, self.producer.callbacks)
@@ -243,29 +296,41 @@ class LevelSaves:
             if not completion.handle.done():
                 completion.finish(None, exc, self.producer.publish, self.producer.callbacks)
 
-    def _wait_for_others(self, item: tuple[SaveStateCall, Completion]) -> None:
+    def _wait_for_others(self, item: tuple[SaveStateCall, Completion, _Gather | None]) -> None:
         """Main process: the folder is complete once no process's marker is left and every
         process's RNG file is there (each creates its marker before it writes that file, and removes
-        it once its files are durable). Bounded by ``load_timeout``; a dead process's marker ends it."""
-        call, completion = item
+        it once its files are durable; another node's process sends its file, written here, then
+        this process's own marker of the gathering is removed). Bounded by ``load_timeout``; a dead
+        process's marker, or an error sent by another node's process, ends it."""
+        call, completion, gather = item
         folder = call.folder or ""
-        wanted = [f"{RNG_STATE_NAME}_{i}.pkl" for i in range(self.processes)]
+        outside = gather.outside if gather is not None else []
+        mine = os.path.basename(gather.marker) if gather is not None and gather.marker else None
+        wanted = [f"{RNG_STATE_NAME}_{i}.pkl" for i in range(self.processes) if i not in outside]
         deadline = time.monotonic() + self.owner.load_timeout
         delay = 0.005
         error: BaseException | None = None
         while True:
-            markers = pending_markers(folder)
+            markers = [m for m in pending_markers(folder) if m != mine]
             missing = [n for n in wanted if not os.path.exists(os.path.join(folder, n))]
-            if not markers and not missing:
+            sent: list[str] = []
+            if outside and gather is not None and self.nodes is not None:
+                try:
+                    outside, sent = self.nodes.collect(gather.seq, folder, outside, self.checkpointer.options.fsync)
+                except OSError as exc:
+                    sent = [f"writing a process's RNG file failed: {exc}"]
+            if not markers and not missing and not outside and not sent:
+                if gather is not None and gather.marker:
+                    Nodes.release(gather.marker)
                 break
             dead = [m for m in markers if marker_is_stale(m)]
-            if dead or time.monotonic() >= deadline:
-                why = f"processes died during the save (markers {dead})" if dead else (
+            if sent or dead or time.monotonic() >= deadline:
+                why = "; ".join(sent) if sent else f"processes died during the save (markers {dead})" if dead else (
                     f"not every process finished its part within {self.owner.load_timeout:.0f} s "
-                    f"(markers {markers}, missing {missing})"
+                    f"(markers {markers}, missing {missing}, no RNG file yet from processes {outside})"
                 )  # fmt: skip
                 error = IncompleteCheckpointError(f"lazyckpt: {folder} is incomplete: {why}")
-                break
+                break  # this process's marker of the gathering stays: the folder is incomplete
             time.sleep(delay)
             delay = min(delay * 2, 0.1)
         completion.finish(_stats(call), error, self.producer.publish, self.producer.callbacks)
@@ -285,6 +350,22 @@ class LevelSaves:
         self._others.stop()
         if self._multi is not None:
             self._multi.close()
+        if self._holder is not None:
+            self._holder.close()  # waits for the main process's last copies (bounded)
+
+
+@dataclasses.dataclass
+class _Gather:
+    """One bare save's exchange of RNG files (``_nodes.py``): its number, the processes outside
+    the main process's folder, whether this process is one (it posts), the main process's marker."""
+
+    seq: int
+    outside: list[int]
+    posts: bool = False
+    marker: str | None = None
+
+    def held(self, marker: str | None) -> _Gather:
+        return dataclasses.replace(self, marker=marker)
 
 
 def _stats(call: SaveStateCall) -> SaveStats:

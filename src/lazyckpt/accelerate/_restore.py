@@ -3,10 +3,13 @@
 ``lazyckpt.latest(levels)`` picks it (every level listed; a folder counts once no pending marker is
 left in it, Accelerate's expected files are there and every CRC checks out; torn or corrupt copies
 are skipped with a warning); with several processes the main process picks and tells the others
-(one broadcast), so every process loads the same step. Then ``accelerator.load_state(found.path)``:
-the installed one (a URL: its files downloaded first, ``_url.downloaded``), or stock's for an
-accelerator without lazyckpt (a URL through a short-lived checkpointer's remote tier). The handle's
-step counter is set to ``found.step``, so the next saves continue the numbering.
+(one broadcast), so every process loads the same step. With a level with ``replicas`` (several
+nodes, node-local folders) ``latest()`` is collective instead: the newest step some node holds is
+copied into every node's folder that lacks it, and each process loads its own node's copy. Then
+``accelerator.load_state(found.path)``: the installed one (a URL: its files downloaded first,
+``_url.downloaded``), or stock's for an accelerator without lazyckpt (a URL through a short-lived
+checkpointer's remote tier). The handle's step counter is set to ``found.step``, so the next saves
+continue the numbering.
 """
 
 from __future__ import annotations
@@ -63,7 +66,11 @@ def load_latest(
     if handle is not None:
         handle.settle()
     found: Found | None = None
-    if accelerator.num_processes > 1:
+    if accelerator.num_processes > 1 and any(getattr(entry, "replicas", 0) for entry in levels):
+        # collective: the newest step any node holds is first copied into every node's folder lacking
+        # it; each process then finds it in its own node's folder (the same step everywhere, checked)
+        found = latest(levels, storage_options, verify, preload=False)
+    elif accelerator.num_processes > 1:
         if accelerator.is_main_process:
             found = latest(levels, storage_options, verify)
         found = _compat.broadcast(found)

@@ -13,7 +13,8 @@ threads and the handles; ``MultiLevel`` is its producer of one process's files a
 and ``not_due`` are the handles of a levels save; ``latest_agreed`` over a
 ``StoreExchange`` finds the newest step every rank holds (restoring a node's replicated steps first:
 ``_restore.py``); ``Scope`` / ``probe`` / ``dedup_groups`` say who shares each level's folder;
-``Ring`` / ``Replicator`` / ``ReplicationStats`` hold a node-local level's steps in peers' memory;
+``Ring`` / ``Replicator`` / ``ReplicationStats`` hold a node-local level's steps in peers' memory
+(``SingleWriter``: one writer's files or folders, its holders' side built by them too);
 ``check_memory`` is the first save's memory statement, ``tensor_bytes`` the size it is computed from;
 ``Preread`` what ``latest()`` read ahead for ``load()`` (a loader that reads a path itself releases it).
 """
@@ -44,6 +45,7 @@ from ._replica import replicated_index as replicated_index  # noqa: E402
 from ._runner import Feed as Feed  # noqa: E402
 from ._runner import LevelProducer as LevelProducer  # noqa: E402
 from ._runner import Runner as Runner  # noqa: E402
+from ._single import SingleWriter as SingleWriter  # noqa: E402
 from ._topology import Scope as Scope  # noqa: E402
 from ._topology import dedup_groups as dedup_groups  # noqa: E402
 from ._topology import probe as probe  # noqa: E402

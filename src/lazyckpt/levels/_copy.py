@@ -34,6 +34,7 @@ from lazyckpt.storage import fs as _fs
 from lazyckpt.storage.remote import RemoteTier
 
 from ._level import Level, MemoryLevelWarning
+from ._wire import replace_folder
 
 logger = logging.getLogger(__name__)
 
@@ -79,11 +80,9 @@ def copy_tree(src: str, dst: str, fsync: bool) -> None:
     there (the same step saved again) is renamed away first and deleted after. On failure the
     temporary folder is removed (a killed process's is removed by ``cleanup_temporaries``, as the
     levels do when they open) and ``dst`` is what it was."""
-    parent = os.path.dirname(dst)
-    os.makedirs(parent, exist_ok=True)
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
     tmp = _fs.temporary_path(dst)
     os.mkdir(tmp)
-    old = None
     try:
         for root, dirs, names in os.walk(src):
             out = os.path.normpath(os.path.join(tmp, os.path.relpath(root, src)))
@@ -92,21 +91,12 @@ def copy_tree(src: str, dst: str, fsync: bool) -> None:
                 os.mkdir(os.path.join(out, d))
             for name in sorted(n for n in names if not _is_protocol_file(n)):
                 _write_copy(os.path.join(root, name), os.path.join(out, name), fsync)
-            if fsync:
+            if fsync and out != os.path.normpath(tmp):
                 _fs.fsync_dir(out)
-        if os.path.lexists(dst):
-            old = _fs.temporary_path(dst)
-            _fs.rename(dst, old)
-        _fs.rename(tmp, dst)
-        if fsync:
-            _fs.fsync_dir(parent)
+        replace_folder(tmp, dst, fsync)  # tmp fsynced there
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None and not os.path.lexists(dst):
-            os.rename(old, dst)  # put the previous copy back
         raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def _is_protocol_file(name: str) -> bool:

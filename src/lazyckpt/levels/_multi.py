@@ -96,8 +96,8 @@ class MultiLevel:
         replicate: bool = False,
     ) -> None:
         check_levels(levels)
-        if not replicate or folder:
-            refuse_replicas(levels, "this saver (Accelerate's folders: one node only)")
+        if not replicate:
+            refuse_replicas(levels, "this saver")
         from ._replica import replicated_index
         from ._single import SingleWriter
 

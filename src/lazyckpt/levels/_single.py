@@ -7,8 +7,14 @@ gloo receive when it commits the same step itself and both ends are in one round
 ranks never save: a receive posted ahead would sit through the steps between saves, and gloo cannot
 cancel it (a timeout breaks the pair for good). So the writer ANNOUNCES each transfer in the job's
 c10d store (``<prefix>/<holder rank>/<n>``: the step, or ``bye``) and only then starts the gloo
-round; the holder's ``lazyckpt-replica-rx`` thread waits on that key in one-second waits (so its own
-``close()`` can end it) and joins the round when the key appears.
+round; the holder's ``lazyckpt-replica-rx`` thread waits on that key in one-second waits, on a store
+connection of its own (``Store.clone``: a wait holds its connection), so its own ``close()`` can end
+it, and joins the round when the key appears.
+
+A checkpoint is a file (``step-<n>.pt``) or a flat folder (``step-<n>``: Accelerate's
+``save_state`` folder, every process's RNG file gathered into it by the main process): a folder
+travels as its files and is received into a staging folder, checked whole (every file against the
+CRC32s its writer put in it), then renamed (``_wire.FolderSink``).
 
 Who: the level's nodes are the probe's groups (``Ring.of``: node-local, >= k+1 nodes of one size);
 the writer's node is followed by the k next nodes (mod the node count), whose first ranks hold the
@@ -38,12 +44,15 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import threading
 import uuid
 from collections import deque
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
+
+from lazyckpt.storage import fs as _fs
 
 from ..errors import ReplicationError
 from ._collective import StoreExchange
@@ -52,7 +61,7 @@ from ._level import Level, list_steps
 from ._preread import preread
 from ._replica import ReplicationStats, Ring, warn_once
 from ._topology import probe
-from ._wire import CRC_MISMATCH, LATER, OK, Link, OutFile, Sink, crc_of, header_of, open_files
+from ._wire import CRC_MISMATCH, LATER, OK, FolderSink, Link, OutFile, Sink, crc_of, folder_files, header_of, open_files
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +75,23 @@ def _check_file(path: str) -> None:
     report = verify(path)
     if not report.ok:
         raise OSError(5, "; ".join(report.problems))
+
+
+def _check_folder(path: str) -> None:
+    """A folder checkpoint whole: complete, every file against the CRC32s its writer put in it."""
+    from lazyckpt.recovery.check import folder_problems
+
+    problems = folder_problems(path)
+    if problems:
+        raise OSError(5, "; ".join(problems))
+
+
+def _outgoing(path: str, crc: int | None) -> tuple[list[OutFile], bool]:
+    """The committed checkpoint at ``path`` opened for sending, share-locked (a file, or a folder's
+    files); whether it is a folder. ``crc``: ``LATER`` (read on the sending thread) or None (now)."""
+    if os.path.isdir(path):
+        return open_files(path, [(n, crc) for n, _ in folder_files(path)], lock=True), True
+    return open_files(os.path.dirname(path), [(os.path.basename(path), crc)], lock=True), False
 
 
 def _in_job() -> bool:
@@ -116,7 +142,7 @@ class SingleWriter:
         self.stats = ReplicationStats()
         self._link = Link(self.group)
         self._cond = threading.Condition()
-        self._queue: deque[tuple[int, list[OutFile]]] = deque()
+        self._queue: deque[tuple[int, list[OutFile], bool]] = deque()
         self._queued = 0
         self._closed = False
         self._seq = {h: 0 for h in self.holders}
@@ -135,7 +161,7 @@ class SingleWriter:
     # -- the writer -------------------------------------------------------------------------------
 
     def submit(self, step: int, path: str) -> None:
-        """``path`` (level ``index``'s committed file of ``step``) to the holders: opened and
+        """``path`` (level ``index``'s committed file or folder of ``step``) to the holders: opened and
         share-locked now (the memory level never reuses the pages of a file it still has to send),
         queued; its CRC32 is read on the sending thread. With the level's ``backlog`` of steps
         already waiting or in flight, the step is recorded as not replicated instead (memory stays
@@ -148,7 +174,7 @@ class SingleWriter:
                 self._failed(step, holder, None, why)
             return
         try:
-            files = open_files(os.path.dirname(path), [(os.path.basename(path), LATER)], lock=True)
+            files, folder = _outgoing(path, LATER)
         except OSError as exc:
             for holder in self.holders:
                 self._failed(step, holder, exc.errno, f"cannot read the committed file: {exc}")
@@ -158,7 +184,7 @@ class SingleWriter:
                 for f in files:
                     f.close()
                 return
-            self._queue.append((step, files))
+            self._queue.append((step, files, folder))
             self._queued += 1
             self._cond.notify_all()
 
@@ -189,9 +215,9 @@ class SingleWriter:
                 self._cond.wait_for(lambda: bool(self._queue) or self._closed)
                 if not self._queue:
                     break
-                step, files = self._queue.popleft()
+                step, files, folder = self._queue.popleft()
             try:
-                self._send(step, files)
+                self._send(step, files, folder)
             except BaseException:  # noqa: BLE001 - a bug: the step is not replicated, the thread goes on
                 logger.exception("lazyckpt: replication of step %d failed unexpectedly", step)
             finally:
@@ -209,7 +235,7 @@ class SingleWriter:
         self._seq[holder] += 1
         self.store.set(key, json.dumps(what))
 
-    def _send(self, step: int, files: list[OutFile]) -> None:
+    def _send(self, step: int, files: list[OutFile], folder: bool) -> None:
         whole = True
         for f in files:
             if f.crc == LATER:
@@ -221,7 +247,7 @@ class SingleWriter:
                 continue
             try:
                 self._announce(holder, {"step": step})
-                ack, _ = self._link.run(holder, header_of(files, step=step), files, None, None)
+                ack, _ = self._link.run(holder, header_of(files, step=step, folder=folder), files, None, None)
             except Exception as exc:  # noqa: BLE001 - the pair is gone: never used again
                 self._broken.add(holder)
                 self._failed(step, holder, None, f"the link to rank {holder} failed: {exc}")
@@ -243,7 +269,7 @@ class SingleWriter:
         err = ReplicationError(
             f"lazyckpt: level {self.index} ({level.path}), step {step}: not replicated to rank {holder}: {why}; "
             "the local copy stands",
-            self.index, level.path, step, level.file(step), errno=code, partner=holder,
+            self.index, level.path, step, list_steps(level).get(step, level.file(step)), errno=code, partner=holder,
         )  # fmt: skip
         self.stats.not_replicated[step] = err
         warn_once(self._warned, holder, err)
@@ -251,11 +277,16 @@ class SingleWriter:
     # -- a holder ---------------------------------------------------------------------------------
 
     def _receive_loop(self) -> None:
+        # A connection of this thread's own (``Store.clone``): a blocking ``wait`` holds its connection
+        # for up to ``POLL``, and on the process's shared one every other store call of the process
+        # (``latest()``'s exchanges, ``new_group``) queued behind it (seen: a restart's ``latest()``
+        # took 30-40 s instead of 1-2 s while a holder waited).
+        store = self.store.clone() if hasattr(self.store, "clone") else self.store
         seq = 0
         while True:
             key = f"{self.prefix}/{self.rank}/{seq}"
             try:
-                self.store.wait([key], POLL)
+                store.wait([key], POLL)
             except Exception as exc:  # noqa: BLE001 - not yet: look again, unless closed
                 if _unreachable(exc):  # the store (on the writer's host) is gone: nothing more comes
                     self._bye.set()
@@ -264,7 +295,7 @@ class SingleWriter:
                     return
                 continue
             seq += 1
-            what = json.loads(self.store.get(key))
+            what = json.loads(store.get(key))
             if what.get("bye"):
                 self._bye.set()
                 return
@@ -274,7 +305,7 @@ class SingleWriter:
 
     def _receive(self, step: int) -> bool:
         try:
-            _, sink = _received(self._link, 0, self.level.path, self.fsync)
+            _, sink = _received(self._link, 0, self.level, self.fsync)
         except Exception as exc:  # noqa: BLE001
             logger.warning("lazyckpt: the copy of step %d from rank 0 failed: %s; no more copies here", step, exc)
             return False
@@ -289,12 +320,23 @@ class SingleWriter:
         keep = self.level.keep
         if keep is None:
             return
-        steps = sorted(s for s in list_steps(self.level) if s <= newest)
+        held = list_steps(self.level)
+        steps = sorted(s for s in held if s <= newest)
         for s in steps[:-keep]:
-            try:
-                os.unlink(self.level.file(s))
-            except OSError:
-                pass
+            _remove(held[s])
+
+
+def _remove(path: str) -> None:
+    """A copy dropped by retention: a file unlinked, a folder renamed away, then deleted."""
+    try:
+        if os.path.isdir(path):
+            gone = _fs.temporary_path(path)
+            os.rename(path, gone)
+            shutil.rmtree(gone, ignore_errors=True)
+        else:
+            os.unlink(path)
+    except OSError:
+        pass
 
 
 def restore_files(
@@ -310,11 +352,12 @@ def restore_files(
     mine: int | None = None
     kept: list[Preread] = []
     check = _read_ahead_check(kept, threads) if preload else _check_file  # own files and received copies
+    steps: dict[int, str] = {}
     if job.rank in job.leaders:
         steps = list_steps(level)
         for s in sorted(steps, reverse=True):
             try:
-                check(steps[s])
+                (_check_folder if os.path.isdir(steps[s]) else check)(steps[s])
             except OSError:
                 continue
             mine = s
@@ -332,15 +375,15 @@ def restore_files(
             src, dst = job.leaders[holder], job.leaders[node]
             try:
                 if job.rank == src:
-                    files = open_files(level.path, [(os.path.basename(level.file(newest)), None)], lock=True)
+                    files, folder = _outgoing(steps[newest], None)
                     try:
-                        link.run(dst, header_of(files, step=newest), files, None, None)
+                        link.run(dst, header_of(files, step=newest, folder=folder), files, None, None)
                     finally:
                         for f in files:
                             f.close()
                 elif job.rank == dst:
-                    _received(link, src, level.path, fsync, check)
-                    for ahead in kept:  # read under its temporary name, renamed since
+                    _received(link, src, level, fsync, check)
+                    for ahead in kept:  # read under its temporary name, renamed since (files only)
                         ahead.moved(level.file(newest))
             except Exception as exc:  # noqa: BLE001 - that node goes without: latest() then agrees lower
                 logger.warning("lazyckpt.latest: step %d to node %d from node %d failed: %s", newest, node, holder, exc)
@@ -381,14 +424,18 @@ def _read_ahead_check(kept: list[Preread], threads: int) -> Any:
 
 
 def _received(
-    link: Link, src: int, folder: str, fsync: bool, check: Any = _check_file
+    link: Link, src: int, level: Level, fsync: bool, check: Any = _check_file
 ) -> tuple[int | None, Sink | None]:
-    """One round receiving ``src``'s file into ``folder`` (``check``ed before its rename); a round
-    that fails mid-file leaves no temporary file."""
+    """One round receiving ``src``'s checkpoint into ``level``'s folder: a file (``check``ed before
+    its rename) or a folder (checked whole before its rename, ``FolderSink``); a round that fails
+    mid-file leaves no temporary file or folder."""
     made: list[Sink] = []
 
     def sink_for(head: dict[str, Any]) -> Sink:
-        made.append(Sink(folder, head, fsync, None, check=check))
+        if head.get("folder"):
+            made.append(FolderSink(level.folder(int(head["step"])), head, fsync, _check_folder))
+        else:
+            made.append(Sink(level.path, head, fsync, None, check=check))
         return made[-1]
 
     try:

@@ -1,12 +1,15 @@
 """The wire of replication (``_replica.py``): one round on a gloo group sends one rank's files to
 a peer while receiving another's (``Link``), the receiving end writing each file under a temporary
-name and renaming it only once its CRC32 matches the primary's (``Sink``), its index last."""
+name and renaming it only once its CRC32 matches the primary's (``Sink``), its index last. A folder
+checkpoint (one writer's Accelerate folder, ``_single.py``) travels as its files and is received
+into a staging folder, checked whole, then renamed to its step's name (``FolderSink``)."""
 
 from __future__ import annotations
 
 import errno
 import json
 import os
+import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -54,6 +57,20 @@ def open_files(folder: str, files: Sequence[tuple[str, int | None]], lock: bool 
         for f in out:
             f.close()
         raise
+    return out
+
+
+def folder_files(folder: str) -> list[tuple[str, int | None]]:
+    """A complete folder checkpoint's files for ``open_files`` (CRC32s read on the sending thread):
+    its top-level files, hidden names (pending markers, temporaries) left out. A subfolder (a
+    sharded save's) is ``OSError``: only flat folders travel."""
+    out: list[tuple[str, int | None]] = []
+    for name in sorted(os.listdir(folder)):
+        if name.startswith("."):
+            continue
+        if os.path.isdir(os.path.join(folder, name)):
+            raise OSError(errno.EISDIR, f"{folder}/{name}: a folder inside a checkpoint folder is not replicated")
+        out.append((name, LATER))
     return out
 
 
@@ -161,10 +178,72 @@ class Sink:
             return OK
         for name in self._done:  # no half part left under final names without its index
             _fs.discard(os.path.join(self.folder, name))
+        return self._status()
+
+    def _status(self) -> int:
+        """The acknowledgment of a failed part."""
         if self.crc_mismatch:
             return CRC_MISMATCH
         code = getattr(self.error, "errno", None)
         return code if isinstance(code, int) and code > 0 else FAILED
+
+
+class FolderSink(Sink):
+    """A folder checkpoint received whole: its files (each CRC-checked as ``Sink`` does) into a
+    staging folder beside ``final``; at ``commit`` the folder is checked whole (``check_folder``:
+    every file against the CRC32s its writer put in it, raises ``OSError``), fsynced, and renamed to
+    ``final`` (a folder already there renamed away first, deleted after). Never a partial folder at
+    ``final``: a failure removes the staging folder (a killed receiver's is a lazyckpt temporary,
+    removed when a level opens)."""
+
+    def __init__(self, final: str, header: dict[str, Any], fsync: bool, check_folder: Callable[[str], None]) -> None:
+        super().__init__(_fs.temporary_path(final), header, fsync, None)
+        self.final = final
+        self.check_folder = check_folder
+
+    def commit(self) -> int:
+        if self.error is None:
+            try:
+                os.makedirs(self.folder, exist_ok=True)
+                try:
+                    self.check_folder(self.folder)
+                except OSError:
+                    self.crc_mismatch = True
+                    raise
+                replace_folder(self.folder, self.final, self.fsync)
+            except BaseException as exc:  # noqa: BLE001 - acknowledged to the sender
+                self.error = exc
+        if self.error is None:
+            return OK
+        shutil.rmtree(self.folder, ignore_errors=True)
+        return self._status()
+
+    def abandon(self) -> None:
+        super().abandon()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def replace_folder(tmp: str, dst: str, fsync: bool) -> None:
+    """The complete folder ``tmp`` renamed to ``dst`` (its files and ``tmp`` itself fsynced before,
+    with ``fsync``; the parent after). A ``dst`` already there is renamed away first and deleted
+    after; on failure it is put back."""
+    parent = os.path.dirname(dst)
+    if fsync:
+        _fs.fsync_dir(tmp)
+    old = None
+    try:
+        if os.path.lexists(dst):
+            old = _fs.temporary_path(dst)
+            _fs.rename(dst, old)
+        _fs.rename(tmp, dst)
+        if fsync:
+            _fs.fsync_dir(parent)
+    except BaseException:
+        if old is not None and not os.path.lexists(dst):
+            os.rename(old, dst)  # put the previous copy back
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 class Link:
