@@ -162,6 +162,25 @@ def test_an_rng_file_missing_from_another_node_fails_the_step_and_its_folder_is_
     assert back[0]["warnings"], back[0]  # node 0's processes saw step 3 and skipped it
 
 
+def test_save_on_each_node_other_nodes_send_only_their_rng_files(run):
+    """``ProjectConfiguration(save_on_each_node=True)`` makes node 1's first process a writer of the
+    shared files in stock Accelerate: here it writes only its RNG file (into its staging folder, sent to
+    the main process), so node 1's memory holds no extra copy; the folders and the restart as without it."""
+    results = run("train_staged", steps=3, save_on_each_node=True)
+    assert results[0]["staged"] == results[1]["staged"] == []  # node 0: into the main process's folder
+    for r in (2, 3):
+        assert results[r]["staged"] == [[f"random_states_{r}.pkl"]] * 3, (r, results[r]["staged"])
+    node0, node1 = run.mem / "node0", run.mem / "node1"
+    assert _steps(node0) == _steps(node1) == [2, 3]
+    rng = [f"random_states_{i}.pkl" for i in range(4)]
+    assert sorted(n for n in _files(_step(node0, 3)) if not n.startswith(".")) == sorted(STOCK + rng)
+    assert _files(_step(node1, 3)) == _files(_step(node0, 3))
+    assert not _tmp_files(run.mem, run.disk)
+    _wipe(node1)
+    back = run("restart", save_on_each_node=True)
+    _assert_restored(back, run, 3, 0)
+
+
 def test_replicas_on_the_shared_level_are_refused_on_every_process(run):
     """``replicas=1`` on a level every process shares (the disk): a ValueError at install, on every process."""
     results = run("refuse_shared")

@@ -60,8 +60,10 @@ def levels() -> list[Level]:
 
 def setup(seed: int):
     from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
 
-    acc = Accelerator(cpu=True)
+    project = ProjectConfiguration(save_on_each_node=CONFIG.get("save_on_each_node", False))
+    acc = Accelerator(cpu=True, project_config=project)
     assert acc.num_processes == WORLD, (acc.num_processes, WORLD)
     assert acc.process_index == RANK, (acc.process_index, RANK)
     model, opt, sched = acc.prepare(*C.build(seed, **MODEL))
@@ -87,6 +89,21 @@ def scenario_train_remote_fails() -> None:
     def post(self, seq, staging, error):
         if RANK == 3 and seq == 3:
             error = OSError(28, "No space left on device (injected)")
+        return real(self, seq, staging, error)
+
+    _nodes.Nodes.post = post
+    scenario_train()
+
+
+def scenario_train_staged() -> None:
+    """As train, recording what each process of another node had in its staging folder when it sent."""
+    from lazyckpt.accelerate import _nodes
+
+    real = _nodes.Nodes.post
+    RESULT["staged"] = []
+
+    def post(self, seq, staging, error):
+        RESULT["staged"].append(sorted(n for n in os.listdir(staging) if not n.startswith(".")))
         return real(self, seq, staging, error)
 
     _nodes.Nodes.post = post

@@ -71,6 +71,9 @@ class SaveStateCall:
         self.sharded: list[SaveHandle] = []  # FSDP sharded folders (DistributedCheckpointer saves)
         self.error: BaseException | None = None  # for load_state's message; reported by the checkpointer
         self.failed: SaveHandle | None = None  # a finished handle whose report is that error's (see _fail)
+        # another node's process saving by level: only its RNG file is wanted (``_nodes.py``); the shared
+        # files (save_on_each_node=True makes it a writer) are not written
+        self.rng_only = False
         #: Called on the finisher thread once the call has ended (not after an aborted stock call):
         #: how a multi-level save learns that its folder is complete in this process (``_levels``).
         self.on_end: Callable[[SaveStateCall], None] | None = None
@@ -104,7 +107,7 @@ class SaveStateCall:
 
     def save(self, obj: Any, f: str | os.PathLike[str], *, save_on_each_node: bool, safe_serialization: bool) -> None:
         """What stock ``accelerate.checkpointing.save(obj, f, ...)`` would write, lazily (same format and writer)."""
-        if not _compat.is_writer(save_on_each_node):
+        if self.rng_only or not _compat.is_writer(save_on_each_node):
             return
         path = os.fspath(f)
         core = self.begin(os.path.dirname(os.path.abspath(path)))

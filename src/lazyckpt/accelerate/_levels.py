@@ -3,8 +3,8 @@
 Data flow of one bare ``save_state()`` (docs/accelerate.md, "Multi-level checkpoints"):
 
     training thread: step = the first prepared optimizer's real steps (``StepCounter``); with
-        several processes, every process's (step, host) gathered (one collective: all agree, one
-        node) -> ``MultiLevel.save_with(step, produce)`` (main process): the levels due at ``step``,
+        several processes, every process's step gathered (one collective: all agree) ->
+        ``MultiLevel.save_with(step, produce)`` (main process): the levels due at ``step``,
         their backlogs admitted, then ``produce(<fastest due level>/step-<8 digits>)`` = the
         handle's lazy ``save_state`` into that folder (``AccelerateHandle.save_into``), returning a
         ``SaveHandle`` (a ``Completion``) done once the folder is complete; other processes only
@@ -142,9 +142,10 @@ class LevelSaves:
         self.producer = producer_of(checkpointer)  # its ledger and callback thread for the level handles
         # collective (every process installs): who shares each level's folder (several processes)
         rank = int(accelerator.process_index)
-        self.nodes = Nodes(levels, rank, self.processes, owner.load_timeout) if self.processes > 1 else None
+        several = self.processes > 1 and Nodes.available()  # MPI has no c10d store: one node's folders, as before
+        self.nodes = Nodes(levels, rank, self.processes, owner.load_timeout) if several else None
         if self.nodes is None:
-            refuse_replicas(levels, "Accelerate's save_state in one process")
+            refuse_replicas(levels, "Accelerate's save_state in one process (or without a c10d store)")
         replicated = replicated_index(levels)
         self._multi = (
             MultiLevel(checkpointer, levels, opts, folder=True, reuse=self.producer.reuse, replicate=True)
@@ -178,13 +179,9 @@ class LevelSaves:
         gather = self._gather(due[0]) if due and self.nodes is not None else None
 
         def produce(path: str) -> SaveHandle:
+            # kept if the save fails: the folder may hold this node's other processes' files, never whole
             marker = Nodes.hold(path) if gather is not None and gather.outside else None
-            try:
-                return self._produce(path, safe_serialization, kwargs, gather=gather and gather.held(marker))
-            except BaseException:
-                if marker is not None:
-                    Nodes.release(marker)
-                raise
+            return self._produce(path, safe_serialization, kwargs, gather=gather and gather.held(marker))
 
         handle: SaveHandle
         if self._multi is not None:
@@ -192,7 +189,12 @@ class LevelSaves:
         elif due and gather is not None and self.nodes is not None and gather.posts:
             # another node: its RNG file to the main process through the store, its staging folder removed
             folder = self.levels[due[0]].folder(step)
-            handle = self._produce(staging_of(folder), safe_serialization, kwargs, gather=gather, label=folder)
+            staging = staging_of(folder)
+            try:
+                handle = self._produce(staging, safe_serialization, kwargs, gather=gather, label=folder)
+            except BaseException as exc:  # its part never ends: the main process learns it now, not at its timeout
+                self.nodes.post(gather.seq, staging, exc)
+                raise
         elif due:  # another process: its files into the same folder; the main process copies it on
             handle = self._produce(self.levels[due[0]].folder(step), safe_serialization, kwargs)
         else:
@@ -270,6 +272,7 @@ class LevelSaves:
 
             completion.bind(settle=settle, confirm=confirm_all)
             call.on_end = lambda c: self._part_ended(c, completion, gather)
+            call.rng_only = gather is not None and gather.posts
 
         self.owner.save_into(path, safe_serialization, kwargs, prepare=prepare)
         return completion.handle
@@ -283,6 +286,8 @@ class LevelSaves:
                     error = IncompleteCheckpointError(f"lazyckpt: {call.folder} was not completed")
                 self.nodes.post(gather.seq, call.folder or "", error)
             if call.failed is not None:
+                if self.main and gather is not None and self.nodes is not None:
+                    self.nodes.forget(gather.seq, gather.outside)  # the answers that arrived already
                 completion.adopt(call.failed)  # the same report as the checkpointer's: claimed once
                 completion.complete(self.producer.callbacks)
             elif self._multi is not None and self.processes > 1 and call.ended:
@@ -303,6 +308,15 @@ class LevelSaves:
         this process's own marker of the gathering is removed). Bounded by ``load_timeout``; a dead
         process's marker, or an error sent by another node's process, ends it."""
         call, completion, gather = item
+        try:
+            error = self._gathered(call, gather)
+        except BaseException as exc:  # noqa: BLE001 - the level handle must end (a store error, a bug)
+            logger.exception("lazyckpt.accelerate: waiting for the other processes' parts failed")
+            error = exc
+        completion.finish(_stats(call), error, self.producer.publish, self.producer.callbacks)
+
+    def _gathered(self, call: SaveStateCall, gather: _Gather | None) -> BaseException | None:
+        """``_wait_for_others``'s wait: None once the folder is complete, else why not."""
         folder = call.folder or ""
         outside = gather.outside if gather is not None else []
         mine = os.path.basename(gather.marker) if gather is not None and gather.marker else None
@@ -333,7 +347,9 @@ class LevelSaves:
                 break  # this process's marker of the gathering stays: the folder is incomplete
             time.sleep(delay)
             delay = min(delay * 2, 0.1)
-        completion.finish(_stats(call), error, self.producer.publish, self.producer.callbacks)
+        if error is not None and gather is not None and self.nodes is not None:
+            self.nodes.forget(gather.seq, gather.outside)  # the answers not read (some may come later: small)
+        return error
 
     # -- the handle's wait / remove ------------------------------------------------------------------
     def drain(self, timeout: float | None = None) -> None:

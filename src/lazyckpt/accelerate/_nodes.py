@@ -58,6 +58,9 @@ class Nodes:
                     "other nodes' memory; lazyckpt.accelerate.load_latest gives every node the newest step) or "
                     "use a folder every process shares"
                 )
+        for level in levels:  # what a killed process of this host left (staging, copies half-received)
+            if not level.is_url:
+                _fs.cleanup_temporaries(level.path)
         self.rank, self.world = rank, world
         self.store = StoreExchange.default_store()
         self.prefix = f"lazyckpt/accelerate/{token[:16]}"
@@ -93,6 +96,14 @@ class Nodes:
         self.store.set(self._key(seq, self.rank), value)
 
     # -- the main process -----------------------------------------------------------------------------
+
+    @staticmethod
+    def available() -> bool:
+        """Whether the job has the default c10d store this needs (not with the MPI backend)."""
+        try:
+            return StoreExchange.default_store() is not None
+        except Exception:  # noqa: BLE001 - a torch without it, or no process group
+            return False
 
     @staticmethod
     def hold(folder: str) -> str:
@@ -145,6 +156,14 @@ class Nodes:
                 _fs.discard(tmp)
                 raise
         return waiting, errors
+
+    def forget(self, seq: int, ranks: list[int]) -> None:
+        """The answers of ``ranks`` to a failed save ``seq`` that arrived, deleted unread."""
+        for r in ranks:
+            try:
+                self.store.delete_key(self._key(seq, r))
+            except Exception:  # noqa: BLE001 - some stores cannot delete; the values are small
+                pass
 
 
 def staging_of(folder: str) -> str:

@@ -47,7 +47,9 @@ def load_latest(
     ``install(accelerator, levels=...)``). Returns the :class:`lazyckpt.Found` that was loaded
     (``path``, ``step``, ``level``: its index in ``levels``), or None when no level holds a
     complete folder (nothing is loaded; start from scratch). Call it on every process (with several,
-    the main process picks the folder and the others load the same one). ``load_kwargs`` go to
+    the main process picks the folder and the others load the same one; with a level with
+    ``replicas``, every process picks, collectively, from its own node's folders, each given the
+    newest step some node holds first, and they agree on the step). ``load_kwargs`` go to
     ``accelerator.load_state``. With an installed handle, its pending saves are waited for first
     (their errors stay to be reported by the next ``save_state`` / ``wait()``), and its step counter
     is set to ``found.step``: the next bare ``save_state()`` after one more optimizer step saves

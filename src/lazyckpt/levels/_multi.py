@@ -63,8 +63,9 @@ def refuse_replicas(levels: tuple[Any, ...], who: str) -> None:
             raise ValueError(
                 f"level {i} ({level.path}): replicas={level.replicas} needs torch.distributed and a "
                 "node-local level of a checkpointer built on every rank (lazyckpt.distributed."
-                f"DistributedCheckpointer, or LazyCheckpointer(levels=) saved by rank 0); {who} saves from one "
-                "process and cannot hold copies in peers' memory (use replicas=0 here)"
+                "DistributedCheckpointer, LazyCheckpointer(levels=) saved by rank 0, Accelerate's install(levels=) "
+                f"in a job of several processes); {who} saves from one process and cannot hold copies in peers' "
+                "memory (use replicas=0 here)"
             )
 
 

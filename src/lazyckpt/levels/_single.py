@@ -296,6 +296,10 @@ class SingleWriter:
                 continue
             seq += 1
             what = json.loads(store.get(key))
+            try:
+                store.delete_key(key)  # one key per step per holder for the whole run otherwise
+            except Exception:  # noqa: BLE001 - some stores cannot delete; the keys are small
+                pass
             if what.get("bye"):
                 self._bye.set()
                 return

@@ -194,7 +194,7 @@ class FolderSink(Sink):
     every file against the CRC32s its writer put in it, raises ``OSError``), fsynced, and renamed to
     ``final`` (a folder already there renamed away first, deleted after). Never a partial folder at
     ``final``: a failure removes the staging folder (a killed receiver's is a lazyckpt temporary,
-    removed when a level opens)."""
+    removed by ``storage.fs.cleanup_temporaries``: a level saver opening, Accelerate's install)."""
 
     def __init__(self, final: str, header: dict[str, Any], fsync: bool, check_folder: Callable[[str], None]) -> None:
         super().__init__(_fs.temporary_path(final), header, fsync, None)
