@@ -65,6 +65,7 @@ class Nodes:
         self.store = StoreExchange.default_store()
         self.prefix = f"lazyckpt/accelerate/{token[:16]}"
         self._seq = 0
+        self._read: dict[int, int] = {}  # save -> answers read so far (the main process)
 
     def next_seq(self) -> int:
         """The number of this bare save with a due level (alike on every process)."""
@@ -77,6 +78,9 @@ class Nodes:
 
     def _key(self, seq: int, rank: int) -> str:
         return f"{self.prefix}/{seq}/{rank}"
+
+    def _count(self, seq: int) -> str:
+        return f"{self.prefix}/{seq}/answers"
 
     # -- a process outside the main process's folder --------------------------------------------------
 
@@ -94,6 +98,7 @@ class Nodes:
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         self.store.set(self._key(seq, self.rank), value)
+        self.store.add(self._count(seq), 1)  # after the value: a count the main process sees has its key
 
     # -- the main process -----------------------------------------------------------------------------
 
@@ -125,7 +130,11 @@ class Nodes:
     def collect(self, seq: int, folder: str, ranks: list[int], fsync: bool) -> tuple[list[int], list[str]]:
         """Each of ``ranks`` whose answer to save ``seq`` arrived: its RNG file written into
         ``folder`` (temporary name, fsync, rename), its key deleted. Returns (the ranks still
-        awaited, the errors they sent)."""
+        awaited, the errors they sent). One store request while no new answer came (the count):
+        the main process polls this every 5-100 ms, however many processes it waits for."""
+        answered = int(self.store.add(self._count(seq), 0))
+        if answered <= self._read.get(seq, 0):
+            return ranks, []
         waiting: list[int] = []
         errors: list[str] = []
         for r in ranks:
@@ -155,13 +164,18 @@ class Nodes:
             except BaseException:
                 _fs.discard(tmp)
                 raise
+        self._read[seq] = self._read.get(seq, 0) + len(ranks) - len(waiting)
+        if not waiting:
+            self.forget(seq, [])
         return waiting, errors
 
     def forget(self, seq: int, ranks: list[int]) -> None:
-        """The answers of ``ranks`` to a failed save ``seq`` that arrived, deleted unread."""
-        for r in ranks:
+        """Save ``seq`` is over: the answers of ``ranks`` that arrived deleted unread (a failed save),
+        and its count."""
+        self._read.pop(seq, None)
+        for key in [self._key(seq, r) for r in ranks] + [self._count(seq)]:
             try:
-                self.store.delete_key(self._key(seq, r))
+                self.store.delete_key(key)
             except Exception:  # noqa: BLE001 - some stores cannot delete; the values are small
                 pass
 
