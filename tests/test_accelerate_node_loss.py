@@ -22,7 +22,7 @@ if not dist.is_available():
 import _launch  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "accelerate_scripts" / "node_worker.py"
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")]
 
 STOCK = ["model.safetensors", "optimizer.bin", "scheduler.bin"]
 
