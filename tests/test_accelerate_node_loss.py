@@ -31,11 +31,11 @@ STOCK = ["model.safetensors", "optimizer.bin", "scheduler.bin"]
 def run(tmp_path, monkeypatch, mem):
     config = {"mem": mem, "disk": str(tmp_path / "disk"), "per_node": 2, "steps": 5}
 
-    def go(scenario: str, world: int = 4, **extra):
+    def go(scenario: str, world: int = 4, expect_dead: tuple[int, ...] = (), **extra):
         """``world`` processes, ``per_node`` (2) of them per node: 4 processes are 2 nodes, 6 are 3."""
         monkeypatch.setenv("LAZYCKPT_TEST_ACC_NODES", json.dumps({**config, **extra}))
-        return _launch.launch(WORKER, scenario, world, tmp_path, timeout=120, drop_env=("ACCELERATE_CONFIG_FILE",),
-                              who="process")  # fmt: skip
+        return _launch.launch(WORKER, scenario, world, tmp_path, timeout=150, drop_env=("ACCELERATE_CONFIG_FILE",),
+                              who="process", expect_dead=expect_dead)  # fmt: skip
 
     go.mem = Path(mem)  # type: ignore[attr-defined]
     go.disk = Path(config["disk"])  # type: ignore[attr-defined]
@@ -160,6 +160,24 @@ def test_an_rng_file_missing_from_another_node_fails_the_step_and_its_folder_is_
     back = run("restart")
     _assert_restored(back, run, 2, 0, skipped="step-00000003 (level 0, step 3): incomplete")
     assert back[0]["warnings"], back[0]  # node 0's processes saw step 3 and skipped it
+
+
+def test_a_node_killed_before_sending_its_rng_files_ends_the_main_process_wait_within_seconds(run):
+    """Node 1's processes are SIGKILLed at step 3 as they would send their RNG files (forced in
+    ``Nodes.post``): node 0's processes stop training with their collective's error; the main
+    process's step-3 save fails naming processes 2 and 3 within seconds (their heartbeat stopped),
+    not at ``install(load_timeout=120)``: without the heartbeat it waited the 120 s (seen). The
+    restart agrees on step 2, exactly."""
+    results = run("train_node_killed", steps=4, expect_dead=(2, 3))
+    main = results[0]
+    assert main["train_error"] and results[1]["train_error"], results[:2]
+    assert "IncompleteCheckpointError" in main["wait_error"] and "[2, 3]" in main["wait_error"], main
+    assert "died or vanished" in main["wait_error"], main
+    assert main["wait_s"] < 30 and main["uninstall_s"] < 90, main
+    node0 = run.mem / "node0"
+    assert [n for n in os.listdir(_step(node0, 3)) if n.startswith(".lazyckpt-pending-gather-")], "no marker"
+    back = run("restart")
+    _assert_restored(back, run, 2, 0, skipped="step-00000003 (level 0, step 3): incomplete")
 
 
 def test_save_on_each_node_other_nodes_send_only_their_rng_files(run):

@@ -25,6 +25,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
+import time
 import warnings
 
 import acc_common as C  # this script's folder is first on the path
@@ -108,6 +110,56 @@ def scenario_train_staged() -> None:
 
     _nodes.Nodes.post = post
     scenario_train()
+
+
+def scenario_train_node_killed() -> None:
+    """Node 1 is lost at step 3 (both its processes SIGKILLed by the first of them to post its RNG
+    file, before it does), with ``install(load_timeout=120)``: node 0's processes stop training with
+    the error of their training's collective; the main process's step-3 save ends within seconds
+    (its heartbeat wait), not at the load_timeout, and ``h.wait()`` raises it (RESULT)."""
+    from lazyckpt.accelerate import _nodes
+
+    pids = os.path.join(WORKDIR, "pids-node-1")
+    os.makedirs(pids, exist_ok=True)
+    if node() == 1:
+        with open(os.path.join(pids, str(RANK)), "w") as f:  # before step 1's collectives: all there by step 3
+            f.write(str(os.getpid()))
+        real = _nodes.Nodes.post
+
+        def post(self, seq, staging, error):
+            if seq == 3:
+                for name in os.listdir(pids):
+                    with open(os.path.join(pids, name)) as f:
+                        pid = int(f.read())
+                    if pid != os.getpid():
+                        try:
+                            os.kill(pid, signal.SIGKILL)
+                        except ProcessLookupError:  # pragma: no cover - it got there first
+                            pass
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(self, seq, staging, error)
+
+        _nodes.Nodes.post = post
+    acc, model, opt, sched = setup(0)
+    h = lazyckpt.accelerate.install(acc, levels=levels(), load_timeout=120)
+    gen = torch.Generator().manual_seed(100 + RANK)
+    try:
+        for _ in range(CONFIG["steps"]):
+            C.train_step(acc, model, opt, sched, gen, vocab=MODEL["vocab"])
+            snap = C.snapshot(acc, [model], [opt], [sched])
+            acc.save_state()
+            torch.save(snap, os.path.join(WORKDIR, f"expected-{h.step}-rank{RANK}.pt"))
+    except Exception as exc:  # noqa: BLE001 - the training's collective fails once node 1 is gone
+        RESULT["train_error"] = type(exc).__name__
+    t0 = time.monotonic()
+    try:
+        h.wait()
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        RESULT["wait_error"] = f"{type(exc).__name__}: {exc}"
+    RESULT["wait_s"] = time.monotonic() - t0
+    t0 = time.monotonic()
+    h.uninstall()
+    RESULT["uninstall_s"] = time.monotonic() - t0
 
 
 def scenario_train() -> None:

@@ -338,6 +338,10 @@ class LevelSaves:
                     Nodes.release(gather.marker)
                 break
             dead = [m for m in markers if marker_is_stale(m)]
+            if outside and not sent and self.nodes is not None:  # their markers are on their own nodes
+                gone = self.nodes.dead(outside)
+                if gone:
+                    sent = [f"processes {gone} died or vanished before sending their RNG files ({self.nodes.why_dead})"]
             if sent or dead or time.monotonic() >= deadline:
                 why = "; ".join(sent) if sent else f"processes died during the save (markers {dead})" if dead else (
                     f"not every process finished its part within {self.owner.load_timeout:.0f} s "
@@ -368,6 +372,8 @@ class LevelSaves:
             self._multi.close()
         if self._holder is not None:
             self._holder.close()  # waits for the main process's last copies (bounded)
+        if self.nodes is not None:
+            self.nodes.close()
 
 
 @dataclasses.dataclass

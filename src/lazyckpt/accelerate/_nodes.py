@@ -22,20 +22,28 @@ same on every process):
         ``MultiLevel``), and on a restart ``lazyckpt.latest()`` gives every node the newest step.
 
 ``seq`` counts the bare saves with a due level, alike on every process (they agree on the step).
-Owns: the keys it posts (the main process deletes each once read), its markers. Waits: none of its
-own (the main process's watcher thread polls ``collect``, bounded by ``load_timeout``).
+A process of another node that dies leaves no marker the main process can see (its staging folder
+is on its own node): with a node-local level every process but the main one beats in the store
+(``lazyckpt.distributed.Liveness``, every 0.5 s, the ``lazyckpt-heartbeat`` thread), and the main
+process's wait for RNG files fails once one it awaits has not beaten for 6 s.
+
+Owns: the keys it posts (the main process deletes each once read), its markers, the heartbeat
+thread (stopped by ``close``). Waits: none of its own (the main process's watcher thread polls
+``collect`` and ``dead``, bounded by ``load_timeout``).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import threading
 import uuid
 from collections.abc import Sequence
 
 from accelerate.utils.constants import RNG_STATE_NAME
 
 from lazyckpt.commit.folder import marker_name
+from lazyckpt.distributed import DEAD_AFTER_S, Liveness
 from lazyckpt.levels import Level, Scope, StoreExchange, probe
 from lazyckpt.storage import fs as _fs
 
@@ -66,6 +74,18 @@ class Nodes:
         self.prefix = f"lazyckpt/accelerate/{token[:16]}"
         self._seq = 0
         self._read: dict[int, int] = {}  # save -> answers read so far (the main process)
+        # a process of another node that dies leaves no marker the main process can see: with a
+        # node-local level, every other process beats in the store (``distributed``'s heartbeat),
+        # and the main process's wait for RNG files ends once one of those it awaits stops
+        self._stop = threading.Event()
+        self._liveness: Liveness | None = None
+        if any(scope.node_local for scope in self.scopes):
+            self._liveness = Liveness(self.store, f"accelerate-{token[:16]}", rank, world)
+            if rank != 0:
+                self._liveness.beat()
+                threading.Thread(
+                    target=self._liveness.run, args=(self._stop,), name="lazyckpt-heartbeat", daemon=True
+                ).start()
 
     def next_seq(self) -> int:
         """The number of this bare save with a due level (alike on every process)."""
@@ -75,6 +95,15 @@ class Nodes:
     def outside(self, index: int) -> list[int]:
         """The processes that do not see the main process's folder of level ``index``."""
         return [r for g in self.scopes[index].groups if 0 not in g for r in g]
+
+    why_dead = f"no heartbeat in the store for {DEAD_AFTER_S:g} s"
+
+    def dead(self, ranks: list[int]) -> list[int]:
+        """Those of ``ranks`` whose heartbeat stopped (the main process)."""
+        return self._liveness.dead(ranks) if self._liveness is not None else []
+
+    def close(self) -> None:
+        self._stop.set()
 
     def _key(self, seq: int, rank: int) -> str:
         return f"{self.prefix}/{seq}/{rank}"

@@ -61,3 +61,7 @@ __all__ = [
     "DistributedUploadError",
     "verify_checkpoint",
 ]
+
+# Shared with the integrations, not public API: the store heartbeat (Accelerate across nodes uses it).
+from ._commit import DEAD_AFTER_S as DEAD_AFTER_S  # noqa: E402
+from ._commit import Liveness as Liveness  # noqa: E402
