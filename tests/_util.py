@@ -315,3 +315,30 @@ class DiesOnRead:
 
     def close(self) -> None:
         self.real.close()
+
+
+def register_node_pid(pids: str, rank: int) -> None:
+    """This process's pid in ``pids`` (a folder per lost node), before the job's first collective."""
+    import os
+
+    os.makedirs(pids, exist_ok=True)
+    with open(os.path.join(pids, str(rank)), "w") as f:
+        f.write(str(os.getpid()))
+
+
+def kill_node(pids: str) -> NoReturn:
+    """SIGKILL every process registered in ``pids`` (``register_node_pid``), this one last: the node's
+    processes die together, as on a lost machine (each killing only itself left a race in the tests)."""
+    import os
+    import signal
+
+    for name in os.listdir(pids):
+        with open(os.path.join(pids, name)) as f:
+            pid = int(f.read())
+        if pid != os.getpid():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:  # pragma: no cover - it got there first
+                pass
+    os.kill(os.getpid(), signal.SIGKILL)
+    raise AssertionError("unreachable: SIGKILLed")

@@ -164,13 +164,12 @@ def test_an_rng_file_missing_from_another_node_fails_the_step_and_its_folder_is_
 
 def test_a_node_killed_before_sending_its_rng_files_ends_the_main_process_wait_within_seconds(run):
     """Node 1's processes are SIGKILLed at step 3 as they would send their RNG files (forced in
-    ``Nodes.post``): node 0's processes stop training with their collective's error; the main
-    process's step-3 save fails naming processes 2 and 3 within seconds (their heartbeat stopped),
-    not at ``install(load_timeout=120)``: without the heartbeat it waited the 120 s (seen). The
-    restart agrees on step 2, exactly."""
+    ``Nodes.post``): node 0's processes stop training with their collective's error (unless they were
+    past their last one); the main process's step-3 save fails naming processes 2 and 3 within
+    seconds (their heartbeat stopped), not at ``install(load_timeout=120)``: without the heartbeat it
+    waited the 120 s (seen). The restart agrees on step 2, exactly."""
     results = run("train_node_killed", steps=4, expect_dead=(2, 3))
-    main = results[0]
-    assert main["train_error"] and results[1]["train_error"], results[:2]
+    main = results[0]  # its training may or may not have failed: node 1 dies on a finisher thread
     assert "IncompleteCheckpointError" in main["wait_error"] and "[2, 3]" in main["wait_error"], main
     assert "died or vanished" in main["wait_error"], main
     assert main["wait_s"] < 30 and main["uninstall_s"] < 90, main

@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import time
 import warnings
 
@@ -33,6 +32,7 @@ import acc_common as C  # this script's folder is first on the path
 import numpy as np
 import torch
 
+import _util
 import _worker
 import lazyckpt.accelerate
 from lazyckpt import Level
@@ -120,23 +120,13 @@ def scenario_train_node_killed() -> None:
     from lazyckpt.accelerate import _nodes
 
     pids = os.path.join(WORKDIR, "pids-node-1")
-    os.makedirs(pids, exist_ok=True)
     if node() == 1:
-        with open(os.path.join(pids, str(RANK)), "w") as f:  # before step 1's collectives: all there by step 3
-            f.write(str(os.getpid()))
+        _util.register_node_pid(pids, RANK)  # before step 1's collectives: all there by step 3
         real = _nodes.Nodes.post
 
         def post(self, seq, staging, error):
             if seq == 3:
-                for name in os.listdir(pids):
-                    with open(os.path.join(pids, name)) as f:
-                        pid = int(f.read())
-                    if pid != os.getpid():
-                        try:
-                            os.kill(pid, signal.SIGKILL)
-                        except ProcessLookupError:  # pragma: no cover - it got there first
-                            pass
-                os.kill(os.getpid(), signal.SIGKILL)
+                _util.kill_node(pids)
             return real(self, seq, staging, error)
 
         _nodes.Nodes.post = post

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 import _worker
 import lazyckpt
-from _util import DiesOnRead, assert_same, fsdp_model, full_dump, rank_step
+from _util import DiesOnRead, assert_same, fsdp_model, full_dump, kill_node, rank_step, register_node_pid
 from lazyckpt import Level
 from lazyckpt.distributed import DistributedCheckpointer, DistributedLevelError
 
@@ -376,22 +376,12 @@ def scenario_replicate_kill() -> None:
 
     if node() == CONFIG["kill_node"]:
         pids = os.path.join(WORKDIR, f"pids-node-{node()}")
-        os.makedirs(pids, exist_ok=True)
-        with open(os.path.join(pids, str(RANK)), "w") as f:  # before step 1's collectives: all there by step 3
-            f.write(str(os.getpid()))
+        register_node_pid(pids, RANK)  # before step 1's collectives: all there by step 3
         real = _wire.Sink.write
 
         def write(self, data, offset):
             if self.header.get("step") == CONFIG["kill_step"] and offset == 0:
-                for name in os.listdir(pids):
-                    with open(os.path.join(pids, name)) as f:
-                        pid = int(f.read())
-                    if pid != os.getpid():
-                        try:
-                            os.kill(pid, signal.SIGKILL)
-                        except ProcessLookupError:  # pragma: no cover - it got there first
-                            pass
-                os.kill(os.getpid(), signal.SIGKILL)
+                kill_node(pids)
             return real(self, data, offset)
 
         _wire.Sink.write = write
