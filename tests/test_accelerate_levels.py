@@ -512,6 +512,20 @@ def test_two_processes_save_one_folder_per_step_and_restore_from_either_level(tm
     assert restored == {"0": [4, 1, True], "1": [4, 1, True]}
 
 
+def test_retention_does_not_take_a_step_another_process_began_for_an_earlier_run(tmp_path, mem):
+    """The main process's retention of step 1 runs after process 1 wrote into step 2's folder and
+    before the main process's save of step 2 began (forced, ``mp_levels.py ahead``). Step 2 is this
+    run's (claimed before the collective that agrees on it): kept whole. It was removed as a step an
+    earlier run left, and step 2 failed at load_timeout (seen: the CI of 2026-12-05, 1 in ~10 runs)."""
+    _launch("mp_levels.py", "ahead", mem, tmp_path / "disk", tmp_path)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert "random_states_1.pkl" in summary["seen"], summary  # the window was forced
+    assert summary["step1"] == "None" and summary["step2"] == "None", summary
+    assert summary["steps"] == ["step-00000001", "step-00000002"], summary
+    assert summary["files"] == ["model.safetensors", "optimizer.bin", "random_states_0.pkl",
+                                "random_states_1.pkl", "scheduler.bin"], summary  # fmt: skip
+
+
 def test_warnings_do_not_end_level_threads(tmp_path, mem, installs):
     """Under -W error nothing on a lazyckpt thread dies of a warning (the copies, the retention)."""
     acc, objs, _ = make()

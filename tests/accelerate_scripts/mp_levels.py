@@ -7,12 +7,15 @@ mp_levels.py train MEM DISK OUT: 4 steps, a bare save_state after each (memory e
     OUT/summary.json.
 mp_levels.py restore MEM DISK OUT: a fresh accelerator (other weights) on each process, load_latest;
     OUT/restored.json: {rank: [found.step, found.level, every state equal to step 4's]}.
+mp_levels.py ahead MEM DISK OUT: process 1 writes step 2 before the main process's save of it has begun,
+    while the main process's retention of step 1 runs (forced; see ``ahead``). OUT/summary.json.
 """
 
 import json
 import os
 import random
 import sys
+import time
 
 import acc_common as C  # this script's folder is first on the path
 import numpy as np
@@ -84,6 +87,53 @@ def train(mem, disk, out):
     acc.wait_for_everyone()
 
 
+def ahead(mem, disk, out):
+    """Process 1 writes step 2 into its folder before the main process's save of it has begun: the
+    main process's retention of step 1 (on its watcher thread, held until process 1's step-2 RNG
+    file is there) runs in that window (its training thread holds its step-2 save until step 1's
+    handle is done). The step-2 folder must not be taken for one an earlier run left (it was:
+    removed as "after step 1, where this run started", and step 2 failed at ``load_timeout``)."""
+    from lazyckpt.accelerate import _levels
+    from lazyckpt.levels import _multi
+
+    acc, model, opt, sched = setup(0)
+    rank = acc.process_index
+    step2 = os.path.join(mem, "step-00000002")
+    if rank == 0:
+        real_gathered, real_save_with = _levels.LevelSaves._gathered, _multi.MultiLevel.save_with
+        held = {}
+
+        def gathered(self, call, gather):
+            if call.folder and call.folder.endswith("step-00000001"):
+                deadline = time.monotonic() + 60
+                while not os.path.exists(os.path.join(step2, "random_states_1.pkl")):  # process 1 is there
+                    assert time.monotonic() < deadline, "process 1 never wrote step 2"
+                    time.sleep(0.01)
+                held["seen"] = sorted(os.listdir(step2))
+            return real_gathered(self, call, gather)
+
+        def save_with(self, step, produce, *args, **kwargs):
+            if step == 2:
+                held["step1"] = repr(h.last_save.exception(timeout=60))  # step 1 committed: its retention ran
+            return real_save_with(self, step, produce, *args, **kwargs)
+
+        _levels.LevelSaves._gathered, _multi.MultiLevel.save_with = gathered, save_with
+    h = lazyckpt.accelerate.install(acc, levels=[Level(mem, every=1, keep=2)], load_timeout=20)
+    gen = torch.Generator().manual_seed(100 + rank)
+    for _ in range(2):
+        C.train_step(acc, model, opt, sched, gen, vocab=MODEL["vocab"])
+        acc.save_state()
+    t0 = time.monotonic()
+    error = h.last_save.exception(timeout=60)
+    summary = {"step2": repr(error), "wait_s": round(time.monotonic() - t0, 1)}
+    h.uninstall()
+    if rank == 0:
+        summary.update(held, files=sorted(os.listdir(step2)), steps=sorted(os.listdir(mem)))
+        with open(os.path.join(out, "summary.json"), "w") as fh:
+            json.dump(summary, fh)
+    acc.wait_for_everyone()
+
+
 def restore(mem, disk, out):
     acc, model, opt, sched = setup(1234)
     rank = acc.process_index
@@ -113,4 +163,4 @@ def restore(mem, disk, out):
 if __name__ == "__main__":
     scenario, mem, disk, out = sys.argv[1:5]
     # no interpreter finalization: a gloo thread may abort it
-    run_then_exit(lambda: {"train": train, "restore": restore}[scenario](mem, disk, out))
+    run_then_exit(lambda: {"train": train, "restore": restore, "ahead": ahead}[scenario](mem, disk, out))

@@ -167,6 +167,10 @@ class LevelSaves:
         step = self.counter.get()
         if self.main:
             self._clear_fastest(step)
+            if self._multi is not None and self.processes > 1:
+                # the others write into the step's folder once they agreed: before the main process's
+                # save_with, its retention (the previous step's commit) must know the step as this run's
+                self._multi.claim(step)
         if self.processes > 1:
             step = self._agree(step)
         due = [i for i, lv in enumerate(self.levels) if lv.due(step)]

@@ -206,6 +206,13 @@ class MultiLevel:
         runner.start(feed, admitted, unpin_save=True)
         return handle
 
+    def claim(self, step: int) -> None:
+        """``step`` is this saver's from now on, though ``save_with`` comes later: other processes may
+        write into its folders first (Accelerate's processes, once they agreed on the step), and a
+        retention pass meanwhile (the previous step's commit) must not take it for a step an earlier
+        run left (``_schedule.retention_victims``: after the start, not saved by this run)."""
+        self.runner.claim(step)
+
     def path(self, index: int, step: int) -> str:
         """Level ``index``'s checkpoint of ``step``: its file, or its folder (``folder=True``)."""
         level = self.levels[index]

@@ -158,6 +158,10 @@ class Runner:
         self._retention.saved(saved, step, first, len(admitted) + int(pin_save))
         return Feed(first, step, path, len(admitted), context)
 
+    def claim(self, step: int) -> None:
+        """Before other processes may write into step ``step``'s folders (``_schedule.Retention.claim``)."""
+        self._retention.claim(self.due(step, None), step)
+
     def abandon(self, feed: Feed, admitted: list[int], pin_save: bool) -> None:
         """The source save could not start: the backlog places and pins ``begin`` took go back."""
         for i in admitted:

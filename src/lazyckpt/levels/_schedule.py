@@ -124,6 +124,14 @@ class Retention:
             if source is not None and copies:
                 self._pins[(source, step)] += copies
 
+    def claim(self, levels: list[int], step: int) -> None:
+        """``step`` will be saved to ``levels`` by this saver, and other processes may write into its
+        folders before ``saved`` (Accelerate's: after the collective that agrees on the step): from
+        now on it is never an abandoned timeline's step to a retention pass."""
+        with self._cond:
+            for i in levels:
+                self._mine[i].add(step)
+
     def unpin(self, level: int, step: int, copies: int = 1) -> None:
         with self._cond:
             self._pins[(level, step)] -= copies
