@@ -526,6 +526,22 @@ def test_retention_does_not_take_a_step_another_process_began_for_an_earlier_run
                                 "random_states_1.pkl", "scheduler.bin"], summary  # fmt: skip
 
 
+def test_a_step_the_main_process_failed_after_the_agreement_stays_incomplete(tmp_path, mem):
+    """The main process's save of step 2 raises after the processes agreed on it (forced, ``mp_levels.py
+    main_fails``) and training goes on; process 1 wrote its part. The folder keeps the main process's
+    marker (made before the agreement): incomplete, never chosen, and not counted by ``keep=2``, which
+    after step 3 keeps steps 1 and 3 (without the marker: step 2, holding only process 1's RNG file,
+    and step 3; step 1 removed)."""
+    _launch("mp_levels.py", "main_fails", mem, tmp_path / "disk", tmp_path)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["raised"] == [[2, "forced: an earlier save's error, raised by save_with"]], summary
+    assert summary["folders"] == {"step-00000001": True, "step-00000002": False, "step-00000003": True}, summary
+    step2 = summary["step2"]
+    assert [n for n in step2 if not n.startswith(".")] == ["random_states_1.pkl"], summary
+    assert [n for n in step2 if n.startswith(".lazyckpt-pending-gather-")], summary
+    assert summary["errors"] == [], summary
+
+
 def test_warnings_do_not_end_level_threads(tmp_path, mem, installs):
     """Under -W error nothing on a lazyckpt thread dies of a warning (the copies, the retention)."""
     acc, objs, _ = make()

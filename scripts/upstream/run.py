@@ -9,7 +9,8 @@ Modes run one after another (no -x, no xdist, -p no:cacheprovider). Each test ha
 break (no new outcome for --timeout + --stuck-after s) is killed, the running test counted as hung, and the run resumed
 without the tests already recorded. Per-test outcomes go to DIR/<suite>-<mode>.jsonl so modes can be diffed test
 by test; DIR/summary.md holds the table and the differences from the control (Lightning: its own
-AsyncCheckpointIO; Accelerate: stock). Exit status 0 whatever the tests do: this is a measurement.
+AsyncCheckpointIO; Accelerate: stock). Exit status 0 whatever the tests do: this is a measurement; 2 when a
+suite and mode ran no test at all (it did not collect: e.g. Accelerate's tests import ``parameterized``).
 """
 
 from __future__ import annotations
@@ -312,6 +313,11 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(report) + "\n"
     (out / "summary.md").write_text(text, encoding="utf-8")
     print(text)
+    empty = [f"{n}/{m}" for n, by_mode in results.items() for m, done in by_mode.items() if not done]
+    if empty:  # not a measurement: the suite did not collect (a missing test dependency, a wrong --paths)
+        print(f"no test ran in {empty}: see {out}/<suite>-<mode>.log (Accelerate's tests need `parameterized`, "
+              "Lightning's its tests/ requirements)", file=sys.stderr)  # fmt: skip
+        return 2
     return 0
 
 

@@ -9,6 +9,8 @@ mp_levels.py restore MEM DISK OUT: a fresh accelerator (other weights) on each p
     OUT/restored.json: {rank: [found.step, found.level, every state equal to step 4's]}.
 mp_levels.py ahead MEM DISK OUT: process 1 writes step 2 before the main process's save of it has begun,
     while the main process's retention of step 1 runs (forced; see ``ahead``). OUT/summary.json.
+mp_levels.py main_fails MEM DISK OUT: the main process's save of step 2 raises after the processes agreed
+    on it, training goes on (see ``main_fails``). OUT/summary.json.
 """
 
 import json
@@ -134,6 +136,52 @@ def ahead(mem, disk, out):
     acc.wait_for_everyone()
 
 
+def main_fails(mem, disk, out):
+    """The main process's save of step 2 raises after the processes agreed on the step (forced: as
+    ``save_with`` raises an earlier save's error), and training goes on (the caller caught it); process
+    1 wrote its part of step 2. Step 2's folder must stay incomplete (the main process's marker), so
+    that after step 3 ``keep=2`` keeps steps 1 and 3, not step 2 (only process 1's RNG file in it)
+    and step 3. OUT/summary.json (main process)."""
+    from lazyckpt.commit.folder import is_complete
+    from lazyckpt.levels import _multi
+
+    acc, model, opt, sched = setup(0)
+    rank = acc.process_index
+    raised = []
+    if rank == 0:
+        real_save_with = _multi.MultiLevel.save_with
+
+        def save_with(self, step, produce, *args, **kwargs):
+            if step == 2:
+                raise RuntimeError("forced: an earlier save's error, raised by save_with")
+            return real_save_with(self, step, produce, *args, **kwargs)
+
+        _multi.MultiLevel.save_with = save_with
+    h = lazyckpt.accelerate.install(acc, levels=[Level(mem, every=1, keep=2)], load_timeout=20)
+    gen = torch.Generator().manual_seed(100 + rank)
+    for _ in range(3):
+        C.train_step(acc, model, opt, sched, gen, vocab=MODEL["vocab"])
+        try:
+            acc.save_state()
+        except RuntimeError as exc:
+            raised.append([h.step, str(exc)])
+        h.last_save.exception(timeout=60)  # this process's part of the step (the main process: the folder)
+    if rank == 0:
+        folders = {n: is_complete(os.path.join(mem, n)) for n in sorted(os.listdir(mem)) if n.startswith("step-")}
+        step2 = os.path.join(mem, "step-00000002")
+        files = sorted(os.listdir(step2)) if os.path.isdir(step2) else None
+    errors = []
+    try:
+        h.wait()
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        errors.append(repr(exc))
+    h.uninstall()
+    if rank == 0:
+        with open(os.path.join(out, "summary.json"), "w") as fh:
+            json.dump({"raised": raised, "folders": folders, "step2": files, "errors": errors}, fh)
+    acc.wait_for_everyone()
+
+
 def restore(mem, disk, out):
     acc, model, opt, sched = setup(1234)
     rank = acc.process_index
@@ -163,4 +211,5 @@ def restore(mem, disk, out):
 if __name__ == "__main__":
     scenario, mem, disk, out = sys.argv[1:5]
     # no interpreter finalization: a gloo thread may abort it
-    run_then_exit(lambda: {"train": train, "restore": restore, "ahead": ahead}[scenario](mem, disk, out))
+    scenarios = {"train": train, "restore": restore, "ahead": ahead, "main_fails": main_fails}
+    run_then_exit(lambda: scenarios[scenario](mem, disk, out))

@@ -30,6 +30,7 @@ The step numbering and its override live in :class:`StepCounter`; restore in ``_
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -165,14 +166,19 @@ class LevelSaves:
         refuse_automatic_naming(self.accelerator)
         training = self.owner.training_since_last_save()
         step = self.counter.get()
+        held: str | None = None  # the main process's marker in the step's folder (several processes)
         if self.main:
             self._clear_fastest(step)
-            if self._multi is not None and self.processes > 1:
-                # the others write into the step's folder once they agreed: before the main process's
-                # save_with, its retention (the previous step's commit) must know the step as this run's
-                self._multi.claim(step)
+            held = self._claim(step)
         if self.processes > 1:
-            step = self._agree(step)
+            try:
+                step = self._agree(step)
+            except SaveRefusedError:  # raised on every process alike: nobody writes into the folder
+                if held is not None:
+                    Nodes.release(held)
+                    with contextlib.suppress(OSError):
+                        os.rmdir(os.path.dirname(held))
+                raise
         due = [i for i, lv in enumerate(self.levels) if lv.due(step)]
         if due and self.processes > 1 and self.levels[due[0]].is_url:
             raise SaveRefusedError(
@@ -183,9 +189,8 @@ class LevelSaves:
         gather = self._gather(due[0]) if due and self.nodes is not None else None
 
         def produce(path: str) -> SaveHandle:
-            # kept if the save fails: the folder may hold this node's other processes' files, never whole
-            marker = Nodes.hold(path) if gather is not None and gather.outside else None
-            return self._produce(path, safe_serialization, kwargs, gather=gather and gather.held(marker))
+            # the marker (``_claim``) stays if the save fails: the folder may hold the other processes' files
+            return self._produce(path, safe_serialization, kwargs, gather=gather and gather.held(held))
 
         handle: SaveHandle
         if self._multi is not None:
@@ -232,6 +237,27 @@ class LevelSaves:
                 self.checkpointer.remove(folder)  # renamed away now, deleted in the background
             except OSError as exc:
                 logger.warning("lazyckpt.accelerate: could not move the old %s away: %s", folder, exc)
+
+    def _claim(self, step: int) -> str | None:
+        """The main process, several processes, before they agree on ``step``: each writes into the
+        step's folder as soon as they did, maybe before this process's ``save_with`` of it begins. So
+        the step is claimed in the retention (``MultiLevel.claim``: the previous step's commit, in that
+        window, took the folder for one an earlier run left and removed it), and the fastest due
+        level's folder holds a marker of this process's until the folder is whole (``_gathered``): a
+        save that fails here after the agreement (an earlier error raised by ``save_with``) leaves an
+        incomplete folder, not one that looks whole with only the other processes' files in it
+        (``keep`` counted it). The marker's path, or None (one process, no c10d store, a URL)."""
+        if self._multi is None or self.processes == 1:
+            return None
+        self._multi.claim(step)
+        due = [lv for lv in self.levels if lv.due(step)]
+        if not due or due[0].is_url or self.nodes is None:
+            return None
+        try:
+            return Nodes.hold(due[0].folder(step))
+        except OSError as exc:  # never raise before the collective: the others would wait in it
+            logger.warning("lazyckpt.accelerate: cannot mark %s incomplete: %s", due[0].folder(step), exc)
+            return None
 
     def _gather(self, index: int) -> _Gather:
         """This bare save's exchange of RNG files (several processes; every process, in step): the

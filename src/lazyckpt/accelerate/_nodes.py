@@ -15,8 +15,9 @@ same on every process):
         folder); once its part ended (its finisher thread), ``post`` puts its RNG file's bytes in
         the job's c10d store (``lazyckpt/accelerate/<token>/<seq>/<rank>``; an error instead when
         its part failed) and the staging folder is removed
-    the main process: a marker of its own in the folder from ``save()`` (``hold``) until
-        ``collect`` has written every such process's RNG file into the folder (temporary name,
+    the main process: a marker of its own in the folder from ``save()``, before the processes agree
+        on the step (``hold``; with one node too: ``_levels.LevelSaves._claim``) until every process's
+        part ended and ``collect`` has written every such process's RNG file into the folder (temporary name,
         fsync, rename); the folder is complete, its level handle done, only then: the copies to
         the slower levels and to the other nodes' memory (``levels.SingleWriter``, through the
         ``MultiLevel``), and on a restart ``lazyckpt.latest()`` gives every node the newest step.
@@ -146,7 +147,7 @@ class Nodes:
         os.makedirs(folder, exist_ok=True)
         marker = os.path.join(folder, marker_name("gather"))
         with open(marker, "w") as fh:
-            fh.write("lazyckpt: the RNG files of the processes of other nodes are not all here yet\n")
+            fh.write("lazyckpt: the main process's save into this folder has not ended (every process's part)\n")
         return marker
 
     @staticmethod
