@@ -542,6 +542,16 @@ def test_a_step_the_main_process_failed_after_the_agreement_stays_incomplete(tmp
     assert summary["errors"] == [], summary
 
 
+def test_load_state_right_after_a_save_by_level_waits_for_the_main_process_marker(tmp_path, mem):
+    """``load_state(<the step's folder>)`` right after ``save_state()`` on every process, the main
+    process's marker in the folder still there (its watcher held, ``mp_levels.py load_right_after``):
+    the main process waits for its own save of the folder, then loads it. Without that wait it raised
+    IncompleteCheckpointError for its own marker (seen)."""
+    _launch("mp_levels.py", "load_right_after", mem, tmp_path / "disk", tmp_path)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["loaded"] == ["ok", "ok"], summary
+
+
 def test_warnings_do_not_end_level_threads(tmp_path, mem, installs):
     """Under -W error nothing on a lazyckpt thread dies of a warning (the copies, the retention)."""
     acc, objs, _ = make()

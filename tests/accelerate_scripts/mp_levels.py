@@ -11,6 +11,8 @@ mp_levels.py ahead MEM DISK OUT: process 1 writes step 2 before the main process
     while the main process's retention of step 1 runs (forced; see ``ahead``). OUT/summary.json.
 mp_levels.py main_fails MEM DISK OUT: the main process's save of step 2 raises after the processes agreed
     on it, training goes on (see ``main_fails``). OUT/summary.json.
+mp_levels.py load_right_after MEM DISK OUT: load_state(<step 2's folder>) right after save_state() on
+    both processes, the main process's marker still there (see ``load_right_after``). OUT/summary.json.
 """
 
 import json
@@ -182,6 +184,66 @@ def main_fails(mem, disk, out):
     acc.wait_for_everyone()
 
 
+def load_right_after(mem, disk, out):
+    """Every process calls ``load_state(<step 2's folder>)`` right after ``save_state()``, the main
+    process's watcher (which ends its marker in the folder) held until the main process's
+    ``load_state`` has waited for its own save (``settle_folder``) or, without that wait, has decided
+    (``folder_to_load``'s end): the folder must load, never be "incomplete" for the main process's own
+    marker. OUT/summary.json (main process)."""
+    import threading
+
+    from lazyckpt.accelerate import _levels, _load
+
+    acc, model, opt, sched = setup(0)
+    rank = acc.process_index
+    step2 = os.path.join(mem, "step-00000002")
+    if rank == 0:
+        entered = threading.Event()
+        real_gathered, real_to_load = _levels.LevelSaves._gathered, _load.folder_to_load
+
+        def gathered(self, call, gather):
+            if call.folder and call.folder.endswith("step-00000002"):
+                assert entered.wait(60), "load_state never came"
+            return real_gathered(self, call, gather)
+
+        def to_load(*args, **kwargs):
+            try:
+                return real_to_load(*args, **kwargs)
+            finally:
+                entered.set()
+
+        _levels.LevelSaves._gathered, _load.folder_to_load = gathered, to_load
+        real_settle = getattr(_levels.LevelSaves, "settle_folder", None)
+        if real_settle is not None:
+
+            def settle(self, folder, timeout):
+                entered.set()
+                return real_settle(self, folder, timeout)
+
+            _levels.LevelSaves.settle_folder = settle
+    h = lazyckpt.accelerate.install(acc, levels=[Level(mem, every=1, keep=2)], load_timeout=20)
+    gen = torch.Generator().manual_seed(100 + rank)
+    for _ in range(2):
+        C.train_step(acc, model, opt, sched, gen, vocab=MODEL["vocab"])
+        acc.save_state()
+    try:
+        acc.load_state(step2)
+        loaded = "ok"
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        loaded = f"{type(exc).__name__}: {exc}"
+    try:
+        h.wait()
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        loaded += f"; wait: {exc!r}"
+    h.uninstall()
+    results = [None, None]
+    dist.all_gather_object(results, loaded)
+    if rank == 0:
+        with open(os.path.join(out, "summary.json"), "w") as fh:
+            json.dump({"loaded": results}, fh)
+    acc.wait_for_everyone()
+
+
 def restore(mem, disk, out):
     acc, model, opt, sched = setup(1234)
     rank = acc.process_index
@@ -211,5 +273,8 @@ def restore(mem, disk, out):
 if __name__ == "__main__":
     scenario, mem, disk, out = sys.argv[1:5]
     # no interpreter finalization: a gloo thread may abort it
-    scenarios = {"train": train, "restore": restore, "ahead": ahead, "main_fails": main_fails}
+    scenarios = {
+        "train": train, "restore": restore, "ahead": ahead, "main_fails": main_fails,
+        "load_right_after": load_right_after,
+    }  # fmt: skip
     run_then_exit(lambda: scenarios[scenario](mem, disk, out))

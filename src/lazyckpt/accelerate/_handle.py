@@ -280,6 +280,8 @@ class AccelerateHandle(InstalledHandle):
         if url is not None:
             with _url.downloaded(self.checkpointer, self._saves, url) as local:
                 return stock(local, load_kwargs=load_kwargs, **kwargs)
+        if self._levels is not None and input_dir is not None:
+            self._levels.settle_folder(_compat.real_path(input_dir), self.load_timeout)
         folder = _load.folder_to_load(self.accelerator, self._saves, input_dir, self.load_timeout)
         return stock(folder, load_kwargs=load_kwargs, **kwargs)
 

@@ -155,6 +155,8 @@ class LevelSaves:
         )  # with replicas: the main process's MultiLevel sends its folders, the other processes hold copies
         self._holder = None if self.main or replicated is None else SingleWriter(levels, replicated, opts.fsync)
         self._pending: dict[int, SaveHandle] = {}  # step -> a level save not yet done
+        # the main process's folders under its marker (several processes): folder -> the folder's own handle
+        self._sources: dict[str, SaveHandle] = {}
         self._others: Worker[tuple[SaveStateCall, Completion, _Gather | None]] = Worker(
             "lazyckpt-accelerate-levels", self._wait_for_others, lazy=True
         )
@@ -170,27 +172,31 @@ class LevelSaves:
         if self.main:
             self._clear_fastest(step)
             held = self._claim(step)
-        if self.processes > 1:
-            try:
+        try:
+            if self.processes > 1:
                 step = self._agree(step)
-            except SaveRefusedError:  # raised on every process alike: nobody writes into the folder
-                if held is not None:
-                    Nodes.release(held)
-                    with contextlib.suppress(OSError):
-                        os.rmdir(os.path.dirname(held))
-                raise
-        due = [i for i, lv in enumerate(self.levels) if lv.due(step)]
-        if due and self.processes > 1 and self.levels[due[0]].is_url:
-            raise SaveRefusedError(
-                f"lazyckpt.accelerate: with {self.processes} processes the fastest level due at step {step} "
-                f"must be a local folder (every process writes into it), not {self.levels[due[0]].path}"
-            )
-
-        gather = self._gather(due[0]) if due and self.nodes is not None else None
+            due = [i for i, lv in enumerate(self.levels) if lv.due(step)]
+            if due and self.processes > 1 and self.levels[due[0]].is_url:
+                raise SaveRefusedError(
+                    f"lazyckpt.accelerate: with {self.processes} processes the fastest level due at step {step} "
+                    f"must be a local folder (every process writes into it), not {self.levels[due[0]].path}"
+                )
+            gather = self._gather(due[0]) if due and self.nodes is not None else None
+        except SaveRefusedError:  # raised on every process alike: nobody writes into the folder
+            if held is not None:
+                Nodes.release(held)
+                with contextlib.suppress(OSError):
+                    os.rmdir(os.path.dirname(held))
+            raise
 
         def produce(path: str) -> SaveHandle:
-            # the marker (``_claim``) stays if the save fails: the folder may hold the other processes' files
-            return self._produce(path, safe_serialization, kwargs, gather=gather and gather.held(held))
+            # the marker (``_claim``) stays if the save fails: the folder may hold the other processes' files;
+            # made here (raising: after the collective) when ``_claim`` could not, as other nodes' files need it
+            marker = held if held is not None or gather is None or not gather.outside else Nodes.hold(path)
+            source = self._produce(path, safe_serialization, kwargs, gather=gather and gather.held(marker))
+            if marker is not None:
+                self._sources[_compat.real_path(path)] = source  # load_state(path) waits for it: settle_folder
+            return source
 
         handle: SaveHandle
         if self._multi is not None:
@@ -212,6 +218,7 @@ class LevelSaves:
         if not due:
             return None
         self._pending = {s: h for s, h in self._pending.items() if not h.done()}
+        self._sources = {f: h for f, h in self._sources.items() if not h.done()}
         self._pending[step] = handle
         if not training and self.processes == 1:
             handle.exception(timeout=None)  # no training to overlap with: durable on return, as stock
@@ -237,6 +244,17 @@ class LevelSaves:
                 self.checkpointer.remove(folder)  # renamed away now, deleted in the background
             except OSError as exc:
                 logger.warning("lazyckpt.accelerate: could not move the old %s away: %s", folder, exc)
+
+    def settle_folder(self, folder: str, timeout: float) -> None:
+        """Before ``load_state(folder)``: this process's marker in ``folder`` gone (the folder whole, or
+        its save failed), at most ``timeout`` s. Its own markers are not waited for otherwise
+        (``_load.wait_other_processes``), and this one ends on its watcher thread, after its part."""
+        source = self._sources.get(folder)
+        if source is not None:
+            try:
+                source.exception(timeout=timeout)  # its error stays the checkpointer's to report
+            except TimeoutError:
+                pass
 
     def _claim(self, step: int) -> str | None:
         """The main process, several processes, before they agree on ``step``: each writes into the

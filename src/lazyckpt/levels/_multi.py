@@ -207,8 +207,8 @@ class MultiLevel:
         return handle
 
     def claim(self, step: int) -> None:
-        """``step`` is this saver's from now on, though ``save_with`` comes later: other processes may
-        write into its folders first (Accelerate's processes, once they agreed on the step), and a
+        """``step`` is this saver's at its fastest due level from now on, though ``save_with`` comes
+        later: other processes may write into that folder first (Accelerate's, once they agreed on the step), and a
         retention pass meanwhile (the previous step's commit) must not take it for a step an earlier
         run left (``_schedule.retention_victims``: after the start, not saved by this run)."""
         self.runner.claim(step)

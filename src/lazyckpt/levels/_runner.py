@@ -159,8 +159,9 @@ class Runner:
         return Feed(first, step, path, len(admitted), context)
 
     def claim(self, step: int) -> None:
-        """Before other processes may write into step ``step``'s folders (``_schedule.Retention.claim``)."""
-        self._retention.claim(self.due(step, None), step)
+        """Before other processes may write into step ``step``'s folder at the fastest due level (the
+        one its save writes; ``_schedule.Retention.claim``)."""
+        self._retention.claim(self.due(step, None)[:1], step)
 
     def abandon(self, feed: Feed, admitted: list[int], pin_save: bool) -> None:
         """The source save could not start: the backlog places and pins ``begin`` took go back."""
