@@ -7,12 +7,13 @@ import torch
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs CUDA")
+    soak = "soak" in (config.option.markexpr or "")
+    gpu = torch.cuda.is_available()
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" in item.keywords and not gpu:
+            item.add_marker(pytest.mark.skip(reason="needs CUDA"))
+        if "soak" in item.keywords and not soak:
+            item.add_marker(pytest.mark.skip(reason="opt-in soak: run with -m soak"))
 
 
 @pytest.fixture
