@@ -12,8 +12,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import threading
 from concurrent.futures import Future
 from pathlib import Path
@@ -31,6 +29,7 @@ from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 from accelerate.utils import ProjectConfiguration  # noqa: E402
 
 import lazyckpt.accelerate as LA  # noqa: E402
+from _launch import run_python  # noqa: E402
 from _util import hold_staging  # noqa: E402
 from accelerate_scripts import acc_common as C  # noqa: E402
 from lazyckpt import LazyCheckpointer  # noqa: E402
@@ -115,13 +114,7 @@ def step(acc, objs, gen, vocab=64, **kw):
 
 def _run_script(name, *args):
     """Run tests/accelerate_scripts/<name> in a fresh interpreter; its output is in the result."""
-    return subprocess.run(
-        [sys.executable, str(HERE / "accelerate_scripts" / name), *map(str, args)],
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    return run_python([str(HERE / "accelerate_scripts" / name), *map(str, args)], _env(), timeout=180)
 
 
 def stock_restore_subprocess(tmp_path, dirs, **cfg):

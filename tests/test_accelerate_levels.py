@@ -26,7 +26,7 @@ from accelerate.utils import ProjectConfiguration  # noqa: E402
 
 import lazyckpt  # noqa: E402
 import lazyckpt.accelerate as LA  # noqa: E402
-from _launch import free_port  # noqa: E402
+from _launch import free_port, run_python  # noqa: E402
 from accelerate_scripts import acc_common as C  # noqa: E402
 from lazyckpt import Level, LevelError, SaveRefusedError  # noqa: E402
 from lazyckpt.errors import IncompleteCheckpointWarning  # noqa: E402
@@ -437,10 +437,10 @@ def test_a_script_ending_without_wait_gets_every_levels_copy(tmp_path, mem, seco
         opts, fs = request.getfixturevalue("s3")
         url = f"s3://levels/{uuid.uuid4().hex[:8]}"
         args = [mem, url]
-    r = subprocess.run(
-        [sys.executable, str(SCRIPTS / "levels_exit_without_wait.py"), *args, str(tmp_path / "expected.pt")]
+    r = run_python(
+        [str(SCRIPTS / "levels_exit_without_wait.py"), *args, str(tmp_path / "expected.pt")]
         + ([json.dumps(opts), str(tmp_path / "tier")] if second == "s3" else []),
-        env=_env(), capture_output=True, text=True, timeout=180,
+        _env(), timeout=180,
     )  # fmt: skip
     assert r.returncode == 0 and "failed" not in r.stderr, r.stdout[-3000:] + r.stderr[-3000:]
     levels = [Level(args[0], every=1, keep=2), Level(args[1], every=1, keep=2)]
@@ -463,9 +463,9 @@ def test_sigkilled_training_restarts_from_the_newest_complete_folder(tmp_path, m
     expect = tmp_path / "expect"
     expect.mkdir()
     kills = 8
-    cmd = [sys.executable, str(SCRIPTS / "levels_kill_driver.py"), mem, str(tmp_path / "disk"), str(expect),
-           str(results), str(kills), "7"]  # fmt: skip
-    r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
+    cmd = [str(SCRIPTS / "levels_kill_driver.py"), mem, str(tmp_path / "disk"), str(expect), str(results), str(kills),
+           "7"]  # fmt: skip
+    r = run_python(cmd, _env(), timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     entries = [json.loads(line) for line in results.read_text().splitlines()]
     assert len(entries) == kills + 1, (entries, r.stderr[-3000:])  # a check per restart, and a last one

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -25,6 +23,7 @@ from accelerate.utils import ProjectConfiguration  # noqa: E402
 from fsspec.implementations.memory import MemoryFileSystem  # noqa: E402
 
 import lazyckpt.accelerate as LA  # noqa: E402
+from _launch import run_python  # noqa: E402
 from _s3server import FaultProxy  # noqa: E402
 from accelerate_scripts import acc_common as C  # noqa: E402
 from lazyckpt.commit import remote_folder as _remote_folder  # noqa: E402
@@ -178,12 +177,10 @@ def test_s3_script_ending_without_wait_uploads_at_exit(tmp_path, bucket, moto):
     fs, name = bucket
     opts = _options(moto)
     url, expected = f"s3://{name}/exit/ckpt", tmp_path / "expected.pt"
-    r = subprocess.run(
-        [sys.executable, str(C.TESTS / "accelerate_scripts" / "exit_without_wait.py"), url, str(expected)]
+    r = run_python(
+        [str(C.TESTS / "accelerate_scripts" / "exit_without_wait.py"), url, str(expected)]
         + [json.dumps(opts), str(tmp_path / "child-tier")],
-        env=_env(),
-        capture_output=True,
-        text=True,
+        _env(),
         timeout=180,
     )
     assert r.returncode == 0 and "failed" not in r.stderr, r.stdout[-3000:] + r.stderr[-3000:]

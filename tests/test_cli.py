@@ -1,7 +1,9 @@
-"""The ``lazyckpt`` command line, run through its real entry point (``python -m lazyckpt``).
+"""The ``lazyckpt`` command line: ``lazyckpt.cli.main`` in this process (the ``cli`` fixture: its exit
+code and what it wrote to file descriptors 1 and 2, a subprocess it starts included), and the entry
+points themselves (``python -m lazyckpt``, the console script) in a process of their own.
 
 Missing GPUs and NVML are simulated the way users meet them: ``CUDA_VISIBLE_DEVICES=""`` and a
-stand-in ``pynvml`` module first on ``PYTHONPATH`` (absent, failing to start, or reporting a GPU).
+stand-in ``pynvml`` module first on the import path (absent, failing to start, or reporting a GPU).
 """
 
 from __future__ import annotations
@@ -23,12 +25,37 @@ from lazyckpt.cli import doctor, main
 REPO_SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
-def cli(*args: str, env: dict[str, str] | None = None, pythonpath: Path | None = None) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, **(env or {})}
-    paths = [str(pythonpath)] if pythonpath else []
-    full_env["PYTHONPATH"] = os.pathsep.join(paths + [REPO_SRC, full_env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    return subprocess.run([sys.executable, "-m", "lazyckpt", *args], capture_output=True, text=True, env=full_env,
+def cli_process(*args: str) -> subprocess.CompletedProcess:
+    """``python -m lazyckpt ARGS`` in a process of its own: the module entry point."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO_SRC, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    return subprocess.run([sys.executable, "-m", "lazyckpt", *args], capture_output=True, text=True, env=env,
                           timeout=300)  # fmt: skip
+
+
+@pytest.fixture
+def cli(capfd, monkeypatch):
+    """``cli(*args, env=..., pythonpath=...)``: ``main(args)`` here, as ``python -m lazyckpt`` would run
+    it (argparse's exits become the return code), with ``env`` set and ``pythonpath`` first on the
+    import path (its modules imported afresh); returns the exit code and the captured output."""
+
+    def run(*args: str, env: dict[str, str] | None = None, pythonpath: Path | None = None):
+        for name, value in (env or {}).items():
+            monkeypatch.setenv(name, value)
+        if pythonpath is not None:  # here, and in the processes it starts (bench)
+            paths = [str(pythonpath), REPO_SRC, os.environ.get("PYTHONPATH", "")]
+            monkeypatch.setenv("PYTHONPATH", os.pathsep.join(paths))
+            monkeypatch.syspath_prepend(str(pythonpath))
+            for module in os.listdir(pythonpath):
+                monkeypatch.delitem(sys.modules, module.removesuffix(".py"), raising=False)
+        capfd.readouterr()
+        try:
+            code = main(list(args))
+        except SystemExit as exc:  # argparse: --help, --version, usage errors
+            code = exc.code if isinstance(exc.code, int) else 1
+        out, err = capfd.readouterr()
+        return subprocess.CompletedProcess(["lazyckpt", *args], code, out, err)
+
+    return run
 
 
 def _state() -> dict:
@@ -80,13 +107,23 @@ def _corrupt(src: Path, dst: Path, at: float = 0.5) -> Path:
 # top level ------------------------------------------------------------------------------------------
 
 
-def test_no_command_prints_usage_and_exits_2():
+def test_no_command_prints_usage_and_exits_2(cli):
     res = cli()
     assert res.returncode == 2
     assert "verify" in res.stderr and "doctor" in res.stderr
 
 
-def test_version():
+def test_module_entry_point_version_usage_and_exit_codes(files, tmp_path):
+    """``python -m lazyckpt`` in its own process: --version, usage (exit 2), a command's exit code."""
+    res = cli_process("--version")
+    assert res.returncode == 0 and res.stdout.startswith("lazyckpt ")
+    res = cli_process()
+    assert res.returncode == 2 and "verify" in res.stderr
+    res = cli_process("verify", str(files / "lazy.pt"), str(tmp_path / "missing.pt"))
+    assert res.returncode == 1 and res.stdout.splitlines()[0].startswith("OK"), res.stdout + res.stderr
+
+
+def test_version(cli):
     res = cli("--version")
     assert res.returncode == 0 and res.stdout.startswith("lazyckpt ")
 
@@ -94,7 +131,7 @@ def test_version():
 # verify ---------------------------------------------------------------------------------------------
 
 
-def test_verify_good_files_one_line_each(files):
+def test_verify_good_files_one_line_each(files, cli):
     paths = [str(files / n) for n in ("lazy.pt", "stock.pt", "w.safetensors", "plain.ckpt")]
     res = cli("verify", *paths)
     assert res.returncode == 0, res.stdout + res.stderr
@@ -103,7 +140,7 @@ def test_verify_good_files_one_line_each(files):
     assert lines[-1] == "4 of 4 OK"
 
 
-def test_verify_corrupt_missing_and_not_a_checkpoint_fail(files, tmp_path):
+def test_verify_corrupt_missing_and_not_a_checkpoint_fail(files, tmp_path, cli):
     bad = _corrupt(files / "lazy.pt", tmp_path / "bad.pt")
     res = cli("verify", "--json", str(files / "stock.pt"), str(bad), str(tmp_path / "missing.pt"),
               str(files / "notes.txt"))  # fmt: skip
@@ -142,7 +179,7 @@ def _accelerate_folder(root: Path) -> Path:
     return folder
 
 
-def test_verify_accelerate_folder_complete_and_incomplete(tmp_path):
+def test_verify_accelerate_folder_complete_and_incomplete(tmp_path, cli):
     folder = _accelerate_folder(tmp_path)
     res = cli("verify", str(folder))
     assert res.returncode == 0, res.stdout
@@ -192,7 +229,7 @@ def test_verify_accelerate_folder_missing_pieces(tmp_path, capsys, change, messa
     assert message in capsys.readouterr().out
 
 
-def test_verify_never_runs_code_from_the_file(files):
+def test_verify_never_runs_code_from_the_file(files, cli):
     res = cli("verify", str(files / "evil.pt"))
     assert res.returncode == 0, res.stdout  # a well-formed file; its pickle is only walked
     assert not (files / "pwned").exists()
@@ -201,7 +238,7 @@ def test_verify_never_runs_code_from_the_file(files):
 # inspect --------------------------------------------------------------------------------------------
 
 
-def test_inspect_tree_totals_and_largest(files):
+def test_inspect_tree_totals_and_largest(files, cli):
     res = cli("inspect", str(files / "lazy.pt"))
     assert res.returncode == 0, res.stderr
     out = res.stdout
@@ -210,7 +247,7 @@ def test_inspect_tree_totals_and_largest(files):
     assert "largest" in out and "model/0.weight" in out
 
 
-def test_inspect_json(files):
+def test_inspect_json(files, cli):
     res = cli("inspect", "--json", str(files / "lazy.pt"))
     doc = json.loads(res.stdout)
     assert doc["format"] == "torch" and doc["loaded_with"] == "weights_only=True"
@@ -220,14 +257,14 @@ def test_inspect_json(files):
     assert "lightning" not in doc
 
 
-def test_inspect_lightning_metadata(files):
+def test_inspect_lightning_metadata(files, cli):
     doc = json.loads(cli("inspect", "--json", str(files / "plain.ckpt")).stdout)
     meta = doc["lightning"]
     assert (meta["epoch"], meta["global_step"], meta["pytorch-lightning_version"]) == (3, 120, "2.6.6")
     assert meta["callbacks"] == ["ModelCheckpoint{'monitor': None}"] and meta["optimizer_states"] == 1
 
 
-def test_inspect_refuses_pickled_objects_unless_unsafe(files):
+def test_inspect_refuses_pickled_objects_unless_unsafe(files, cli):
     res = cli("inspect", str(files / "hparams.ckpt"))
     assert res.returncode == 1
     assert "argparse.Namespace" in res.stderr and "--unsafe" in res.stderr
@@ -236,7 +273,7 @@ def test_inspect_refuses_pickled_objects_unless_unsafe(files):
     assert "global_step: 120" in res.stdout and "weights_only=False" in res.stdout
 
 
-def test_inspect_never_runs_code_by_default(files):
+def test_inspect_never_runs_code_by_default(files, cli):
     res = cli("inspect", str(files / "evil.pt"))
     assert res.returncode == 1 and "--unsafe" in res.stderr
     assert not (files / "pwned").exists()
@@ -250,7 +287,7 @@ def test_inspect_safetensors_from_header(files, capsys):
     assert doc["totals"]["bytes"] == 4 * 3 * 4 + 5 * 2
 
 
-def test_inspect_missing_and_not_a_checkpoint(files, tmp_path):
+def test_inspect_missing_and_not_a_checkpoint(files, tmp_path, cli):
     res = cli("inspect", str(tmp_path / "nope.pt"))
     assert res.returncode == 1 and "no such file" in res.stderr
     res = cli("inspect", str(files / "notes.txt"))
@@ -295,7 +332,7 @@ def _fake_nvml(tmp_path: Path, kind: str) -> Path:
     return d
 
 
-def test_doctor_without_gpu_or_nvml(tmp_path):
+def test_doctor_without_gpu_or_nvml(tmp_path, cli):
     res = cli("doctor", str(tmp_path), "--probe-mb", "4", "--ckpt-gb", "0.05", env={"CUDA_VISIBLE_DEVICES": ""},
               pythonpath=_fake_nvml(tmp_path, "absent"))  # fmt: skip
     assert res.returncode == 0, res.stderr
@@ -308,7 +345,7 @@ def test_doctor_without_gpu_or_nvml(tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "the write probe left a file behind"
 
 
-def test_doctor_nvml_without_driver(tmp_path):
+def test_doctor_nvml_without_driver(tmp_path, cli):
     res = cli("doctor", str(tmp_path), "--probe-mb", "4", "--json", env={"CUDA_VISIBLE_DEVICES": ""},
               pythonpath=_fake_nvml(tmp_path, "no_driver"))  # fmt: skip
     assert res.returncode == 0, res.stderr
@@ -318,7 +355,7 @@ def test_doctor_nvml_without_driver(tmp_path):
     assert any("--ckpt-gb" in line for line in doc["advice"])
 
 
-def test_doctor_reports_gpu_link_from_nvml(tmp_path):
+def test_doctor_reports_gpu_link_from_nvml(tmp_path, cli):
     res = cli("doctor", str(tmp_path), "--probe-mb", "4", "--ckpt-gb", "2", env={"CUDA_VISIBLE_DEVICES": ""},
               pythonpath=_fake_nvml(tmp_path, "h100"))  # fmt: skip
     assert res.returncode == 0, res.stderr
@@ -330,7 +367,7 @@ def test_doctor_reports_gpu_link_from_nvml(tmp_path):
     assert "GPU 0: copying the checkpoint to the host takes about 0.04 s" in out
 
 
-def test_doctor_missing_dir_exits_1(tmp_path):
+def test_doctor_missing_dir_exits_1(tmp_path, cli):
     res = cli("doctor", str(tmp_path / "nope"))
     assert res.returncode == 1 and "not a directory" in res.stdout
 
@@ -377,7 +414,7 @@ def test_recommendation_caps_the_budget_and_uses_more_writers_on_parallel_storag
 # bench ----------------------------------------------------------------------------------------------
 
 
-def test_bench_tiny_end_to_end(tmp_path):
+def test_bench_tiny_end_to_end(tmp_path, cli):
     out_json, png = tmp_path / "bench.json", tmp_path / "timeline.png"
     res = cli("bench", "--size", "tiny", "--steps", "2", "--rounds", "1", "--warmup", "0", "--out-dir",
               str(tmp_path / "ckpt"), "--json", str(out_json), "--plot", str(png), "--no-progress")  # fmt: skip
@@ -397,12 +434,12 @@ def test_bench_tiny_end_to_end(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_bench_cuda_without_gpu_exits_1():
+def test_bench_cuda_without_gpu_exits_1(cli):
     res = cli("bench", "--device", "cuda", env={"CUDA_VISIBLE_DEVICES": ""})
     assert res.returncode == 1 and "no CUDA GPU" in res.stderr and "lazyckpt doctor" in res.stderr
 
 
-def test_bench_plot_without_matplotlib_exits_1_before_running(tmp_path):
+def test_bench_plot_without_matplotlib_exits_1_before_running(tmp_path, cli):
     fake = tmp_path / "fake"
     (fake / "matplotlib").mkdir(parents=True)
     (fake / "matplotlib" / "__init__.py").write_text("raise ImportError('No module named matplotlib')\n")
@@ -411,7 +448,7 @@ def test_bench_plot_without_matplotlib_exits_1_before_running(tmp_path):
     assert not (tmp_path / "x.png").exists()
 
 
-def test_bench_passes_arguments_and_exit_code_through():
+def test_bench_passes_arguments_and_exit_code_through(cli):
     res = cli("bench", "--modes", "torch.save,nope")
     assert res.returncode == 1 and "unknown mode" in res.stderr
     res = cli("bench", "--help")

@@ -7,8 +7,6 @@ import errno
 import json
 import os
 import shutil
-import subprocess
-import sys
 import threading
 import uuid
 import warnings
@@ -18,7 +16,7 @@ import pytest
 import torch
 
 import lazyckpt
-from _launch import SRC
+from _launch import SRC, TESTS, run_python
 from _util import assert_same
 from lazyckpt import BackpressureWarning, LazyCheckpointer, Level, LevelError, SaveRefusedError
 from lazyckpt.core import plan as _plan
@@ -207,15 +205,42 @@ def test_another_saves_error_raised_inside_a_level_save_is_not_relabelled(mem, t
         assert not isinstance(info.value, LevelError) and info.value.path == other
 
 
-def test_sigkilled_training_restarts_from_the_newest_complete_step(mem, tmp_path):
+KILL_POINTS = ("mid-write", "mid-copy", "before-rename", "after-rename", "retention")
+
+
+def _kill_run(mem: str, tmp_path: Path, points: str, seed: str) -> list[dict]:
     expect = tmp_path / "expect"
     expect.mkdir()
     results = tmp_path / "results.jsonl"
-    cmd = [sys.executable, os.path.join(SCRIPTS, "kill_driver.py"), mem, str(tmp_path / "disk"), str(expect),
-           str(results), "22", "7"]  # fmt: skip
-    subprocess.run(cmd, check=True, timeout=240)
-    entries = [json.loads(line) for line in results.read_text().splitlines()]
-    assert len(entries) == 23, entries  # a check per restart (the driver kills only after it), and a last one
+    cmd = [os.path.join(SCRIPTS, "kill_driver.py"), mem, str(tmp_path / "disk"), str(expect), str(results), points,
+           seed]  # fmt: skip
+    r = run_python(cmd, dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), str(TESTS)])), timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return [json.loads(line) for line in results.read_text().splitlines()]
+
+
+def test_sigkilled_training_restarts_from_the_newest_complete_step(mem, tmp_path):
+    """A training process SIGKILLed at each forced point of a multi-level save (halfway through a
+    memory-level write, halfway through the disk level's copy, before the copy's rename, between a
+    rename and its folder's fsync, before retention removes an older step), one child per point in
+    turn: each next child's ``latest()`` is the newest step some level holds as a complete file,
+    ``load()`` of it hashes to that step's state, and training resumes from it."""
+    entries = _kill_run(mem, tmp_path, ",".join(KILL_POINTS), "7")
+    kills = [e for e in entries if "point" in e]
+    checks = [e for e in entries if "point" not in e]
+    assert [e["point"] for e in kills] == list(KILL_POINTS), kills  # each window reached, in turn
+    assert all(e.get("reached", True) for e in kills), kills
+    assert len(checks) == len(KILL_POINTS) + 1, entries  # a check per restart, and a last one
+    assert all(e["ok"] for e in checks), [e for e in checks if not e["ok"]]
+    assert checks[-1]["found"] is not None and checks[-1]["found"][0] > len(KILL_POINTS)
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(900)
+def test_sigkilled_at_random_moments_restarts_from_the_newest_complete_step(mem, tmp_path):
+    """Opt-in soak (-m soak): 22 kills at random moments, the same checks."""
+    entries = _kill_run(mem, tmp_path, os.environ.get("LAZYCKPT_SOAK_KILLS", "22"), "7")
+    assert len(entries) == int(os.environ.get("LAZYCKPT_SOAK_KILLS", "22")) + 1, entries
     assert all(e["ok"] for e in entries), [e for e in entries if not e["ok"]]
     assert entries[-1]["found"] is not None and entries[-1]["found"][0] > 10
 
@@ -508,8 +533,7 @@ def test_a_source_cut_short_under_the_copy_fails_it_and_the_process_lives(tmp_pa
     src = folder / "src.bin"
     src.write_bytes(os.urandom(_copy.DIRECT_MIN + 3 * _copy.COPY_CHUNK // 2 + 123))
     (folder / "out").mkdir()
-    r = subprocess.run([sys.executable, "-c", _CUT_SHORT, str(src), str(folder / "out")], capture_output=True,
-                       text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(SRC)))  # fmt: skip
+    r = run_python(["-c", _CUT_SHORT, str(src), str(folder / "out")], dict(os.environ, PYTHONPATH=str(SRC)), 120)
     assert r.returncode == 0, r.stderr[-3000:]  # -7 would be SIGBUS
     assert r.stdout.split() == ["OSError", "True", "[]"], r.stdout + r.stderr[-3000:]  # EFAULT; no file left
 

@@ -11,6 +11,7 @@ import errno
 import json
 import os
 import shutil
+import uuid
 from pathlib import Path
 
 import pytest
@@ -26,15 +27,48 @@ WORKER = Path(__file__).resolve().parent / "distributed_scripts" / "levels_worke
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
 
-@pytest.fixture
-def run(tmp_path, monkeypatch, mem):
-    config = {"mem": mem, "disk": str(tmp_path / "disk"), "per_node": 2, "replicas": 1, "every": [1, 3]}
+CONFIG = {"per_node": 2, "replicas": 1, "every": [1, 3]}
+
+
+def _launcher(workdir: Path, mem: str):
+    config = {**CONFIG, "mem": mem, "disk": str(workdir / "disk")}
 
     def go(scenario: str, world: int = 4, expect_dead: tuple[int, ...] = (), timeout: float = 240, **extra):
-        monkeypatch.setenv("LAZYCKPT_TEST_LEVELS", json.dumps({**config, **extra}))
-        return _launch.launch(WORKER, scenario, world, tmp_path, timeout=timeout, expect_dead=expect_dead)
+        env = {"LAZYCKPT_TEST_LEVELS": json.dumps({**config, **extra})}
+        return _launch.launch(WORKER, scenario, world, workdir, timeout=timeout, expect_dead=expect_dead, env=env)
 
     go.mem, go.disk = Path(mem), Path(config["disk"])  # type: ignore[attr-defined]
+    return go
+
+
+@pytest.fixture(scope="module")
+def replicated(tmp_path_factory):
+    """One run of ``replicate`` (4 ranks as 2 nodes, 5 steps), shared by the tests that start from
+    its result: (each rank's result, the launcher whose folders hold it). A test copies the folders
+    (``run.start_from``) before it wipes or corrupts anything."""
+    workdir = tmp_path_factory.mktemp("replicated")
+    mem = f"/dev/shm/lazyckpt-test-{uuid.uuid4().hex[:12]}"
+    go = _launcher(workdir, mem)
+    try:
+        yield go("replicate", steps=5), go
+    finally:
+        shutil.rmtree(mem, ignore_errors=True)
+
+
+@pytest.fixture
+def run(tmp_path, mem):
+    go = _launcher(tmp_path, mem)
+
+    def start_from(shared) -> list[dict]:
+        """This test's own copy of a shared run's memory and disk levels and state dumps; its results."""
+        results, source = shared
+        shutil.copytree(source.mem, go.mem, symlinks=True)
+        shutil.copytree(source.disk, go.disk, symlinks=True)
+        for dump in source.disk.parent.glob("dump-*.pt"):
+            shutil.copy2(dump, tmp_path / dump.name)
+        return results
+
+    go.start_from = start_from  # type: ignore[attr-defined]
     return go
 
 
@@ -43,12 +77,12 @@ def _wipe(folder: Path) -> None:
     folder.mkdir()  # a replaced node: the folder is there, empty
 
 
-def test_two_nodes_a_wiped_node_restarts_from_its_partners_replica_then_both_wiped_from_disk(run):
+def test_two_nodes_a_wiped_node_restarts_from_its_partners_replica_then_both_wiped_from_disk(run, replicated):
     """4 ranks as 2 nodes, 5 steps, memory keep 2 with replicas=1: each node holds the other's two
     newest steps; node 1 wiped: the restart agrees on step 5 everywhere, node 1's folder got it back
     from node 0's replica (ranks 2, 3 read their own node's folder), the state is exact. Both nodes
     wiped: step 3 from disk."""
-    results = run("replicate", steps=5)
+    results = run.start_from(replicated)
     for res in results:
         assert res["stats"]["steps"] == 5 and not res["stats"]["not_replicated"], res["stats"]
         assert res["stats"]["sent"] > 0 and res["stats"]["received"] > 0
@@ -91,11 +125,11 @@ def test_three_nodes_one_lost_restores_from_the_next_node_two_adjacent_lost_fall
     assert [(res["found"]["step"], res["found"]["level"]) for res in back] == [(3, 1)] * 6
 
 
-def test_a_flipped_byte_in_a_replica_is_skipped_with_a_warning_and_the_older_replica_used(run):
+def test_a_flipped_byte_in_a_replica_is_skipped_with_a_warning_and_the_older_replica_used(run, replicated):
     """Node 1 wiped; in node 0's replica of node 1's step 5 one byte of rank 3's file flipped: that
     step is not restored (its CRC32 is not the primary's), warned; step 4 (the older replica) is
     agreed on every rank and loads exactly."""
-    run("replicate", steps=5)
+    run.start_from(replicated)
     _flip_byte(run.mem / "node0" / "replicas" / "node-0001" / "step-00000005" / "__3_0.distcp")
     _wipe(run.mem / "node1")
     back = run("restart")
@@ -174,10 +208,10 @@ def test_replicas_where_no_peer_can_hold_them_are_refused_when_the_saver_is_buil
     assert not [t for t in set(threading.enumerate()) - before if t.name.startswith("lazyckpt") and t.is_alive()]
 
 
-def test_a_fresh_checkpointer_restores_the_wiped_node_in_its_own_latest(run):
+def test_a_fresh_checkpointer_restores_the_wiped_node_in_its_own_latest(run, replicated):
     """The restart asks ``DistributedCheckpointer.latest()`` first (its own replication group):
     node 1 wiped, step 5 agreed and loaded exactly on every rank."""
-    run("replicate", steps=5)
+    run.start_from(replicated)
     _wipe(run.mem / "node1")
     back = run("restart_checkpointer_first")
     assert [(res["found"]["step"], res["found"]["level"]) for res in back] == [(5, 0)] * 4

@@ -16,6 +16,7 @@ import psutil
 import pytest
 import torch
 
+import _launch
 import lazyckpt
 from _util import WriteGate, assert_same
 from lazyckpt import LazyCheckpointer, WriteError, verify
@@ -27,7 +28,9 @@ SCRIPTS = Path(__file__).parent / "scripts"
 def _env():
     return {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(Path(lazyckpt.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join(
+            [str(Path(lazyckpt.__file__).parents[1]), str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
+        ),
     }
 
 
@@ -35,14 +38,61 @@ def _final_files(d: Path) -> list[Path]:
     return sorted(p for p in d.iterdir() if not p.name.startswith("."))
 
 
-@pytest.mark.slow
+def _check_after_kill(folder: Path, newest: dict[str, int]) -> None:
+    """Every file at a final name is a complete checkpoint; every save reported durable is still there."""
+    for f in _final_files(folder):
+        assert zipfile.ZipFile(f).testzip() is None, f
+        assert verify(f).ok, verify(f).problems
+        state = torch.load(f)
+        assert set(state) == {"model", "optim", "step", "blob"}
+    for path, step in newest.items():
+        assert os.path.exists(path), f"{path} completed (step {step}) before the kill but is gone"
+        assert torch.load(path)["step"] >= step
+
+
+def _done_lines(text: str, newest: dict[str, int]) -> None:
+    for line in text.splitlines():
+        if line.startswith("DONE"):
+            _, path, step = line.split()
+            newest[path] = max(newest.get(path, -1), int(step))
+
+
+KILL_POINTS = ("create", "mid-write", "before-fsync", "after-rename")
+
+
+def test_sigkill_at_each_point_of_a_write(tmp_path):
+    """A process SIGKILLed at each point of a checkpoint's write (before the temporary is created,
+    halfway through a write, before the fsync, between the rename and the folder's fsync), on its
+    third file, while earlier files of the same names exist: every file at a final name is a
+    complete, valid checkpoint, every save reported durable survives, and the next writer cleans up
+    the temporaries. The children run side by side, each its own folder."""
+    folders = {p: tmp_path / p for p in KILL_POINTS}
+    children = {}
+    for point, folder in folders.items():
+        folder.mkdir()
+        children[point] = _launch.python([str(SCRIPTS / "crash_child.py"), str(folder), "0", point, "3"], _env())
+    for point, child in children.items():
+        out, _ = child.communicate(timeout=120)
+        assert child.returncode == -signal.SIGKILL and f"KILL {point}" in out, (point, child.returncode, out[-3000:])
+        newest: dict[str, int] = {}
+        _done_lines(out, newest)
+        assert newest, f"{point}: no save completed before the kill"
+        _check_after_kill(folders[point], newest)
+        # Leftover temporaries are never mistaken for checkpoints and are cleaned by the next writer.
+        with LazyCheckpointer() as c:
+            c.save({"x": 1}, folders[point] / "after.pt").wait()
+        assert not [p for p in folders[point].iterdir() if p.name.startswith(".")], point
+
+
+@pytest.mark.soak
 @pytest.mark.timeout(600)
 def test_sigkill_at_random_moments(tmp_path):
-    """20+ SIGKILLs mid-training: every file at a final name is a complete, valid checkpoint."""
-    rng = random.Random(20261129)
+    """Opt-in soak (-m soak): 20+ SIGKILLs at random moments mid-training: every file at a final name
+    is a complete, valid checkpoint. test_sigkill_at_each_point_of_a_write forces each window."""
+    rng = random.Random(int(os.environ.get("LAZYCKPT_SOAK_SEED", "20261129")))
     kills, start = 0, 0
     newest: dict[str, int] = {}  # final path -> newest completed step seen by the parent
-    while kills < 22:
+    while kills < int(os.environ.get("LAZYCKPT_SOAK_KILLS", "22")):
         child = subprocess.Popen(
             [sys.executable, str(SCRIPTS / "crash_child.py"), str(tmp_path), str(start)],
             stdout=subprocess.PIPE, text=True, env=_env(),
@@ -51,32 +101,16 @@ def test_sigkill_at_random_moments(tmp_path):
         assert child.stdout.readline().strip() == "READY"
         done_lines = rng.randint(0, 12)
         for _ in range(done_lines):  # let some saves complete, then kill at a random moment
-            line = child.stdout.readline()
-            if line.startswith("DONE"):
-                _, path, step = line.split()
-                newest[path] = max(newest.get(path, -1), int(step))
+            _done_lines(child.stdout.readline(), newest)
         threading.Event().wait(rng.uniform(0, 0.05))  # a random moment, not a wait for work
         child.send_signal(signal.SIGKILL)
-        rest = child.communicate()[0]
-        for line in rest.splitlines():  # completions printed before the kill landed
-            if line.startswith("DONE"):
-                _, path, step = line.split()
-                newest[path] = max(newest.get(path, -1), int(step))
+        _done_lines(child.communicate()[0], newest)  # completions printed before the kill landed
         kills += 1
         start += 1000
-        for f in _final_files(tmp_path):
-            assert zipfile.ZipFile(f).testzip() is None, f
-            assert verify(f).ok, verify(f).problems
-            state = torch.load(f)
-            assert set(state) == {"model", "optim", "step", "blob"}
-        for path, step in newest.items():
-            assert os.path.exists(path), f"{path} completed (step {step}) before the kill but is gone"
-            assert torch.load(path)["step"] >= step
-    # Leftover temporaries are never mistaken for checkpoints and are cleaned by the next writer.
+        _check_after_kill(tmp_path, newest)
     with LazyCheckpointer() as c:
         c.save({"x": 1}, tmp_path / "after.pt").wait()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
-    assert kills >= 20
 
 
 def _mount_tmpfs(path: Path, size: str, ro: bool = False) -> bool:
@@ -191,16 +225,12 @@ def test_bounded_resources_over_200_saves(tmp_path):
 
 @pytest.mark.parametrize("mode", ["exit", "sigint"])
 def test_exit_without_close_still_drains(tmp_path, mode):
-    res = subprocess.run(
-        [sys.executable, str(SCRIPTS / "exit_child.py"), str(tmp_path), mode],
-        capture_output=True,
-        text=True,
-        env=_env(),
-    )
+    child = _launch.python([str(SCRIPTS / "exit_child.py"), str(tmp_path), mode], _env())
+    out, _ = child.communicate(timeout=120)
     if mode == "sigint":
-        assert "KeyboardInterrupt" in res.stderr
+        assert "KeyboardInterrupt" in out
     else:
-        assert res.returncode == 0, res.stderr
+        assert child.returncode == 0, out
     files = _final_files(tmp_path)
     assert [f.name for f in files] == [f"ckpt-{i}.pt" for i in range(5)]
     for i, f in enumerate(files):

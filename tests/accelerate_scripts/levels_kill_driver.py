@@ -1,14 +1,16 @@
-"""Accelerate training with multi-level save_state, SIGKILLed at random points, restarted with load_latest.
+"""Accelerate training with multi-level save_state, SIGKILLed at forced points (or random ones),
+restarted with load_latest.
 
-Usage: levels_kill_driver.py MEM_DIR DISK_DIR EXPECT_DIR RESULTS KILLS SEED
+Usage: levels_kill_driver.py MEM_DIR DISK_DIR EXPECT_DIR RESULTS POINTS SEED
 
 The fork / SIGKILL / restart loop is the core's (``levels_scripts/kill_driver.py``, same arguments):
-it forks a training child KILLS times and SIGKILLs it after a random delay (a crash anywhere in a
-save, a copy, a retention), then a last child that only checks; here the child is an Accelerate
-training. Each child first checks what its predecessor left: ``load_latest`` must restore the newest
-step that some level holds as a folder that looks complete to stock readers (no pending marker,
-every stock file there, each read by safetensors / torch.load and equal to the state recorded for
-that step), and the state it restores must be that step's; then it trains on from there with a bare
+it forks a training child per kill point (each SIGKILLs itself at its point: halfway through a write
+of a memory-level file, halfway through the disk level's copy, between a rename and its folder's
+fsync), or KILLS times killed after a random delay, then a last child that only checks; here the
+child is an Accelerate training. Each child first checks what its predecessor left: ``load_latest``
+must restore the newest step that some level holds as a folder that looks complete to stock readers
+(no pending marker, every stock file there, each read by safetensors / torch.load and equal to the
+state recorded for that step), and the state it restores must be that step's; then it trains on from there with a bare
 ``save_state()`` after every step. The state at a step is deterministic (the data is seeded by the
 step), and its digest is written to EXPECT_DIR/<step> BEFORE ``save_state``, so every folder that can
 exist complete has its expected digest. Every third restart first wipes the memory level (a reboot),
@@ -81,9 +83,10 @@ def build():
 
 
 def restarts() -> int:
+    """The checks so far (RESULTS' lines that are not a kill point's)."""
     try:
         with open(results) as fh:
-            return sum(1 for _ in fh)
+            return sum(1 for line in fh if '"point"' not in line)
     except FileNotFoundError:
         return 0
 
@@ -106,8 +109,10 @@ def check():
     return acc, model, opt, handle
 
 
-def train(checked: int) -> None:
+def train(checked: int, point: str | None, nth: int) -> None:
     acc, model, opt, handle = check()
+    if point is not None:
+        K.arm(point, nth)
     os.write(checked, b"1")  # the driver's kill timer starts now (K.main)
     while True:
         step = handle.step

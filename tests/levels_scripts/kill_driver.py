@@ -1,9 +1,13 @@
-"""Multi-level saves SIGKILLed at random points, restarted from ``latest()``, checked each time.
+"""Multi-level saves SIGKILLed at forced points (or random ones), restarted from ``latest()``, checked each time.
 
-Usage: kill_driver.py MEM_DIR DISK_DIR EXPECT_DIR RESULTS KILLS SEED
+Usage: kill_driver.py MEM_DIR DISK_DIR EXPECT_DIR RESULTS POINTS SEED
 
-The driver imports torch once, then forks a training child KILLS times and SIGKILLs it after a
-random delay after its check (a crash at any point of a save, a copy, a retention). Each child first checks what
+POINTS is a comma-separated list of kill points (tests/_killpoints.py), one training child each: the
+child SIGKILLs itself the NTH time (NTH from SEED, 2-4) its saves reach that point (a forced window),
+after writing a ``point`` line to RESULTS. Or POINTS is a number, KILLS: KILLS children SIGKILLed by the
+driver after a random delay after their check (the opt-in soak: a crash at any moment).
+
+The driver imports torch once, then forks the training children. Each child first checks what
 its predecessor left: ``latest()`` must be the newest step that some level holds as a file that
 stock ``torch.load`` reads, and ``load(latest)`` must hash to the state dumped for that step; then
 it resumes from there and trains. The state at a step is deterministic (data seeded by the step),
@@ -20,16 +24,24 @@ import random
 import select
 import signal
 import sys
+import threading
 import time
 import traceback
 
 import torch
 
+import _killpoints
 import lazyckpt
 from lazyckpt import LazyCheckpointer, Level
 
-mem, disk, expect_dir, results, kills, seed = sys.argv[1:7]
+mem, disk, expect_dir, results, points, seed = sys.argv[1:7]
 LEVELS = [Level(mem, every=1, keep=2), Level(disk, every=3, keep=2)]
+
+
+def arm(point: str, nth: int) -> None:
+    """SIGKILL this process the ``nth`` time a save reaches ``point`` (tests/_killpoints.py), after a
+    line in RESULTS."""
+    _killpoints.arm(point, nth, lambda: record({"point": point, "nth": nth}), mem=mem, disk=disk)
 
 
 def digest(state: dict) -> str:
@@ -102,8 +114,10 @@ def check() -> tuple[torch.nn.Module, torch.optim.Optimizer, int]:
     return model, opt, start
 
 
-def train(checked: int) -> None:
+def train(checked: int, point: str | None, nth: int) -> None:
     model, opt, step = check()
+    if point is not None:
+        arm(point, nth)
     os.write(checked, b"1")  # the driver's kill timer starts now: every child checks before it dies
     with LazyCheckpointer(levels=LEVELS) as ckpt:
         while True:
@@ -129,12 +143,15 @@ def main() -> None:
     opt = torch.optim.Adam(warm.parameters())
     warm(torch.ones(1, 2)).sum().backward()
     opt.step()
-    for _ in range(int(kills)):
+    forced = [] if points.isdigit() else points.split(",")
+    for i in range(len(forced) or int(points)):
+        point = forced[i] if forced else None
+        nth = rng.randint(2, 4)
         checked_r, checked_w = os.pipe()
         pid = os.fork()
         if pid == 0:
             try:
-                train(checked_w)
+                train(checked_w, point, nth)
             except BaseException:
                 traceback.print_exc()
             finally:
@@ -142,8 +159,21 @@ def main() -> None:
         os.close(checked_w)
         select.select([checked_r], [], [], 120)  # its check done (or it died: EOF), bounded
         os.close(checked_r)
-        time.sleep(rng.uniform(0.2, 0.9))  # the kill point: anywhere in the child's training and saves
-        os.kill(pid, signal.SIGKILL)
+        if point is None:
+            time.sleep(rng.uniform(0.2, 0.9))  # the kill point: anywhere in the child's training and saves
+            os.kill(pid, signal.SIGKILL)
+        else:  # it kills itself at the point; bounded: a point never reached is killed and reported
+
+            def not_reached(pid: int = pid, point: str = point, nth: int = nth) -> None:
+                record({"point": point, "nth": nth, "reached": False})
+                os.kill(pid, signal.SIGKILL)
+
+            timer = threading.Timer(120, not_reached)
+            timer.start()
+            os.waitpid(pid, 0)
+            timer.cancel()
+            timer.join()  # no thread of the driver's is alive at the next fork
+            continue
         os.waitpid(pid, 0)
     pid = os.fork()
     if pid == 0:
