@@ -109,6 +109,7 @@ class Forked:
         self.pid, self.returncode = 0, None
         self._conn, self._replies = conn, b""
         self._pipes = {fd: bytearray() for fd in (out_fd, err_fd) if fd >= 0}
+        self._open = set(self._pipes)  # pipes not yet at EOF (and not closed)
         self._out_fd, self._err_fd = out_fd, err_fd
 
     def _line(self, timeout: float | None) -> str:
@@ -133,10 +134,9 @@ class Forked:
         """Its output until EOF (it and every process it started closed the pipes), then its exit code:
         (stdout, stderr), stderr None where it went to stdout."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        open_fds = [fd for fd in self._pipes if fd >= 0 and not getattr(self, f"_eof_{fd}", False)]
-        while open_fds:
+        while self._open:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready, _, _ = select.select(open_fds, [], [], left)
+            ready, _, _ = select.select(list(self._open), [], [], left)
             if not ready:
                 raise subprocess.TimeoutExpired(str(self.pid), timeout or 0)
             for fd in ready:
@@ -145,8 +145,7 @@ class Forked:
                     self._pipes[fd] += chunk
                 else:
                     os.close(fd)
-                    setattr(self, f"_eof_{fd}", True)
-                    open_fds.remove(fd)
+                    self._open.discard(fd)
         self._status(None if deadline is None else max(0.01, deadline - time.monotonic()))
         out = self._pipes[self._out_fd].decode(errors="replace")
         err = self._pipes[self._err_fd].decode(errors="replace") if self._err_fd >= 0 else None
@@ -175,12 +174,11 @@ class Forked:
         self.send_signal(signal.SIGKILL)
 
     def __del__(self) -> None:
-        for fd in getattr(self, "_pipes", {}):
-            if not getattr(self, f"_eof_{fd}", False):
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+        for fd in getattr(self, "_open", ()):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
 
 _zygote: _Zygote | None = None
