@@ -5,15 +5,36 @@ import threading
 import pytest
 import torch
 
+SLOW_S = 20.0  # a test past this many seconds (setup + call + teardown) carries @pytest.mark.slow(reason=...)
+_durations: dict[str, float] = {}
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     soak = "soak" in (config.option.markexpr or "")
     gpu = torch.cuda.is_available()
+    unexplained = [i.nodeid for i in items for m in i.iter_markers("slow") if not m.kwargs.get("reason")]
+    if unexplained:
+        raise pytest.UsageError(f"@pytest.mark.slow needs reason='...' (why it takes its time): {unexplained}")
     for item in items:
         if "gpu" in item.keywords and not gpu:
             item.add_marker(pytest.mark.skip(reason="needs CUDA"))
         if "soak" in item.keywords and not soak:
             item.add_marker(pytest.mark.skip(reason="opt-in soak: run with -m soak"))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if "slow" not in report.keywords:  # keywords travel with the report from xdist workers
+        _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
+    """Name the tests that took longer than SLOW_S without the slow marker (xdist workers' reports
+    reach the controller's hook too)."""
+    over = sorted((s, n) for n, s in _durations.items() if s > SLOW_S)
+    if over:
+        terminalreporter.write_sep("-", f"slower than {SLOW_S:.0f} s without @pytest.mark.slow")
+        for s, n in reversed(over):
+            terminalreporter.write_line(f"{s:7.1f} s  {n}")
 
 
 @pytest.fixture

@@ -492,6 +492,7 @@ def _launch(script, *args, timeout=300):
     return r
 
 
+@pytest.mark.slow(reason="two Accelerate processes train, save every step to two levels, then restore from each")
 def test_two_processes_save_one_folder_per_step_and_restore_from_either_level(tmp_path, mem):
     disk = tmp_path / "disk"
     _launch("mp_levels.py", "train", mem, disk, tmp_path)

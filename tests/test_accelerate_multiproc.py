@@ -39,6 +39,7 @@ def _run(cmd, timeout=240):
     return r
 
 
+@pytest.mark.slow(reason="two Accelerate processes save, two more restore with stock")
 def test_two_processes_lazy_save_then_stock_restore(tmp_path):
     launch = [
         sys.executable,

@@ -83,6 +83,7 @@ def _assert_restored(back: list[dict], run, step: int, level: int, skipped: str 
         assert all(skipped and skipped in w for w in res["warnings"]), (r, res["warnings"])
 
 
+@pytest.mark.slow(reason="multi-process Accelerate runs over simulated nodes, one wiped, then resumed")
 def test_main_process_folders_reach_the_next_node_and_a_wiped_node_gets_them_back(run):
     """4 processes, 2 nodes: 5 steps saved. Node 1's folder holds steps 4 and 5, byte-identical to node 0's
     (every process's RNG file in each); the disk holds steps 2 and 4; no temporary file anywhere. Node 1
@@ -117,6 +118,7 @@ def test_main_process_folders_reach_the_next_node_and_a_wiped_node_gets_them_bac
     _assert_restored(back, run, 4, 1)
 
 
+@pytest.mark.slow(reason="three simulated nodes of Accelerate processes, node zero wiped, then resumed")
 def test_three_nodes_node_zero_lost_every_node_gets_the_newest_step(run):
     """6 processes as 3 nodes, ``replicas=1``: node 0 writes, node 1 holds the copies, node 2 none. Node 0
     wiped: every node ends with step 5 in its own folder (nodes 0 and 2 receive it) and every process loads
@@ -163,6 +165,7 @@ def test_an_rng_file_missing_from_another_node_fails_the_step_and_its_folder_is_
     assert back[0]["warnings"], back[0]  # node 0's processes saw step 3 and skipped it
 
 
+@pytest.mark.slow(reason="multi-process Accelerate run with one process SIGKILLed")
 def test_a_node_killed_before_sending_its_rng_files_ends_the_main_process_wait_within_seconds(run):
     """Node 1's processes are SIGKILLed at step 3 as they would send their RNG files (forced in
     ``Nodes.post``): node 0's processes stop training with their collective's error (unless they were

@@ -8,6 +8,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 from benchmarks import bench_core, bench_levels, bench_paired, gpt, probe_copy, probe_tmpfs
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "lazyckpt"
@@ -51,6 +53,7 @@ def test_storage_floor_splits_the_final_drain_from_the_per_checkpoint_part():
     assert floor_parts(3.0, 2.0, 5) == (3.0, 0.8) and abs(storage_floor(3.0, 2.0, 5) - 1.4) < 1e-12
 
 
+@pytest.mark.slow(reason="the levels benchmark's smoke run: every mode trains, then resumes from each level")
 def test_bench_levels_trains_every_mode_and_resumes_from_each_level(tmp_path, capsys):
     """All training modes in one run (tiny), then two resume cases in fresh processes; the report
     prints the steady stall apart from the drain, the ratios, the disk's own write, the resume table."""

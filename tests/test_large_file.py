@@ -9,7 +9,7 @@ import torch
 
 from lazyckpt import LazyCheckpointer, verify
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow(reason="past-4-GiB and 2-GiB files written, fsynced and read back")
 
 _BIG = (4 << 30) + (64 << 20)  # past 4 GiB: the record's size and the next record's offset need zip64
 _STEP = 256 << 20

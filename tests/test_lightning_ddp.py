@@ -44,6 +44,7 @@ def _check(tmp_path: Any, reports: list[dict[str, Any]]) -> None:
         assert_same(load(str(tmp_path / "expected" / name)), load(str(tmp_path / "ck" / name)), name)
 
 
+@pytest.mark.slow(reason="a two-process Lightning DDP fit, stock and lazy")
 @pytest.mark.timeout(300)
 def test_ddp_two_gloo_processes(tmp_path: Any) -> None:
     _check(tmp_path, _run(tmp_path, "ddp"))

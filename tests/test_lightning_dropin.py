@@ -147,6 +147,7 @@ def test_save_on_exception_raises_the_user_error_and_leaves_the_checkpoint(tmp_p
 # -- item 3: ddp_spawn ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow(reason="Lightning's ddp_spawn starts two fresh interpreters (spawn, not fork)")
 @pytest.mark.timeout(240)
 def test_ddp_spawn_two_gloo_processes_returns_with_the_result(tmp_path: Any) -> None:
     proc, report = run_script("spawn", tmp_path, timeout=200)
@@ -159,6 +160,7 @@ def test_ddp_spawn_two_gloo_processes_returns_with_the_result(tmp_path: Any) -> 
 # -- item 6: threads and exit ----------------------------------------------------------------------
 
 
+@pytest.mark.slow(reason="a Lightning fit in a child process, interrupted by SIGINT")
 @pytest.mark.timeout(150)
 def test_sigint_during_fit_exits_with_the_saves_complete(tmp_path: Any) -> None:
     proc, report = run_script("sigint", tmp_path, timeout=120)
@@ -172,6 +174,7 @@ def test_sigint_during_fit_exits_with_the_saves_complete(tmp_path: Any) -> None:
     assert report["threads"] == []
 
 
+@pytest.mark.slow(reason="a Lightning fit and a load in child processes")
 @pytest.mark.timeout(150)
 def test_a_trainer_that_only_loads_starts_no_thread(tmp_path: Any) -> None:
     proc, report = run_script("load_only", tmp_path, timeout=120)

@@ -311,6 +311,7 @@ class _TeardownSignal(LazyCheckpointIO):
         super().teardown()
 
 
+@pytest.mark.slow(reason="a Lightning fit in a child process whose level copy is held until teardown must drain it")
 def test_teardown_drains_a_level_copy_still_running_and_raises_its_error(mem, tmp_path, monkeypatch):
     """The last disk copy is held until teardown has begun, then fails: fit() must raise it (the
     plugin drains its level savers before closing them; without that the error is lost)."""
@@ -399,6 +400,7 @@ def _run_script(args: list[str], timeout: float) -> subprocess.CompletedProcess[
     return run_session(args, timeout, rank_env({"PYTHONPATH": os.path.dirname(TESTS)}, drop=("LOCAL_RANK",)))
 
 
+@pytest.mark.slow(reason="a loop of Lightning fits in child processes, each SIGKILLed, then resumed to the end")
 @pytest.mark.timeout(400)
 def test_sigkilled_fits_resume_from_latest_and_end_as_an_uninterrupted_run(mem, tmp_path):
     """10 Lightning fits SIGKILLed at random points (a memory-level wipe after every 4th), each
@@ -423,6 +425,7 @@ def _ddp(tmp_path: Any, mode: str) -> tuple[subprocess.CompletedProcess[str], li
     return proc, reports
 
 
+@pytest.mark.slow(reason="two-process Lightning DDP fit, then a second fit resuming from it")
 @pytest.mark.timeout(300)
 def test_ddp_two_processes_resume_exactly_with_model_checkpoint(tmp_path):
     proc, (rank0, rank1) = _ddp(tmp_path, "resume")
@@ -435,6 +438,7 @@ def test_ddp_two_processes_resume_exactly_with_model_checkpoint(tmp_path):
     assert sorted(os.listdir(tmp_path / "mc")) == ["epoch=1-step=8.ckpt", "epoch=2-step=10.ckpt", "last.ckpt"]
 
 
+@pytest.mark.slow(reason="a two-process Lightning DDP fit with a failing level")
 @pytest.mark.timeout(300)
 def test_ddp_level_error_is_raised_on_every_rank_at_once(tmp_path):
     proc, reports = _ddp(tmp_path, "enospc")
@@ -445,6 +449,7 @@ def test_ddp_level_error_is_raised_on_every_rank_at_once(tmp_path):
     assert os.listdir(tmp_path / "disk") == []
 
 
+@pytest.mark.slow(reason="two-process Lightning DDP fit with replicas, a node's memory wiped, then a resumed fit")
 @pytest.mark.timeout(420)
 def test_ddp_with_replicas_a_lost_nodes_memory_comes_back_from_the_other_node(tmp_path):
     """Issue 37 items 3-4 through Lightning DDP (rank 0 alone writes single-file checkpoints): 2 ranks
@@ -474,6 +479,7 @@ def test_ddp_with_replicas_a_lost_nodes_memory_comes_back_from_the_other_node(tm
     assert all(r["found"] == [9, 1] and r["digest"] == reference for r in again), again
 
 
+@pytest.mark.slow(reason="two-process Lightning DDP fits (save, wipe, resume)")
 def test_ddp_resume_true_restores_a_lost_node_when_lightning_makes_the_process_group(tmp_path):
     """No process group before ``fit`` (Lightning makes it, as under its own launcher or SLURM):
     ``MultiLevelCheckpoint(levels, resume=True)`` agrees on the step at setup (collective), node 0's
@@ -496,6 +502,7 @@ def test_ddp_resume_true_restores_a_lost_node_when_lightning_makes_the_process_g
     assert all(r["found"] == [9, 1] and r["digest"] == reference for r in again), again
 
 
+@pytest.mark.slow(reason="two-process Lightning DDP fits (save, wipe, resume)")
 def test_ddp_resume_true_without_replicas_agrees_on_a_step_every_rank_can_load(tmp_path):
     """Node-local memory without replicas: rank 0's node holds steps 4 and 5, node 1's memory
     nothing. ``resume=True`` makes the ranks agree (collective ``latest``): both resume from the disk

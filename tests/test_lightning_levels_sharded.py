@@ -66,6 +66,7 @@ def _same_as_stock(folder: Any, stock: Any, tmp: Any) -> None:
         assert_same(meta[key], stock_meta[key], f"{folder}/meta.pt[{key}]")
 
 
+@pytest.mark.slow(reason="two-process ModelParallelStrategy fits over levels, then resumes")
 @pytest.mark.timeout(900)
 def test_model_parallel_levels_are_stock_folders_and_resume_from_latest(tmp_path):
     """Stock runs first (the reference), then: a fit with a memory level every step and a disk level
@@ -103,6 +104,7 @@ def test_model_parallel_levels_are_stock_folders_and_resume_from_latest(tmp_path
     assert not [n for level in (mem, disk) for n in os.listdir(level) if n.startswith(".")]  # no staging left
 
 
+@pytest.mark.slow(reason="a two-process ModelParallelStrategy fit with a full level")
 @pytest.mark.timeout(300)
 def test_model_parallel_enospc_on_one_rank_fails_fit_on_both_with_the_level_error(tmp_path):
     """Rank 1's disk level is full: the disk level's save fails on both ranks alike
@@ -121,6 +123,7 @@ def test_model_parallel_enospc_on_one_rank_fails_fit_on_both_with_the_level_erro
     assert len(_steps(tmp_path / "mem")) == 2
 
 
+@pytest.mark.slow(reason="two-process ModelParallelStrategy fits with replicas")
 @pytest.mark.timeout(600)
 def test_model_parallel_levels_with_replicas_hold_each_nodes_steps_in_the_others_memory(tmp_path):
     """Each of the 2 ranks stands for a node (its own memory folder), ``Level(..., replicas=1)``

@@ -79,6 +79,7 @@ def _meta(folder: str) -> dict[str, Any]:
     return torch.load(os.path.join(folder, "meta.pt"), weights_only=False)
 
 
+@pytest.mark.slow(reason="two-process ModelParallelStrategy fits (stock, lazy, resume)")
 @pytest.mark.timeout(300)
 def test_model_parallel_lazy_equals_stock_and_resumes(tmp_path: Any) -> None:
     codes = _run(tmp_path, "fit")
@@ -120,6 +121,7 @@ def test_model_parallel_lazy_equals_stock_and_resumes(tmp_path: Any) -> None:
     assert not [n for n in os.listdir(tmp_path / "lazy") if n.startswith(".")]  # no staging left over
 
 
+@pytest.mark.slow(reason="a two-process ModelParallelStrategy fit with a failing write")
 @pytest.mark.timeout(300)
 def test_model_parallel_write_error_on_one_rank_reaches_fit_on_every_rank(tmp_path: Any) -> None:
     codes = _run(tmp_path, "fault")
@@ -131,6 +133,7 @@ def test_model_parallel_write_error_on_one_rank_reaches_fit_on_every_rank(tmp_pa
     assert [n for n in os.listdir(tmp_path / "fault") if not n.startswith(".")] == []  # nothing committed
 
 
+@pytest.mark.slow(reason="two-process ModelParallelStrategy fits, one with a crashed rank")
 @pytest.mark.timeout(300)
 def test_model_parallel_pending_delete_and_rank_crash(tmp_path: Any) -> None:
     """A delete of a folder whose save is pending (forced: no rank has stepped since the save)
@@ -182,6 +185,7 @@ def s3_dir(tmp_path: Any, monkeypatch: Any) -> Any:
         s3fs.S3FileSystem.clear_instance_cache()
 
 
+@pytest.mark.slow(reason="a two-process ModelParallelStrategy fit to a real S3 server")
 @pytest.mark.timeout(300)
 def test_model_parallel_model_checkpoint_to_s3(tmp_path: Any, s3_dir: Any) -> None:
     """ModelCheckpoint(dirpath="s3://...") with ModelParallelStrategy and LazyCheckpointIO: the

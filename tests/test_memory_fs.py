@@ -144,6 +144,7 @@ def _max_concurrent_writes(folder: str, monkeypatch: pytest.MonkeyPatch) -> int:
     return most[0]
 
 
+@pytest.mark.slow(reason="two processes contend for one memory-filesystem file")
 def test_a_memory_filesystem_file_has_one_writer_at_a_time(shm, monkeypatch):
     """The kernel serialises writes to one tmpfs file; parallel writers only spin on its lock and
     take CPU from the training (4 writers: 2x the CPU of 1 for a 1.17 GB file here)."""

@@ -107,6 +107,7 @@ def test_two_nodes_a_wiped_node_restarts_from_its_partners_replica_then_both_wip
         assert res["found"]["step"] == 3 and res["found"]["level"] == 1, res["found"]
 
 
+@pytest.mark.slow(reason="three simulated nodes of gloo processes, run three times (one lost, two lost)")
 def test_three_nodes_one_lost_restores_from_the_next_node_two_adjacent_lost_fall_to_disk(run):
     """6 ranks as 3 nodes (an odd count: a ring, not pairs), replicas=1. Node 1 wiped: step 5 from
     node 2's replica. Then nodes 1 and 2 wiped (node 1's only replica was on node 2): the disk
@@ -232,6 +233,7 @@ def test_a_primary_corrupted_after_its_commit_is_not_replicated(run):
     assert not any("node-0000/step-00000002/__0_0.distcp" in p for p in results[2]["tree"]), results[2]["tree"]
 
 
+@pytest.mark.slow(reason="gloo processes wait out one replication timeout")
 def test_a_partner_whose_replication_is_dead_costs_one_timeout_and_a_warning_training_goes_on(run):
     """Rank 2 trains but its replicator takes no part: rank 0 (which sends to and receives from it)
     fails its first round at the replication group's timeout (10 s here), then records every step

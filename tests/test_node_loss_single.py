@@ -74,6 +74,7 @@ def test_rank_zeros_files_reach_the_next_node_and_a_wiped_node_gets_them_back(ru
     assert [(res["found"]["step"], res["found"]["level"]) for res in back] == [(3, 1)] * 4, back
 
 
+@pytest.mark.slow(reason="three simulated nodes of gloo processes, saved, two wiped, restored")
 def test_three_nodes_with_two_replicas_two_nodes_lost_come_back_from_the_third(run):
     """6 ranks as 3 nodes, ``replicas=2``: rank 0's steps are held by both other nodes (each its
     own copy, received once). Nodes 0 and 1 wiped: node 2 sends step 5 back to both, every rank

@@ -202,7 +202,7 @@ def test_skip_policy_keeps_staged_saves(tmp_path, monkeypatch):
     assert [p.name for p in _final_files(tmp_path)] == ["0.pt"]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="200 saves in a row, watching memory and open files")
 @pytest.mark.timeout(600)
 def test_bounded_resources_over_200_saves(tmp_path):
     proc = psutil.Process()
@@ -250,6 +250,7 @@ def test_keyboard_interrupt_in_loop_keeps_pending_saves(tmp_path):
     assert [torch.load(tmp_path / f"{i}.pt")["i"] for i in range(3)] == [0, 1, 2]
 
 
+@pytest.mark.slow(reason="100,000 tensors saved and read back one by one")
 def test_many_tiny_tensors(tmp_path):
     obj = {f"t{i}": torch.full((3,), float(i)) for i in range(100_000)}
     with LazyCheckpointer() as c:
@@ -259,7 +260,7 @@ def test_many_tiny_tensors(tmp_path):
     assert zipfile.ZipFile(tmp_path / "tiny.pt").testzip() is None
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="a 2 GiB tensor written and read back")
 @pytest.mark.timeout(600)
 def test_tensor_over_2gib(tmp_path):
     big = torch.empty((2 << 30) + 4096, dtype=torch.uint8)

@@ -382,6 +382,7 @@ def _kill_rounds(tmp_path: Path, lazy: bool, rounds: int) -> tuple[list[str], in
     return problems, mid_save
 
 
+@pytest.mark.slow(reason="transformers Trainer runs in child processes, each SIGKILLed mid-save, then resumed")
 def test_sigkill_mid_save_never_leaves_a_partial_highest_folder(tmp_path: Path) -> None:
     problems, mid_save = _kill_rounds(tmp_path, lazy=True, rounds=4)
     assert not problems, problems
@@ -411,6 +412,7 @@ def _torchrun(out: Path, lazy: bool) -> None:
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
 
 
+@pytest.mark.slow(reason="two DDP Trainer runs (stock and lazy), two gloo processes each")
 def test_ddp_two_processes_write_what_stock_writes(tmp_path: Path) -> None:
     out = tmp_path / "out"
     _torchrun(out, lazy=False)
