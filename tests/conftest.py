@@ -97,6 +97,16 @@ def _no_leaked_threads():
         pytest.fail(f"lazyckpt threads left running: {sorted(set(leaked))}")
 
 
+@pytest.fixture(autouse=True)
+def _not_left_inside_lazyckpt():
+    """No lazyckpt lock or wait may leave this thread counted as inside lazyckpt (``core/reentry.py``):
+    every later save would then be written synchronously."""
+    from lazyckpt.core import reentry
+
+    yield
+    assert reentry.depth() == 0, f"this thread is left {reentry.depth()} deep inside lazyckpt"
+
+
 @pytest.fixture
 def mem():
     """A memory level's folder on /dev/shm (tmpfs), removed afterwards."""

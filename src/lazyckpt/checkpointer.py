@@ -13,9 +13,10 @@ import torch
 
 from lazyckpt.core import exit as _exit
 from lazyckpt.core import guard as _guard
+from lazyckpt.core import reentry
 from lazyckpt.core.backpressure import BackpressureGate, skipped_handle
 from lazyckpt.core.engine import Engine
-from lazyckpt.core.handle import SaveHandle
+from lazyckpt.core.handle import SaveHandle, SaveStats, done_handle
 from lazyckpt.core.job import Job
 from lazyckpt.core.pending import PendingSaves
 from lazyckpt.core.plan import SavePlan
@@ -160,12 +161,50 @@ class LazyCheckpointer(_exit.ClosedOnExit):
         With ``levels=[...]`` at construction, ``save(obj, step=n)`` (no path) saves to every level
         due at ``n`` and returns one handle, done once each has its copy (``lazyckpt.levels``).
         """
-        if path is None or step is not None:
-            return self._save_step(obj, path, step, format, metadata, before_commit)
+        if reentry.reentered():  # a signal handler interrupted this thread inside lazyckpt
+            return self._save_now(obj, path, format, metadata, before_commit, step)
+        with reentry.inside():
+            if path is None or step is not None:
+                return self._save_step(obj, path, step, format, metadata, before_commit)
+            t0 = time.perf_counter()
+            if _remote.is_url(path):
+                return self._save_url(obj, str(path), t0, format=format, metadata=metadata, before_commit=before_commit)
+            return self._save_file(obj, path, t0, format, metadata, before_commit)
+
+    def supersede_into(self, folder: str) -> None:
+        """Internal (a re-entered integration save, ``core/reentry.py``): every pending save of a file in
+        ``folder`` discards its file instead of renaming it, since stock is writing that folder now."""
+        inside = folder.rstrip(os.sep) + os.sep
+        jobs = [j for j in self._pending.jobs_snapshot() if j.path.startswith(inside)]
+        for path in {j.path for j in jobs}:
+            self._engine.supersede(path, jobs)
+
+    def _save_now(
+        self, obj: Any, path: Any, format: Format, metadata: dict[str, str] | None, before_commit: Any, step: Any
+    ) -> SaveHandle:
+        """``save()`` from a signal handler that interrupted this thread inside lazyckpt (``core/reentry.py``):
+        the file is written here, durable at ``path`` when this returns (the handle is done), with no lock
+        of lazyckpt taken and no shared state changed but one: a pending save to the same path is
+        superseded (the last save wins, as with stock ``torch.save``)."""
         t0 = time.perf_counter()
-        if _remote.is_url(path):
-            return self._save_url(obj, str(path), t0, format=format, metadata=metadata, before_commit=before_commit)
-        return self._save_file(obj, path, t0, format, metadata, before_commit)
+        if path is None or step is not None or _remote.is_url(path):
+            raise SaveRefusedError(
+                "lazyckpt: a save from a signal handler that interrupted lazyckpt is written at once, to a local "
+                "file path; a URL or a levels step cannot be (set a flag in the handler and save from the loop)"
+            )
+        self._check_open()
+        final = _fs.final_path(path)
+        tmp, size = reentry.write_temporary(obj, final, format, metadata, self.fsync)
+        try:
+            if before_commit is not None:
+                before_commit()
+            self._engine.supersede(final, self._pending.jobs_snapshot())
+            _fs.commit(tmp, final, self.fsync)
+        except BaseException:
+            _fs.discard(tmp)
+            raise
+        now = time.perf_counter() - t0
+        return done_handle(SaveStats(final, 0, size, now, now, now, now, 0.0, 0.0))
 
     def _save_step(
         self, obj: Any, path: Any, step: int | None, format: str, metadata: Any, before_commit: Any
@@ -218,6 +257,7 @@ class LazyCheckpointer(_exit.ClosedOnExit):
         job.t_returned = time.perf_counter()
         return job.handle
 
+    @reentry.region
     def wait(self, timeout: float | None = None) -> None:
         """Block until every save made so far is durable and every ``remove()`` has run, then raise
         the oldest background error nobody has seen (see ``raise_errors``). ``timeout``: seconds
@@ -285,11 +325,13 @@ class LazyCheckpointer(_exit.ClosedOnExit):
         trash = None if trash_dir is None else os.path.abspath(os.fspath(trash_dir))
         return self._pending.remove(os.path.abspath(os.fspath(path)), trash)
 
+    @reentry.region
     def wait_staged(self, timeout: float | None = None) -> None:
         """Block until every pending save's host copies are done (saved tensors may change)."""
         for job in self._pending.jobs():
             job.handle.wait_staged(timeout)
 
+    @reentry.region
     def wait_path(self, path: str | os.PathLike[str], timeout: float | None = None) -> None:
         """Block until every pending save to ``path`` is durable; raise its error if it failed."""
         handles: list[SaveHandle]
@@ -326,6 +368,7 @@ class LazyCheckpointer(_exit.ClosedOnExit):
         """
         _guard.freeze(*tensors)
 
+    @reentry.region
     def close(self) -> None:
         """Drain every pending save and removal, stop the threads, free the buffers; raise any unseen
         error. May be called from a done-callback (the callback thread then ends after it)."""

@@ -32,6 +32,7 @@ from lazyckpt.accelerate import _compat
 from lazyckpt.checkpointer import producer_of
 from lazyckpt.commit import remote_folder as _remote_folder
 from lazyckpt.commit.folder import FolderSave
+from lazyckpt.core import reentry
 from lazyckpt.core.handle import Completion
 
 if TYPE_CHECKING:
@@ -89,7 +90,7 @@ class SaveStateCall:
         self._scan_folder = False
         self._aborted = False
         self._remaining = 0
-        self._lock = threading.Lock()
+        self._lock = reentry.Lock()
 
     @property
     def handles(self) -> list[SaveHandle]:
@@ -233,7 +234,7 @@ class SaveStateCalls:
     """One handle's ``save_state`` calls still pending, or failed (kept for ``load_state``'s messages)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = reentry.Lock()
         self._calls: list[SaveStateCall] = []
 
     def add(self, call: SaveStateCall) -> None:

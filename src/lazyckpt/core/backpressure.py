@@ -8,12 +8,12 @@ numbers a user needs to act (bytes pending, the bound, seconds waited, saves ski
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import warnings
 from typing import Any
 
-from lazyckpt.core.handle import Completion, SaveHandle, SaveStats
+from lazyckpt.core import reentry
+from lazyckpt.core.handle import SaveHandle, SaveStats, done_handle
 from lazyckpt.core.pool import HostBufferPool
 from lazyckpt.errors import BackpressureWarning
 from lazyckpt.storage import remote as _remote
@@ -28,7 +28,7 @@ class BackpressureGate:
         self.pool = pool
         self.skip = skip  # on_backpressure == "skip"
         self.skipped = 0
-        self._lock = threading.Lock()
+        self._lock = reentry.Lock()
         self._last_warning = 0.0
 
     def should_skip(self, pending: int, nbytes: int, final: str) -> bool:
@@ -90,6 +90,4 @@ class BackpressureGate:
 
 def skipped_handle(final: str, t0: float) -> SaveHandle:
     """The finished handle of a skipped save (its stats say ``skipped``)."""
-    completion = Completion(final)
-    completion.finish(SaveStats(final, 0, 0, time.perf_counter() - t0, 0.0, 0.0, 0.0, 0.0, 0.0, skipped=True), None)
-    return completion.handle
+    return done_handle(SaveStats(final, 0, 0, time.perf_counter() - t0, 0.0, 0.0, 0.0, 0.0, 0.0, skipped=True))

@@ -14,9 +14,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import torch
 
+from lazyckpt.core import reentry
 from lazyckpt.core.capture import Source
 from lazyckpt.core.handle import CallbackRunner
 from lazyckpt.core.job import FileState, Job, Piece, PieceState, Stage, WriteFrom
@@ -74,6 +76,24 @@ def _item_failed(item: Job | Piece, exc: BaseException) -> None:
     job.fail(write_error(job, "processing", exc))
 
 
+class _Call:
+    """A function for a writer thread (``Engine.run``) and the future of its result."""
+
+    def __init__(self, fn: Callable[[], object]) -> None:
+        self.fn = fn
+        self.future: Future = Future()
+
+    def __call__(self) -> None:
+        if not self.future.set_running_or_notify_cancel():
+            return
+        try:
+            result = self.fn()
+        except BaseException as exc:  # noqa: BLE001 - the future carries it
+            self.future.set_exception(exc)
+        else:
+            self.future.set_result(result)
+
+
 def _new_event() -> torch.cuda.Event:
     """Blocking events: a writer or the stager waiting in ``synchronize()`` sleeps instead of
     spinning a CPU core for the whole device-to-host copy (the default, ``blocking=False``, spins)."""
@@ -87,7 +107,7 @@ class Engine:
         self._on_done = on_done
         self._copy_streams: dict[torch.device, torch.cuda.Stream] = {}
         self._stager: Worker[Job] = Worker("lazyckpt-stager", self._stage, on_error=_item_failed)
-        self._writers: Worker[Piece | Job] = Worker(
+        self._writers: Worker[Piece | Job | _Call] = Worker(
             "lazyckpt-writer", self._write_item, threads=writer_threads, numbered=True, on_error=_item_failed
         )
         # A memory filesystem's files (``Job.serial``) get ONE writer thread of their own: the kernel
@@ -95,11 +115,11 @@ class Engine:
         # pieces, all but one of them only woke, took the GIL and slept on the job's lock, again and
         # again: beside a training thread (one spare core) that cost it 0.03 s per step waiting for
         # a core and ~0.1 s per 1.2 GB checkpoint in all; with one writer, nothing measurable.
-        self._serial_writer: Worker[Piece | Job] = Worker(
+        self._serial_writer: Worker[Piece | Job | _Call] = Worker(
             "lazyckpt-writer-memory", self._write_item, lazy=True, on_error=_item_failed
         )
         self._committer: Worker[Job] = Worker("lazyckpt-committer", self._commit_one)
-        self._order_lock = threading.Lock()
+        self._order_lock = reentry.Lock()
         self._uncommitted: list[Job] = []  # in the committer's order (``ahead``)
         self._stopped = False
         self.callbacks = CallbackRunner()  # done-callbacks: never on the committer (they may wait)
@@ -335,7 +355,19 @@ class Engine:
 
     # -- writing ----------------------------------------------------------------------------------
 
-    def _write_item(self, item: Piece | Job) -> None:
+    def run(self, fn: Callable[[], object]) -> Future:
+        """Run ``fn`` on a writer thread, queued behind the pieces already there (an integration's fsyncs
+        of the files it wrote itself, in parallel with each other and with the writes); its future. Run
+        inline when no writer thread runs."""
+        call = _Call(fn)
+        if not self._writers.submit(call):
+            call()
+        return call.future
+
+    def _write_item(self, item: Piece | Job | _Call) -> None:
+        if isinstance(item, _Call):
+            item()
+            return
         if not isinstance(item, Job):
             self._write_piece(item)
             return
@@ -445,13 +477,34 @@ class Engine:
                 job.before_commit()
             except BaseException as exc:
                 job.fail(write_error(job, "before committing", exc))
-        if not job.failed:
-            try:
-                _fs.commit(job.tmp, job.path, job.fsync)
-            except BaseException as exc:
-                job.fail(write_error(job, "committing", exc))
+        try:
+            if not job.failed:
+                job.publishing = True
+                if job.superseded:  # a later save of this path is already there: the last save wins
+                    _fs.discard(job.tmp)
+                else:
+                    _fs.commit(job.tmp, job.path, job.sync_parent)
+        except BaseException as exc:
+            job.fail(write_error(job, "committing", exc))
+        finally:
+            job.published = True
         if job.failed:
             _fs.discard(job.tmp)
+
+    @staticmethod
+    def supersede(final: str, jobs: list[Job]) -> None:
+        """A re-entered save (``core/reentry.py``) is about to rename its file to ``final``: every pending
+        job to ``final`` is marked superseded (it then discards its file instead of renaming it), and one
+        the committer is renaming at this moment is waited out (a few syscalls, no lock, bounded), so the
+        re-entered save's rename comes last. The committer sets ``publishing`` before it reads
+        ``superseded``; this sets ``superseded`` before it reads ``publishing``: one of them sees the other."""
+        mine = [j for j in jobs if j.path == final]
+        for job in mine:
+            job.superseded = True
+        deadline = time.monotonic() + 30.0
+        for job in mine:
+            while job.publishing and not job.published and time.monotonic() < deadline:
+                time.sleep(0.001)
 
     def _complete(self, job: Job) -> None:
         """Finish the handle, exactly once, whatever happened: resolve its outcome, let the

@@ -28,6 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from lazyckpt.core import reentry
+
 logger = logging.getLogger(__name__)
 
 INTEGRATION, DISTRIBUTED, CORE = 0, 1, 2  # drained in this order
@@ -42,7 +44,7 @@ class _Entry:
     early: bool
 
 
-_lock = threading.Lock()
+_lock = reentry.Lock()
 _entries: dict[int, _Entry] = {}  # id(owner) -> entry
 _seq = itertools.count()
 _early_hooked = False

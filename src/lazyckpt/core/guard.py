@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import functools
 import os
-import threading
 import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from lazyckpt.core import reentry
 
 
 class Pending(Protocol):
@@ -49,7 +50,7 @@ class Pending(Protocol):
         """Without blocking: check versions on this thread if the copies are over; True if done."""
 
 
-_lock = threading.Lock()
+_lock = reentry.Lock()
 _pending: list[Pending] = []
 _tracked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 # Tensors declared frozen (LazyCheckpointer.declare_frozen): no step changes them, so, like an
@@ -93,6 +94,7 @@ def discard(job: Pending) -> None:
             pass
 
 
+@reentry.region
 def wait_all() -> None:
     """Release every pending save from the guard (wait for its copies)."""
     while _pending:
@@ -107,6 +109,7 @@ def has_pending() -> bool:
     return bool(_pending)
 
 
+@reentry.region
 def confirm_ready() -> None:
     """Confirm every pending save whose copies are over, on the calling thread (never blocks)."""
     if not _pending:
@@ -221,7 +224,7 @@ def _forget_pending_in_child() -> None:
     """A forked child has none of the threads that would finish the parent's saves: its steps must
     not wait for them (the child's copies of those saves are simply abandoned; the parent's go on)."""
     global _lock
-    _lock = threading.Lock()  # another thread may have held it at the fork
+    _lock = reentry.Lock()  # another thread may have held it at the fork
     _pending.clear()
 
 

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from lazyckpt.core import reentry
 from lazyckpt.core.report import Report
 from lazyckpt.core.workers import Worker
 
@@ -43,7 +44,7 @@ class Outcome:
 
     staged: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    lock: reentry.Lock = field(default_factory=reentry.Lock)
     stats: SaveStats | None = None
     error: BaseException | None = None
     report: Report | None = None  # the error, until someone has seen it
@@ -99,6 +100,7 @@ class SaveHandle:
         local save the same as ``wait()``."""
         return self.wait(timeout)
 
+    @reentry.region
     def wait_staged(self, timeout: float | None = None) -> None:
         """Block until the live tensors are no longer read; raises TimeoutError on timeout.
 
@@ -144,6 +146,7 @@ class SaveHandle:
                 return
         _call(fn, self)
 
+    @reentry.region
     def wait_done(self, timeout: float | None = None) -> bool:
         """Wait until the save is committed or failed, without raising its error: True then, False
         when ``timeout`` runs out. The commit waits for the save to be confirmed by a thread that
@@ -299,3 +302,10 @@ class CallbackRunner:
     def stop(self) -> None:
         """Run what is queued, then end the thread; from a callback, do not wait for itself."""
         self._worker.stop()
+
+
+def done_handle(stats: SaveStats) -> SaveHandle:
+    """The handle of a save that is over when it is made (a skipped save; a save written at once)."""
+    completion = Completion(stats.path)
+    completion.finish(stats, None)
+    return completion.handle

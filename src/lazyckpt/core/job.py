@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from lazyckpt.core import guard as _guard
+from lazyckpt.core import reentry
 from lazyckpt.core.capture import Source
 from lazyckpt.core.handle import Completion, SaveStats
 from lazyckpt.core.pool import Buffer
@@ -40,6 +41,10 @@ from lazyckpt.formats.crc import crc32_combine
 error_context: ContextVar[Callable[[BaseException], BaseException] | None] = ContextVar(
     "lazyckpt_error_context", default=None
 )
+#: False while an integration saves files into a staging folder that it makes durable and publishes whole
+#: (one fsync of that folder, then one rename): the files' own renames inside it then skip the fsync of
+#: the folder that each would otherwise cost. Their data is still fsynced (``fsync`` option).
+sync_parent: ContextVar[bool] = ContextVar("lazyckpt_sync_parent", default=True)
 
 
 class Stage(enum.IntEnum):
@@ -142,6 +147,12 @@ class Job:
         self.file_bytes = file_bytes
         self.crc, self.fsync, self.wait_in_closure = crc, fsync, wait_in_closure
         self.before_commit = before_commit
+        self.sync_parent = fsync and sync_parent.get()
+        # A later save of the same path written at once by a re-entered save() (core/reentry.py) supersedes
+        # this one; the committer and that save agree through these three flags (Engine.supersede).
+        self.superseded = False
+        self.publishing = False
+        self.published = False
         self._describe_error = error_context.get()
         self.fd = -1
         self.dfd = -1  # O_DIRECT descriptor of the same file, when used
@@ -153,9 +164,9 @@ class Job:
         self.serial: threading.Lock | None = None
         # The state, the counters, the pieces' states and the error: all behind ``_lock``. Creating the
         # file (slow: the journal) has its own lock, so that no step waits for it unless it needs the file.
-        self._lock = threading.Lock()
+        self._lock = reentry.Lock()
         self._changed = threading.Condition(self._lock)
-        self.open_lock = threading.Lock()
+        self.open_lock = reentry.Lock()
         self._stage = Stage.STAGING
         self._file = FileState.NEW
         self.error: BaseException | None = None

@@ -11,10 +11,10 @@ save's file.
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 
+from lazyckpt.core import reentry
 from lazyckpt.core.handle import SaveHandle
 from lazyckpt.core.job import Job
 from lazyckpt.core.removal import OrderedRemovals, Remover
@@ -25,7 +25,7 @@ class PendingSaves:
     """Saves registered and not yet committed or failed, in ``save()`` order. Thread-safe."""
 
     def __init__(self, remover: Remover, on_failed: Callable[[Report], None]) -> None:
-        self._lock = threading.Lock()
+        self._lock = reentry.Lock()
         self._jobs: list[Job] = []
         self._remover = remover
         self._removals = OrderedRemovals(remover)  # remove() calls waiting for pending saves
@@ -51,6 +51,11 @@ class PendingSaves:
         """A snapshot, oldest first."""
         with self._lock:
             return list(self._jobs)
+
+    def jobs_snapshot(self) -> list[Job]:
+        """The pending jobs, without taking the lock (a re-entered save: ``core/reentry.py``); the list is
+        copied in one step under the GIL."""
+        return list(self._jobs)
 
     def nbytes(self) -> int:
         """Bytes of tensors the pending saves still hold or will hold."""

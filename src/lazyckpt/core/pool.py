@@ -19,10 +19,11 @@ import ctypes
 import logging
 import mmap
 import os
-import threading
 import time
 
 import torch
+
+from lazyckpt.core import reentry
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +104,7 @@ class HostBufferPool:
         # The training thread's CUDA device, set by the first save (LazyCheckpointer._start): chunks
         # are registered under it, not under the calling lazyckpt thread's default device 0.
         self.pin_device: int | None = None
-        self._cond = threading.Condition()
+        self._cond = reentry.condition()
         self._chunks: list[_Chunk] = []
         self._free: list[_Chunk] = []
         self._current: _Chunk | None = None

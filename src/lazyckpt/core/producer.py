@@ -12,13 +12,13 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
 from lazyckpt.core import guard as _guard
+from lazyckpt.core import reentry
 from lazyckpt.core.capture import Source
 from lazyckpt.core.engine import Engine, write_error
 from lazyckpt.core.handle import CallbackRunner
@@ -56,7 +56,7 @@ class Producer:
         self.options = options
         self.pool, self.engine, self.pending, self.remover, self.errors = pool, engine, pending, remover, errors
         self._closed, self._on_remote = closed, on_remote
-        self._lock = threading.Lock()  # the remote tier's creation
+        self._lock = reentry.Lock()  # the remote tier's creation
         self.remote: _remote.RemoteTier | None = None  # URL saves: started by the first one
 
     @property
@@ -113,7 +113,7 @@ class Producer:
         job.direct = direct
         folder = os.path.dirname(job.tmp)
         if _fs.is_memory_filesystem(folder):  # one writer at a time: see Job.serial
-            job.serial = threading.Lock()
+            job.serial = reentry.Lock()
         if not os.access(folder, os.W_OK):  # what is sure to fail fails here; the rest in the handle
             code = errno.EROFS if os.statvfs(folder).f_flag & os.ST_RDONLY else errno.EACCES
             refused = WriteError(f"cannot create {job.tmp}: {os.strerror(code)}", path=job.path, errno=code)

@@ -24,6 +24,7 @@ from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from lazyckpt.core import reentry
 from lazyckpt.core.report import Report
 from lazyckpt.core.workers import Worker
 from lazyckpt.storage import fs as _fs
@@ -71,7 +72,7 @@ class Remover:
 
     def __init__(self, on_failed: Callable[[Report], None] = lambda _r: None) -> None:
         self._on_failed = on_failed
-        self._lock = threading.Lock()
+        self._lock = reentry.Lock()
         self._pending: list[RemovalFuture] = []
         self._worker: Worker[tuple[str, RemovalFuture]] = Worker(
             "lazyckpt-remover", lambda item: self._delete_into(*item), lazy=True

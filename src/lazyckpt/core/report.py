@@ -9,9 +9,9 @@ handle or future (``handle.wait()``, ``future.result()``), or the checkpointer's
 
 from __future__ import annotations
 
-import threading
+from lazyckpt.core import reentry
 
-_CLAIM = threading.Lock()  # claims are rare and tiny: one lock for every report
+_CLAIM = reentry.Lock()  # claims are rare and tiny: one lock for every report
 
 
 class Report:
@@ -41,7 +41,7 @@ class ErrorLedger:
     """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = reentry.Lock()
         self._reports: list[Report] = []
 
     def publish(self, report: Report) -> None:

@@ -23,6 +23,8 @@ import threading
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
+from lazyckpt.core import reentry
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -50,7 +52,7 @@ class Worker(Generic[T]):
         self._count = threads
         self._numbered = numbered or threads > 1
         self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._lock = threading.Lock()
+        self._lock = reentry.Lock()
         self._threads: list[threading.Thread] = []
         self._stopped = False
         if not lazy:

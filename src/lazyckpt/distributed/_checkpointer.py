@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.utils import _DistWrapper
 
 from lazyckpt.core import exit as _exit
+from lazyckpt.core import reentry
 from lazyckpt.core.handle import Completion, SaveHandle
 from lazyckpt.core.workers import Worker
 from lazyckpt.levels import Found, Level, ReplicationStats, StoreExchange
@@ -173,7 +174,7 @@ class DistributedCheckpointer(_exit.ClosedOnExit):
         self._decider = Decider(
             self._proto, self._liveness, self.rank, self.world_size, self.commit_timeout, self._token, self._inner.fsync
         )
-        self._lock = threading.Lock()
+        self._lock = reentry.Lock()
         self._pending: list[Save] = []
         self._count = 0
         self._plan_cache = PlanCache()  # the previous global plan: reused while no rank's local plan changes

@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from lazyckpt.core import reentry
 from lazyckpt.formats.dcp import MANIFEST, METADATA
 from lazyckpt.storage.fs import fsync_dir
 
@@ -68,7 +69,7 @@ class Liveness:
     def __init__(self, store: Any, token: str, rank: int, world_size: int) -> None:
         self.store, self.token, self.rank, self.world_size = store, token, rank, world_size
         self._seen: dict[int, tuple[int, float, float]] = {}  # rank -> (counter, when it moved, looked up)
-        self._lock = threading.Lock()
+        self._lock = reentry.Lock()
 
     def key(self, rank: int) -> str:
         return f"lazyckpt/{self.token}/alive/r{rank}"
@@ -108,7 +109,7 @@ class Liveness:
 
 # Tokens of the checkpointers open in this process: their staging directories are never leftovers.
 live_tokens: set[str] = set()
-_live_lock = threading.Lock()
+_live_lock = reentry.Lock()
 
 
 def add_live(token: str) -> None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import os
-import threading
 import time
 from typing import Any
 
@@ -31,6 +30,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from lazyckpt.core import guard as _guard
+from lazyckpt.core import reentry
 from lazyckpt.core.capture import Source, flatten_torch
 from lazyckpt.core.handle import Completion, SaveHandle, SaveStats, confirm, finished_report, wait_finished
 from lazyckpt.core.job import Job
@@ -128,7 +128,7 @@ def confirm_ready() -> None:
     _guard.confirm_ready()
 
 
-_hook_lock = threading.Lock()
+_hook_lock = reentry.Lock()
 _forward_hook: RemovableHandle | None = None
 
 

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
-import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from lazyckpt.core import reentry
 from lazyckpt.recovery import FileIdentity
 
 
@@ -25,7 +25,7 @@ class Preread:
     def __init__(self, path: str, identity: FileIdentity, storages: dict[int, torch.UntypedStorage]) -> None:
         self.identity = identity
         self._storages: dict[int, torch.UntypedStorage] | None = storages
-        self._lock = threading.Lock()
+        self._lock = reentry.Lock()
         _LIVE[os.path.realpath(path)] = self
 
     def take(self, identity: FileIdentity) -> dict[int, torch.UntypedStorage] | None:

@@ -10,10 +10,10 @@ ledger before the handle is visible as done, so a later ``save()`` / ``close()``
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
 from typing import Protocol
 
+from lazyckpt.core import reentry
 from lazyckpt.core.handle import CallbackRunner, Completion, Outcome, SaveHandle, SaveStats, wait_finished
 from lazyckpt.core.report import Report
 
@@ -79,7 +79,7 @@ class Parts:
         self._failures: dict[int, BaseException] = {}
         self._owner = owner
         self._t0 = t0
-        self._lock = threading.Lock()
+        self._lock = reentry.Lock()
 
     def part_done(self, part: int, error: BaseException | None = None, written: bool = True) -> None:
         """A part ended (any lazyckpt thread): ``error`` a LevelError, ``written`` False when no copy

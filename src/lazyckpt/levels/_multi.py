@@ -29,11 +29,11 @@ import logging
 import os
 import shutil
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from lazyckpt.core import reentry
 from lazyckpt.core.handle import SaveHandle
 from lazyckpt.core.job import error_context
 from lazyckpt.core.report import ErrorLedger, Report
@@ -113,7 +113,7 @@ class MultiLevel:
         self.levels = levels
         self.options = options
         self.folder = folder
-        self._cond = threading.Condition()
+        self._cond = reentry.condition()
         self._ledger = ErrorLedger()
         self.runner = Runner(levels, self, options.storage_options, folder=folder)
         self._tier: _remote.RemoteTier | None = None

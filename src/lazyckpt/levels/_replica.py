@@ -50,6 +50,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from lazyckpt.core import reentry
 from lazyckpt.core.workers import Worker
 
 from ..errors import ReplicationError, ReplicationWarning
@@ -177,7 +178,7 @@ class Replicator:
         self._link = Link(group)
         self._worker: Worker[_Item] = Worker("lazyckpt-replica", self._run, lazy=True)
         self._slots = {i: threading.Semaphore(levels[i].backlog) for i in rings}
-        self._cond = threading.Condition()
+        self._cond = reentry.condition()
         self._queued = 0
         self._broken: set[int] = set()  # partners whose pair failed (gloo closes it for good)
         self._warned: set[int] = set()

@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from lazyckpt.core import reentry
 from lazyckpt.core.handle import CallbackRunner, SaveHandle
 from lazyckpt.core.report import Report
 from lazyckpt.core.workers import Worker
@@ -118,7 +119,7 @@ class Runner:
         self.storage_options = storage_options
         self.folder = folder
         self.owns = owns
-        self._cond = threading.Condition()
+        self._cond = reentry.condition()
         self._callbacks = CallbackRunner()
         self._backlog = Backlog(self._cond)  # admitted copies per level, not yet ended
         self._retention = Retention(self._cond, len(levels))  # steps saved, pinned, being removed

@@ -52,6 +52,7 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
+from lazyckpt.core import reentry
 from lazyckpt.storage import fs as _fs
 
 from ..errors import ReplicationError
@@ -141,7 +142,7 @@ class SingleWriter:
         self.prefix = f"lazyckpt/single/{job.token[:16]}"
         self.stats = ReplicationStats()
         self._link = Link(self.group)
-        self._cond = threading.Condition()
+        self._cond = reentry.condition()
         self._queue: deque[tuple[int, list[OutFile], bool]] = deque()
         self._queued = 0
         self._closed = False

@@ -32,12 +32,12 @@ on the training thread only; the savers' threads never touch the Trainer.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from lazyckpt.checkpointer import LazyCheckpointer, producer_of
+from lazyckpt.core import reentry
 from lazyckpt.core.handle import SaveHandle
 from lazyckpt.core.report import raise_first
 from lazyckpt.errors import LazyCkptError, LevelError, SaveRefusedError
@@ -99,7 +99,7 @@ class PluginLevels:
     (every rank's shards; ``save_sharded``) with the handles of their saves not yet seen done."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = reentry.Lock()
         self._savers: dict[tuple[Level, ...], MultiLevel] = {}
         self._sharded: dict[tuple[Level, ...], DistributedCheckpointer] = {}
         self._handles: list[SaveHandle] = []  # sharded saves, until seen done

@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import threading
 import time
 import warnings
 import weakref
@@ -30,6 +29,7 @@ from typing import Any
 from lazyckpt import CheckpointerOptions, LazyCheckpointer, SaveHandle, SaveStats
 from lazyckpt.core import exit as _exit
 from lazyckpt.core import guard as _guard
+from lazyckpt.core import reentry
 from lazyckpt.errors import LazyCkptError, StaleTensorError
 from lazyckpt.levels import Level, MultiLevel
 from lazyckpt.lightning import _compat, _levels, _sharded
@@ -70,7 +70,7 @@ class PluginRuntime:
         self._log_stats = log_stats
         self._user_checkpointer = user_checkpointer
         self.ckpt: LazyCheckpointer | None = user_checkpointer
-        self._lock = threading.Lock()
+        self._lock = reentry.Lock()
         self._saves: list[_Save] = []  # not yet reported to the caller, in save order
         self._finished: list[tuple[_Save, SaveStats]] = []  # stats not yet sent to loggers
         self.stats: list[SaveStats] = []  # every completed save of this plugin, in completion order

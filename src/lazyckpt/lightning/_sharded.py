@@ -39,12 +39,12 @@ import logging
 import os
 import shutil
 import tempfile
-import threading
 import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lazyckpt.core import reentry
 from lazyckpt.errors import CheckpointerClosedError, LazyCkptError
 from lazyckpt.lightning import _compat
 from lazyckpt.options import CheckpointerOptions
@@ -64,7 +64,7 @@ class ShardedSaves:
     def __init__(self, options: CheckpointerOptions) -> None:
         self._options = options
         self._ckpt: DistributedCheckpointer | None = None
-        self._lock = threading.Lock()
+        self._lock = reentry.Lock()
         self._pending: dict[DistributedSaveHandle, str] = {}  # handle -> folder, until committed
         self._removals: dict[str, bool] = {}  # folder -> still wanted (rank 0: deferred deletes)
 

@@ -10,11 +10,11 @@ import contextlib
 import logging
 import os
 import random
-import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from lazyckpt.core import reentry
 from lazyckpt.core.workers import Worker
 from lazyckpt.errors import UploadError
 from lazyckpt.options import CheckpointerOptions
@@ -187,7 +187,7 @@ class PartPool:
         results: list[Any] = [None] * len(items)
         errors: list[BaseException] = []
         left = [len(items)]
-        lock = threading.Condition()
+        lock = reentry.condition()
 
         def task(index: int, item: Any) -> None:
             try:

@@ -29,12 +29,12 @@ import logging
 import os
 import shutil
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
+from lazyckpt.core import reentry
 from lazyckpt.core.handle import CallbackRunner, Completion, Outcome, SaveHandle, SaveStats, wait_finished
 from lazyckpt.core.removal import RemovalFuture
 from lazyckpt.core.report import Report
@@ -154,7 +154,7 @@ class RemoteTier:
         free = shutil.disk_usage(self.local_dir).free
         self.backlog_bound = int(options.upload_backlog_bytes or max(free // 2, 1 << 30))
         self._started_at = time.time()
-        self._cond = threading.Condition()
+        self._cond = reentry.condition()
         self._pending: list[_Upload | _Deletion] = []  # in queue order
         self._backlog = 0  # local bytes not yet in the store
         self.wait_s = 0.0  # save() waited for uploads since the last warning

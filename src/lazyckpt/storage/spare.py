@@ -29,8 +29,8 @@ import fcntl
 import logging
 import os
 import stat
-import threading
 
+from lazyckpt.core import reentry
 from lazyckpt.storage import fs as _fs
 
 logger = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ def share_lock(fd: int, path: str) -> None:
         raise FileNotFoundError(2, "removed since it was opened (the name holds another file now)", path)
 
 
-_held_lock = threading.Lock()
+_held_lock = reentry.Lock()
 _held: dict[tuple[int, int], int] = {}  # (dev, inode) -> a duplicate of a reader's locked descriptor
 
 
@@ -136,7 +136,7 @@ class Spares:
     files per folder level. Thread-safe; every method returns at once."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = reentry.Lock()
         self._spares: dict[Key, _Spare] = {}
         self.reused = 0  # files handed to a save (tests and benchmarks read it)
 
