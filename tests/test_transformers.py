@@ -188,6 +188,11 @@ def test_stock_options_give_the_same_folders(tmp_path: Path, case: str) -> None:
         assert "model.safetensors.index.json" in files and sum(".safetensors" in f for f in files) > 2, files
 
 
+def _staging(out: Path) -> bool:
+    """A checkpoint folder is under its staging name (``.checkpoint-N.lazyckpt-<host>-<pid>-<n>.tmp``)."""
+    return any(p.name.startswith(".checkpoint-") and p.name.endswith(".tmp") for p in out.iterdir())
+
+
 def test_the_save_returns_before_the_folder_is_committed_and_the_name_only_ever_holds_it_complete(
     tmp_path: Path,
 ) -> None:
@@ -197,8 +202,8 @@ def test_the_save_returns_before_the_folder_is_committed_and_the_name_only_ever_
     class Probe(transformers.TrainerCallback):
         def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             final = out / f"checkpoint-{state.global_step}"
-            staging = out / f".lazyckpt-checkpoint-{state.global_step}.tmp"
-            seen.append((state.global_step, final.exists(), staging.exists()))
+            staging = list(out.glob(f".checkpoint-{state.global_step}.lazyckpt-*.tmp"))  # this save's own
+            seen.append((state.global_step, final.exists(), len(staging) == 1))
             for p in out.glob("checkpoint-*"):  # every visible folder is whole
                 assert lazyckpt.transformers.latest(p.parent) is not None
                 assert (p / "trainer_state.json").exists() and (p / "optimizer.pt").exists(), p
@@ -366,11 +371,11 @@ def _kill_rounds(tmp_path: Path, lazy: bool, rounds: int) -> tuple[list[str], in
         if lazy:  # force the window: kill while a checkpoint is under its staging name, after one committed
             while not (
                 list(out.glob("checkpoint-*"))
-                and any(p.name.startswith(".lazyckpt-checkpoint-") for p in out.iterdir())
+                and _staging(out)
             ):
                 assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint in flight"
                 time.sleep(0.005)
-        mid_save += any(p.name.startswith(".lazyckpt-checkpoint-") for p in out.iterdir()) or bool(
+        mid_save += _staging(out) or bool(
             lazy is False and list(out.glob("checkpoint-*"))
         )
         proc.send_signal(signal.SIGKILL)

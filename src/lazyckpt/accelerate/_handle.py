@@ -15,6 +15,7 @@ layer; before the interpreter's shutdown once it saved to a URL, as uploads need
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -28,10 +29,12 @@ from lazyckpt.accelerate._sharded import ShardedRoute
 from lazyckpt.checkpointer import producer_of
 from lazyckpt.core import exit as _exit
 from lazyckpt.core import guard as _guard
+from lazyckpt.core import reentry
 from lazyckpt.core.installed import InstalledHandle, drain_at_exit
 from lazyckpt.core.report import raise_first
 from lazyckpt.core.workers import Worker
 from lazyckpt.errors import SaveRefusedError
+from lazyckpt.storage import remote as _remote
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -189,6 +192,8 @@ class AccelerateHandle(InstalledHandle):
 
     # -- what the installed save_state / load_state / pre-hook call ----------------------------------
     def _save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> Any:
+        if reentry.reentered():  # a signal handler interrupted lazyckpt on this thread (core/reentry.py)
+            return self._save_state_now(output_dir, safe_serialization, kwargs)
         if output_dir is None and self._levels is not None and not self._removed:
             return self._levels.save(safe_serialization, kwargs)  # by level: folders <level>/step-<n>
         url = _url.save_target(self.accelerator, output_dir)
@@ -214,6 +219,19 @@ class AccelerateHandle(InstalledHandle):
             self._old_folders.wait()
             self.last_save_state_s = time.perf_counter() - t0
         return url if url is not None else location
+
+    def _save_state_now(self, output_dir: str | None, safe_serialization: bool, kwargs: dict[str, Any]) -> Any:
+        """``save_state`` from a signal handler that interrupted lazyckpt: stock's, on this thread, routed to
+        nothing of lazyckpt, taking none of its locks; a pending lazy save of a file in ``output_dir`` is
+        superseded first (it then never replaces what stock writes now)."""
+        if output_dir is not None and not _remote.is_url(os.fspath(output_dir)):
+            self.checkpointer.supersede_into(os.path.abspath(os.fspath(output_dir)))
+        save, dcp = _compat.active_save.set(None), _compat.active_dcp.set(None)
+        try:
+            return self._patch.stock_save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
+        finally:
+            _compat.active_dcp.reset(dcp)
+            _compat.active_save.reset(save)
 
     def training_since_last_save(self) -> bool:
         """Whether an optimizer step ran since the last ``save_state`` (or ``install``); starts a new interval."""

@@ -29,6 +29,7 @@ import warnings
 from typing import Any
 
 from lazyckpt import CheckpointerOptions, LazyCheckpointer, SaveStats
+from lazyckpt.core import reentry
 from lazyckpt.errors import CheckpointerClosedError
 from lazyckpt.levels import Preread
 from lazyckpt.lightning import _compat, _runtime
@@ -103,17 +104,32 @@ class LazyCheckpointIO(_CheckpointIO):
         """Start a background save of ``checkpoint`` to ``path``; returns once the state is captured."""
         if storage_options is not None:
             raise TypeError(f"`storage_options` is not supported by {type(self).__name__}.")
+        if reentry.reentered():  # a signal handler interrupted lazyckpt (docs/preemption.md)
+            self._save_now(checkpoint, path)
+            return
         rt = self._runtime
         rt.raise_errors()
         trainer = rt.attach()
         record = rt.start(checkpoint, path, trainer)
-        if rt.outside_fit(trainer):
+        if rt.outside_fit(trainer) or _compat.preempted(trainer, record.key):
             # Outside a running fit (before it, after teardown, validate/test/predict, an exception
             # checkpoint, ddp_spawn's result collection) no optimizer step or teardown may come to
-            # finish it: behave like the stock plugin and return with the file in place.
+            # finish it: behave like the stock plugin and return with the file in place. So does a
+            # preemption's save (SLURM's requeue signal, after SIGTERM): the job may end right after.
             rt.wait_for([record])
             if rt.torn_down or not _compat.in_fit(trainer):
                 rt.release_resources()  # no thread outlives a save made outside any fit
+
+    def _save_now(self, checkpoint: dict[str, Any], path: Any) -> None:
+        """``save_checkpoint`` from a signal handler that interrupted lazyckpt on this thread: written at
+        once, durable when this returns, touching none of the plugin's state (``core/reentry.py``)."""
+        key, is_url = _compat.split_path(path)
+        ckpt = self._runtime.ckpt
+        if is_url or ckpt is None or ckpt.closed:
+            _compat.stock_torch_io(_CheckpointIO).save_checkpoint(checkpoint, path)
+            return
+        os.makedirs(os.path.dirname(key), exist_ok=True)
+        ckpt.save(checkpoint, key)  # re-entered: the core writes it here and supersedes a pending save of key
 
     def remove_checkpoint(self, path: Any) -> None:
         """Delete ``path`` without waiting: the core orders a delete after a pending save to it

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from lazyckpt.core import reentry
 from lazyckpt.storage.remote import remove_prefix
 
 
@@ -287,6 +288,13 @@ def durable_first(method: Callable[..., Any], plugin_ref: weakref.ref) -> Callab
     return after_save_checkpoint
 
 
+def preempted(trainer: Any, key: str) -> bool:
+    """This save is a preemption's: Lightning's SLURM auto-requeue checkpoint (``hpc_ckpt_<n>.ckpt``, saved
+    inside its SIGUSR1 handler, right before ``scontrol requeue``), or any save after SIGTERM was received
+    (``OnExceptionCheckpoint`` on the ``SIGTERMException`` path). The job may end as soon as it returns."""
+    return os.path.basename(key).startswith("hpc_ckpt_") or bool(getattr(trainer, "received_sigterm", False))
+
+
 def drained_before_finalize(method: Callable[..., Any], plugin_ref: weakref.ref) -> Callable[..., Any]:
     """Lightning finalizes (closes) the loggers before it tears the strategy down when ``fit`` fails
     (``trainer/call.py``: ``_interrupt`` then ``trainer._teardown()``, KeyboardInterrupt included) or a
@@ -298,7 +306,7 @@ def drained_before_finalize(method: Callable[..., Any], plugin_ref: weakref.ref)
 
     def finalize(status: str) -> Any:
         plugin = plugin_ref()
-        if plugin is not None:
+        if plugin is not None and not reentry.reentered():  # (SLURM's requeue handler finalizes the loggers)
             plugin.drain(raise_errors=False, loggers_open=True)
         return method(status)
 

@@ -307,5 +307,16 @@ def release_gate() -> None:
         _originals.clear()
 
 
+def jit_manager(trainer: Any) -> Any | None:
+    """The ``CheckpointManager`` of the trainer's JIT checkpoint (``TrainingArguments(enable_jit_checkpoint=True)``:
+    on SIGTERM, ``execute_jit_checkpoint`` saves ``checkpoint-<step>`` through ``_save_checkpoint`` and the job
+    is expected to die after it), or None."""
+    for callback in trainer.callback_handler.callbacks:
+        manager = getattr(callback, "jit_manager", None)
+        if manager is not None and callable(getattr(manager, "execute_jit_checkpoint", None)):
+            return manager
+    return None
+
+
 def checkpoint_name(step: int) -> str:
     return f"{PREFIX_CHECKPOINT_DIR}-{step}"

@@ -12,6 +12,7 @@ of that first.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import os
 import shutil
@@ -19,17 +20,20 @@ import threading
 import time
 import types
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lazyckpt.commit.folder import FolderSave
+from lazyckpt.checkpointer import producer_of
 from lazyckpt.core import exit as _exit
+from lazyckpt.core import reentry
 from lazyckpt.core.installed import InstalledHandle, drain_at_exit
+from lazyckpt.core.job import sync_parent
 from lazyckpt.core.workers import Worker
 from lazyckpt.storage import fs as _fs
 from lazyckpt.transformers import _compat
-from lazyckpt.transformers._folder import replace_folder, staging_name
+from lazyckpt.transformers._folder import publish, staging_name
 
 if TYPE_CHECKING:
     from transformers import Trainer
@@ -46,57 +50,74 @@ class CheckpointSave:
     """One ``_save_checkpoint`` call of this process: the router of its gated files, then its commit.
 
     ``writer``: this process writes the shared files (``args.should_save``); only a writer has lazy
-    files, commits (renames) and rotates. ``after_commit`` runs on the commit thread after the rename
-    (pushes, rotation, level copies), in save order.
+    files, commits (renames) and rotates. ``staging``: this save's own staging folder (every process of
+    the job uses the main process's name). ``seq``: this save's place in this process's save order (a
+    later save of the same ``final`` supersedes it). ``after_commit`` runs on the commit thread after
+    the rename (pushes, rotation, level copies), in save order.
     """
 
     def __init__(
-        self, checkpointer: LazyCheckpointer, final: str, *, step: int, writer: bool, distributed: bool, tag: int
+        self, checkpointers: Checkpoints, final: str, staging: str, *, step: int, writer: bool, distributed: bool
     ) -> None:
-        self.checkpointer = checkpointer
+        self.checkpoints = checkpointers
+        self.checkpointer = checkpointers.checkpointer
         self.final = final
         self.run_dir = os.path.dirname(final)
         self.step = step
         self.distributed = distributed
-        self.staging = staging_name(final)
+        self.staging = os.path.abspath(staging)
         self.writer = writer
-        self.folder: FolderSave | None = None
+        self.seq = next(checkpointers.seq)
+        self.handles: list[SaveHandle] = []
+        self.synced: list[Future] = []  # fsyncs of the files stock wrote into the staging folder
         self.after_commit: list[Callable[[], None]] = []
         self.error: BaseException | None = None
+        self.superseded = False
+        self.publishing = self.published = False
         self.done = threading.Event()
         self.t_call = time.perf_counter()
         self.t_committed: float | None = None
-        self._tag = tag
         self._aborted = False
         self._remaining = 0
-        self._lock = threading.Lock()
+        self._lock = reentry.Lock()
 
     # -- on the training thread ----------------------------------------------------------------------
     def prepare(self) -> None:
-        """Main process: a fresh staging folder (one left by a killed run is removed) with its marker."""
-        if not self.writer:
-            return
-        if os.path.lexists(self.staging):
-            shutil.rmtree(self.staging, ignore_errors=True)
-        os.makedirs(os.path.dirname(self.staging), exist_ok=True)
-        self.folder = FolderSave(self.staging, tag=self._tag)
-
-    @property
-    def handles(self) -> list[SaveHandle]:
-        return [] if self.folder is None else list(self.folder.handles)
+        """A writer: the staging folder, made before any process writes into it."""
+        if self.writer:
+            os.makedirs(self.staging)
 
     def save_torch(self, obj: Any, path: str) -> None:
         """``torch.save(obj, path)`` for a file of the staging folder, lazily."""
-        assert self.folder is not None, "a routed save on a process that does not write"
-        self.folder.save(self.checkpointer, obj, path, format="torch")
+        self._save(obj, path, format="torch")
 
     def save_safetensors(self, tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str] | None) -> None:
         """``safetensors.torch.save_file(tensors, path, metadata)`` for the staging folder, lazily."""
-        assert self.folder is not None, "a routed save on a process that does not write"
-        self.folder.save(self.checkpointer, tensors, path, format="safetensors", metadata=metadata)
+        self._save(tensors, path, format="safetensors", metadata=metadata)
+
+    def _save(self, obj: Any, path: str, **options: Any) -> None:
+        assert self.writer, "a routed save on a process that does not write"
+        token = sync_parent.set(False)  # the staging folder is fsynced once, before its rename
+        try:
+            self.handles.append(self.checkpointer.save(obj, path, **options))
+        finally:
+            sync_parent.reset(token)
+
+    def sync_stock_files(self) -> None:
+        """Stock's statements ran: fsync each file they wrote into the staging folder once, on the writer
+        pool (in parallel with each other and with the lazy files' writes). The lazy files are fsynced
+        by their own saves; ``fsync=False`` skips them all."""
+        if not self.checkpointer.fsync:
+            return
+        lazy = {h.path for h in self.handles}
+        engine = producer_of(self.checkpointer).engine
+        for entry in os.scandir(self.staging):
+            if entry.path in lazy or _fs.is_temporary(entry.name) or not entry.is_file(follow_symlinks=False):
+                continue
+            self.synced.append(engine.run(functools.partial(_fs.fsync_file, entry.path)))
 
     def finish(self, committer: Callable[[Callable[[], None]], None]) -> None:
-        """Stock's statements ran: commit once every lazy file is done (on ``committer``'s thread)."""
+        """Commit once every lazy file is done (on ``committer``'s thread)."""
         if not self.writer:  # (the main process owns the staging folder, even after a failure here)
             self.done.set()
             return
@@ -123,19 +144,25 @@ class CheckpointSave:
             self._committer(self.commit)
 
     def commit(self) -> None:
-        """Every lazy file is done: end the folder save, rename it to its final name, then what follows."""
+        """Every lazy file is done: publish the folder at its final name (unless a later save of the same
+        name already did), then what follows."""
         try:
             failed = next((h for h in self.handles if h.exception() is not None), None)
             if self._aborted:
                 self.error = RuntimeError(f"the call that saved {self.final} raised")
-                shutil.rmtree(self.staging, ignore_errors=True)
                 return
             if failed is not None:
                 self.error = failed.exception()
                 logger.error("lazyckpt: %s failed; %s was not written: %r", failed.path, self.final, self.error)
-                shutil.rmtree(self.staging, ignore_errors=True)
                 return
-            self._publish()
+            for fut in self.synced:
+                fut.result()
+            self.publishing = True  # (then superseded is read: see supersede())
+            if self.superseded or self.checkpoints.published.get(self.final, -1) > self.seq:
+                self.superseded = True  # a later save of this name is already there: the last write wins
+                return
+            publish(self.staging, self.final, fsync=self.checkpointer.fsync)
+            self.checkpoints.published[self.final] = self.seq
             self.t_committed = time.perf_counter()
             for step in self.after_commit:
                 step()
@@ -143,13 +170,19 @@ class CheckpointSave:
             self.error = exc
             self.checkpointer.add_error(exc)
         finally:
+            self.published = True
+            if os.path.lexists(self.staging):  # failed, aborted or superseded: never published
+                shutil.rmtree(self.staging, ignore_errors=True)
             self.done.set()
 
-    def _publish(self) -> None:
-        assert self.folder is not None
-        files = [e.path for e in os.scandir(self.staging) if e.is_file(follow_symlinks=False)]
-        self.folder.end(files)  # stock's own files fsynced, marker gone, folder fsynced
-        replace_folder(self.staging, self.final)
+    def supersede(self) -> None:
+        """A re-entered save (a signal handler's, ``core/reentry.py``) writes this save's name with stock now:
+        this one is dropped, or, when its rename is under way on the commit thread, waited out (bounded,
+        no lock): it sets ``publishing`` before it reads ``superseded``, this the other way round."""
+        self.superseded = True
+        deadline = time.monotonic() + 30.0
+        while self.publishing and not self.published and time.monotonic() < deadline:
+            time.sleep(0.001)
 
 
 class Checkpoints:
@@ -165,8 +198,12 @@ class Checkpoints:
         self.save_seconds: list[float] = []  # every call's
         self._saves: list[CheckpointSave] = []
         self._saved: set[str] = set()  # final names saved here (a best checkpoint may be one not committed yet)
+        self.seq = itertools.count()  # save order (CheckpointSave.seq)
+        self.published: dict[str, int] = {}  # final name -> seq of the save there (the commit thread's)
+        self.durable = False  # saves are committed before _save_checkpoint returns (a preemption save)
+        self._cleaned: set[str] = set()  # run folders whose dead processes' staging folders were removed
         self._warned_unrouted = False
-        self._lock = threading.Lock()
+        self._lock = reentry.Lock()
         self._committer: Worker[Callable[[], None]] = Worker("lazyckpt-transformers-commit", _run, lazy=True)
 
     # -- the mirror's calls, on the training thread --------------------------------------------------
@@ -193,14 +230,14 @@ class Checkpoints:
         args = self.trainer.args
         final = os.path.join(run_dir, _compat.checkpoint_name(step))
         distributed = args.parallel_mode == ParallelMode.DISTRIBUTED
-        save = CheckpointSave(
-            self.checkpointer,
-            final,
-            step=step,
-            writer=bool(args.should_save),
-            distributed=distributed,
-            tag=args.process_index,
-        )
+        writer = bool(args.should_save)
+        staging = [staging_name(final) if args.process_index == 0 else None]
+        if distributed:  # every process writes into the main process's staging folder
+            torch.distributed.broadcast_object_list(staging, src=0)
+        save = CheckpointSave(self, final, str(staging[0]), step=step, writer=writer, distributed=distributed)
+        if writer and run_dir not in self._cleaned:  # a killed run's staging folders (dead pid, this host)
+            self._cleaned.add(run_dir)
+            _fs.cleanup_temporaries(run_dir)
         save.prepare()
         if distributed:
             torch.distributed.barrier()  # the staging folder exists before any process writes into it
@@ -222,6 +259,7 @@ class Checkpoints:
             torch.distributed.barrier()  # every process's files are durable in the staging folder
         if save.writer:
             self._check_routed(save)
+            save.sync_stock_files()
             if push is not None:
                 save.after_commit.append(push)
             levels, step, final, run_dir = self.levels, save.step, save.final, save.run_dir
@@ -259,7 +297,7 @@ class Checkpoints:
             return
         rank = self.trainer.args.process_index
         path = os.path.join(save.staging, f"rng_state_{rank}.pth")
-        if os.path.exists(path):
+        if self.checkpointer.fsync and os.path.exists(path):
             _fs.fsync_file(path)
 
     def _check_routed(self, save: CheckpointSave) -> None:
@@ -284,6 +322,16 @@ class SaveCheckpointMirror:
     """
 
     def save_checkpoint(self: Any, model: Any, trial: Any, *, checkpoints: Checkpoints) -> None:
+        if reentry.reentered():  # a signal handler interrupted lazyckpt on this thread: stock, at once
+            name = _compat.checkpoint_name(self.state.global_step)
+            for save in list(checkpoints._saves):
+                if os.path.basename(save.final) == name and not save.done.is_set():
+                    save.supersede()
+            token = _compat.active.set(None)
+            try:
+                return self._lazyckpt_handle._stock["_save_checkpoint"](model, trial)
+            finally:
+                _compat.active.reset(token)
         t0 = time.perf_counter()
         args = self.args  # (transformers' annotations of TrainerState are looser than its use: self is Any)
         checkpoints.before()
@@ -328,6 +376,8 @@ class SaveCheckpointMirror:
         final = save.final
         push = (lambda: self._push_from_checkpoint(final)) if args.push_to_hub else None
         checkpoints.end(save, push, self.state.best_model_checkpoint, t0)
+        if checkpoints.durable:  # a preemption save: committed under its name before this returns
+            self._lazyckpt_handle.wait()
 
 
 class TransformersHandle(InstalledHandle):
@@ -354,6 +404,11 @@ class TransformersHandle(InstalledHandle):
         for name, method in replacements.items():
             setattr(trainer, name, method)
         trainer.__dict__["_lazyckpt_handle"] = self
+        self._jit = _compat.jit_manager(trainer)
+        if self._jit is not None:
+            self._jit.execute_jit_checkpoint = functools.partial(
+                _durable, self._checkpoints, self._jit.execute_jit_checkpoint
+            )
         _exit.register(self, drain_at_exit, layer=_exit.INTEGRATION)
 
     @property
@@ -410,6 +465,8 @@ class TransformersHandle(InstalledHandle):
                 else:
                     tr.__dict__.pop(name, None)
             tr.__dict__.pop("_lazyckpt_handle", None)
+            if self._jit is not None:
+                vars(self._jit).pop("execute_jit_checkpoint", None)
             _compat.release_gate()
             self._checkpoints.stop()
             if self._levels is not None:
@@ -443,6 +500,17 @@ class TransformersHandle(InstalledHandle):
         if self.trainer.args.parallel_mode == ParallelMode.DISTRIBUTED:
             torch.distributed.barrier()  # the main process's folders are committed before others read them
         return self._stock["_finalize_training"](*args, **kwargs)
+
+
+def _durable(checkpoints: Checkpoints, call: Callable[[], Any]) -> Any:
+    """``call()`` (the JIT checkpoint of ``enable_jit_checkpoint``, after which the job is expected to die)
+    with each checkpoint it saves committed at its ``checkpoint-N`` name, every earlier one too, before
+    ``_save_checkpoint`` returns."""
+    checkpoints.durable = True
+    try:
+        return call()
+    finally:
+        checkpoints.durable = False
 
 
 def _rotate(run_dir: str, limit: int | None, best: str | None) -> None:

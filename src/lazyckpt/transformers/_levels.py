@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from lazyckpt import Level, LevelError, SaveRefusedError
 from lazyckpt.levels import refuse_replicas
 from lazyckpt.storage import fs as _fs
-from lazyckpt.transformers._folder import replace_folder, staging_name
+from lazyckpt.transformers._folder import publish, staging_name
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 
@@ -69,16 +69,20 @@ class TrainerLevels:
         """Nothing to stop (no thread of its own)."""
 
 
-def copy_folder(src: str, dst: str) -> None:
+def copy_folder(src: str, dst: str, fsync: bool = True) -> None:
     """Copy the committed folder ``src`` to ``dst``: staging name, files fsynced, one rename, parent fsynced."""
     staging = staging_name(dst)
-    shutil.rmtree(staging, ignore_errors=True)
-    shutil.copytree(src, staging)
-    for entry in os.scandir(staging):
-        if entry.is_file(follow_symlinks=False):
-            _fs.fsync_file(entry.path)
-    _fs.fsync_dir(staging)
-    replace_folder(staging, dst)
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    try:
+        shutil.copytree(src, staging)
+        if fsync:
+            for entry in os.scandir(staging):
+                if entry.is_file(follow_symlinks=False):
+                    _fs.fsync_file(entry.path)
+        publish(staging, dst, fsync=fsync)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 def checkpoints(folder: str) -> list[tuple[int, str]]:
