@@ -877,3 +877,34 @@ def test_installed_accelerator_pickles_as_a_stock_one(tmp_path, installs):
     acc.save_state(str(tmp_path / "c"))
     h.wait()
     assert C.file_tree(tmp_path / "c") == C.file_tree(tmp_path / "a")
+
+
+def test_two_save_states_of_one_folder_both_pending_the_second_wins_whole(tmp_path, installs, monkeypatch):
+    """The first save_state's files are held at their commit until the second save_state of the same folder
+    has returned (both pending at once): no error, no temporary left, the folder complete and holding the
+    second save's state (stock's result: the last write wins)."""
+    real, go = _fs.commit, threading.Event()
+
+    def held(tmp, final, fsync):
+        if threading.current_thread().name.startswith("lazyckpt-committer"):
+            go.wait(60)
+        real(tmp, final, fsync)
+
+    monkeypatch.setattr(_fs, "commit", held)
+    acc, objs, _ = make()
+    handle = installs(acc)
+    gen = torch.Generator().manual_seed(0)
+    folder = tmp_path / "c"
+    step(acc, objs, gen)
+    acc.save_state(str(folder))
+    step(acc, objs, gen)
+    acc.save_state(str(folder))
+    expected = {k: v.detach().clone() for k, v in acc.unwrap_model(objs[0]).state_dict().items()}
+    assert handle.pending() == 2
+    go.set()
+    handle.wait(timeout=60)
+    names = sorted(p.name for p in folder.iterdir())
+    assert not [n for n in names if n.startswith(".")], names  # no marker, no temporary
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        for k in f.keys():  # noqa: SIM118 - a safetensors handle, not a dict
+            assert torch.equal(f.get_tensor(k), expected[k]), k

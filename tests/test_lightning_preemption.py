@@ -24,6 +24,9 @@ SLURM = {"SLURM_NTASKS": "1", "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "lazyckp
          "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NODELIST": "localhost"}  # fmt: skip
 
 
+@pytest.mark.filterwarnings("ignore:.*LeafSpec.* is deprecated:FutureWarning")  # Lightning, torch
+@pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`:UserWarning")  # stock resume's notes
+@pytest.mark.filterwarnings("ignore:You're resuming from a checkpoint that ended before the epoch:UserWarning")
 @pytest.mark.parametrize(
     ("mode", "name"),
     [("slurm", "hpc_ckpt_1.ckpt"), ("slurm-inside", "hpc_ckpt_1.ckpt"), ("sigterm", "on_exception.ckpt")],

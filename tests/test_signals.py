@@ -17,6 +17,8 @@ from tests import _launch
 from lazyckpt import LazyCheckpointer
 from lazyckpt.core import reentry
 
+pytestmark = pytest.mark.reentry
+
 SCRIPT = Path(__file__).parent / "reentry_scripts" / "signal_windows.py"
 
 

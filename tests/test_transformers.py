@@ -369,15 +369,10 @@ def _kill_rounds(tmp_path: Path, lazy: bool, rounds: int) -> tuple[list[str], in
             time.sleep(0.05)
         time.sleep(rng.uniform(0.0, 0.5))
         if lazy:  # force the window: kill while a checkpoint is under its staging name, after one committed
-            while not (
-                list(out.glob("checkpoint-*"))
-                and _staging(out)
-            ):
+            while not (list(out.glob("checkpoint-*")) and _staging(out)):
                 assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint in flight"
                 time.sleep(0.005)
-        mid_save += _staging(out) or bool(
-            lazy is False and list(out.glob("checkpoint-*"))
-        )
+        mid_save += _staging(out) or bool(lazy is False and list(out.glob("checkpoint-*")))
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         last = transformers.trainer_utils.get_last_checkpoint(str(out))

@@ -163,9 +163,9 @@ class LazyCheckpointer(_exit.ClosedOnExit):
         """
         if reentry.reentered():  # a signal handler interrupted this thread inside lazyckpt
             return self._save_now(obj, path, format, metadata, before_commit, step)
+        if path is None or step is not None:  # (its core save, a save() of its own, counts itself)
+            return self._save_step(obj, path, step, format, metadata, before_commit)
         with reentry.inside():
-            if path is None or step is not None:
-                return self._save_step(obj, path, step, format, metadata, before_commit)
             t0 = time.perf_counter()
             if _remote.is_url(path):
                 return self._save_url(obj, str(path), t0, format=format, metadata=metadata, before_commit=before_commit)
@@ -187,6 +187,7 @@ class LazyCheckpointer(_exit.ClosedOnExit):
         of lazyckpt taken and no shared state changed but one: a pending save to the same path is
         superseded (the last save wins, as with stock ``torch.save``)."""
         t0 = time.perf_counter()
+        reentry.count_synchronous()
         if path is None or step is not None or _remote.is_url(path):
             raise SaveRefusedError(
                 "lazyckpt: a save from a signal handler that interrupted lazyckpt is written at once, to a local "

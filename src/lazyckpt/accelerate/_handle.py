@@ -224,6 +224,7 @@ class AccelerateHandle(InstalledHandle):
         """``save_state`` from a signal handler that interrupted lazyckpt: stock's, on this thread, routed to
         nothing of lazyckpt, taking none of its locks; a pending lazy save of a file in ``output_dir`` is
         superseded first (it then never replaces what stock writes now)."""
+        reentry.count_synchronous()
         if output_dir is not None and not _remote.is_url(os.fspath(output_dir)):
             self.checkpointer.supersede_into(os.path.abspath(os.fspath(output_dir)))
         save, dcp = _compat.active_save.set(None), _compat.active_dcp.set(None)

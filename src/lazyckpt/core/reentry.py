@@ -42,6 +42,14 @@ def reentered() -> bool:
     return getattr(_local, "depth", 0) > 0
 
 
+synchronous_saves = 0  # saves written at once because they re-entered (tests: none but the signal tests')
+
+
+def count_synchronous() -> None:
+    global synchronous_saves
+    synchronous_saves += 1
+
+
 def _enter() -> None:
     _local.depth = getattr(_local, "depth", 0) + 1
 

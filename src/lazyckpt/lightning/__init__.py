@@ -126,6 +126,7 @@ class LazyCheckpointIO(_CheckpointIO):
         key, is_url = _compat.split_path(path)
         ckpt = self._runtime.ckpt
         if is_url or ckpt is None or ckpt.closed:
+            reentry.count_synchronous()
             _compat.stock_torch_io(_CheckpointIO).save_checkpoint(checkpoint, path)
             return
         os.makedirs(os.path.dirname(key), exist_ok=True)

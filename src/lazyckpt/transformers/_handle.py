@@ -323,6 +323,7 @@ class SaveCheckpointMirror:
 
     def save_checkpoint(self: Any, model: Any, trial: Any, *, checkpoints: Checkpoints) -> None:
         if reentry.reentered():  # a signal handler interrupted lazyckpt on this thread: stock, at once
+            reentry.count_synchronous()
             name = _compat.checkpoint_name(self.state.global_step)
             for save in list(checkpoints._saves):
                 if os.path.basename(save.final) == name and not save.done.is_set():
