@@ -99,6 +99,28 @@ def test_a_small_disk_file_is_written_inside_save_and_committed_in_the_backgroun
     assert os.listdir(tmp_path) == ["c.pt"]
 
 
+@pytest.mark.parametrize("fmt", ["torch", "safetensors"])
+def test_many_small_tensors_written_inside_save_are_gathered_between_lazy_ones(tmp_path, busy, fmt):
+    """Small tensors written inside save() go in runs, one pwrite per run of them adjacent in the file
+    (``Engine.write_now_all``); a large one and the optimizer's (copied in the background) break the runs.
+    The file reads back exactly (torch.load / safetensors), its CRCs verify."""
+    import safetensors.torch
+
+    model, opt = _trained(64)
+    small = {f"s{i}": torch.full((i % 7 + 1,), float(i)) for i in range(200)}
+    large = torch.arange(300_000, dtype=torch.float32)  # past the gathering bound: written alone
+    obj = {**{f"p{i}": p for i, p in enumerate(model.parameters())}, **small, "large": large}
+    path = tmp_path / ("c.pt" if fmt == "torch" else "c.safetensors")
+    expected = {k: v.detach().clone() for k, v in obj.items()}
+    with LazyCheckpointer() as ckpt:
+        ckpt.track(opt)  # the parameters: lazy, between the small ones in the file
+        ckpt.save({k: v.detach() for k, v in obj.items()}, path, format=fmt).wait()
+    got = torch.load(path, weights_only=True) if fmt == "torch" else safetensors.torch.load_file(str(path))
+    assert sorted(got) == sorted(expected)
+    assert all(torch.equal(got[k], v) for k, v in expected.items())
+    assert lazyckpt.verify(path).ok
+
+
 def test_a_file_above_the_bound_keeps_the_background_writes(tmp_path, busy, monkeypatch):
     model, opt = _trained()
     monkeypatch.setattr(plan, "INLINE_MAX_BYTES", 1 << 20)  # the model and its AdamW state are ~25 MB

@@ -130,10 +130,10 @@ class Producer:
         if job.lazy:
             _guard.add(job)
         try:
-            for src in eager:
-                if inline:
-                    self.engine.write_now(job, src)
-                else:
+            if inline:
+                self.engine.write_now_all(job, eager)
+            else:
+                for src in eager:
                     self.engine.stage_now(job, src)
         except Exception as exc:
             job.fail(write_error(job, "staging for", exc))
