@@ -311,19 +311,26 @@ class _TeardownSignal(LazyCheckpointIO):
         super().teardown()
 
 
-@pytest.mark.slow(reason="a Lightning fit in a child process whose level copy is held until teardown must drain it")
 def test_teardown_drains_a_level_copy_still_running_and_raises_its_error(mem, tmp_path, monkeypatch):
     """The last disk copy is held until teardown has begun, then fails: fit() must raise it (the
     plugin drains its level savers before closing them; without that the error is lost)."""
     from lazyckpt.levels import _copy
+    from lazyckpt.lightning import _levels as _plugin_levels
 
     io = _TeardownSignal()
-    entered = threading.Event()
+    entered, draining = threading.Event(), threading.Event()
+    real_drain = _plugin_levels.PluginLevels.drain
+
+    def drain(self, timeout=None):  # the end of fit (finalize or teardown) drains the level savers here
+        draining.set()
+        return real_drain(self, timeout)
+
+    monkeypatch.setattr(_plugin_levels.PluginLevels, "drain", drain)
 
     def held(src: str, dst: str, fsync: bool) -> None:
         if dst.endswith(f"step-{4:08d}.pt"):
             entered.set()
-            assert io.started.wait(60), "teardown never began"
+            assert draining.wait(60), "the end of fit never drained the levels"
             raise OSError(errno.ENOSPC, "No space left on device")
         real(src, dst, fsync)
 

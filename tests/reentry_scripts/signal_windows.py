@@ -74,32 +74,53 @@ seen: list[str] = []
 
 
 def _site() -> str:
-    f = sys._getframe(2)  # the first frame out of threading and of reentry: the lazyckpt code taking the lock
-    while f is not None and os.path.basename(f.f_code.co_filename) in ("threading.py", "reentry.py"):
+    """The lazyckpt code taking the lock: the first frame out of threading, reentry and this script."""
+    f = sys._getframe(1)
+    while f is not None and os.path.basename(f.f_code.co_filename) in ("threading.py", "reentry.py", _ME):
         f = f.f_back
     assert f is not None
     return f"{os.path.relpath(f.f_code.co_filename, ROOT)}:{f.f_lineno}"
 
 
+_ME = os.path.basename(__file__)
+
+
+def trap() -> None:
+    """Right after the main thread took a lazyckpt lock: the signal, its handler run here, the lock held."""
+    if not (armed and threading.current_thread() is MAIN and not results_pending[0]):
+        return
+    site = _site()
+    if site not in seen:
+        seen.append(site)
+    results_pending[0] = True
+    try:
+        raise_signal()
+    finally:
+        results_pending[0] = False
+    if not results[-1].startswith("same") or results[-1].endswith("depth=0"):
+        bad.append(f"{site}: {results[-1]}")
+
+
+_lock_enter = reentry.Lock.__enter__
+
+
 def traced_acquire(self, blocking=True, timeout=-1):  # type: ignore[no-untyped-def]
     got = _acquire(self, blocking, timeout)
-    if got and armed and threading.current_thread() is MAIN and not results_pending[0]:
-        site = _site()
-        if site not in seen:
-            seen.append(site)
-        results_pending[0] = True
-        try:
-            raise_signal()  # the handler runs here, before this frame goes on: the lock is held
-        finally:
-            results_pending[0] = False
-        if not results[-1].startswith("same") or results[-1].endswith("depth=0"):
-            bad.append(f"{site}: {results[-1]}")
+    if got:
+        trap()
+    return got
+
+
+def traced_enter(self):  # type: ignore[no-untyped-def]
+    got = _lock_enter(self)
+    trap()
     return got
 
 
 bad: list[str] = []
 results_pending = [False]  # no tracing inside the handler itself
 reentry.Lock.acquire = traced_acquire  # type: ignore[method-assign]
+reentry.Lock.__enter__ = traced_enter  # type: ignore[method-assign]
 
 
 def cycle(i: int) -> None:

@@ -242,26 +242,20 @@ class Engine:
         pieces = [p for src in run for p in self._pieces(job, src)]
         if job.failed or not pieces:
             return
-        for _ in pieces:
-            job.piece_added()
         try:
             lo = pieces[0].file_offset
             buf = bytearray(pieces[-1].file_offset + pieces[-1].nbytes - lo)
-            crcs = []
+            written = []
             for piece in pieces:
                 data = memory_at(piece.source.data_ptr + piece.start, piece.nbytes)
                 at = piece.file_offset - lo
                 buf[at : at + piece.nbytes] = data
-                crcs.append(crc32(data) if job.crc else 0)
+                written.append((piece, crc32(data) if job.crc else 0))
             job.note_write_start()
             _fs.pwrite_all(job.fd, memoryview(buf), lo)
-            for piece, crc in zip(pieces, crcs, strict=True):
-                job.piece_written(piece, crc)
+            job.pieces_written(written)  # (save() holds the stager's count: no finalisation before this)
         except Exception as exc:
             job.fail(write_error(job, "writing", exc))
-        finally:
-            for _ in pieces:
-                job.piece_done()
 
     def _pieces(self, job: Job, src: Source, step: int = 0) -> list[Piece]:
         """Cut a source where its file offset crosses a multiple of ``step`` (default: the chunk

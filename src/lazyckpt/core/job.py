@@ -297,6 +297,13 @@ class Job:
         with self._lock:
             self._crcs.setdefault(piece.source.key, []).append((piece.file_offset, crc, piece.nbytes))
 
+    def pieces_written(self, written: list[tuple[Piece, int]]) -> None:
+        """Pieces written inside ``save()`` (``Engine.write_now_all``), with their CRCs, in one step. Not
+        counted in and out: the stager's own count is still out then, so the job cannot finalise."""
+        with self._lock:
+            for piece, crc in written:
+                self._crcs.setdefault(piece.source.key, []).append((piece.file_offset, crc, piece.nbytes))
+
     def piece_done(self) -> bool:
         """Count a finished piece; True when the job is ready to finalise."""
         with self._lock:

@@ -97,11 +97,19 @@ class Lock:
     def locked(self) -> bool:
         return self._lock.locked()
 
-    def __enter__(self) -> bool:
-        return self.acquire()
+    def __enter__(self) -> bool:  # acquire(), inlined: every lock of lazyckpt goes through here
+        local = _local
+        local.depth = getattr(local, "depth", 0) + 1
+        try:
+            self._lock.acquire()
+        except BaseException:
+            local.depth -= 1
+            raise
+        return True
 
     def __exit__(self, *exc: object) -> None:
-        self.release()
+        self._lock.release()
+        _local.depth -= 1
 
     def _at_fork_reinit(self) -> None:
         self._lock._at_fork_reinit()
