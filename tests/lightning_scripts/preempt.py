@@ -37,17 +37,28 @@ def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-_acquire = reentry.Lock.acquire
+_acquire, _enter = reentry.Lock.acquire, reentry.Lock.__enter__
 armed = [False]
 
 
-def trap(self, blocking=True, timeout=-1):  # type: ignore[no-untyped-def]
-    """The first lazyckpt lock the main thread takes once armed: SIGUSR1 while it is held."""
-    got = _acquire(self, blocking, timeout)
-    if got and armed[0] and threading.current_thread() is MAIN:
+def spring() -> None:
+    """Right after the main thread took a lazyckpt lock, once armed: SIGUSR1 while it is held."""
+    if armed[0] and threading.current_thread() is MAIN:
         armed[0] = False
         os.kill(os.getpid(), signal.SIGUSR1)  # Lightning's handler runs here, the lock held
         die()
+
+
+def trap(self, blocking=True, timeout=-1):  # type: ignore[no-untyped-def]
+    got = _acquire(self, blocking, timeout)
+    if got:
+        spring()
+    return got
+
+
+def trap_enter(self):  # type: ignore[no-untyped-def]
+    got = _enter(self)
+    spring()
     return got
 
 
@@ -60,6 +71,7 @@ class Preempt(Callback):
             die()
         elif MODE == "slurm-inside":
             reentry.Lock.acquire = trap  # type: ignore[method-assign]
+            reentry.Lock.__enter__ = trap_enter  # type: ignore[method-assign]
             armed[0] = True  # ModelCheckpoint's save (it runs after this callback) takes the locks
         else:
             os.kill(os.getpid(), signal.SIGTERM)
