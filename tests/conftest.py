@@ -103,11 +103,12 @@ def _not_left_inside_lazyckpt(request):
     every later save would then be written synchronously."""
     from lazyckpt.core import reentry
 
-    before = reentry.synchronous_saves
+    before = (reentry.synchronous_saves, reentry.refused_waits)
     yield
     assert reentry.depth() == 0, f"this thread is left {reentry.depth()} deep inside lazyckpt"
-    if "reentry" not in request.keywords:  # lazyckpt calling its own save() while inside it: a save made synchronous
-        assert reentry.synchronous_saves == before, "a save was written synchronously (re-entered) with no signal"
+    if "reentry" not in request.keywords:  # lazyckpt calling its own save() / wait() while inside it
+        after = (reentry.synchronous_saves, reentry.refused_waits)
+        assert after == before, "a save was written synchronously, or a wait refused (re-entered), with no signal"
 
 
 @pytest.fixture

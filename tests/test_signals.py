@@ -106,3 +106,19 @@ def _frames(ident: int | None) -> list:
         out.append(frame)
         frame = frame.f_back
     return out
+
+
+def test_a_wait_for_every_save_from_a_handler_that_interrupted_lazyckpt_returns_at_once(tmp_path: Path) -> None:
+    """``wait()`` from such a handler may need the frame it interrupted: it returns at once (a warning),
+    and the save made in the handler is durable already; the pending save is drained by the next wait."""
+    ckpt = LazyCheckpointer(host_memory_budget=64 << 20)
+    hold = _held_stager(ckpt)
+    pending = ckpt.save({"v": torch.zeros(10)}, tmp_path / "a.pt")
+    with reentry.inside():
+        ckpt.save({"v": torch.ones(10)}, tmp_path / "b.pt")
+        ckpt.wait()  # returns: it does not wait for a.pt (the stager is held)
+    assert not pending.done() and torch.equal(torch.load(tmp_path / "b.pt")["v"], torch.ones(10))
+    hold.set()
+    ckpt.wait()
+    ckpt.close()
+    assert torch.equal(torch.load(tmp_path / "a.pt")["v"], torch.zeros(10))

@@ -258,13 +258,15 @@ class LazyCheckpointer(_exit.ClosedOnExit):
         job.t_returned = time.perf_counter()
         return job.handle
 
-    @reentry.region
     def wait(self, timeout: float | None = None) -> None:
         """Block until every save made so far is durable and every ``remove()`` has run, then raise
         the oldest background error nobody has seen (see ``raise_errors``). ``timeout``: seconds
         (``None``: no limit); ``TimeoutError`` when they are not all done by then."""
-        self._drain(timeout)
-        self._raise_unreported()
+        if reentry.wait_refused("LazyCheckpointer.wait()"):
+            return
+        with reentry.inside():
+            self._drain(timeout)
+            self._raise_unreported()
 
     def _drain(self, timeout: float | None) -> None:
         """Wait for the levels' copies, then every pending save, removal and upload (``wait()``,

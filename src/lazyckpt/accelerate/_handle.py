@@ -101,6 +101,8 @@ class AccelerateHandle(InstalledHandle):
         """Block until every pending ``save_state`` of this accelerator is durable (and old folders deleted for
         ``total_limit`` are gone); raise the first error nobody has seen. ``timeout``: seconds (``None``: no
         limit), then ``TimeoutError``."""
+        if reentry.wait_refused("accelerate handle.wait()"):
+            return
         deadline = None if timeout is None else time.monotonic() + timeout
 
         def left() -> float | None:

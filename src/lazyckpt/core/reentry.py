@@ -43,11 +43,31 @@ def reentered() -> bool:
 
 
 synchronous_saves = 0  # saves written at once because they re-entered (tests: none but the signal tests')
+refused_waits = 0  # waits refused because they re-entered (the same)
 
 
 def count_synchronous() -> None:
     global synchronous_saves
     synchronous_saves += 1
+
+
+def wait_refused(what: str) -> bool:
+    """True (and a warning) when a wait for every pending save is asked from a signal handler that
+    interrupted lazyckpt on this thread: such a wait may need the very frame it interrupted (a lock it
+    holds, a confirmation it owes), so it returns at once instead. A save made there is already durable
+    when it returns; the pending ones are drained by the next wait from the loop, or at exit."""
+    global refused_waits
+    if not reentered():
+        return False
+    refused_waits += 1
+    import logging
+
+    logging.getLogger("lazyckpt").warning(
+        "lazyckpt: %s called from a signal handler that interrupted lazyckpt: not waiting (saves made in the "
+        "handler are already durable; wait from the training loop for the others)",
+        what,
+    )
+    return True
 
 
 def _enter() -> None:

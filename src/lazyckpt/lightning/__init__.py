@@ -179,6 +179,8 @@ class LazyCheckpointIO(_CheckpointIO):
     def wait(self, timeout: float | None = None) -> None:
         """Block until every pending save is durable (uploaded for URLs) and every delete done; raise
         the first unseen error. ``timeout``: seconds (``None``: no limit), then ``TimeoutError``."""
+        if reentry.wait_refused("LazyCheckpointIO.wait()"):
+            return
         self._runtime.wait(timeout)
 
     def wait_staged(self, timeout: float | None = None) -> None:

@@ -427,6 +427,8 @@ class TransformersHandle(InstalledHandle):
         """Block until every checkpoint saved so far is committed at its ``checkpoint-N`` name (and the
         rotation after it done); raise the first error nobody has seen. ``timeout``: seconds, then
         ``TimeoutError``."""
+        if reentry.wait_refused("TransformersHandle.wait()"):
+            return
         deadline = None if timeout is None else time.monotonic() + timeout
 
         def left() -> float | None:
