@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import time
+import threading
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -27,16 +27,16 @@ class Preempt(transformers.TrainerCallback):
 
     def __init__(self, manager, at: int) -> None:  # type: ignore[no-untyped-def]
         self.manager, self.at = manager, at
+        self.requested = threading.Event()
+        enable = manager._enable_checkpoint  # the timer's callback: set the event once it has run
+        manager._enable_checkpoint = lambda: (enable(), self.requested.set())
 
     def on_step_end(self, args, state, control, **kw):  # type: ignore[no-untyped-def]
         if state.global_step != self.at:
             return
         os.kill(os.getpid(), signal.SIGTERM)
-        deadline = time.monotonic() + 30
-        while not self.manager.is_checkpoint_requested:
-            if time.monotonic() > deadline:
-                raise TimeoutError("the JIT manager never asked for the checkpoint")
-            time.sleep(0.001)
+        if not self.requested.wait(30):
+            raise TimeoutError("the JIT manager never asked for the checkpoint")
 
 
 def main() -> None:
