@@ -70,6 +70,7 @@ def _small_disk_files_in_the_background(monkeypatch):
     from lazyckpt.core import plan
 
     monkeypatch.setattr(plan, "INLINE_MAX_BYTES", 0)
+    monkeypatch.setattr(plan, "TINY_MAX_BYTES", 0)
 
 
 @pytest.fixture
@@ -78,6 +79,7 @@ def busy_rule(monkeypatch):
     from lazyckpt.core import plan
 
     monkeypatch.setattr(plan, "INLINE_MAX_BYTES", 64 << 20)
+    monkeypatch.setattr(plan, "TINY_MAX_BYTES", 1 << 20)
     return plan
 
 

@@ -7,7 +7,8 @@ than the whole save (transformers Trainer, 63 MB per checkpoint: 0.06-0.19 s in 
 0.04 s written in save(), stock 0.07 s). So ``save()`` writes a disk file of at most
 ``core/plan.INLINE_MAX_BYTES`` of tensor data itself, straight from the tensors, and only the
 fsync and the commit run in the background; larger files keep the background's O_DIRECT writes
-(cheaper in CPU than a page-cache copy). With a core to spare nothing changes.
+(cheaper in CPU than a page-cache copy). With a core to spare only a tiny file (``TINY_MAX_BYTES``)
+is written in save().
 
 These tests use the product's bound (``busy_rule``; the other tests of this process run with it at
 0, see conftest.py).
@@ -61,8 +62,11 @@ def test_the_rule(busy):
     assert not plan.write_in_save(True, [torch.device("cpu"), torch.device("cuda", 0)], small)
     if usable_cpus() >= 2:
         torch.set_num_threads(1)  # a core to spare: the background overlap is free
-        assert not plan.write_in_save(False, CPU, small)
+        assert not plan.write_in_save(False, CPU, 2 * small)
         assert not plan.write_in_save(True, CPU, large)
+        assert plan.write_in_save(False, CPU, plan.TINY_MAX_BYTES)  # but not worth a tiny file's handoffs
+        assert plan.write_in_save(True, CPU, plan.TINY_MAX_BYTES)
+        assert not plan.write_in_save(False, [torch.device("cuda", 0)], plan.TINY_MAX_BYTES)
 
 
 def test_a_small_disk_file_is_written_inside_save_and_committed_in_the_background(tmp_path, busy, monkeypatch):
@@ -144,6 +148,20 @@ def test_a_spare_core_keeps_the_background_writes(tmp_path, busy_rule, monkeypat
     assert writers and all(name.startswith("lazyckpt-") for name in writers)
 
 
+def test_a_tiny_file_is_written_inside_save_with_a_core_to_spare_too(tmp_path, busy_rule, monkeypatch):
+    if usable_cpus() < 2:
+        pytest.skip("needs 2 CPUs to leave one spare")
+    torch.set_num_threads(1)
+    model, opt = _trained(width=64)  # ~200 KB with its AdamW state
+    writers = data_writers(monkeypatch)
+    with LazyCheckpointer() as ckpt:
+        ckpt.track(opt)
+        expected = {"model": model.state_dict(), "optim": opt.state_dict()}
+        ckpt.save(expected, tmp_path / "c.pt").wait()
+    assert writers and set(writers) == {threading.current_thread().name}
+    assert_same(torch.load(tmp_path / "c.pt"), expected)
+
+
 def test_a_failed_write_inside_save_fails_that_save_loudly_and_leaves_no_file(tmp_path, busy, monkeypatch):
     model, opt = _trained()
     real = _fs.pwrite_all
@@ -218,3 +236,5 @@ def test_transformers_trainer_checkpoints_in_the_busy_regime_equal_stock(tmp_pat
     stock, lazy = stock_and_lazy(tmp_path, save_total_limit=2)
     assert decided and all(decided)  # every file of every checkpoint-N written in save()
     assert assert_same_checkpoints(stock, lazy) == ["checkpoint-4", "checkpoint-6"]
+    for name in ("model.safetensors", "optimizer.pt"):  # by the writer stock calls: stock's very bytes
+        assert (lazy / "checkpoint-6" / name).read_bytes() == (stock / "checkpoint-6" / name).read_bytes()

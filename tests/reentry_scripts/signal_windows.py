@@ -27,7 +27,7 @@ from lazyckpt.core import plan, reentry
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MAIN = threading.main_thread()
 OUT = sys.argv[1]
-plan.INLINE_MAX_BYTES = 0  # the background path for this small checkpoint, as with a core to spare (GPU training)
+plan.INLINE_MAX_BYTES = plan.TINY_MAX_BYTES = 0  # the background path for this small checkpoint (GPU training)
 
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))

@@ -274,6 +274,14 @@ _STAND_INS: dict[str, tuple[tuple[Any, str], Callable[..., Any]]] = {
 }
 
 
+def write_stock(obj: Any, path: str, format: str, metadata: dict[str, str] | None = None) -> None:
+    """What a routed call would have written, written by the function the gate replaced."""
+    if format == "torch":
+        _original("torch.save")(obj, path)
+    else:
+        _original("safetensors.torch.save_file")(obj, path, metadata=metadata)
+
+
 def _original(name: str) -> Callable[..., Any]:
     """The function a stand-in replaced (after the last uninstall(), what was there at import)."""
     return _originals.get(name) or _AT_IMPORT[name]

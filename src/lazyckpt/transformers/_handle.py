@@ -27,6 +27,7 @@ import torch
 
 from lazyckpt.checkpointer import producer_of
 from lazyckpt.core import exit as _exit
+from lazyckpt.core import plan as _plan
 from lazyckpt.core import reentry
 from lazyckpt.core.installed import InstalledHandle, drain_at_exit
 from lazyckpt.core.job import sync_parent
@@ -97,6 +98,11 @@ class CheckpointSave:
 
     def _save(self, obj: Any, path: str, **options: Any) -> None:
         assert self.writer, "a routed save on a process that does not write"
+        if _plan.small_in_save(self.checkpointer.options, obj, self.staging):
+            # lazyckpt would write it whole here anyway: stock's writer does (its bytes, at its cost);
+            # fsynced with stock's other files (sync_stock_files) before the folder is published
+            _compat.write_stock(obj, path, **options)
+            return
         token = sync_parent.set(False)  # the staging folder is fsynced once, before its rename
         try:
             self.handles.append(self.checkpointer.save(obj, path, **options))
