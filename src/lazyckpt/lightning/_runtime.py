@@ -354,8 +354,9 @@ class PluginRuntime:
         seen = self._sharded_seen() if self._sharded_seen is not None else None
         if seen is not None and (_sharded.sharded_state_key(seen) is None or "save_checkpoint" in vars(seen)):
             return  # nothing to do, or already installed
-        plugin = self._plugin()
-        strategy = None if plugin is None else _compat.find_strategy(plugin)
+        # the strategy attach() found (at this step or before): a plugin of an earlier Trainer, still
+        # alive, never searches the frames of every step (find_strategy)
+        strategy = self._strategy_ref() if self._strategy_ref is not None else None
         if strategy is None:
             return
         self._sharded_seen = weakref.ref(strategy)
