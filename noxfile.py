@@ -91,6 +91,17 @@ def bench(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+def docs(session: nox.Session) -> None:
+    """Build the documentation site (warnings are errors); `nox -s docs -- serve` serves it on localhost:8000."""
+    _install(session, "docs", "lightning", "accelerate", "transformers")
+    session.run("python", "-m", "benchmarks.report", "--check")
+    if session.posargs[:1] == ["serve"]:
+        session.run("mkdocs", "serve", "--strict")
+    else:
+        session.run("mkdocs", "build", "--strict", "--site-dir", "build/site")
+
+
+@nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
     """ruff lint and format check."""
     session.install("ruff")

@@ -1,7 +1,7 @@
 """transformers Trainer: the wall time of a whole ``train()`` that saves every step, stock vs lazyckpt, in one run.
 
     python -m benchmarks.bench_transformers_run                      # 24 steps, save_steps=1, 5 rounds
-    python -m benchmarks.bench_transformers_run --out docs/results/transformers-run.json
+    python -m benchmarks.bench_transformers_run --out benchmarks/results/transformers-run.json
 
 The tiny GPT-2 of the test suite (2 layers, 32 wide) trains ``--steps`` steps with ``save_steps=1`` into a
 fresh folder on disk, ``train()`` timed from its call to its return (lazy: the end of ``train()`` waits for

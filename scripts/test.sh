@@ -5,6 +5,9 @@
 #   one-thread      the core and levels tests again with OMP_NUM_THREADS=1: torch on one thread is the
 #                   spare-core regime (copies run beside training), where tests that wait for a copy whose
 #                   source save nobody confirmed once waited 60 s
+#   docs            the documentation site built with warnings as errors (mkdocs --strict), and the benchmark
+#                   tables checked against benchmarks/results/ (python -m benchmarks.report --check)
+#   package         python -m build (wheel and sdist) and twine check
 #   install-oldest  .venv-oldest: the oldest supported Lightning and Accelerate, without transformers
 #   oldest          the framework-internals tests on those versions (OLDEST_TESTS: the rule is below)
 # With arguments, only the main pass, with the arguments given to pytest (-n 0 runs it without workers).
@@ -78,6 +81,18 @@ if [ "$#" -eq 0 ]; then
   OMP_NUM_THREADS=1 run_pytest one-thread .venv -q "${workers[@]}" "${ONE_THREAD_TESTS[@]}"
   one=$?
   [ "$rc" -eq 0 ] && rc=$one
+fi
+if [ "$#" -eq 0 ]; then
+  echo "== docs: the site builds with warnings as errors; the benchmark tables match the committed results"
+  timed docs bash -c '.venv/bin/python -m benchmarks.report --check &&
+    .venv/bin/python -m mkdocs build --strict --quiet --site-dir "$0/site"' "$RESULTS"
+  d=$?
+  echo "== package: a wheel and an sdist build, and twine check passes"
+  timed package bash -c 'rm -rf "$0/dist" && .venv/bin/python -m build --outdir "$0/dist" . >"$0/build.log" 2>&1 &&
+    .venv/bin/python -m twine check --strict "$0"/dist/*' "$RESULTS"
+  p=$?
+  [ "$rc" -eq 0 ] && rc=$d
+  [ "$rc" -eq 0 ] && rc=$p
 fi
 if [ "$#" -eq 0 ] && [ -z "${LAZYCKPT_SKIP_OLDEST:-}" ]; then
   echo "== framework-internals tests on the oldest supported frameworks ($OLDEST_PINS)"

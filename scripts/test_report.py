@@ -1,9 +1,9 @@
 """The test suite's timings: what `scripts/test.sh` prints at its end, the result files kept in
-docs/results/, and the tables of docs/testing.md generated from them.
+benchmarks/results/, and the tables of docs/testing.md generated from them.
 
     python scripts/test_report.py summary DIR            # each pass's wall time, the 15 slowest tests
     python scripts/test_report.py record DIR OUT.json LABEL   # DIR's passes as one committed result file
-    python scripts/test_report.py tables                  # docs/testing.md's tables from docs/results/tests-*.json
+    python scripts/test_report.py tables                  # docs/testing.md's tables from benchmarks/results/tests-*.json
 
 DIR holds what one run of scripts/test.sh left in .test-results/: `<pass>.xml` (pytest's JUnit XML, time =
 setup + call + teardown of each test) and `<pass>.wall` (the pass's wall seconds, pytest's start included).
@@ -21,7 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "testing.md"
-RESULTS = ROOT / "docs" / "results"
+RESULTS = ROOT / "benchmarks" / "results"
 PASS_ORDER = ("install", "main", "one-thread", "install-oldest", "oldest")
 
 

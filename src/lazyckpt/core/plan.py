@@ -112,7 +112,7 @@ def write_in_save(memory: bool, devices: list[torch.device], nbytes: int = 0) ->
     With every core training, lazyckpt's threads run beside the training's intra-op threads, which
     all wait at the end of each parallel op for the one that lost its core: a background copy
     costs the training more than the copy. On a memory filesystem a write is a memory copy, the
-    same work on any thread (measured: lazyckpt's stall on /dev/shm 1.15x torch.save's, issue 15).
+    same work on any thread (measured: lazyckpt's stall on /dev/shm 1.15x torch.save's).
     On a disk, a small file written in ``save()`` costs a page-cache copy of a few tens of ms,
     less than what waking the background threads costs a step (transformers Trainer, 63 MB in two
     files per checkpoint, busy: 0.04 s in save() vs 0.06-0.19 s in the background, stock 0.07 s;

@@ -1,4 +1,4 @@
-"""Multi-level checkpoints (issue 22): ``Level``, the multi-level saver, ``latest()`` and ``load()``.
+"""Multi-level checkpoints: ``Level``, the multi-level saver, ``latest()`` and ``load()``.
 
 The scheduling (which levels are due), retention and ``latest()`` work on step numbers and level
 folders only; they do not depend on the file format or on who writes the files, so a distributed

@@ -118,7 +118,7 @@ def _copy_data(fd_in: int, fd_out: int, size: int, new: str) -> None:
     source's bytes cross the memory bus once (the kernel or the device reads them for the write),
     not three times (read, written into a buffer, read again). A 1.17 GB tmpfs file to ext4 with
     O_DIRECT: 0.07 CPU s and 0.61-0.71 s, against 0.25-0.32 CPU s and 0.73-1.08 s through a bounce
-    buffer (4 rounds, 2026-12-03); MAP_POPULATE measured no better (0.08 CPU s). Whole pages go
+    buffer (4 rounds); MAP_POPULATE measured no better (0.08 CPU s). Whole pages go
     through a second, O_DIRECT descriptor where the destination takes one (not tmpfs) and the copy
     is big: a buffered copy of the same file cost the copying process 1.5-3.1 CPU s here (the page
     cache's copy and its writeback); the CPU is what a copy in the background takes from the

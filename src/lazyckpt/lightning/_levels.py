@@ -1,4 +1,4 @@
-"""``MultiLevelCheckpoint``: the Trainer's full state by level (issue 22), through ``LazyCheckpointIO``.
+"""``MultiLevelCheckpoint``: the Trainer's full state by level, through ``LazyCheckpointIO``.
 
     from lazyckpt import Level
     from lazyckpt.lightning import LazyCheckpointIO, MultiLevelCheckpoint
