@@ -96,7 +96,7 @@ def upstream_section() -> str:
         "The tests that pass with stock but not with lazyckpt are listed with the reason; the per-file table",
         "compares wall times.",
     ]
-    for path in sorted(RESULTS.glob("upstream-*.md")):
+    for path in sorted(RESULTS.glob("upstream*.md")):
         text = path.read_text().strip()
         text = re.sub(r"^(#+) ", lambda m: "#" * (len(m.group(1)) + 2) + " ", text, flags=re.M)
         out += ["", text]

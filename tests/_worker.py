@@ -14,6 +14,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+STACKS_AFTER_S = float(os.environ.get("LAZYCKPT_TEST_STACKS_AFTER_S", "0"))  # 0: off
+
 
 class Args(NamedTuple):
     scenario: str
@@ -36,6 +38,11 @@ def scenarios(namespace: dict[str, Any]) -> dict[str, Callable[[], None]]:
 def run(args: Args, namespace: dict[str, Any], result: dict, init: Callable[[], None] | None = None) -> None:
     """``init()`` then the scenario ``args.scenario`` of ``namespace``; writes ``result`` (with
     ok=False, the error and the traceback on an exception) to WORKDIR/result-<rank>.json; exits."""
+    if STACKS_AFTER_S:  # a rank still running after that long writes every thread's stack (again each
+        import faulthandler  # period) to WORKDIR/stacks-<rank>.txt: where a slow multi-process test waits
+
+        stacks = open(os.path.join(args.workdir, f"stacks-{args.rank}.txt"), "w")  # noqa: SIM115 - until os._exit
+        faulthandler.dump_traceback_later(STACKS_AFTER_S, repeat=True, file=stacks)
     if init is not None:
         init()
     try:

@@ -185,11 +185,13 @@ def phase_enospc(out: str, report: dict[str, Any]) -> None:
 
 def _hold_first_level_error_until_settled() -> None:
     """Rank 1 learns of the disk level's first failure only once its training thread settles its
-    level saves (``PluginLevels.drain``): rank 0 knows first, so the ranks must agree to raise it
-    together, each its own ``DistributedLevelError``. Bounded (a rank that never settles gets it later)."""
+    level saves (``PluginLevels.drain``) or is to wait for the disk level's backlog, which the held
+    part fills (without that release it waited out the bound, 120 s, in some runs): rank 0 knows
+    first, so the ranks must agree to raise it together, each its own ``DistributedLevelError``.
+    Bounded (a rank that never settles gets it later)."""
     import threading
 
-    from lazyckpt.levels import _handle
+    from lazyckpt.levels import _handle, _schedule
     from lazyckpt.lightning import _levels
 
     settled = threading.Event()
@@ -204,8 +206,17 @@ def _hold_first_level_error_until_settled() -> None:
         settled.set()
         drain(self, timeout)
 
+    def settling_admit(self: Any, index: int, level: Any, step: int, skip: Any, confirm: Any, **kw: Any) -> bool:
+        def confirm_and_settle() -> None:  # called when the training thread is to wait for a backlog place:
+            settled.set()  # what it waits for (the held part) must be able to end, as without the hold
+            confirm()
+
+        return admit(self, index, level, step, skip, confirm_and_settle, **kw)
+
+    admit = _schedule.Backlog.admit
     _handle.Parts.part_done = held_part_done  # type: ignore[method-assign]
     _levels.PluginLevels.drain = settling_drain  # type: ignore[method-assign]
+    _schedule.Backlog.admit = settling_admit  # type: ignore[method-assign]
 
 
 def main() -> None:
