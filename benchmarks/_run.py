@@ -17,6 +17,7 @@ import os
 import platform
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 import warnings
@@ -58,7 +59,10 @@ def add_json_argument(p: argparse.ArgumentParser, what: str = "the table") -> No
 
 def emit_json(doc: dict[str, Any], where: str | None) -> bool:
     """``--json``: ``-`` prints ``doc`` instead of the report (True: nothing else to print); a FILE
-    gets it beside the report."""
+    gets it beside the report. The doc records the command line that made it (``command``)."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    doc.setdefault("command", " ".join(["python -m", spec.name if spec else sys.argv[0], *sys.argv[1:]]))
     if where == "-":
         dump_json(doc)
         return True

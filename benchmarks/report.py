@@ -87,6 +87,59 @@ def transformers_run_section() -> str:
     return "\n".join(out)
 
 
+CORE_MODES = {
+    "torch.save": "`torch.save` + fsync + rename (synchronous)",
+    "dcp": "`torch.distributed.checkpoint.async_save` (no_dist)",
+    "write-only": "the same bytes written + fsynced in the background (the storage floor; not a checkpointer)",
+    "lazyckpt": "`LazyCheckpointer` (fsync, CRC32, atomic rename)",
+}
+
+
+def core_table(doc: dict[str, Any]) -> str:
+    summary = doc["summary"]
+    rows = [
+        "| mode | stall per checkpoint (s) | x `torch.save` | time inside `save()` (s) |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    base = summary.get("torch.save", {}).get("stall_s")
+    for mode, what in CORE_MODES.items():
+        if mode not in summary or summary[mode].get("stall_s") is None:
+            continue
+        stall = summary[mode]["stall_s"]
+        ratio = f"{stall / base:.2f}x" if base and stall > 0 else ("~0" if base else "")
+        rows.append(f"| {what} | {stall:.3f} | {ratio} | {summary[mode]['save_call_s']:.3f} |")
+    return "\n".join(rows)
+
+
+def _core_facts(doc: dict[str, Any]) -> str:
+    cfg, facts = doc["config"], doc["facts"]
+    gb = doc["ckpt_tensor_bytes"] / 1e9
+    return (
+        f"GPT of {doc['params'] / 1e6:.0f}M parameters ({cfg['n_layer']} layers x {cfg['n_embd']}) + AdamW: "
+        f"{gb:.2f} GB per checkpoint, a checkpoint after every step, {doc['steps']} checkpoints x {doc['rounds']} "
+        f"rounds (medians); step {doc['summary']['none']['step_s']:.2f} s without checkpoints; "
+        f"training on {facts['device']} with {facts['torch_threads']} torch thread(s) of {facts['cpus']} CPUs; "
+        f"the disk writes + fsyncs {doc['summary']['raw_write_gbps']:.2f} GB/s."
+    )
+
+
+def core_section() -> str:
+    out = [
+        "## Core: a checkpoint of model + optimizer after every step",
+        "",
+        "`python -m benchmarks.bench_core`: the same model, optimizer and batches in every mode, modes interleaved",
+        "in rounds; the stall per checkpoint is the extra time per step against no checkpointing, the final drain",
+        "counted.",
+    ]
+    for name, regime in (("core-1thread.json", "A core to spare"), ("core.json", "Every core training")):
+        doc = _load(name)
+        if doc is None:
+            continue
+        out += ["", f"### {regime}", "", f"Command: `{doc.get('command', 'python -m benchmarks.bench_core')}`.",
+                "", _core_facts(doc), "", core_table(doc)]  # fmt: skip
+    return "\n".join(out)
+
+
 def upstream_section() -> str:
     out = [
         "## The frameworks' own tests",
@@ -104,19 +157,20 @@ def upstream_section() -> str:
 
 
 def readme_block() -> str:
-    doc = _load("transformers-run.json")
-    if doc is None:
-        return "(no results yet)"
-    return "\n".join([
-        f"A transformers `Trainer` saving every step (`{doc['command']}`; {doc['machine']['cpus']} CPUs, "
-        f"torch threads {doc['torch_threads']}):",
-        "",
-        transformers_run_table(doc),
-    ])  # fmt: skip
+    core = _load("core-1thread.json")
+    out = []
+    if core is not None:
+        out += [f"`{core['command']}`: {_core_facts(core)}", "", core_table(core), ""]
+    run = _load("transformers-run.json")
+    if run is not None:
+        out += [f"`{run['command']}`: a tiny transformers `Trainer` saving every step, whole `train()`:", "",
+                transformers_run_table(run), ""]  # fmt: skip
+    return "\n".join(out).strip() or "(no results yet)"
 
 
 def render() -> tuple[str, str]:
-    doc = "\n\n".join([INTRO.strip(), transformers_run_section(), upstream_section()]) + "\n"
+    sections = [INTRO.strip(), core_section(), transformers_run_section(), upstream_section()]
+    doc = "\n\n".join(sections) + "\n"
     readme = README.read_text()
     block = f"{README_BEGIN}\n{readme_block()}\n{README_END}"
     pattern = re.compile(re.escape(README_BEGIN) + ".*?" + re.escape(README_END), re.S)
