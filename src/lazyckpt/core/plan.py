@@ -102,28 +102,15 @@ def use_direct_io(option: bool | None, sizes: list[int]) -> bool:
 
 
 def write_in_save(memory: bool, devices: list[torch.device], nbytes: int = 0) -> bool:
-    """Whether ``save()`` writes the file itself instead of handing it to the background threads:
-    when training uses every core (``torch.get_num_threads()`` >= the usable CPUs), every tensor is
-    on the CPU, and the file goes to a memory filesystem (tmpfs, ramfs: ``memory``) or holds some
-    tensor data but at most ``INLINE_MAX_BYTES`` (``nbytes``; per file: a folder of many small
-    files is written in ``save()`` file by file). A file written in ``save()`` is also created
-    there: on a disk that may wait on the journal while the previous checkpoint is fsynced.
-
-    With every core training, lazyckpt's threads run beside the training's intra-op threads, which
-    all wait at the end of each parallel op for the one that lost its core: a background copy
-    costs the training more than the copy. On a memory filesystem a write is a memory copy, the
-    same work on any thread (measured: lazyckpt's stall on /dev/shm 1.15x torch.save's).
-    On a disk, a small file written in ``save()`` costs a page-cache copy of a few tens of ms,
-    less than what waking the background threads costs a step (transformers Trainer, 63 MB in two
-    files per checkpoint, busy: 0.04 s in save() vs 0.06-0.19 s in the background, stock 0.07 s;
-    ``benchmarks/bench_transformers.py``); a large one is cheaper through the background's
-    O_DIRECT writes, which skip the page cache (Accelerate, 1.17 GB: 0.49 s in the background vs
-    1.75 s in save(); Lightning, one 166 MB file: even). Written there, once, straight from the
-    tensors (no staging copy). With a core to spare (as in GPU training) the background overlap is
-    kept, except for a file of at most ``TINY_MAX_BYTES`` of tensor data: its write is a fraction of
-    a millisecond, less than what handing its pieces to the writer threads costs the training thread
-    (the GIL; a tiny transformers Trainer saving every step: 1.65x stock's ``train()`` in the
-    background, 1.08x written in save())."""
+    """Whether ``save()`` writes the file itself (on the caller's thread, straight from the tensors)
+    instead of handing it to the writer threads; only its fsync and commit then run in the background.
+    Never for device tensors (their copies overlap training). Always for a file with at most
+    ``TINY_MAX_BYTES`` of tensor data: handing its pieces to threads costs the caller more than writing
+    it. When training uses every core (``torch.get_num_threads()`` >= the usable CPUs), also for a
+    memory filesystem (``memory``: a write there is a memory copy on any thread) and for a disk file
+    with at most ``INLINE_MAX_BYTES`` (``nbytes``): a background thread would take a core from the
+    training's intra-op threads. Larger disk files keep the background's O_DIRECT writes. Measured
+    in docs/benchmarks.md (bench_core, bench_transformers_run)."""
     if any(d.type != "cpu" for d in devices):
         return False
     if 0 < nbytes <= TINY_MAX_BYTES:  # any regime: the write is cheaper than handing it to the threads
