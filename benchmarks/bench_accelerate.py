@@ -44,12 +44,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
+import accelerate
 import torch
 
 from . import gpt as _gpt
@@ -234,7 +237,19 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(
             json.dumps(
-                {"size": args.size, "params": nparams, "checkpoint_bytes": ckpt_bytes, "rows": rows, "times": times},
+                {
+                    "command": "python -m benchmarks.bench_accelerate " + " ".join(sys.argv[1:]),
+                    "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+                    "versions": {"torch": torch.__version__, "accelerate": accelerate.__version__},
+                    "threads": torch.get_num_threads(),
+                    "steps": args.steps,
+                    "rounds": args.rounds,
+                    "size": args.size,
+                    "params": nparams,
+                    "checkpoint_bytes": ckpt_bytes,
+                    "rows": rows,
+                    "times": times,
+                },
                 indent=1,
             )
         )

@@ -99,6 +99,7 @@ def main() -> None:
     )
     p.add_argument("--strategy", choices=["single", "model_parallel"], default="single",
                    help="model_parallel: ModelParallelStrategy (FSDP2), 2 ranks, stock sharded vs lazy")  # fmt: skip
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the results here")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -181,6 +182,22 @@ def main() -> None:
         and stall["LazyCheckpointIO"] <= 0.1 * stall["AsyncCheckpointIO"]
     )
     print("targets (<= 0.05x Torch, <= 0.1x Async):", "met" if ok else "NOT met")
+    if args.json:
+        import json
+        import platform
+        import sys
+
+        import lightning
+
+        doc = {
+            "command": "python -m benchmarks.bench_lightning " + " ".join(sys.argv[1:]),
+            "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+            "versions": {"torch": torch.__version__, "lightning": lightning.__version__},
+            "threads": torch.get_num_threads(), "params": params, "steps": args.steps, "repeats": args.repeats,
+            "checkpoint_bytes": lazy_stats[0].file_bytes, "fit_s": runs, "stall_s": stall, "per_repeat_s": per_rep,
+            "storage_floor_s": floor, "disk_s": disk["s"],
+        }  # fmt: skip
+        Path(args.json).write_text(json.dumps(doc, indent=1))
 
 
 if __name__ == "__main__":

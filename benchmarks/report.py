@@ -140,6 +140,77 @@ def core_section() -> str:
     return "\n".join(out)
 
 
+ACCELERATE_PHASES = {
+    "stock": "stock `save_state()` (synchronous, page cache, no fsync)",
+    "lazyckpt": "`lazyckpt.accelerate.install(accelerator)` (fsync, atomic rename)",
+    "storage-floor": "the disk's floor: one checkpoint's write + fsync that training cannot hide",
+}
+
+
+def accelerate_section() -> str:
+    out = [
+        "## Accelerate: `save_state()` after every step",
+        "",
+        "`python -m benchmarks.bench_accelerate`: one prepared GPT + AdamW + scheduler, phases interleaved in",
+        "rounds; the stall per checkpoint is the extra time per step against no checkpoint, lazyckpt's last",
+        'drain counted. Stock never fsyncs: its "as durable" column adds the `os.sync()` that makes its',
+        "checkpoints as durable as lazyckpt's.",
+    ]
+    for name, regime in (("accelerate-1thread.json", "A core to spare"), ("accelerate.json", "Every core training")):
+        doc = _load(name)
+        if doc is None:
+            continue
+        rows = {r["phase"]: r for r in doc["rows"]}
+        stock = rows.get("stock", {}).get("stall_s")
+        table = ["| phase | stall per checkpoint (s) | x stock | as durable as lazyckpt (s) |",
+                 "| --- | ---: | ---: | ---: |"]  # fmt: skip
+        for phase, what in ACCELERATE_PHASES.items():
+            r = rows.get(phase)
+            if r is None:
+                continue
+            ratio = f"{r['stall_s'] / stock:.2f}x" if stock and phase != "stock" else ("1.00x" if stock else "")
+            synced = r.get("stall_synced_s")
+            table.append(f"| {what} | {r['stall_s']:.3f} | {ratio} | {'' if synced is None else f'{synced:.3f}'} |")
+        facts = (f"GPT of {doc['params'] / 1e6:.0f}M parameters, {doc['checkpoint_bytes'] / 1e9:.2f} GB per "
+                 f"checkpoint, {doc['steps']} steps x {doc['rounds']} rounds, torch threads {doc['threads']} of "
+                 f"{doc['machine']['cpus']} CPUs; ")  # fmt: skip
+        facts += ", ".join(f"{k} {v}" for k, v in doc["versions"].items())
+        out += ["", f"### {regime}", "", f"Command: `{doc['command']}`.", "", facts + ".", "", "\n".join(table)]
+    return "\n".join(out)
+
+
+def lightning_section() -> str:
+    out = [
+        "## Lightning: `Trainer.fit` with `ModelCheckpoint(every_n_train_steps=1)`",
+        "",
+        "`python -m benchmarks.bench_lightning`: the same fit with no checkpointing and with each plugin, in",
+        "rotated order; the stall per checkpoint is the fit's extra time per step against the no-checkpoint fit",
+        "of the same repeat, teardown (the asynchronous plugins' last drain) counted.",
+    ]
+    names = {
+        "TorchCheckpointIO": "`TorchCheckpointIO` (stock, synchronous, no fsync)",
+        "AsyncCheckpointIO": "`AsyncCheckpointIO` (Lightning's own asynchronous plugin)",
+        "LazyCheckpointIO": "`LazyCheckpointIO()` (fsync, atomic rename)",
+    }
+    for name, regime in (("lightning-1thread.json", "A core to spare"), ("lightning.json", "Every core training")):
+        doc = _load(name)
+        if doc is None:
+            continue
+        torch_stall = doc["stall_s"]["TorchCheckpointIO"]
+        table = ["| plugin | stall per checkpoint (s) | x `TorchCheckpointIO` |", "| --- | ---: | ---: |"]
+        for key, what in names.items():
+            stall = doc["stall_s"][key]
+            table.append(f"| {what} | {stall:.3f} | {stall / torch_stall:.2f}x |")
+        table.append(f"| the disk's floor (write + fsync training cannot hide) | {doc['storage_floor_s']:.3f} | "
+                     f"{doc['storage_floor_s'] / torch_stall:.2f}x |")  # fmt: skip
+        facts = (f"GPT of {doc['params'] / 1e6:.0f}M parameters, {doc['checkpoint_bytes'] / 1e9:.2f} GB per "
+                 f"checkpoint, {doc['steps']} steps x {doc['repeats']} repeats, torch threads {doc['threads']} of "
+                 f"{doc['machine']['cpus']} CPUs; ")  # fmt: skip
+        facts += ", ".join(f"{k} {v}" for k, v in doc["versions"].items())
+        out += ["", f"### {regime}", "", f"Command: `{doc['command']}`.", "", facts + ".", "", "\n".join(table)]
+    return "\n".join(out)
+
+
 def upstream_section() -> str:
     out = [
         "## The frameworks' own tests",
@@ -169,7 +240,8 @@ def readme_block() -> str:
 
 
 def render() -> tuple[str, str]:
-    sections = [INTRO.strip(), core_section(), transformers_run_section(), upstream_section()]
+    sections = [INTRO.strip(), core_section(), lightning_section(), accelerate_section(), transformers_run_section()]
+    sections.append(upstream_section())
     doc = "\n\n".join(sections) + "\n"
     readme = README.read_text()
     block = f"{README_BEGIN}\n{readme_block()}\n{README_END}"
