@@ -176,9 +176,13 @@ def test_a_node_killed_before_sending_its_rng_files_ends_the_main_process_wait_w
     results = run("train_node_killed", steps=4, expect_dead=(2, 3))
     main = results[0]  # its training may or may not have failed: node 1 dies on a finisher thread
     # the wait ends at the first awaited process whose heartbeat stopped: process 2 or 3 or both, as
-    # their last beats fell (they die together, their beats are 0.5 s apart at most)
-    named = re.search(r"processes \[([0-9, ]+)\] died or vanished", main["wait_error"])
-    assert main["wait_error"].startswith("IncompleteCheckpointError") and named, main
+    # their last beats fell (they die together, their beats are 0.5 s apart at most). The step-3 save's
+    # error is reported once: by h.wait(), or already by the next save_state (step 4) when the wait
+    # ended before it
+    reported = [e for e in (main.get("wait_error"), main.get("train_error")) if e and e.startswith("Incomplete")]
+    assert len(reported) == 1, main
+    named = re.search(r"processes \[([0-9, ]+)\] died or vanished", reported[0])
+    assert named, main
     assert set(map(int, named.group(1).split(","))) <= {2, 3}, main
     assert main["wait_s"] < 30 and main["uninstall_s"] < 90, main
     node0 = run.mem / "node0"

@@ -139,8 +139,8 @@ def scenario_train_node_killed() -> None:
             snap = C.snapshot(acc, [model], [opt], [sched])
             acc.save_state()
             torch.save(snap, os.path.join(WORKDIR, f"expected-{h.step}-rank{RANK}.pt"))
-    except Exception as exc:  # noqa: BLE001 - the training's collective fails once node 1 is gone
-        RESULT["train_error"] = type(exc).__name__
+    except Exception as exc:  # noqa: BLE001 - the training's collective fails once node 1 is gone, or the
+        RESULT["train_error"] = f"{type(exc).__name__}: {exc}"  # next save_state reports the step-3 save's error
     t0 = time.monotonic()
     try:
         h.wait()
