@@ -171,12 +171,16 @@ def accelerate_section() -> str:
             ratio = f"{r['stall_s'] / stock:.2f}x" if stock and phase != "stock" else ("1.00x" if stock else "")
             synced = r.get("stall_synced_s")
             table.append(f"| {what} | {r['stall_s']:.3f} | {ratio} | {'' if synced is None else f'{synced:.3f}'} |")
-        facts = (f"GPT of {doc['params'] / 1e6:.0f}M parameters, {doc['checkpoint_bytes'] / 1e9:.2f} GB per "
-                 f"checkpoint, {doc['steps']} steps x {doc['rounds']} rounds, torch threads {doc['threads']} of "
-                 f"{doc['machine']['cpus']} CPUs; ")  # fmt: skip
-        facts += ", ".join(f"{k} {v}" for k, v in doc["versions"].items())
-        out += ["", f"### {regime}", "", f"Command: `{doc['command']}`.", "", facts + ".", "", "\n".join(table)]
+        out += _run_block(doc, regime, f"{doc['steps']} steps x {doc['rounds']} rounds", table)
     return "\n".join(out)
+
+
+def _run_block(doc: dict[str, Any], regime: str, runs: str, table: list[str]) -> list[str]:
+    """One regime's block of a GPT benchmark: its command, what ran, its table."""
+    versions = ", ".join(f"{k} {v}" for k, v in doc["versions"].items())
+    facts = (f"GPT of {doc['params'] / 1e6:.0f}M parameters, {doc['checkpoint_bytes'] / 1e9:.2f} GB per checkpoint, "
+             f"{runs}, torch threads {doc['threads']} of {doc['machine']['cpus']} CPUs; {versions}.")  # fmt: skip
+    return ["", f"### {regime}", "", f"Command: `{doc['command']}`.", "", facts, "", "\n".join(table)]
 
 
 def lightning_section() -> str:
@@ -203,11 +207,7 @@ def lightning_section() -> str:
             table.append(f"| {what} | {stall:.3f} | {stall / torch_stall:.2f}x |")
         table.append(f"| the disk's floor (write + fsync training cannot hide) | {doc['storage_floor_s']:.3f} | "
                      f"{doc['storage_floor_s'] / torch_stall:.2f}x |")  # fmt: skip
-        facts = (f"GPT of {doc['params'] / 1e6:.0f}M parameters, {doc['checkpoint_bytes'] / 1e9:.2f} GB per "
-                 f"checkpoint, {doc['steps']} steps x {doc['repeats']} repeats, torch threads {doc['threads']} of "
-                 f"{doc['machine']['cpus']} CPUs; ")  # fmt: skip
-        facts += ", ".join(f"{k} {v}" for k, v in doc["versions"].items())
-        out += ["", f"### {regime}", "", f"Command: `{doc['command']}`.", "", facts + ".", "", "\n".join(table)]
+        out += _run_block(doc, regime, f"{doc['steps']} steps x {doc['repeats']} repeats", table)
     return "\n".join(out)
 
 
