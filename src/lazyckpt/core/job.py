@@ -294,12 +294,12 @@ class Job:
             self._outstanding += 1
 
     def piece_written(self, piece: Piece, crc: int) -> None:
-        with self._lock:
-            self._crcs.setdefault(piece.source.key, []).append((piece.file_offset, crc, piece.nbytes))
+        self.pieces_written([(piece, crc)])
 
     def pieces_written(self, written: list[tuple[Piece, int]]) -> None:
-        """Pieces written inside ``save()`` (``Engine.write_now_all``), with their CRCs, in one step. Not
-        counted in and out: the stager's own count is still out then, so the job cannot finalise."""
+        """Written pieces with their CRCs (for the file's records), under one lock. Those written inside
+        ``save()`` (``Engine.write_now_all``) are not counted in and out: the stager's own count is
+        still out then, so the job cannot finalise."""
         with self._lock:
             for piece, crc in written:
                 self._crcs.setdefault(piece.source.key, []).append((piece.file_offset, crc, piece.nbytes))

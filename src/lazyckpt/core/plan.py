@@ -53,9 +53,7 @@ class SavePlan:
         always planned lazily)."""
         devices = [s.device for s in sources]
         memory = bool(final) and _fs.is_memory_filesystem(os.path.dirname(os.path.abspath(final)))
-        # an explicit direct_io=True keeps a disk file's O_DIRECT writes (background) in any regime
-        inline = allow_inline and write_in_save(memory, devices, sum(s.nbytes for s in sources))
-        inline = inline and (memory or options.direct_io is not True)
+        inline = allow_inline and _inline(options, memory, devices, sum(s.nbytes for s in sources))
         capture = options.capture_in_save if capture_in_save is None else capture_in_save
         # Nothing guarded: all eager. Listing the guarded storages walks every tracked optimizer's
         # tensors: skipped for saves without tensor data (Accelerate's scheduler.bin, sampler.bin).
@@ -139,9 +137,13 @@ def small_in_save(options: CheckpointerOptions, obj: Any, folder: str) -> bool:
         elif not isinstance(item, (str, int, float, bool, bytes, type(None))):
             return False
     nbytes = sum(t.untyped_storage().nbytes() for t in tensors)
-    memory = _fs.is_memory_filesystem(folder)
-    inline = write_in_save(memory, [t.device for t in tensors], nbytes)
-    return inline and (memory or options.direct_io is not True)  # as SavePlan.decide
+    return _inline(options, _fs.is_memory_filesystem(folder), [t.device for t in tensors], nbytes)
+
+
+def _inline(options: CheckpointerOptions, memory: bool, devices: list[torch.device], nbytes: int) -> bool:
+    """``write_in_save``, where an explicit ``direct_io=True`` keeps a disk file's O_DIRECT writes (in
+    the background) in any regime: ``SavePlan.decide``'s rule, and ``small_in_save``'s."""
+    return write_in_save(memory, devices, nbytes) and (memory or options.direct_io is not True)
 
 
 def usable_cpus() -> int:
