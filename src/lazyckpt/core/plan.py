@@ -119,11 +119,13 @@ def write_in_save(memory: bool, devices: list[torch.device], nbytes: int = 0) ->
 
 
 def small_in_save(options: CheckpointerOptions, obj: Any, folder: str) -> bool:
-    """Whether a file of ``obj`` saved into ``folder`` would be written whole inside ``save()``
-    (:func:`write_in_save`), judged from the object before any capture: its tensors found in plain
-    dicts, lists and tuples (any other object: False, the capture decides). An integration whose
-    files all land in a staging folder committed as a whole writes such a file with the framework's
-    own writer instead (the same bytes, at stock's cost; fsynced with the folder's other files)."""
+    """Whether a file of ``obj`` saved into ``folder`` is tiny (at most ``TINY_MAX_BYTES`` of tensor
+    data) and would be written whole inside ``save()`` (:func:`write_in_save`), judged from the object
+    before any capture: its tensors found in plain dicts, lists and tuples (any other object: False,
+    the capture decides). An integration whose files all land in a staging folder committed as a whole
+    writes such a file with the framework's own writer instead (the same bytes, faster than lazyckpt's
+    capture for a few hundred KB; fsynced with the folder's other files). Larger files written in
+    ``save()`` stay lazyckpt's: straight from the tensors, faster than the framework's serializer."""
     tensors: list[torch.Tensor] = []
     todo = [obj]
     while todo:
@@ -137,6 +139,8 @@ def small_in_save(options: CheckpointerOptions, obj: Any, folder: str) -> bool:
         elif not isinstance(item, (str, int, float, bool, bytes, type(None))):
             return False
     nbytes = sum(t.untyped_storage().nbytes() for t in tensors)
+    if nbytes > TINY_MAX_BYTES:  # larger: lazyckpt's own write in save() (no serializer copy) is the faster
+        return False
     return _inline(options, _fs.is_memory_filesystem(folder), [t.device for t in tensors], nbytes)
 
 

@@ -70,6 +70,7 @@ class CheckpointSave:
         self.writer = writer
         self.seq = next(checkpointers.seq)
         self.handles: list[SaveHandle] = []
+        self.routed = 0  # calls the gate routed here (lazy saves, and tiny files written by stock's writer)
         self.synced: list[Future] = []  # fsyncs of the files stock wrote into the staging folder
         self.after_commit: list[Callable[[], None]] = []
         self.error: BaseException | None = None
@@ -98,9 +99,10 @@ class CheckpointSave:
 
     def _save(self, obj: Any, path: str, **options: Any) -> None:
         assert self.writer, "a routed save on a process that does not write"
+        self.routed += 1
         if _plan.small_in_save(self.checkpointer.options, obj, self.staging):
-            # lazyckpt would write it whole here anyway: stock's writer does (its bytes, at its cost);
-            # fsynced with stock's other files (sync_stock_files) before the folder is published
+            # a tiny file lazyckpt would write whole here anyway: stock's writer does (its bytes, at its
+            # cost); fsynced with stock's other files (sync_stock_files) before the folder is published
             _compat.write_stock(obj, path, **options)
             return
         token = sync_parent.set(False)  # the staging folder is fsynced once, before its rename
@@ -307,7 +309,7 @@ class Checkpoints:
             _fs.fsync_file(path)
 
     def _check_routed(self, save: CheckpointSave) -> None:
-        if save.handles or self._warned_unrouted:
+        if save.routed or self._warned_unrouted:
             return
         self._warned_unrouted = True
         logger.warning(
