@@ -705,20 +705,16 @@ def test_install_arguments(installs):
     assert h.checkpointer.closed  # created by install(): closed by uninstall()
 
 
-def test_old_remove_name_warns_and_still_uninstalls(tmp_path, installs):
-    """``handle.remove()`` / ``handle.removed``: the old names of ``uninstall()`` / ``uninstalled``."""
+def test_uninstall_drains_then_restores(tmp_path, installs):
+    """``uninstall()`` waits for pending saves, restores stock ``save_state`` and closes the checkpointer."""
     acc, objs, _ = make()
     h = installs(acc, host_memory_budget=64 << 20)
     step(acc, objs, torch.Generator().manual_seed(0))
     acc.save_state(str(tmp_path / "a"))
-    with pytest.warns(DeprecationWarning, match="uninstalled"):
-        assert h.removed is False
-    with pytest.warns(DeprecationWarning, match=r"handle\.uninstall\(\)"):
-        h.remove()  # drains first, as uninstall() does
+    assert h.uninstalled is False and not hasattr(h, "remove")
+    h.uninstall()
     assert h.uninstalled and LA.is_complete(tmp_path / "a")
     assert "save_state" not in vars(acc) and h.checkpointer.closed
-    with pytest.warns(DeprecationWarning):
-        assert h.removed is True
 
 
 def test_marker_that_cannot_be_made_durable_fails_the_save(tmp_path, installs, monkeypatch):

@@ -121,7 +121,7 @@ def test_a_memory_level_writes_each_step_folder_over_the_pages_of_the_one_retent
     each folder written over reused pages back exactly."""
     model_kw = {"dim": 256, "hidden": 1024}  # model.safetensors and optimizer.bin above 1 MiB
     acc, objs, _ = make(model_kw=model_kw)
-    h = installs(acc, levels=[Level(mem, every=1, keep=2)])
+    h = installs(acc, levels=[Level(mem, every=1, keep=2, reuse_pages=True)])
     snaps: dict[int, dict] = {}
     inodes: dict[int, dict[str, int]] = {}
     big = ["model.safetensors", "optimizer.bin"]

@@ -42,7 +42,9 @@ def _file(folder: str, step: int) -> str:
 
 
 def _saver(mem: str, **level: object) -> LazyCheckpointer:
-    return LazyCheckpointer(levels=[Level(mem, every=1, keep=1, **level)], host_memory_budget=64 << 20)  # type: ignore[arg-type]
+    return LazyCheckpointer(
+        levels=[Level(mem, every=1, keep=1, **{"reuse_pages": True, **level})], host_memory_budget=64 << 20
+    )  # type: ignore[arg-type]
 
 
 def test_memory_level_overwrites_the_file_retention_dropped(mem):
@@ -102,7 +104,7 @@ def test_reuse_pages_false_deletes(mem):
 
 def test_a_disk_level_is_never_reused(tmp_path):
     assert not _fs.is_memory_filesystem(str(tmp_path))
-    ck = LazyCheckpointer(levels=[Level(str(tmp_path), every=1, keep=1)], host_memory_budget=64 << 20)
+    ck = LazyCheckpointer(levels=[Level(str(tmp_path), every=1, keep=1, reuse_pages=True)], host_memory_budget=64 << 20)
     try:
         for step in range(1, 4):
             ck.save(_state(step), step=step).wait()

@@ -425,12 +425,12 @@ def test_ddp_two_processes_write_what_stock_writes(tmp_path: Path) -> None:
     assert_same(torch.load(tmp_path / "final-lazy.pt"), torch.load(tmp_path / "final-stock.pt"), "final weights")
 
 
-def test_remove_is_the_deprecated_spelling_of_uninstall(tmp_path: Path) -> None:
+def test_uninstall_ends_the_install(tmp_path: Path) -> None:
     """The lifecycle vocabulary (docs/ARCHITECTURE.md): ``uninstall()`` ends an install, as on the
-    Accelerate handle; ``remove()`` (the issue's first spelling) still works, with a DeprecationWarning."""
+    Accelerate handle; there is no other spelling."""
     tr = tiny.trainer(tmp_path / "out", max_steps=1, save_steps=1000)
     handle = lazyckpt.transformers.install(tr)
-    with pytest.warns(DeprecationWarning, match="uninstall"):
-        handle.remove()
+    assert not hasattr(handle, "remove")
+    handle.uninstall()
     assert handle.uninstalled and "_lazyckpt_handle" not in vars(tr)
     handle.uninstall()  # idempotent

@@ -24,22 +24,16 @@ from lazyckpt.core.pool import HostBufferPool, default_host_memory_budget
 from lazyckpt.core.producer import Producer
 from lazyckpt.core.removal import Remover
 from lazyckpt.core.report import ErrorLedger, Report, raise_first
-from lazyckpt.core.warn import deprecated_names
 from lazyckpt.formats import base as _format
 from lazyckpt.options import Backpressure, CheckpointerOptions
 from lazyckpt.options import merge as merge_options
 from lazyckpt.storage import fs as _fs
 from lazyckpt.storage import remote as _remote
 
-from . import errors as _errors
 from .errors import CheckpointerClosedError, SaveRefusedError
 
 __all__ = ["LazyCheckpointer"]
 from .levels import Level, MultiLevel, check_levels
-
-__getattr__ = deprecated_names(
-    __name__, {"BackpressureWarning": (_errors.BackpressureWarning, "lazyckpt.BackpressureWarning")}
-)  # its old import path
 
 logger = logging.getLogger(__name__)
 

@@ -61,7 +61,9 @@ def held_until_process_0_looked(acc):
 def train(mem, disk, out):
     acc, model, opt, sched = setup(0)
     rank = acc.process_index
-    h = lazyckpt.accelerate.install(acc, levels=[Level(mem, every=1, keep=2), Level(disk, every=2, keep=2)])
+    h = lazyckpt.accelerate.install(
+        acc, levels=[Level(mem, every=1, keep=2, reuse_pages=True), Level(disk, every=2, keep=2)]
+    )
     gen = torch.Generator().manual_seed(100 + rank)  # every process has its own data
     window = None
     for _ in range(4):

@@ -70,9 +70,8 @@ from lazyckpt import CheckpointerOptions, LazyCheckpointer, Level
 from lazyckpt.accelerate._handle import AccelerateHandle
 from lazyckpt.accelerate._patch import installed
 from lazyckpt.accelerate._restore import load_latest
-from lazyckpt.commit.folder import MARKER_PREFIX, is_complete
+from lazyckpt.commit.folder import is_complete
 from lazyckpt.commit.folder import pending_markers as pending_markers  # the core's, as documented below
-from lazyckpt.core.warn import deprecated_names
 from lazyckpt.errors import IncompleteCheckpointError, IncompleteCheckpointWarning
 
 if TYPE_CHECKING:
@@ -86,13 +85,6 @@ __all__ = [
     "IncompleteCheckpointWarning",
     "is_complete",
 ]
-
-#: ``PENDING_MARKER_PREFIX``, deprecated: the core's ``lazyckpt.commit.folder.MARKER_PREFIX`` (the prefix of the
-#: hidden per-process markers of a folder whose lazy save is not durable yet; ``pending_markers`` and ``is_complete``
-#: are the core's too).
-__getattr__ = deprecated_names(
-    __name__, {"PENDING_MARKER_PREFIX": (MARKER_PREFIX, "lazyckpt.commit.folder.MARKER_PREFIX")}
-)
 
 
 def install(

@@ -1,12 +1,10 @@
 """What every handle an ``install()`` returns shares: the lifecycle verbs of docs/ARCHITECTURE.md
 ("Lifecycle vocabulary"). ``uninstall()`` (each handle's own) ends the install, ``uninstalled`` says
-whether it ran; ``remove()`` / ``removed``, the first spellings, keep working with a DeprecationWarning
-(``remove(path)`` deletes a checkpoint on ``LazyCheckpointer``: one verb, one meaning)."""
+whether it ran."""
 
 from __future__ import annotations
 
 import logging
-import warnings
 
 
 class InstalledHandle:
@@ -25,21 +23,6 @@ class InstalledHandle:
     def uninstalled(self) -> bool:
         """True once ``uninstall()`` ran: the framework saves as stock again."""
         return self._removed
-
-    @property
-    def removed(self) -> bool:
-        """Deprecated: ``uninstalled``."""
-        warnings.warn(
-            f"{type(self).__name__}.removed is deprecated; use handle.uninstalled", DeprecationWarning, stacklevel=2
-        )
-        return self._removed
-
-    def remove(self) -> None:
-        """Deprecated: ``uninstall()``."""
-        warnings.warn(
-            f"{type(self).__name__}.remove() is deprecated; use handle.uninstall()", DeprecationWarning, stacklevel=2
-        )
-        self.uninstall()
 
 
 def drain_at_exit(handle: InstalledHandle) -> None:

@@ -1,13 +1,9 @@
-"""Warnings attributed to the user's line: the first caller outside lazyckpt and the frameworks;
-and the module ``__getattr__`` that keeps an old public name working with a DeprecationWarning."""
+"""Warnings attributed to the user's line: the first caller outside lazyckpt and the frameworks."""
 
 from __future__ import annotations
 
 import inspect
-import warnings
-from collections.abc import Callable
 from types import FrameType
-from typing import Any
 
 # Frames of these packages are passed over: a warning names the line of the user's code that led
 # to lazyckpt (``ckpt.save(...)``, ``trainer.fit(...)``, ``accelerator.save_state(...)``).
@@ -32,17 +28,3 @@ def user_stacklevel() -> int:
 
 def _package(frame: FrameType) -> str:
     return str(frame.f_globals.get("__name__") or "").partition(".")[0]
-
-
-def deprecated_names(module: str, old: dict[str, tuple[Any, str]]) -> Callable[[str], Any]:
-    """A module ``__getattr__`` serving ``old`` names ({name: (value, what to use instead)}): each
-    use warns with a DeprecationWarning naming the new spelling; any other name is an AttributeError."""
-
-    def __getattr__(name: str) -> Any:
-        if name not in old:
-            raise AttributeError(f"module {module!r} has no attribute {name!r}")
-        value, instead = old[name]
-        warnings.warn(f"{module}.{name} is deprecated; use {instead}", DeprecationWarning, stacklevel=2)
-        return value
-
-    return __getattr__

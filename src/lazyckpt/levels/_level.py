@@ -41,13 +41,11 @@ class Level:
             for it (``on_backpressure="block"``) or skips this level's copy (``"skip"``). A faster
             level's file that feeds a waiting copy is kept until that copy is done, so a memory
             level holds at most ``keep`` plus the slower levels' backlogs of checkpoints.
-        reuse_pages: on a memory filesystem (tmpfs), the file retention drops is overwritten by
-            the next save into this level instead of being deleted (its pages are reused: no
-            allocation and zeroing of a new file's pages); for folder checkpoints (Accelerate's
-            ``step-<n>`` folders) each large file by the save of the same name into the next step
-            folder (not for ``DistributedCheckpointer`` levels). Files that a lazyckpt reader holds
-            (``lazyckpt.load``, ``verify``, ``latest``) or that this process maps are never reused.
-            False: always delete (another process reading old files with plain ``torch.load``).
+        reuse_pages: opt-in, for a memory filesystem (tmpfs): the next save into this level
+            overwrites the file retention drops instead of deleting it (no allocation and zeroing of
+            new pages). Files a lazyckpt reader holds (``lazyckpt.load``, ``verify``, ``latest``) are
+            never reused, but a reader outside lazyckpt (plain ``torch.load`` in another process) may
+            see an old file rewritten under it: leave it off when anything else reads this level.
         replicas: ``k`` >= 1: every committed step of this level is also held in the memory of
             ``k`` other nodes (the level must be node-local: a folder the construction's probe
             finds shared by one node's ranks only). ``DistributedCheckpointer`` levels: ring order
@@ -65,7 +63,7 @@ class Level:
     every: int = 1
     keep: int | None = None
     backlog: int = 2
-    reuse_pages: bool = True
+    reuse_pages: bool = False
     replicas: int = 0
 
     def __post_init__(self) -> None:
