@@ -1,9 +1,7 @@
 """lazyckpt: lazy asynchronous checkpointing for PyTorch.
 
-``save()`` returns at once; tensors are copied to reused host buffers (large CPU ones are written
-straight from their memory) in the background while training runs forward and backward; the next
-optimizer step waits only if those copies are not done; writer threads write files that
-``torch.load`` / ``safetensors`` read, committed atomically.
+``save()`` returns at once; tensors are copied and written in the background, and files that
+``torch.load`` / ``safetensors`` read are committed atomically.
 """
 
 from lazyckpt.commit.folder import is_complete

@@ -43,38 +43,23 @@ Format = Literal["torch", "safetensors"]
 class LazyCheckpointer(_exit.ClosedOnExit):
     """Saves checkpoints without stopping training.
 
-    ``save(obj, path)`` returns as soon as ``obj`` is pickled (tensors excluded) and the tensors no
-    optimizer guards are copied; optimizer-owned tensors (parameters, optimizer state) are copied
-    (large CPU ones: written straight from their memory, see ``zero_copy``) in the background while
-    training runs forward and backward, and the next ``optimizer.step()`` waits for those copies
-    only if they are not done yet. The file at ``path`` then holds exactly the
-    state at the moment of ``save()``, or the save fails with a typed error; it never holds anything
-    else, and a partial file never appears at ``path``.
+    ``save(obj, path)`` returns once ``obj`` is pickled (tensors excluded) and the tensors no
+    optimizer guards are copied; optimizer-owned tensors are copied in the background, and the next
+    ``optimizer.step()`` waits only for copies not yet done. The file at ``path`` then holds exactly
+    the state at ``save()``, or the save fails with a typed error; a partial file never appears.
 
-    Concurrency contract: after ``save()`` returns, the caller may keep training: optimizer steps
-    and forward passes are safe. Changing a saved tensor in place by other means before
-    ``handle.wait_staged()`` makes that save fail with ``StaleTensorError``. Because torch moves
-    a tensor's version only once an in-place op has finished, the file is committed only after
-    the versions were checked again, once the copies were over, on a thread calling into
-    lazyckpt (the next optimizer step, ``save()``, ``wait_staged()``, ``wait()``,
-    ``handle.wait()``, ``close()``): changes that thread made before are always caught; a change
-    still running on another thread at that moment is not guaranteed to be. Except through
-    ``tensor.data`` (e.g. ``p.data.copy_(avg)``), which bypasses the version counter lazyckpt
-    checks and so cannot be detected: call ``wait_staged()`` before such writes (the Lightning and
-    Accelerate integrations do this for the weight-averaging callbacks they know).
-    Methods are thread-safe.
+    After ``save()`` the caller may keep training. Changing a saved tensor in place by other means
+    before ``handle.wait_staged()`` fails that save with ``StaleTensorError``; the check runs on the
+    next thread calling into lazyckpt (optimizer step, ``save()``, ``wait*()``, ``close()``), so a
+    change still running on another thread then may be missed. Writes through ``tensor.data`` cannot
+    be detected: call ``wait_staged()`` before them. Methods are thread-safe.
 
-    Options are given as one :class:`CheckpointerOptions` (``options=``), as keywords, or both
-    (keywords override those fields); ``self.options`` holds the result.
-
-    Options (``host_memory_budget``, ``writer_threads``, ``fsync``, ``on_backpressure``, ``direct_io``,
-    ``zero_copy``, ``capture_in_save``, the remote tier's, ``levels``...): see :class:`CheckpointerOptions`,
-    where each is documented.
+    Options come as one ``CheckpointerOptions`` (``options=``), as keywords, or both (keywords
+    override those fields); ``self.options`` holds the result. See ``CheckpointerOptions``.
     """
 
     def __init__(self, options: CheckpointerOptions | None = None, **kwargs: Any) -> None:
-        """Options come as a :class:`CheckpointerOptions`, as keywords (the fields above), or both
-        (keywords then override those fields of ``options``)."""
+        """Take ``options``, keyword options (the ``CheckpointerOptions`` fields), or both."""
         if options is not None and not isinstance(options, CheckpointerOptions):
             raise TypeError(
                 f"LazyCheckpointer takes a CheckpointerOptions or keyword options, got {type(options).__name__}"
@@ -120,8 +105,7 @@ class LazyCheckpointer(_exit.ClosedOnExit):
 
     @property
     def skipped_copies(self) -> int:
-        """Level copies skipped so far (``levels=`` with ``on_backpressure="skip"``: a slower level
-        at its backlog bound; the faster levels still saved that step; ``handle.levels_skipped``)."""
+        """Level copies skipped so far (``on_backpressure="skip"``, a slower level at its backlog bound)."""
         return 0 if self._levels is None else self._levels.skipped_copies
 
     @property
@@ -139,25 +123,22 @@ class LazyCheckpointer(_exit.ClosedOnExit):
         *,
         step: int | None = None,
     ) -> SaveHandle:
-        """Start saving ``obj`` to ``path``; returns a handle at once (see the class docstring).
+        """Start saving ``obj`` to ``path`` (a file path or URL); returns a ``SaveHandle`` at once.
 
-        ``format="torch"`` writes what ``torch.save(obj, path)`` writes; ``format="safetensors"``
-        takes a flat ``dict[str, Tensor]`` (and optional string ``metadata``). Raises
-        ``SaveRefusedError`` (nothing written) for input it cannot save, and the error of an
-        earlier failed save that nobody has seen yet. ``before_commit`` runs on the committer
-        thread once the file is written and fsynced, right before it is renamed to ``path``
-        (e.g. to make a "folder incomplete" marker durable first); if it raises, the save fails
-        with that error chained and nothing appears at ``path``. A save with lazily copied tensors
-        is committed only after a later call into lazyckpt (the next optimizer step, ``save()``,
-        ``wait_staged()``, ``wait()``, ``handle.wait()``, ``close()``) has re-checked their versions
-        once the copies were over (see the class docstring); ``handle.done()`` stays False until then.
+        ``format="torch"`` writes what ``torch.save`` writes; ``"safetensors"`` takes a flat
+        ``dict[str, Tensor]`` and optional string ``metadata``. ``before_commit`` runs on the
+        committer thread after the file is written and fsynced, right before the rename to ``path``;
+        if it raises, the save fails and nothing appears at ``path``. A save with lazily copied
+        tensors commits only after a later call into lazyckpt re-checks them (see the class).
+        With ``levels`` at construction, ``save(obj, step=n)`` (no path) saves to every level due
+        at ``n`` and returns one handle.
 
-        With ``levels=[...]`` at construction, ``save(obj, step=n)`` (no path) saves to every level
-        due at ``n`` and returns one handle, done once each has its copy (``lazyckpt.levels``).
+        Raises ``SaveRefusedError`` (nothing written) for input it cannot save, and the unseen error
+        of an earlier failed save.
         """
         if reentry.reentered():  # a signal handler interrupted this thread inside lazyckpt
             return self._save_now(obj, path, format, metadata, before_commit, step)
-        if path is None or step is not None:  # (its core save, a save() of its own, counts itself)
+        if path is None or step is not None:
             return self._save_step(obj, path, step, format, metadata, before_commit)
         with reentry.inside():
             t0 = time.perf_counter()
@@ -166,8 +147,7 @@ class LazyCheckpointer(_exit.ClosedOnExit):
             return self._save_file(obj, path, t0, format, metadata, before_commit)
 
     def supersede_into(self, folder: str) -> None:
-        """Internal (a re-entered integration save, ``core/reentry.py``): every pending save of a file in
-        ``folder`` discards its file instead of renaming it, since stock is writing that folder now."""
+        """Internal (``core/reentry.py``): pending saves into ``folder`` discard their file instead of committing."""
         inside = folder.rstrip(os.sep) + os.sep
         jobs = [j for j in self._pending.jobs_snapshot() if j.path.startswith(inside)]
         for path in {j.path for j in jobs}:
@@ -176,10 +156,8 @@ class LazyCheckpointer(_exit.ClosedOnExit):
     def _save_now(
         self, obj: Any, path: Any, format: Format, metadata: dict[str, str] | None, before_commit: Any, step: Any
     ) -> SaveHandle:
-        """``save()`` from a signal handler that interrupted this thread inside lazyckpt (``core/reentry.py``):
-        the file is written here, durable at ``path`` when this returns (the handle is done), with no lock
-        of lazyckpt taken and no shared state changed but one: a pending save to the same path is
-        superseded (the last save wins, as with stock ``torch.save``)."""
+        """``save()`` from a signal handler that interrupted lazyckpt (``core/reentry.py``): written and
+        durable before returning, taking no lazyckpt lock; a pending save to ``path`` is superseded."""
         t0 = time.perf_counter()
         reentry.count_synchronous()
         if path is None or step is not None or _remote.is_url(path):
@@ -229,8 +207,7 @@ class LazyCheckpointer(_exit.ClosedOnExit):
         before_commit: Callable[[], object] | None,
         named_as: str | None = None,
     ) -> SaveHandle:
-        """``save()`` to a local ``path``; torch names the archive's records after ``named_as``'s stem
-        (default: the path as given; for a URL save's local copy, the URL)."""
+        """``save()`` to a local ``path``; the archive's records are named after ``named_as`` (default ``path``)."""
         self._check_open()
         _guard.confirm_ready()  # earlier saves whose copies are over: this thread's ops came before
         self._raise_unreported()
@@ -253,9 +230,10 @@ class LazyCheckpointer(_exit.ClosedOnExit):
         return job.handle
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until every save made so far is durable and every ``remove()`` has run, then raise
-        the oldest background error nobody has seen (see ``raise_errors``). ``timeout``: seconds
-        (``None``: no limit); ``TimeoutError`` when they are not all done by then."""
+        """Block until every save so far is durable and every ``remove()`` has run, then raise the
+        oldest unseen background error (see ``raise_errors``).
+
+        ``timeout``: seconds (``None``: no limit); ``TimeoutError`` when not all are done by then."""
         if reentry.wait_refused("LazyCheckpointer.wait()"):
             return
         with reentry.inside():
@@ -263,8 +241,7 @@ class LazyCheckpointer(_exit.ClosedOnExit):
             self._raise_unreported()
 
     def _drain(self, timeout: float | None) -> None:
-        """Wait for the levels' copies, then every pending save, removal and upload (``wait()``,
-        ``close()``); ``TimeoutError`` naming what is not done after ``timeout`` seconds."""
+        """Wait for the levels' copies, then pending saves, removals and uploads; ``TimeoutError`` after ``timeout``."""
         deadline = None if timeout is None else time.monotonic() + timeout
         if self._levels is not None:  # first: its copies feed on this checkpointer's saves and removals
             self._levels.drain(_left(deadline))
@@ -280,39 +257,30 @@ class LazyCheckpointer(_exit.ClosedOnExit):
             raise TimeoutError(f"pending uploads not done after {timeout} s")
 
     def raise_errors(self) -> None:
-        """Raise the oldest background error nobody has seen yet (a failed save or removal, or one
-        handed over with ``add_error``), with a note naming the others; every one of them counts as
-        seen from then on. Returns if there is none. This is the one place where "reported once"
-        is decided: ``save()``, ``wait()`` and ``close()`` call it, and so do the integrations. An
-        error already raised by ``handle.wait()`` or fetched from a removal's future is not raised
+        """Raise the oldest unseen background error (failed save or removal, or one from ``add_error``),
+        with a note naming the others; all of them then count as seen. Returns if there is none.
+
+        Errors already raised by ``handle.wait()`` or fetched from a removal's future are not raised
         again; one raised here is still raised by its own ``handle.wait()``."""
         raise_first(self._errors.take() + (self._levels.take_errors() if self._levels is not None else []))
 
     def add_error(self, error: BaseException) -> None:
-        """Hand over a background error of the caller's own (an integration's upload, or a folder
-        that could not be marked complete) to be raised once, like a failed save's, by the next
-        ``save()``, ``wait()``, ``close()`` or ``raise_errors()``."""
+        """Queue a background error of the caller's own, raised once by the next ``save()``, ``wait()``,
+        ``close()`` or ``raise_errors()``."""
         self._errors.publish(Report(error))
 
     def remove(self, path: str | os.PathLike[str], *, trash_dir: str | os.PathLike[str] | None = None) -> Future:
-        """Delete a checkpoint file or folder in commit order; returns at once.
+        """Delete a checkpoint file or folder (or URL) in commit order; returns a ``Future`` at once.
 
-        The deletion is ordered with the saves: it happens after every save to ``path`` (or, for a
-        folder, into it) that is pending now has committed (or failed), and before any later save
-        to it commits, so a delete never races a write and never removes a later save's file. The
-        path is renamed to a hidden temporary name (in ``trash_dir`` if given, which must be on the
-        same filesystem; by default next to it): the name is free at once, and a background thread
-        frees the space (deleting a large fsynced file costs tens of ms per GB on some
-        filesystems). Symlinks are unlinked at once.
+        The deletion runs after every save to ``path`` (or into the folder) pending now has committed
+        or failed, and before any later save to it commits. The path is first renamed to a hidden
+        name (in ``trash_dir`` if given, on the same filesystem), freeing the name; a background
+        thread deletes the data. Symlinks are unlinked at once. Safe to call from a done-callback.
 
-        With no pending save to ``path``, the rename happens right here and a missing ``path``
-        raises ``FileNotFoundError``. Behind a pending save, it happens on the committer; if the
-        path is missing by then (the save failed and nothing was there before), there is nothing to
-        delete and the future completes normally. Safe to call from a done-callback.
-
-        The returned future completes when the data is deleted; ``wait()`` and ``close()`` wait for
-        every removal and raise a failed one's error once, unless it was already fetched from the
-        future (``result()`` / ``exception()``).
+        With no pending save to ``path``, a missing ``path`` raises ``FileNotFoundError`` here;
+        behind a pending save, a missing path is not an error. The future completes once the data
+        is deleted; ``wait()`` and ``close()`` raise a failed removal's error once unless it was
+        fetched from the future.
         """
         self._check_open()
         if _remote.is_url(path):
@@ -346,22 +314,18 @@ class LazyCheckpointer(_exit.ClosedOnExit):
         return self._pending.paths() | (remote.pending_urls() if remote is not None else set())
 
     def track(self, *optimizers: torch.optim.Optimizer) -> None:
-        """Declare optimizers whose parameters and state are guarded by their ``step()``.
-
-        Their tensors are then copied in the background rather than inside ``save()``. Optimizers
-        are also tracked automatically after their first ``step()``.
-        """
+        """Declare optimizers whose ``step()`` guards their tensors, so those are copied in the background
+        rather than inside ``save()``. Optimizers are also tracked after their first ``step()``."""
         for opt in optimizers:
             _guard.track(opt)
 
     def declare_frozen(self, *tensors: torch.Tensor | torch.nn.Module) -> None:
-        """Declare tensors that training does not change (a frozen base model under LoRA): like an
-        optimizer's, they are then copied in the background (large CPU ones written straight from
-        their memory) instead of inside every ``save()``. For a module, its parameters that do
-        not require grad. The declaration is process-wide and holds while the tensors live.
+        """Declare tensors that training does not change (e.g. a frozen base model), so they are copied
+        in the background instead of inside every ``save()``. For a module: its parameters that do
+        not require grad. Process-wide, while the tensors live.
 
-        The promise stays: a declared tensor changed in place while a save still reads it fails
-        that save with ``StaleTensorError`` (through ``.data`` it cannot be seen; don't).
+        A declared tensor changed in place while a save still reads it fails that save with
+        ``StaleTensorError`` (changes through ``.data`` cannot be detected).
         """
         _guard.freeze(*tensors)
 
@@ -400,7 +364,7 @@ class LazyCheckpointer(_exit.ClosedOnExit):
             raise CheckpointerClosedError("this LazyCheckpointer is closed; create a new one")
 
     def _save_url(self, obj: Any, url: str, t0: float, **kwargs: Any) -> SaveHandle:
-        """A URL save: the local save into the remote tier's folder, then its upload (``_remote.py``)."""
+        """A URL save: a local save into the remote tier, then its upload (``storage/remote.py``)."""
         self._check_open()
         tier = self._producer.remote_tier()
         fs, rpath = tier.resolve(url)
@@ -428,9 +392,7 @@ class LazyCheckpointer(_exit.ClosedOnExit):
         return final
 
     def _job_done(self, job: Job) -> None:
-        """Engine callback (committer thread): the handle's outcome is resolved but not yet visible
-        (``PendingSaves.finished``). Nothing here may warn or call user code (warnings are issued on
-        the caller's thread, in ``_raise_unreported``)."""
+        """Engine callback on the committer thread; must not warn or call user code."""
         self._pending.finished(job)
         if job.error is not None:
             logger.debug("lazyckpt: save to %s failed: %s", job.path, job.error)
@@ -444,8 +406,7 @@ class LazyCheckpointer(_exit.ClosedOnExit):
 
 
 def producer_of(ckpt: LazyCheckpointer) -> Producer:
-    """Internal API: the producer interface of ``ckpt`` (``core/producer.py``): its engine, ledger,
-    done-callback thread and remote tier, for the code that saves on its behalf."""
+    """Internal API: ``ckpt``'s producer (``core/producer.py``), for code that saves on its behalf."""
     return ckpt._producer
 
 
@@ -454,7 +415,7 @@ def _left(deadline: float | None) -> float | None:
 
 
 def _close_at_exit(ckpt: LazyCheckpointer) -> None:
-    """Interpreter exit (Fabric never calls teardown): finish what was saved, say what failed."""
+    """At interpreter exit: finish pending saves, log what failed."""
     if ckpt.closed:
         return
     try:

@@ -1,8 +1,5 @@
-"""Typed errors raised by lazyckpt.
-
-Every error a background thread meets reaches the caller as one of these, with the original
-exception chained as ``__cause__``.
-"""
+"""Typed errors raised by lazyckpt; a background thread's error reaches the caller as one of these,
+with the original exception as ``__cause__``."""
 
 from __future__ import annotations
 
@@ -38,15 +35,13 @@ class SaveRefusedError(LazyCkptError, ValueError):
 
 
 class UnsupportedTrainerError(SaveRefusedError):
-    """``lazyckpt.transformers.install()`` refused: this Trainer (its class, setup or transformers
-    version) does not save the way the integration takes over. Nothing was changed on the trainer."""
+    """``lazyckpt.transformers.install()`` refused this Trainer; nothing was changed on it."""
 
 
 class WriteError(LazyCkptError):
     """Writing or committing a checkpoint failed; the previous file at that path is untouched.
 
-    ``path`` is the final path that was not written; ``errno`` is the OS error number when the
-    cause was an ``OSError`` (``ENOSPC``, ``EIO``, ``EACCES`` ...), else ``None``.
+    ``path`` is the final path not written; ``errno`` the ``OSError`` cause's number, else ``None``.
     """
 
     def __init__(self, message: str, path: str | None = None, errno: int | None = None) -> None:
@@ -57,10 +52,7 @@ class WriteError(LazyCkptError):
 
 class StaleTensorError(LazyCkptError):
     """A tensor was changed in place before its copy was safe, so the save was abandoned.
-
-    Raised from ``wait()`` rather than writing a checkpoint that mixes two training states.
-    ``tensor_name`` names the offending tensor inside the saved object.
-    """
+    ``tensor_name`` names the offending tensor inside the saved object."""
 
     def __init__(self, message: str, path: str | None = None, tensor_name: str | None = None) -> None:
         super().__init__(message)
@@ -81,9 +73,8 @@ class BackpressureWarning(UserWarning):
 
 
 class IncompleteCheckpointWarning(UserWarning):
-    """A checkpoint was passed over because it is incomplete or fails verification: ``latest()``
-    skipping a torn, corrupt or half-uploaded copy (the message names it), ``load_state()`` with
-    automatic naming skipping the newest folder."""
+    """A checkpoint was passed over because it is incomplete or fails verification (the message
+    names it)."""
 
 
 class VerificationError(LazyCkptError):
@@ -95,14 +86,10 @@ class IncompleteCheckpointError(LazyCkptError, RuntimeError):
 
 
 class DistributedSaveError(WriteError):
-    """A distributed save (``lazyckpt.distributed``) failed. Nothing was committed at ``path`` (the
-    message says so), except when this rank lost the coordination itself (the store's host died, or
-    the coordinator decided to commit and never confirmed): then ``path`` holds the complete new
-    checkpoint or the old state.
-
-    ``ranks`` are the ranks whose part failed or that did not report in time. On a rank whose own
-    part failed, ``__cause__`` is that rank's own error (``WriteError``, ``StaleTensorError`` ...).
-    """
+    """A distributed save failed. Nothing was committed at ``path``, unless this rank lost the
+    coordination itself: then ``path`` holds the new checkpoint or the old state (the message says).
+    ``ranks``: the ranks whose part failed or did not report in time. On a rank whose own part
+    failed, ``__cause__`` is its own error."""
 
     def __init__(
         self, message: str, path: str | None = None, errno: int | None = None, ranks: tuple[int, ...] = ()
@@ -112,15 +99,9 @@ class DistributedSaveError(WriteError):
 
 
 class UploadError(WriteError):
-    """Uploading a checkpoint to its URL failed (``LazyCheckpointer.save(obj, "s3://...")``): the
-    retries ran out on transient errors (HTTP 5xx, throttling, connection resets) or the store
-    refused for good (credentials, missing bucket). Nothing was made visible at ``url``: the
-    object there (if any) is the previous one, and the multipart upload was aborted.
-
-    ``url`` is the URL that was not written (``path`` too); ``attempts`` how many times the last
-    failing request was tried; ``local_path`` the local copy, kept after the failure (until
-    ``close()`` when ``local_dir`` is the default temporary directory).
-    """
+    """Uploading a checkpoint to its URL failed (retries spent, or a permanent error); the object at
+    ``url`` (also ``path``), if any, is the previous one. ``attempts``: tries of the last failing
+    request; ``local_path``: the local copy, kept (until ``close()`` with the default ``local_dir``)."""
 
     def __init__(
         self, message: str, url: str, attempts: int = 0, local_path: str | None = None, errno: int | None = None
@@ -132,14 +113,9 @@ class UploadError(WriteError):
 
 
 class DistributedUploadError(DistributedSaveError, UploadError):
-    """A distributed save to a URL (``DistributedCheckpointer.save(state, "s3://...")``) failed
-    because a rank's upload failed (or the coordinator's upload of ``.metadata``). Raised on every
-    rank; ``ranks`` names the ranks whose upload failed. Nothing was made visible at ``url``: no
-    ``.metadata`` object was written, and the data objects uploaded were deleted (best effort).
-
-    On a rank whose own upload failed, ``__cause__`` is its ``UploadError`` and ``local_path`` its
-    local folder (kept); elsewhere ``local_path`` is None.
-    """
+    """A distributed save to a URL failed because an upload failed; raised on every rank, nothing made
+    visible at ``url``. ``ranks``: the ranks whose upload failed; on such a rank ``__cause__`` is its
+    ``UploadError`` and ``local_path`` its kept local folder (elsewhere None)."""
 
     def __init__(
         self,
@@ -160,9 +136,8 @@ class DistributedUploadError(DistributedSaveError, UploadError):
 class LevelError(WriteError):
     """A level's copy of a checkpoint failed (the faster levels' copies are unaffected).
 
-    ``level`` is the index of the level in the checkpointer's ``levels``, ``level_path`` its folder
-    or URL, ``step`` the step, ``path`` the file (or object) that was not written, ``errno`` the OS
-    error number when the cause was an ``OSError``. The cause is chained."""
+    ``level`` is the level's index in ``levels``, ``level_path`` its folder or URL, ``step`` the
+    step, ``path`` the file or object not written, ``errno`` as for ``WriteError``."""
 
     def __init__(
         self, message: str, level: int, level_path: str, step: int, path: str, errno: int | None = None
@@ -174,13 +149,11 @@ class LevelError(WriteError):
 
 
 class DistributedLevelError(LevelError, DistributedSaveError):
-    """A level of a distributed multi-level save (``DistributedCheckpointer(levels=...)``) failed for
-    one step: raised alike on every rank (a ``LevelError`` naming the ``level``, ``level_path`` and
-    ``step``, and a ``DistributedSaveError`` naming the ``ranks`` whose part failed). Nothing was
-    committed at that level for that step (``path``); the other levels are unaffected, except that
+    """A level of a distributed multi-level save failed for one step, raised alike on every rank.
+
+    Nothing was committed at that level for that step; the other levels are unaffected, except that
     when the fastest due level fails, the slower ones get no copy of that step either. On a rank
-    whose own part failed, ``__cause__`` is its own error (an ``OSError`` with ``errno``, an
-    ``UploadError`` ...)."""
+    whose own part failed, ``__cause__`` is its own error."""
 
     def __init__(
         self,
@@ -201,11 +174,9 @@ class MemoryLevelWarning(UserWarning):
 
 
 class ReplicationError(LevelError):
-    """A step of a level with ``replicas=k`` could not be held in a peer's memory (the partner node
-    is gone or its pair timed out, the partner could not store it: ``errno`` ENOSPC, or the bytes
-    it received did not match the primary's CRC32). The local copy stands: the step is recorded as
-    not replicated (``DistributedCheckpointer.not_replicated``) and one ``ReplicationWarning`` says
-    so; saves and training go on. ``partner`` is the rank the files were sent to."""
+    """A step of a level with ``replicas=k`` could not be held in a peer's memory. The local copy
+    stands: the step is recorded in ``DistributedCheckpointer.replication.not_replicated`` and a
+    ``ReplicationWarning`` is issued. ``partner`` is the rank the files were sent to."""
 
     def __init__(
         self, message: str, level: int, level_path: str, step: int, path: str, errno: int | None = None,
@@ -216,5 +187,4 @@ class ReplicationError(LevelError):
 
 
 class ReplicationWarning(UserWarning):
-    """Steps of a replicated level were not replicated (see ``ReplicationError``), or a replica was
-    skipped at restore (torn, corrupt: its CRC32 does not match the primary's)."""
+    """Steps of a replicated level were not replicated, or a corrupt replica was skipped at restore."""

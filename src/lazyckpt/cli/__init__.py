@@ -1,12 +1,8 @@
 """The ``lazyckpt`` command line: ``verify``, ``inspect``, ``doctor``, ``bench``.
 
-``bench`` only launches the repository's ``benchmarks/bench_core.py``: no benchmark code and no model
-ship in the package.
-
-Each subcommand lives in its own module with ``add_parser(subparsers)`` and ``run(args) -> int``.
-Exit codes: 0 success, 1 a check failed or the input was unusable, 2 bad usage (argparse),
-130 interrupted. Human output goes to stdout; ``--json`` replaces it with one JSON document.
-Diagnostics and progress go to stderr so that ``--json`` output stays parseable.
+Each subcommand module has ``add_parser(subparsers)`` and ``run(args) -> int``. Exit codes: 0 ok,
+1 a check failed or bad input, 2 bad usage, 130 interrupted. Output on stdout (``--json``: one JSON
+document); diagnostics on stderr.
 """
 
 from __future__ import annotations
@@ -26,7 +22,6 @@ _COMMANDS = (verify, inspect, doctor, bench)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The top-level parser with one subparser per command."""
     from lazyckpt import __version__
 
     parser = argparse.ArgumentParser(
@@ -63,7 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 class _CliHandler(logging.StreamHandler):  # type: ignore[type-arg]
-    """The CLI's own stderr handler (added once)."""
+    """The CLI's stderr handler (added once)."""
 
 
 def _configure_logging(verbosity: int) -> None:

@@ -1,7 +1,6 @@
 """Facts about this machine for ``lazyckpt doctor``: versions, GPUs (NVML), host memory, storage speed.
 
-Every probe returns a JSON-ready dict and never raises for a missing piece: what is absent is
-reported with the reason (``"error"``) so that doctor can tell the user what to do about it.
+Every probe returns a JSON-ready dict and never raises for a missing piece (reported under ``"error"``).
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from typing import Any
 
 # PCIe payload bandwidth per lane and direction after line encoding, GB/s
 PCIE_LANE_GBPS = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
-# share of the link a pinned device-to-host copy reaches (H100/H200 Gen5 x16: 50-57 of 63 GB/s)
+# share of the link a pinned device-to-host copy reaches
 PCIE_EFFICIENCY = 0.8
 _NVML_HINT = "pip install nvidia-ml-py (or lazyckpt[cli])"
 
@@ -153,7 +152,7 @@ def _meminfo() -> dict[str, int]:
 
 
 def storage(directory: str, probe_bytes: int) -> dict[str, Any]:
-    """Filesystem, free space and a short write probe (one thread vs four, each with fsync, best of two)."""
+    """Filesystem, free space and a write probe with fsync (one thread vs four, best of two)."""
     path = os.path.abspath(directory)
     out: dict[str, Any] = {"dir": path, "filesystem": filesystem_of(path), "free_bytes": shutil.disk_usage(path).free}
     if out["free_bytes"] < 3 * probe_bytes:
@@ -163,7 +162,7 @@ def storage(directory: str, probe_bytes: int) -> dict[str, Any]:
     try:
         out["probe_bytes"] = probe_bytes
         best = {1: float("inf"), 4: float("inf")}
-        for _ in range(2):  # alternate and keep the best: the first write of a run is often slow
+        for _ in range(2):  # best of two: a first write is often slow
             for threads in best:
                 best[threads] = min(best[threads], _timed_write(path, buf, threads))
         out["gbps_1_thread"], out["gbps_4_threads"] = (probe_bytes / best[n] / 1e9 for n in (1, 4))
@@ -188,7 +187,7 @@ def filesystem_of(path: str) -> str:
 
 
 def _payload(nbytes: int) -> bytearray:
-    block = os.urandom(min(nbytes, 4 << 20))  # incompressible, so compressing filesystems are measured fairly
+    block = os.urandom(min(nbytes, 4 << 20))  # incompressible
     buf = bytearray(nbytes)
     for off in range(0, nbytes, len(block)):
         buf[off : off + len(block)] = block[: nbytes - off]
@@ -197,7 +196,7 @@ def _payload(nbytes: int) -> bytearray:
 
 def _timed_write(directory: str, buf: bytearray, threads: int, chunk: int = 16 << 20) -> float:
     """Seconds to pwrite ``buf`` into a new file with ``threads`` threads, fsync and close it."""
-    from lazyckpt.storage.fs import temporary_path  # a name cleanup_temporaries() removes if we get killed
+    from lazyckpt.storage.fs import temporary_path  # removable by cleanup_temporaries()
 
     tmp = temporary_path(os.path.join(directory, "doctor-probe"))
     view, part = memoryview(buf), -(-len(buf) // threads)

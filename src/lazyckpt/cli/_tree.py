@@ -12,7 +12,7 @@ from typing import Any
 
 from ._format import human_bytes
 
-_MAX_DEPTH = 64  # deeper structures are summarised, not walked (they are not state dicts)
+_MAX_DEPTH = 64  # deeper structures are summarised, not walked
 _VALUE_CHARS = 60
 
 # safetensors dtype names -> torch's, so both formats read the same

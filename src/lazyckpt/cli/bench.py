@@ -1,10 +1,8 @@
 """``lazyckpt bench ARGS``: run the repository's core benchmark (``python -m benchmarks.bench_core ARGS``).
 
-The benchmark harness and its GPT model are not part of the installed package: they live in the
-``benchmarks/`` folder of a clone of the repository. This command finds that folder (the checkout
-lazyckpt is installed from with ``pip install -e .``, or the current directory) and runs the
-benchmark there with this Python, passing every argument through (``lazyckpt bench --help`` shows
-its options). Without a checkout it says how to get one.
+The benchmark is not in the installed package: it runs from the checkout lazyckpt is installed from
+(``pip install -e .``) or the current directory, with every argument passed through
+(``lazyckpt bench --help`` shows its options).
 """
 
 from __future__ import annotations
@@ -51,8 +49,7 @@ def run(args: argparse.Namespace) -> int:
     if root is None:
         print(f"lazyckpt bench: {HOW_TO_GET_IT}", file=sys.stderr)
         return 1
-    # The checkout's root goes on the child's path (it is not a package of this installation); the
-    # working directory stays, so relative --out-dir/--json/--plot paths mean what the user meant.
+    # the checkout goes on the child's path; the cwd stays, so relative output paths keep their meaning
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH", "")) if p)
     return subprocess.call([sys.executable, "-m", MODULE, *args.extra], env=env)

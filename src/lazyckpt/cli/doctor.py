@@ -1,10 +1,9 @@
 """``lazyckpt doctor [DIR]``: what this machine offers checkpointing, and how to tune lazyckpt for it.
 
-Reports versions; each GPU (NVML: memory, PCIe generation and width, the device-to-host bandwidth
-they allow); the locked-memory limit and free host memory; the write speed of DIR (a short probe
-with fsync, one thread and four); and, with ``--ckpt-gb``, a host memory budget and a number of
-writer threads for a checkpoint of that size. Works without a GPU and without NVML (says why).
-Exit code 1 only when DIR cannot be probed.
+Reports versions, GPUs (NVML: memory, PCIe link, device-to-host bandwidth), locked-memory limit and
+free host memory, and DIR's write speed; with ``--ckpt-gb``, a host memory budget and writer thread
+count for a checkpoint of that size. Works without a GPU or NVML. Exit code 1 only when DIR cannot
+be probed.
 """
 
 from __future__ import annotations
@@ -99,7 +98,7 @@ def _writer_threads(store: dict[str, Any]) -> int:
     one, four = store.get("gbps_1_thread"), store.get("gbps_4_threads")
     if not one or not four:
         return 4  # LazyCheckpointer's default
-    if four < 1.2 * one:  # parallel writes do not help: two keep CRC32 and writes overlapping
+    if four < 1.2 * one:  # parallel writes do not help: two overlap CRC32 and writes
         return 2
     network = any(store["filesystem"].startswith(fs) for fs in _NETWORK_FS)
     return 8 if network and four >= 1.5 * one else 4  # writers wait on I/O: not bounded by CPU count

@@ -1,11 +1,9 @@
 """``lazyckpt inspect PATH``: what is inside a checkpoint, without running code from it.
 
-torch.save files are opened with ``torch.load(mmap=True, map_location="cpu", weights_only=True)``:
-tensor data stays on disk (memory-mapped, never read) and no code from the file runs. Files that
-need arbitrary Python objects (e.g. Lightning hyper-parameters saved as a Namespace) are refused
-with the list of what they need; ``--unsafe`` then loads them with ``weights_only=False``, for files you trust only.
-safetensors files are read from their JSON header alone. For a folder, every checkpoint file in it
-is shown, after a warning on stderr when the folder's lazyckpt save never finished (a pending marker).
+torch.save files are loaded with ``weights_only=True`` and ``mmap=True`` (tensor data is not read);
+files that need arbitrary Python objects are refused with what they need (``--unsafe`` loads them,
+for files you trust only). safetensors files are read from their header alone. For a folder, every
+checkpoint file in it is shown, with a warning when a lazyckpt save into it never finished.
 """
 
 from __future__ import annotations
@@ -68,7 +66,7 @@ def _targets(path: str) -> list[str]:
     if not files:
         raise InspectError(f"{path}: no checkpoint files in this directory; pass a file")
     incomplete = _files.incomplete_problem(path)
-    if incomplete:  # still worth showing what is there, but never as if it were a whole checkpoint
+    if incomplete:  # show it, but never as a whole checkpoint
         print(f"lazyckpt inspect: warning: {path}: {incomplete}", file=sys.stderr)
     return files
 

@@ -1,23 +1,10 @@
 """``lazyckpt verify PATH...``: are these checkpoints intact? Exit 0 when all are, 1 otherwise.
 
-Files go through :func:`lazyckpt.verify` (torch.save zips: every CRC32, the zip layout, the pickle
-walked without running it; safetensors: header, bounds, lazyckpt's CRC when present). A directory
-is searched recursively; every folder is checked for an unfinished lazyckpt folder save (a pending
-marker: ``lazyckpt.is_complete``), and an Accelerate ``save_state`` folder also for every expected
-file. A distributed checkpoint folder (``lazyckpt.distributed``: a ``.lazyckpt-manifest.json``
-beside DCP's ``.metadata``) is checked as a whole by ``lazyckpt.distributed.verify_checkpoint``
-(every data file's size and CRC32, every item's bounds); a ``*.distcp`` file given alone stands
-for its folder. Nothing from the files is executed.
-
-A URL (``s3://bucket/run/step-100.pt``, any fsspec URL) is checked by ranged reads, never
-downloaded to disk; a URL prefix (``s3://bucket/run/``) checks every checkpoint object under it
-(hidden keys, such as a lazyckpt upload's temporary key on non-S3 stores, are skipped). A prefix
-holding a distributed checkpoint (``.metadata``, ``*.distcp``, the manifest) is checked as one
-folder: without ``.metadata`` (uploaded last) it is not a committed checkpoint. A folder checkpoint
-uploaded by lazyckpt (an Accelerate ``save_state`` folder: ``.lazyckpt-complete``, uploaded last,
-names every file and its size) is checked against that manifest, and an Accelerate folder at a URL
-without one is incomplete.
-Credentials and endpoints come from the environment (``AWS_*``), or ``--storage-options JSON``.
+Files: every CRC32, the zip or safetensors layout, the pickle walked without running it. Directories
+are searched recursively; folders are checked for unfinished lazyckpt saves, Accelerate folders for
+every expected file, distributed checkpoint folders against their manifest (a ``*.distcp`` file
+stands for its folder). URLs (any fsspec URL or prefix) are checked by ranged reads, never
+downloaded; credentials come from the environment (``AWS_*``) or ``--storage-options JSON``.
 """
 
 from __future__ import annotations

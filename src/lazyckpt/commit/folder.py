@@ -1,27 +1,8 @@
 """Folder checkpoints: several files that are complete together, or not at all.
 
-One process's save into a folder follows three steps (:class:`FolderSave`):
-
-1. ``FolderSave(folder, tag=...)`` creates a hidden *pending marker*
-   ``.lazyckpt-pending-<tag>-<host>-<pid>-<n>`` in the folder and makes it durable (fsync of the
-   marker and of the folder) off the calling thread.
-2. Each file of the save is committed only after the marker is durable: pass
-   :meth:`FolderSave.before_commit` as ``LazyCheckpointer.save(..., before_commit=...)``, or use
-   :meth:`FolderSave.save`, which does that and records the handle. So no file of the save is
-   durable at its final name while the marker is not.
-3. :meth:`FolderSave.end`, once every file of the save has committed: fsyncs any files written
-   outside lazyckpt, removes the marker, fsyncs the folder. It refuses while a recorded file is
-   pending or failed: the marker then stays, and the folder reads as incomplete.
-
-A folder is complete (:func:`is_complete`) when it exists and holds no marker. Every process
-(rank, host) that writes into a folder has its own marker, so with many writers the folder is
-complete once the last of them has ended its save: a multi-file, multi-writer commit needs no
-lock and no rename of the folder. A marker names its host and pid: :func:`marker_is_stale` tells a
-marker left by a dead process of this host (that save will never end) from one of a save that may
-still be running, here or on another host.
-
-The marker names are the ones ``lazyckpt.accelerate`` has always written (``tag`` = the process
-index), so folders written before this module existed read the same.
+Each writing process creates a durable hidden pending marker, commits its files after it, then
+removes it (:class:`FolderSave`). A folder is complete (:func:`is_complete`) when it exists and holds
+no marker. Markers name host and pid, so a dead process's marker is recognised (:func:`marker_is_stale`).
 """
 
 from __future__ import annotations
@@ -108,8 +89,7 @@ def marker_owner(name: str) -> MarkerOwner | None:
 def marker_is_stale(name: str) -> bool:
     """True when the marker was left by a process of THIS host that no longer runs.
 
-    Such a save will never end; a marker of another host, of a live process, or with an unreadable
-    name may belong to a save still running and is never stale.
+    A marker of another host, of a live process, or with an unreadable name is never stale.
     """
     owner = marker_owner(name)
     return owner is not None and owner.host == socket.gethostname() and not _fs.pid_alive(owner.pid)
@@ -124,10 +104,7 @@ def pending_markers(folder: str | os.PathLike[str]) -> list[str]:
 
 
 def live_markers(folder: str | os.PathLike[str], *, others_only: bool = True) -> list[str]:
-    """Markers in ``folder`` of saves that may still end: not stale, and (``others_only``) not this process's.
-
-    What a reader waits for before it decides that a folder is incomplete (no collective call needed).
-    """
+    """Markers in ``folder`` of saves that may still end: not stale, and (``others_only``) not this process's."""
     me = (socket.gethostname(), os.getpid())
     live = []
     for name in pending_markers(folder):
@@ -141,18 +118,14 @@ def live_markers(folder: str | os.PathLike[str], *, others_only: bool = True) ->
 def is_complete(folder: str | os.PathLike[str]) -> bool:
     """True when ``folder`` exists and no lazyckpt save into it is pending or was interrupted.
 
-    A folder that lazyckpt never wrote into is complete as far as lazyckpt can tell.
+    A folder that lazyckpt never wrote into counts as complete.
     """
     return os.path.isdir(folder) and not pending_markers(folder)
 
 
 class FolderSave:
-    """One process's save into one folder: marker, files committed after it, end.
-
-    Thread safety: create it, call :meth:`save` and :meth:`end` from one thread at a time;
-    :meth:`before_commit` may run on any thread (the committer calls it). ``submit`` runs the
-    marker's fsync (e.g. an integration's background thread, whose later jobs then see it
-    settled); by default a short-lived daemon thread does.
+    """One process's save into one folder. Call :meth:`save` / :meth:`end` from one thread at a time;
+    :meth:`before_commit` may run on any thread. ``submit`` runs the marker's fsync (default: a daemon thread).
     """
 
     def __init__(self, folder: str | os.PathLike[str], *, tag: str | int = 0, submit: Submit | None = None) -> None:
@@ -168,8 +141,7 @@ class FolderSave:
                 f"lazyckpt: save into this folder started at {time.time():.3f}; "
                 "this file is removed once every file of that save is durable\n"
             )
-        # Two fsyncs (~60 ms on a disk) that the training thread need not wait for: only the renames
-        # of this save's files do (before_commit).
+        # fsynced off the caller's thread: only this save's renames wait for it (before_commit)
         if submit is None:
             try:
                 threading.Thread(target=self._sync_marker, name="lazyckpt-folder-marker", daemon=True).start()
@@ -204,11 +176,8 @@ class FolderSave:
     def end(self, fsync_files: Iterable[str | os.PathLike[str]] = ()) -> bool:
         """Mark the folder complete for this process: fsync ``fsync_files``, remove the marker, fsync the folder.
 
-        Call it once every file of the save has committed. Raises :class:`IncompleteCheckpointError`
-        (the marker stays) when a recorded file is still pending or failed, the error of the marker
-        itself, or a :class:`WriteError` when an fsync, the unlink or the folder's fsync fails.
-        Returns False (nothing to do) when the folder or the marker is gone (e.g. deleted
-        meanwhile), True when this process's marker was removed.
+        Raises ``IncompleteCheckpointError`` (the marker stays) when a recorded file is pending or
+        failed, or ``WriteError``. Returns True when the marker was removed, False when it is gone.
         """
         for h in self.handles:
             if not h.done():

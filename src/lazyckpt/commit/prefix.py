@@ -1,19 +1,8 @@
-"""A multi-object checkpoint at a URL prefix: every file uploaded, then one key LAST.
+"""A multi-object checkpoint at a URL prefix: every file uploaded, then one ``last`` key.
 
-An object store has no folder rename: a checkpoint of several objects cannot appear at once. Each
-object appears whole or not at all (``RemoteTier.transfer``), so a prefix counts as a checkpoint
-only once its ``last`` key exists (``.lazyckpt-complete`` for folder checkpoints, ``.metadata``
-for DCP's). The protocol, one place for both users (``commit/remote_folder.py``,
-``distributed/_upload.py``):
-
-1. ``hide_previous()``: delete a previous checkpoint's last key before any key it shares with the
-   new one changes (a reader then sees the old checkpoint whole, or none, never a mix);
-2. ``upload(name)`` each file (names the new checkpoint alone uses change nothing a reader sees);
-3. ``upload(last)``: the checkpoint exists;
-4. on failure, ``remove_uploaded()``: the last key first (its failed PUT may have landed), then
-   what was uploaded; on success or failure, ``finish_local()`` for the local copies.
-
-Runs on the calling thread (integrations and the distributed commit call it from theirs).
+Protocol (calling thread): ``hide_previous()`` before any shared key changes, ``upload(name)`` each
+file, ``upload(last)``; on failure ``remove_uploaded()``; then ``finish_local()``. So a reader sees the
+old checkpoint whole, or none, never a mix.
 """
 
 from __future__ import annotations
@@ -48,8 +37,7 @@ class Prefix:
 
     @classmethod
     def at(cls, tier: RemoteTier, url: str, last: str, local: str | None = None) -> Prefix:
-        """Resolve ``url`` (cached fsspec instance); ``local`` defaults to a fresh folder in the
-        remote tier (``<local_dir>/.uploads/<pid>-<n>/<name>``)."""
+        """Resolve ``url``; ``local`` defaults to a fresh folder in the remote tier."""
         url = url.rstrip("/")
         fs, rpath = tier.resolve(url)
         if local is None:
@@ -75,15 +63,14 @@ class Prefix:
         """Upload the local file ``path`` to ``<url>/<name>``; ``UploadError`` on failure."""
         url, key = self.object(name)
         t = time.perf_counter()
-        self.uploaded.append(name)  # before: a failed save deletes the key even if this attempt failed
+        self.uploaded.append(name)  # first: a failed save deletes the key even if this attempt failed
         self.tier.transfer(url, self.fs, key, path)
         self.upload_s += time.perf_counter() - t
         self.upload_bytes += os.path.getsize(path)
 
     def remove_uploaded(self) -> None:
-        """After a failed save: delete the last key first when it may be there (it was tried, or a
-        previous checkpoint's keys were touched), then every key uploaded or tried. Best effort:
-        the save's own error is the one to report."""
+        """After a failed save: delete the last key first if it may exist, then every key uploaded or
+        tried. Best effort; never raises on a failed delete."""
         names = [n for n in self.uploaded if n != self.last]
         if self.shared or self.last in self.uploaded:
             names.insert(0, self.last)
@@ -96,9 +83,8 @@ class Prefix:
         self.uploaded.clear()
 
     def finish_local(self, keep: bool = False, folder: str | None = None) -> None:
-        """The local copies once the save ended: kept as they are (``keep``: the upload failed and
-        the error names them); else each uploaded file goes to the tier's ``keep_local`` mirror or is
-        deleted, and ``folder`` (default: the local folder's parent, the save's own) is removed."""
+        """Once the save ended: unless ``keep``, move each uploaded file to the ``keep_local`` mirror or
+        delete it, and remove ``folder`` (default: the local folder's parent)."""
         if keep:
             return
         for name in self.uploaded:

@@ -1,15 +1,6 @@
-"""Folder checkpoints at URLs: every file of a complete local folder uploaded, then a manifest, last.
-
-An object store has no folder rename, so a multi-file checkpoint (an Accelerate ``save_state``
-folder) cannot appear at once. The files are uploaded one by one (each one complete or absent, as
-any URL save: ``RemoteTier.transfer``), and the folder counts as a checkpoint only once
-``<url>/.lazyckpt-complete`` exists: a small JSON manifest naming every file and its size, uploaded
-after all of them. Saving again to the same URL deletes the old manifest before any file changes,
-so a reader sees the old checkpoint whole, or no checkpoint, never a mix. Readers (``download``,
-``lazyckpt verify``) refuse a prefix without a manifest and read only the files it names.
-
-Runs on the caller's thread (integrations call it from a background thread). The core's own
-names only; no framework is imported here.
+"""Folder checkpoints at URLs: every file of a complete local folder, then ``.lazyckpt-complete`` (a
+JSON manifest of names and sizes) last (``commit/prefix.py``). Readers refuse a prefix without a
+manifest and read only the files it names. Runs on the caller's thread.
 """
 
 from __future__ import annotations
@@ -27,8 +18,7 @@ from lazyckpt.storage.remote import RemoteTier
 
 
 class Checkpointer(Protocol):
-    """What folder saves at URLs need of their checkpointer: its producer interface
-    (``core/producer.Producer``, ``lazyckpt.checkpointer.producer_of(ckpt)``)."""
+    """What folder saves at URLs need: a producer (``lazyckpt.checkpointer.producer_of``)."""
 
     @property
     def options(self) -> CheckpointerOptions: ...
@@ -67,21 +57,19 @@ def files_of(folder: str) -> list[str]:
 
 
 def upload(checkpointer: Checkpointer, folder: str, url: str) -> dict[str, Any]:
-    """Upload the complete local ``folder`` to ``url``, the manifest last (``commit/prefix.py``);
-    returns the manifest.
+    """Upload the complete local ``folder`` to ``url``, the manifest last; returns the manifest.
 
-    Raises ``UploadError`` (the local folder is then kept, and named in the error). On success the
-    local copy is removed, or kept at ``<local_dir>/<protocol>/<key>`` with ``keep_local``."""
+    Raises ``UploadError`` (the local folder is kept). On success the local copy is removed, or
+    mirrored with ``keep_local``."""
     manifest, prefix = upload_folder(checkpointer.remote_tier(), folder, url)
-    prefix.finish_local()  # the save's own <pid>-<n> folder goes too
+    prefix.finish_local()
     return manifest
 
 
 def upload_folder(tier: RemoteTier, folder: str, url: str, scratch: str | None = None) -> tuple[dict[str, Any], Prefix]:
-    """Upload the files of the complete local ``folder`` to ``url``, then the manifest, written in
-    ``scratch`` (default: ``folder`` itself; another folder leaves ``folder`` untouched, as a level
-    copy must). The local files stay: the caller decides (``Prefix.finish_local``). Raises
-    ``UploadError`` after deleting what it uploaded; ``url`` then holds no checkpoint."""
+    """Upload ``folder``'s files to ``url``, then the manifest, written in ``scratch`` (default
+    ``folder``). Local files stay (``Prefix.finish_local``). Raises ``UploadError`` after deleting
+    what it uploaded; ``url`` then holds no checkpoint."""
     prefix = Prefix.at(tier, url, MANIFEST, local=folder)
     try:
         prefix.hide_previous()  # no old manifest while files change
@@ -94,7 +82,7 @@ def upload_folder(tier: RemoteTier, folder: str, url: str, scratch: str | None =
             json.dump(manifest, fh, indent=1, sort_keys=True)
         prefix.upload_from(MANIFEST, manifest_path)
     except Exception as exc:
-        prefix.remove_uploaded()  # tidy, best effort: without the manifest they are no checkpoint anyway
+        prefix.remove_uploaded()  # best effort: without the manifest they are no checkpoint anyway
         raise UploadError(
             f"upload of the folder checkpoint {url} failed ({exc}); no manifest was written, so {url} holds "
             f"no checkpoint; the local copy is kept at {folder}",
@@ -139,8 +127,7 @@ def download(checkpointer: Checkpointer, url: str, dest: str) -> list[str]:
 
 
 def check(fs: Any, rpath: str, url: str) -> tuple[list[str], list[str], int]:
-    """For ``lazyckpt verify``: (problems, URLs of the files the manifest names, their total size).
-    Every named file must exist with its size; a prefix without a manifest is incomplete."""
+    """For ``lazyckpt verify``: (problems, URLs of the files the manifest names, their total size)."""
     try:
         manifest = read_manifest(fs, rpath, url)
     except IncompleteCheckpointError as exc:

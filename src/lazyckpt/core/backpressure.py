@@ -1,8 +1,7 @@
 """Backpressure: what a save does when saves outrun storage, and the warnings that say so.
 
-Warnings are issued on the caller's thread only (``save()``, ``wait()``): a warning filter set to
-"error" must turn them into the caller's exception, never end a lazyckpt thread. Each names the
-numbers a user needs to act (bytes pending, the bound, seconds waited, saves skipped so far).
+Warnings are issued on the caller's thread only (``save()``, ``wait()``), so a warning filter set to
+"error" raises in the caller and never ends a lazyckpt thread.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
-"""Capture: what a save copies lazily (a decision, not a byte layout). Every format shares it to turn the
-object passed to ``save()`` into bytes to write now and sources (tensor bytes) to copy later: ``Source``,
-the checks that refuse tensors lazyckpt cannot stage, and torch.save's pickler (``flatten_torch``, used by
-the torch format and by any format made of torch.save items). Each format's own validation and layout
-live in its module.
+"""Capture, shared by every format, on the caller's thread inside ``save()``: the saved object as bytes to
+write now and ``Source`` records (tensor bytes) to copy later.
 
-Runs on the caller's thread inside ``save()``. Pickling here is what snapshots every non-tensor
-value (optimizer ``param_groups``, per-parameter state dicts, loop counters): the pickle bytes are
-immutable, whatever the caller changes afterwards. Tensor bytes are not pickled; each storage is
-recorded with every tensor that refers to it and that tensor's ``_version`` at this moment, so a
-later in-place change can be detected.
+Holds ``Source``, the checks that refuse tensors lazyckpt cannot stage, and torch.save's pickler
+(``flatten_torch``). Pickling snapshots every non-tensor value; each storage is recorded with its tensors
+and their ``_version`` at ``save()``, so a later in-place change is detected.
 """
 
 from __future__ import annotations
@@ -34,11 +29,8 @@ _NO_BYTES = torch.empty(0, dtype=torch.uint8)
 
 
 class Source:
-    """Bytes of one record to stage and write: a whole storage (torch) or one tensor (safetensors).
-
-    Holds references to the caller's tensors only until staging is over (``release``), so a save
-    never keeps device memory alive while it waits for storage.
-    """
+    """Bytes of one record to stage and write: a whole storage (torch) or one tensor (safetensors). Holds
+    the caller's tensors only until staging is over (``release``)."""
 
     def __init__(
         self,
@@ -120,7 +112,6 @@ def refuse_unsupported(t: torch.Tensor, name: str) -> None:
 
 
 def _version(t: torch.Tensor) -> int:
-    """torch's in-place change counter of ``t`` (what a save's checks compare)."""
     return t._version
 
 
@@ -132,17 +123,12 @@ _IS_STORAGE: dict[type, bool] = {}
 
 
 class _Pickler(pickle.Pickler):
-    """torch.save's pickler: identical persistent ids, plus bookkeeping of tensors per storage.
+    """torch.save's pickler (same bytes, same persistent ids), recording the tensors of each storage.
 
-    The plain path (``fast=False``) is torch.save's own: every tensor through ``Tensor.__reduce_ex__``
-    and a Python ``persistent_id`` called for every object pickled (~12,000 calls for a 100M GPT's
-    model + AdamW state, most of ``save()``'s time on the training thread). The fast path writes the
-    same bytes with far fewer Python calls: a plain ``torch.Tensor`` is reduced here to the tuple
-    ``Tensor._reduce_ex_internal`` returns for it (its storage's persistent id computed at once), and
-    ``persistent_id`` is a C no-op except between such a reduction and its storage (the first object
-    of the reduced arguments, so the Python function sees three objects per tensor). Any other
-    storage in the object (a storage saved by itself, a tensor the fast path leaves to torch) makes
-    the fast path give up with ``_NeedPlainPath``, and ``flatten_torch`` pickles again on the plain path.
+    ``fast=False`` is torch.save's own path. ``fast=True`` writes the same bytes with fewer Python calls: a
+    plain tensor is reduced here (its storage's id computed at once) and ``persistent_id`` is a C no-op
+    except between such a reduction and its storage. Any other storage raises ``_NeedPlainPath``, and
+    ``flatten_torch`` pickles again on the plain path.
     """
 
     def __init__(self, buf: io.BytesIO, names: dict[int, str], fast: bool = False) -> None:
@@ -165,15 +151,14 @@ class _Pickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         cls = type(obj)
         if cls is OrderedDict and self._fast and not obj and not obj.__dict__:
-            # each tensor's backward hooks: what OrderedDict.__reduce__ gives for an empty one without
-            # attributes (a module's empty state dict carries _metadata: pickled in full)
+            # a tensor's empty backward hooks: what OrderedDict.__reduce__ gives for an attribute-less one
             return _EMPTY_ORDERED_DICT
         if not isinstance(obj, torch.Tensor):
             if self._fast and _is_storage(obj):
                 raise _NeedPlainPath
             return NotImplemented
         name = self.names.get(id(obj))
-        if name is None:  # built only when needed: this runs for every tensor on the caller's thread
+        if name is None:  # built only when needed: this runs for every tensor
             name = f"<tensor inside an object, shape {tuple(obj.shape)}>"
         refuse_unsupported(obj, name)
         storage = obj.untyped_storage()
@@ -277,10 +262,7 @@ def _location(device: torch.device) -> str:
 
 
 def _has_fast_reduce(t: torch.Tensor) -> bool:
-    """Whether ``Tensor.__reduce_ex__`` would take its plain branch for ``t`` (and warn about nothing).
-
-    Quantized tensors never get here: ``refuse_unsupported`` has refused them before.
-    """
+    """Whether ``Tensor.__reduce_ex__`` would take its plain branch for ``t`` (and warn about nothing)."""
     return (
         type(t) is torch.Tensor
         and not t.__dict__

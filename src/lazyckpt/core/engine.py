@@ -38,12 +38,8 @@ _GATHER_RUN = 4 << 20  # into one buffer of at most this much (one pwrite instea
 
 
 def write_buffered(fd: int, data: memoryview, offset: int, crc: bool) -> int:
-    """``pwrite`` ``data`` at ``offset``; with ``crc``, return its CRC32, computed slice by slice
-    just before each slice is written, so that the write's copy reads the slice from cache: one
-    pass over memory instead of two. Measured on this project's 2-vCPU VM (480 MiB L3), 1.2 GB
-    into a reused tmpfs file: 4-8% less CPU for the writer (0.434 -> 0.417 s beside a training
-    thread, 0.375 -> 0.35 s alone), the training thread's speed unchanged; hosts with less cache
-    per core save more memory traffic."""
+    """``pwrite`` ``data`` at ``offset``; with ``crc``, return its CRC32, computed slice by slice just
+    before each slice is written so the write reads it from cache (one pass over memory)."""
     if not crc:
         _fs.pwrite_all(fd, data, offset)
         return 0
@@ -71,8 +67,7 @@ def write_error(job: Job, what: str, exc: BaseException) -> WriteError:
 
 
 def _item_failed(item: Job | Piece, exc: BaseException) -> None:
-    """A worker's unexpected error fails that item's job, never the thread (a dead lazyckpt thread
-    would hang every later wait() and the exit drain)."""
+    """A worker's unexpected error fails that item's job, never the thread."""
     job = item if isinstance(item, Job) else item.job
     logger.error("lazyckpt: %s failed unexpectedly for %s", threading.current_thread().name, job.path, exc_info=exc)
     job.fail(write_error(job, "processing", exc))
@@ -97,8 +92,7 @@ class _Call:
 
 
 def _new_event() -> torch.cuda.Event:
-    """Blocking events: a writer or the stager waiting in ``synchronize()`` sleeps instead of
-    spinning a CPU core for the whole device-to-host copy (the default, ``blocking=False``, spins)."""
+    """Blocking events: a thread in ``synchronize()`` sleeps instead of spinning a core."""
     return torch.cuda.Event(blocking=True)
 
 
@@ -112,11 +106,8 @@ class Engine:
         self._writers: Worker[Piece | Job | _Call] = Worker(
             "lazyckpt-writer", self._write_item, threads=writer_threads, numbered=True, on_error=_item_failed
         )
-        # A memory filesystem's files (``Job.serial``) get ONE writer thread of their own: the kernel
-        # writes a tmpfs file under its inode lock anyway, and with the pool's threads taking its
-        # pieces, all but one of them only woke, took the GIL and slept on the job's lock, again and
-        # again: beside a training thread (one spare core) that cost it 0.03 s per step waiting for
-        # a core and ~0.1 s per 1.2 GB checkpoint in all; with one writer, nothing measurable.
+        # A memory filesystem's files (``Job.serial``) get one writer thread of their own: the kernel
+        # serialises writes to a tmpfs file on its inode lock, so more writers only take the training's core.
         self._serial_writer: Worker[Piece | Job | _Call] = Worker(
             "lazyckpt-writer-memory", self._write_item, lazy=True, on_error=_item_failed
         )
@@ -154,16 +145,10 @@ class Engine:
             self._writers.submit(item)
 
     def open(self, job: Job) -> bool:
-        """Create the job's temporary file (and reserve its size) unless done; True when it is open.
-        Its spare (``storage/spare.py``: a file a memory level's retention dropped, from its folder
-        or, for a folder level, of the same name in an older step folder) is renamed to that name
-        and reused when there is one.
-
-        Runs on the first thread that needs the file: a writer (the caller of ``save()`` never
-        waits for it: on a journaling filesystem creating and fallocating a file can block for
-        0.1-0.4 s while an earlier checkpoint is being written and fsynced), or ``save()`` itself
-        for a memory filesystem. A failure fails the job (``WriteError``, errno kept) before any
-        byte is written: a full disk is still found before the data, by the reservation."""
+        """Create the job's temporary file (or reuse a spare, ``storage/spare.py``) and reserve its size,
+        unless done; True when it is open. Runs on the first thread that needs the file: a writer, so
+        ``save()`` never waits on the filesystem, or ``save()`` for an inline save. A failure fails the
+        job (``WriteError``, errno kept) before any byte is written."""
         if job.file is not FileState.NEW:
             return job.fd >= 0
         with job.open_lock:
@@ -185,17 +170,14 @@ class Engine:
         return job.fd >= 0
 
     def stage_now(self, job: Job, src: Source) -> None:
-        """Capture a source on the caller's thread (tensors no optimizer guards).
-
-        CUDA copies go on the current stream: ordered before any kernel queued after save().
-        """
+        """Capture a source on the caller's thread (tensors no optimizer guards); CUDA copies go on the
+        current stream, ordered before any kernel queued after ``save()``."""
         stream = torch.cuda.current_stream(src.device) if src.device.type == "cuda" else None
         self._copy_source(job, src, stream)
 
     def write_now(self, job: Job, src: Source) -> None:
-        """Write a CPU source on the caller's thread, straight from its memory, before ``save()``
-        returns (``core/plan.write_in_save``: no core to spare, and a memory filesystem or a small file).
-        Counted like any piece, so the job finalises and commits in the background as usual."""
+        """Write a CPU source on the caller's thread straight from its memory (``plan.write_in_save``);
+        counted like any piece, so the job finalises and commits in the background."""
         self.open(job)
         for piece in self._pieces(job, src):
             if job.failed:
@@ -212,10 +194,8 @@ class Engine:
                 job.piece_done()
 
     def write_now_all(self, job: Job, sources: list[Source]) -> None:
-        """``write_now`` for every source of ``sources``: each run of them adjacent in the file (only
-        metadata, written when the file is finalised, between them; no source of another kind) is
-        gathered into one buffer and written with one ``pwrite`` (a checkpoint of many small tensors:
-        an optimizer's state), a large source straight from its memory as ``write_now`` does."""
+        """``write_now`` for every source of ``sources``: runs of small ones adjacent in the file are
+        gathered into one buffer and written with one ``pwrite``; a large one as ``write_now`` does."""
         mine = {id(s) for s in sources}
         run: list[Source] = []
         run_bytes = 0
@@ -281,8 +261,8 @@ class Engine:
                 self._copy_source(job, src, stream=None)
                 job.check_stale([src])
             job.reach(Stage.CPU_STAGED)
-            # Each CUDA call under its device: this thread's current device is 0, and a runtime
-            # call there would create a context (~0.5 GB) on GPU 0 for a tensor on another GPU.
+            # Each CUDA call under its device: this thread's current device is 0, and a call there
+            # would create a context on GPU 0 for a tensor on another GPU.
             for device, event in job.save_events.items():
                 with torch.cuda.device(device):
                     self._copy_stream(device).wait_event(event)
@@ -305,26 +285,19 @@ class Engine:
                 self._queue_write(job)
 
     def _queue_live(self, job: Job, src: Source) -> None:
-        """Queue a CPU source to be written straight from its memory (no staging copy): its file
-        offset shares its address's position within a page, so its whole pages go through O_DIRECT
-        from the tensor itself. An optimizer step (or ``wait_staged()``) that comes before the
-        writers copies whatever they have not started (``settle``). Pieces are smaller than chunks
-        so that such a wait for pieces in flight stays short."""
+        """Queue a CPU source to be written straight from its memory (no staging copy). A step or
+        ``wait_staged()`` before the writers copies what they have not started (``settle``); pieces
+        are small so that waiting for those in flight stays short."""
         for piece in self._pieces(job, src, min(_LIVE_PIECE, self.pool.chunk_bytes)):
             piece.live = True
             job.add_live(piece)
             self._queue_write(piece)
 
     def settle(self, job: Job) -> None:
-        """Copy every live piece of ``job`` that no writer has started into a pool buffer (on the
-        calling thread: the training, which waits for this anyway) and queue it again.
-
-        Allocates from the pool on the calling thread: with the budget used up (other saves'
-        pieces waiting for storage) this blocks until writers free buffers, i.e. the step then
-        waits for storage, as ``save()`` does for unguarded tensors."""
+        """Copy every live piece of ``job`` that no writer has started into a pool buffer, on the calling
+        (training) thread, and queue it again. Blocks while the pool's budget is used up."""
         claimed = job.claim_live()
-        # Every claimed piece must come out copied, counted and queued again whatever happens here
-        # (this is the training thread, where Ctrl-C lands), or the job would wait for it forever.
+        # Every claimed piece must come out copied, counted and requeued even on Ctrl-C, or the job hangs.
         try:
             for piece in claimed:
                 try:
@@ -351,9 +324,8 @@ class Engine:
 
     @staticmethod
     def _finish_reading(job: Job) -> None:
-        """The last reader of live memory is through: check (early; the sound check is the
-        confirmation on the training thread, ``Job.confirm``) that nothing changed those tensors
-        meanwhile, drop the references to unguarded tensors, and let the optimizer step."""
+        """The last reader of live memory is through: an early stale check (the sound one is
+        ``Job.confirm``), drop the references to unguarded tensors, let the optimizer step."""
         try:
             if job.live_pieces:
                 job.check_stale([s for s in job.lazy if s.live])
@@ -381,8 +353,7 @@ class Engine:
     def _copy_piece(self, job: Job, src: Source, piece: Piece, stream: torch.cuda.Stream | None) -> None:
         assert piece.buffer is not None
         if stream is None and src.device.type == "cpu":
-            # One plain memcpy with the GIL released: torch's copy_ would fan out over the
-            # intra-op threads, i.e. take every core from the training for the same bandwidth.
+            # One memcpy with the GIL released: torch's copy_ would take every intra-op thread from training.
             ctypes.memmove(piece.buffer.view.data_ptr(), src.data_ptr + piece.start, piece.nbytes)
             return
         view = src.flat[piece.start : piece.start + piece.nbytes]
@@ -404,9 +375,8 @@ class Engine:
     # -- writing ----------------------------------------------------------------------------------
 
     def run(self, fn: Callable[[], object]) -> Future:
-        """Run ``fn`` on a writer thread, queued behind the pieces already there (an integration's fsyncs
-        of the files it wrote itself, in parallel with each other and with the writes); its future. Run
-        inline when no writer thread runs."""
+        """Run ``fn`` on a writer thread behind the pieces already queued (an integration's fsyncs); return
+        its future. Runs inline when no writer thread runs."""
         call = _Call(fn)
         if not self._writers.submit(call):
             call()
@@ -459,10 +429,9 @@ class Engine:
 
     @staticmethod
     def _write_data(job: Job, piece: Piece, data: memoryview, addr: int) -> int:
-        """Write one piece; return its CRC32 (0 without ``job.crc``). Whole pages go through O_DIRECT
-        (no page-cache copy: no CPU); the partial pages at either end of a piece go through the
-        buffered descriptor. The two never touch the same page. ``addr`` is where ``data`` lives:
-        it must share the file offset's position within a page."""
+        """Write one piece; return its CRC32 (0 without ``job.crc``). Whole pages go through O_DIRECT, the
+        partial pages at either end buffered; the two never touch the same page. ``addr`` (where ``data``
+        lives) must share the file offset's position within a page for O_DIRECT."""
         offset = piece.file_offset
         head = -offset % PAGE  # bytes up to the first page boundary in the file (and in memory)
         end = (offset + piece.nbytes) // PAGE * PAGE - offset  # up to the last one
@@ -473,8 +442,7 @@ class Engine:
             try:
                 _fs.pwrite_all(job.dfd, data[head:end], offset + head)
             except OSError as exc:
-                # Refused: EINVAL (the filesystem after all), EFAULT (some kernels, for pinned
-                # memory), EOPNOTSUPP ... The buffered write raises any error that is real.
+                # Refused (EINVAL, EFAULT for pinned memory, EOPNOTSUPP): the buffered write raises a real error.
                 logger.debug("lazyckpt: O_DIRECT write to %s refused (%s); writing buffered", job.tmp, exc)
                 _fs.pwrite_all(job.fd, data[head:end], offset + head)
             if end < piece.nbytes:
@@ -483,8 +451,7 @@ class Engine:
         return write_buffered(job.fd, data, offset, job.crc)
 
     def _finalize(self, job: Job) -> None:
-        # Every piece is written; a reader that copied the last live piece may still be checking
-        # versions (a few instructions away: it depends on no writer).
+        # Every piece is written; the reader of the last live piece may still be checking versions.
         job.wait_for(Stage.READ)
         try:
             if self.open(job) and not job.failed:  # a job without tensor data opens it here
@@ -541,11 +508,9 @@ class Engine:
 
     @staticmethod
     def supersede(final: str, jobs: list[Job]) -> None:
-        """A re-entered save (``core/reentry.py``) is about to rename its file to ``final``: every pending
-        job to ``final`` is marked superseded (it then discards its file instead of renaming it), and one
-        the committer is renaming at this moment is waited out (a few syscalls, no lock, bounded), so the
-        re-entered save's rename comes last. The committer sets ``publishing`` before it reads
-        ``superseded``; this sets ``superseded`` before it reads ``publishing``: one of them sees the other."""
+        """A re-entered save (``core/reentry.py``) is about to rename its file to ``final``: mark every pending
+        job to ``final`` superseded (it discards its file) and wait out one being renamed now (no lock,
+        bounded). The committer sets ``publishing`` before reading ``superseded``, this the reverse."""
         mine = [j for j in jobs if j.path == final]
         for job in mine:
             job.superseded = True
@@ -555,9 +520,8 @@ class Engine:
                 time.sleep(0.001)
 
     def _complete(self, job: Job) -> None:
-        """Finish the handle, exactly once, whatever happened: resolve its outcome, let the
-        checkpointer publish it (and run removals queued behind it), then make it visible and hand
-        its callbacks to the callback thread (callbacks may wait for saves this thread commits)."""
+        """Finish the handle exactly once: resolve its outcome, let the checkpointer publish it (and run
+        removals queued behind it), then make it visible and hand its callbacks to the callback thread."""
         completion = job.completion
         if completion.handle.done():
             return

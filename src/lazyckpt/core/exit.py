@@ -1,19 +1,9 @@
-"""One registry of what must be drained when the interpreter exits.
+"""One registry of the owners of background work (checkpointers, integrations' handles) drained at exit.
 
-Fabric never calls teardown, a script may end without ``close()``: what was saved must still be
-made durable, and what failed said, before the process is gone. Every owner of background work
-(a ``LazyCheckpointer``, a ``DistributedCheckpointer``, the Lightning plugin, an Accelerate handle)
-registers here once, with the layer it sits in; at exit the registry drains the integrations
-first (they wait for the checkpointers they use), then the distributed checkpointers, then the
-core's, newest first within a layer. Each drain runs at most once; its errors are logged (there is
-nobody left to raise to), never raised.
-
-Two moments: ``atexit`` (the default), and, for owners with uploads (``early=True``), the start of
-the interpreter's shutdown, before ``concurrent.futures`` refuses new work. ``atexit`` is too late
-for uploads: aiohttp (under s3fs) resolves host names through the loop's default executor, which
-then raises "cannot schedule new futures after interpreter shutdown". Hooks registered through
-``threading._register_atexit`` run in reverse order, so the one registered at the first early
-registration (after ``concurrent.futures`` was imported) runs before its shutdown flag is set.
+Drain order: integrations, then distributed checkpointers, then core ones; newest first within a layer.
+Each drain runs at most once; its errors are logged, never raised. Owners with uploads (``early=True``)
+are drained at the start of interpreter shutdown (``threading._register_atexit``), before
+``concurrent.futures`` refuses new work; the others at ``atexit``.
 """
 
 from __future__ import annotations
@@ -138,8 +128,8 @@ def _hook_shutdown() -> None:
 
 
 def _forget_in_child() -> None:
-    # A forked child has none of the parent's lazyckpt threads: draining their work would hang.
-    # (The shutdown hook, if any, is inherited: _early_hooked stays as it is.)
+    # A forked child has none of the parent's threads: draining their work would hang (the shutdown hook
+    # is inherited: _early_hooked stays).
     _entries.clear()
 
 

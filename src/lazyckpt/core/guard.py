@@ -1,29 +1,10 @@
 """The guard: no optimizer step may change a tensor whose copy is still pending.
 
-One process-wide ``torch.optim`` step pre-hook, installed when lazyckpt is imported (so optimizers
-that step before the first checkpointer exists are known too). With nothing pending it costs a
-set insertion and one list check. With saves pending it either waits right away
-(plain loops, Accelerate: backward has already run) or, when the step was given a closure (Lightning
-runs forward and backward inside it), wraps the closure so the wait happens after the closure
-returns and just before the update: the copies then overlap forward and backward.
-
-A save stays pending here until it is confirmed: its versions re-checked, after the copies, on a
-thread that calls into lazyckpt (the step itself, or ``confirm_ready`` from ``save()``), because
-torch moves a version only once an in-place kernel has finished (see ``Job.confirm``). A forked
-child forgets pending saves: the threads that would finish them do not exist there.
-
-The hook also learns which optimizers exist. Tensors they own (params, state) change only inside
-``step()``, so ``save()`` may copy them lazily; every other tensor is captured inside ``save()``.
-
-Besides ``step()``, a few stock calls overwrite saved state in place: ``Module.load_state_dict``
-(``param.copy_``; what Lightning's Trainer restore, ``Fabric.load`` and Accelerate's ``load_state``
-end up in), ``Optimizer.load_state_dict`` (and its post hooks) and
-``torch.nn.utils.vector_to_parameters``. Called right after a save, they used to fail it with
-``StaleTensorError``. torch has no global hook for them, so the first save that leaves copies
-pending wraps them process-wide (``_install_mutator_guards``): with saves pending, the wrapper
-first waits for every pending save's copies, on the calling thread (``wait_all``, what the step
-does), then runs the stock call. The wrappers stay once installed: with nothing pending they cost
-one list check, and these calls are rare (never on the hot path of forward or ``step()``).
+A process-wide ``torch.optim`` step pre-hook (installed at import) waits for pending saves before the step,
+or after the step's closure when it has one (Lightning), so copies overlap forward and backward. A save
+stays pending until confirmed on a thread that calls into lazyckpt (``Job.confirm``). The hook records the
+optimizers: tensors they own change only in ``step()``, so ``save()`` may copy them lazily. The first
+pending save also wraps the stock in-place mutators of saved state (``_MUTATORS``) to wait likewise.
 """
 
 from __future__ import annotations
@@ -53,8 +34,7 @@ class Pending(Protocol):
 _lock = reentry.Lock()
 _pending: list[Pending] = []
 _tracked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-# Tensors declared frozen (LazyCheckpointer.declare_frozen): no step changes them, so, like an
-# optimizer's, they are copied lazily; an in-place change while a save reads them is still caught.
+# Tensors declared frozen (LazyCheckpointer.declare_frozen): copied lazily like an optimizer's.
 _frozen: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
 
 
@@ -122,9 +102,8 @@ def confirm_ready() -> None:
 
 
 def guarded_storages() -> set[int]:
-    """data_ptrs of every storage owned by a known optimizer (params and state tensors) or
-    declared frozen. DTensors (FSDP2, tensor parallel) count by their local shard's storage: their
-    own has no data pointer."""
+    """data_ptrs of every storage a known optimizer owns (params, state) or declared frozen; a DTensor
+    counts by its local shard's storage."""
     with _lock:
         optimizers = list(_tracked)
         ptrs = {_storage_ptr(t) for t in _frozen}
@@ -184,9 +163,8 @@ def _waiting(closure: Callable[[], Any]) -> Callable[[], Any]:
 # -- in-place mutators of saved state outside step() ------------------------------------------------
 
 _mutators_guarded = False
-# (owner, attribute) of every stock callable that overwrites saved tensors in place. The module
-# functions are wrapped where callers look them up at call time (``torch.nn.utils.X``); a name
-# imported before the first save keeps the stock function (its change is still caught as stale).
+# (owner, attribute) of stock callables that overwrite saved tensors in place; a function imported by
+# name before the first save stays unwrapped (its change is still caught as stale).
 _MUTATORS: tuple[tuple[Any, str], ...] = (
     (torch.nn.Module, "load_state_dict"),
     (torch.optim.Optimizer, "load_state_dict"),
@@ -221,8 +199,7 @@ def _waits_for_pending_copies(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _forget_pending_in_child() -> None:
-    """A forked child has none of the threads that would finish the parent's saves: its steps must
-    not wait for them (the child's copies of those saves are simply abandoned; the parent's go on)."""
+    """A forked child has none of the threads that finish the parent's saves: its steps must not wait."""
     global _lock
     _lock = reentry.Lock()  # another thread may have held it at the fork
     _pending.clear()

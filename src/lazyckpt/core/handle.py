@@ -38,9 +38,8 @@ class SaveStats:
 
 @dataclass(eq=False)
 class Outcome:
-    """What one save's ``SaveHandle`` shows and its ``Completion`` changes: shared by the two, touched
-    by nothing else. ``settle`` / ``confirm``: the producer's hooks that a waiting thread runs first
-    (copy what is still live; check versions on this thread, see ``Job.confirm``)."""
+    """What one save's ``SaveHandle`` shows and its ``Completion`` changes. ``settle`` / ``confirm``: the
+    producer's hooks a waiting thread runs first (see ``Job.confirm``)."""
 
     staged: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
@@ -57,16 +56,12 @@ class Outcome:
 class SaveHandle:
     """A pending save. Thread-safe; every method may be called from any thread.
 
-    ``wait_staged()`` returns once the host copies are done: from then on the caller may change the
-    saved tensors freely. ``wait()`` returns once the file is durable at its final path and raises
-    the save's error (typed, cause chained) if it failed; an error raised here is not raised again
-    by the checkpointer's ``wait()``, ``save()`` or ``close()``. A URL save's handle has one stage
-    more (``lazyckpt.storage.remote.RemoteSaveHandle``): ``local()`` / ``wait_local()`` once the local copy
-    is committed, ``done()`` / ``wait()`` once the object is complete in the store.
-
-    Done-callbacks run on a lazyckpt callback thread, never on the committer, so a callback may wait
-    for other saves (``handle.wait()``, the checkpointer's ``wait()``), ``remove()`` or ``close()``.
-    Only the save's producer, through its ``Completion``, changes a handle's state.
+    ``wait_staged()`` returns once the host copies are done: the caller may then change the saved tensors.
+    ``wait()`` returns once the file is durable at its final path, or raises the save's error; an error
+    raised here is not raised again by the checkpointer's ``wait()``, ``save()`` or ``close()``. A URL
+    save's handle adds ``local()`` / ``wait_local()`` for the local copy; ``done()`` / ``wait()`` then
+    mean complete in the store. Done-callbacks run on a lazyckpt callback thread, never on the committer,
+    so a callback may wait for other saves, ``remove()`` or ``close()``.
     """
 
     def __init__(self, path: str, outcome: Outcome | None = None) -> None:
@@ -102,10 +97,9 @@ class SaveHandle:
 
     @reentry.region
     def wait_staged(self, timeout: float | None = None) -> None:
-        """Block until the live tensors are no longer read; raises TimeoutError on timeout.
-
-        Tensors still waiting to be written straight from their memory are copied now (on this
-        thread), so this waits for memory copies, not for storage."""
+        """Block until the live tensors are no longer read; raises ``TimeoutError`` on timeout. Tensors
+        still to be written from their own memory are copied now on this thread, so this never waits
+        for storage."""
         deadline = None if timeout is None else time.monotonic() + timeout
         settle = self._o.settle
         if settle is not None:  # also once staged: it confirms the save on this thread (Job.confirm)
@@ -148,17 +142,14 @@ class SaveHandle:
 
     @reentry.region
     def wait_done(self, timeout: float | None = None) -> bool:
-        """Wait until the save is committed or failed, without raising its error: True then, False
-        when ``timeout`` runs out. The commit waits for the save to be confirmed by a thread that
-        called into lazyckpt after the copies (see ``Job.confirm``): this confirms it on this
-        thread first, so a thread waiting for its own save never waits for itself."""
+        """Wait until the save is committed or failed, without raising its error: True then, False when
+        ``timeout`` runs out. Confirms the save on this thread first (``Job.confirm``)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         confirm(self, timeout)
         return self._o.done.wait(_left(deadline))
 
 
-# -- the producers' view of a handle they did not make (an upload of a local save, a distributed commit
-# of a rank file): functions here, not methods of the class users hold.
+# -- the producers' view of a handle they did not make: functions, not methods users see.
 
 
 def _outcome(handle: SaveHandle) -> Outcome:
@@ -174,9 +165,8 @@ def confirm(handle: SaveHandle, timeout: float | None = None) -> None:
 
 
 def wait_finished(handle: SaveHandle, timeout: float | None = None) -> bool:
-    """For producer threads (an upload, a distributed commit): wait for ``handle``'s outcome WITHOUT
-    confirming. Such a thread is not the one that mutates the tensors, so its check would prove
-    nothing; the training thread's next call into lazyckpt confirms."""
+    """For producer threads: wait for ``handle``'s outcome WITHOUT confirming (only a thread that mutates
+    the tensors may confirm)."""
     return _outcome(handle).done.wait(timeout)
 
 
@@ -187,19 +177,12 @@ def finished_report(handle: SaveHandle) -> Report | None:
 
 
 class Completion:
-    """The producer's side of one save: the only way to change its handle's state.
-
-    The protocol every producer follows (the engine's committer for a file, the remote tier for an
-    upload, the distributed commit for a checkpoint folder, ``save()`` for a skipped save):
-    ``staged()`` when the host copies are done; then ``finish``: resolve the outcome, publish its
-    error (before anyone can see the handle done, so whoever sees it finished finds the error),
-    make it visible, run the done-callbacks (on the callback thread when one is given: callbacks
-    may wait for saves the finishing thread commits).
-    """
+    """The producer's side of one save: the only way to change its handle's state. Protocol: ``staged()``
+    when the host copies are done; then ``finish``: resolve, publish the error (before the handle is
+    visibly done), make it visible, run the done-callbacks (on the callback thread when given)."""
 
     def __init__(self, path: str, handle_type: type[SaveHandle] | None = None, **handle_args: Any) -> None:
-        """``handle_type``: a ``SaveHandle`` subclass taking ``(path, outcome=..., **handle_args)``
-        (a URL save's, a distributed save's)."""
+        """``handle_type``: a ``SaveHandle`` subclass taking ``(path, outcome=..., **handle_args)``."""
         self._o = Outcome()
         self.handle = (handle_type or SaveHandle)(path, outcome=self._o, **handle_args)
 
@@ -280,11 +263,8 @@ def _call(fn: Callable[[SaveHandle], object], handle: SaveHandle) -> None:
 
 
 class CallbackRunner:
-    """One daemon thread, started on first use, that runs done-callbacks in commit order.
-
-    Callbacks may block on other saves, so they must not run on the committer that commits those.
-    If the thread cannot be started (thread limits; interpreter shutdown), callbacks run inline.
-    """
+    """One daemon thread, started on first use, that runs done-callbacks in commit order (inline when no
+    thread can start). Callbacks may block on other saves, so never on the committer."""
 
     def __init__(self) -> None:
         self._worker: Worker[tuple[SaveHandle, list[Callable[[SaveHandle], object]]]] = Worker(

@@ -1,5 +1,4 @@
-"""What every handle an ``install()`` returns shares: the lifecycle verbs of docs/ARCHITECTURE.md
-("Lifecycle vocabulary"). ``uninstall()`` (each handle's own) ends the install, ``uninstalled`` says
+"""The base of every handle an ``install()`` returns: ``uninstall()`` ends the install, ``uninstalled`` says
 whether it ran."""
 
 from __future__ import annotations
@@ -26,8 +25,7 @@ class InstalledHandle:
 
 
 def drain_at_exit(handle: InstalledHandle) -> None:
-    """The exit hook of a handle still installed (``core/exit.py``): its pending saves durable before
-    the interpreter goes; an error is logged, there is nobody left to raise it to."""
+    """Exit hook (``core/exit.py``) of a handle still installed: wait for its pending saves; errors are logged."""
     if handle.uninstalled:
         return
     try:

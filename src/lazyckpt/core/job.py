@@ -1,17 +1,10 @@
 """Job: one save on its way from staging to commit, and the pieces it is cut into.
 
-A job is created by ``save()`` and then touched by the stager, the writers, the committer and the
-threads that confirm it (the guard, waits). Its life is an explicit state, two enums under one lock:
-
-- ``Stage``, the caller's tensors: STAGING -> CPU_STAGED -> COPIES_QUEUED -> READ -> CONFIRMED, or
-  COPIES_QUEUED -> VERIFIED -> CONFIRMED (CUDA: the guard checked the versions once the copies were
-  queued), or COPIES_QUEUED -> CONFIRMED (the reads ended on a failed job, or on one with nothing lazy);
-- ``FileState``, the temporary file: NEW -> OPEN -> WRITTEN.
-
-Every change goes through ``Job._move`` (the allowed moves, their effects, waking the waiters); the
-committer commits once the file is WRITTEN and the stage CONFIRMED (or the job failed). Failure is
-not a state: the first error wins and turns every later step into cleanup, while the states still
-move on so that every waiter wakes.
+Touched by ``save()``, the stager, the writers, the committer and confirming threads. Two states under
+one lock, changed only by ``Job._move``: ``Stage`` (the caller's tensors, ``_STAGE_MOVES``) and
+``FileState`` (the temporary file). The committer commits once the file is WRITTEN and the stage
+CONFIRMED, or the job failed. Failure is not a state: the first error wins, later steps become cleanup,
+and the states still move on so that every waiter wakes.
 """
 
 from __future__ import annotations
@@ -35,15 +28,13 @@ from lazyckpt.errors import StaleTensorError
 from lazyckpt.formats.base import Layout
 from lazyckpt.formats.crc import crc32_combine
 
-# How the error of a failed save is put to its caller: set by the multi-level saver around the saves
-# it makes into a level (``levels/_multi.py``: the error then names the level and the step); each job
-# takes the value current in ``save()``, and the engine applies it once, before the error is published.
+# How a failed save's error is put to its caller (set by ``levels/_multi.py`` around a level's saves); each
+# job takes the value current in ``save()``; the engine applies it before the error is published.
 error_context: ContextVar[Callable[[BaseException], BaseException] | None] = ContextVar(
     "lazyckpt_error_context", default=None
 )
-#: False while an integration saves files into a staging folder that it makes durable and publishes whole
-#: (one fsync of that folder, then one rename): the files' own renames inside it then skip the fsync of
-#: the folder that each would otherwise cost. Their data is still fsynced (``fsync`` option).
+#: False while an integration saves into a staging folder it fsyncs and renames whole: the files' renames
+#: inside it skip the folder fsync (their data is still fsynced).
 sync_parent: ContextVar[bool] = ContextVar("lazyckpt_sync_parent", default=True)
 
 
@@ -84,11 +75,8 @@ _FILE_MOVES: dict[FileState, tuple[FileState, ...]] = {
 
 
 class PieceState(enum.Enum):
-    """Where a live piece is; a staged (non-live) piece is always QUEUED until a writer takes it.
-
-    Live pieces go QUEUED -> WRITING (a writer reads the tensor's own memory), or
-    QUEUED -> CLAIMED -> COPIED -> WRITING (the guard copied it to a buffer before the step).
-    """
+    """Where a live piece is: QUEUED -> WRITING (written from the tensor's memory), or QUEUED -> CLAIMED ->
+    COPIED -> WRITING (copied to a buffer before the step). A staged piece stays QUEUED."""
 
     QUEUED = "queued"
     CLAIMED = "claimed"
@@ -148,8 +136,7 @@ class Job:
         self.crc, self.fsync, self.wait_in_closure = crc, fsync, wait_in_closure
         self.before_commit = before_commit
         self.sync_parent = fsync and sync_parent.get()
-        # A later save of the same path written at once by a re-entered save() (core/reentry.py) supersedes
-        # this one; the committer and that save agree through these three flags (Engine.supersede).
+        # Set when a re-entered save() of the same path supersedes this one (Engine.supersede).
         self.superseded = False
         self.publishing = False
         self.published = False
@@ -157,13 +144,10 @@ class Job:
         self.fd = -1
         self.dfd = -1  # O_DIRECT descriptor of the same file, when used
         self.direct = False  # open an O_DIRECT descriptor too
-        # One writer at a time (a memory filesystem's file: the kernel serialises writes to one tmpfs
-        # file on its inode lock, and parallel writers only spin there and take the training's core).
-        # Such a job's pieces all go to the engine's one memory writer (``Engine._queue_write``);
-        # the lock keeps the rule where they cannot (the pool, when that thread cannot start).
+        # One writer at a time for a memory filesystem's file (see ``Engine._queue_write``), also when
+        # its pieces fall back to the writer pool.
         self.serial: threading.Lock | None = None
-        # The state, the counters, the pieces' states and the error: all behind ``_lock``. Creating the
-        # file (slow: the journal) has its own lock, so that no step waits for it unless it needs the file.
+        # State, counters, piece states and error: behind ``_lock``; creating the file (slow) has ``open_lock``.
         self._lock = reentry.Lock()
         self._changed = threading.Condition(self._lock)
         self.open_lock = reentry.Lock()
@@ -278,9 +262,8 @@ class Job:
             self.fail(err)
 
     def check_early(self, sources: list[Source]) -> None:
-        """The stager's check of CUDA sources once their copies landed (early, not sound: the
-        confirmation is what counts); skipped once the guard verified them, since the step may then
-        change them legitimately."""
+        """The stager's early (not sound) check of CUDA sources once their copies landed; skipped once the
+        guard verified them (the step may then change them)."""
         with self._lock:
             if self._stage < Stage.VERIFIED:
                 err = self._stale(sources)
@@ -297,9 +280,8 @@ class Job:
         self.pieces_written([(piece, crc)])
 
     def pieces_written(self, written: list[tuple[Piece, int]]) -> None:
-        """Written pieces with their CRCs (for the file's records), under one lock. Those written inside
-        ``save()`` (``Engine.write_now_all``) are not counted in and out: the stager's own count is
-        still out then, so the job cannot finalise."""
+        """Record written pieces' CRCs under one lock (not counted out: ``save()``'s inline writes run while
+        the stager's count holds the job back from finalising)."""
         with self._lock:
             for piece, crc in written:
                 self._crcs.setdefault(piece.source.key, []).append((piece.file_offset, crc, piece.nbytes))
@@ -359,31 +341,25 @@ class Job:
 
     # -- the guard and the confirmation ------------------------------------------------------------
     #
-    # Soundness of the _version check: torch bumps a tensor's version only after the in-place kernel
-    # returns, so a check on a lazyckpt thread can pass while an op that overlapped the copy is still
-    # running. Only a check on the mutating thread, after the copy is over, is ordered after that
-    # thread's ops: the guard, save(), wait_staged(), wait() run it (``confirm``), and the commit
-    # waits for it (Stage.CONFIRMED).
+    # torch bumps a version only after the in-place kernel returns, so only a check on the mutating
+    # thread after the copies is sound: the guard, save(), wait_staged(), wait() run it (``confirm``),
+    # and the commit waits for it (Stage.CONFIRMED).
 
     def release_guard(self) -> None:
-        """Called by the optimizer step pre-hook: return once the step may change our tensors.
-
-        Runs on the thread about to step, so its version check is ordered after every in-place op
-        that thread issued before the step (``confirm``)."""
+        """The step pre-hook, on the thread about to step: return once the step may change our tensors
+        (its version check is ordered after that thread's in-place ops)."""
         t = time.perf_counter()
         self.wait_for(Stage.CPU_STAGED)
         if self.live_pieces and self._stage < Stage.READ:
             assert self.settle is not None
             self.settle(self)  # copy the live pieces no writer has reached yet...
         if not self.save_events or self.live_pieces:
-            # ...and wait for the ones being written. With CUDA copies beside live CPU pieces, the
-            # stream wait below would not hold back the step's CPU kernels: wait on the host too.
+            # ...and wait for the ones being written (on the host: a stream wait would not hold back CPU kernels).
             self.wait_for(Stage.READ)
             self.confirm()
         else:
             self.wait_for(Stage.COPIES_QUEUED)
-            # CUDA: versions are bumped when a kernel is queued, and every kernel queued from here
-            # on runs after the copies (the stream wait below), so this check confirms the save.
+            # CUDA: kernels queued from here on run after the copies (stream wait below): this check confirms.
             self._verify()
             if not self.failed:
                 # GPU-side wait: the compute stream waits for the copies, the host does not block.
@@ -392,9 +368,8 @@ class Job:
         self.guard_wait_s += time.perf_counter() - t
 
     def confirm(self) -> bool:
-        """Re-check the lazy tensors' versions on the calling thread once nothing reads them any
-        more; True once the save is confirmed (or failed, or verified by the guard). Never blocks on
-        staging."""
+        """Re-check the lazy tensors' versions on this thread once nothing reads them; True once confirmed
+        (or failed, or verified by the guard). Never blocks."""
         stage = self._stage
         if stage is Stage.CONFIRMED or stage is Stage.VERIFIED:
             return True
@@ -433,12 +408,9 @@ class Job:
         self._confirm_for_wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def _confirm_for_wait(self, timeout: float | None) -> None:
-        """``handle.wait()`` and the checkpointer's waits: the commit waits for a confirmation, and
-        the committer takes one engine's saves in order, so a save made before this one and read
-        until after the caller's last call into lazyckpt holds this commit too. The waiting thread
-        may be the only one that can confirm it (the one that changes the tensors; Lightning's
-        ``OnExceptionCheckpoint`` saves right after ``ModelCheckpoint`` with no step between):
-        confirm those first, in order, then this one."""
+        """``handle.wait()`` and the checkpointer's waits: confirm, on this thread, the saves committed before
+        this one, in order, then this one (commits are in order, and the waiting thread may be the only
+        one able to confirm them)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         for job in [*(self.ahead(self) if self.ahead is not None else ()), self]:
             if not job.wait_confirmable(None if deadline is None else max(0.0, deadline - time.monotonic())):

@@ -1,11 +1,8 @@
 """The saves a checkpointer has started and not yet committed, and the removals ordered behind them.
 
-One lock orders three things that must not interleave: registering a save (``add``), its commit
-(``finished``, on the committer) and a ``remove()`` / reuse of a path that a pending save writes to
-(``remove``, ``unless_behind``). A removal of a path with a pending save to it (or, for a folder,
-into it) waits in ``OrderedRemovals`` and runs on the committer right after the last such save
-finishes, before any later save commits: a delete never races a write and never removes a later
-save's file.
+One lock orders registering a save (``add``), its commit (``finished``, on the committer) and a removal or
+reuse of a path a pending save writes to or into (``remove``, ``unless_behind``). Such a removal runs on the
+committer right after the last of those saves finishes, before any later save commits (``core/removal.py``).
 """
 
 from __future__ import annotations
@@ -36,9 +33,8 @@ class PendingSaves:
             self._jobs.append(job)
 
     def finished(self, job: Job) -> None:
-        """Committer thread: ``job`` is over (its outcome resolved, not yet visible). Its error is
-        published first, so that whoever sees the save finished also finds its error; then the
-        removals that were waiting for it run, before the committer moves on to later saves."""
+        """Committer thread: ``job`` is over (outcome resolved, not yet visible). Publishes its error first,
+        then runs the removals that waited for it, before any later save commits."""
         with self._lock:
             self._jobs.remove(job)
             if job.completion.report is not None:
@@ -53,8 +49,7 @@ class PendingSaves:
             return list(self._jobs)
 
     def jobs_snapshot(self) -> list[Job]:
-        """The pending jobs, without taking the lock (a re-entered save: ``core/reentry.py``); the list is
-        copied in one step under the GIL."""
+        """The pending jobs without taking the lock (a re-entered save, ``core/reentry.py``): one copy under the GIL."""
         return list(self._jobs)
 
     def nbytes(self) -> int:
@@ -67,7 +62,6 @@ class PendingSaves:
             return {j.path for j in self._jobs}
 
     def handles_to(self, final: str) -> list[SaveHandle]:
-        """Handles of the pending saves to the file ``final``."""
         with self._lock:
             return [j.handle for j in self._jobs if j.path == final]
 

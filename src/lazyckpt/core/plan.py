@@ -1,12 +1,7 @@
-"""Save planning: for one file's sources, which are copied lazily or inside ``save()``, which go
-through ``O_DIRECT``, which are written straight from their memory (zero copy), and whether
-``save()`` writes the file itself. The one place these decisions are made: ``LazyCheckpointer``'s
-files and the distributed checkpointer's rank files both ask here.
-
-Two stages, because a zero-copy source's file offset depends on its address: ``SavePlan.decide``
-runs before the format lays the file out (it gives the page phases the layout must honour), and
-``SavePlan.split`` after (it marks which sources the writers take from live memory, and splits the
-sources into lazy and eager ones).
+"""Save planning for one file (``LazyCheckpointer``'s and the distributed rank files): which sources are
+copied lazily or in ``save()``, which go through ``O_DIRECT`` or are written from their own memory (zero
+copy), and whether ``save()`` writes the file itself. ``SavePlan.decide`` runs before the format lays
+out the file (giving the page phases it must honour), ``SavePlan.split`` after.
 """
 
 from __future__ import annotations
@@ -55,26 +50,19 @@ class SavePlan:
         memory = bool(final) and _fs.is_memory_filesystem(os.path.dirname(os.path.abspath(final)))
         inline = allow_inline and _inline(options, memory, devices, sum(s.nbytes for s in sources))
         capture = options.capture_in_save if capture_in_save is None else capture_in_save
-        # Nothing guarded: all eager. Listing the guarded storages walks every tracked optimizer's
-        # tensors: skipped for saves without tensor data (Accelerate's scheduler.bin, sampler.bin).
+        # All eager: skip listing the guarded storages (it walks every tracked optimizer's tensors).
         eager_only = capture or inline or not any(s.nbytes for s in sources)
         guarded = set() if eager_only else _guard.guarded_storages()
         direct = not inline and use_direct_io(options.direct_io, [s.nbytes for s in sources])
-        # Zero copy where the writers' write needs no staging: O_DIRECT (the device reads the
-        # tensor's pages), or a memory filesystem (a write there is one memory copy, from the
-        # tensor as well as from a staging buffer: the staging copy would be a second one).
+        # Zero copy where a write needs no staging: O_DIRECT, or a memory filesystem (a write is a copy).
         zero_copy = (direct or (memory and not inline)) and options.zero_copy and all(d.type != "cuda" for d in devices)
         # Ask the format to place what will be written straight from memory where its pages line up.
         phases = {s.key: s.data_ptr % PAGE for s in sources if zero_copy and zero_copy_candidate(s, guarded)}
         return cls(direct=direct, zero_copy=zero_copy, inline=inline, guarded=guarded, phases=phases)
 
     def split(self, sources: list[Source]) -> tuple[list[Source], list[Source]]:
-        """After the layout (every ``file_offset`` set): mark live sources; return (lazy, eager).
-
-        A source is written straight from the tensor's memory when its whole pages can go through
-        O_DIRECT from there: its data and its file offset at the same position within a page (a
-        torch file is laid out for it, by ``phases``; safetensors only by chance). Empty storages
-        are neither lazy nor eager."""
+        """After the layout (every ``file_offset`` set): mark live sources (data and file offset at the same
+        position within a page); return (lazy, eager). Empty storages are neither."""
         lazy: list[Source] = []
         eager: list[Source] = []
         for src in sources:
@@ -88,10 +76,8 @@ class SavePlan:
 
 
 def use_direct_io(option: bool | None, sizes: list[int]) -> bool:
-    """``option`` (the ``direct_io`` option) if set; else direct I/O when most bytes are in tensors
-    of 1 MiB or more (smaller pieces are written buffered anyway). An average-size rule failed FSDP2
-    shards of a ~100M GPT on 2 ranks (0.61 GB in 593 tensors: 1.03 MB on average), whose buffered
-    writes then cost ~4x the CPU."""
+    """``option`` (the ``direct_io`` option) if set; else direct I/O for at least 16 MiB with most bytes in
+    tensors of 1 MiB or more (smaller pieces are written buffered anyway)."""
     if option is not None:
         return option
     nbytes = sum(sizes)
@@ -100,15 +86,10 @@ def use_direct_io(option: bool | None, sizes: list[int]) -> bool:
 
 
 def write_in_save(memory: bool, devices: list[torch.device], nbytes: int = 0) -> bool:
-    """Whether ``save()`` writes the file itself (on the caller's thread, straight from the tensors)
-    instead of handing it to the writer threads; only its fsync and commit then run in the background.
-    Never for device tensors (their copies overlap training). Always for a file with at most
-    ``TINY_MAX_BYTES`` of tensor data: handing its pieces to threads costs the caller more than writing
-    it. When training uses every core (``torch.get_num_threads()`` >= the usable CPUs), also for a
-    memory filesystem (``memory``: a write there is a memory copy on any thread) and for a disk file
-    with at most ``INLINE_MAX_BYTES`` (``nbytes``): a background thread would take a core from the
-    training's intra-op threads. Larger disk files keep the background's O_DIRECT writes. Measured
-    in docs/benchmarks.md (bench_core, bench_transformers_run)."""
+    """Whether ``save()`` writes the file itself on the caller's thread (only fsync and commit in the
+    background). Never for device tensors; always for at most ``TINY_MAX_BYTES`` of tensor data; and,
+    when training uses every core (``torch.get_num_threads()`` >= usable CPUs), for a memory filesystem
+    or a disk file of at most ``INLINE_MAX_BYTES``."""
     if any(d.type != "cpu" for d in devices):
         return False
     if 0 < nbytes <= TINY_MAX_BYTES:  # any regime: the write is cheaper than handing it to the threads
@@ -119,13 +100,9 @@ def write_in_save(memory: bool, devices: list[torch.device], nbytes: int = 0) ->
 
 
 def small_in_save(options: CheckpointerOptions, obj: Any, folder: str) -> bool:
-    """Whether a file of ``obj`` saved into ``folder`` is tiny (at most ``TINY_MAX_BYTES`` of tensor
-    data) and would be written whole inside ``save()`` (:func:`write_in_save`), judged from the object
-    before any capture: its tensors found in plain dicts, lists and tuples (any other object: False,
-    the capture decides). An integration whose files all land in a staging folder committed as a whole
-    writes such a file with the framework's own writer instead (the same bytes, faster than lazyckpt's
-    capture for a few hundred KB; fsynced with the folder's other files). Larger files written in
-    ``save()`` stay lazyckpt's: straight from the tensors, faster than the framework's serializer."""
+    """Whether a file of ``obj`` saved into ``folder`` is tiny (at most ``TINY_MAX_BYTES`` of tensor data)
+    and would be written inside ``save()``, judged before capture from the tensors in plain dicts, lists
+    and tuples (any other object: False). An integration writes such files with the framework's writer."""
     tensors: list[torch.Tensor] = []
     todo = [obj]
     while todo:
@@ -139,7 +116,7 @@ def small_in_save(options: CheckpointerOptions, obj: Any, folder: str) -> bool:
         elif not isinstance(item, (str, int, float, bool, bytes, type(None))):
             return False
     nbytes = sum(t.untyped_storage().nbytes() for t in tensors)
-    if nbytes > TINY_MAX_BYTES:  # larger: lazyckpt's own write in save() (no serializer copy) is the faster
+    if nbytes > TINY_MAX_BYTES:  # larger: lazyckpt's own write in save() is faster
         return False
     return _inline(options, _fs.is_memory_filesystem(folder), [t.device for t in tensors], nbytes)
 

@@ -1,16 +1,9 @@
-"""HostBufferPool: host memory for staging, allocated once, reused by every save.
+"""HostBufferPool: bounded host memory for staging, in chunks allocated lazily up to the budget and reused.
 
-Memory comes in chunks (pinned when CUDA staging is on, because pinned copies run at full PCIe
-speed and pinning costs ~1 GB/s, so it is paid once). Pinned chunks are our own anonymous memory
-registered with ``cudaHostRegister`` (portable: usable from every device), not
-``torch.empty(pin_memory=True)``: torch's caching host allocator rounds every request up to a power
-of two (a 64 MiB chunk plus alignment would pin 128 MiB) and keeps the blocks after we drop them.
-Registered chunks are unregistered by ``close()``; ``pinned_bytes`` is exactly what is pinned.
-Pieces are bump-allocated inside the current chunk; a chunk returns to the free list when every
-piece in it has been written. Chunks are allocated lazily up to the budget and kept: after warm-up a
-save allocates and pins nothing. ``alloc`` blocks while the budget is exhausted, which is how a
-checkpoint larger than the budget streams through it and how saves that outrun storage slow down to
-storage speed.
+Pinned chunks are our own anonymous memory registered with ``cudaHostRegister`` (not torch's caching host
+allocator, which rounds up and keeps blocks); ``close()`` unregisters them. Pieces are bump-allocated in
+the current chunk, which is free again once every piece in it is released. ``alloc`` blocks while the
+budget is used up: saves that outrun storage slow down to storage speed.
 """
 
 from __future__ import annotations
@@ -28,9 +21,7 @@ from lazyckpt.core import reentry
 logger = logging.getLogger(__name__)
 
 _ALIGN = 64
-# O_DIRECT unit: chunks are aligned to it, pieces of >= PAGE bytes sit at a chosen phase within it. The
-# page-cache page, not just the 4 KiB block: a buffered head/tail must never share a cached page with an
-# O_DIRECT write (64 KiB pages on some arm64 kernels).
+# O_DIRECT unit: the page-cache page (a buffered head/tail must never share one with an O_DIRECT write).
 PAGE = max(4096, mmap.PAGESIZE)
 
 
@@ -38,9 +29,8 @@ _HUGE = 2 << 20
 
 
 def _anonymous(nbytes: int) -> torch.Tensor:
-    """Anonymous memory asking for transparent huge pages: the staging memcpy misses the TLB less,
-    and O_DIRECT pins 2 MiB folios instead of 4 KiB pages (writers' kernel time per 1.17 GB save went
-    from 0.07 s to 0.03 s here). Private: a shared anonymous mapping is shmem, which gets no THP."""
+    """Private anonymous memory asking for transparent huge pages (fewer TLB misses and O_DIRECT pins;
+    a shared mapping would be shmem, which gets no THP)."""
     mem = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         try:
@@ -54,7 +44,6 @@ _HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA c
 
 
 def _register(addr: int, nbytes: int) -> None:
-    """Pin ``nbytes`` at ``addr`` for fast, asynchronous device-to-host copies."""
     code = int(torch.cuda.cudart().cudaHostRegister(addr, nbytes, _HOST_REGISTER_PORTABLE))
     if code != 0:
         raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: {torch.cuda.CudaError(code)}")
@@ -101,8 +90,8 @@ class HostBufferPool:
         self.chunk_bytes = max(PAGE, min(chunk_bytes, budget_bytes) // PAGE * PAGE)
         self.max_chunks = max(1, budget_bytes // self.chunk_bytes)
         self.pin_memory = pin_memory
-        # The training thread's CUDA device, set by the first save (LazyCheckpointer._start): chunks
-        # are registered under it, not under the calling lazyckpt thread's default device 0.
+        # The training thread's CUDA device, set by the first save (``Producer.run_job``): chunks are
+        # registered under it, not under a lazyckpt thread's default device 0.
         self.pin_device: int | None = None
         self._cond = reentry.condition()
         self._chunks: list[_Chunk] = []
@@ -125,12 +114,9 @@ class HostBufferPool:
         return self.allocated_bytes if self.pin_memory else 0
 
     def alloc(self, nbytes: int, phase: int = 0) -> Buffer:
-        """A buffer of ``nbytes``, blocking while the budget is used up.
-
-        A buffer of at least a page starts ``phase`` bytes after a page boundary (``phase < PAGE``;
-        ``phase + nbytes <= chunk_bytes``), so that its address and its file offset can share their
-        position within a page: the page-aligned middle of the piece can then go through O_DIRECT.
-        """
+        """A buffer of ``nbytes``, blocking while the budget is used up. One of at least a page starts
+        ``phase`` bytes after a page boundary (``phase < PAGE``, ``phase + nbytes <= chunk_bytes``), so its
+        address can share its file offset's page phase (for O_DIRECT)."""
         if nbytes < PAGE:
             phase, align = 0, _ALIGN  # small pieces are written buffered: no phase needed
         else:
@@ -177,12 +163,8 @@ class HostBufferPool:
             else:
                 with torch.cuda.device(self.pin_device):
                     _register(tensor.data_ptr(), self.chunk_bytes)
-        # Unpinned chunks are not touched here: their pages fault in when a copy first reaches them
-        # (2 MiB at a time with THP) and stay mapped for every later save. Touching the whole chunk
-        # up front made the first piece of a fresh pool pay for all of it, and on the training
-        # thread when that piece was an eager tensor of save() or the guard's copy (a first save of
-        # a few MB faulted in 64 MiB: 0.16-0.24 s under load here, per Lightning fit); and the
-        # kernel zeroes a faulted page anyway, so the memset was a second pass over the same memory.
+        # Unpinned chunks are not touched here: pages fault in at the first copy and stay mapped, so the
+        # first piece (maybe on the training thread) does not pay for the whole chunk.
         chunk = _Chunk(tensor)
         self._chunks.append(chunk)
         return chunk

@@ -1,10 +1,6 @@
-"""The producer interface of a ``LazyCheckpointer``: what the code saving on its behalf shares with it.
-
-A ``LazyCheckpointer`` is what users hold; the distributed checkpointer (its rank files and two-phase
-commit), the multi-level savers (page reuse, remote folders) and the integrations (Accelerate's folder
-saves, their uploads) also need its engine, its error ledger, its done-callback thread and its remote
-tier. They reach them here (``lazyckpt.checkpointer.producer_of(ckpt)``), not through methods on the
-public class.
+"""The producer interface of a ``LazyCheckpointer``: its engine, error ledger, done-callback thread and
+remote tier, for the code saving on its behalf (distributed checkpointer, levels, integrations), reached
+through ``lazyckpt.checkpointer.producer_of(ckpt)`` rather than methods of the public class.
 """
 
 from __future__ import annotations
@@ -78,11 +74,9 @@ class Producer:
             return self.remote
 
     def reuse(self, path: str) -> bool:
-        """A memory level's retention: keep the pages of the file at ``path`` for the next save into its
-        folder instead of deleting it (``storage/spare.py``). A folder (a step of a folder level) is
-        renamed away and removed as ``remove()`` does, its large files kept for the saves of the same
-        names into the next step folder. False when the path may not be reused (a save to it pending, a
-        reader, closed, not a memory filesystem, ...: then ``remove()`` it). Never raises."""
+        """A memory level's retention: keep the pages of the file (or a folder's large files) at ``path`` for
+        the next saves (``storage/spare.py``) instead of deleting it. False when it may not be reused (a
+        save to it pending, closed, not a memory filesystem, ...: then ``remove()`` it). Never raises."""
         target = os.path.abspath(os.fspath(path))
         # no save to ``path`` may be registered (and commit onto it) meanwhile
         return self.pending.unless_behind(target, lambda: not self._closed() and self._reuse_now(target))
@@ -102,14 +96,9 @@ class Producer:
         return True
 
     def run_job(self, job: Job, eager: list[Source], direct: bool, inline: bool = False) -> None:
-        """Capture unguarded tensors (``inline``: write them), register the job with the guard, hand it
-        to the engine (``save()``, and the distributed checkpointer's rank files). The temporary file
-        is created by the first writer that needs it (``Engine.open``): creating and fallocating it can
-        wait 0.1-0.4 s on the filesystem's journal while the previous checkpoint is being written, and
-        on a memory filesystem reserving it allocates every page of the file (0.35 s per 1.2 GB here:
-        bench_levels' lazy-mem, spare core). Only ``inline`` opens it here (``plan.write_in_save``:
-        no core to spare, and a memory filesystem or a small file); its failure, like a writer's,
-        fails the save in its handle."""
+        """Capture unguarded tensors (``inline``: write them), register the job with the guard, hand it to
+        the engine. The temporary file is created by the first writer that needs it (``Engine.open``),
+        here only when ``inline``; a failure there fails the save in its handle."""
         job.direct = direct
         folder = os.path.dirname(job.tmp)
         if _fs.is_memory_filesystem(folder):  # one writer at a time: see Job.serial
@@ -118,7 +107,7 @@ class Producer:
             code = errno.EROFS if os.statvfs(folder).f_flag & os.ST_RDONLY else errno.EACCES
             refused = WriteError(f"cannot create {job.tmp}: {os.strerror(code)}", path=job.path, errno=code)
             _raise_described(job, refused)
-        if inline:  # save() writes the file itself; a failed creation (ENOSPC) fails the job, as a writer's would
+        if inline:  # save() writes the file itself; a failed creation fails the job
             self.engine.open(job)
         if self.pool.pin_memory and self.pool.pin_device is None and torch.cuda.is_initialized():
             self.pool.pin_device = torch.cuda.current_device()

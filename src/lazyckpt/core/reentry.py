@@ -1,18 +1,9 @@
-"""Re-entry from a signal handler: the one rule that keeps a save asked for by a signal from deadlocking.
+"""Re-entry from a signal handler: the rule that keeps a save started by a signal handler from deadlocking.
 
-A Python signal handler runs on the main thread between two bytecodes, wherever that thread is:
-possibly inside lazyckpt, holding one of its locks or waiting in it (in ``save()``, in the step guard's
-wait, in ``wait()``). A save the handler starts (Lightning's SLURM requeue handler calls
-``trainer.save_checkpoint`` there; a user's SIGTERM handler may call ``save()``) must then take no lock
-the interrupted frame may hold and change no state that frame is in the middle of changing.
-
-The rule: every lock of lazyckpt is a :class:`Lock` and every wait of the main thread in lazyckpt is an
-:func:`inside` region; both count, per thread, how deep the thread is in lazyckpt. The count goes up
-*before* a lock is taken or a region entered and down *after* it is released or left, so it is never
-zero while this thread holds a lazyckpt lock or waits in lazyckpt. A save that starts while the count
-of its own thread is not zero (:func:`reentered`) is written synchronously, durable before it returns,
-touching no shared state of lazyckpt (``LazyCheckpointer._save_now``); the integrations' saves take
-the stock path then. Nothing here takes a lock: the count is a thread-local integer.
+Every lazyckpt lock is a :class:`Lock` and every main-thread wait an :func:`inside` region; both count a
+per-thread depth, up before the lock is taken and down after it is released, so it is never zero while
+the thread holds a lock or waits in lazyckpt. A save starting at nonzero depth (:func:`reentered`) is
+written synchronously, touching no shared state (``LazyCheckpointer._save_now``). Nothing here locks.
 """
 
 from __future__ import annotations
@@ -42,8 +33,8 @@ def reentered() -> bool:
     return getattr(_local, "depth", 0) > 0
 
 
-synchronous_saves = 0  # saves written at once because they re-entered (tests: none but the signal tests')
-refused_waits = 0  # waits refused because they re-entered (the same)
+synchronous_saves = 0  # saves written at once because they re-entered
+refused_waits = 0  # waits refused because they re-entered
 
 
 def count_synchronous() -> None:
@@ -52,10 +43,8 @@ def count_synchronous() -> None:
 
 
 def wait_refused(what: str) -> bool:
-    """True (and a warning) when a wait for every pending save is asked from a signal handler that
-    interrupted lazyckpt on this thread: such a wait may need the very frame it interrupted (a lock it
-    holds, a confirmation it owes), so it returns at once instead. A save made there is already durable
-    when it returns; the pending ones are drained by the next wait from the loop, or at exit."""
+    """True (and a warning) when a wait for every pending save comes from a signal handler that interrupted
+    lazyckpt on this thread: it may need the interrupted frame, so the caller returns at once instead."""
     global refused_waits
     if not reentered():
         return False
@@ -89,10 +78,8 @@ def inside() -> Iterator[None]:
 
 
 class Lock:
-    """``threading.Lock`` that counts in :func:`depth` from before it is taken until after it is released.
-
-    Usable with ``threading.Condition(Lock())`` (which then releases and retakes it around its wait).
-    """
+    """``threading.Lock`` that counts in :func:`depth` from before it is taken until after it is released;
+    usable with ``threading.Condition``."""
 
     __slots__ = ("_lock",)
 
@@ -155,10 +142,9 @@ def region(fn: Callable[P, R]) -> Callable[P, R]:
 
 
 def write_temporary(obj: Any, final: str, format: str, metadata: dict[str, str] | None, fsync: bool) -> tuple[str, int]:
-    """A re-entered save's bytes, written on this thread to a fresh temporary name beside ``final`` and
-    fsynced: what ``torch.save(obj)`` writes, or ``safetensors.torch.save(obj, metadata)``. Returns the
-    temporary path and the size; the caller renames it (``storage/fs.commit``). Takes no lock of lazyckpt
-    and calls the unpatched writers (an integration's gate routes ``torch.save`` to lazyckpt)."""
+    """A re-entered save's bytes (``torch.save`` or ``safetensors.torch.save``), written on this thread to a
+    fresh temporary beside ``final`` and fsynced; returns (path, size) for the caller to rename. Takes no
+    lazyckpt lock and calls the unpatched writers."""
     import torch.serialization
 
     from lazyckpt.storage import fs as _fs

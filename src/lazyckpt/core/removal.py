@@ -1,13 +1,8 @@
 """Deletion off the training thread: rename now, unlink later.
 
-Deleting a large fsynced file is slow on some filesystems (ext4 mounted with ``discard`` frees and
-trims every extent inside ``unlink``: ~50 ms per GB here), and ModelCheckpoint's ``save_top_k`` or
-Accelerate's ``total_limit`` delete one old checkpoint per save. ``Remover.remove`` renames the
-path to a lazyckpt temporary name (``.<name>.lazyckpt-<host>-<pid>-<n>.tmp``, so ``cleanup_temporaries``
-removes it if the process dies first) in the same directory or a given one on the same filesystem;
-the final name is free the moment the rename is done. A daemon thread then unlinks (files) or
-``rmtree``s (folders) it. Symlinks are unlinked at once (nothing to free). The checkpointer decides
-WHEN the rename happens (at once, or in the commit queue behind a pending save: ``reserve``/``run``).
+``Remover.remove`` renames the path to a lazyckpt temporary name (``cleanup_temporaries`` removes it if the
+process dies first), freeing the name at once; a daemon thread then deletes it. Symlinks are unlinked at
+once. The checkpointer decides when the rename happens (now, or behind a pending save: ``OrderedRemovals``).
 """
 
 from __future__ import annotations
@@ -64,11 +59,8 @@ class RemovalFuture(Future):  # type: ignore[type-arg]
 
 
 class Remover:
-    """One daemon thread deleting renamed paths in order; ``wait()`` drains it.
-
-    A failed removal's report is handed to ``on_failed`` before its future completes, so whoever
-    sees the future done finds the error published.
-    """
+    """One daemon thread deleting renamed paths in order; ``wait()`` drains it. A failed removal's report
+    goes to ``on_failed`` before its future completes."""
 
     def __init__(self, on_failed: Callable[[Report], None] = lambda _r: None) -> None:
         self._on_failed = on_failed
@@ -100,13 +92,9 @@ class Remover:
         return done
 
     def run(self, path: str, trash_dir: str | None, done: RemovalFuture, keep: Sequence[Kept] = ()) -> None:
-        """Perform a reserved removal; never raises (errors go to ``done``). A path that is missing
-        by now (its pending save failed, and no older file was there) has nothing to free.
-
-        ``keep``: saves into the folder ``path`` started after ``remove()`` (still pending): their
-        temporaries stay at their names (the folder is made again around them), so they commit into
-        the folder's name instead of into the trash. Their ``open_lock`` is held meanwhile, so no
-        temporary is created while the folder is between its two names."""
+        """Perform a reserved removal; never raises (errors go to ``done``; a missing path is no error).
+        ``keep``: pending saves into the folder ``path``: their temporaries stay at their names (the folder
+        is made again around them), under their ``open_lock`` meanwhile."""
         try:
             with contextlib.ExitStack() as held:
                 for saving in keep:
@@ -139,8 +127,7 @@ class Remover:
         self._worker.stop()
 
     def _free(self, trash: str | None, done: RemovalFuture) -> None:
-        """Delete ``trash`` on the thread (started BEFORE the future is queued for it), or here
-        when there is no thread: closed, or Thread.start() refused (thread limits, shutdown)."""
+        """Delete ``trash`` on the thread, or here when no thread will run it."""
         if trash is None:
             done.set_result(None)
             return
@@ -175,10 +162,8 @@ class _Queued:
 
 
 class OrderedRemovals:
-    """Removals ordered with saves: one behind pending saves to its path runs right after the last
-    of them finishes (on the committer, before it commits any later save). The owner serialises
-    ``queue`` and ``finished`` against its list of pending saves (its lock), then runs what
-    ``finished`` returns with ``run`` outside that lock."""
+    """Removals queued behind pending saves to their path. The owner calls ``queue`` and ``finished`` under
+    its lock on the pending saves, then ``run`` outside it, on the committer."""
 
     def __init__(self, remover: Remover) -> None:
         self._remover = remover

@@ -1,10 +1,8 @@
 """Background errors handed out exactly once.
 
-A failed save, a failed removal, or an error an integration hands over (an upload, a folder's
-completion) becomes one ``Report``. Whoever reaches it first claims it: the owner through the
-handle or future (``handle.wait()``, ``future.result()``), or the checkpointer's next ``save()`` /
-``wait()`` / ``close()`` / ``raise_errors()`` through the ``ErrorLedger``. The claim is the only
-"reported" bookkeeping in lazyckpt; the integrations keep none of their own.
+A failed save or removal, or an error an integration hands over, becomes one ``Report``, claimed by
+whoever reaches it first: the owner (``handle.wait()``, ``future.result()``) or the checkpointer's next
+``save()`` / ``wait()`` / ``close()`` / ``raise_errors()`` through the ``ErrorLedger``.
 """
 
 from __future__ import annotations
@@ -34,11 +32,8 @@ class Report:
 
 
 class ErrorLedger:
-    """Reports published by lazyckpt threads, in the order they happened, until claimed.
-
-    Publish a report only once its error is final and BEFORE the thing it belongs to is visible as
-    done: a caller that saw the save finish must find its error here.
-    """
+    """Reports published by lazyckpt threads, oldest first, until claimed. Publish a report once its error
+    is final and BEFORE its save is visibly done: whoever saw it finish must find the error here."""
 
     def __init__(self) -> None:
         self._lock = reentry.Lock()

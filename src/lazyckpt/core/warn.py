@@ -5,18 +5,15 @@ from __future__ import annotations
 import inspect
 from types import FrameType
 
-# Frames of these packages are passed over: a warning names the line of the user's code that led
-# to lazyckpt (``ckpt.save(...)``, ``trainer.fit(...)``, ``accelerator.save_state(...)``).
+# Frames of these packages are passed over: a warning names the user's line that led to lazyckpt.
 _SKIPPED = frozenset(
     {"lazyckpt", "lightning", "pytorch_lightning", "lightning_fabric", "accelerate", "transformers", "torch"}
 )
 
 
 def user_stacklevel() -> int:
-    """The ``stacklevel`` that makes ``warnings.warn``, called by the function calling this one,
-    name the first frame outside lazyckpt and the frameworks it plugs into: right whatever path
-    led there, where a fixed number is right for one path only. On a lazyckpt thread, or when
-    every frame is a framework's, the outermost frame."""
+    """The ``stacklevel`` for the caller's ``warnings.warn`` that names the first frame outside lazyckpt and
+    the frameworks it plugs into (the outermost frame when there is none, e.g. on a lazyckpt thread)."""
     here = inspect.currentframe()
     frame = here.f_back if here is not None else None  # the function that calls warnings.warn: stacklevel 1
     level = 1

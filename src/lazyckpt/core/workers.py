@@ -1,17 +1,9 @@
-"""The one background-thread primitive: named threads taking items from one queue until stopped.
+"""``Worker``: named daemon threads taking items from one queue until stopped; every lazyckpt background loop.
 
-Every lazyckpt background loop (the engine's stager, writers and committer, the done-callback
-thread, the remover, the uploads, the distributed commit, the integrations' finishers) is a
-``Worker``. What they share, and what was once written nine times:
-
-- Threads are named (``lazyckpt-<role>``) and daemon: a process whose main thread ends is never
-  kept alive by them; the exit registry (``core/exit.py``) drains what was saved first.
-- One failed item never ends a thread: ``handle(item)``'s exception goes to ``on_error`` (default:
-  logged) and the loop takes the next item. A dead lazyckpt thread would hang every later wait.
-- ``submit`` returns False when no thread will run the item (the worker is stopped, or a thread
-  cannot be started: thread limits, interpreter shutdown); the caller then does the work inline.
-- ``stop()`` lets the threads finish every item queued before it (one sentinel per thread, after
-  them), then joins them, except the calling thread when a worker stops itself from an item.
+One failed item never ends a thread (a dead one would hang every later wait): its exception goes to
+``on_error`` (default: logged). ``submit`` returns False when no thread will run the item (stopped, or
+none could start); the caller then does the work inline. ``stop()`` lets the threads finish every item
+queued before it, then joins them (never the calling thread).
 """
 
 from __future__ import annotations
@@ -84,7 +76,7 @@ class Worker(Generic[T]):
                 self._stopped = True
                 for _ in threads:
                     self._q.put(_STOP)
-        for t in threads:  # again on a later stop(): e.g. a callback that closed its own checkpointer
+        for t in threads:  # joined again on a later stop() (a callback that closed its own checkpointer)
             if t is not threading.current_thread():
                 t.join()
 
@@ -95,8 +87,7 @@ class Worker(Generic[T]):
         names = [f"{self.name}-{i}" for i in range(self._count)] if self._numbered else [self.name]
         started = []
         for n in names:
-            # a context of its own: no context variable of the thread that started it (error_context:
-            # which level a save belongs to) reaches its items, whatever the interpreter's default
+            # a fresh context: no context variable of the starting thread (error_context) reaches its items
             t = threading.Thread(target=contextvars.Context().run, args=(self._run,), name=n, daemon=True)
             try:
                 t.start()

@@ -50,61 +50,29 @@ logger = logging.getLogger(__name__)
 
 
 class DistributedCheckpointer(_exit.ClosedOnExit):
-    """Saves sharded training state lazily on every rank, as a DCP checkpoint directory.
+    """Saves sharded training state lazily on every rank, as a DCP checkpoint folder.
 
-    Construct it on every rank of ``process_group`` (default: the whole job) after
-    ``init_process_group``; it creates its own gloo group then (a collective). ``save(state, path)``
-    is collective too (every rank, same path, same order): it plans with DCP's
-    ``DefaultSavePlanner`` on the caller's thread (replicated tensors are written once, spread
-    across ranks), serializes non-tensor values, and returns. Each rank's tensors are then copied
-    and written in the background exactly as ``LazyCheckpointer`` does (the next
-    ``optimizer.step()`` waits only for this rank's pending copies), into a hidden staging folder;
-    the folder becomes ``path`` only once every rank's file is durable (two-phase commit through
-    the c10d store, never the training's process group). ``torch.distributed.checkpoint.load``
+    Construct it on every rank of ``process_group`` after ``init_process_group`` (a collective: it
+    creates its own gloo group). ``save(state, path)`` is collective too (every rank, same path, same
+    order): it plans with DCP's ``DefaultSavePlanner`` on the caller's thread and returns; each rank's
+    tensors are then copied and written in the background as ``LazyCheckpointer`` does, into a hidden
+    staging folder that becomes ``path`` only once every rank's file is durable (a two-phase commit
+    through the c10d store, never the training's process group). ``torch.distributed.checkpoint.load``
     reads the result with any world size.
 
-    Confirmation: as with ``LazyCheckpointer``, a rank's file holding lazily copied tensors is
-    committed only after their versions were checked again, once the copies were over, on the
-    training thread: at that rank's next optimizer step, module forward pass (a global forward
-    pre-hook, present only while a save is pending) or call into lazyckpt (``save()``, ``wait()``,
-    ``wait_staged()``, ``close()``, the handle's ``wait()`` / ``wait_staged()``; each confirms this
-    rank's files before it waits). So a distributed save commits after every rank's next such
-    point once its copies are over. A rank waiting alone in ``wait()`` (``if rank == 0:
-    h.wait()``) is fine while the others train on; it stalls only if another rank blocks, with
-    its copies over, in a collective that waits for it without a forward pass or step in between
-    (e.g. an explicit ``all_reduce`` right after ``save()``): then the save fails after
-    ``commit_timeout``. Call ``wait()`` on every rank to rule that out.
+    A rank's file is committed only once its training thread confirmed its lazy copies: at its next
+    optimizer step, module forward pass or call into lazyckpt. A rank waiting alone in ``wait()`` is
+    fine while the others train on; the save fails after ``commit_timeout`` only if another rank
+    blocks in a collective with no forward pass or step in between. Call ``wait()`` on every rank to
+    rule that out.
 
-    Failures: any rank's failure fails the save on every rank (``DistributedSaveError`` naming the
-    ranks). A rank that dies or vanishes (its heartbeat in the c10d store stops) fails the save on
-    the others within seconds, naming it. A live rank whose part is not durable within
-    ``commit_timeout`` seconds after this rank's is fails the save here after ``commit_timeout``
-    seconds (plus the coordinator's commit, if it had already decided to commit). Staging folders
-    of dead saves are removed by the next save into the same parent folder.
+    Any rank's failure fails the save on every rank (``DistributedSaveError`` naming the ranks); a rank
+    whose heartbeat stops fails it on the others within seconds. Staging folders of dead saves are
+    removed by the next save into the same parent folder.
 
-    URLs: ``path`` may be a URL (``s3://bucket/run/step-100``, any fsspec URL; the options
-    ``local_dir``, ``keep_local``, ``storage_options``, ``upload_*`` are ``LazyCheckpointer``'s).
-    Each rank writes its file into a folder of its own under ``local_dir`` (its node's disk) exactly
-    as above, then uploads it from the commit thread; the coordinator uploads ``.metadata`` last,
-    once every rank's file is complete in the store, so a reader (``FsspecReader``,
-    ``verify_checkpoint``) sees the whole checkpoint or no ``.metadata``; the data objects may
-    appear before it (they have names of their own per save). A previous checkpoint at the same
-    URL stays whole until the new ``.metadata`` replaces it, then its data files are deleted;
-    with ``extra_files``, which replace its own, it is hidden just before they are uploaded. A
-    failed upload fails the save on every rank with ``DistributedUploadError``, and the objects
-    uploaded are deleted. Training never waits for the
-    uploads; ``handle.local()`` says this rank's file is on local disk, ``done()`` that the
-    checkpoint is in the store.
-
-    Levels: with ``levels=[Level(...), ...]`` (fastest first), ``save(state, step=n)`` saves to
-    every level due at ``n`` (one DCP folder ``<level>/step-<n, 8 digits>`` each) and returns one
-    handle; ``latest()`` (or ``lazyckpt.latest(levels)`` on every rank) finds the step to restart
-    from. Construction finds which ranks share each level's folder (a node-local level: each
-    node's own). The tensors are staged once per save, into the fastest due level; each slower
-    level is fed from that level's committed files on a background thread of each rank (its own
-    file, CRC-checked, copied or uploaded); a level's folder is committed on every rank or none.
-    A level's failure raises ``DistributedLevelError`` (naming the level and the ranks) alike on
-    every rank; the other levels go on. See ``lazyckpt.distributed`` and docs/ARCHITECTURE.md.
+    ``path`` may be any fsspec URL: each rank writes its file on local disk, then uploads it; the
+    coordinator uploads ``.metadata`` last, so a reader sees the whole new checkpoint or the previous
+    one. A failed upload raises ``DistributedUploadError`` on every rank and deletes what was uploaded.
 
     Args:
         process_group: the ranks that save together (default: the default group). Only its ranks
@@ -112,14 +80,13 @@ class DistributedCheckpointer(_exit.ClosedOnExit):
         commit_timeout: seconds this rank waits, once its own file is durable (for a URL: uploaded),
             for the save to be committed; then the save fails on every rank still waiting. For
             URLs it must cover the slowest rank's upload beyond the fastest's.
-        options: ``LazyCheckpointer``'s options as one :class:`~lazyckpt.CheckpointerOptions`
-            (``host_memory_budget``, ``writer_threads``, ``fsync``, ``crc``, ``local_dir``,
-            ``storage_options``, ...), as ``LazyCheckpointer(options)`` takes them;
+        options: ``LazyCheckpointer``'s options as one ``lazyckpt.CheckpointerOptions``;
             ``on_backpressure`` must stay ``"block"``.
-        levels: the levels (``lazyckpt.Level``; the same list on every rank, but a node-local
-            level's path may differ per node); the options' ``levels`` if not given. A URL level
-            needs a faster local level whose ``every`` divides its own (its copy is uploaded from
-            there).
+        levels: the levels (``lazyckpt.Level``, fastest first) for ``save(state, step=n)`` and
+            ``latest()``; the same list on every rank (a node-local level's path may differ per
+            node); the options' ``levels`` if not given. A URL level needs a faster local level
+            whose ``every`` divides its own. A level's failure raises ``DistributedLevelError``
+            alike on every rank; the other levels go on.
         **kwargs: the same options as keywords (they override those fields of ``options``).
     """
 
@@ -160,8 +127,7 @@ class DistributedCheckpointer(_exit.ClosedOnExit):
         _commit.add_live(self._token)
         store = StoreExchange.default_store()
         self._proto = _commit.StoreProtocol(store, self._token, self.rank, self.world_size)
-        # A heartbeat of its own (not the commit thread, which may wait long for a slow rank's own
-        # file): a dead or vanished rank fails the save on the others within seconds.
+        # A thread of its own (the commit thread may wait long): a dead rank fails saves within seconds.
         self._liveness = _commit.Liveness(store, self._token, self.rank, self.world_size)
         self._liveness.beat()
         self._store_host = store_host_rank(self._group, self.rank)
@@ -206,10 +172,10 @@ class DistributedCheckpointer(_exit.ClosedOnExit):
     def latest(
         self, storage_options: dict[str, Any] | None = None, verify: bool = True, timeout: float = 600.0
     ) -> Found | None:
-        """``lazyckpt.latest(self.levels)`` agreed among this checkpointer's ranks (collective:
-        call it on every rank): the same step everywhere, this rank's fastest copy that it can
-        load (``storage_options``: the options' by default). ``TimeoutError`` naming the ranks that
-        did not call it within ``timeout`` seconds."""
+        """``lazyckpt.latest(self.levels)`` agreed among this checkpointer's ranks (collective): the
+        same step everywhere, this rank's fastest copy that it can load (``storage_options``: the
+        options' by default). Raises ``TimeoutError`` naming the ranks that did not call it within
+        ``timeout`` seconds."""
         if self._levels is None:
             raise SaveRefusedError("latest() needs levels=[Level(...), ...] at construction")
         options = self.options.storage_options if storage_options is None else storage_options
@@ -235,30 +201,25 @@ class DistributedCheckpointer(_exit.ClosedOnExit):
         step: int | None = None,
         due: Sequence[int] | None = None,
     ) -> SaveHandle:
-        """Start saving ``state`` (what ``torch.distributed.checkpoint.save`` takes) to the folder
-        ``path`` (or URL); collective. Returns at once with a handle (see the class docstring).
+        """Start saving ``state`` (what ``torch.distributed.checkpoint.save`` takes) to the folder or
+        URL ``path``; collective. Returns at once with a handle.
 
-        With ``levels=[...]`` at construction, ``save(state, step=n)`` (no path) saves to every level
-        due at ``n`` (``<level>/step-<n, 8 digits>``, one DCP folder per level, per node for a
-        node-local level) and returns one handle (``levels._handle.LevelsHandle``), done once each
-        has its copy on every rank; a level's failure is a ``DistributedLevelError`` naming it,
-        alike on every rank (module docstring). ``due``: the indices of the levels to save to
-        instead of those with ``step % every == 0`` (the same on every rank).
+        ``step``: with ``levels=[...]`` at construction, ``save(state, step=n)`` (no path) saves to
+        every level due at ``n`` (one DCP folder ``<level>/step-<n, 8 digits>`` each, per node for a
+        node-local level) and returns one handle, done once each level has its copy on every rank.
+        ``due``: the indices of the levels to save to instead of those with ``step % every == 0``
+        (the same on every rank).
 
-        ``extra_files``: small files (name -> bytes) that the coordinator (rank 0 of the group)
-        writes into the folder with ``.metadata``, so they appear atomically with the checkpoint
-        and are listed in its manifest (Lightning's ``meta.pt``); ignored on other ranks. With
-        ``step=``, rank 0's go into every level folder of the step, and for a node-local level
-        into every node's (written by each node's leader, sent with rank 0's commit report).
+        ``extra_files``: small files (name -> bytes) that rank 0 of the group writes beside
+        ``.metadata``, so they appear atomically with the checkpoint; ignored on other ranks. With
+        ``step=``, they go into every level folder of the step (every node's, for a node-local level).
 
-        Raises ``SaveRefusedError`` on every rank if planning fails on any (nothing written); on
-        one rank only if that rank cannot serialize its part (the save then fails on the others
-        with ``DistributedSaveError``). Nothing else: an I/O error on this rank, even one met
-        inside ``save()`` (a full memory filesystem, when the file is written there), fails the
-        save on every rank alike, with ``DistributedSaveError`` naming this rank from the handle's
-        ``wait()`` and the checkpointer's ``wait()`` / ``close()`` (its ``__cause__`` here is the
-        ``WriteError``). Unlike ``LazyCheckpointer.save``, it does not raise an
-        earlier save's error (that would break the collective): ``wait()`` and ``close()`` do.
+        Raises ``SaveRefusedError`` on every rank if planning fails on any (nothing written), or on
+        this rank only if it cannot serialize its part (the save then fails on the others). An I/O
+        error, even one met inside ``save()``, fails the save on every rank alike: the handle's
+        ``wait()`` and the checkpointer's ``wait()`` / ``close()`` raise ``DistributedSaveError``.
+        Unlike ``LazyCheckpointer.save``, it does not raise an earlier save's error (that would break
+        the collective).
         """
         if path is None or step is not None or due is not None:
             if path is not None or step is None or self._levels is None:
@@ -270,8 +231,7 @@ class DistributedCheckpointer(_exit.ClosedOnExit):
         t0 = time.perf_counter()
         if self._closed:
             raise CheckpointerClosedError("this DistributedCheckpointer is closed; create a new one")
-        # No raising of an earlier save's error here (LazyCheckpointer.save does): ranks learn a
-        # failure at slightly different moments, and a rank that raised here would leave the others
+        # An earlier save's error is not raised here: a rank raising alone would leave the others
         # waiting in the planning collective. wait() and close() raise it.
         confirm_ready()  # earlier saves whose copies are over: this thread's ops came before
         final = resolve_path(path)
@@ -316,16 +276,14 @@ class DistributedCheckpointer(_exit.ClosedOnExit):
                 completion.caller_saw_error()  # raised here, not again by wait() or close()
                 self._committer.submit(entry)
                 raise exc
-            # An I/O failure (a full memory filesystem, where the file is created inside save()) is
-            # the save's outcome, not a refusal: every rank gets the same DistributedSaveError from
-            # the same call (handle.wait() / wait()), as when the write fails in the background.
+            # An I/O failure is the save's outcome, not a refusal: every rank raises it from wait().
         self._committer.submit(entry)
         return handle
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every save made so far is committed on every rank (or failed) and the
-        levels' old checkpoints are removed; raise the oldest error nobody has seen
-        (``LazyCheckpointer.raise_errors``)."""
+        levels' old checkpoints are removed; then raise the oldest error nobody has seen.
+        ``TimeoutError`` if that takes over ``timeout`` seconds."""
         deadline = None if timeout is None else time.monotonic() + timeout
         if self._levels is not None:
             self._levels.drain(timeout)  # confirms this rank's files first
@@ -338,13 +296,13 @@ class DistributedCheckpointer(_exit.ClosedOnExit):
 
     def raise_errors(self) -> None:
         """Raise the oldest error of a finished save that nobody has seen, without waiting. Not
-        collective: ranks learn of a failure at slightly different moments, so callers that must
-        raise on every rank at once agree first (``lazyckpt.lightning`` does)."""
+        collective: ranks learn of a failure at different moments, so callers that must raise on
+        every rank at once agree first."""
         self._inner.raise_errors()
 
     def add_error(self, error: BaseException) -> None:
-        """Hand over a background error of the caller's own (an integration's deferred delete) to be
-        raised once by the next ``wait()`` or ``close()`` (the inner checkpointer's ledger)."""
+        """Hand over a background error of the caller's own, to be raised once by the next
+        ``wait()`` or ``close()``."""
         self._inner.add_error(error)
 
     def wait_staged(self, timeout: float | None = None) -> None:
@@ -366,15 +324,13 @@ class DistributedCheckpointer(_exit.ClosedOnExit):
             self._committer.stop()
             if self._levels is not None:
                 self._levels.close()
-            # Bounded: a beat in flight against a store whose host died may block for the store's
-            # timeout (the thread is a daemon). The counter key stays (tiny): deleting it would be
-            # one more request to a store that may be gone.
+            # Bounded: a beat to a dead store host may block for the store's timeout (a daemon thread).
             self._stop_heartbeat.set()
             self._heartbeat.join(timeout=5.0)
             _exit.unregister(self)
             _commit.discard_live(self._token)
             try:
-                self._inner.close()  # raises the oldest unseen error: the ledger is the inner checkpointer's
+                self._inner.close()  # raises the oldest unseen error (the inner checkpointer's ledger)
             finally:
                 if dist.is_initialized():
                     dist.destroy_process_group(self._group)
@@ -384,7 +340,7 @@ class DistributedCheckpointer(_exit.ClosedOnExit):
             return [s.handle for s in self._pending if s.handle is not None]
 
     def _next_n(self) -> int:
-        """The next save's number (every rank saves in the same order: the same on every rank)."""
+        """The next save's number, the same on every rank (they save in the same order)."""
         with self._lock:
             n, self._count = self._count, self._count + 1
         return n
@@ -397,16 +353,13 @@ class DistributedCheckpointer(_exit.ClosedOnExit):
     # -- this rank's file ---------------------------------------------------------------------------
 
     def _tier(self) -> _remote.RemoteTier:
-        """The inner checkpointer's remote tier (``local_dir``, part threads), made by the first save
-        to a URL. Uploads run on the commit thread: this checkpointer is closed before the
-        interpreter's shutdown (``core/exit.py``'s early drain), after which s3fs could not upload;
-        the distributed layer drains before the inner checkpointer's."""
+        """The inner checkpointer's remote tier, made by the first save to a URL; registers this
+        checkpointer for the early exit drain (uploads need s3fs alive: ``core/exit.py``)."""
         _exit.register(self, _close_at_exit, layer=_exit.DISTRIBUTED, early=True)  # again: updates
         return producer_of(self._inner).remote_tier()
 
     def _start_file(self, entry: Save, plan: RankPlan) -> None:
-        # To a URL, every save's data files have names of their own: a previous checkpoint at the
-        # same prefix stays whole (its .metadata names its own files) until .metadata is replaced.
+        # To a URL, data files are named per save: a previous checkpoint at the prefix stays whole.
         unique = f".{self._token[:16]}-{entry.n}" if entry.remote is not None else ""
         entry.file = f"__{self.rank}_0{unique}.distcp"
         start_rank_file(self._inner, entry, plan)
@@ -416,7 +369,7 @@ class DistributedCheckpointer(_exit.ClosedOnExit):
     def _commit_one(self, entry: Save) -> None:
         try:
             self._commit(entry)
-        except BaseException as exc:  # a store that went away (its host died), a bug: fail, go on
+        except BaseException as exc:  # a lost store or a bug: fail this save, go on
             host = self._store_host
             lost = isinstance(exc, (dist.DistError, OSError)) and host is not None and host != self.rank
             why = (
@@ -451,8 +404,8 @@ class DistributedCheckpointer(_exit.ClosedOnExit):
         self._finish(entry, save_error(entry.final, outcome.message, cause, outcome.ranks, outcome.upload))
 
     def _own_report(self, entry: Save) -> tuple[RankReport, BaseException | None]:
-        """This rank's part, once its file is committed in the staging folder (which waits for the
-        training thread to confirm it: ``local_outcome``) or failed."""
+        """This rank's report, once its file is committed in the staging folder or failed (waits
+        for the training thread to confirm it)."""
         exc = entry.error
         if exc is None and entry.local is not None and entry.layout is not None:
             exc = local_outcome(entry.local)

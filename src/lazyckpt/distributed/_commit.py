@@ -1,17 +1,10 @@
-"""The two-phase, multi-rank commit of a checkpoint directory.
+"""The two-phase, multi-rank commit of a checkpoint folder, through the c10d store.
 
-Phase 1: every rank writes its ``__<rank>_0.distcp`` into a staging directory next to the final one
-(``.<name>.lazyckpt-dist-<token>-<n>.tmp``, made by the coordinator during planning) and makes it
-durable (the core's job: fsync, rename inside the staging directory, fsync of that directory).
-Each rank then posts a report (ok, with its file's size, CRC and storage data; or its error) under
-its own key in the c10d store. Phase 2: the coordinator waits for every report, writes
-``.metadata`` and the manifest into the staging directory, fsyncs them, *decides* by an atomic
-``compare_set`` of the outcome key (``commit``), renames the staging directory to the final name,
-fsyncs the parent, and posts the result. A rank whose wait runs out (``commit_timeout`` after its
-own file is durable) tries to decide ``abort`` by the same ``compare_set``; whoever sets the key
-first wins, so every rank agrees, and a checkpoint appears at the final name only when every rank's
-file was durable. The store is a TCP connection of its own, not the training's process group, so
-none of this is a collective (safe from a background thread, and with nccl training).
+Every rank writes its file durably into a staging folder beside the final one and posts a report
+under its own key; the coordinator writes ``.metadata`` and the manifest, decides by an atomic
+``compare_set`` of the outcome key (a rank that times out tries to set ``abort`` the same way: the
+first decision holds), then renames the folder into place. Not a collective: safe from a background
+thread, and with nccl training. The decisions themselves: ``_decide.py``.
 """
 
 from __future__ import annotations
@@ -39,14 +32,13 @@ logger = logging.getLogger(__name__)
 
 # ``-<n>``: a path save's number; ``-<n>-<level>``: one level's folder of a multi-level save.
 _STAGING_RE = re.compile(r"^\..+\.lazyckpt-dist-([0-9a-f]+)-\d+(?:-\d+)?(-old)?\.tmp$")
-# Waits poll the store with short requests, backing off from 5 ms to 100 ms: a blocking
-# ``store.wait`` would hold the store client's lock (one per process, shared with the training's own
-# store traffic) for the whole wait, and N ranks polling fast would load the store's host.
+# Waits poll with short requests and back off: a blocking ``store.wait`` would hold the process's
+# store client lock (shared with the training's store traffic) for the whole wait.
 _POLL_MIN_S, _POLL_MAX_S = 0.005, 0.1
 
 
 def _polls(deadline: float) -> Iterator[bool]:
-    """Yield until ``deadline`` (True while time is left), sleeping a growing interval between."""
+    """Yield True while time is left before ``deadline``, then False; sleeps a growing interval between."""
     delay = _POLL_MIN_S
     while True:
         yield time.monotonic() < deadline
@@ -54,12 +46,9 @@ def _polls(deadline: float) -> Iterator[bool]:
         delay = min(delay * 2, _POLL_MAX_S)
 
 
-# Liveness: every rank's heartbeat thread bumps a counter of its own in the store every
-# HEARTBEAT_S; a rank whose counter has not moved for DEAD_AFTER_S (by the observer's own clock: no
-# clock is compared across hosts) is dead or cut off. It is a thread of its own, not the commit
-# thread, which may wait minutes for a slow rank's own file: a slow rank stays alive, and only
-# commit_timeout fails it. DEAD_AFTER_S leaves room for a process whose threads are starved for a
-# few seconds (a long call holding the GIL) before calling it dead.
+# Each rank's heartbeat thread bumps its counter every HEARTBEAT_S; a counter that has not moved for
+# DEAD_AFTER_S by the observer's own clock (no clock compared across hosts) means dead or cut off.
+# DEAD_AFTER_S leaves room for threads starved for a few seconds (a long call holding the GIL).
 HEARTBEAT_S, DEAD_AFTER_S = 0.5, 6.0
 
 
@@ -78,8 +67,7 @@ class Liveness:
         self.store.add(self.key(self.rank), 1)
 
     def run(self, stop: threading.Event) -> None:
-        """Beat every ``HEARTBEAT_S`` until ``stop``; a failed request (the store's host gone) is
-        retried at the next beat: the commit thread learns of a lost store by itself."""
+        """Beat every ``HEARTBEAT_S`` until ``stop``; a failed beat is logged and retried at the next."""
         while not stop.wait(HEARTBEAT_S):
             try:
                 self.beat()
@@ -87,8 +75,7 @@ class Liveness:
                 logger.debug("lazyckpt: heartbeat of rank %d failed: %s", self.rank, exc)
 
     def dead(self, ranks: list[int] | range) -> list[int]:
-        """Those of ``ranks`` whose heartbeat stopped. Each rank's counter is looked up at most
-        every ``HEARTBEAT_S`` (the polls in between stay at their two requests)."""
+        """Those of ``ranks`` whose heartbeat stopped (each counter looked up at most every ``HEARTBEAT_S``)."""
         now = time.monotonic()
         dead = []
         with self._lock:
@@ -129,8 +116,8 @@ def staging_path(final: str, token: str, n: int | str, old: bool = False) -> str
 
 
 def cleanup_leftovers(directory: str) -> list[str]:
-    """Remove staging directories of distributed saves in ``directory`` whose checkpointer is not
-    open in this process (the coordinator's): their saves died before committing."""
+    """Remove staging folders in ``directory`` whose checkpointer is not open in this process (their
+    saves died); a moved-aside previous checkpoint whose final name is free is renamed back."""
     removed: list[str] = []
     try:
         names = os.listdir(directory)
@@ -144,8 +131,7 @@ def cleanup_leftovers(directory: str) -> list[str]:
             path = os.path.join(directory, name)
             final = os.path.join(directory, name[1 : name.index(".lazyckpt-dist-")])
             if m.group(2) and not os.path.lexists(final):
-                # A previous checkpoint moved aside by swap_in() without RENAME_EXCHANGE, and the
-                # process died before the new one took its name: put it back, never delete it.
+                # swap_in() moved it aside (no RENAME_EXCHANGE) and died: put it back, never delete it.
                 os.rename(path, final)
                 logger.warning("lazyckpt: restored %s from %s (a save died while replacing it)", final, path)
                 continue
@@ -177,8 +163,7 @@ class RankReport:
 
 @dataclass(frozen=True)
 class Decision:
-    """How the coordinator (or a rank that gave up waiting for it) decided save ``n``: the first
-    decision set in the store holds (``StoreProtocol.decide``)."""
+    """How save ``n`` was decided; the first decision set in the store holds (``StoreProtocol.decide``)."""
 
     commit: bool
     why: str = ""  # an abort's reason, as every rank reports it
@@ -238,9 +223,8 @@ class StoreProtocol:
     def gather(
         self, n: int | str, deadline: float, liveness: Liveness | None = None
     ) -> tuple[dict[int, RankReport], list[int], list[int]]:
-        """Reports of every rank, or as soon as one failed or a rank that has not reported is
-        dead; the ranks missing then, and the dead among them. Two requests per poll whatever the
-        world size (a counter and a failure flag), plus the liveness look-up every ``HEARTBEAT_S``."""
+        """Reports of every rank (or those in by ``deadline``, or once one failed or an unreported
+        rank died), the ranks missing then, and the dead among them."""
         dead: list[int] = []
         for time_left in _polls(deadline):
             everyone = int(self.store.add(self._key(n, "reported"), 0)) >= self.world_size
@@ -281,8 +265,7 @@ class StoreProtocol:
     def wait_value(
         self, n: int | str, name: str, deadline: float, liveness: Liveness | None = None, writer: int = 0
     ) -> str | None:
-        """The key's value, or None at ``deadline`` or once ``writer`` (the rank that would set
-        it) is dead (``liveness``; check ``liveness.dead([writer])`` to tell which)."""
+        """The key's value, or None at ``deadline`` or once ``writer`` (the rank that sets it) is dead."""
         key = self._key(n, name)
         for time_left in _polls(deadline):
             if self.store.check([key]):
@@ -300,10 +283,9 @@ class StoreProtocol:
         self.store.add(self._key(n, "acks"), 1)
 
     def wait_acks(self, n: int | str, ranks: list[int], deadline: float, liveness: Liveness | None = None) -> bool:
-        """Until every one of ``ranks`` acknowledged (True), or ``deadline`` or every rank but dead
-        ones (``liveness``) did (False). The
-        coordinator's process often hosts the store: finishing its handle (after which it may exit)
-        before the others have read the outcome would cut them off and fail a save that committed."""
+        """Wait until every one of ``ranks`` acknowledged (True), or ``deadline`` or every live one
+        did (False). The coordinator often hosts the store: exiting before the others read the
+        outcome would fail a save that committed."""
         for time_left in _polls(deadline):
             if int(self.store.add(self._key(n, "acks"), 0)) >= len(ranks):
                 return True
@@ -343,15 +325,10 @@ def write_metadata(
     extra_files: dict[str, bytes] | None = None,
     world_size: int | None = None,
 ) -> None:
-    """``.metadata`` (DCP's pickled ``Metadata``, storage data from the ranks reporting), the
-    caller's ``extra_files``, and the manifest of per-file sizes and CRCs that
-    ``verify_checkpoint`` checks, all durable in ``staging``.
-
-    ``reports`` are every rank's, or (a node-local level's folder: ``world_size`` the job's) those of
-    one node's ranks only. The manifest also says whether the folder holds every item of the
-    checkpoint (``complete``: loadable by any world size) and, for each rank whose report lists the
-    items it saved (``needs``, multi-level saves), the files holding them (``ranks``): what that
-    rank reads when the job restarts with the same layout (``recovery/dcp.rank_problems``)."""
+    """Write ``.metadata``, ``extra_files`` and the manifest (per-file sizes and CRCs, for
+    ``verify_checkpoint``) durably into ``staging``. ``reports``: every rank's, or one node's ranks'
+    (a node-local level; ``world_size`` the job's). The manifest also records ``complete`` (every
+    item is here) and, for reports with ``needs``, the files each rank reads back (``ranks``)."""
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
     from torch.distributed.checkpoint.metadata import StorageMeta
 
@@ -388,8 +365,7 @@ def write_metadata(
 
 
 def _covers_every_item(metadata: Any, storage: dict[Any, Any]) -> bool:
-    """Whether ``storage`` locates every item ``metadata`` describes (every chunk of every tensor,
-    every byte item): a folder any world size can load (resharding)."""
+    """Whether ``storage`` locates every item of ``metadata``: a folder any world size can load."""
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
     for fqn, md in metadata.state_dict_metadata.items():
@@ -401,8 +377,7 @@ def _covers_every_item(metadata: Any, storage: dict[Any, Any]) -> bool:
 
 
 def _files_by_rank(reports: dict[int, RankReport], storage: dict[Any, Any]) -> dict[str, list[str]]:
-    """For each reporting rank that listed the items it saved (``needs``) and finds all of them
-    here: the files holding them, i.e. what it reads to load its own shard (same layout)."""
+    """Per rank whose ``needs`` are all in ``storage``: the files it reads to load its own shard."""
     out: dict[str, list[str]] = {}
     for report in reports.values():
         if report.needs is None:
@@ -426,12 +401,9 @@ class NotDurableError(OSError):
 
 
 def swap_in(staging: str, final: str, old: str, fsync: bool) -> None:
-    """Make ``staging`` visible as ``final`` in one rename; an existing ``final`` is swapped out
-    atomically (``renameat2(RENAME_EXCHANGE)``) and deleted, so a reader sees the old checkpoint or
-    the new one, never neither (except where the kernel lacks the exchange: two renames).
-
-    Raises ``OSError`` with nothing changed at ``final``, or ``NotDurableError`` once the new
-    checkpoint is visible there but its parent's fsync failed."""
+    """Make ``staging`` visible as ``final``; an existing ``final`` is swapped out atomically
+    (``RENAME_EXCHANGE``, else two renames via ``old``) and deleted. Raises ``OSError`` with nothing
+    changed at ``final``, or ``NotDurableError`` once the new checkpoint is visible there."""
     replaced = None
     if os.path.lexists(final):
         if _exchange(staging, final):

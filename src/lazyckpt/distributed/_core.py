@@ -1,20 +1,9 @@
-"""The one place the distributed package touches the core's internals.
+"""The one place the distributed package touches the core's internals: a rank's data file as one
+core ``Job`` on a ``LazyCheckpointer``'s engine (its pool, guard, writers, file commit).
 
-A rank's data file is one core ``Job``: its sources are the tensors this rank writes, its
-``layout`` a ``RankFileLayout`` (a ``_format.Layout``, like ``_torchfmt.TorchLayout``:
-``data_offset(key)`` and the ``_format.Layout`` protocol), and it runs on a
-``LazyCheckpointer``'s engine: same pool, same guard (the next ``optimizer.step()`` waits for this
-rank's lazy copies only), same writers, same commit of the file inside the staging directory.
-If the core's job interface changes, only this module follows. (``RankFile`` builds the sources,
-the zero-copy decision and the ``Job``; ``tensor_pickle`` serves it.)
-
-The core's save lives on in two places here. Confirmation (``Job.confirm``): a rank's file is
-committed only after its lazy tensors' versions were re-checked on the training thread once the
-copies were over; the distributed commit thread therefore waits for the file without confirming
-(``local_outcome``), and the training-thread entry points confirm (``confirm_ready``, and the
-distributed handle's ``LocalPart``, ``bind_local``). Errors: one ``ErrorLedger``, the inner
-checkpointer's: a rank file's own report is claimed by the distributed save that carries it as its
-cause, and the distributed save's report is published there (``finish``).
+A rank's file is committed only once the training thread confirmed its lazy copies: the commit
+thread waits without confirming (``local_outcome``); training-thread entry points confirm
+(``confirm_ready``, ``bind_local``, the forward hook). Errors go to the inner checkpointer's ledger.
 """
 
 from __future__ import annotations
@@ -46,10 +35,8 @@ from ._plan import RankPlan, resolve
 
 
 def tensor_pickle(t: torch.Tensor) -> bytes:
-    """The pickle torch.save writes for a contiguous CPU tensor of ``t``'s dtype and shape whose
-    storage (key "0") holds exactly its bytes: what DCP's writer saves for every tensor item (it
-    clones views of larger storages). It depends on dtype and shape only: cached, since every save
-    of a training run has the same items."""
+    """The pickle torch.save writes for a contiguous CPU tensor of ``t``'s dtype and shape (one
+    storage, key "0"), as DCP's writer saves every tensor item; cached by dtype and shape."""
     return _pickle_for(t.dtype, tuple(t.shape))
 
 
@@ -64,17 +51,14 @@ def _pickle_for(dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
 class RankFile:
     """One rank's data file on ``ckpt``'s engine: decides what is staged how, then starts the job.
 
-    ``tensors``: (layout key, name for errors, contiguous tensor). Tensors an optimizer owns are
-    copied lazily (the guard holds its next step back until they are); the rest inside ``save()``.
-    With the core's zero copy (direct I/O, CPU), large optimizer-owned tensors are written straight
-    from their memory: ``phases`` says at which position within a page their data must sit in the
-    file (the layout honours it), exactly as the core lays out a torch file.
+    ``tensors``: (layout key, name for errors, contiguous tensor). ``phases``: for zero-copy tensors,
+    where within a page their data must sit in the file (the layout honours it).
     """
 
     def __init__(self, ckpt: LazyCheckpointer, tensors: list[tuple[str, str, torch.Tensor]]) -> None:
         self.ckpt = ckpt
         self.sources = [Source.of_tensor(key, name, t) for key, name, t in tensors]
-        # Rank files are never written inside save(): their folder is committed by the coordinator.
+        # Never written inside save(): the coordinator commits the folder.
         self.plan = SavePlan.decide(ckpt.options, self.sources, "", allow_inline=False, capture_in_save=False)
         if 64 % storage_alignment() != 0:  # the layout cannot honour page phases: no zero copy
             self.plan.phases = {}
@@ -97,9 +81,8 @@ class RankFile:
 
 
 def start_rank_file(ckpt: LazyCheckpointer, entry: Save, plan: RankPlan) -> None:
-    """Lay out this rank's share of ``plan`` as one file (``entry.file``, in ``entry.staging``),
-    its items' storage data in ``entry.storage``, and start writing it on ``ckpt``'s engine:
-    ``entry.local`` is its handle, bound to the distributed handle so that waits confirm it."""
+    """Lay out this rank's share of ``plan`` as ``entry.file`` in ``entry.staging`` (storage data in
+    ``entry.storage``) and start writing it; ``entry.local`` is its handle, bound so waits confirm it."""
     tensors, byte_items = resolve(plan)
     layout = RankFileLayout(ckpt.crc)
     sources = []
@@ -133,15 +116,9 @@ _forward_hook: RemovableHandle | None = None
 
 
 def confirm_in_forward() -> None:
-    """Until this process's pending saves are confirmed, also confirm them (``confirm_ready``) at
-    the start of every module's forward pass, through a global forward pre-hook that removes
-    itself once nothing is pending (so it costs nothing outside a save's window).
-
-    Why: the distributed commit needs every rank's confirmation, and a rank confirms only when its
-    training thread calls into lazyckpt. Without this, a rank waiting in ``wait()`` while the
-    others run a forward pass whose collectives (FSDP's all-gathers) wait for it would stall until
-    ``commit_timeout``: with it, the others confirm as soon as any module's forward starts after
-    their copies are over, before they block in such a collective."""
+    """Confirm pending saves at the start of every module's forward pass too, through a global
+    forward pre-hook that removes itself once nothing is pending: ranks then confirm before they
+    block in a forward pass's collectives (FSDP's all-gathers) waiting for a rank in ``wait()``."""
     global _forward_hook
     with _hook_lock:
         if _forward_hook is None:
@@ -159,19 +136,13 @@ def _confirm_hook(module: torch.nn.Module, args: Any) -> None:
 
 
 def bind_local(completion: Completion, local: SaveHandle) -> None:
-    """Make the distributed handle's waits (``wait()``, ``exception(timeout)``, the checkpointer's)
-    confirm ``local``, this rank's file, on the waiting thread first: the distributed outcome needs
-    every rank's file committed, and this rank's is committed only once confirmed."""
+    """Make the distributed handle's waits confirm ``local``, this rank's file, on the waiting thread first."""
     completion.bind(confirm=functools.partial(confirm, local))  # a no-op once the file is committed
 
 
 def local_outcome(local: SaveHandle) -> BaseException | None:
-    """For the distributed commit thread: wait until this rank's file is committed (or failed) and
-    return its error. Does not confirm (this is not the thread that mutates the tensors: the
-    training thread's next step or call into lazyckpt confirms), and claims the file's error: the
-    distributed save reports it, as its cause. (The core publishes that error on the inner ledger
-    just before the file is done: a ``raise_errors()`` on another thread in between would raise it
-    bare; the distributed checkpointer's own waits first wait for the saves that carry it.)"""
+    """Commit thread: wait until this rank's file is committed (or failed), without confirming it,
+    and return its error, claimed (the distributed save reports it as its cause)."""
     wait_finished(local)
     report = finished_report(local)
     if report is not None:
@@ -183,9 +154,8 @@ def local_outcome(local: SaveHandle) -> BaseException | None:
 def resolve_handle(
     ckpt: LazyCheckpointer, completion: Completion, stats: SaveStats | None, error: BaseException | None
 ) -> bool:
-    """Fix a distributed save's outcome as the core fixes a job's, and publish its error on ``ckpt``'s
-    ledger, before the handle is visible as done (``complete_handle``): a wait that sees it done finds the
-    error. False if the handle was already finished."""
+    """Fix a distributed save's outcome and publish its error on ``ckpt``'s ledger, before the handle
+    is visible as done (``complete_handle``). False if the handle was already finished."""
     if completion.handle.done():
         return False
     completion.bind()  # nothing left to confirm
@@ -196,15 +166,13 @@ def resolve_handle(
 
 
 def complete_handle(ckpt: LazyCheckpointer, completion: Completion) -> None:
-    """Make the outcome visible; done-callbacks run on the core's callback thread, as a job's do
-    (they may wait for other saves, which the distributed commit thread commits)."""
+    """Make the outcome visible; done-callbacks run on the core's callback thread."""
     completion.complete(producer_of(ckpt).callbacks)
 
 
 def classify_start_error(exc: BaseException, rank: int, final: str) -> BaseException:
-    """What starting this rank's file raised, typed: ``SaveRefusedError`` for what cannot be
-    serialized (raised by ``save()``), ``WriteError`` for I/O (the save's outcome, in the handle),
-    an interrupt as it is."""
+    """Type what starting this rank's file raised: ``WriteError`` for I/O (the save's outcome),
+    ``SaveRefusedError`` for anything else (raised by ``save()``); lazyckpt errors and interrupts as is."""
     if not isinstance(exc, Exception) or isinstance(exc, LazyCkptError):
         return exc
     if isinstance(exc, OSError):

@@ -1,12 +1,6 @@
-"""The two-phase commit's decisions, as one rank takes part in them (``DistributedCheckpointer``'s
-commit thread calls ``coordinate`` on the coordinator and ``follow`` on every other rank).
-
-Coordinator: gather every rank's report (or learn that one failed, or died: ``Liveness``), write the
-metadata, decide commit or abort (the first decision set in the store holds), publish (rename the
-staging folder, or upload ``.metadata`` last at a URL), set the result, wait for the others'
-acknowledgements. Others: wait for the decision (deciding abort themselves when the coordinator
-died or never answers within ``commit_timeout``), then for the result. Messages are typed
-(``_commit.Decision`` / ``CommitResult``); outcomes are ``Failure`` (None: committed).
+"""The two-phase commit's decisions as one rank takes part in them, on ``DistributedCheckpointer``'s
+commit thread (or a level thread): ``coordinate`` on the coordinator, ``follow`` on the others,
+``commit_node`` for a node-local level. ``None`` means committed, else a ``Failure``.
 """
 
 from __future__ import annotations
@@ -45,10 +39,8 @@ class Decider:
     fsync: bool
 
     def upload_metadata_files(self, entry: _Save) -> None:
-        """Coordinator, every rank's file in the store: the extra files and the manifest, which
-        replace a previous checkpoint's at this prefix (``.metadata`` follows, after the decision).
-        Extra files (Lightning's ``meta.pt``) belong to the checkpoint as a whole: a previous
-        checkpoint here is hidden (its ``.metadata`` deleted) before they are replaced."""
+        """Coordinator, every rank's file uploaded: the extra files (hiding a previous checkpoint
+        first) and the manifest; ``.metadata`` follows after the decision."""
         remote = entry.remote
         assert remote is not None
         if entry.extra_files:
@@ -58,9 +50,8 @@ class Decider:
         remote.upload(_commit.MANIFEST)
 
     def commit_remote(self, entry: _Save, reports: dict[int, RankReport]) -> Failure | None:
-        """Coordinator, after deciding "commit": upload ``.metadata``, which makes it a checkpoint
-        (replacing a previous one at the prefix in one PUT), then delete the previous checkpoint's
-        data files (best effort)."""
+        """Coordinator, after deciding commit: upload ``.metadata`` (the commit point), then delete
+        the previous checkpoint's data files (best effort) and post the result."""
         remote = entry.remote
         assert remote is not None
         try:
@@ -124,8 +115,7 @@ class Decider:
                 outcome = Failure(why, (self.rank,), cause=exc)
             else:
                 self.proto.set_result(entry.n, CommitResult(True))
-        # Ranks that never reported may be dead (no acknowledgment to wait for) or merely slow: they
-        # still need the outcome when they get there, so the keys stay unless every rank acknowledged.
+        # Ranks that never reported may be slow and still need the outcome: keys stay unless all acked.
         others = [r for r in range(self.world_size) if r != self.rank and r not in missing]
         acked = self.proto.wait_acks(entry.n, others, time.monotonic() + self.commit_timeout, self.liveness)
         if acked and not missing:
@@ -176,9 +166,8 @@ class Decider:
 
     @staticmethod
     def _discard_own(entry: _Save) -> None:
-        """An aborted save, on a rank that does not own the folder: its own file out of the staging
-        folder, and the folder if that leaves it empty. The owner removed the folder when it decided,
-        but a rank slower than ``commit_timeout`` may have renamed its file into it just then."""
+        """An aborted save, on a rank that does not own the folder: remove its own file from the
+        staging folder, and the folder if empty (a slow rank may have renamed its file in late)."""
         if entry.remote is not None or not entry.staging:
             return
         with contextlib.suppress(OSError):
@@ -208,14 +197,10 @@ class Decider:
     # -- node-local levels: one folder per node, one decision for all -----------------------------
 
     def commit_node(self, entry: _Save, deadline: float, scope: Scope) -> Failure | None:
-        """A node-local level's folder of one step, on every rank (acknowledgments included). The
-        coordinator decides for every node at once: commit once every rank's file is durable in its
-        node's staging folder, else abort. Then each node's leader writes that folder's
-        ``.metadata`` and manifest (its ranks' items; every rank of the job knows the global
-        metadata) and rank 0's extra files, and renames it into place; every rank waits for every
-        leader's result, so all ranks learn the same outcome. A leader that fails leaves its node
-        without the folder (its ranks' next ``latest()`` does not use that step from there); the
-        others keep theirs."""
+        """A node-local level's folder of one step, on every rank. Rank 0 decides for every node at
+        once; then each node's leader writes its folder's metadata and rank 0's extra files and
+        renames it into place. Every rank waits for every leader's result, so all learn the same
+        outcome; a failed node lacks the folder, the others keep theirs."""
         missing: list[int] = []
         if self.rank == 0:
             reports, missing, dead = self.proto.gather(entry.n, deadline, self.liveness)
@@ -243,11 +228,10 @@ class Decider:
         return outcome
 
     def _publish_node(self, entry: _Save, scope: Scope) -> CommitResult:
-        """A node's leader: its folder's metadata (the reports of its ranks) and rank 0's extra
-        files, then the rename."""
+        """A node's leader: its folder's metadata and rank 0's extra files, then the rename."""
         try:
             reports = self.proto.reports(entry.n, scope.group)
-            # The extra files (Lightning's meta.pt) are rank 0's: in its report for the other leaders.
+            # The extra files are rank 0's: other leaders read them from its report.
             extra = entry.extra_files if self.rank == 0 else self.proto.reports(entry.n, [0])[0].extra_files
             save_id = f"{self.token}-{entry.n}"
             _commit.write_metadata(
@@ -288,9 +272,8 @@ def _node_result(leader: int) -> str:
 
 
 def store_host_rank(group: dist.ProcessGroup, rank: int) -> int | None:
-    """The rank (in ``group``) whose process hosts the c10d store, when it is known: global rank 0
-    under ``init_method`` tcp:// or env:// (its death takes the store with it); None under
-    torchrun, whose agent hosts the store (a dead rank 0 is then found by its heartbeat)."""
+    """The rank (in ``group``) whose process hosts the c10d store: global rank 0, or None under
+    torchrun, whose agent hosts it."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
         return None
     ranks = dist.get_process_group_ranks(group)

@@ -17,8 +17,7 @@ from ._upload import RemoteFolder
 
 
 class LocalPart:
-    """This rank's file of a distributed save as its handle sees it: the file's handle, set by the
-    distributed checkpointer (``Save.part``) once the file's save started."""
+    """This rank's file of a distributed save: its handle, set once the file's save started."""
 
     def __init__(self) -> None:
         self.handle: SaveHandle | None = None
@@ -27,13 +26,11 @@ class LocalPart:
 class DistributedSaveHandle(SaveHandle):
     """A pending distributed save (``SaveHandle``'s methods). ``wait_staged()`` concerns this rank's
     tensors; ``wait()`` returns once the checkpoint is committed on every rank, and raises
-    ``DistributedSaveError`` on every rank if any rank's part failed. Both first confirm this
-    rank's file on the calling thread (see ``DistributedCheckpointer``: the commit waits for every
-    rank's confirmation).
+    ``DistributedSaveError`` on every rank if any rank's part failed. Both first confirm this rank's
+    file on the calling thread.
 
-    A save to a URL has one stage more: ``local()`` / ``wait_local()`` once this rank's file is
-    committed on its local disk; ``done()`` / ``wait()`` once the checkpoint is committed in the
-    store (every rank's file uploaded, then ``.metadata``)."""
+    A save to a URL has one stage more: ``local()`` / ``wait_local()`` once this rank's file is on
+    its local disk; ``done()`` / ``wait()`` once the checkpoint is committed in the store."""
 
     def __init__(
         self, path: str, outcome: HandleOutcome | None = None, url: str | None = None, part: LocalPart | None = None
@@ -49,8 +46,8 @@ class DistributedSaveHandle(SaveHandle):
         return local.done()
 
     def wait_local(self, timeout: float | None = None) -> SaveStats:
-        """This rank's file committed on local disk: its stats (for a local save: ``wait()``). If
-        it failed, the distributed save's error, once every rank knows it."""
+        """Wait until this rank's file is committed on local disk and return its stats (a local
+        save: ``wait()``). If it failed, raises the distributed save's error."""
         local = self._part.handle
         if self.url is None or local is None:
             return self.wait(timeout)
@@ -75,7 +72,7 @@ class DistributedSaveHandle(SaveHandle):
 @dataclass(eq=False)
 class Save:
     """One checkpoint folder a rank takes part in: a path save's, or one level's folder of a step
-    (``n``: ``"<save>-<level>"``; no handle of its own for a slower level's copy)."""
+    (``n``: ``"<save>-<level>"``; no handle for a slower level's copy)."""
 
     n: int | str
     final: str

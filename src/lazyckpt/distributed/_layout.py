@@ -1,13 +1,8 @@
 """The per-rank data file ``__<rank>_0.distcp``, laid out before a byte is written.
 
-DCP's ``FileSystemWriter`` writes, per item, either the raw bytes of a ``BYTE_IO`` item or a
-complete ``torch.save`` zip of one tensor, back to back, and records each item's (file, offset,
-length) in ``.metadata``; ``FileSystemReader`` hands ``torch.load`` a view of exactly that slice.
-Here every item's zip is planned by the core's torch.save layout (``_torchfmt.plan``, archive name
-``archive`` as torch.save gives a stream), so all offsets are known up front: the core's writers
-pwrite tensor bytes at their final place, and ``fixed_writes``/``crc_writes`` fill in every other byte once the
-data CRCs are known. Items are packed with no gap, so the CRCs of all segments combine into one
-CRC of the whole file (recorded for ``verify``).
+DCP's layout (each item's bytes or ``torch.save`` zip back to back), with every zip planned by
+``formats/torch_zip.py`` so all offsets are known up front; items are packed with no gap, so the
+segments' CRCs combine into one CRC of the whole file.
 """
 
 from __future__ import annotations
@@ -53,11 +48,9 @@ class RankFileLayout:
         return item.base, len(item.data)
 
     def add_tensor(self, key: str, pickle_bytes: bytes, nbytes: int, phase: int | None = None) -> tuple[int, int]:
-        """Place a tensor item whose torch.save pickle is ``pickle_bytes`` (one storage, key "0",
-        of ``nbytes``); return the (offset, length) of its zip. With ``phase`` (a multiple of 64
-        below a page), the data lands that many bytes past a page boundary in the file (the zero-copy
-        layout: padding in the zip's ``FB`` field, as ``_torchfmt.plan`` does; the zip starts on a
-        64-byte boundary, after < 64 zero bytes that belong to no item)."""
+        """Place a tensor item whose torch.save pickle is ``pickle_bytes`` (one storage, key "0", of
+        ``nbytes``); return the (offset, length) of its zip. With ``phase`` (a multiple of 64 below a
+        page), its data lands that many bytes past a page boundary (the zip then starts 64-aligned)."""
         phases = None
         if phase is not None:
             pad = -self.total_size % 64
@@ -97,10 +90,8 @@ class RankFileLayout:
         return writes
 
     def _file_crc(self, writes: list[tuple[int, bytes]], crcs: Mapping[str, int]) -> int:
-        """CRC32 of the whole file, in file order: metadata bytes continue the running CRC (no
-        combine), each tensor's data CRC is appended with one combine (the shift by its length is
-        cached: shapes repeat), so a file of thousands of items costs milliseconds, not seconds, of
-        GIL time on a writer thread."""
+        """CRC32 of the whole file, in file order: fixed bytes continue the running CRC, each
+        tensor's data CRC is appended with one combine."""
         segments: list[tuple[int, int, bytes | None, int]] = [(o, len(d), d, 0) for o, d in writes if d]
         segments += [(self.data_offset(i.key), i.nbytes, None, crcs.get(i.key, 0)) for i in self._tensors.values()]
         segments.sort(key=lambda seg: seg[0])
@@ -119,9 +110,7 @@ class RankFileLayout:
 
 @functools.lru_cache(maxsize=16384)
 def _item_zip(pickle_bytes: bytes, nbytes: int, phases: tuple[tuple[str, int], ...] | None) -> TorchLayout:
-    """One tensor item's zip, which does not depend on where the item sits in the file: cached,
-    since a training run saves the same shapes every time (``TorchLayout`` is never mutated; items
-    of one shape share a serialization id, which torch only records)."""
+    """One tensor item's zip, independent of its place in the file: cached (never mutated)."""
     return plan("archive", pickle_bytes, [("0", nbytes)], phases=dict(phases) if phases else None)
 
 

@@ -1,38 +1,8 @@
-"""Multi-level distributed checkpoints: ``DistributedCheckpointer(levels=[...]).save(state, step=n)``.
-
-Every due level gets a DCP folder ``<level>/step-<n, 8 digits>`` (a node-local level: one per node,
-holding that node's ranks' files and a ``.metadata`` locating them). Data flow of one save
-(collective: every rank, same steps, same order); this object is the DCP producer of the one
-multi-level runner (``levels.Runner``), which holds the schedule, the level threads and the handles:
-
-    caller thread: the due levels; DCP planning on the checkpointer's gloo group, replicated items
-        deduplicated within each node's ranks only (``_plan``, ``levels.dedup_groups``); then
-        (after the collective, so that no rank waits in it for one held here) each slower due
-        level admitted under its backlog bound (at the bound: confirm this rank's pending saves,
-        wait, warn); this rank's ONE file, the only device-to-host staging, started on the core's
-        engine into the fastest due level's staging folder for the step; one ``LevelsHandle``.
-    lazyckpt-dist-level-<first>: once the file is durable (confirmed by the training thread), the
-        report and that level's commit, all ranks or none (a shared level: ``Decider.coordinate``
-        / ``follow``; a node-local one: ``Decider.commit_node``); the source handle ends alike on
-        every rank.
-    lazyckpt-dist-level-<i>, each slower due level, FIFO: once the source committed, this rank's
-        OWN file copied (CRC-checked) or uploaded from the fastest level's committed folder
-        (``_promote``), the report, the level's commit (``promote``); then the runner unpins the
-        source, applies retention, ends its part.
-    core callback thread: the source handle's done-callback (the runner's): retention of the fastest level.
-
-Ownership: the runner owns the level threads and their queues, the backlog counters, the pins (a
-step of the fastest level is pinned while this rank's copies read it; a level commit needs every
-rank's report, so once its leader's copy is committed, every rank's is done), the handles and the
-callback thread that finishes them; this object owns the planning cache, the source commits, the
-replicator of a level with ``replicas``. Each level folder is owned by one rank of those sharing it
-(``Scope.leader``: the coordinator for a shared level and for URLs): it writes the metadata and rank
-0's extra files (Lightning's ``meta.pt``; a node-local level's other leaders read them from rank 0's
-commit report), publishes, and applies retention (``keep`` newest complete steps, after each commit,
-so the newest is never removed; pinned steps are skipped until their copies end; at the first
-save, a rollback's abandoned steps at once: ``Runner.sweep_once``). Errors are the
-checkpointer's (its inner ``LazyCheckpointer``'s ledger): a level's failure is one
-``DistributedLevelError`` per rank, alike on every rank, reported once.
+"""Multi-level distributed saves (``save(state, step=n)``): the DCP producer of one ``levels.Runner``,
+which owns the schedule, level threads, pins, handles and retention. The caller thread plans and
+starts this rank's one file into the fastest due level; that level's thread commits it on every rank
+or none; each slower level's thread copies or uploads this rank's own file from there (``_promote.py``)
+and commits. A level's failure is one ``DistributedLevelError`` per rank, alike on every rank.
 """
 
 from __future__ import annotations
@@ -86,8 +56,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass(eq=False)
 class Context:
-    """What the levels use of their ``DistributedCheckpointer``: handed over, never reached for.
-    Its rank, world size, token, store keys and ``commit_timeout`` are the ``decider``'s."""
+    """What the levels use of their ``DistributedCheckpointer`` (rank, token, store keys and
+    ``commit_timeout``: the ``decider``'s)."""
 
     inner: LazyCheckpointer
     wrapper: _DistWrapper  # the planning collective, on the checkpointer's gloo group
@@ -112,13 +82,13 @@ class _Step:
 
 
 class DistributedLevels:
-    """The multi-level saver of one ``DistributedCheckpointer`` (see the module docstring)."""
+    """The multi-level saver of one ``DistributedCheckpointer``."""
 
     @staticmethod
     def check(levels: tuple[Any, ...]) -> None:
-        """Refuse levels this saver cannot serve (before anything starts): ``TypeError`` unless a
-        non-empty list of ``Level``; ``ValueError`` for two levels at one path, or a URL level
-        without a faster local level due whenever it is (its copy is uploaded from there)."""
+        """Refuse levels this saver cannot serve: ``TypeError`` unless a non-empty list of ``Level``;
+        ``ValueError`` for two levels at one path, or a URL level without a faster local level due
+        whenever it is."""
         check_levels(levels)
         if len({lv.path for lv in levels}) != len(levels):
             raise ValueError("two levels share a path; give each level its own folder")
@@ -152,8 +122,8 @@ class DistributedLevels:
         self._closed = False
 
     def _replicate(self, index: int, st: _Step) -> None:
-        """Level ``index``'s part of step ``st`` ended: its commit to the peers, else (a failed
-        commit, on every rank alike) the replicator's expectation cancelled."""
+        """Level ``index``'s part of ``st`` ended: hand its commit to the replicator, else cancel
+        the replicator's expectation."""
         assert self.replicator is not None
         committed = st.replicate.pop(index, None)
         try:
@@ -180,9 +150,7 @@ class DistributedLevels:
         due: Sequence[int] | None = None,
         extra_files: Mapping[str, bytes] | None = None,
     ) -> SaveHandle:
-        """Collective. ``state`` (what ``dcp.save`` takes) to every level due at ``step`` (``due``:
-        these level indices instead, the same on every rank); rank 0's ``extra_files`` into each
-        level folder (every node's, for a node-local level; other ranks' are ignored)."""
+        """Collective: ``DistributedCheckpointer.save(state, step=...)``."""
         step = check_step(step)
         if self._closed:
             raise CheckpointerClosedError("this DistributedCheckpointer is closed; create a new one")
@@ -197,7 +165,7 @@ class DistributedLevels:
         key = f"{n}-{first}"
         final = self.levels[first].folder(step)
         plan = plan_save(state, ctx.wrapper, final, lambda: "", self._plans, n, groups=self._groups)
-        # all of them ("block" only); at the bound, this rank's pending files are confirmed first
+        # all admitted ("block" only); at the bound, this rank's pending files are confirmed first
         admitted = [i for i in due[1:] if runner.admit(i, step, None, ctx.inner.wait_staged)]
         part = LocalPart()
         completion = Completion(final, DistributedSaveHandle, part=part)
@@ -235,7 +203,7 @@ class DistributedLevels:
         return levels_handle
 
     def latest(self, storage_options: dict[str, Any] | None, verify: bool, timeout: float) -> Found | None:
-        """Collective over the checkpointer's ranks (``lazyckpt.latest`` agreed through the store)."""
+        """Collective: ``lazyckpt.latest`` agreed through the store."""
         prefix = f"lazyckpt/{self.ctx.decider.token}/latest/{self._latest_calls}"
         self._latest_calls += 1
         exchange = StoreExchange(self.ctx.store, prefix, self.rank, self.world, timeout)
@@ -301,7 +269,7 @@ class DistributedLevels:
         return None  # not for distributed levels (Level.reuse_pages)
 
     def _commit_source(self, st: _Step) -> None:
-        """The fastest level's folder: this rank's file durable (or failed), then the commit."""
+        """The fastest level's folder: wait for this rank's file (or its failure), then commit."""
         entry = st.entry
         own = entry.error
         if own is None and entry.local is not None and entry.layout is not None:
@@ -353,7 +321,7 @@ class DistributedLevels:
         self, index: int, entry: Save, layout: Any, storage: dict[Any, Any], needs: frozenset[Any]
     ) -> RankReport:
         """This rank's durable file in level ``index``'s folder; rank 0's carries the extra files
-        when every node's leader writes them (a node-local level)."""
+        for a node-local level."""
         extra = entry.extra_files if self.scopes[index].node_local and self.rank == 0 and entry.extra_files else None
         return RankReport(self.rank, True, entry.file, layout.total_size, layout.file_crc, storage, needs=needs,
                           extra_files=extra)  # fmt: skip
@@ -394,8 +362,8 @@ class DistributedLevels:
             complete_handle(self.ctx.inner, entry.completion)
 
     def _check_memory(self, entry: Save) -> None:
-        """First save: the memory statement (``levels._copy.check_memory``), for this node: this
-        rank's file times the ranks sharing the largest local level folder."""
+        """First save only: ``check_memory`` with this rank's file size times the ranks sharing the
+        largest local level folder."""
         if self._memory_checked or entry.layout is None:
             return
         self._memory_checked = True

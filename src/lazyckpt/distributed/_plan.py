@@ -1,11 +1,7 @@
 """DCP planning on the caller's thread: which items this rank writes, and the global metadata.
 
-Exactly DCP's save pipeline up to ``finish_plan`` (``state_dict_saver._save_state_dict``): the
-``DefaultSavePlanner`` makes a local plan per rank, the coordinator a global one (replicated items
-deduplicated and spread across ranks by size, ``Metadata`` for every item), and each rank gets its
-final plan back. The gather and scatter run on the checkpointer's own gloo group, never on the
-training's group. A failure on any rank (an unsupported value, a mismatched state dict) raises on
-every rank as ``SaveRefusedError`` (DCP's ``CheckpointException`` is a ``BaseException``).
+DCP's save pipeline up to ``finish_plan``, run on the checkpointer's own gloo group (never the
+training's). A planning failure on any rank raises ``SaveRefusedError`` on every rank.
 """
 
 from __future__ import annotations
@@ -42,11 +38,8 @@ class RankPlan:
 
 @dataclass
 class PlanCache:
-    """The last global plan, per rank: a training run saves the same structure every time, and
-    exchanging ~1000 write items between ranks (pickled, gathered, planned, scattered, unpickled)
-    is most of ``save()``'s time on the training thread. Valid while every rank's local plan is
-    the one it had then (compared by digest); the coordinator's ``metadata`` is copied per save
-    (the commit fills in its storage data)."""
+    """The last global plan, this rank's part: reused while every rank's local plan is unchanged
+    (compared by digest); ``metadata`` is copied per save (the commit fills in its storage data)."""
 
     digest: bytes = b""
     round: int = -1  # the save number whose full planning filled this cache
@@ -66,17 +59,12 @@ def plan_save(
     round_no: int = 0,
     groups: list[list[int]] | None = None,
 ) -> RankPlan:
-    """Collective over ``wrapper``'s group. ``prepare`` runs on the coordinator only, inside the
-    collective (so its failure reaches every rank): it returns the staging directory.
-
-    With ``cache``: one small collective first (each rank's local-plan digest and the round its
-    cache is from); if every rank's plan is unchanged since the same round, the cached global plan
-    is used and nothing else is exchanged; otherwise the full planning runs and refills the cache.
-
-    ``groups`` (multi-level saves; ranks of ``wrapper``'s group, a partition): replicated items are
-    deduplicated within each group only, not across groups, so that the files of one group's ranks
-    (one node's, held in its memory) hold every item each of them saved; and every rank gets the
-    global ``Metadata`` (each node writes its own folder's ``.metadata``)."""
+    """Collective over ``wrapper``'s group; raises ``SaveRefusedError`` on every rank if planning
+    fails. ``prepare`` runs on the coordinator only, inside the collective (so its failure reaches
+    every rank), and returns the staging folder. ``cache``: when every rank's local plan is
+    unchanged since the same round, the cached global plan is used (one small collective).
+    ``groups`` (a partition of the ranks): replicated items are deduplicated within each group only,
+    and every rank gets the global ``Metadata``."""
     planner = DefaultSavePlanner()
     metadata: Metadata | None = None
     local: list[Any] = []
@@ -97,8 +85,7 @@ def plan_save(
                     cache.local_key, cache.local_plan, cache.needs = key, planner.plan, needs
             local.append(planner.plan)
             local.append(needs)
-            # The local plan follows from the state key, so the key identifies it; without one
-            # (a ShardedTensor in the state), a digest of the plan's items does.
+            # The state key identifies the local plan; without one (ShardedTensor), a digest of its items.
             local.append(key if key is not None or cache is None else _digest(planner.plan.items))
         return local[0]
 
@@ -151,8 +138,7 @@ def plan_save(
 
 
 def _dedup_within(plans: list[SavePlan], groups: list[list[int]]) -> list[SavePlan]:
-    """DCP's deduplication of replicated items (each to the plan with the fewest bytes so far),
-    within each group of ranks only: every group's plans together hold every item any of them has."""
+    """DCP's deduplication of replicated items, within each group of ranks only."""
     from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
 
     out: list[SavePlan | None] = [None] * len(plans)
@@ -164,9 +150,8 @@ def _dedup_within(plans: list[SavePlan], groups: list[list[int]]) -> list[SavePl
 
 
 def _state_key(flat: dict[str, Any]) -> bytes | None:
-    """A digest of what DCP's local plan depends on in a flattened state dict: each entry's name
-    and kind; a tensor's shape and properties; a DTensor's also its mesh and placements (its shard
-    follows from them). None (no caching) for anything else that holds tensors (ShardedTensor)."""
+    """A digest of what DCP's local plan depends on in a flattened state dict; None (no caching)
+    for tensor containers other than plain tensors and DTensors (ShardedTensor)."""
     h = hashlib.sha256()
     for fqn, obj in flat.items():
         if isinstance(obj, DTensor):
@@ -186,15 +171,13 @@ def _state_key(flat: dict[str, Any]) -> bytes | None:
 
 
 def _local(dt: DTensor) -> torch.Tensor:
-    """This rank's shard of ``dt``: ``to_local()`` with autograd off (no autograd call each: the local
-    tensor itself; a view of it for a DTensor parameter)."""
+    """This rank's shard of ``dt``: ``to_local()`` with autograd off."""
     with torch.no_grad():
         return dt.to_local()
 
 
 def _digest(items: list[WriteItem]) -> bytes:
-    """What a local plan says, as a digest (pickling the items costs ~10x more: ``TensorProperties``
-    pickles slowly)."""
+    """A digest of a local plan's items (cheaper than pickling them)."""
     h = hashlib.sha256()
     for it in items:
         td = it.tensor_data
@@ -209,8 +192,8 @@ def _digest(items: list[WriteItem]) -> bytes:
 
 
 def resolve(plan: RankPlan) -> tuple[list[tuple[WriteItem, torch.Tensor]], list[tuple[WriteItem, bytes]]]:
-    """This rank's tensors (local shards, assigned replicas) and its non-tensor values serialized
-    now (``torch.save`` bytes, as DCP writes them: the snapshot of those values)."""
+    """This rank's tensors (local shards, assigned replicas) and its non-tensor values, serialized
+    now (``torch.save`` bytes, as DCP writes them)."""
     tensors: list[tuple[WriteItem, torch.Tensor]] = []
     byte_items: list[tuple[WriteItem, bytes]] = []
     flat = plan.planner.state_dict

@@ -1,14 +1,7 @@
-"""One rank's part of a slower level's copy of a step: its OWN file, read from the fastest level's
-committed folder (never the training tensors, never on the training thread).
-
-Local level: the file is copied into the level's staging folder for that step (created by
-whichever rank comes first; the folder becomes ``step-<n>`` at the commit), its CRC32 computed on
-the way and compared with the one recorded when the rank wrote it, then fsynced: a source that
-changed since (a flipped bit in node memory) fails the copy instead of spreading to disk. URL
-level: the file is checked the same way, then uploaded under a name of its own per save
-(``__<rank>_0.<token>-<n>.distcp``), so a checkpoint of the same step already at the prefix stays
-whole until the new ``.metadata`` replaces it. Failures raise ``OSError`` / ``UploadError``; the
-caller reports them (``_levels.py``)."""
+"""One rank's part of a slower level's copy of a step: its own file, read from the fastest level's
+committed folder (never the training tensors, never on the training thread), CRC-checked against
+the CRC recorded when it was written, then copied into the level's staging folder or uploaded.
+Failures raise ``OSError`` / ``UploadError``; the caller reports them (``_levels.py``)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""A node-local DCP level's replicas (``Level(replicas=k)``): what the distributed levels hand to the
-one replicator of ``lazyckpt.levels`` (its ring, its gloo group; after each commit, this rank's
-files of the committed folder with their CRC32s as written)."""
+"""A node-local DCP level's replicas (``Level(replicas=k)``): what the distributed levels hand to
+``lazyckpt.levels``'s replicator."""
 
 from __future__ import annotations
 
@@ -22,10 +21,9 @@ logger = logging.getLogger(__name__)
 def replicator_of(
     levels: Sequence[Level], scopes: Sequence[Scope], rank: int, group: Any, commit_timeout: float, fsync: bool
 ) -> Replicator | None:
-    """The replicator of the level with ``replicas`` (at most one: its steps go to the peers in
-    commit order) on a gloo group of its own (collective: every rank of the checkpointer's
-    ``group``); ``ValueError`` alike on every rank for a level that cannot be replicated
-    (``Ring.of``: a shared level, too few nodes, unequal nodes). None without replicas."""
+    """The replicator of the level with ``replicas``, on a gloo group of its own (collective over
+    ``group``); None without replicas. ``ValueError`` alike on every rank for a level that cannot
+    be replicated (``Ring.of``)."""
     index = replicated_index(levels)
     if index is None:
         return None
@@ -39,9 +37,8 @@ def replicator_of(
 def replicate(
     replicator: Replicator, index: int, step: int, folder: str, name: str, crc: int | None, leader: bool
 ) -> None:
-    """After level ``index``'s commit of ``step`` (on its thread, every rank alike): this rank's
-    file ``name`` of the committed ``folder`` and, for the folder's owner (``leader``), its
-    ``.metadata``, manifest and extra files (the manifest's CRC32s: the primary's)."""
+    """After level ``index``'s commit of ``step`` (on its thread): submit this rank's file ``name``
+    of ``folder`` and, for its ``leader``, the ``.metadata``, manifest and extra files."""
     files: list[tuple[str, int | None]] = [(name, crc)]
     if leader:
         try:

@@ -1,14 +1,7 @@
-"""One distributed save's prefix in an object store (``s3://bucket/run/step-100``), as one rank sees it.
-
-Every rank writes its data file into a folder of its own on its node's local disk
-(``<local_dir>/.uploads/<pid>-<n>/<name>/``, the remote tier's), then uploads it from the commit
-thread through ``RemoteTier.transfer`` (the single-file path's PutObject / multipart upload,
-retries, abort). Data files have names of their own per save (``__<rank>_0.<token>-<n>.distcp``),
-so uploading them changes nothing a reader sees. The coordinator uploads the extra files and the
-manifest, then ``.metadata`` last: a DCP reader (and ``verify``) sees a checkpoint only once
-``.metadata`` exists, and one PUT of it replaces a previous checkpoint at the prefix; then the
-previous checkpoint's data files are deleted. ``_checkpointer`` decides when each step runs; this
-module only moves files.
+"""One distributed save's prefix in an object store, as one rank sees it (``commit/prefix.py``'s
+protocol). Data files are named per save, so uploading them changes nothing a reader sees; the
+coordinator uploads ``.metadata`` last, then deletes the previous checkpoint's data files. This
+module only moves files; ``_checkpointer.py`` and ``_decide.py`` decide when.
 """
 
 from __future__ import annotations
@@ -29,9 +22,8 @@ logger = logging.getLogger(__name__)
 
 
 class RemoteFolder(Prefix):
-    """The objects of one save under ``url`` that this rank uploads, and its local folder: the
-    prefix protocol (``commit/prefix.py``) with ``.metadata`` last, plus DCP's housekeeping (the
-    previous checkpoint's data files, unfinished multipart uploads, the ``keep_local`` mirror)."""
+    """The objects of one save under ``url`` that this rank uploads, and its local folder, plus DCP's
+    housekeeping (stale data files, unfinished multipart uploads, the ``keep_local`` mirror)."""
 
     @classmethod
     def create(cls, tier: RemoteTier, url: str) -> RemoteFolder:
@@ -44,8 +36,8 @@ class RemoteFolder(Prefix):
         super().upload(name)
 
     def remove_uploaded(self) -> None:
-        """After a failed save: the prefix protocol's cleanup; when keys shared with a previous
-        checkpoint here were touched, that one is no longer whole: its data files go too."""
+        """After a failed save: the prefix protocol's cleanup, and the previous checkpoint's data
+        files too when shared keys were touched (it is no longer whole)."""
         shared = self.shared
         super().remove_uploaded()
         if shared:  # nothing names the hidden previous checkpoint's data files any more
@@ -53,8 +45,7 @@ class RemoteFolder(Prefix):
 
     def remove_stale(self, keep: set[str]) -> None:
         """Coordinator, once the new ``.metadata`` is in place: delete the data files at this prefix
-        that it does not name (a previous checkpoint's, any world size). Best effort: a reader that
-        opened the previous ``.metadata`` just before may miss them."""
+        not in ``keep``. Best effort."""
         try:
             self.fs.invalidate_cache(self.rpath)
             names = [os.path.basename(p.rstrip("/")) for p in self.fs.ls(self.rpath, detail=False)]
@@ -70,9 +61,8 @@ class RemoteFolder(Prefix):
                     logger.warning("lazyckpt: could not delete %s (a previous checkpoint's file): %s", url, exc)
 
     def abort_unfinished(self) -> None:
-        """Coordinator, while no rank of this checkpointer uploads to the prefix any more (before
-        the outcome is published): abort every unfinished multipart upload of a data file directly
-        under it (a killed rank's, of this save or an earlier one). S3 only; best effort."""
+        """Coordinator, once no rank uploads to the prefix (before the outcome is published): abort
+        unfinished multipart uploads of data files under it. S3 only; best effort."""
         if not _remote.is_s3(self.fs):
             return
         try:
@@ -87,8 +77,7 @@ class RemoteFolder(Prefix):
             logger.debug("lazyckpt: listing unfinished uploads under %s failed: %s", self.url, exc)
 
     def finish_local(self, keep: bool = False, folder: str | None = None) -> None:
-        """The prefix protocol's local cleanup, then (``keep_local``) this rank's data files of
-        earlier saves to this prefix leave the mirror."""
+        """The prefix protocol's local cleanup (none with ``keep``), then prune the ``keep_local`` mirror."""
         if keep:
             return
         super().finish_local(keep, folder)

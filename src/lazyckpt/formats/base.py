@@ -1,27 +1,13 @@
-"""The format contract: how ``save()`` turns an object into a file layout, whatever the format.
-
-Two steps, each a call on an interface (as DCP's ``SavePlanner`` -> ``StorageWriter``):
+"""The format contract: how ``save()`` turns an object into a file layout.
 
 1. ``Format.flatten(obj, metadata) -> Planner``, on the caller's thread inside ``save()``: refuse
-   what the format cannot store (``SaveRefusedError``, nothing written), snapshot every value that
-   is not tensor bytes, and list the ``Source``s (tensor bytes) to stage and write.
-2. ``Planner.plan(path, phases, crc) -> Layout``: fix every byte's offset. ``phases`` (source key
-   -> position within a page) asks for sources that will be written straight from their memory to
-   sit at their address's position within a page; a format honours what it can. ``plan`` sets each
-   source's ``file_offset`` and leaves ``Planner.sources`` in file order.
+   what the format cannot store (``SaveRefusedError``, nothing written), snapshot non-tensor
+   values, list the ``Source``s (tensor bytes) to write.
+2. ``Planner.plan(path, phases, crc) -> Layout``: set each source's ``file_offset`` (honouring
+   ``phases``, source key -> position within a page, where it can), ``sources`` in file order.
 
-A ``Layout`` is the whole file as three kinds of bytes, none overlapping:
-
-- data regions: each source's bytes at its ``file_offset``, written by the writers as they arrive;
-- ``fixed_writes()``: bytes known up front (headers, small records);
-- ``crc_writes(crcs)``: bytes that depend on the data's CRCs (``crcs``: source key -> CRC32 of its
-  bytes, or None with CRCs off): zip data descriptors and central directory, safetensors'
-  integrity field.
-
-``Job.metadata_writes`` writes the last two once every data region is in. A format made of several
-items concatenated in one file (DCP's ``.distcp``: torch.save zips of single tensors and raw byte
-items, each at an offset) is a planner that lays out each item with the existing ones and shifts
-their regions and writes by the item's offset.
+A ``Layout`` is three disjoint kinds of bytes: data regions (each source at its ``file_offset``),
+``fixed_writes()`` (known up front) and ``crc_writes(crcs)`` (depend on the data's CRCs).
 """
 
 from __future__ import annotations
@@ -38,7 +24,7 @@ Write = tuple[int, bytes]  # (file offset, bytes)
 
 
 class Layout(Protocol):
-    """Where every byte of one file goes (see the module docstring)."""
+    """Where every byte of one file goes."""
 
     @property
     def file_bytes(self) -> int: ...

@@ -1,15 +1,12 @@
-"""CRC32 as the zip format wants it: fast (ISA-L when installed) and combinable.
-
-Records written in several pieces by several threads get one CRC per piece; ``crc32_combine``
-joins them in file order without touching the data again.
-"""
+"""CRC32 as the zip format wants it: ISA-L when installed (releases the GIL), else zlib; and
+``crc32_combine`` to join per-piece CRCs in file order without rereading the data."""
 
 from __future__ import annotations
 
 import zlib
 from collections.abc import Callable
 
-try:  # ISA-L's CRC32 runs ~10x faster than zlib's and releases the GIL as well.
+try:
     from isal import isal_zlib as _isal
 
     crc32: Callable[..., int] = _isal.crc32

@@ -1,15 +1,8 @@
-"""The safetensors format: validate a flat dict of tensors, lay it out, plus an integrity field.
+"""The safetensors format: a flat dict of tensors laid out as ``safetensors.torch.save`` does.
 
-Laid out as ``safetensors.torch.save`` lays it out: an 8-byte little-endian header length, the JSON
-header (``__metadata__`` first, then one entry per tensor in data order), padded with spaces to a
-multiple of 8, then the tensors' bytes end to end, in safetensors' dtype order (element sizes never
-growing), then by name. Names and metadata are UTF-8, as safetensors writes them.
-
-safetensors has no checksum. When CRCs are on, lazyckpt stores, as the first entry of the header's
-``__metadata__``, ``lazyckpt_crc32``: the CRC32 of the whole file with those 8 hex digits read as
-``00000000``. ``verify`` checks it; every safetensors reader ignores it. The header is laid out
-with the placeholder and patched once the data is written, so no offset moves. The key is
-reserved: ``save()`` refuses user metadata that holds it.
+With CRCs on, the header's first ``__metadata__`` entry ``lazyckpt_crc32`` holds the CRC32 of the
+whole file with those 8 hex digits read as ``00000000``: written as a placeholder, patched once the
+data is in (no offset moves). ``verify`` checks it; readers ignore it; user metadata may not use it.
 """
 
 from __future__ import annotations
@@ -30,8 +23,7 @@ CRC_KEY = "lazyckpt_crc32"
 PREFIX = b'{"__metadata__":{"' + CRC_KEY.encode() + b'":"'  # right after the 8-byte length
 CRC_AT = 8 + len(PREFIX)  # offset of the 8 hex digits
 
-# In safetensors' own order: it lays tensors out by dtype in this order (its ``Dtype`` enum, last
-# first), then by name. Element sizes never grow along it, so every tensor is aligned to its own.
+# safetensors' data order (by dtype, then name): element sizes never grow, so each tensor is aligned
 _TORCH_NAMES = {
     "U64": "uint64", "I64": "int64", "F64": "float64", "C64": "complex64", "F32": "float32", "U32": "uint32",
     "I32": "int32", "BF16": "bfloat16", "F16": "float16", "U16": "uint16", "I16": "int16", "F8_E4M3": "float8_e4m3fn",
@@ -42,8 +34,8 @@ _RANK = {code: i for i, code in enumerate(_TORCH_NAMES)}
 
 
 class SafetensorsFormat:
-    """``format="safetensors"``: what ``safetensors.torch.save_file(tensors, path, metadata)``
-    writes (a ``_format.Format``), plus ``lazyckpt_crc32`` when CRCs are on."""
+    """``format="safetensors"`` (a ``base.Format``): what ``safetensors.torch.save_file`` writes,
+    plus ``lazyckpt_crc32`` when CRCs are on."""
 
     name = "safetensors"
 
@@ -84,21 +76,16 @@ class TensorInfo:
 
 @dataclass
 class SafetensorsPlanner:
-    """The validated tensors of one save, to be laid out (a ``_format.Planner``)."""
+    """The validated tensors of one save, to be laid out (a ``base.Planner``)."""
 
     metadata: dict[str, str] | None
     sources: list[Source]  # one per tensor (key: its name); after plan(), in file order
     tensors: dict[str, TensorInfo]
 
     def plan(self, path: str, phases: Mapping[str, int], crc: bool) -> SafetensorsLayout:
-        """Order the tensors, build the header, place each tensor's data (``Source.file_offset``).
-
-        With ``phases`` (tensor name -> position within a page its file offset should have),
-        tensors of one element size are ordered so that as many of those bytes as possible get
-        that position, and the header is padded (with the spaces safetensors pads it with) to
-        match: those tensors can then be written with O_DIRECT straight from their memory. Readers
-        look tensors up by the header's offsets; order is free.
-        """
+        """Order the tensors, build the header, set each ``Source.file_offset``. With ``phases``,
+        tensors of one element size are reordered and the header padded so that as many as
+        possible sit at their phase (for O_DIRECT writes from their memory)."""
         by_name = {s.key: s for s in self.sources}
         order, shift = [s.key for s in self.sources], None
         if phases:
@@ -121,8 +108,8 @@ class SafetensorsPlanner:
 
 @dataclass
 class SafetensorsLayout:
-    """Where every byte of one safetensors file goes (a ``_format.Layout``): the header at 0, then
-    the tensors' data regions end to end. With ``with_crc`` the header waits for the data's CRCs."""
+    """A safetensors file's ``base.Layout``: the header at 0, then the tensors end to end. With
+    ``with_crc`` the header waits for the data's CRCs."""
 
     head: bytes
     with_crc: bool
@@ -148,9 +135,8 @@ FORMAT = SafetensorsFormat()
 def header(
     entries: dict[str, Any], metadata: dict[str, str] | None, with_crc: bool, data_start_phase: int | None = None
 ) -> bytes:
-    """The 8-byte length + JSON header, padded with spaces to a multiple of 8 as safetensors does;
-    with ``data_start_phase`` (a multiple of 8), padded further (less than a page) so that the data
-    starts that many bytes past a page boundary."""
+    """The 8-byte length + JSON header, space-padded to a multiple of 8; with ``data_start_phase``
+    (a multiple of 8), padded further so the data starts that many bytes past a page boundary."""
     meta = {CRC_KEY: "00000000"} if with_crc else {}
     meta.update(metadata or {})
     blob = json.dumps(
@@ -177,8 +163,7 @@ def _check_metadata(metadata: Any) -> None:
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise SaveRefusedError("safetensors metadata must be a dict[str, str]")
     if CRC_KEY in metadata:
-        # The key's value is patched at a fixed offset once the data's CRC is known: a user value
-        # there would break the header's JSON or the CRC. Copied from an earlier file, it is stale anyway.
+        # its value is patched at a fixed offset: a user value would break the header or the CRC
         raise SaveRefusedError(
             f"safetensors metadata key {CRC_KEY!r} is reserved for lazyckpt's integrity field; "
             "drop it from metadata (lazyckpt writes a fresh one when crc=True)"
@@ -188,10 +173,9 @@ def _check_metadata(metadata: Any) -> None:
 def _phase_order(
     order: list[str], element_sizes: dict[str, int], sizes: dict[str, int], phases: Mapping[str, int]
 ) -> tuple[list[str], int | None]:
-    """Reorder within each element size so that the tensors ``phases`` names sit at (data start
-    + offset) = their phase (mod PAGE) for one data start; return the order and that data start's phase
-    (None: no tensor qualifies). Greedy: the largest wanted tensor fixes the data start; then, at each
-    point, a wanted tensor whose phase matches the running offset goes next if there is one."""
+    """Reorder within each element size so that the tensors ``phases`` names sit at their phase
+    (mod PAGE); return the order and the data start's phase (None: no tensor qualifies). Greedy:
+    the largest wanted tensor fixes the data start."""
     wanted = {n: phases[n] for n in order if n in phases}
     if not wanted:
         return order, None

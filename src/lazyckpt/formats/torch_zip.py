@@ -1,15 +1,8 @@
-"""The torch format: ``torch.save``'s file, a stored (uncompressed) zip, written by offset.
+"""The torch format: ``torch.save``'s stored zip, byte for byte as miniz writes it, laid out by offset.
 
-``TorchFormat.flatten`` pickles the object as torch.save does (``core.capture.flatten_torch``), one
-source per storage; ``TorchPlanner.plan`` lays the zip out (``plan``) as a ``TorchLayout``. The zip
-types (``Record``, ``record_at``, ``central_directory``) are what ``verify`` rebuilds a file with.
-
-Mirrors what ``torch.save`` (PyTorchStreamWriter, miniz) writes: record names ``<archive>/...``,
-local headers with zero CRC/sizes and bit 3 set, an ``FB`` extra field padding each record's data
-to the storage alignment, a data descriptor after each record, a central directory and the zip64
-end records. Because every size is known before a byte is written, every offset is known too:
-storage data can be written in parallel at its final place, and only the data descriptors and the
-central directory (which carry CRCs) wait for the data.
+Every size is known up front, so every offset is: storage data is written in parallel in place, and
+only the data descriptors and central directory (which carry CRCs) wait for the data. ``verify``
+rebuilds files with ``Record``, ``record_at`` and ``central_directory``.
 """
 
 from __future__ import annotations
@@ -37,7 +30,7 @@ LOCAL_COMPRESSED = 0  # the compressed size in a local header's zip64 field (see
 
 
 class TorchFormat:
-    """``format="torch"``: what ``torch.save(obj, path)`` writes (a ``_format.Format``)."""
+    """``format="torch"``: what ``torch.save(obj, path)`` writes (a ``base.Format``)."""
 
     name = "torch"
 
@@ -50,17 +43,14 @@ class TorchFormat:
 
 @dataclass
 class TorchPlanner:
-    """The pickle and the storages of one object, to be laid out (a ``_format.Planner``)."""
+    """The pickle and the storages of one object, to be laid out (a ``base.Planner``)."""
 
     pickle_bytes: bytes
     sources: list[Source]  # one per storage, in record order
 
     def plan(self, path: str, phases: Mapping[str, int], crc: bool) -> TorchLayout:
-        """Lay out the file; place each storage's data at its record (``Source.file_offset``).
-
-        Phases that are not a multiple of the storage alignment cannot be honoured (the data must
-        stay aligned) and are dropped: those storages are staged as usual. ``crc`` changes nothing
-        here: storage CRCs arrive with the data, or are zeros (``crc_writes``)."""
+        """Lay out the file and set each ``Source.file_offset``. Phases that are not a multiple of
+        the storage alignment are dropped; ``crc`` changes nothing here."""
         alignment = storage_alignment()
         usable = {key: phase for key, phase in phases.items() if phase % alignment == 0}
         layout = plan(path, self.pickle_bytes, [(s.key, s.nbytes) for s in self.sources], alignment, usable)
@@ -83,9 +73,8 @@ def storage_alignment() -> int:
 
 
 def archive_name(path: str) -> str:
-    """The record prefix torch.save derives from the path it is given: the basename without its
-    extension, or ``archive`` when the path is not ASCII (torch.save then writes through a Python
-    file object, which has no name)."""
+    """The record prefix torch.save derives from ``path``: the basename without its extension, or
+    ``archive`` when the path is not ASCII."""
     if not path.isascii():
         return "archive"
     base = os.path.basename(path)
@@ -96,11 +85,7 @@ def archive_name(path: str) -> str:
 @dataclass(frozen=True)
 class Record:
     """One zip record of a torch.save file: where its local header and data sit, and their bytes.
-
-    ``crc`` is known up front for small records (``data``); a storage record's CRC comes with its
-    data (``TorchLayout.crc_writes``). ``verify`` builds the records of a file it reads the same way
-    (``record_at``) and compares every metadata byte with what these methods give.
-    """
+    ``crc`` is known up front for small records (``data``); a storage's comes with its data."""
 
     name: bytes
     size: int
@@ -113,7 +98,7 @@ class Record:
 
     @property
     def end(self) -> int:
-        """Offset right after the record (its data descriptor included): the next record's header."""
+        """Offset right after the record, data descriptor included."""
         return self.data_offset + self.size + len(self.descriptor())
 
     def descriptor(self) -> bytes:
@@ -125,7 +110,6 @@ class Record:
         return struct.pack("<IIII", _DESC_SIG, self.crc, self.size, self.size)
 
     def central_entry(self) -> bytes:
-        """The record's central directory entry."""
         size32 = _U32 if self.size >= _ZIP64_LIMIT else self.size
         off32 = _U32 if self.header_offset >= _ZIP64_LIMIT else self.header_offset
         extra = zip64_extra(self.size, self.header_offset)
@@ -146,11 +130,8 @@ def record_at(name: bytes, size: int, offset: int, pad: int, data: bytes | None 
 
 @dataclass
 class TorchLayout:
-    """Where every byte of one torch.save file goes (a ``_format.Layout``).
-
-    Data regions: each storage record's data (``data_offset(key)``). Fixed: local headers and the
-    small records. Written given the storages' CRCs: data descriptors, central directory, end records.
-    """
+    """A torch.save file's ``base.Layout``: data regions at ``data_offset(key)``; fixed: local
+    headers and small records; given the CRCs: data descriptors, central directory, end records."""
 
     records: list[Record]
     storage_index: dict[str, int]  # storage key -> index in records
@@ -179,10 +160,8 @@ class TorchLayout:
 
 
 def zip64_extra(size: int, offset: int, compressed: int | None = None) -> bytes:
-    """The zip64 extra field a record of ``size`` bytes at ``offset`` carries (may be empty).
-
-    ``compressed``: the compressed size it states, ``size`` unless given. A local header states 0
-    (``LOCAL_COMPRESSED``), as miniz writes it before the data, when that size is not known yet."""
+    """The zip64 extra field of a record of ``size`` bytes at ``offset`` (may be empty), stating
+    ``compressed`` as compressed size (default ``size``; local headers state 0)."""
     fields = b""
     if size >= _ZIP64_LIMIT:
         fields += struct.pack("<QQ", size, size if compressed is None else compressed)
@@ -201,9 +180,8 @@ def _flags(size: int) -> int:
 
 
 def _local_header(name: bytes, size: int, offset: int, alignment: int, phase: int | None = None) -> tuple[bytes, int]:
-    """The local header of a record starting at ``offset`` and where its data starts: at the next
-    multiple of ``alignment`` (torch.save), or, given ``phase``, at the next offset that is ``phase``
-    bytes past a page boundary (lazyckpt's zero-copy layout: see ``plan``)."""
+    """The local header of a record at ``offset`` and its data start: the next multiple of
+    ``alignment``, or given ``phase``, the next offset ``phase`` bytes past a page boundary."""
     return padded_local_header(name, size, offset, _padding(name, size, offset, alignment, phase))
 
 
@@ -219,8 +197,8 @@ def _padding(name: bytes, size: int, offset: int, alignment: int, phase: int | N
 def padded_local_header(
     name: bytes, size: int, offset: int, pad: int, compressed: int = LOCAL_COMPRESSED
 ) -> tuple[bytes, int]:
-    """The local header of a record at ``offset`` whose ``FB`` extra field holds ``pad`` bytes
-    (``compressed``: the compressed size its zip64 field states, see ``zip64_extra``)."""
+    """The local header of a record at ``offset`` whose ``FB`` extra field holds ``pad`` bytes, and
+    its data start."""
     z64 = zip64_extra(size, offset, compressed)
     start = offset + 30 + len(name) + len(z64) + 4
     extra = z64 + b"FB" + struct.pack("<H", pad) + b"Z" * pad
@@ -243,8 +221,7 @@ def central_directory(records: list[Record], central_offset: int) -> bytes:
 
 
 def central_directory_size(records: list[Record]) -> int:
-    """``len(central_directory(records, ...))`` without building it (46-byte entries, then 56 + 20 + 22
-    bytes of end records)."""
+    """``len(central_directory(records, ...))`` without building it."""
     return sum(46 + len(rec.name) + len(zip64_extra(rec.size, rec.header_offset)) for rec in records) + 98
 
 
@@ -257,14 +234,10 @@ def plan(
 ) -> TorchLayout:
     """Lay out a torch.save file for ``pickle_bytes`` and storages of the given sizes.
 
-    ``alignment`` defaults to torch.save's (64). ``phases`` (storage key -> a multiple of
-    ``alignment`` below ``PAGE``) places those storages' data at that position within a page, the
-    position their memory has, so that their whole pages can be written with O_DIRECT straight from
-    the tensors. The padding goes in the same ``FB`` extra field torch.save pads with, so every
-    reader that follows the local headers (``torch.load``, ``mmap=True``, ``zipfile``) reads the
-    file unchanged. Such a file carries no ``.format_version`` record, as files from torch < 2.5 do:
-    that record tells torch >= 2.5 it may *compute* offsets assuming minimal padding
-    (``config.load.calculate_storage_offsets``), which would be wrong here.
+    ``alignment`` defaults to torch.save's. ``phases`` (storage key -> a multiple of ``alignment``
+    below ``PAGE``) places those storages at that position within a page (for O_DIRECT writes from
+    their memory), padding in torch.save's ``FB`` field; such a file omits ``.format_version``,
+    which would let torch >= 2.5 compute offsets assuming minimal padding. ``ValueError`` on bad phases.
     """
     alignment = alignment or storage_alignment()
     phases = phases or {}

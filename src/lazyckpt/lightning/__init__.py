@@ -1,24 +1,8 @@
-"""Lightning integration: ``LazyCheckpointIO`` for ``Trainer`` and ``Fabric``.
+"""Lightning integration: ``LazyCheckpointIO`` for ``Trainer`` and ``Fabric``, and ``MultiLevelCheckpoint``.
 
-    from lazyckpt.lightning import LazyCheckpointIO
-    trainer = L.Trainer(plugins=[LazyCheckpointIO()], callbacks=[ModelCheckpoint(...)])
-    fabric = L.Fabric(plugins=[LazyCheckpointIO()])
-
-``save_checkpoint`` hands the checkpoint to a :class:`~lazyckpt.LazyCheckpointer` and returns at
-once. Tensors owned by an optimizer are copied to host memory in the background; the optimizer step
-pre-hook waits for those copies after the next forward/backward (Lightning runs them inside the
-optimizer closure) and right before the update. Every other tensor and every non-tensor value is
-captured inside ``save_checkpoint``, so the file always holds what ``dump_checkpoint`` produced.
-
-Concurrency contract: the plugin's methods are called from the training thread; completions arrive
-on lazyckpt's background threads and only touch the plugin's own bookkeeping (``_runtime``) under its lock.
-Loggers, callbacks and the Trainer are only ever touched from the training thread.
-
-Works with ``lightning`` (``lightning.pytorch`` / ``lightning.fabric``) and with the standalone
-``pytorch_lightning`` / ``lightning_fabric`` packages. The plugin finds the Trainer it serves from
-the strategy that calls it (the strategy holds the plugin in ``_checkpoint_io``), then adapts a few
-things that assume a synchronous plugin: ``ModelCheckpoint.file_exists`` counts pending saves, weight
-averaging swaps wait for pending copies, checkpoint-uploading loggers wait for pending files.
+Works with ``lightning`` and the standalone ``pytorch_lightning`` / ``lightning_fabric``. The plugin's methods
+run on the training thread; completions arrive on lazyckpt's threads and touch only the runtime's bookkeeping
+under its lock (``_runtime.py``). Lightning internals and the patches for a synchronous plugin: ``_compat.py``.
 """
 
 from __future__ import annotations
@@ -53,10 +37,12 @@ class LazyCheckpointIO(_CheckpointIO):
             creates at the first save (and closes at teardown).
         **checkpointer_options: the same options as keywords (override fields of ``options``).
 
-    The caller may keep training right after ``save_checkpoint`` returns; nothing is needed from it.
-    Code that changes parameters or optimizer state in place outside ``optimizer.step()`` while a save
-    may be pending must call :meth:`wait_staged` first. :meth:`wait` makes every save durable and
-    raises the first background error; teardown, ``load_checkpoint`` and interpreter exit call it.
+    Raises ``TypeError`` when both ``checkpointer`` and options are given. ``save_checkpoint`` returns
+    once the state is captured; optimizer-owned tensors are copied in the background and the next
+    ``optimizer.step()`` waits for them. Code that changes parameters or optimizer state in place outside
+    ``optimizer.step()`` while a save may be pending must call :meth:`wait_staged` first. :meth:`wait`
+    makes every save durable and raises the first background error; teardown, ``load_checkpoint`` and
+    interpreter exit call it.
     """
 
     def __init__(
@@ -84,8 +70,6 @@ class LazyCheckpointIO(_CheckpointIO):
         _compat.register_with_loaded_packages(LazyCheckpointIO)
 
     def _init_runtime(self) -> None:
-        """Its checkpointer, pending saves and the Trainer it serves: ``_runtime.PluginRuntime``, which the
-        step hook, ``MultiLevelCheckpoint`` and the strategy patches use (registered at exit there)."""
         self._runtime = _runtime.PluginRuntime(self, self._options, self._log_stats, self._user_checkpointer)
         self.stats: list[SaveStats] = self._runtime.stats  # every completed save, in completion order
 
@@ -104,7 +88,7 @@ class LazyCheckpointIO(_CheckpointIO):
         """Start a background save of ``checkpoint`` to ``path``; returns once the state is captured."""
         if storage_options is not None:
             raise TypeError(f"`storage_options` is not supported by {type(self).__name__}.")
-        if reentry.reentered():  # a signal handler interrupted lazyckpt (docs/preemption.md)
+        if reentry.reentered():  # a signal handler interrupted lazyckpt (core/reentry.py)
             self._save_now(checkpoint, path)
             return
         rt = self._runtime
@@ -112,17 +96,15 @@ class LazyCheckpointIO(_CheckpointIO):
         trainer = rt.attach()
         record = rt.start(checkpoint, path, trainer)
         if rt.outside_fit(trainer) or _compat.preempted(trainer, record.key):
-            # Outside a running fit (before it, after teardown, validate/test/predict, an exception
-            # checkpoint, ddp_spawn's result collection) no optimizer step or teardown may come to
-            # finish it: behave like the stock plugin and return with the file in place. So does a
-            # preemption's save (SLURM's requeue signal, after SIGTERM): the job may end right after.
+            # No optimizer step or teardown may come to finish it (outside a running fit), or the job
+            # may end right after (a preemption's save): return with the file in place, as stock does.
             rt.wait_for([record])
             if rt.torn_down or not _compat.in_fit(trainer):
                 rt.release_resources()  # no thread outlives a save made outside any fit
 
     def _save_now(self, checkpoint: dict[str, Any], path: Any) -> None:
-        """``save_checkpoint`` from a signal handler that interrupted lazyckpt on this thread: written at
-        once, durable when this returns, touching none of the plugin's state (``core/reentry.py``)."""
+        """``save_checkpoint`` from a signal handler that interrupted lazyckpt on this thread: durable on
+        return, touching none of the plugin's state (``core/reentry.py``)."""
         key, is_url = _compat.split_path(path)
         ckpt = self._runtime.ckpt
         if is_url or ckpt is None or ckpt.closed:
@@ -133,8 +115,7 @@ class LazyCheckpointIO(_CheckpointIO):
         ckpt.save(checkpoint, key)  # re-entered: the core writes it here and supersedes a pending save of key
 
     def remove_checkpoint(self, path: Any) -> None:
-        """Delete ``path`` without waiting: the core orders a delete after a pending save to it
-        (and before a later one); for a URL, after its upload."""
+        """Delete ``path`` without waiting; ordered after a pending save to it (a URL: after its upload)."""
         rt = self._runtime
         rt.attach()
         key, is_url = _compat.split_path(path)
@@ -155,8 +136,7 @@ class LazyCheckpointIO(_CheckpointIO):
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        """Drain pending saves (their errors are raised here), then load like ``TorchCheckpointIO``
-        (what ``lazyckpt.latest()`` read ahead for this file is freed first: stock reads it)."""
+        """Drain pending saves (raising their errors), then load like ``TorchCheckpointIO``."""
         self._runtime.attach()
         self.wait()
         if isinstance(path, (str, os.PathLike)):
@@ -165,13 +145,8 @@ class LazyCheckpointIO(_CheckpointIO):
         return _compat.stock_load(stock, path, map_location, weights_only)
 
     def teardown(self) -> None:
-        """Make every pending save durable; raise the first background error.
-
-        When teardown runs because training raised, saves are still drained but their errors are
-        logged instead of raised, so the training exception is the one that propagates. (On that path
-        Lightning finalizes the loggers before teardown; the plugin has drained at their ``finalize``
-        already, see ``_compat.drained_before_finalize``.)
-        """
+        """Make every pending save durable; raise the first background error (only logged while an
+        exception propagates, so the training exception is the one raised)."""
         self._runtime.teardown()
 
     # -- public extras -----------------------------------------------------------------------------

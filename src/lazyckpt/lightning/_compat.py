@@ -1,10 +1,8 @@
-"""Lightning compatibility, kept apart from the adapter (``lazyckpt.lightning.LazyCheckpointIO``).
+"""Everything that knows Lightning's internals rather than its ``CheckpointIO`` contract.
 
-Everything here knows Lightning's internals rather than its ``CheckpointIO`` contract: which
-Lightning package provides ``CheckpointIO``, the strategies that bypass it, finding the Trainer a
-plugin serves from the calling stack frames, the process-wide optimizer-step hook that finds it
-early, and the patches of callbacks and loggers that assume a synchronous plugin. Patches hold the
-plugin by weak reference.
+Which package provides ``CheckpointIO``, strategies that bypass it, finding a plugin's Trainer from the
+calling frames, the process-wide optimizer-step hook, and the patches of callbacks and loggers that assume a
+synchronous plugin (holding the plugin's runtime by weak reference).
 """
 
 from __future__ import annotations
@@ -29,8 +27,7 @@ from lazyckpt.storage.remote import remove_prefix
 
 
 class Plugin(Protocol):
-    """What the compat layer needs of a ``LazyCheckpointIO``'s runtime (``_runtime.PluginRuntime``; no
-    import of it: no cycle)."""
+    """What this module needs of ``_runtime.PluginRuntime`` (not imported: no cycle)."""
 
     def drain(self, raise_errors: bool, timeout: float | None = None, *, loggers_open: bool = False) -> None: ...
     def on_optimizer_step(self) -> None: ...
@@ -59,7 +56,6 @@ CALLBACK_MODULES = ("lightning.pytorch.callbacks", "pytorch_lightning.callbacks"
 
 
 def callback_base() -> type:
-    """Lightning's ``Callback`` (``lightning`` first, else the standalone ``pytorch_lightning``)."""
     for name in CALLBACK_MODULES:
         try:
             return __import__(name, fromlist=["Callback"]).Callback  # type: ignore[no-any-return]
@@ -69,29 +65,20 @@ def callback_base() -> type:
 
 
 def dump_checkpoint(trainer: Any) -> dict[str, Any]:
-    """What ``trainer.save_checkpoint`` would write (model, optimizers, schedulers, loops, callbacks,
-    precision, hyper-parameters, the hooks' additions), without its save and barrier. Lightning has
-    no public call for the dump alone; every Lightning >= 2.0 has this one."""
+    """What ``trainer.save_checkpoint`` would write, without its save and barrier (private API, Lightning >= 2.0)."""
     return _connector(trainer).dump_checkpoint(weights_only=False)  # type: ignore[no-any-return]
 
 
 def load_before_restore(trainer: Any, path: str) -> None:
-    """Have ``trainer`` restore from ``path`` although ``fit`` got no ``ckpt_path``: called from a
-    callback's ``setup`` (fit: the process group is up), before the Trainer restores. ``resume_start``
-    loads the file (through the strategy and its checkpoint IO, with Lightning's migration); the
-    Trainer's own ``resume_start(None)`` that follows only forgets the path, so ``restore_model``,
-    ``restore_callbacks`` and ``restore_training_state`` then restore this checkpoint (Lightning 2.1
-    to 2.6: ``_run`` calls the setup hooks before ``_restore_modules_and_callbacks``). A ``ckpt_path``
-    given to ``fit`` is loaded after this one and wins."""
+    """Have ``trainer`` restore from ``path`` although ``fit`` got no ``ckpt_path``. Call from a callback's
+    ``setup`` in fit, before the Trainer restores (Lightning 2.1-2.6 run setup hooks first); a
+    ``ckpt_path`` given to ``fit`` is loaded after this one and wins."""
     _connector(trainer).resume_start(path)
 
 
 def forget_loaded(trainer: Any, path: str) -> None:
-    """What ``resume_end`` clears of the checkpoint ``load_before_restore(trainer, path)`` loaded (the
-    dict; the path, which the Trainer's own ``resume_start(None)`` already forgot), without its
-    barrier (an exception path must not wait for the other ranks): nothing is restored from it
-    afterwards. Nothing is touched once a restore ended (the dict is empty) or when the connector
-    holds another path (a ``ckpt_path`` given to ``fit`` or set on the Trainer)."""
+    """Forget what ``load_before_restore(trainer, path)`` loaded, as ``resume_end`` does but without its
+    barrier (called on an exception path). No-op once a restore ended or when the connector holds another path."""
     connector = _connector(trainer)
     if not connector._loaded_checkpoint or connector._ckpt_path not in (None, path):
         return
@@ -102,16 +89,12 @@ def forget_loaded(trainer: Any, path: str) -> None:
 
 
 def _connector(trainer: Any) -> Any:
-    """The Trainer's checkpoint connector (private in Lightning 2.x; its dump and restore entry points)."""
     return trainer._checkpoint_connector
 
 
 def register_with_loaded_packages(plugin_class: type) -> None:
-    """Make ``isinstance(plugin, CheckpointIO)`` true for every Lightning package already imported.
-
-    ``lightning`` and ``pytorch_lightning`` ship separate copies of ``CheckpointIO``; the plugin subclasses
-    one and registers as a virtual subclass of the other, so either Trainer accepts it.
-    """
+    """Register ``plugin_class`` as a virtual subclass of every imported Lightning package's ``CheckpointIO``
+    (``lightning`` and ``pytorch_lightning`` ship separate copies)."""
     for name in BASE_MODULES:
         module = sys.modules.get(name)
         if module is not None and not issubclass(plugin_class, module.CheckpointIO):
@@ -125,11 +108,8 @@ def stock_torch_io(base: type) -> Any:
 
 
 def stock_load(stock: Any, path: Any, map_location: Any | None, weights_only: bool | None) -> dict[str, Any]:
-    """``stock.load_checkpoint`` with only the arguments its signature has.
-
-    Lightning < 2.6's ``TorchCheckpointIO.load_checkpoint(path, map_location)`` has no ``weights_only``; its
-    callers never pass one either, so the stock loader's own default is what that version does.
-    """
+    """``stock.load_checkpoint`` with only the arguments its signature has (Lightning < 2.6 takes no
+    ``weights_only``)."""
     kwargs: dict[str, Any] = {}
     if map_location is not None:
         kwargs["map_location"] = map_location
@@ -175,8 +155,7 @@ def split_path(path: Any) -> tuple[str, bool]:
 
 
 def find_strategy(plugin: object, max_depth: int = 40) -> Any:
-    """The strategy whose ``_checkpoint_io`` is ``plugin`` (the ``LazyCheckpointIO``), found in the
-    callers' frames (from the caller of find_strategy's caller on), or None."""
+    """The strategy whose ``_checkpoint_io`` is ``plugin``, found in the frames above our caller, or None."""
     here = inspect.currentframe()  # find_strategy's; 2: the caller of our caller
     frame: FrameType | None = here.f_back.f_back if here is not None and here.f_back is not None else None
     for _ in range(max_depth):
@@ -216,12 +195,8 @@ step_hook_installed = False
 
 
 def install_step_hook() -> None:
-    """One process-wide hook for all plugins, never removed.
-
-    Removing a global optimizer hook from a plugin's finalizer could run while torch iterates its
-    hook dict (the garbage collector runs anywhere), which raises "OrderedDict mutated during
-    iteration" inside someone's optimizer.step().
-    """
+    """One process-wide hook for all plugins, never removed: removal from a finalizer could run while
+    torch iterates its hook dict (inside someone's ``optimizer.step()``)."""
     global step_hook_installed
     if not step_hook_installed:
         step_hook_installed = True
@@ -229,17 +204,15 @@ def install_step_hook() -> None:
 
 
 def on_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    # Finds the Trainer at its first optimizer steps, before any checkpoint, so that strategies
-    # that bypass CheckpointIO are reported at setup rather than never.
+    # Finds the Trainer before any checkpoint, so bypassing strategies are reported at setup.
     for runtime in list(runtimes.values()):
         runtime.on_optimizer_step()
     return None
 
 
 class PendingAwareCheckpoint:
-    """``ModelCheckpoint.file_exists`` (rank 0 decides), as a method bound onto the callback instance
-    (``self`` is the ModelCheckpoint, as in stock's), where a file still being written counts as existing,
-    so version suffixes (-v1) match the stock plugin."""
+    """``ModelCheckpoint.file_exists`` (bound onto the callback; rank 0 decides) counting a pending save
+    as existing, so version suffixes (-v1) match the stock plugin."""
 
     def file_exists(self: Any, filepath: Any, trainer: Any, *, plugin_ref: weakref.ref) -> bool:
         plugin = plugin_ref()
@@ -256,8 +229,7 @@ def pending_aware_file_exists(cb: Any, plugin_ref: weakref.ref) -> Callable[...,
 
 
 def link_after_pending(method: Callable[..., Any], plugin_ref: weakref.ref) -> Callable[..., Any]:
-    """save_last="link" replaces ``last.ckpt`` with a symlink outside CheckpointIO; a lazy save to
-    ``last.ckpt`` still pending would later be renamed over that link. Let it land first."""
+    """``save_last="link"``: let a pending save to the link path land before the link replaces it."""
 
     def link(trainer: Any, filepath: Any, linkpath: Any) -> Any:
         plugin = plugin_ref()
@@ -289,24 +261,19 @@ def durable_first(method: Callable[..., Any], plugin_ref: weakref.ref) -> Callab
 
 
 def preempted(trainer: Any, key: str) -> bool:
-    """This save is a preemption's: Lightning's SLURM auto-requeue checkpoint (``hpc_ckpt_<n>.ckpt``, saved
-    inside its SIGUSR1 handler, right before ``scontrol requeue``), or any save after SIGTERM was received
-    (``OnExceptionCheckpoint`` on the ``SIGTERMException`` path). The job may end as soon as it returns."""
+    """This save is a preemption's (SLURM requeue ``hpc_ckpt_<n>.ckpt``, or any save after SIGTERM): the
+    job may end as soon as it returns."""
     return os.path.basename(key).startswith("hpc_ckpt_") or bool(getattr(trainer, "received_sigterm", False))
 
 
 def drained_before_finalize(method: Callable[..., Any], plugin_ref: weakref.ref) -> Callable[..., Any]:
-    """Lightning finalizes (closes) the loggers before it tears the strategy down when ``fit`` fails
-    (``trainer/call.py``: ``_interrupt`` then ``trainer._teardown()``, KeyboardInterrupt included) or a
-    tuner ends it (``_call_teardown_hook`` then ``_teardown``), so the plugin's teardown would drain
-    after the loggers are closed. Drain at their ``finalize`` instead: the failed run's saves are
-    durable before a logger that reads checkpoint files scans them, and their stats reach the loggers
-    while they are open. Errors are logged, never raised: raising here would skip the rest of
-    Lightning's teardown (the training exception, if any, is the one that propagates)."""
+    """Drain at a logger's ``finalize``, which Lightning calls before the strategy's teardown when ``fit``
+    fails or a tuner ends it: saves are durable and their stats logged while loggers are open. Errors are
+    logged, never raised (raising would skip the rest of Lightning's teardown)."""
 
     def finalize(status: str) -> Any:
         plugin = plugin_ref()
-        if plugin is not None and not reentry.reentered():  # (SLURM's requeue handler finalizes the loggers)
+        if plugin is not None and not reentry.reentered():  # SLURM's requeue handler finalizes the loggers
             plugin.drain(raise_errors=False, loggers_open=True)
         return method(status)
 
@@ -314,8 +281,7 @@ def drained_before_finalize(method: Callable[..., Any], plugin_ref: weakref.ref)
 
 
 def adaptations(trainer: Any, plugin: weakref.ref) -> list[tuple[object, str, Callable[..., Any]]]:
-    """What the plugin (held by weak reference) replaces on a Trainer's callbacks and loggers, as
-    (object, attribute, replacement): the things that assume a synchronous plugin."""
+    """(object, attribute, replacement) for the Trainer's callbacks and loggers that assume a synchronous plugin."""
     out: list[tuple[object, str, Callable[..., Any]]] = []
     for cb in getattr(trainer, "checkpoint_callbacks", ()):
         if hasattr(cb, "file_exists") and hasattr(cb, "_fs"):
@@ -341,8 +307,7 @@ def logger_reads_checkpoint_files(logger: Any) -> bool:
         return True
     impl = type(logger).after_save_checkpoint
     module = getattr(impl, "__module__", "") or ""
-    # Lightning's own loggers touch files only when told to log models (handled above); a third-party
-    # logger that overrides the hook may read the file, so it gets the file.
+    # Lightning's own loggers read files only when logging models (above); a third-party hook may.
     return not module.startswith(("lightning.", "pytorch_lightning."))
 
 
@@ -373,7 +338,7 @@ def is_running(trainer: Any) -> bool:
 
 
 def is_interrupted(trainer: Any) -> bool:
-    """Lightning's failure path runs: the exception hooks, then the loggers' ``finalize``, then teardown."""
+    """Lightning's failure path runs (exception hooks, loggers' ``finalize``, then teardown)."""
     status = getattr(getattr(trainer, "state", None), "status", None)
     return status is not None and status == "interrupted"
 
@@ -400,7 +365,7 @@ def log_save_stats(trainer: Any, stats: Any, saved_at_step: int | None) -> None:
 
 
 def delete_checkpoint(key: str, is_url: bool) -> None:
-    """What the plugin deletes itself (no checkpointer open): a file, a sharded folder, a URL prefix."""
+    """Delete a file, a sharded folder or a URL prefix (no checkpointer open)."""
     if is_url:
         from fsspec.core import url_to_fs
 

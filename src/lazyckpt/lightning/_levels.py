@@ -1,32 +1,9 @@
 """``MultiLevelCheckpoint``: the Trainer's full state by level, through ``LazyCheckpointIO``.
 
-    from lazyckpt import Level
-    from lazyckpt.lightning import LazyCheckpointIO, MultiLevelCheckpoint
-
-    levels = [Level("/dev/shm/run1", every=1, keep=2), Level("/ckpt/run1", every=100, keep=3)]
-    trainer = L.Trainer(plugins=[LazyCheckpointIO()], callbacks=[MultiLevelCheckpoint(levels)])
-    found = lazyckpt.latest(levels, preload=False)   # a name for Lightning to load: nothing read ahead
-    trainer.fit(model, ckpt_path=found.path if found else None)   # stock Lightning resumes
-
-At the end of each training batch whose optimizer steps reached a multiple of a level's ``every``
-(``trainer.global_step``), every rank dumps the checkpoint ``trainer.save_checkpoint`` would write
-(Lightning's own dump: model, optimizers, schedulers, loops, callbacks, precision, hyper-parameters),
-and global rank 0 hands it to the plugin's multi-level saver (``levels._multi.MultiLevel``) over the
-plugin's own saves: one staging per step, whatever the number of levels due, the slower levels fed
-from the fastest level's committed file on their own threads, retention per level. Files are
-``<level>/step-<8 digits>.pt``, stock Lightning checkpoints.
-
-With a strategy that saves with DCP itself (``ModelParallelStrategy``, sharded ``FSDPStrategy``),
-every rank saves its shards instead, laid out as that strategy's ``save_checkpoint`` does (rank
-0's ``meta.pt`` beside them), through a ``DistributedCheckpointer(levels=...)`` per tuple of
-levels: ``<level>/step-<8 digits>/`` DCP folders that stock Lightning resumes from. Errors are
-then settled and raised on every rank together (``_raise_together``).
-
-Ownership: the callback holds the levels and the step it last looked at; the plugin owns the savers
-(``PluginLevels``, one ``MultiLevel`` or ``DistributedCheckpointer`` per tuple of levels), drains
-them before its checkpointer in ``wait`` and teardown, raises their errors with its own, and closes
-them with its checkpointer. The callback runs
-on the training thread only; the savers' threads never touch the Trainer.
+Rank 0 saves ``<level>/step-<8 digits>.pt`` through a ``levels.MultiLevel``; with a strategy that saves with
+DCP, every rank saves ``<level>/step-<8 digits>/`` folders through a ``DistributedCheckpointer``. The callback
+holds the levels and runs on the training thread; the plugin's ``PluginLevels`` owns the savers, whose threads
+never touch the Trainer.
 """
 
 from __future__ import annotations
@@ -55,8 +32,7 @@ log = logging.getLogger(__name__)
 
 @runtime_checkable
 class LevelsPlugin(Protocol):
-    """What the callback and its savers need of a ``LazyCheckpointIO``: its runtime
-    (``_runtime.PluginRuntime``, found with ``_compat.runtime_of``; no import of it)."""
+    """What the callback needs of ``_runtime.PluginRuntime`` (not imported: no cycle)."""
 
     def start_save(self, checkpoint: dict[str, Any], path: str) -> SaveHandle: ...
     def open_checkpointer(self) -> LazyCheckpointer: ...
@@ -70,9 +46,8 @@ class LevelsPlugin(Protocol):
 
 
 class _PluginSaver:
-    """The ``Saver`` a plugin's ``MultiLevel`` works through: the source save goes through the
-    plugin's bookkeeping (telemetry, drained at teardown, ``io.stats``); removals, staging waits and
-    the core's errors are the plugin's checkpointer's."""
+    """The ``Saver`` of a plugin's ``MultiLevel``: source saves through the plugin's bookkeeping, the rest
+    through its checkpointer."""
 
     def __init__(self, plugin: LevelsPlugin) -> None:
         self._plugin = plugin
@@ -94,9 +69,8 @@ class _PluginSaver:
 
 
 class PluginLevels:
-    """One plugin's multi-level savers, one per tuple of levels, made at first use: ``MultiLevel``s
-    (rank 0's full-state files) and, for strategies that save with DCP, ``DistributedCheckpointer``s
-    (every rank's shards; ``save_sharded``) with the handles of their saves not yet seen done."""
+    """One plugin's multi-level savers, one per tuple of levels, made at first use: ``MultiLevel``s (rank 0's
+    files) and, for DCP-saving strategies, ``DistributedCheckpointer``s (every rank's shards)."""
 
     def __init__(self) -> None:
         self._lock = reentry.Lock()
@@ -111,8 +85,8 @@ class PluginLevels:
             raise ValueError(f"another MultiLevelCheckpoint of this Trainer already uses {', '.join(shared)}")
 
     def saver(self, plugin: LevelsPlugin, levels: tuple[Level, ...], replicate: bool = False) -> MultiLevel:
-        """The saver of ``levels``, made at first use. ``replicate``: a level has ``replicas``, every
-        rank calls this (collective: rank 0 the one writer, the next nodes' first ranks hold copies)."""
+        """The saver of ``levels``, made at first use. ``replicate``: a level has ``replicas``; every rank
+        calls this (collective)."""
         with self._lock:
             found = self._savers.get(levels)
             if found is not None:
@@ -129,9 +103,8 @@ class PluginLevels:
         self, options: CheckpointerOptions, strategy: Any, levels: tuple[Level, ...], checkpoint: dict[str, Any],
         step: int, due: list[int],
     ) -> SaveHandle:  # fmt: skip
-        """Every rank (collective): the checkpoint as the strategy's own ``save_checkpoint`` lays it
-        out (``_sharded.convert``: model and optimizer shards, rank 0's ``meta.pt``), saved to the
-        ``due`` levels by this tuple's ``DistributedCheckpointer`` (made now at first use: collective)."""
+        """Collective (every rank): the checkpoint laid out as the strategy's ``save_checkpoint`` does
+        (``_sharded.convert``), saved to the ``due`` levels."""
         key = _sharded.sharded_state_key(strategy)
         assert key is not None
         converted, extra = _sharded.convert(checkpoint, key, strategy.global_rank == 0)
@@ -191,33 +164,24 @@ _Callback: Any = _compat.callback_base()
 
 
 class MultiLevelCheckpoint(_Callback):
-    """Checkpoint the Trainer's full state by level, at optimizer steps (module docstring).
+    """Checkpoint the Trainer's full state by level, at the end of each batch whose optimizer steps reach
+    a multiple of a level's ``every``.
 
     Args:
-        levels: ``lazyckpt.Level``s, fastest first (node memory, local disk, object storage). A
-            level's ``every`` counts optimizer steps (``trainer.global_step``); it is due at the end of
-            the training batch whose steps reach a multiple of it (gradient accumulation: the batch
-            that stepped; several optimizers stepping in one batch: each multiple passed counts once).
-        resume: ``True``: ``fit`` (given no ``ckpt_path``) resumes from the newest step of the levels,
-            found at ``setup`` by ``lazyckpt.latest(levels)`` on every rank once the process group is up
-            (collective: the ranks agree on one step; a replaced node's memory gets its copy back from
-            a peer first); nothing found: a fresh start. ``resumed_from``: that ``Found``, or None.
-            Works however the processes were started (Lightning's launcher, SLURM, torchrun). Not
-            with a strategy that restores after its setup (ModelParallel, FSDP: ``ValueError`` at
-            ``setup``): pass ``ckpt_path=lazyckpt.latest(levels).path`` there. A ``ckpt_path`` given to
-            ``fit`` wins.
+        levels: ``lazyckpt.Level``s, fastest first. A level's ``every`` counts optimizer steps
+            (``trainer.global_step``); each multiple passed counts once.
+        resume: ``True``: ``fit`` (given no ``ckpt_path``) resumes from the newest step the ranks agree on,
+            found at ``setup`` by ``lazyckpt.latest(levels)`` (collective); ``resumed_from`` is that
+            ``Found``, or None (a fresh start). A ``ckpt_path`` given to ``fit`` wins. Strategies that
+            restore after their setup (ModelParallel, FSDP) raise ``ValueError`` at ``setup``: pass
+            ``ckpt_path=lazyckpt.latest(levels).path`` there.
 
-    Needs ``Trainer(plugins=[LazyCheckpointIO()])`` (refused at ``fit`` otherwise; so is DeepSpeed).
-    Saves only inside ``fit`` (never in validate/test/predict), each step at most once; errors
-    (``LevelError`` naming the level; ``DistributedLevelError`` with a sharded strategy) are raised
-    once, from ``fit``: at the first due step after it is seen (the failing step's own when its
-    copy failed before the callback looked), once that step's save was handed over, or at the end
-    of ``fit`` (on every rank at once in a distributed run). ``last_handle`` (global rank 0; every
-    rank with a sharded strategy): the newest save's ``LevelsHandle``.
-    Resume with stock Lightning: ``trainer.fit(model, ckpt_path=lazyckpt.latest(levels, preload=False).path)``
-    (one node), or ``MultiLevelCheckpoint(levels, resume=True)`` and ``trainer.fit(model)`` (any job).
-    A level with ``replicas=k`` under DDP: every rank builds the saver at ``setup`` (collective; rank 0
-    still saves alone), the next ``k`` nodes' first ranks hold copies (docs/lightning.md).
+    Needs ``Trainer(plugins=[LazyCheckpointIO()])``; ``fit`` raises ``TypeError`` otherwise and
+    ``SaveRefusedError`` with DeepSpeed. Saves only inside ``fit``, each step at most once. Errors
+    (``LevelError``; ``DistributedLevelError`` with a sharded strategy) are raised once from ``fit``, at
+    a later due step or at its end, on every rank together. ``last_handle`` (rank 0; every rank when
+    sharded): the newest save's handle. A level with ``replicas`` under DDP: every rank builds the
+    saver at ``setup`` (collective; rank 0 still saves alone).
     """
 
     def __init__(self, levels: Sequence[Level], resume: bool = False) -> None:
@@ -244,21 +208,18 @@ class MultiLevelCheckpoint(_Callback):
         if self._io is not None and self.resume:
             self._resume(trainer)
         if self._io is not None and not self._sharded and any(lv.replicas for lv in self.levels):
-            # rank 0 alone saves the full state: every rank builds the saver now (a collective; the
-            # process group is up), the next nodes' first ranks holding rank 0's steps in memory
+            # replicas: every rank builds the saver now (collective; the process group is up)
             self._io.levels_saver(self.levels, replicate=True)
 
     def _resume(self, trainer: Any) -> None:
-        """``resume=True``: every rank (the process group is up) agrees on the newest step it can load
-        from its own node's folders, then the Trainer restores it (``_compat.load_before_restore``)."""
+        """``resume=True``: the ranks agree on the newest loadable step; the Trainer then restores it."""
         if self._sharded or getattr(trainer.strategy, "restore_checkpoint_after_setup", False):
             raise ValueError(
                 f"MultiLevelCheckpoint(resume=True) with {type(trainer.strategy).__name__}: its restore loads "
                 "into the set-up model, after this callback's setup; pass "
                 "fit(ckpt_path=lazyckpt.latest(levels).path) instead (called on every rank)"
             )
-        # several ranks agree on one step: a level with replicas agrees by itself (its one writer's
-        # restore first); file levels only when asked (else each process would pick its own newest)
+        # a level with replicas agrees by itself; file levels must be told to (else each rank picks its own)
         several = int(getattr(trainer, "world_size", 1)) > 1
         collective = True if several and not any(lv.replicas for lv in self.levels) else None
         found = latest(list(self.levels), preload=False, collective=collective)
@@ -277,10 +238,8 @@ class MultiLevelCheckpoint(_Callback):
             )  # fmt: skip
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        """A fit that raised between this callback's load (``setup``) and the Trainer's restore (another
-        callback's ``setup``, ``configure_model``) leaves the checkpoint in the Trainer's connector, where
-        a later ``validate``/``fit`` on the same Trainer would restore it: forget it (no collective).
-        Only this fit's own load, still pending: not a path the user gave or set on the Trainer."""
+        """Forget this fit's own load if it raised before the Trainer restored it, so a later ``fit`` or
+        ``validate`` on this Trainer does not restore it (no collective)."""
         loading, self._loading = self._loading, None
         if loading is not None:
             _compat.forget_loaded(trainer, loading)
@@ -312,9 +271,8 @@ class MultiLevelCheckpoint(_Callback):
         _raise_together(trainer, error, io if self._sharded else None)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        """Rank 0 (every rank for sharded saves, whose commits need them all) makes every save
-        durable (what its teardown would do next); the ranks then leave together (every rank's
-        ``latest()`` after ``fit`` sees the same files) and raise an error together."""
+        """Rank 0 (every rank when sharded) makes every save durable; the ranks leave together and raise
+        an error together."""
         error = None
         if self._io is not None and (trainer.is_global_zero or self._sharded):
             try:
@@ -328,12 +286,9 @@ class MultiLevelCheckpoint(_Callback):
 
 
 def _raise_together(trainer: Any, error: Exception | None, sharded: LevelsPlugin | None = None) -> None:
-    """Raise an error on every rank at this same point, or on none: a rank that raised alone would
-    leave the others waiting in the next collective. One small collective (any rank failed?) per
-    save in a distributed run. On failure, with ``sharded`` saves (whose level errors reach the
-    ranks at slightly different moments), every rank first lets its pending level saves end (their
-    commits need every rank: all are here) and takes its own error, alike on every rank; a rank
-    with none raises a copy of the lowest failing rank's (descriptions gathered on failure only)."""
+    """Raise an error on every rank at this point, or on none (a rank raising alone would hang the others).
+    Collective in a distributed run. With ``sharded``, every rank settles its level saves first; a rank
+    without an error of its own raises a copy of the lowest failing rank's."""
     if getattr(trainer, "world_size", 1) > 1 and trainer.strategy.reduce_boolean_decision(error is not None, all=False):
         if sharded is not None:
             sharded.settle_levels()
@@ -349,8 +304,7 @@ def _raise_together(trainer: Any, error: Exception | None, sharded: LevelsPlugin
 
 
 def _from_other_rank(mine: dict[str, Any] | None) -> Exception:
-    """Every rank's description gathered (a collective: every rank calls it); the lowest failing
-    rank's error as this rank raises it."""
+    """Collective: the lowest failing rank's error, rebuilt on this rank."""
     import torch.distributed as dist
 
     described: list[dict[str, Any] | None] = [None] * dist.get_world_size()
@@ -374,8 +328,8 @@ def _rebuild(rank: int, described: dict[str, Any] | None) -> Exception:
 
 
 def _runtime_of(trainer: Any) -> LevelsPlugin:
-    """The runtime of the Trainer's ``LazyCheckpointIO``; refuse a Trainer without one, or a strategy it
-    cannot serve."""
+    """The runtime of the Trainer's ``LazyCheckpointIO``; ``TypeError`` without one, ``SaveRefusedError``
+    for a strategy it cannot serve."""
     strategy = trainer.strategy
     io = getattr(strategy, "checkpoint_io", None)
     runtime = _compat.runtime_of(io)

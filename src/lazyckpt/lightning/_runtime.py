@@ -1,16 +1,9 @@
 """The runtime of one ``LazyCheckpointIO``: its checkpointer, its pending saves, the Trainer it serves.
 
-``LazyCheckpointIO`` is what users hold: Lightning's ``CheckpointIO`` methods and a few public extras
-(``wait``, ``wait_staged``, ``pending_paths``, ``checkpointer``, ``stats``). Everything the rest of the
-integration calls on it lives here instead: the process-wide optimizer-step hook (``on_optimizer_step``),
-the ``save_last="link"`` patch (``wait_path``), ``MultiLevelCheckpoint`` (``start_save``,
-``open_checkpointer``, ``levels_saver``, ``save_sharded_levels``, ``settle_levels``, ``raise_errors``), the
-sharded strategies' replaced ``save_checkpoint`` (``save_sharded``), and the drain at teardown and exit
-(``drain``). They find it with ``_compat.runtime_of(plugin)``.
-
-Concurrency contract: called from the training thread; completions arrive on lazyckpt's background
-threads and only touch the bookkeeping under ``_lock``. Loggers, callbacks and the Trainer are only
-ever touched from the training thread.
+What the step hook, the patches, ``MultiLevelCheckpoint`` and the sharded strategies call on a plugin lives
+here (found with ``_compat.runtime_of(plugin)``). Called from the training thread; completions arrive on
+lazyckpt's threads and touch only the bookkeeping under ``_lock``. Loggers, callbacks and the Trainer are
+touched from the training thread only.
 """
 
 from __future__ import annotations
@@ -96,8 +89,7 @@ class PluginRuntime:
         return self.ckpt
 
     def start_save(self, checkpoint: dict[str, Any], path: str) -> SaveHandle:
-        """The source save of a ``MultiLevelCheckpoint`` step, inside a running fit: what
-        ``save_checkpoint`` does there, returning the save's handle. Raises nothing earlier."""
+        """The source save of a ``MultiLevelCheckpoint`` step inside a running fit; returns its handle."""
         return self.start(checkpoint, path, self.attach()).handle
 
     def start(self, checkpoint: dict[str, Any], path: Any, trainer: Any) -> _Save:
@@ -119,8 +111,7 @@ class PluginRuntime:
         self.sharded.save(strategy, checkpoint, filepath, key)
 
     def _on_committed(self, record: _Save, handle: SaveHandle) -> None:
-        """Runs on a lazyckpt thread once the file is committed (a URL: complete in the store) or
-        the save failed."""
+        """On a lazyckpt thread, once the file is committed (a URL: uploaded) or the save failed."""
         stats = handle.stats
         if handle.exception() is not None or stats is None:  # the core reports it, once
             record.done.set_result(None)
@@ -147,16 +138,14 @@ class PluginRuntime:
     # -- levels ------------------------------------------------------------------------------------
 
     def levels_saver(self, levels: tuple[Level, ...], replicate: bool = False) -> MultiLevel:
-        """``MultiLevelCheckpoint``: the multi-level saver for ``levels`` over this plugin's saves (one
-        staging per step); drained by ``wait``/teardown, closed with them."""
+        """The multi-level saver for ``levels`` over this plugin's saves; drained by ``wait``/teardown."""
         return self._levels.saver(self, levels, replicate)
 
     def save_sharded_levels(
         self, strategy: Any, levels: tuple[Level, ...], checkpoint: dict[str, Any], step: int, due: list[int]
     ) -> SaveHandle:
-        """``MultiLevelCheckpoint`` with a strategy that saves with DCP (every rank, a collective): the
-        step's shards to its due levels through a ``DistributedCheckpointer`` per tuple of levels, made
-        at first use; drained by ``wait``/teardown, closed with them."""
+        """Collective (every rank): the step's shards to its ``due`` levels, for strategies that save with
+        DCP; drained by ``wait``/teardown."""
         return self._levels.save_sharded(self._options, strategy, levels, checkpoint, step, due)
 
     def settle_levels(self, timeout: float | None = None) -> None:
@@ -178,30 +167,25 @@ class PluginRuntime:
             return {r.key for r in self._saves if not r.done.done()} | sharded
 
     def wait_path(self, key: str) -> None:
-        """The ``save_last="link"`` patch: block until this plugin's pending saves to ``key`` (an
-        absolute path or URL) are durable; raise an unseen background error."""
+        """Block until pending saves to ``key`` (absolute path or URL) are durable; raise an unseen error."""
         pending = self._pending_for(key)
         if pending:
             self.wait_for(pending)
 
     def _pending_for(self, key: str) -> list[_Save]:
-        """This plugin's saves to ``key`` not yet durable, in save order."""
         with self._lock:
             return [r for r in self._saves if r.key == key and not r.done.done()]
 
     def wait_for(self, records: list[_Save], deadline: float | None = None) -> None:
         for record in records:
-            # The core commits a save with lazily copied tensors only once a thread that may change
-            # them confirms it after the copies (docs/ARCHITECTURE.md, "The guard"); this thread is
-            # that thread, so waiting without confirming would wait for itself. The handle's wait
-            # confirms; ``exception`` does it without claiming the error (the ledger reports it).
+            # This thread must confirm its own copies (core/guard.py) or it waits for itself;
+            # ``exception`` confirms without claiming the error (the ledger reports it).
             record.handle.exception(None if deadline is None else _left(deadline))
             record.done.result(None if deadline is None else _left(deadline))  # our callback ran
         self.raise_errors()
 
     def raise_errors(self) -> None:
-        """Raise the oldest unseen background error (a save's, then a level copy's). The core decides
-        what was reported; the plugin only explains a stale tensor."""
+        """Raise the oldest unseen background error (a save's, then a level copy's)."""
         try:
             if self.ckpt is not None:
                 self.ckpt.raise_errors()
@@ -216,8 +200,7 @@ class PluginRuntime:
         deadline = None if timeout is None else time.monotonic() + timeout
         error: BaseException | None = None
         try:
-            # first: the levels' copies end with retention removals (through the checkpointer below);
-            # raises nothing but TimeoutError. Sharded saves: every rank drains, a commit needs them all.
+            # levels first: their retention removes through the checkpointer below
             self._levels.drain(timeout)
             if self.sharded is not None:
                 self.sharded.wait(timeout)
@@ -244,7 +227,7 @@ class PluginRuntime:
     # -- lifecycle ---------------------------------------------------------------------------------
 
     def teardown(self) -> None:
-        """The plugin's ``teardown`` (module docstring of ``lazyckpt.lightning``)."""
+        """Drain (errors raised unless an exception propagates), unpatch, release resources."""
         handling = sys.exc_info()[1]
         try:
             self.drain(raise_errors=handling is None)
@@ -261,8 +244,7 @@ class PluginRuntime:
             return True
         if trainer is not None:
             return not (_compat.in_fit(trainer) and _compat.is_running(trainer))
-        # No Trainer found: Fabric (saves stay lazy, drained at load/exit), or a Trainer's strategy
-        # whose module is not attached yet (a save before fit).
+        # No Trainer: Fabric (saves stay lazy), or a Trainer's strategy before fit.
         strategy = self._strategy_ref() if self._strategy_ref is not None else None
         return strategy is not None and _compat.is_trainer_strategy(strategy)
 
@@ -281,12 +263,9 @@ class PluginRuntime:
     # -- telemetry ---------------------------------------------------------------------------------
 
     def _report_stats(self, loggers_open: bool = False) -> None:
-        """Send finished saves' timings to the Trainer's loggers (training thread only) while they are
-        open. Lightning finalizes them when a stage ends and, when ``fit`` fails, right after the
-        exception hooks, the Trainer no longer running (the plugin drains and reports from their
-        ``finalize``: ``loggers_open``). A logger written to after its ``finalize`` reopens (TensorBoard:
-        a writer thread nobody closes, an event file that truncates the flushed one). Stats that finish
-        during the exception hooks wait for that ``finalize``; later ones stay in ``stats`` only."""
+        """Send finished saves' timings to the Trainer's loggers (training thread only), only while they
+        are open: a logger written to after its ``finalize`` reopens. ``loggers_open``: called from their
+        ``finalize``."""
         trainer = self._trainer_ref() if self._trainer_ref is not None else None
         if not loggers_open and not self.torn_down and _compat.is_interrupted(trainer):
             return  # a failing fit: kept for the loggers' finalize, which Lightning calls next
@@ -302,9 +281,7 @@ class PluginRuntime:
     # -- finding and adapting the Trainer ----------------------------------------------------------
 
     def on_optimizer_step(self) -> None:
-        """Called by the process-wide optimizer-step hook at every step: finds the Trainer at its first
-        optimizer steps, before any checkpoint (so strategies that bypass CheckpointIO are reported at
-        setup rather than never), and routes sharded saves."""
+        """The optimizer-step hook, every step: finds the Trainer early and routes sharded saves."""
         self.torn_down = False
         if self._strategy_ref is None and self._attach_tries < 3:
             self._attach_tries += 1
@@ -313,7 +290,7 @@ class PluginRuntime:
 
     def attach(self) -> Any:
         """Find the strategy/Trainer calling the plugin; adapt them once. Returns the Trainer or None.
-        Called straight from the plugin's methods and the step hook (the warning's stacklevel)."""
+        Call it straight from the plugin's methods or the step hook (the warning's stacklevel)."""
         plugin = self._plugin()
         strategy = None if plugin is None else _compat.find_strategy(plugin)
         current = self._strategy_ref() if self._strategy_ref is not None else None
@@ -347,15 +324,12 @@ class PluginRuntime:
             self._patch(obj, attr, replacement)
 
     def _install_sharded(self) -> None:
-        """Called by the optimizer-step hook at every step on every rank: strategies that save with
-        DCP themselves get their saves routed through a ``DistributedCheckpointer`` (see
-        ``_lightning_sharded``). Only from here, never from a rank-0-only call (``remove_checkpoint``):
-        every rank must switch at the same step, or the ranks' saves would not meet."""
+        """Route a DCP-saving strategy's saves through ``_sharded.py``. Only from the step hook (every
+        rank switches at the same step), never from a rank-0-only call."""
         seen = self._sharded_seen() if self._sharded_seen is not None else None
         if seen is not None and (_sharded.sharded_state_key(seen) is None or "save_checkpoint" in vars(seen)):
             return  # nothing to do, or already installed
-        # the strategy attach() found (at this step or before): a plugin of an earlier Trainer, still
-        # alive, never searches the frames of every step (find_strategy)
+        # the strategy attach() found: never search the frames at every step
         strategy = self._strategy_ref() if self._strategy_ref is not None else None
         if strategy is None:
             return

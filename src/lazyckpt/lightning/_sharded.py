@@ -1,36 +1,10 @@
 """The sharded path of ``LazyCheckpointIO``: Lightning strategies that save with DCP themselves.
 
-``ModelParallelStrategy`` (FSDP2 / tensor parallel through a DeviceMesh, with
-``save_distributed_checkpoint=True``, the default) and ``FSDPStrategy(state_dict_type="sharded")``
-never call ``CheckpointIO.save_checkpoint``: their ``save_checkpoint`` calls
-``torch.distributed.checkpoint.save`` on every rank and then ``torch.save``s the rest of the
-checkpoint as ``meta.pt`` on rank 0. When ``LazyCheckpointIO`` finds such a strategy, it replaces
-a few of that strategy instance's methods (instance attributes, removed at teardown; the class is
-untouched):
-
-- ``save_checkpoint``: the same folder through a :class:`~lazyckpt.distributed.DistributedCheckpointer`
-  (created at the first save, on every rank, closed at teardown): ``.metadata``,
-  ``__<rank>_0.distcp`` and ``meta.pt`` (written by rank 0 inside the staging folder, so it
-  appears atomically with the rest), plus lazyckpt's hidden manifest. Returns once the state is
-  captured; the copies and writes overlap the next steps.
-- ``teardown``: drains every pending save on every rank first (these strategies' ``teardown``
-  does not call ``CheckpointIO.teardown``); errors of any rank are raised there on every rank.
-- ``ModelParallelStrategy.lightning_module_state_dict`` / ``optimizer_state``: the same sharded
-  state without ``cpu_offload``, so that on GPUs the device-to-host copies are lazy too (stock
-  copies every shard to the host inside ``dump_checkpoint``). On CPU both give the same tensors.
-
-Deleting a folder (``ModelCheckpoint``'s top-k, the previous ``last``) runs on rank 0 only: a
-folder whose save is still pending is deleted right after that save commits, on lazyckpt's
-callback thread, unless a later save to the same path comes first (it replaces the folder).
-
-``ModelCheckpoint(dirpath="s3://...")`` (any fsspec URL): the folder is a URL prefix, saved by the
-``DistributedCheckpointer`` to that URL (every rank uploads its file, rank 0 ``meta.pt`` and
-``.metadata`` last); a delete removes ``.metadata`` first, then the rest of the prefix. Stock
-Lightning cannot resume from it (its loader reads local folders only): load it with DCP's
-``FsspecReader``.
-
-Concurrency contract: ``save``, ``defer_removal``, ``wait`` and ``close`` run on the training
-thread; commit callbacks run on lazyckpt's callback thread and touch only ``_lock``-guarded state.
+For ``ModelParallelStrategy`` and ``FSDPStrategy(state_dict_type="sharded")`` the plugin replaces the
+instance's ``save_checkpoint`` (the same folder, ``meta.pt`` included, through a ``DistributedCheckpointer``),
+``teardown`` (drains every rank first) and the state-dict methods (no ``cpu_offload``: lazy device copies).
+``save``, ``defer_removal``, ``wait`` and ``close`` run on the training thread; commit callbacks run on
+lazyckpt's callback thread and touch only ``_lock``-guarded state.
 """
 
 from __future__ import annotations
@@ -73,7 +47,8 @@ class ShardedSaves:
         return self._ckpt
 
     def save(self, strategy: Any, checkpoint: dict[str, Any], filepath: Any, state_key: str) -> None:
-        """What the strategy's ``save_checkpoint`` does, lazily. Collective (every rank)."""
+        """What the strategy's ``save_checkpoint`` does, lazily. Collective (every rank); a pending removal
+        of the folder is cancelled."""
         path, is_url = _compat.split_path(strategy.broadcast(filepath))
         with self._lock:
             if path in self._removals:  # this save replaces the folder: the pending delete is moot
@@ -99,8 +74,7 @@ class ShardedSaves:
             return True
 
     def wait(self, timeout: float | None = None) -> None:
-        """Every save committed on every rank, every deferred delete done; raise the first error.
-        Call it on every rank: a commit needs every rank's confirmation."""
+        """Every save committed, every deferred delete done; raise the first error. Call on every rank."""
         if self._ckpt is not None:
             self._ckpt.wait(timeout)
 
@@ -138,18 +112,15 @@ class ShardedSaves:
 
 
 def convert(checkpoint: dict[str, Any], state_key: str, rank0: bool) -> tuple[dict[str, Any], dict[str, bytes] | None]:
-    """A Lightning checkpoint as these strategies save it: (the DCP state: the model's state under
-    ``state_key``, ``optimizer_<i>`` beside it; on rank 0 ``{"meta.pt": bytes}``, the rest of the
-    checkpoint as stock ``torch.save``s it, else None). Takes the model and optimizer states out of
-    ``checkpoint``."""
+    """(DCP state: the model under ``state_key``, ``optimizer_<i>``; rank 0: ``{"meta.pt": bytes}`` of the rest,
+    else None), as these strategies save it. Pops the model and optimizer states from ``checkpoint``."""
     converted = {state_key: checkpoint.pop("state_dict")}
     converted.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
     return converted, ({META: _torch_save_bytes(checkpoint)} if rank0 else None)
 
 
 def sharded_state_key(strategy: object) -> str | None:
-    """The key under which a Trainer strategy that saves with DCP puts the model's state, or None
-    when it saves through ``CheckpointIO`` (Fabric's strategies are not handled here)."""
+    """The model-state key of a Trainer strategy that saves with DCP, or None (``CheckpointIO`` saves, Fabric)."""
     mro = type(strategy).__mro__
     if not any(c.__module__.startswith(("lightning.pytorch.", "pytorch_lightning.")) for c in mro):
         return None
@@ -162,9 +133,8 @@ def sharded_state_key(strategy: object) -> str | None:
 
 
 def strategy_patches(strategy: Any, plugin: weakref.ref, key: str) -> dict[str, Any]:
-    """The methods the plugin (held by weak reference) sets on a sharded strategy instance:
-    ``save_checkpoint`` through its ``save_sharded``, a ``teardown`` that drains first, and
-    ``lazy_state_methods``."""
+    """The methods set on a sharded strategy instance (``plugin`` held weakly): ``save_checkpoint``, a
+    ``teardown`` that drains first, and ``lazy_state_methods``."""
     stock_teardown = strategy.teardown
 
     def save_checkpoint(checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -203,8 +173,7 @@ def lazy_state_methods(strategy: Any) -> dict[str, Any]:
 
 
 def _torch_save_bytes(obj: Any) -> bytes:
-    # torch.save names the archive inside the zip after the file ("meta/data.pkl"); saving to a
-    # file of that name keeps meta.pt what stock writes (but for the random serialization id).
+    # torch.save names the zip's inner archive after the file: keep it "meta/" as stock writes it.
     with tempfile.TemporaryDirectory(prefix="lazyckpt-meta-") as tmp:
         target = os.path.join(tmp, META)
         torch.save(obj, target)

@@ -1,19 +1,8 @@
-"""Reading a checkpoint once, in parallel, with the CRC32 of byte ranges computed as the bytes go by;
-and the identity of the file that was read.
+"""Reading a file once, in parallel, computing the CRC32 of byte ranges as the bytes go by
+(``read_with_crcs``; pieces read by a thread pool, joined with ``crc32_combine`` in file order).
 
-``read_with_crcs`` splits ``[0, size)`` into pieces of ``piece`` bytes that ``threads`` threads take
-in turn. A thread reads its piece ``chunk`` bytes at a time (into a scratch buffer of its own, or
-into ``into``) and folds each chunk into the running CRC of every range it overlaps, while the chunk
-is still in the CPU's cache; the pieces' CRCs of a range are then joined with ``crc32_combine`` in
-file order. The reads (``os.preadv``) and the CRC (ISA-L) release the GIL. Measured on the 2-core VM
-this project runs on (1.17 GB file): a read of a tmpfs file into a small scratch buffer plus its CRC
-costs ~0.17 CPU s, a CRC over a fresh ``mmap`` of it ~0.6 CPU s (page-table faults cost more than the
-copy), a read into freshly allocated memory ~1.3 CPU s (first-touch faults); from a cold disk,
-one reader got 0.16-0.4 GB/s and 2-16 readers 0.9-1.2 GB/s.
-
-``FileIdentity`` (device, inode, size, mtime, ctime of an open descriptor) ties a verification to
-the file it read: ``lazyckpt.latest()`` hands it on in ``Found.verified``, and ``lazyckpt.load()``
-skips a second CRC pass only when the file it opened has the same identity.
+``FileIdentity`` ties a verification to the file it read: ``lazyckpt.load()`` skips a second CRC
+pass only when the file it opened has the identity ``lazyckpt.latest()`` verified.
 """
 
 from __future__ import annotations
@@ -37,8 +26,7 @@ ReadInto = Callable[[memoryview, int], None]  # fill the whole view with the byt
 
 @dataclass(frozen=True)
 class FileIdentity:
-    """What a file's descriptor says about it; equal identities mean the same, unchanged file
-    (a rename over the name gives another inode; a write in place a new mtime and ctime)."""
+    """Device, inode, size, mtime and ctime of a file; equal identities mean the same, unchanged file."""
 
     dev: int
     ino: int
@@ -61,17 +49,14 @@ class FileIdentity:
 
 
 def fd_path(fd: int, path: str) -> str:
-    """A name that opens the very file behind ``fd`` (``/proc/self/fd/<fd>`` on Linux), so what is
-    verified through ``fd`` is what a later open by name reads; ``path`` where there is none."""
+    """A name that opens the very file behind ``fd`` (``/proc/self/fd/<fd>``), else ``path``."""
     proc = f"/proc/self/fd/{fd}"
     return proc if os.path.exists(proc) else path
 
 
 def readers(path: str, threads: int) -> int:
-    """How many threads read ``path``: ``threads``, but no more than the usable CPUs on a memory
-    filesystem, where a read is a memory copy (CPU-bound: more threads only queue; measured on 2
-    busy cores, 1.17 GB from tmpfs: 8 readers 0.95 s, 1 reader 0.71 s, medians of 5). A disk
-    serves several requests at once: there all ``threads`` read."""
+    """How many threads read ``path``: ``threads``, capped at the usable CPUs on a memory
+    filesystem (where a read is a CPU-bound copy)."""
     threads = max(1, threads)
     if _fs.is_memory_filesystem(os.path.dirname(os.path.abspath(path))):
         return min(threads, usable_cpus())
@@ -88,9 +73,8 @@ def read_with_crcs(
     chunk: int = CHUNK_BYTES,
     into: memoryview | None = None,
 ) -> list[int]:
-    """Read bytes ``[0, size)`` (into ``into`` when given, else into per-thread scratch buffers,
-    which leaves a local file in the page cache) and return the CRC32 of each ``(start, stop)``
-    range. The first read error is raised."""
+    """Read bytes ``[0, size)`` (into ``into`` when given, else per-thread scratch buffers) and
+    return the CRC32 of each ``(start, stop)`` range. The first read error is raised."""
     piece = max(1, piece)
     chunk = max(1, min(chunk, piece))
     starts = list(range(0, size, piece))

@@ -1,10 +1,7 @@
-"""Checking a checkpoint path of any kind: a file, a folder checkpoint, a directory of them, a URL.
-
-What ``lazyckpt verify`` prints and what ``lazyckpt.latest()`` asks of a folder candidate. Files go
-through :func:`lazyckpt.verify`; a DCP folder written by ``lazyckpt.distributed`` through its
-manifest (``recovery/dcp.py``); an Accelerate ``save_state`` folder through its expected files and
-pending markers (``recovery/files.py``); folder checkpoints at URLs through their manifest. Nothing
-from the files is executed, and no framework is imported.
+"""Checking a checkpoint path of any kind (file, folder checkpoint, directory, URL) for
+``lazyckpt verify`` and for ``lazyckpt.latest()``'s folder candidates. Files: ``verify.py``; DCP
+folders: ``dcp.py``; Accelerate folders and pending markers: ``files.py``. Nothing from the files
+is executed, and no framework is imported.
 """
 
 from __future__ import annotations
@@ -100,8 +97,7 @@ def check_url(url: str, storage_options: dict[str, Any] | None = None) -> list[R
 
 
 def check_url_folder(fs: Any, rpath: str, url: str, storage_options: dict[str, Any] | None) -> list[Result]:
-    """A folder checkpoint at a URL: its manifest (every named file present, with its size), then
-    each checkpoint file it names (CRCs by ranged reads)."""
+    """A folder checkpoint at a URL: its manifest, then each checkpoint file it names."""
     problems, urls, total = _remote_folder.check(fs, rpath, url)
     folder = Result(url, "folder", "manifest", total, len(urls), problems)
     files = [check_file(u, storage_options) for u in urls if _files.is_checkpoint_name(os.path.basename(u))]
@@ -133,7 +129,6 @@ def check_dcp_folder(directory: str, storage_options: dict[str, Any] | None = No
 
 
 def _is_dcp_object(name: str) -> bool:
-    """An object of a distributed checkpoint at a URL (its prefix is checked as one folder)."""
     return name in (MANIFEST, METADATA) or name.endswith(DATA_SUFFIX)
 
 
@@ -173,13 +168,10 @@ def _temporary_note(path: str) -> Result:
 
 
 def folder_problems(path: str, storage_options: dict[str, Any] | None = None, verify: bool = True) -> list[str]:
-    """Why the folder checkpoint at ``path`` (a local folder or a URL prefix) is not complete and
-    intact; ``[]`` when it is. Complete: a local folder holds no pending marker (a save into it
-    ended) and some checkpoint; a prefix holds its last key (the folder manifest, or DCP's
-    ``.metadata``), uploaded after every other object. ``verify`` also checks every file as
-    ``check`` does (CRCs, a DCP folder against its manifest); without it, completeness only.
-    A node-local level's DCP folder (one node's ranks' files) is no whole checkpoint: a problem
-    here (``lazyckpt.latest()`` on every rank of a job with the same layout uses it)."""
+    """Why the folder checkpoint at ``path`` (local folder or URL prefix) is not complete and
+    intact; ``[]`` when it is. Complete: no pending marker locally, or the last-uploaded key (folder
+    manifest or DCP ``.metadata``) at a prefix. ``verify`` also checks every file as ``check`` does.
+    A node-local DCP folder (one node's ranks only) is reported as a problem."""
     problems = _folder_problems(path, storage_options, verify)
     if not problems:
         partial = _partial(path, storage_options)
@@ -191,7 +183,7 @@ def folder_problems(path: str, storage_options: dict[str, Any] | None = None, ve
 def _partial(path: str, storage_options: dict[str, Any] | None) -> str | None:
     try:
         manifest = read_manifest(path, storage_options)
-    except (OSError, ValueError):  # not a DCP folder of lazyckpt's: nothing to say here
+    except (OSError, ValueError):  # not a lazyckpt DCP folder
         return None
     return partial_problem(manifest)
 

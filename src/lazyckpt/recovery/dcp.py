@@ -1,11 +1,7 @@
-"""verify_checkpoint(): is this distributed checkpoint folder intact? Never unpickles anything.
+"""verify_checkpoint(): is this distributed checkpoint folder (or URL prefix) intact? Never unpickles.
 
-The manifest lazyckpt writes beside ``.metadata`` names every data file with its size and the CRC32
-of its bytes, the size and CRC32 of ``.metadata`` itself, and every item's (file, offset, length):
-so every file the metadata names is checked, and the metadata is the one the manifest describes.
-A checkpoint at a URL (``s3://bucket/run/step-100``) is checked the same way, its objects read by
-streaming (never to disk); there ``.metadata`` is what makes the prefix a checkpoint (it is
-uploaded last), so its absence is the first problem named.
+Checks every file against lazyckpt's manifest (sizes, CRC32s, item bounds; see ``formats/dcp.py``).
+At a URL, a missing ``.metadata`` (uploaded last) means the checkpoint was never committed.
 """
 
 from __future__ import annotations
@@ -81,8 +77,8 @@ class _RemoteFolder:
 def verify_checkpoint(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> VerifyReport:
     """Check a checkpoint folder written by ``DistributedCheckpointer``; ``report.ok`` tells.
 
-    ``path`` may be a URL (``storage_options`` go to fsspec). ``report.format`` is ``"dcp"``;
-    ``report.records`` counts the items checked; ``report.size`` is the folder's data bytes.
+    ``path`` may be a URL (``storage_options`` go to fsspec). Returns a ``VerifyReport`` whose
+    ``format`` is ``"dcp"``, ``records`` the items checked and ``size`` the folder's data bytes.
     """
     root = os.fspath(path)
     report = VerifyReport(root, "dcp", 0)
@@ -143,8 +139,7 @@ def is_dcp_folder(path: str | os.PathLike[str], storage_options: dict[str, Any] 
 
 
 def partial_problem(manifest: dict[str, Any]) -> str | None:
-    """Why a folder is no whole checkpoint by itself (a node-local level's folder holds its node's
-    ranks' files only), or None. Folders written before the manifest said so are whole."""
+    """Why a folder is no whole checkpoint by itself (a node-local copy of some ranks), or None."""
     if manifest.get("complete", True):
         return None
     ranks = sorted(int(r) for r in manifest.get("ranks", {}))
@@ -161,12 +156,10 @@ def rank_problems(
     storage_options: dict[str, Any] | None = None,
     verify: bool = True,
 ) -> list[str] | None:
-    """Whether ``rank`` of a job of ``world_size`` ranks, laid out as the one that saved the DCP
-    folder at ``path``, can load its own items from it: ``.metadata``, the files its manifest
-    lists for that rank and the extra files every rank reads (Lightning's ``meta.pt``) are there,
-    with their sizes (``verify``: and their CRCs). ``[]`` when it can; the problems when not;
-    None when the folder keeps no per-rank list for that rank and world size (check it whole
-    instead: ``verify_checkpoint``)."""
+    """Whether ``rank`` of a ``world_size`` job can load its own items from the DCP folder at
+    ``path``: ``.metadata``, its files and the shared files present with their sizes (``verify``:
+    and CRCs). ``[]`` when it can, the problems when not, None when the manifest has no per-rank
+    list for this layout (use ``verify_checkpoint``)."""
     root = os.fspath(path)
     try:
         manifest = read_manifest(root, storage_options)

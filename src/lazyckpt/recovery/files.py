@@ -12,7 +12,7 @@ from lazyckpt.storage.fs import is_temporary
 #: File name endings treated as checkpoint files when a directory is given.
 CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors", ".pkl")
 
-# accelerate.checkpointing.save_accelerator_state names (accelerate 1.x): <stem>[_<i>].<ext>
+# names accelerate's save_accelerator_state writes: <stem>[_<i>].<ext>
 _ACC_FAMILIES = {
     "model": re.compile(r"^(?:model|pytorch_model)(?:_(\d+))?\.(?:safetensors|bin)$"),
     "optimizer": re.compile(r"^optimizer(?:_(\d+))?\.bin$"),

@@ -1,15 +1,8 @@
-"""verify(): is this checkpoint file intact? Never runs code from the file.
+"""verify(): is this checkpoint file (or URL object) intact? Never runs code from the file.
 
-torch.save files: every CRC32 is recomputed (``torch.load`` never checks them), and every metadata
-byte (local headers, padding, data descriptors, central directory, end records) is compared with
-what torch.save's layout rules give for the same names and sizes, so a flipped byte anywhere is
-found, and so is a truncated file. The pickle is walked with an unpickler that builds stubs
-instead of importing anything, to check that every storage it references exists and is big
-enough. safetensors files: header, offsets and sizes; the data CRC when lazyckpt wrote it.
-
-A URL (``s3://bucket/run/step-100.pt``, any fsspec URL) is checked the same way, streaming: the
-object is read through ranged reads (headers, the central directory, each record's data once for
-its CRC, in 8 MiB blocks), never downloaded to disk.
+torch.save files: every CRC32, and every metadata byte compared with the layout ``formats/torch_zip.py``
+rebuilds; the pickle walked with stubs to check its storages exist. safetensors: header, offsets,
+sizes, and lazyckpt's CRC when present. URLs are read by ranged reads, never downloaded.
 """
 
 from __future__ import annotations
@@ -38,15 +31,19 @@ __all__ = ["VerifyReport", "verify"]
 
 @dataclass
 class VerifyReport:
-    """Outcome of ``verify(path)``: ``ok`` is True when no problem was found."""
+    """Outcome of ``verify(path)``.
+
+    ``format`` is ``"torch"``, ``"safetensors"``, ``"unknown"`` (or ``"dcp"`` from
+    ``verify_checkpoint``); ``problems`` lists what is wrong, empty when ``ok``; ``records`` counts
+    zip records or tensors; ``raise_if_failed()`` raises ``VerificationError`` when not ``ok``.
+    """
 
     path: str
-    format: str  # "torch", "safetensors" or "unknown"
+    format: str
     size: int
     problems: list[str] = field(default_factory=list)
     records: int = 0
-    # the file that was read, when it is a local file that passed and did not change while it was
-    # read (``lazyckpt.latest`` hands it to ``lazyckpt.load``, which then need not check it again)
+    # set when a local file passed and did not change while read (lets load() skip a second check)
     identity: FileIdentity | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -63,15 +60,14 @@ def verify(
 ) -> VerifyReport:
     """Check a torch.save or safetensors file written by lazyckpt or by the stock tools.
 
-    ``path`` may be a URL (``s3://...``; ``storage_options`` go to fsspec): read by ranged reads,
-    never downloaded to disk. A local torch.save file is read once by ``threads`` threads, which
-    compute the records' CRCs (see ``recovery/_read.py``); the structure is then checked on a map
-    of the same descriptor."""
+    ``path``: a local file or an fsspec URL (``s3://...``), read by ranged reads, never downloaded.
+    ``storage_options``: passed to fsspec for a URL. ``threads``: readers of a local file.
+    Returns a ``VerifyReport``; raises ``OSError`` when the file cannot be opened."""
     path = os.fspath(path)
     if _remote.is_url(path):
         return _verify_url(path, storage_options)
     with open(path, "rb") as fh:
-        _spare.share_lock(fh.fileno(), path)  # a memory level's file: its pages are not reused meanwhile
+        _spare.share_lock(fh.fileno(), path)  # a memory level's pages stay ours meanwhile
         fd = fh.fileno()
         return verify_fd(fd, path, lambda mm: _parallel_crcs(fd, mm, readers(path, threads)))
 
@@ -80,10 +76,8 @@ KnownCrcs = Callable[[mmap.mmap], dict[tuple[int, int], int]]  # a torch zip's m
 
 
 def verify_fd(fd: int, path: str, known_crcs: KnownCrcs) -> VerifyReport:
-    """``verify`` of the local file open as ``fd`` (share-locked by the caller, when it is a memory
-    level's), with the records' CRCs that ``known_crcs`` computes for a torch zip (``_parallel_crcs``,
-    or ``lazyckpt.load``'s read of the storages into memory, which checks them as they land): any
-    range it leaves out is computed here."""
+    """``verify`` of the local file open as ``fd`` (share-locked by the caller for a memory level's
+    file). ``known_crcs`` supplies record CRCs for a torch zip; ranges it omits are computed here."""
     before = FileIdentity.of(fd)
     report = VerifyReport(path, "unknown", before.size)
     if before.size == 0:
@@ -98,9 +92,8 @@ def verify_fd(fd: int, path: str, known_crcs: KnownCrcs) -> VerifyReport:
 
 
 def _parallel_crcs(fd: int, mm: mmap.mmap, threads: int) -> dict[tuple[int, int], int]:
-    """{(data start, data stop): CRC32} of the records the central directory and local headers
-    point at, from one parallel read of the whole file. Where those headers are damaged the
-    ranges are wrong and unused: the structure check computes the CRC of the range it derives."""
+    """{(data start, data stop): CRC32} of the records the zip headers point at, from one parallel
+    read; damaged headers give unused ranges (the structure check computes its own)."""
     try:
         with zipfile.ZipFile(mm) as zf:  # type: ignore[call-overload]  # an mmap is a readable, seekable file
             infos = zf.infolist()
@@ -243,10 +236,8 @@ def _check_record(
         return f"{info.filename}: record at byte {info.header_offset}, expected {cursor}"
     if info.compress_type != zipfile.ZIP_STORED or info.compress_size != size:
         return f"{info.filename}: compressed or inconsistent sizes"
-    # torch.save pads to the storage alignment; lazyckpt's zero-copy layout pads further (less than the
-    # writer's page, which may be larger than this machine's) to match a tensor's position in memory.
-    # Either way the padding is one ``FB`` extra field. A file that claims torch.save's minimal layout
-    # (``.format_version``: torch >= 2.5 may compute offsets from it) must have exactly that.
+    # Padding is one ``FB`` extra field (lazyckpt's zero-copy layout may pad beyond the alignment);
+    # a file with ``.format_version`` must have torch.save's minimal padding (torch computes offsets).
     extra_len = int.from_bytes(mm[cursor + 28 : cursor + 30], "little")
     z64 = len(zip64_extra(size, cursor))
     pad = extra_len - z64 - 4
@@ -262,8 +253,7 @@ def _check_record(
     header, data_offset = rec.local_header, rec.data_offset
     if data_offset % alignment:
         return f"{info.filename}: data at byte {data_offset}, not a multiple of the storage alignment {alignment}"
-    # lazyckpt 0.1.0 used to state the real compressed size in a local zip64 field where torch.save
-    # states 0 (readers use the central directory's): both are intact files.
+    # a local zip64 field stating the real compressed size instead of 0 is also intact
     legacy = padded_local_header(name, size, cursor, pad, compressed=size)[0]
     if mm[cursor : cursor + len(header)] not in (header, legacy):
         return f"{info.filename}: local header corrupt (bytes {cursor}-{cursor + len(header)})"

@@ -1,17 +1,8 @@
-"""The filesystem, in one place: every write, fsync, rename and unlink of a checkpoint goes
-through here, so fault-injection tests replace a function of this module (``pwrite_all``,
-``fsync``, ``close``, ``commit``, ``discard`` ...) instead of patching engine internals.
+"""Every write, fsync, rename and unlink of a checkpoint goes through this module.
 
-Atomic commit: write under a temporary name in the target directory, fsync, rename, fsync dir.
-A crash at any moment leaves the previous file (or nothing) at the final name, plus at most a
-temporary file named ``.<name>.lazyckpt-<host>-<pid>-<n>.tmp`` (or a file or folder renamed there by
-``LazyCheckpointer.remove`` and not yet deleted); such leftovers of dead processes of this host are
-removed by the next checkpointer that writes to that directory, or by ``cleanup_temporaries``. The
-host is in the name because a directory may be shared by nodes: a pid says nothing about another
-node's processes (the Accelerate folder markers carry host and pid the same way).
-
-Callers look these functions up on the module at call time (``_fs.commit(...)``), never bind them
-with ``from ._fs import``, so a test's replacement takes effect everywhere.
+Atomic commit: write ``.<name>.lazyckpt-<host>-<pid>-<n>.tmp`` beside the target, fsync, rename,
+fsync the directory. Callers look functions up on the module at call time (``_fs.commit(...)``),
+never ``from ... import`` them, so that tests can replace them.
 """
 
 from __future__ import annotations
@@ -31,9 +22,8 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 _TMP_RE = re.compile(r"^\..+\.lazyckpt-(?P<host>[A-Za-z0-9._]+(?:-[A-Za-z0-9._]+)*)-(?P<pid>\d+)-\d+\.tmp$")
-_OLD_TMP_RE = re.compile(r"^\..+\.lazyckpt-(?P<pid>\d+)-\d+\.tmp$")  # before names carried the host
-# An old-style name does not say which host wrote it: it is removed only once its pid is dead here
-# and nothing has written it for this long (an in-flight save writes it, or is about to be renamed).
+_OLD_TMP_RE = re.compile(r"^\..+\.lazyckpt-(?P<pid>\d+)-\d+\.tmp$")  # names without a host
+# A host-less name is removed only once its pid is dead here and it was not written for this long.
 OLD_STYLE_QUIET_S = 3600.0
 _counter = itertools.count()
 
@@ -91,7 +81,6 @@ def pwrite_all(fd: int, data: memoryview | bytes, offset: int) -> None:
 
 
 def fsync(fd: int) -> None:
-    """Make a descriptor's data durable."""
     os.fsync(fd)
 
 
@@ -101,7 +90,6 @@ def close(fd: int) -> None:
 
 
 def fsync_file(path: str) -> None:
-    """Make the data of the file at ``path`` durable (open read-only, fsync, close)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         fsync(fd)
@@ -126,8 +114,7 @@ _memory_fs_of_dev: dict[int, bool] = {}
 
 
 def is_memory_filesystem(directory: str) -> bool:
-    """Whether ``directory`` is on a filesystem held in memory (tmpfs, ramfs): there a write is a
-    memory copy and fsync does nothing. Looked up once per device in ``/proc/self/mountinfo``."""
+    """Whether ``directory`` is on tmpfs or ramfs (cached per device)."""
     try:
         dev = os.stat(directory or ".").st_dev
     except OSError:
@@ -163,8 +150,7 @@ def open_direct(tmp: str) -> int:
 
 
 def reserve(fd: int, size: int, offset: int = 0) -> None:
-    """Reserve ``size`` bytes from ``offset`` for ``fd`` (fallocate): a full disk fails here rather
-    than mid-write."""
+    """Reserve ``size`` bytes from ``offset`` for ``fd``, so a full disk fails here rather than mid-write."""
     if size <= 0:
         return
     # The raw syscall, not posix_fallocate: glibc's fallback writes zeros, which would double the I/O.
@@ -198,7 +184,6 @@ def rename(src: str, dst: str) -> None:
 
 
 def unlink(path: str) -> None:
-    """Remove the file or symlink at ``path``; raises ``FileNotFoundError`` when there is none."""
     os.unlink(path)
 
 
@@ -230,14 +215,8 @@ def pid_alive(pid: int) -> bool:
 
 
 def cleanup_temporaries(directory: str | os.PathLike[str]) -> list[str]:
-    """Remove lazyckpt temporary files left in ``directory`` by processes of this host that no
-    longer run.
-
-    Returns the removed paths. Temporaries of live processes (including this one) and of other
-    hosts are kept, so it is safe to call while other processes, on this host or on others sharing
-    the directory, checkpoint into it. Names from before the host was part of them
-    (``.<name>.lazyckpt-<pid>-<n>.tmp``) are removed once their pid is dead on this host and they
-    have not been written for ``OLD_STYLE_QUIET_S`` seconds.
+    """Remove lazyckpt temporary files left in ``directory`` by dead processes of this host; returns
+    the removed paths. Safe while other processes, on any host, checkpoint into the directory.
     """
     removed: list[str] = []
     try:
@@ -259,9 +238,8 @@ def cleanup_temporaries(directory: str | os.PathLike[str]) -> list[str]:
 
 
 def final_path(path: Any) -> str:
-    """The absolute final path of a local save of ``path``, its folder created; ``SaveRefusedError``
-    (nothing written) for a non-path, bytes, a URL given as a path object, a directory, or a
-    folder that cannot be created."""
+    """The absolute final path of a local save to ``path``, its folder created; ``SaveRefusedError``
+    for a non-path, bytes, a URL path object, a directory, or a folder that cannot be created."""
     from lazyckpt.errors import SaveRefusedError
 
     if not isinstance(path, (str, os.PathLike)):

@@ -1,7 +1,6 @@
-"""Object-store operations on the calling thread: uploads (S3 PutObject or multipart with parallel
-parts and abort on failure; other fsspec backends through a hidden key and a move), retries with
-backoff for transient errors, and the part threads. The remote tier (``storage/remote.py``) decides
-what is uploaded when; this module only moves bytes and classifies errors.
+"""Object-store transfers on the calling thread: S3 uploads (PutObject or parallel multipart, aborted on
+failure), other fsspec backends (hidden key, then a move), retries and error classification.
+``storage/remote.py`` decides what is uploaded when.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-_BACKOFF_S = 0.25  # first retry delay; doubles per attempt, at most _BACKOFF_MAX_S (tests lower it)
+_BACKOFF_S = 0.25  # first retry delay; doubles per attempt, at most _BACKOFF_MAX_S
 _BACKOFF_MAX_S = 20.0
 _PERMANENT = (PermissionError, FileNotFoundError, IsADirectoryError, NotADirectoryError, ValueError, TypeError)
 
@@ -100,7 +99,7 @@ class S3Upload:
                            "rule for incomplete multipart uploads removes it", self.url, exc)  # fmt: skip
 
     def _abort_stale(self, tier_started: float) -> None:
-        """Multipart uploads to this key begun before this checkpointer started (a killed process's)."""
+        """Abort multipart uploads to this key begun before this checkpointer started (a dead process's)."""
         try:
             listed = self.fs.call_s3("list_multipart_uploads", Bucket=self.bucket, Prefix=self.key)
             for up in listed.get("Uploads", []):
@@ -128,7 +127,7 @@ def _pread(fd: int, nbytes: int, offset: int) -> bytes:
 
 
 def _http_status(exc: BaseException) -> int | None:
-    """The HTTP status in a botocore ``ClientError`` anywhere in the cause chain (s3fs translates)."""
+    """The HTTP status of a botocore ``ClientError`` in the cause chain (throttling codes as 503)."""
     seen: BaseException | None = exc
     for _ in range(8):
         if seen is None:
@@ -174,7 +173,7 @@ def retry(what: str, fn: Callable[[], T], url: str, options: CheckpointerOptions
 
 
 class PartPool:
-    """Named daemon threads that run parts (a ``Worker``: usable at interpreter exit, unlike an executor)."""
+    """Daemon threads that run upload parts (a ``Worker``: usable at interpreter exit, unlike an executor)."""
 
     def __init__(self, threads: int) -> None:
         self._worker: Worker[Callable[[], None]] = Worker(
@@ -182,8 +181,8 @@ class PartPool:
         )
 
     def map(self, fn: Callable[[Any], T], items: list[Any]) -> list[T]:
-        """``[fn(i) for i in items]`` in parallel; the first error is raised once every started call
-        has ended, and calls not yet started are skipped after an error."""
+        """``[fn(i) for i in items]`` in parallel; after an error, unstarted calls are skipped and the
+        first error is raised once every started call has ended."""
         results: list[Any] = [None] * len(items)
         errors: list[BaseException] = []
         left = [len(items)]

@@ -1,24 +1,6 @@
-"""The remote tier: saves to URLs (``s3://``, any fsspec URL) through a local tier, uploaded in the background.
-
-A URL save is the ordinary local save into the local tier (``local_dir``), then an upload:
-
-    save(obj, url) -> local save into <local_dir>/.uploads/<pid>-<n>/<name>  (handle staged, local)
-                   -> lazyckpt-upload (one thread, FIFO in save order): waits for that local commit,
-                      uploads it (S3: multipart, parts in parallel on lazyckpt-upload-part-N), then
-                      the remote handle is done; keep_local moves the file to <local_dir>/<proto>/<key>.
-
-What appears at the URL: S3 (s3fs): a file of up to one part is one ``PutObject``; larger files are a
-multipart upload, which S3 makes visible only when ``CompleteMultipartUpload`` succeeds; on failure
-the upload is aborted (``AbortMultipartUpload``). Other fsspec backends: the file is ``put`` to a
-hidden temporary key next to the final one (``.<name>.lazyckpt-upload-<token>.tmp``) and moved;
-the move is atomic where the backend's is (a rename for ``file://``, one dict update for
-``memory://``; a server-side copy for object stores other than S3).
-
-One thread moves files, in save order, so two saves to one URL land in order and a ``remove(url)``
-queued behind a save runs after its upload. Retries with exponential backoff (and jitter) on
-transient errors: HTTP 5xx, 408, 429 / SlowDown, connection resets and timeouts; ``UploadError``
-once ``upload_retries`` are spent or on a permanent error (credentials, missing bucket). Nothing
-here logs ``storage_options`` (credentials live there); messages name URLs only.
+"""The remote tier: a URL save is a local save into ``local_dir``, then an upload on the
+``lazyckpt-upload`` thread, FIFO in save order (``storage/objects.py`` moves the bytes). Never log
+``storage_options`` (credentials); messages name URLs only.
 """
 
 from __future__ import annotations
@@ -43,7 +25,7 @@ from lazyckpt.errors import SaveRefusedError, UploadError
 from lazyckpt.options import CheckpointerOptions
 from lazyckpt.storage.objects import PartPool, S3Upload, generic_upload, retry, transient
 
-__all__ = ["RemoteSaveHandle", "RemoteTier", "retry", "transient"]  # retry, transient: their old home
+__all__ = ["RemoteSaveHandle", "RemoteTier", "retry", "transient"]  # retry, transient: re-exported
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +33,7 @@ T = TypeVar("T")
 
 _UPLOADS = ".uploads"  # inside local_dir: one folder per pending folder save, one for this process's files
 _FILES = "-files"  # <local_dir>/.uploads/<pid>-files: the local copies of single-file URL saves
-WARN_AFTER_S = 0.5  # a URL save that waited longer than this for uploads warns (tests lower it)
+WARN_AFTER_S = 0.5  # a URL save that waited longer than this for uploads warns
 
 
 def is_url(path: object) -> bool:
@@ -79,8 +61,8 @@ def is_s3(fs: Any) -> bool:
 
 
 class RemoteSaveHandle(SaveHandle):
-    """The handle of a URL save: staged (host copies done), local (the local copy is committed),
-    done (the object is complete in the store). Staging and confirmation are the local save's."""
+    """The handle of a URL save: staged (host copies done), local (local copy committed), done (the
+    object is complete in the store)."""
 
     def __init__(self, url: str, outcome: Outcome | None = None, *, local_handle: SaveHandle) -> None:
         super().__init__(url, outcome)
@@ -126,16 +108,13 @@ class _Deletion:
     url: str
     fs: Any
     rpath: str
-    # The local path's future type: an error fetched through it is claimed, so wait() does not raise it again.
+    # an error fetched through this future is claimed: wait() does not raise it again
     future: RemovalFuture = field(default_factory=RemovalFuture)
 
 
 class RemoteTier:
     """Owns the local tier's folder, the upload threads, and the URL saves not yet in the store.
-
-    Thread safety: ``register``/``remove``/``admit``/``wait``/``pending_urls`` from any thread;
-    the upload thread only touches its items and ``_lock``'d counters.
-    """
+    Callable from any thread; the upload thread touches only its items and ``_cond``-guarded counters."""
 
     def __init__(self, options: CheckpointerOptions, publish: Callable[[Report], None], callbacks: CallbackRunner):
         self.options = options
@@ -147,8 +126,7 @@ class RemoteTier:
         )
         os.makedirs(os.path.join(self.local_dir, _UPLOADS), exist_ok=True)
         _remove_dead_leftovers(os.path.join(self.local_dir, _UPLOADS))
-        # Made once: a folder per save would be a create on the training thread each time, and on
-        # ext4 that waits on the journal while the previous checkpoint is fsynced (0.1-0.4 s).
+        # made once: a folder per save would be a directory create on the training thread
         self._files_dir = os.path.join(self.local_dir, _UPLOADS, f"{os.getpid()}{_FILES}")
         os.makedirs(self._files_dir, exist_ok=True)
         free = shutil.disk_usage(self.local_dir).free
@@ -168,9 +146,8 @@ class RemoteTier:
     # -- caller side ------------------------------------------------------------------------------
 
     def resolve(self, url: str) -> tuple[Any, str]:
-        """(filesystem, path) for ``url``: one fsspec instance per protocol, reused (``url_to_fs``
-        costs ~10 ms per call for s3, on the training thread). Chained (``a::b``) and query URLs
-        go through ``url_to_fs`` each time."""
+        """(filesystem, path) for ``url``: one cached fsspec instance per protocol (chained ``a::b``
+        and query URLs are resolved each time)."""
         protocol = url.split("://", 1)[0]
         if "::" in url or "?" in url:
             return filesystem(url, self.options.storage_options)
@@ -186,8 +163,7 @@ class RemoteTier:
         return fs, strip_protocol(url)  # fs's class strips: the protocol's registered one
 
     def local_file(self, rpath: str) -> str:
-        """A fresh local path for one single-file save, in this process's files folder (nothing is
-        created here: the engine creates the file off the caller's thread)."""
+        """A fresh local path for one single-file save (nothing is created here)."""
         name = os.path.basename(rpath.rstrip("/")) or "checkpoint"
         return os.path.join(self._files_dir, f"{next(self._counter):06d}-{name}")
 
@@ -198,8 +174,8 @@ class RemoteTier:
         return os.path.join(folder, os.path.basename(rpath.rstrip("/")) or "checkpoint")
 
     def admit(self, skip: bool) -> bool:
-        """Before a URL save: wait while the local bytes not yet uploaded reach the bound (False
-        instead of waiting when ``skip``). So local disk holds at most the bound plus one save."""
+        """Before a URL save: wait while the upload backlog is at its bound (return False instead
+        when ``skip``)."""
         with self._cond:
             if self._backlog < self.backlog_bound:
                 return True
@@ -327,8 +303,7 @@ class RemoteTier:
         item.completion.finish(None if error else stats, error, self._publish, self._callbacks)
 
     def finish_local(self, url: str, rpath: str, local_path: str) -> None:
-        """After ``url`` was uploaded from ``local_path``: keep the local copy at
-        ``<local_dir>/<protocol>/<key>`` (``keep_local``), else delete it."""
+        """After an upload: move the local copy to ``<local_dir>/<protocol>/<key>`` (``keep_local``), else delete it."""
         if not self.options.keep_local:
             discard_local(local_path)
             return
@@ -342,9 +317,8 @@ class RemoteTier:
         discard_local(local_path)
 
     def transfer(self, url: str, fs: Any, rpath: str, local_path: str) -> None:
-        """Upload ``local_path`` to ``url`` on the calling thread (S3: one PutObject or a multipart
-        upload whose parts run on the tier's part threads, aborted on failure; other backends: a
-        hidden temporary key, then a move). Raises ``UploadError`` (any other error is wrapped)."""
+        """Upload ``local_path`` to ``url`` on the calling thread (``storage/objects.py``); raises
+        ``UploadError`` (other errors are wrapped)."""
         try:
             if is_s3(fs):
                 S3Upload(fs, rpath, url, local_path, self.options, self._parts).run(self._started_at)
@@ -354,20 +328,17 @@ class RemoteTier:
             raise
         except Exception as exc:  # a bug or a permanent error: typed anyway
             raise UploadError(f"upload of {url} failed: {exc}", url) from exc
-        finally:  # fsspec instances are shared (Lightning's ModelCheckpoint lists through the same one)
+        finally:  # fsspec instances are shared: drop their cached listings
             invalidate(fs, rpath)
 
     def delete_object(self, url: str, fs: Any, rpath: str) -> None:
-        """Delete ``url`` on the calling thread if it exists (retried; a prefix as a whole, see
-        ``remove_prefix``); ``UploadError`` on failure."""
+        """Delete ``url`` (``remove_prefix``) on the calling thread, retried; ``UploadError`` on failure."""
         retry(f"delete of {url}", lambda: remove_prefix(fs, rpath), url, self.options)
 
 
 def remove_prefix(fs: Any, rpath: str) -> None:
-    """Delete the object or every object under the prefix ``rpath``, if any. A distributed
-    checkpoint's prefix loses its ``.metadata`` first (a folder checkpoint its ``.lazyckpt-complete``
-    manifest, ``_remote_folder``), so that it stops being a checkpoint before its data objects go
-    (there is no atomic delete of many objects)."""
+    """Delete the object or every object under the prefix ``rpath``, if any. The ``.metadata`` or
+    ``.lazyckpt-complete`` key goes first, so the prefix stops being a checkpoint before its data does."""
     invalidate(fs, rpath)  # a listing cached before an upload must not hide it
     if fs.isdir(rpath):
         for name in (".metadata", ".lazyckpt-complete"):
@@ -405,6 +376,3 @@ def _remove_dead_leftovers(uploads: str) -> None:
             shutil.rmtree(os.path.join(uploads, name), ignore_errors=True)
         except OSError:
             pass
-
-
-# -- transfers -------------------------------------------------------------------------------------

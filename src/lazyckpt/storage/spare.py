@@ -1,26 +1,7 @@
-"""Page reuse on a memory filesystem: the file retention drops becomes the next save's file.
+"""Page reuse on tmpfs: a file that retention drops becomes the next save's file (``Spares``).
 
-On tmpfs a new file's pages are allocated and zeroed as it is written, and an unlink frees them
-again (``python -m benchmarks.probe_tmpfs``, 1.17 GB: fresh 0.46-0.75 CPU s plus 0.15-0.38 s for
-the unlink; written over an existing file's pages 0.28-0.35 s). ``Spares`` keeps one dropped file
-per file level (one step folder's files per folder level) under temporary names and hands them to
-the next save there (docs/ARCHITECTURE.md, "Page reuse on a memory level"):
-
-- ``Spares.offer(path)``: the file, if nobody can be using it (a regular file with one link; an
-  exclusive ``flock`` granted at once, so no lazyckpt reader holds it; not mapped by this
-  process), renamed to a temporary name; its descriptor keeps the exclusive lock.
-  ``Spares.offer_folder(taken, root)``: the same for each large file of a step folder of the
-  folder level ``root``, already renamed away to ``taken``; each is the spare of its name.
-- ``Spares.take(final, tmp, size)``: the spare for a save to ``final`` (its folder's, or the same
-  name's in a sibling step folder: ``keys_for``) renamed to ``tmp`` and resized; the caller owns
-  the descriptor (and the lock, released when it closes it).
-- ``share_lock(fd, path)``: a reader's side, on a memory filesystem: a shared ``flock`` on its
-  descriptor, then a check that ``path`` still names it; ``FileNotFoundError`` otherwise (being
-  reused, or renamed away for reuse between the reader's open and its lock).
-- ``hold_while_mapped(fd)``: keep a duplicate of a reader's locked descriptor while this process
-  maps the file (``lazyckpt.load``'s tensors are pages of it), released once it is no longer mapped.
-
-Every call here is non-blocking (``LOCK_NB``): no one waits on a lock.
+Spares are kept under temporary names, exclusively ``flock``ed; readers take a shared lock
+(``share_lock``) so a file they read is never reused. Every lock is non-blocking (``LOCK_NB``).
 """
 
 from __future__ import annotations
@@ -65,9 +46,8 @@ def mapped_here(dev: int, ino: int) -> bool:
 
 
 def share_lock(fd: int, path: str) -> None:
-    """A reader's side of page reuse: on a memory filesystem, a shared lock on ``fd`` (so its pages
-    are not reused while it is held), then ``path`` must still name that file. Raises
-    ``FileNotFoundError`` when the file is being reused or was renamed away since the open."""
+    """Reader's side, on a memory filesystem: share-lock ``fd`` (its pages are then not reused) and
+    check ``path`` still names it; ``FileNotFoundError`` when it is being reused or was renamed away."""
     if _folder_in_memory(path) is None:
         return
     try:
@@ -101,8 +81,7 @@ def hold_while_mapped(fd: int, path: str) -> None:
             _held[this] = os.dup(fd)  # the duplicate shares the lock (one open file description)
 
 
-#: a folder checkpoint's files of at least this size are kept as spares (smaller ones cost little
-#: to allocate anew); looked for two folders deep at most (``pytorch_model_fsdp_0/__0_0.distcp``)
+#: a folder checkpoint's files of at least this size, at most this deep, are kept as spares
 FOLDER_MIN_BYTES = 1 << 20
 FOLDER_DEPTH = 2
 
@@ -132,18 +111,16 @@ class _Spare:
 
 class Spares:
     """Spare files keyed by ``(folder, name)`` (``keys_for``), each under a temporary name with its
-    descriptor open and exclusively locked: at most one per file level, at most one step folder's
-    files per folder level. Thread-safe; every method returns at once."""
+    descriptor open and exclusively locked. Thread-safe; every method returns at once."""
 
     def __init__(self) -> None:
         self._lock = reentry.Lock()
         self._spares: dict[Key, _Spare] = {}
-        self.reused = 0  # files handed to a save (tests and benchmarks read it)
+        self.reused = 0  # files handed to a save
 
     def offer(self, path: str) -> bool:
-        """Make the file at ``path`` (a memory filesystem's) its folder's spare; False when it may
-        not be (the caller deletes it as before). The caller guarantees that no save to ``path`` is
-        pending. Never raises."""
+        """Make the file at ``path`` its folder's spare; False when it may not be (the caller deletes
+        it). Called with no save to ``path`` pending. Never raises."""
         folder = _folder_in_memory(path)
         if folder is None:
             return False
@@ -158,10 +135,9 @@ class Spares:
         return True
 
     def offer_folder(self, taken: str, root: str) -> None:
-        """The files of a step folder of the folder level ``root``, renamed away to ``taken`` by the
-        caller (no save into it pending): each one of ``FOLDER_MIN_BYTES`` or more becomes the
-        spare of its name, parked in ``root``; they replace the spares of the folder offered before.
-        What is not taken stays in ``taken`` (the caller deletes it). Never raises."""
+        """Make the large files of a step folder of level ``root``, renamed away to ``taken`` by the
+        caller, the spares of their names (replacing the previous folder's). What is not taken
+        stays in ``taken`` for the caller to delete. Never raises."""
         if not _fs.is_memory_filesystem(root):
             return
         root = os.path.abspath(root)
@@ -177,9 +153,8 @@ class Spares:
             _drop(spare)
 
     def take(self, final: str, tmp: str, size: int) -> int:
-        """The descriptor of the spare for a save to ``final`` (``keys_for``), renamed to ``tmp``
-        and resized to ``size`` bytes (grown by a reservation: a full filesystem raises ``OSError``
-        here); -1 when there is none. The caller owns the descriptor (and its exclusive lock)."""
+        """The descriptor of the spare for a save to ``final``, renamed to ``tmp`` and resized to
+        ``size`` (``OSError`` on a full filesystem); -1 when there is none. The caller owns the fd and lock."""
         with self._lock:
             for key in keys_for(final):
                 spare = self._spares.pop(key, None)
@@ -219,10 +194,8 @@ class _Refused(Exception):
 
 
 def _claim(path: str, park: str) -> _Spare | None:
-    """The file at ``path``, if nobody can be using it (a regular file with one link; an exclusive
-    lock granted at once: no lazyckpt reader holds it; not mapped by this process), renamed to a
-    temporary name in the folder ``park``; its descriptor keeps the lock. None otherwise (the
-    file is left where it is). Never raises."""
+    """The file at ``path`` renamed to a temporary name in ``park``, its fd keeping an exclusive lock,
+    if nobody can be using it (one link, lock granted, not mapped here); else None. Never raises."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
     except OSError:
@@ -249,8 +222,7 @@ def _claim(path: str, park: str) -> _Spare | None:
 
 
 def _files(folder: str, depth: int) -> list[str]:
-    """The regular files of at least ``FOLDER_MIN_BYTES`` in ``folder``, ``depth`` levels deep at
-    most, as paths relative to it (symlinks not followed). Never raises."""
+    """Relative paths of regular files of at least ``FOLDER_MIN_BYTES``, ``depth`` levels deep at most."""
     found: list[str] = []
     try:
         with os.scandir(folder) as it:

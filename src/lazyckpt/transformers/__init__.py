@@ -1,26 +1,8 @@
-"""Lazy ``checkpoint-N`` folders for the Hugging Face ``transformers`` Trainer, with the stock files.
+"""Lazy ``checkpoint-N`` folders for the Hugging Face ``transformers`` Trainer (5.x), with the stock files.
 
-Usage::
-
-    import lazyckpt.transformers
-
-    trainer = Trainer(model=model, args=TrainingArguments(output_dir="out", save_steps=100), ...)
-    handle = lazyckpt.transformers.install(trainer)     # once, before train()
-    trainer.train()                                     # each save returns at once; train() returns
-                                                        # with every checkpoint-N committed
-    trainer.train(resume_from_checkpoint=True)          # stock resume reads them (newest complete)
-    handle.uninstall()                                     # optional: back to stock saving
-
-How it works (transformers 5.x; docs/ARCHITECTURE.md, "transformers"): ``install`` replaces the trainer
-instance's ``_save_checkpoint`` with stock's statements run into a staging folder
-(``<run_dir>/.lazyckpt-checkpoint-N.tmp``); inside it, the weights (``safe_save_file``) and the optimizer
-state (``torch.save(..., "optimizer.pt")``) go to a :class:`lazyckpt.LazyCheckpointer` (copied while
-the next forward/backward runs; the next ``optimizer.step()`` waits only for what is not copied), the
-small files are stock's. Once every file is durable, a background thread renames the folder to
-``checkpoint-N`` (so stock ``get_last_checkpoint`` never sees a partial folder), then pushes it
-(``push_to_hub``) and applies ``save_total_limit`` as stock does. ``_load_best_model`` and the end of
-``train()`` wait for all of it. The modules: ``_compat`` (everything that knows the Trainer's
-internals, checked at install), ``_handle`` (:class:`TransformersHandle` and one checkpoint's save),
+``install(trainer)`` makes each save return at once; a background thread renames the complete folder to
+``checkpoint-N``, then pushes and rotates as stock does. ``_load_best_model`` and the end of ``train()`` wait
+for it. Modules: ``_compat`` (the Trainer's internals), ``_handle`` (the handle, one checkpoint's save),
 ``_levels`` (``install(levels=)``). The core never imports transformers.
 """
 
@@ -60,16 +42,15 @@ def install(
 ) -> TransformersHandle:
     """Make every ``checkpoint-N`` folder ``trainer`` saves lazy (same files as stock); returns the handle.
 
-    ``checkpointer``: an existing :class:`lazyckpt.LazyCheckpointer` (not closed by ``uninstall()``);
-    otherwise one is made from ``options`` / ``core_options`` (``host_memory_budget``, ``writer_threads``,
-    ``fsync``, ``zero_copy`` ...) and closed by ``uninstall()``. ``levels``: ``[Level(path, every, keep), ...]``,
+    Call once, before ``train()``. ``checkpointer``: an existing :class:`lazyckpt.LazyCheckpointer` (not
+    closed by ``uninstall()``); otherwise one is made from ``options`` / ``core_options`` and closed by
+    ``uninstall()`` (``TypeError`` if both are given). ``levels``: ``[Level(path, every, keep), ...]``,
     fastest first: each checkpoint goes to ``<level>/checkpoint-N`` of every level due at the step
-    (``global_step % every == 0``) instead of ``args.output_dir``; ``keep`` per level replaces
-    ``save_total_limit``; :func:`latest` finds the newest complete one.
+    (``global_step % every == 0``) instead of ``args.output_dir``; ``keep`` replaces ``save_total_limit``.
 
-    Refused with :class:`UnsupportedTrainerError` (nothing changed): a second install on the same trainer,
-    a Trainer subclass that overrides ``_save_checkpoint``, DeepSpeed, FSDP, XLA or SageMaker MP, and a
-    transformers version whose ``_save_checkpoint`` is not the one this module mirrors.
+    Raises :class:`UnsupportedTrainerError` (nothing changed) for a second install on the same trainer, a
+    subclass that overrides ``_save_checkpoint``, DeepSpeed, FSDP, XLA, SageMaker MP, ``levels`` beside
+    ``save_total_limit``, or a transformers version whose ``_save_checkpoint`` is not the one mirrored.
     """
     if checkpointer is not None and (core_options or options is not None):
         raise TypeError("pass either checkpointer= or core options, not both")
@@ -97,13 +78,12 @@ def install(
 
 def latest(where: str | os.PathLike[str] | Sequence[Level], *, verify_files: bool = True) -> str | None:
     """The newest complete ``checkpoint-N`` folder in ``where`` (a run folder, or the levels given to
-    ``install``; between levels holding the same N, the fastest), or None.
+    ``install``; for the same N, the fastest level), or None.
 
-    Pass it to ``trainer.train(resume_from_checkpoint=latest(...))``. Complete: the folder holds
+    Pass it to ``trainer.train(resume_from_checkpoint=...)``. Complete: the folder holds
     ``trainer_state.json`` and the model weights, and (``verify_files``) every ``.safetensors`` /
-    ``.pt`` / ``.pth`` / ``.bin`` file in it passes :func:`lazyckpt.verify` (CRCs, structure). A folder
-    that fails is skipped with an :class:`lazyckpt.IncompleteCheckpointWarning` naming it. A lazily
-    written folder is never partial at its name; this also covers stock-written folders and damage.
+    ``.pt`` / ``.pth`` / ``.bin`` file in it passes :func:`lazyckpt.verify`. A folder that fails is
+    skipped with an :class:`lazyckpt.IncompleteCheckpointWarning` naming it.
     """
     if isinstance(where, (str, os.PathLike)):
         candidates = [(n, 0, p) for n, p in checkpoints(os.fspath(where))]

@@ -1,19 +1,9 @@
-"""Everything that knows the transformers Trainer's internals (checked against transformers 5.25).
+"""Everything that knows the transformers Trainer's internals; imports nothing else of this package.
 
-Two things live here:
-
-* :func:`check_save_path`: whether this transformers' ``Trainer._save_checkpoint`` is the method the
-  handle's replacement mirrors (the same calls, in the same order: an AST walk of its source), and
-  whether the calls the gate routes are still where it expects them. Anything else refuses
-  ``install()`` with :class:`UnsupportedTrainerError`: a silent stock fallback the user believes lazy
-  is worse than an error.
-* The gate: process-wide stand-ins for ``torch.save``, ``transformers.modeling_utils.safe_save_file``
-  and ``safetensors.torch.save_file``. They route a call to the active :class:`Router` (a context
-  variable, set only while an installed ``_save_checkpoint`` runs on this thread) when the file lies
-  directly in its staging folder; every other call goes to the original. Reference counted by
-  installs; the last ``uninstall()`` restores the originals (left alone if somebody replaced them since).
-
-It imports nothing else of this package.
+``check_save_path``: refuse ``install()`` unless ``Trainer._save_checkpoint`` is the method the handle mirrors.
+The gate: process-wide stand-ins for ``torch.save`` and the safetensors writers route a file directly in the
+active :class:`Router`'s staging folder (a context variable, set while an installed ``_save_checkpoint`` runs
+on this thread) to it; any other call goes to the original. Reference counted by installs.
 """
 
 from __future__ import annotations
@@ -43,9 +33,8 @@ logger = logging.getLogger("lazyckpt.transformers")
 OPTIMIZER_NAME = "optimizer.pt"
 TRAINER_STATE_NAME = "trainer_state.json"
 
-#: The calls of the stock ``Trainer._save_checkpoint`` (source order) that the replacement mirrors.
-#: The XLA / SageMaker branches are in the list because they are in stock's body; install() refuses
-#: those setups, so the replacement never needs them.
+#: The calls of stock ``Trainer._save_checkpoint`` (source order) that the replacement mirrors
+#: (the XLA / SageMaker ones: install() refuses those setups).
 EXPECTED_SAVE_CHECKPOINT_CALLS = (
     "self.store_flos",
     "self._get_output_dir",
@@ -71,8 +60,7 @@ EXPECTED_SAVE_CHECKPOINT_CALLS = (
     "rotate_checkpoints",
 )
 
-#: Source fragments (whitespace ignored) the gate relies on: the weights and the optimizer state are
-#: written by these calls, which the stand-ins take over.
+#: Source fragments (whitespace ignored) that write the files the stand-ins take over.
 EXPECTED_FRAGMENTS = (
     (_modeling_utils.PreTrainedModel.save_pretrained, "safe_save_file(shard_state_dict,filename,metadata=metadata)"),
     (
@@ -255,8 +243,7 @@ def _safe_save(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     return stand_in
 
 
-# What each replaced name held at import (a release without one of them is refused by check_save_path
-# before the gate is ever acquired, so None never gets installed).
+# What each replaced name held at import (None: refused by check_save_path, never installed).
 _AT_IMPORT: dict[str, Callable[..., Any]] = {
     "torch.save": torch.save,
     "transformers.modeling_utils.safe_save_file": getattr(_modeling_utils, "safe_save_file", None),  # type: ignore[dict-item]
@@ -316,9 +303,8 @@ def release_gate() -> None:
 
 
 def jit_manager(trainer: Any) -> Any | None:
-    """The ``CheckpointManager`` of the trainer's JIT checkpoint (``TrainingArguments(enable_jit_checkpoint=True)``:
-    on SIGTERM, ``execute_jit_checkpoint`` saves ``checkpoint-<step>`` through ``_save_checkpoint`` and the job
-    is expected to die after it), or None."""
+    """The ``CheckpointManager`` of the trainer's JIT checkpoint (``enable_jit_checkpoint=True``: saves on
+    SIGTERM, then the job dies), or None."""
     for callback in trainer.callback_handler.callbacks:
         manager = getattr(callback, "jit_manager", None)
         if manager is not None and callable(getattr(manager, "execute_jit_checkpoint", None)):

@@ -1,12 +1,8 @@
 """The handle ``install()`` returns, and one checkpoint of the Trainer from its call to its commit.
 
-Data flow (docs/ARCHITECTURE.md, "transformers"): the trainer's ``_save_checkpoint`` (replaced on the
-instance by :meth:`SaveCheckpointMirror.save_checkpoint`, bound onto the trainer) runs stock's statements
-into a staging folder with the gate on (:class:`CheckpointSave` is the router: weights and optimizer state
-go to the ``LazyCheckpointer``); once every lazy file is done, the *commit* thread (:class:`Checkpoints`)
-ends the folder save, renames the staging folder to ``checkpoint-N``, pushes it (``push_to_hub``) and
-rotates (``save_total_limit``), in save order. ``_load_best_model`` and ``_finalize_training`` wait for all
-of that first.
+The replaced ``_save_checkpoint`` runs stock's statements into a staging folder with the gate on
+(``_compat.py``); once every lazy file is done, the commit thread renames it to ``checkpoint-N``, pushes and
+rotates, in save order. ``_load_best_model`` and ``_finalize_training`` wait for all of it first.
 """
 
 from __future__ import annotations
@@ -50,11 +46,9 @@ _PATCHED = ("_save_checkpoint", "_load_best_model", "_finalize_training")
 class CheckpointSave:
     """One ``_save_checkpoint`` call of this process: the router of its gated files, then its commit.
 
-    ``writer``: this process writes the shared files (``args.should_save``); only a writer has lazy
-    files, commits (renames) and rotates. ``staging``: this save's own staging folder (every process of
-    the job uses the main process's name). ``seq``: this save's place in this process's save order (a
-    later save of the same ``final`` supersedes it). ``after_commit`` runs on the commit thread after
-    the rename (pushes, rotation, level copies), in save order.
+    Only a ``writer`` (``args.should_save``) has lazy files, commits and rotates. Every process uses the
+    main process's ``staging`` name. ``seq`` orders saves: a later save of the same ``final`` wins.
+    ``after_commit`` runs on the commit thread after the rename.
     """
 
     def __init__(
@@ -101,8 +95,7 @@ class CheckpointSave:
         assert self.writer, "a routed save on a process that does not write"
         self.routed += 1
         if _plan.small_in_save(self.checkpointer.options, obj, self.staging):
-            # a tiny file lazyckpt would write whole here anyway: stock's writer does (its bytes, at its
-            # cost); fsynced with stock's other files (sync_stock_files) before the folder is published
+            # a tiny file: stock's writer writes it; fsynced with stock's files (sync_stock_files)
             _compat.write_stock(obj, path, **options)
             return
         token = sync_parent.set(False)  # the staging folder is fsynced once, before its rename
@@ -112,9 +105,8 @@ class CheckpointSave:
             sync_parent.reset(token)
 
     def sync_stock_files(self) -> None:
-        """Stock's statements ran: fsync each file they wrote into the staging folder once, on the writer
-        pool (in parallel with each other and with the lazy files' writes). The lazy files are fsynced
-        by their own saves; ``fsync=False`` skips them all."""
+        """Fsync each file stock wrote into the staging folder, on the writer pool (lazy files fsync
+        themselves; ``fsync=False`` skips all)."""
         if not self.checkpointer.fsync:
             return
         lazy = {h.path for h in self.handles}
@@ -138,8 +130,8 @@ class CheckpointSave:
         self._one_done(None)
 
     def abort(self, committer: Callable[[Callable[[], None]], None]) -> None:
-        """Stock's statements raised: nothing is committed; the staging folder goes once the lazy files
-        already started are over (never under a writer's feet)."""
+        """Stock's statements raised: nothing is committed; the staging folder is removed once the lazy
+        files already started are over."""
         self._aborted = True
         self.finish(committer)
 
@@ -152,8 +144,8 @@ class CheckpointSave:
             self._committer(self.commit)
 
     def commit(self) -> None:
-        """Every lazy file is done: publish the folder at its final name (unless a later save of the same
-        name already did), then what follows."""
+        """On the commit thread, every lazy file done: publish the folder (unless a later save of the name
+        did), then run ``after_commit``."""
         try:
             failed = next((h for h in self.handles if h.exception() is not None), None)
             if self._aborted:
@@ -184,9 +176,8 @@ class CheckpointSave:
             self.done.set()
 
     def supersede(self) -> None:
-        """A re-entered save (a signal handler's, ``core/reentry.py``) writes this save's name with stock now:
-        this one is dropped, or, when its rename is under way on the commit thread, waited out (bounded,
-        no lock): it sets ``publishing`` before it reads ``superseded``, this the other way round."""
+        """A re-entered save (``core/reentry.py``) writes this name now: drop this save, or wait out its
+        rename (bounded, no lock: ``commit`` sets ``publishing`` before reading ``superseded``, this the reverse)."""
         self.superseded = True
         deadline = time.monotonic() + 30.0
         while self.publishing and not self.published and time.monotonic() < deadline:
@@ -194,9 +185,8 @@ class CheckpointSave:
 
 
 class Checkpoints:
-    """lazyckpt's side of the trainer's checkpoints, what :class:`SaveCheckpointMirror` asks of it in stock's
-    order (``before``, ``start``, ``saved``, ``abort``, ``end``): the staging folders, the saves not yet
-    committed, the commit thread (commit, push, rotation or level copies, in save order)."""
+    """lazyckpt's side of the trainer's checkpoints (called by :class:`SaveCheckpointMirror` in stock's order):
+    staging folders, the saves not yet committed, and the commit thread."""
 
     def __init__(self, trainer: Trainer, checkpointer: LazyCheckpointer, levels: TrainerLevels | None) -> None:
         self.trainer = trainer
@@ -216,8 +206,7 @@ class Checkpoints:
 
     # -- the mirror's calls, on the training thread --------------------------------------------------
     def before(self) -> None:
-        """An earlier checkpoint's failure raised here, where stock would have raised it; the optimizer
-        tracked (the next ``step()`` waits for its copies)."""
+        """Raise an earlier checkpoint's failure; track the optimizer (its next ``step()`` waits for copies)."""
         self.prune()
         self.checkpointer.raise_errors()
         opt = getattr(self.trainer, "optimizer", None)
@@ -226,8 +215,8 @@ class Checkpoints:
             self.checkpointer.track(inner)
 
     def start(self, run_dir: str, step: int) -> CheckpointSave | None:
-        """The save of ``checkpoint-<step>`` (under the fastest level due, with levels; None when none is),
-        its staging folder made before any process writes into it."""
+        """The save of ``checkpoint-<step>`` (None when no level is due), its staging folder made. Collective
+        in a distributed run."""
         from transformers.trainer import ParallelMode
 
         if self.levels is not None:
@@ -260,8 +249,8 @@ class Checkpoints:
         save.abort(self.commit)
 
     def end(self, save: CheckpointSave, push: Callable[[], None] | None, best: str | None, t0: float) -> None:
-        """Stock's statements ran: every process's files durable, then the commit and what follows it
-        (``push``, rotation or level copies) queued on the commit thread."""
+        """Stock's statements ran: every process's files durable, then the commit, ``push`` and rotation or
+        level copies queued on the commit thread."""
         if save.distributed:
             self._sync_own_files(save)
             torch.distributed.barrier()  # every process's files are durable in the staging folder
@@ -299,8 +288,7 @@ class Checkpoints:
         self._committer.stop()
 
     def _sync_own_files(self, save: CheckpointSave) -> None:
-        """A process that does not commit: its stock files in the staging folder (``rng_state_<i>.pth``)
-        made durable before the barrier after which the main process may rename the folder."""
+        """A non-writer: fsync its ``rng_state_<i>.pth`` before the barrier after which the folder is renamed."""
         if save.writer:
             return
         rank = self.trainer.args.process_index
@@ -320,14 +308,8 @@ class Checkpoints:
 
 
 class SaveCheckpointMirror:
-    """Stock ``Trainer._save_checkpoint`` (transformers 5.x; ``_compat.EXPECTED_SAVE_CHECKPOINT_CALLS``) with
-    the folder written under a staging name and committed in the background.
-
-    A method of the trainer: :class:`TransformersHandle` binds :meth:`save_checkpoint` onto the trainer
-    instance in place of ``_save_checkpoint`` (``self`` is the trainer, so stock's calls of its own methods
-    read as stock writes them); lazyckpt's side (staging folder, gate, commit) is the :class:`Checkpoints`
-    it is bound with.
-    """
+    """Stock ``Trainer._save_checkpoint`` (``_compat.EXPECTED_SAVE_CHECKPOINT_CALLS``) writing a staging folder
+    committed in the background. ``save_checkpoint`` is bound onto the trainer (``self`` is the trainer)."""
 
     def save_checkpoint(self: Any, model: Any, trial: Any, *, checkpoints: Checkpoints) -> None:
         if reentry.reentered():  # a signal handler interrupted lazyckpt on this thread: stock, at once
@@ -391,8 +373,7 @@ class SaveCheckpointMirror:
 
 class TransformersHandle(InstalledHandle):
     """What :func:`lazyckpt.transformers.install` returns: ``wait()`` drains, ``uninstall()`` restores stock.
-
-    Constructing it installs it on ``trainer`` (``install()`` checks the arguments first).
+    Usable as a context manager (``uninstall()`` on exit).
     """
 
     def __init__(
@@ -459,7 +440,7 @@ class TransformersHandle(InstalledHandle):
 
     def uninstall(self) -> None:
         """Drain pending checkpoints, then restore the trainer's stock methods (raises a drained error).
-        Idempotent; also run by ``with install(...)`` and at interpreter exit."""
+        Idempotent; also run on leaving ``with install(...)`` (interpreter exit only waits)."""
         if self._removed:
             return
         error: BaseException | None = None
@@ -503,8 +484,7 @@ class TransformersHandle(InstalledHandle):
         self._stock["_load_best_model"]()
 
     def _finalize(self, *args: Any, **kwargs: Any) -> Any:
-        # Stock reads (best model) and deletes (save_total_limit=1) checkpoint folders here: every
-        # pending one is committed and rotated first, as stock's were by now.
+        # Stock reads and deletes checkpoint folders here: commit and rotate pending ones first.
         self.wait()
         from transformers.trainer import ParallelMode
 
@@ -514,8 +494,7 @@ class TransformersHandle(InstalledHandle):
 
 
 def _durable(checkpoints: Checkpoints, call: Callable[[], Any]) -> Any:
-    """``call()`` (the JIT checkpoint of ``enable_jit_checkpoint``, after which the job is expected to die)
-    with each checkpoint it saves committed at its ``checkpoint-N`` name, every earlier one too, before
+    """``call()`` (the JIT checkpoint; the job dies next) with every checkpoint committed before
     ``_save_checkpoint`` returns."""
     checkpoints.durable = True
     try:

@@ -1,11 +1,7 @@
 """``install(trainer, levels=[...])``: ``<level>/checkpoint-N`` folders at every level due at a step.
 
-The fastest due level's folder is the lazy checkpoint itself (the handle saves into that level's
-folder instead of the run folder); once it is committed, the commit thread copies it to each slower
-due level (a staging name in that level, every file fsynced, one rename, the level fsynced: a
-``checkpoint-N`` name only ever holds a complete folder) and applies each level's ``keep`` (the
-newest ``keep`` folders; the best checkpoint of the fastest level is kept too, as stock's rotation
-keeps it). ``keep`` replaces ``save_total_limit``, which install() refuses beside levels.
+The fastest due level holds the lazy checkpoint; after its commit, the commit thread copies it whole to each
+slower due level and applies each level's ``keep`` (the best checkpoint is kept too).
 """
 
 from __future__ import annotations
@@ -44,12 +40,12 @@ class TrainerLevels:
         return [lv for lv in self.levels if step % lv.every == 0]
 
     def fastest_due(self, step: int, run_dir: str) -> str | None:
-        """The folder the step's checkpoint is saved into (the fastest due level), None when none is due."""
+        """The fastest due level's folder, or None when none is due."""
         due = self.due(step)
         return due[0].path if due else None
 
     def after_commit(self, step: int, final: str, best: str | None) -> None:
-        """On the commit thread, after ``final`` (the fastest due level's folder) was committed."""
+        """On the commit thread, after ``final`` was committed: copies (``LevelError``), then retention."""
         due = self.due(step)
         for level in due[1:]:
             try:
