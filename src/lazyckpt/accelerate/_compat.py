@@ -1,13 +1,7 @@
-"""Accelerate compatibility, kept apart from the adapter (``lazyckpt.accelerate.install``).
+"""Everything that knows Accelerate's internals (checked against accelerate 1.15), not its public API.
 
-Everything here knows Accelerate's internals rather than its public API: the distributed types
-whose ``save_state`` bypasses ``accelerate.checkpointing.save``, the process-wide (reference
-counted, reversible) patch of that function, accelerate's folder numbering and writer rule, and
-the route of FSDP ``SHARDED_STATE_DICT`` saves: wrappers of accelerate's ``save_fsdp_model`` /
-``save_fsdp_optimizer`` and a dispatcher in place of ``torch.distributed.checkpoint.save`` that hands
-exactly their call, for an installed accelerator, to the route its handle set (``set_route``; patched
-and restored with the ``checkpointing.save`` patch). Nothing here imports the rest of
-``lazyckpt.accelerate``: what it calls back is passed in (the active save, the routes).
+Owns the process-wide, reference-counted, reversible patch of ``accelerate.checkpointing.save`` and of the
+FSDP sharded route (``save_fsdp_*``, ``dcp.save``). Imports nothing else of ``lazyckpt.accelerate``.
 """
 
 from __future__ import annotations
@@ -37,8 +31,7 @@ class FolderSaveLike(Protocol):
 
 logger = logging.getLogger("lazyckpt.accelerate")
 
-# Distributed types whose save_state does not go through ``accelerate.checkpointing.save`` for the big
-# objects (or must convert tensors first); there install() keeps the stock, synchronous behaviour.
+# Distributed types whose save_state bypasses ``accelerate.checkpointing.save``: they stay stock (synchronous).
 STOCK_ONLY_TYPES = frozenset(
     t
     for t in (
@@ -51,9 +44,7 @@ STOCK_ONLY_TYPES = frozenset(
 )
 
 
-# --------------------------------------------------------------------------------------------------
-# The process-wide patch of accelerate.checkpointing.save (reference counted, reversible)
-# --------------------------------------------------------------------------------------------------
+# -- the process-wide patch of accelerate.checkpointing.save (reference counted, reversible) ----------
 
 _patch_lock = threading.RLock()
 _patch_refcount = 0
@@ -61,13 +52,11 @@ _original_save: Callable[..., Any] | None = None
 active_save: contextvars.ContextVar[FolderSaveLike | None] = contextvars.ContextVar(
     "lazyckpt_accelerate_active_save", default=None
 )
-# Set while accelerate's save_fsdp_model / save_fsdp_optimizer run for an installed accelerator: the
-# function that takes their ``torch.distributed.checkpoint.save(state, path)`` over.
+# Set while accelerate's save_fsdp_model / save_fsdp_optimizer run for an installed accelerator.
 DcpRoute = Callable[[dict[str, Any], str], None]
 active_dcp: contextvars.ContextVar[DcpRoute | None] = contextvars.ContextVar(
     "lazyckpt_accelerate_active_dcp", default=None
 )
-# The route of each installed accelerator (set and dropped by its handle, ``lazyckpt.accelerate._patch``).
 _routes: weakref.WeakKeyDictionary[Any, DcpRoute] = weakref.WeakKeyDictionary()
 
 
@@ -78,14 +67,13 @@ def set_route(accelerator: Any, route: DcpRoute) -> None:
 
 
 def drop_route(accelerator: Any, route: DcpRoute) -> None:
-    """``accelerator``'s sharded saves are stock again (if ``route`` is still its route)."""
+    """``accelerator``'s sharded saves go stock again (if ``route`` is still its route)."""
     with _patch_lock:
         if _routes.get(accelerator) == route:
             del _routes[accelerator]
 
 
 def route_for(accelerator: Any) -> DcpRoute | None:
-    """The route of an installed accelerator, or None (stock)."""
     if accelerator is None:
         return None
     try:
@@ -104,10 +92,8 @@ def _dispatch_save(obj: Any, f: Any, save_on_each_node: bool = False, safe_seria
     return fs.save(obj, f, save_on_each_node=save_on_each_node, safe_serialization=safe_serialization)
 
 
-# FSDP SHARDED_STATE_DICT: accelerate's save_fsdp_model / save_fsdp_optimizer (looked up by name in
-# these modules: accelerator.save_state uses accelerate.accelerator's) are wrapped so that, for an
-# installed accelerator, the dcp.save they call goes to lazyckpt; dcp.save itself is wrapped so that
-# it routes only inside such a call, for the exact writer and planner accelerate builds.
+# FSDP: save_fsdp_model / save_fsdp_optimizer are wrapped in every module that binds them by name; dcp.save
+# routes only inside such a wrapped call, for the exact writer and planner accelerate builds.
 _FSDP_FUNCS = ("save_fsdp_model", "save_fsdp_optimizer")
 _FSDP_MODULES = ("accelerate.utils.fsdp_utils", "accelerate.utils", "accelerate.accelerator")
 _fsdp_originals: dict[tuple[str, str], Any] = {}  # (module, name) -> what was there before
@@ -120,8 +106,7 @@ def _wrap_fsdp_save(original: Callable[..., Any]) -> Callable[..., Any]:
         route = route_for(accelerator)
         if route is None:
             return original(fsdp_plugin, accelerator, *args, **kwargs)
-        # FSDP2: the same sharded state without ``offload_to_cpu`` (accelerate's default for sharded
-        # saves), so that on GPUs the device-to-host copies are lazy too instead of inside this call.
+        # FSDP2: without ``offload_to_cpu``, so the device-to-host copies are lazy too, not inside this call.
         config: Any = getattr(fsdp_plugin, "state_dict_config", None)
         offload = getattr(fsdp_plugin, "fsdp_version", 1) == 2 and getattr(config, "offload_to_cpu", False) is True
         token = active_dcp.set(route)
@@ -139,9 +124,8 @@ def _wrap_fsdp_save(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _dispatch_dcp_save(*args: Any, **kwargs: Any) -> Any:
-    """Stand-in for ``torch.distributed.checkpoint.save``: routed to lazyckpt only for the call
-    accelerate's FSDP save functions make (a plain ``FileSystemWriter``, the default planner, the
-    default group), inside a wrapped call for an installed accelerator; stock otherwise."""
+    """Stand-in for ``torch.distributed.checkpoint.save``: routed only for the exact call accelerate's
+    wrapped FSDP save functions make for an installed accelerator; stock otherwise."""
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
@@ -265,21 +249,15 @@ def unwrap_optimizer(opt: Any) -> torch.optim.Optimizer | None:
     return opt if isinstance(opt, torch.optim.Optimizer) else None
 
 
-# --------------------------------------------------------------------------------------------------
-# What install() puts on an Accelerator instance, and how it pickles
-# --------------------------------------------------------------------------------------------------
+# -- what install() puts on an Accelerator instance, and how it pickles -------------------------------
 
 
 class InstalledMethod:
     """``accelerator.save_state`` / ``load_state`` while installed: calls the handle's method.
 
-    The accelerator must stay picklable as stock's is (``pickle.dumps(accelerator)``, deepcopy;
-    accelerate's own tests do it): a handle holds threads, locks and a checkpointer, so this
-    attribute does not pickle the handle. A copy gets what the attribute was before install():
-    ``getattr(copy, name)`` evaluated while the copy's ``__dict__`` is still empty (pickle fills it
-    after building its items), i.e. the class's stock method bound to the copy, or the instance
-    attribute that install() replaced. The copy is a plain stock Accelerator with no pending saves;
-    call ``install()`` on it for lazy saves there."""
+    Keeps the accelerator picklable without pickling the handle: a copy (pickle, deepcopy) gets what the
+    attribute was before install() (``getattr(copy, name)`` runs while the copy's ``__dict__`` is still
+    empty), so the copy is a plain stock Accelerator."""
 
     __slots__ = ("_call", "_accelerator", "_name", "_previous")
 
@@ -302,8 +280,7 @@ class InstalledMethod:
 
 
 class InstalledPreHook:
-    """The save_state pre-hook install() registers: calls the handle's; a pickled copy of the
-    accelerator gets a hook that does nothing (the copy has no handle, see ``InstalledMethod``)."""
+    """The save_state pre-hook install() registers; a pickled copy gets an inert one (see ``InstalledMethod``)."""
 
     __slots__ = ("_call",)
 
@@ -318,22 +295,16 @@ class InstalledPreHook:
 
 
 def inert_pre_hook(models: list[Any], weights: list[Any], output_dir: str) -> None:
-    """The pre-hook of an unpickled copy of an installed accelerator: nothing to do."""
+    """The pre-hook of an unpickled copy of an installed accelerator."""
 
 
 def _same(obj: Any) -> Any:
     return obj
 
 
-# --------------------------------------------------------------------------------------------------
-# Multi-level saves: the first prepared optimizer's real steps, the state's size, agreement between processes
-# --------------------------------------------------------------------------------------------------
+# -- multi-level saves: real optimizer steps, the state's size, agreement between processes ------------
 
-# Real steps of each torch optimizer, counted by one process-wide step post-hook (registered by the
-# first install() with levels and kept: a dict increment per step). A step that AcceleratedOptimizer
-# skips under gradient accumulation, or that the GradScaler skips, never calls the inner optimizer's
-# step, so it is not counted; the inner optimizer is the key (AcceleratedOptimizer never runs
-# Optimizer.__init__, so torch's hooks fire for the inner one only).
+# Real steps per inner torch optimizer (skipped steps never reach it), counted by one process-wide post-hook.
 _real_steps: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
 _step_hook: Any = None
 
@@ -353,7 +324,6 @@ def count_real_steps() -> None:
 
 
 def real_steps(optimizer: torch.optim.Optimizer) -> int:
-    """Real steps ``optimizer`` took since ``count_real_steps()`` was first called."""
     return _real_steps.get(optimizer, 0)
 
 
@@ -368,7 +338,6 @@ def prepared_models(accelerator: Any) -> list[Any]:
 
 
 def first_optimizer(accelerator: Any) -> torch.optim.Optimizer | None:
-    """The torch optimizer inside the accelerator's first prepared optimizer, or None."""
     for opt in prepared_optimizers(accelerator):
         inner = unwrap_optimizer(opt)
         if inner is not None:

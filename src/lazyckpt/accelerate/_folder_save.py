@@ -1,17 +1,6 @@
-"""One ``save_state`` call of this process, from the first lazy file to the folder's end.
-
-Data flow: stock ``save_state`` runs with a :class:`SaveStateCall` as the active save
-(``_compat.active_save``); the pre-hook (or the first file) :meth:`~SaveStateCall.begin`\\ s the core's
-folder save (``lazyckpt.commit.folder.FolderSave``: the pending marker); each object stock would
-``torch.save`` / safetensors-save goes to ``LazyCheckpointer.save`` through :meth:`~SaveStateCall.save`;
-FSDP sharded folders join with :meth:`~SaveStateCall.add_sharded`. After stock returns,
-:meth:`~SaveStateCall.finish` counts the handles down; when the last is done the *finisher* thread
-fsyncs what stock wrote itself and ends the folder save (marker removed), and a folder saved for a
-URL goes on to the *uploader* thread (files, then the manifest last: ``commit/remote_folder.py``).
-
-Errors are the checkpointer's to report, once (``LazyCheckpointer.add_error``); a call keeps its own
-error only to explain a later ``load_state`` refusal. :class:`SaveStateCalls` is one handle's list
-of calls not yet forgotten (durable ones are pruned; failed ones stay for those messages).
+"""One ``save_state`` call of this process: active while stock runs (training thread), files through a
+``commit.folder.FolderSave``, ended on the handle's finisher thread, uploaded on its uploader thread. Errors are
+the checkpointer's to report, once; a call keeps its own only to explain a later ``load_state`` refusal.
 """
 
 from __future__ import annotations
@@ -41,16 +30,15 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("lazyckpt.accelerate")
 
-#: Runs a job on a background thread (or inline when none is left): the handle's finisher / uploader.
+#: Runs a job on the handle's finisher / uploader thread (inline when none is left).
 Submit = Callable[[Callable[[], None]], None]
 
 
 class SaveStateCall:
-    """The lazy part of one ``save_state`` call in this process: core handles + marker + files stock wrote.
+    """The lazy part of one ``save_state`` call in this process: core handles, marker, files stock wrote.
 
-    ``owner``: the handle it belongs to (only compared by identity: a hook or a route acts on the
-    active call of its own handle). ``finisher`` runs the marker's fsync and the folder's end in
-    order; ``uploader`` the upload of a folder saved for ``url``.
+    ``owner``: its handle (compared by identity only). ``finisher`` runs the marker's fsync and the
+    folder's end, in order; ``uploader`` the upload of a folder saved for ``url``.
     """
 
     def __init__(
@@ -66,17 +54,14 @@ class SaveStateCall:
     ) -> None:
         self.owner = owner
         self.checkpointer = checkpointer
-        self.url = url  # save_state to a URL: the local folder is uploaded once complete
+        self.url = url  # the local folder is uploaded there once complete
         self.folder: str | None = None
         self.core: FolderSave | None = None  # the marker and this process's lazy files of the save
         self.sharded: list[SaveHandle] = []  # FSDP sharded folders (DistributedCheckpointer saves)
         self.error: BaseException | None = None  # for load_state's message; reported by the checkpointer
         self.failed: SaveHandle | None = None  # a finished handle whose report is that error's (see _fail)
-        # another node's process saving by level: only its RNG file is wanted (``_nodes.py``); the shared
-        # files (save_on_each_node=True makes it a writer) are not written
-        self.rng_only = False
-        #: Called on the finisher thread once the call has ended (not after an aborted stock call):
-        #: how a multi-level save learns that its folder is complete in this process (``_levels``).
+        self.rng_only = False  # another node's process saving by level: only its RNG file (``_nodes.py``)
+        #: Called on the finisher thread once the call has ended, unless stock raised (``_levels``).
         self.on_end: Callable[[SaveStateCall], None] | None = None
         self.ended = False  # this process's part of the folder is complete (marker removed)
         self.done = threading.Event()
@@ -113,7 +98,7 @@ class SaveStateCall:
         path = os.fspath(f)
         core = self.begin(os.path.dirname(os.path.abspath(path)))
         if safe_serialization and isinstance(obj, OrderedDict):
-            obj = clean_state_dict_for_safetensors(obj)  # drops tied duplicates exactly like stock
+            obj = clean_state_dict_for_safetensors(obj)  # as stock
         if safe_serialization:  # committed only once the marker is durable (FolderSave.save)
             core.save(self.checkpointer, obj, path, format="safetensors", metadata={"format": "pt"})
         else:
@@ -125,7 +110,7 @@ class SaveStateCall:
 
     # -- after stock save_state returned (or raised) -------------------------------------------------
     def finish(self, sync_files: list[str], scan_folder: bool, aborted: bool) -> None:
-        """Stock is done: end the folder save once every handle is (``aborted``: stock raised; only settle)."""
+        """Stock returned: end the folder save once every handle is done (``aborted``: stock raised; only settle)."""
         self._sync_files = sync_files
         self._scan_folder = scan_folder
         self._aborted = aborted
@@ -155,16 +140,16 @@ class SaveStateCall:
                 logger.error(
                     "lazyckpt: save into %s failed; the folder stays marked incomplete: %r", self.folder, self.error
                 )
-        except BaseException as exc:  # noqa: BLE001 - reported once by the checkpointer (wait, next save)
+        except BaseException as exc:  # noqa: BLE001 - reported once by the checkpointer
             self._fail(exc)
         finally:
-            if upload and self.error is None:  # the next stage, on its own thread (uploads are slow)
+            if upload and self.error is None:  # uploads are slow: on their own thread
                 self._uploader(self._upload)
             else:
                 self._end()
 
     def _upload(self) -> None:
-        """The local folder is complete: its files to the URL, the manifest last (``remote_folder``)."""
+        """Upload the complete local folder, manifest last (``commit/remote_folder.py``)."""
         try:
             assert self.folder is not None and self.url is not None
             _remote_folder.upload(producer_of(self.checkpointer), self.folder, self.url)
@@ -177,7 +162,7 @@ class SaveStateCall:
         failed = None
         if self._publish is None:
             self.checkpointer.add_error(exc)  # before done: a wait() that sees done finds it
-        else:  # a handle that holds the published report, so that a multi-level handle shares it (claimed once)
+        else:  # a handle holding the published report, so a multi-level handle can share it
             completion = Completion(self.folder or "", None)
             completion.finish(None, exc, publish=self._publish)
             failed = completion.handle
@@ -196,17 +181,17 @@ class SaveStateCall:
         if core is None:
             return
         files = list(self._sync_files)
-        if self._scan_folder:  # the writer process: custom objects, samplers ... written by stock
+        if self._scan_folder:  # writer process: custom objects, samplers ... written by stock
             try:
                 with os.scandir(core.folder) as it:
                     files += [e.path for e in it if not e.name.startswith(".") and e.is_file(follow_symlinks=False)]
             except FileNotFoundError:
-                return  # deleted meanwhile (e.g. by total_limit on the main process): nothing to mark
+                return  # deleted meanwhile (e.g. by total_limit): nothing to mark
         self.ended = core.end(files)
 
     def wait(self, timeout: float | None = None) -> BaseException | None:
-        """Block until every file and the folder's marker are settled; the error stays the
-        checkpointer's to report (``h.exception`` does not count as seen)."""
+        """Block until every file and the marker are settled; return the error (still the checkpointer's
+        to report). Raises ``TimeoutError``."""
         deadline = None if timeout is None else time.monotonic() + timeout
         for h in list(self.handles):
             h.exception(None if deadline is None else max(0.0, deadline - time.monotonic()))
@@ -217,9 +202,8 @@ class SaveStateCall:
 
 
 def stock_written_files(accelerator: Any, folder: str) -> tuple[list[str], bool]:
-    """The small files stock ``save_state`` writes itself with ``torch.save`` in this process (RNG
-    states, the scaler, stateful dataloaders), fsynced before the marker goes; and whether this process
-    writes the rest (custom objects, samplers ...: found by scanning the folder)."""
+    """The small files stock ``save_state`` writes itself in this process (fsynced before the marker goes),
+    and whether this process writes the rest (found by scanning the folder)."""
     out = Path(folder)
     files = [str(out / f"{RNG_STATE_NAME}_{accelerator.state.process_index}.pkl")]
     if accelerator.scaler is not None:
@@ -231,7 +215,7 @@ def stock_written_files(accelerator: Any, folder: str) -> tuple[list[str], bool]
 
 
 class SaveStateCalls:
-    """One handle's ``save_state`` calls still pending, or failed (kept for ``load_state``'s messages)."""
+    """One handle's ``save_state`` calls still pending, or failed (kept for ``load_state``'s messages). Thread-safe."""
 
     def __init__(self) -> None:
         self._lock = reentry.Lock()
@@ -246,11 +230,10 @@ class SaveStateCalls:
             return list(self._calls)
 
     def into(self, pred: Callable[[str], bool]) -> list[SaveStateCall]:
-        """The calls whose folder satisfies ``pred``."""
         return [c for c in self.all() if c.folder is not None and pred(c.folder)]
 
     def wait_into(self, pred: Callable[[str], bool]) -> None:
-        """Wait for this process's saves into the folders ``pred`` accepts (their errors stay unreported)."""
+        """Wait for this process's saves into the folders ``pred`` accepts (errors stay unreported)."""
         for call in self.into(pred):
             call.wait()
 
@@ -261,13 +244,12 @@ class SaveStateCalls:
         return [c for c in self.all() if c.url is not None and not c.done.is_set()]
 
     def error_for(self, folder: str) -> BaseException | None:
-        """The error of this process's save into ``folder``, if one failed."""
         return next((c.error for c in self.into(lambda f: f == folder) if c.error is not None), None)
 
     def pending(self) -> int:
         return sum(1 for c in self.all() if not c.done.is_set())
 
     def prune(self) -> None:
-        """Forget durable calls (failed ones stay, for load_state's message)."""
+        """Forget durable calls (failed ones stay)."""
         with self._lock:
             self._calls = [c for c in self._calls if not c.done.is_set() or c.error is not None]

@@ -1,15 +1,8 @@
 """The handle ``install()`` returns: lazy ``save_state`` / waiting ``load_state`` of one Accelerator.
 
-One ``save_state`` call flows: refusals and the URL's local folder (``_url``) -> room for
-``total_limit`` (``_retention``) -> the previous saves' errors raised -> stock ``save_state`` with a
-:class:`~lazyckpt.accelerate._folder_save.SaveStateCall` active, whose files go to the
-``LazyCheckpointer`` (and FSDP sharded folders to ``_sharded``) -> its end on the *finisher* thread ->
-its upload on the *uploader* thread. ``load_state`` reads what ``_load`` (or ``_url``) says is complete.
-
-Threads: the finisher (marker fsyncs, folder ends, in order) and the uploader (folders saved to URLs,
-in save order), each one ``core.workers.Worker`` started at its first job; the checkpointer's own.
-All end with ``uninstall()``; at exit the handle is drained first (``core.exit``, the integrations'
-layer; before the interpreter's shutdown once it saved to a URL, as uploads need).
+Threads: the *finisher* (marker fsyncs, folder ends, in order) and the *uploader* (URL folders, in order),
+started lazily, plus the checkpointer's own; all end with ``uninstall()``. At exit the handle is drained
+(``core/installed.py``), before interpreter shutdown once it saved to a URL.
 """
 
 from __future__ import annotations
@@ -49,7 +42,8 @@ Job = Callable[[], None]
 class AccelerateHandle(InstalledHandle):
     """What :func:`install` returns: ``wait()`` drains pending saves, ``uninstall()`` restores stock behaviour.
 
-    Made by ``install()``, which checks its arguments first; constructing it installs it on ``accelerator``.
+    Made by ``install()``, which checks its arguments; constructing it installs it on ``accelerator``.
+    Usable as a context manager (``uninstall()`` on exit).
     """
 
     def __init__(
@@ -64,12 +58,12 @@ class AccelerateHandle(InstalledHandle):
         self.accelerator = accelerator
         self.checkpointer = checkpointer
         self.load_timeout = float(load_timeout)  # seconds load_state waits for other processes' pending saves
-        self.max_pending_uploads = 2  # folders saved to URLs waiting for upload before save_state waits
+        self.max_pending_uploads = 2  # URL folders awaiting upload before save_state waits
         self.last_save_state_s: float | None = None  # seconds the last save_state call blocked
         self._owns = owns_checkpointer
         self._saves = SaveStateCalls()
         self._old_folders = OldFolders(checkpointer)
-        self._sharded = ShardedRoute(self, checkpointer)  # FSDP sharded saves
+        self._sharded = ShardedRoute(self, checkpointer)
         self._steps_seen = _guard.steps()  # optimizer steps at install / the last save_state
         self._tracked: set[int] = set()
         self._tracked_refs: list[Any] = []
@@ -93,14 +87,16 @@ class AccelerateHandle(InstalledHandle):
                 self._levels.close()
             raise
         _exit.register(self, drain_at_exit, layer=_exit.INTEGRATION)
-        if any(level.is_url for level in self.levels):  # its copies upload: drained before shutdown too
+        if any(level.is_url for level in self.levels):
             self._drain_before_shutdown()
 
     # -- public --------------------------------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> None:
         """Block until every pending ``save_state`` of this accelerator is durable (and old folders deleted for
-        ``total_limit`` are gone); raise the first error nobody has seen. ``timeout``: seconds (``None``: no
-        limit), then ``TimeoutError``."""
+        ``total_limit`` are gone), then raise the first error nobody has seen.
+
+        ``timeout``: seconds (``None``: no limit); raises ``TimeoutError`` when it runs out.
+        """
         if reentry.wait_refused("accelerate handle.wait()"):
             return
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -108,13 +104,13 @@ class AccelerateHandle(InstalledHandle):
         def left() -> float | None:
             return None if deadline is None else max(0.0, deadline - time.monotonic())
 
-        if self._levels is not None:  # first: the copies to slower levels end with retention removals
+        if self._levels is not None:  # first: level copies end with retention removals
             self._levels.drain(left())
         for call in self._saves.all():
             call.wait(left())
         self.checkpointer.wait(left())
-        self._raise_unreported()  # the levels' errors (a LevelError names its level)
-        self._sharded.wait(left())  # every FSDP sharded save committed on every process (or its error)
+        self._raise_unreported()
+        self._sharded.wait(left())
         self._saves.prune()
 
     @property
@@ -124,11 +120,12 @@ class AccelerateHandle(InstalledHandle):
 
     @property
     def step(self) -> int:
-        """The step the next bare ``save_state()`` saves under (with levels): the real optimizer steps of
-        the accelerator's first prepared optimizer since ``install()`` (steps skipped under gradient
-        accumulation or by the GradScaler do not count), counted from the last value set here.
-        ``handle.step = n`` overrides it (e.g. to count batches, or after restoring by hand);
-        ``load_latest`` sets it to the step it restored."""
+        """The step the next bare ``save_state()`` saves under (with levels).
+
+        The real optimizer steps of the first prepared optimizer (steps skipped under gradient accumulation
+        or by the GradScaler do not count), counted from the last value set. ``handle.step = n`` sets it;
+        ``load_latest`` sets it to the step it restored. Raises ``RuntimeError`` without levels.
+        """
         if self._levels is None:
             raise RuntimeError("lazyckpt.accelerate: handle.step needs install(accelerator, levels=[...])")
         return self._levels.counter.get()
@@ -158,9 +155,10 @@ class AccelerateHandle(InstalledHandle):
         return self._saves.pending()
 
     def uninstall(self) -> None:
-        """Drain pending saves, then restore the stock ``save_state``/``load_state`` (raises a drained error).
-        The handle's terminal verb (``close()`` on the objects a user makes; ``uninstall()`` on those
-        ``install()`` returns): idempotent, also run by ``with install(...)`` and at interpreter exit."""
+        """Drain pending saves, then restore the stock ``save_state`` / ``load_state``; raise a drained error.
+
+        Idempotent; also run by ``with install(...)``. (At interpreter exit the handle is only drained.)
+        """
         if self._removed:
             return
         error: BaseException | None = None
@@ -208,24 +206,20 @@ class AccelerateHandle(InstalledHandle):
             return stock(output_dir, safe_serialization=safe_serialization, **kwargs)
         t0 = time.perf_counter()
         training = self.training_since_last_save()
-        if url is not None:  # saved into a fresh local folder, uploaded once complete (SaveStateCall._upload)
+        if url is not None:  # saved into a fresh local folder, uploaded once complete
             _url.admit_upload(self._saves, url, self.max_pending_uploads)
             output_dir = _url.local_folder(self.checkpointer, url)
         location, call = self.save_into(output_dir, safe_serialization, kwargs, url=url)
         if not training and call.folder is not None and self.accelerator.num_processes == 1:
-            # No optimizer step since the last save_state (or install): no training runs to overlap with
-            # (an evaluation, a save before training, a script about to delete or read the folder):
-            # behave as stock and return with the folder durable, the old folders' deletions done; a
-            # failure is still reported as every lazy save's is (the next save_state / load_state / wait()).
-            call.wait()  # confirms on this thread (the saving thread): never waits for itself
+            # No optimizer step since the last save: nothing to overlap with, so return durable, as stock.
+            call.wait()
             self._old_folders.wait()
             self.last_save_state_s = time.perf_counter() - t0
         return url if url is not None else location
 
     def _save_state_now(self, output_dir: str | None, safe_serialization: bool, kwargs: dict[str, Any]) -> Any:
-        """``save_state`` from a signal handler that interrupted lazyckpt: stock's, on this thread, routed to
-        nothing of lazyckpt, taking none of its locks; a pending lazy save of a file in ``output_dir`` is
-        superseded first (it then never replaces what stock writes now)."""
+        """``save_state`` from a signal handler that interrupted lazyckpt: stock's, on this thread, taking
+        no lazyckpt lock; pending lazy saves into ``output_dir`` are superseded first."""
         reentry.count_synchronous()
         if output_dir is not None and not _remote.is_url(os.fspath(output_dir)):
             self.checkpointer.supersede_into(os.path.abspath(os.fspath(output_dir)))
@@ -237,7 +231,7 @@ class AccelerateHandle(InstalledHandle):
             _compat.active_save.reset(save)
 
     def training_since_last_save(self) -> bool:
-        """Whether an optimizer step ran since the last ``save_state`` (or ``install``); starts a new interval."""
+        """Whether an optimizer step ran since the last call (or ``install``)."""
         training, self._steps_seen = _guard.steps() != self._steps_seen, _guard.steps()
         return training
 
@@ -251,8 +245,7 @@ class AccelerateHandle(InstalledHandle):
         prepare: Callable[[SaveStateCall], None] | None = None,
     ) -> tuple[Any, SaveStateCall]:
         """Stock ``save_state(output_dir)`` run lazily: what it returned and the ``SaveStateCall``.
-        ``prepare(call)`` runs before stock does (a multi-level save sets ``call.on_end`` there);
-        with it, errors of the call are published as reports a handle can share."""
+        ``prepare(call)`` runs before stock; with it, the call's errors are published as shareable reports."""
         stock = self._patch.stock_save_state
         t0 = time.perf_counter()
         if not self._lazy_supported():
@@ -261,10 +254,8 @@ class AccelerateHandle(InstalledHandle):
                 f"{self.accelerator.distributed_type} does not take; save to explicit folders "
                 "(save_state(output_dir)) instead"
             )
-        # 1. never let stock's rmtree of old folders race their pending writes
-        self._old_folders.make_room(self.accelerator, self._saves)
-        # 2. a failed earlier save is reported here at the latest (stock save_state would have raised)
-        self._raise_unreported()
+        self._old_folders.make_room(self.accelerator, self._saves)  # before stock's rmtree of old folders
+        self._raise_unreported()  # an earlier failure is reported here at the latest
         self._track_new_optimizers()
         call = SaveStateCall(
             self,
@@ -313,7 +304,7 @@ class AccelerateHandle(InstalledHandle):
 
     # -- internals -----------------------------------------------------------------------------------
     def _on_finisher(self, job: Job) -> None:
-        if not self._finisher.submit(job):  # after uninstall() (or no thread to be had): inline
+        if not self._finisher.submit(job):  # after uninstall() (or no thread): inline
             job()
 
     def _on_uploader(self, job: Job) -> None:
@@ -344,15 +335,14 @@ class AccelerateHandle(InstalledHandle):
             self.checkpointer.track(*new)
 
     def _raise_unreported(self) -> None:
-        """Errors are the checkpointer's to report, once (failed files, folders, deletions)."""
+        """Raise the first unreported error (the checkpointer's, then the levels')."""
         self._saves.prune()
         self.checkpointer.raise_errors()
         if self._levels is not None:
             raise_first(self._levels.take_errors())
 
     def _drain_before_shutdown(self) -> None:
-        """Saved to a URL: drain at the start of the interpreter's shutdown, as s3fs cannot upload from
-        a plain atexit hook (``core/exit.py``)."""
+        """Drain at the start of interpreter shutdown: uploads cannot run from an atexit hook (``core/exit.py``)."""
         if not self._exit_early:
             self._exit_early = True
             _exit.register(self, drain_at_exit, layer=_exit.INTEGRATION, early=True)

@@ -1,31 +1,9 @@
 """``install(accelerator, levels=[...])``: a bare ``save_state()`` saves the stock folder by level.
 
-Data flow of one bare ``save_state()`` (docs/accelerate.md, "Multi-level checkpoints"):
-
-    training thread: step = the first prepared optimizer's real steps (``StepCounter``); with
-        several processes, every process's step gathered (one collective: all agree) ->
-        ``MultiLevel.save_with(step, produce)`` (main process): the levels due at ``step``,
-        their backlogs admitted, then ``produce(<fastest due level>/step-<8 digits>)`` = the
-        handle's lazy ``save_state`` into that folder (``AccelerateHandle.save_into``), returning a
-        ``SaveHandle`` (a ``Completion``) done once the folder is complete; other processes only
-        save their files into the same folder.
-    finisher thread: this process's part of the folder ended (marker removed) -> ``_part_ended``:
-        one process: the source handle finishes; several: the watcher thread takes over.
-    lazyckpt-accelerate-levels (main process, several processes): waits until every process's
-        marker is gone and every process's ``random_states_<i>.pkl`` is there (bounded by
-        ``load_timeout``; a marker of a dead process fails at once), then finishes the source handle.
-    level threads (``MultiLevel``): copy the complete folder whole to the slower due levels (or upload
-        it, manifest last), apply each level's ``keep``.
-
-Several nodes (``_nodes.py``): the levels' scopes are probed at install; a process that does not see
-the main process's folder of the fastest due level (a node-local level: another node) saves into a
-staging folder of its own and sends its RNG file to the main process through the c10d store, which
-writes it into its folder before the folder counts as complete; a level with ``replicas`` then
-holds the whole folder in the next nodes' memory (``levels.SingleWriter``: the main process's
-``MultiLevel`` sends, the holders' ``SingleWriter`` receives), and ``load_latest`` (collective)
-gives every node the newest step before each process loads its own node's folder.
-
-The step numbering and its override live in :class:`StepCounter`; restore in ``_restore.py``.
+The training thread agrees on the step (one collective with several processes) and saves lazily into the
+fastest due level's ``step-<n>`` folder; the finisher thread ends this process's part; on the main process,
+the ``lazyckpt-accelerate-levels`` thread waits for the other processes' parts (bounded by ``load_timeout``);
+then ``levels.MultiLevel`` copies the complete folder to the slower levels. Several nodes: ``_nodes.py``.
 """
 
 from __future__ import annotations
@@ -78,8 +56,7 @@ class HandleOwner(Protocol):
 
 
 def refuse_automatic_naming(accelerator: Any) -> None:
-    """Levels replace ``ProjectConfiguration``'s automatic naming and ``total_limit`` (which would
-    send the folder to ``project_dir/checkpoints`` whatever the level): refuse the mix."""
+    """Raise ``SaveRefusedError`` with automatic checkpoint naming, which levels replace."""
     pc = accelerator.project_configuration
     if pc.automatic_checkpoint_naming:
         raise SaveRefusedError(
@@ -90,10 +67,8 @@ def refuse_automatic_naming(accelerator: Any) -> None:
 
 
 class StepCounter:
-    """The step a bare ``save_state()`` saves under: the real optimizer steps of the accelerator's
-    first prepared optimizer since ``install()`` (steps skipped under gradient accumulation or by the
-    GradScaler do not count), plus the base last set (``handle.step = n``; ``load_latest`` sets
-    the step it restored). Without a prepared optimizer it stays at the base."""
+    """The step a bare ``save_state()`` saves under: the base last set plus the real steps of the first
+    prepared optimizer since then (``AccelerateHandle.step``). Without a prepared optimizer: the base."""
 
     def __init__(self, accelerator: Any) -> None:
         _compat.count_real_steps()
@@ -140,10 +115,10 @@ class LevelSaves:
         self.processes = int(accelerator.num_processes)
         self.last: SaveHandle | None = None  # the last bare save_state's handle
         opts = checkpointer.options
-        self.producer = producer_of(checkpointer)  # its ledger and callback thread for the level handles
-        # collective (every process installs): who shares each level's folder (several processes)
+        self.producer = producer_of(checkpointer)
+        # collective (every process installs): who shares each level's folder
         rank = int(accelerator.process_index)
-        several = self.processes > 1 and Nodes.available()  # MPI has no c10d store: one node's folders, as before
+        several = self.processes > 1 and Nodes.available()  # MPI has no c10d store: shared folders only
         self.nodes = Nodes(levels, rank, self.processes, owner.load_timeout) if several else None
         if self.nodes is None:
             refuse_replicas(levels, "Accelerate's save_state in one process (or without a c10d store)")
@@ -152,19 +127,18 @@ class LevelSaves:
             MultiLevel(checkpointer, levels, opts, folder=True, reuse=self.producer.reuse, replicate=True)
             if self.main
             else None
-        )  # with replicas: the main process's MultiLevel sends its folders, the other processes hold copies
+        )  # with replicas: the main process's MultiLevel sends its folders, the others hold copies
         self._holder = None if self.main or replicated is None else SingleWriter(levels, replicated, opts.fsync)
         self._pending: dict[int, SaveHandle] = {}  # step -> a level save not yet done
-        # the main process's folders under its marker (several processes): folder -> the folder's own handle
-        self._sources: dict[str, SaveHandle] = {}
+        self._sources: dict[str, SaveHandle] = {}  # folder under the main process's marker -> its handle
         self._others: Worker[tuple[SaveStateCall, Completion, _Gather | None]] = Worker(
             "lazyckpt-accelerate-levels", self._wait_for_others, lazy=True
         )
 
     # -- the training thread -------------------------------------------------------------------------
     def save(self, safe_serialization: bool, kwargs: dict[str, Any]) -> str | None:
-        """A bare ``save_state()``: the folder of the step to every level due at it. Returns the
-        fastest due level's folder (its URL), or None when no level is due at that step."""
+        """A bare ``save_state()`` (training thread; collective with several processes): the step's folder to
+        every level due at it. Returns the fastest due level's folder, or None when none is due."""
         refuse_automatic_naming(self.accelerator)
         training = self.owner.training_since_last_save()
         step = self.counter.get()
@@ -190,27 +164,26 @@ class LevelSaves:
             raise
 
         def produce(path: str) -> SaveHandle:
-            # the marker (``_claim``) stays if the save fails: the folder may hold the other processes' files;
-            # made here (raising: after the collective) when ``_claim`` could not, as other nodes' files need it
+            # the marker stays if the save fails; made here (after the collective) when ``_claim`` could not
             marker = held if held is not None or gather is None or not gather.outside else Nodes.hold(path)
             source = self._produce(path, safe_serialization, kwargs, gather=gather and gather.held(marker))
             if marker is not None:
-                self._sources[_compat.real_path(path)] = source  # load_state(path) waits for it: settle_folder
+                self._sources[_compat.real_path(path)] = source  # for settle_folder
             return source
 
         handle: SaveHandle
         if self._multi is not None:
             handle = self._multi.save_with(step, produce, nbytes=self._nbytes)
         elif due and gather is not None and self.nodes is not None and gather.posts:
-            # another node: its RNG file to the main process through the store, its staging folder removed
+            # another node: its RNG file goes to the main process through the store (``_nodes.py``)
             folder = self.levels[due[0]].folder(step)
             staging = staging_of(folder)
             try:
                 handle = self._produce(staging, safe_serialization, kwargs, gather=gather, label=folder)
-            except BaseException as exc:  # its part never ends: the main process learns it now, not at its timeout
+            except BaseException as exc:  # tell the main process now, not at its timeout
                 self.nodes.post(gather.seq, staging, exc)
                 raise
-        elif due:  # another process: its files into the same folder; the main process copies it on
+        elif due:  # another process: its files into the same folder
             handle = self._produce(self.levels[due[0]].folder(step), safe_serialization, kwargs)
         else:
             return None
@@ -221,17 +194,16 @@ class LevelSaves:
         self._sources = {f: h for f, h in self._sources.items() if not h.done()}
         self._pending[step] = handle
         if not training and self.processes == 1:
-            handle.exception(timeout=None)  # no training to overlap with: durable on return, as stock
+            handle.exception(timeout=None)  # nothing to overlap with: durable on return, as stock
         return handle.path
 
     def _nbytes(self) -> int:
-        """The checkpoint's size, for the memory statement at the first save: the models' and optimizers' tensors."""
+        """The checkpoint's size: the prepared models' and optimizers' tensors."""
         return tensor_bytes(_compat.state_of(self.accelerator))
 
     def _clear_fastest(self, step: int) -> None:
-        """Before step ``step`` is saved again (a save_state with no optimizer step since, or after a
-        rollback): its earlier save done, and the fastest level's old folder of it moved away, so no
-        copy reads a folder being rewritten and no stale file stays in it."""
+        """Before ``step`` is saved again: wait for its earlier save and move the fastest level's old folder
+        away, so no copy reads a folder being rewritten and no stale file stays."""
         earlier = self._pending.get(step)
         if earlier is not None:
             earlier.exception(timeout=None)  # errors stay the checkpointer's to report
@@ -246,9 +218,8 @@ class LevelSaves:
                 logger.warning("lazyckpt.accelerate: could not move the old %s away: %s", folder, exc)
 
     def settle_folder(self, folder: str, timeout: float) -> None:
-        """Before ``load_state(folder)``: this process's marker in ``folder`` gone (the folder whole, or
-        its save failed), at most ``timeout`` s. Its own markers are not waited for otherwise
-        (``_load.wait_other_processes``), and this one ends on its watcher thread, after its part."""
+        """Before ``load_state(folder)``: wait at most ``timeout`` s for the main process's save of ``folder``
+        (its marker there) to end; ``_load`` does not wait for this process's own markers."""
         source = self._sources.get(folder)
         if source is not None:
             try:
@@ -257,14 +228,10 @@ class LevelSaves:
                 pass
 
     def _claim(self, step: int) -> str | None:
-        """The main process, several processes, before they agree on ``step``: each writes into the
-        step's folder as soon as they did, maybe before this process's ``save_with`` of it begins. So
-        the step is claimed in the retention (``MultiLevel.claim``: the previous step's commit, in that
-        window, took the folder for one an earlier run left and removed it), and the fastest due
-        level's folder holds a marker of this process's until the folder is whole (``_gathered``): a
-        save that fails here after the agreement (an earlier error raised by ``save_with``) leaves an
-        incomplete folder, not one that looks whole with only the other processes' files in it
-        (``keep`` counted it). The marker's path, or None (one process, no c10d store, a URL)."""
+        """Main process, several processes, before they agree on ``step``: claim ``step`` in the retention
+        (``MultiLevel.claim``) and mark the fastest due level's folder incomplete until it is whole
+        (``_gathered``), since other processes may write into it first. Returns the marker's path, or None
+        (one process, no c10d store, a URL). Never raises (the others would wait in the collective)."""
         if self._multi is None or self.processes == 1:
             return None
         self._multi.claim(step)
@@ -273,13 +240,13 @@ class LevelSaves:
             return None
         try:
             return Nodes.hold(due[0].folder(step))
-        except OSError as exc:  # never raise before the collective: the others would wait in it
+        except OSError as exc:  # never raise before the collective
             logger.warning("lazyckpt.accelerate: cannot mark %s incomplete: %s", due[0].folder(step), exc)
             return None
 
     def _gather(self, index: int) -> _Gather:
-        """This bare save's exchange of RNG files (several processes; every process, in step): the
-        processes outside the main process's folder of level ``index`` (the fastest due)."""
+        """This bare save's exchange of RNG files with the processes outside the main process's folder of
+        level ``index`` (every process, in step)."""
         assert self.nodes is not None
         outside = self.nodes.outside(index)
         if outside and _compat.is_sharded_fsdp(self.accelerator):
@@ -291,8 +258,7 @@ class LevelSaves:
         return _Gather(self.nodes.next_seq(), outside, posts=rank in outside)
 
     def _agree(self, step: int) -> int:
-        """Every process saves the same step (one collective, every process). The refusal is raised
-        on every process alike (each sees the same gathered list)."""
+        """Check that every process saves the same step (one collective); the refusal is raised on every process."""
         steps = sorted(set(_compat.all_gather(step)))
         if len(steps) > 1:
             raise SaveRefusedError(
@@ -305,8 +271,8 @@ class LevelSaves:
         self, path: str, safe_serialization: bool, kwargs: dict[str, Any], *, gather: _Gather | None = None,
         label: str | None = None,
     ) -> SaveHandle:  # fmt: skip
-        """The lazy ``save_state`` into ``path``; a handle (named ``label``, default ``path``) done
-        once the folder is complete (``gather``: with the other nodes' RNG files, see ``_nodes.py``)."""
+        """The lazy ``save_state`` into ``path``; a handle (named ``label``, default ``path``) done once the
+        folder is complete (with ``gather``: the other nodes' RNG files too)."""
         completion = Completion(label or path)
 
         def prepare(call: SaveStateCall) -> None:
@@ -336,7 +302,7 @@ class LevelSaves:
             if call.failed is not None:
                 if self.main and gather is not None and self.nodes is not None:
                     self.nodes.forget(gather.seq, gather.outside)  # the answers that arrived already
-                completion.adopt(call.failed)  # the same report as the checkpointer's: claimed once
+                completion.adopt(call.failed)  # the checkpointer's report: claimed once
                 completion.complete(self.producer.callbacks)
             elif self._multi is not None and self.processes > 1 and call.ended:
                 if not self._others.submit((call, completion, gather)):
@@ -350,11 +316,9 @@ class LevelSaves:
                 completion.finish(None, exc, self.producer.publish, self.producer.callbacks)
 
     def _wait_for_others(self, item: tuple[SaveStateCall, Completion, _Gather | None]) -> None:
-        """Main process: the folder is complete once no process's marker is left and every
-        process's RNG file is there (each creates its marker before it writes that file, and removes
-        it once its files are durable; another node's process sends its file, written here, then
-        this process's own marker of the gathering is removed). Bounded by ``load_timeout``; a dead
-        process's marker, or an error sent by another node's process, ends it."""
+        """Watcher thread (main process): finish the level handle once no other process's marker is left
+        and every process's RNG file is there; bounded by ``load_timeout``, ended early by a dead process's
+        marker or an error another node sent."""
         call, completion, gather = item
         try:
             error = self._gathered(call, gather)
@@ -396,11 +360,11 @@ class LevelSaves:
                     f"(markers {markers}, missing {missing}, no RNG file yet from processes {outside})"
                 )  # fmt: skip
                 error = IncompleteCheckpointError(f"lazyckpt: {folder} is incomplete: {why}")
-                break  # this process's marker of the gathering stays: the folder is incomplete
+                break  # this process's gathering marker stays: the folder is incomplete
             time.sleep(delay)
             delay = min(delay * 2, 0.1)
         if error is not None and gather is not None and self.nodes is not None:
-            self.nodes.forget(gather.seq, gather.outside)  # the answers not read (some may come later: small)
+            self.nodes.forget(gather.seq, gather.outside)  # unread answers (late ones stay: small)
         return error
 
     # -- the handle's wait / remove ------------------------------------------------------------------
@@ -419,15 +383,15 @@ class LevelSaves:
         if self._multi is not None:
             self._multi.close()
         if self._holder is not None:
-            self._holder.close()  # waits for the main process's last copies (bounded)
+            self._holder.close()  # waits (bounded) for the main process's last copies
         if self.nodes is not None:
             self.nodes.close()
 
 
 @dataclasses.dataclass
 class _Gather:
-    """One bare save's exchange of RNG files (``_nodes.py``): its number, the processes outside
-    the main process's folder, whether this process is one (it posts), the main process's marker."""
+    """One bare save's exchange of RNG files (``_nodes.py``): its number, the processes outside the main
+    process's folder, whether this process is one of them (it posts), the main process's marker."""
 
     seq: int
     outside: list[int]
@@ -439,7 +403,6 @@ class _Gather:
 
 
 def _stats(call: SaveStateCall) -> SaveStats:
-    """The folder's stats: its files' bytes, times from the save_state call."""
     stats = [h.stats for h in call.handles if h.stats is not None]
     return SaveStats(
         path=call.folder or "",

@@ -1,11 +1,7 @@
 """Which folder ``load_state`` may read: pending saves waited for, incomplete folders refused.
 
-``folder_to_load`` waits for this process's saves into the folder (through their calls) and other
-processes' (by watching their markers, bounded by ``load_timeout``: no collective call, so
-``load_state`` on some processes only works as with stock); then refuses a folder that still holds a
-marker (:class:`IncompleteCheckpointError`, chained to this process's failure when there was one) or,
-with automatic checkpoint naming, picks the newest complete folder (an
-:class:`IncompleteCheckpointWarning` names the ones skipped and why).
+Waits for this process's saves (their calls) and other processes' (their markers, bounded by
+``load_timeout``; no collective call). Called on the thread that calls ``load_state``.
 """
 
 from __future__ import annotations
@@ -27,12 +23,14 @@ logger = logging.getLogger("lazyckpt.accelerate")
 
 
 def folder_to_load(accelerator: Any, saves: SaveStateCalls, input_dir: Any, load_timeout: float) -> Any:
-    """What stock ``load_state`` should read for ``load_state(input_dir)``: ``input_dir`` itself once
-    it is complete, the newest complete folder with automatic naming, or ``input_dir`` unchanged."""
+    """What stock ``load_state`` should read for ``load_state(input_dir)``: ``input_dir`` once complete,
+    the newest complete folder with automatic naming (warning with ``IncompleteCheckpointWarning`` about
+    newer ones skipped), or ``input_dir`` unchanged. Raises ``IncompleteCheckpointError``, chained to this
+    process's failure when there was one."""
     if input_dir is not None:
         target = _compat.real_path(input_dir)
-        saves.wait_into(lambda folder: folder == target)  # this process's pending saves into it
-        wait_other_processes(accelerator, [target], load_timeout)  # and other processes' (shared files)
+        saves.wait_into(lambda folder: folder == target)
+        wait_other_processes(accelerator, [target], load_timeout)
         markers = pending_markers(target)
         if os.path.isdir(target) and markers:
             failed = saves.error_for(target)
@@ -81,16 +79,14 @@ def _newest_complete(accelerator: Any, saves: SaveStateCalls, load_timeout: floa
 
 
 def wait_other_processes(accelerator: Any, folders: list[str], load_timeout: float) -> None:
-    """Wait until no other live process has a pending save into ``folders`` (bounded by ``load_timeout``).
-
-    No collective call: load_state (and save_state) may be called on some processes only, as stock allows.
-    """
+    """Wait until no other live process has a pending save into ``folders`` (bounded by ``load_timeout``;
+    no collective call: ``load_state`` may run on some processes only)."""
     if accelerator.num_processes <= 1:
         return
     deadline = time.monotonic() + load_timeout
     delay = 0.005
     while True:
-        busy = [f for f in folders if live_markers(f)]  # other processes' saves that may still end
+        busy = [f for f in folders if live_markers(f)]
         if not busy or time.monotonic() >= deadline:
             if busy:
                 logger.warning(
@@ -106,8 +102,7 @@ def _describe(error: BaseException) -> str:
 
 
 def _why_incomplete(failed: BaseException | None, markers: list[str]) -> str:
-    """Why a folder is incomplete: the error of this process's save into it when there was one
-    (e.g. a tensor changed in place right after save_state), else what a leftover marker means."""
+    """Why a folder is incomplete: this process's save error, else what a leftover marker means."""
     if failed is not None:
         return f"its save_state in this process failed, so no file of it was completed there ({_describe(failed)})"
     return (

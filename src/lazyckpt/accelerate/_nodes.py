@@ -1,36 +1,6 @@
-"""``install(accelerator, levels=...)`` in a job of several nodes: who shares each level's folder,
-and the RNG files of the processes that cannot write into the main process's folder.
-
-Accelerate's ``save_state`` (``save_on_each_node=False``) has the main process write the model,
-optimizer, scheduler and sampler files, and every process its own ``random_states_<i>.pkl``. In a
-folder every process shares, that is one complete folder. In a node-local level (the probe finds it
-shared by one node's processes only, e.g. ``/dev/shm/run`` on every node) only the main process's
-node could; so the main process's folder is made complete by it (DDP: the other files are the
-same on every process):
-
-    every process, at install (collective): the levels' scopes (``levels.probe``); a node-local
-        level without ``replicas`` is refused (the other nodes could not resume from it)
-    a process outside the main process's group of the fastest due level: its lazy ``save_state``
-        writes into a staging folder of its own (``_fs.temporary_path``, in its node's level
-        folder); once its part ended (its finisher thread), ``post`` puts its RNG file's bytes in
-        the job's c10d store (``lazyckpt/accelerate/<token>/<seq>/<rank>``; an error instead when
-        its part failed) and the staging folder is removed
-    the main process: a marker of its own in the folder from ``save()``, before the processes agree
-        on the step (``hold``; with one node too: ``_levels.LevelSaves._claim``) until every process's
-        part ended and ``collect`` has written every such process's RNG file into the folder (temporary name,
-        fsync, rename); the folder is complete, its level handle done, only then: the copies to
-        the slower levels and to the other nodes' memory (``levels.SingleWriter``, through the
-        ``MultiLevel``), and on a restart ``lazyckpt.latest()`` gives every node the newest step.
-
-``seq`` counts the bare saves with a due level, alike on every process (they agree on the step).
-A process of another node that dies leaves no marker the main process can see (its staging folder
-is on its own node): with a node-local level every process but the main one beats in the store
-(``lazyckpt.distributed.Liveness``, every 0.5 s, the ``lazyckpt-heartbeat`` thread), and the main
-process's wait for RNG files fails once one it awaits has not beaten for 6 s.
-
-Owns: the keys it posts (the main process deletes each once read), its markers, the heartbeat
-thread (stopped by ``close``). Waits: none of its own (the main process's watcher thread polls
-``collect`` and ``dead``, bounded by ``load_timeout``).
+"""Levels in a job of several nodes: who shares each level's folder; a process outside the main process's
+node-local folder saves into its own staging folder and posts its RNG file through the c10d store, which the
+main process writes into its folder. Non-main processes beat in the store (``lazyckpt-heartbeat`` thread).
 """
 
 from __future__ import annotations
@@ -52,7 +22,10 @@ _OK, _ERR = b"\x00", b"\x01"
 
 
 class Nodes:
-    """The levels' scopes in a job of several processes, and the RNG files' exchange (see the module docstring)."""
+    """The levels' scopes in a job of several processes, and the RNG files' exchange.
+
+    Constructed collectively at install; raises ``ValueError`` for a node-local level without ``replicas``.
+    """
 
     def __init__(self, levels: Sequence[Level], rank: int, world: int, timeout: float) -> None:
         exchange = StoreExchange.default(timeout)
@@ -67,7 +40,7 @@ class Nodes:
                     "other nodes' memory; lazyckpt.accelerate.load_latest gives every node the newest step) or "
                     "use a folder every process shares"
                 )
-        for level in levels:  # what a killed process of this host left (staging, copies half-received)
+        for level in levels:  # leftovers of a killed process on this host
             if not level.is_url:
                 _fs.cleanup_temporaries(level.path)
         self.rank, self.world = rank, world
@@ -75,9 +48,7 @@ class Nodes:
         self.prefix = f"lazyckpt/accelerate/{token[:16]}"
         self._seq = 0
         self._read: dict[int, int] = {}  # save -> answers read so far (the main process)
-        # a process of another node that dies leaves no marker the main process can see: with a
-        # node-local level, every other process beats in the store (``distributed``'s heartbeat),
-        # and the main process's wait for RNG files ends once one of those it awaits stops
+        # another node's dead process leaves no marker the main process can see: heartbeats instead
         self._stop = threading.Event()
         self._liveness: Liveness | None = None
         if any(scope.node_local for scope in self.scopes):
@@ -115,8 +86,8 @@ class Nodes:
     # -- a process outside the main process's folder --------------------------------------------------
 
     def post(self, seq: int, staging: str, error: BaseException | None) -> None:
-        """This process's RNG file of save ``seq`` (written into ``staging``) to the main process,
-        or the error that ended its part; ``staging`` removed."""
+        """Post this process's RNG file of save ``seq`` (in ``staging``), or ``error``, to the main process;
+        ``staging`` is removed."""
         try:
             if error is None:
                 with open(os.path.join(staging, f"{RNG_STATE_NAME}_{self.rank}.pkl"), "rb") as fh:
@@ -128,7 +99,7 @@ class Nodes:
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         self.store.set(self._key(seq, self.rank), value)
-        self.store.add(self._count(seq), 1)  # after the value: a count the main process sees has its key
+        self.store.add(self._count(seq), 1)  # after the value: a counted answer has its key
 
     # -- the main process -----------------------------------------------------------------------------
 
@@ -142,8 +113,8 @@ class Nodes:
 
     @staticmethod
     def hold(folder: str) -> str:
-        """A marker of the main process's in ``folder`` (made now): the folder is incomplete until
-        ``release``; a main process that dies leaves it (stale: the folder is never chosen)."""
+        """Create the main process's marker in ``folder``: incomplete until ``release`` (a dead main process
+        leaves it, so the folder is never chosen)."""
         os.makedirs(folder, exist_ok=True)
         marker = os.path.join(folder, marker_name("gather"))
         with open(marker, "w") as fh:
@@ -158,10 +129,9 @@ class Nodes:
             pass
 
     def collect(self, seq: int, folder: str, ranks: list[int], fsync: bool) -> tuple[list[int], list[str]]:
-        """Each of ``ranks`` whose answer to save ``seq`` arrived: its RNG file written into
-        ``folder`` (temporary name, fsync, rename), its key deleted. Returns (the ranks still
-        awaited, the errors they sent). One store request while no new answer came (the count):
-        the main process polls this every 5-100 ms, however many processes it waits for."""
+        """Write the RNG file of each of ``ranks`` whose answer to save ``seq`` arrived into ``folder``
+        (temporary name, fsync, rename) and delete its key. Returns (ranks still awaited, errors they sent).
+        Cheap to poll: one store request while no new answer came."""
         answered = int(self.store.add(self._count(seq), 0))
         if answered <= self._read.get(seq, 0):
             return ranks, []
@@ -200,8 +170,7 @@ class Nodes:
         return waiting, errors
 
     def forget(self, seq: int, ranks: list[int]) -> None:
-        """Save ``seq`` is over: the answers of ``ranks`` that arrived deleted unread (a failed save),
-        and its count."""
+        """Save ``seq`` is over: delete its count and the answers of ``ranks`` (unread, a failed save)."""
         self._read.pop(seq, None)
         for key in [self._key(seq, r) for r in ranks] + [self._count(seq)]:
             try:

@@ -1,11 +1,8 @@
 """What ``install()`` puts on an Accelerator, and how ``uninstall()`` takes it off again.
 
-On the instance: ``save_state`` / ``load_state`` attributes that call the handle's
-(``_compat.InstalledMethod``: they pickle as the stock methods) and a save-state pre-hook that runs
-first, so the pending marker exists before any user hook or accelerate writes a file. Process-wide,
-reference counted with every installed accelerator: the stand-in for ``accelerate.checkpointing.save``
-and the FSDP ``dcp.save`` route (``_compat.acquire_patch``), with this accelerator's route registered.
-At most one handle per accelerator (:func:`installed`).
+On the instance: ``save_state`` / ``load_state`` attributes calling the handle's and a save-state pre-hook
+that runs first; process-wide (reference counted): ``_compat.acquire_patch``. At most one handle per
+accelerator (:func:`installed`).
 """
 
 from __future__ import annotations
@@ -25,9 +22,9 @@ def installed(accelerator: Any) -> Any:
 
 
 class InstancePatch:
-    """``install()``'s changes to one accelerator for ``owner`` (its handle), applied at construction
-    (undone again if that fails) and undone by :meth:`undo`. ``stock_save_state`` /
-    ``stock_load_state``: what those names resolved to before (normally the class's methods)."""
+    """``install()``'s changes to one accelerator for ``owner`` (its handle): applied at construction
+    (undone if that fails), undone by :meth:`undo`. ``stock_save_state`` / ``stock_load_state``: what
+    those names resolved to before. Raises ``RuntimeError`` if a handle is already installed."""
 
     def __init__(
         self,
@@ -45,7 +42,7 @@ class InstancePatch:
         self.owner = owner
         self.stock_save_state = accelerator.save_state
         self.stock_load_state = accelerator.load_state
-        # Instance attributes the accelerator already had: restored as they were by undo().
+        # Instance attributes the accelerator already had: restored by undo().
         self._previous = {n: vars(accelerator)[n] for n in ("save_state", "load_state") if n in vars(accelerator)}
         self._methods: dict[str, _compat.InstalledMethod] = {}
         self._hook: Any = None

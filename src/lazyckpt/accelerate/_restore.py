@@ -1,15 +1,5 @@
-"""``load_latest(accelerator)``: the newest complete folder of any level, loaded by stock ``load_state``.
-
-``lazyckpt.latest(levels)`` picks it (every level listed; a folder counts once no pending marker is
-left in it, Accelerate's expected files are there and every CRC checks out; torn or corrupt copies
-are skipped with a warning); with several processes the main process picks and tells the others
-(one broadcast), so every process loads the same step. With a level with ``replicas`` (several
-nodes, node-local folders) ``latest()`` is collective instead: the newest step some node holds is
-copied into every node's folder that lacks it, and each process loads its own node's copy. Then
-``accelerator.load_state(found.path)``: the installed one (a URL: its files downloaded first,
-``_url.downloaded``), or stock's for an accelerator without lazyckpt (a URL through a short-lived
-checkpointer's remote tier). The handle's step counter is set to ``found.step``, so the next saves
-continue the numbering.
+"""``load_latest(accelerator)``: the newest complete folder of any level (``lazyckpt.latest``), loaded by
+``accelerator.load_state``. Collective with several processes: every process loads the same step.
 """
 
 from __future__ import annotations
@@ -43,17 +33,14 @@ def load_latest(
 ) -> Found | None:
     """Restore the newest complete checkpoint folder of ``levels`` into ``accelerator``.
 
-    ``levels``: the levels to look in, fastest first (default: the ones given to
-    ``install(accelerator, levels=...)``). Returns the :class:`lazyckpt.Found` that was loaded
-    (``path``, ``step``, ``level``: its index in ``levels``), or None when no level holds a
-    complete folder (nothing is loaded; start from scratch). Call it on every process (with several,
-    the main process picks the folder and the others load the same one; with a level with
-    ``replicas``, every process picks, collectively, from its own node's folders, each given the
-    newest step some node holds first, and they agree on the step). ``load_kwargs`` go to
-    ``accelerator.load_state``. With an installed handle, its pending saves are waited for first
-    (their errors stay to be reported by the next ``save_state`` / ``wait()``), and its step counter
-    is set to ``found.step``: the next bare ``save_state()`` after one more optimizer step saves
-    ``found.step + 1``.
+    Call it on every process: all load the same step (with ``replicas``, each from its own node's copy).
+    ``levels``: the levels to look in, fastest first (default: those given to ``install(accelerator,
+    levels=...)``). ``storage_options``: for URL levels (default: the installed checkpointer's).
+    ``verify``: check CRCs, skipping corrupt copies. ``load_kwargs`` go to ``accelerator.load_state``.
+    Returns the :class:`lazyckpt.Found` loaded (``path``, ``step``, ``level``: its index in ``levels``),
+    or None when no level holds a complete folder (nothing loaded). With an installed handle, its pending
+    saves are waited for first (errors stay for the next ``save_state`` / ``wait()``) and ``handle.step``
+    is set to ``found.step``. Raises ``ValueError`` when no levels are given or installed.
     """
     handle = installed(accelerator)
     if levels is None:
@@ -69,8 +56,7 @@ def load_latest(
         handle.settle()
     found: Found | None = None
     if accelerator.num_processes > 1 and any(getattr(entry, "replicas", 0) for entry in levels):
-        # collective: the newest step any node holds is first copied into every node's folder lacking
-        # it; each process then finds it in its own node's folder (the same step everywhere, checked)
+        # collective: the newest step is copied to every node lacking it; each process reads its node's copy
         found = latest(levels, storage_options, verify, preload=False)
     elif accelerator.num_processes > 1:
         if accelerator.is_main_process:

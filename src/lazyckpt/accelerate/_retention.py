@@ -1,11 +1,5 @@
-"""``total_limit``: the old folders stock ``save_state`` deletes, drained first and deleted off the training thread.
-
-With ``automatic_checkpoint_naming`` and ``total_limit``, stock ``save_state`` ``rmtree``\\ s the oldest
-folders before it writes. :meth:`OldFolders.make_room` computes the same list first, waits for this
-process's pending saves into them (so a deletion never races a pending write), then renames each out
-of ``checkpoints/`` (a hidden temporary name in the project folder: stock's count then sees the room
-made and deletes nothing) and deletes it on the checkpointer's remover thread. Freeing 1 GB of fsynced
-files took 0.2 s inside stock's ``rmtree`` here.
+"""``total_limit``: the old folders stock ``save_state`` would delete, drained first, then renamed out of
+``checkpoints/`` (so stock deletes nothing) and deleted on the checkpointer's remover thread.
 """
 
 from __future__ import annotations
@@ -35,7 +29,7 @@ class OldFolders:
         self._trash_cleaned: set[str] = set()
 
     def make_room(self, accelerator: Any, saves: SaveStateCalls) -> None:
-        """Before stock ``save_state``: drain the saves into the folders it is about to delete, and delete them."""
+        """Before stock ``save_state``: drain the saves into the folders it is about to delete, then delete them."""
         doomed, exact = doomed_folders(accelerator)
         if not doomed:
             return
@@ -49,8 +43,7 @@ class OldFolders:
         futures_wait(self._deletions)
 
     def _delete(self, trash: str, doomed: list[str]) -> None:
-        # Anything unusual (a symlinked folder, which stock's rmtree refuses; a rename that fails) is
-        # left to stock, as it would be.
+        # Anything unusual (a symlinked folder, a failed rename) is left to stock.
         mine = [f for f in doomed if os.path.isdir(f) and not os.path.islink(f)]
         if not mine:
             return
@@ -59,7 +52,7 @@ class OldFolders:
             self._trash_cleaned.add(trash)
             cleanup_temporaries(trash)
         for folder in mine:
-            try:  # the checkpointer's wait() waits for the deletion and reports its error
+            try:
                 self._deletions = [f for f in self._deletions if not f.done()]
                 self._deletions.append(self.checkpointer.remove(folder, trash_dir=trash))
             except OSError as exc:
@@ -67,8 +60,8 @@ class OldFolders:
 
 
 def doomed_folders(accelerator: Any) -> tuple[list[str], bool]:
-    """The folders stock save_state is about to rmtree, as stock names them (same computation as
-    accelerate 1.15), and whether that list is exact (False: stock's sort will fail on a stray name)."""
+    """The folders stock save_state is about to rmtree (stock's computation), and whether that list is
+    exact (False: stock's sort will fail on a stray name)."""
     pc = accelerator.project_configuration
     if not (pc.automatic_checkpoint_naming and pc.total_limit is not None and accelerator.is_main_process):
         return [], True

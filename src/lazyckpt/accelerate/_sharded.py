@@ -1,11 +1,6 @@
-"""FSDP ``SHARDED_STATE_DICT``: accelerate's ``dcp.save`` calls, routed to a ``DistributedCheckpointer``.
-
-``_compat`` wraps accelerate's ``save_fsdp_model`` / ``save_fsdp_optimizer`` and stands in for
-``torch.distributed.checkpoint.save``; for an installed accelerator it hands exactly their call to
-:meth:`ShardedRoute.route` (registered with ``_compat.set_route`` by the handle). Each call is saved
-lazily, on every process (collective, as ``dcp.save`` is), into the same ``pytorch_model_fsdp_<i>`` /
-``optimizer_<i>`` folder, committed whole once every process's part is durable. Inside an installed
-``save_state`` the output folder's marker waits for it too (``SaveStateCall.add_sharded``).
+"""FSDP ``SHARDED_STATE_DICT``: accelerate's ``dcp.save`` calls (intercepted by ``_compat``), saved lazily
+through a ``DistributedCheckpointer`` into the same folders, each committed whole once every process's part
+is durable. Inside an installed ``save_state`` the output folder's marker waits for them too.
 """
 
 from __future__ import annotations
@@ -32,15 +27,14 @@ class ShardedRoute:
         self._dist: DistributedCheckpointer | None = None
 
     def route(self, state_dict: dict[str, Any], path: str) -> None:
-        """What accelerate's ``save_fsdp_model`` / ``save_fsdp_optimizer`` would save with
-        ``dcp.save(state_dict, storage_writer=FileSystemWriter(path))``, lazily, on every process
-        (collective, as dcp.save is): the same folder through a ``DistributedCheckpointer``."""
+        """Save lazily what ``dcp.save(state_dict, storage_writer=FileSystemWriter(path))`` would (collective,
+        every process, as dcp.save is)."""
         if self.closed:
-            raise RuntimeError("lazyckpt.accelerate: routing a save after uninstall()")  # not reached: unrouted
+            raise RuntimeError("lazyckpt.accelerate: routing a save after uninstall()")  # unrouted by then
         call = _compat.active_save.get()
         if not isinstance(call, SaveStateCall) or call.owner is not self.owner:
             call = None
-        if call is not None:  # inside an installed save_state: the output folder's marker waits for it too
+        if call is not None:  # inside an installed save_state: its marker waits for it too
             call.begin(os.path.dirname(os.path.abspath(path)))
         handle = self._checkpointer().save(state_dict, path)
         if call is not None:
@@ -61,8 +55,7 @@ class ShardedRoute:
         if self._dist is None:
             from lazyckpt.distributed import DistributedCheckpointer
 
-            # The sharded files of one save_state folder: a plain (single-level) distributed save,
-            # whatever levels the handle has (its levels copy the whole folder once it is complete).
+            # Single-level: the handle's levels copy the whole folder once it is complete.
             opts = dataclasses.replace(self.checkpointer.options, on_backpressure="block", levels=None)
             self._dist = DistributedCheckpointer(options=opts)
         return self._dist

@@ -1,10 +1,7 @@
 """Folders at URLs: ``save_state("s3://...")`` and ``load_state("s3://...")`` (one process).
 
-Save: the stock folder is saved into a fresh local folder of the checkpointer's remote tier
-(``commit/remote_folder.local_folder``), lazily as any folder; once complete, the handle's uploader
-thread uploads its files and the manifest last (``SaveStateCall._upload``). :func:`admit_upload`
-bounds the local disk used by folders waiting for upload. Load: this process's saves to the URL
-are waited for, the files its manifest names are downloaded, and stock ``load_state`` reads them.
+Saves go to a fresh local folder of the remote tier, uploaded once complete on the handle's uploader thread
+(``commit/remote_folder.py``); loads wait for this process's saves to the URL and download the manifest's files.
 """
 
 from __future__ import annotations
@@ -28,7 +25,8 @@ if TYPE_CHECKING:
 
 
 def save_target(accelerator: Any, output_dir: Any) -> str | None:
-    """The URL ``save_state(output_dir)`` writes to, or None for a local folder; refuses what cannot work."""
+    """The URL ``save_state(output_dir)`` writes to, or None for a local folder; raises ``SaveRefusedError``
+    for what cannot work."""
     if accelerator.project_configuration.automatic_checkpoint_naming:
         if is_url(str(accelerator.project_dir)):  # stock would makedirs a local folder named "s3:"
             raise SaveRefusedError(
@@ -53,8 +51,8 @@ def load_source(input_dir: Any) -> str | None:
 
 
 def admit_upload(saves: SaveStateCalls, url: str, bound: int) -> None:
-    """Bound the local disk: at most ``bound`` folders saved to URLs wait for their upload; the next
-    save_state to a URL waits for the oldest (and warns with the numbers)."""
+    """Bound the local disk: with ``bound`` URL folders awaiting upload, wait for the oldest (with a
+    ``BackpressureWarning``)."""
     pending = saves.uploads_pending()
     if len(pending) < bound:
         return
@@ -77,8 +75,8 @@ def local_folder(checkpointer: LazyCheckpointer, url: str) -> str:
 
 @contextlib.contextmanager
 def downloaded(checkpointer: LazyCheckpointer, saves: SaveStateCalls, url: str) -> Iterator[str]:
-    """Wait for this process's saves to ``url``, download the files its manifest names into the
-    local tier (``IncompleteCheckpointError`` without a manifest); the local folder while the block runs."""
+    """Wait for this process's saves to ``url`` and download the files its manifest names; yields the local
+    folder, removed after the block. Raises ``IncompleteCheckpointError`` without a manifest."""
     mine = saves.to_url(url)
     for call in mine:
         call.wait()
