@@ -1,20 +1,8 @@
-"""``latest()`` on every rank of a job: one answer for all, agreed through the c10d store.
+"""Collective ``latest()``: the newest step every rank can load, agreed through the c10d store.
 
-Each rank lists its levels (a node-local level's folder differs per node) and posts the steps it
-holds; then, newest step first (only steps some level holds on every rank), each rank checks its
-own copies of that step, fastest level first, for what IT would load (``check``: a DCP folder
-through the files its manifest lists for this rank, anything else whole), and posts the level it
-can use or none. The first step every rank can use is the answer everywhere; each rank's path is
-its own fastest usable copy (rank 0 may read node memory while rank 1, whose memory copy is
-corrupt, reads the same step from disk: the same state either way).
-
-The exchange goes through the default c10d store (the job's rendezvous store, a TCP connection of
-its own: never a collective on the training's process group, so nccl jobs are fine), each rank
-polling for the others' keys with short requests until ``timeout``: a rank that never calls
-``latest()`` (or died) makes the others raise ``TimeoutError`` naming it, never hang. Keys are
-``lazyckpt/latest/<restart>/<call>/<round>/r<rank>`` (``<restart>``: torchrun's restart count, so
-a store that outlives a restart never serves an older incarnation's answers), small JSON; each
-rank deletes its key of a round once every rank has posted the next.
+Runs on the caller's thread over the default store, never a collective on the training's group; a
+silent rank makes the others raise ``TimeoutError``. Keys include torchrun's restart count, so a
+store outliving a restart never serves stale answers.
 """
 
 from __future__ import annotations
@@ -32,11 +20,8 @@ _calls = itertools.count()
 
 
 def active(collective: bool | None, listings: dict[int, dict[int, str]], is_dcp: Callable[[str], bool]) -> bool:
-    """Whether ``latest()`` runs collectively: ``collective`` if given; else in a job
-    (torch.distributed initialized, more than one rank) whose levels, as this rank lists them, hold
-    a DCP folder of ``lazyckpt.distributed`` (``is_dcp``) or nothing at all (then this rank only
-    posts that it holds nothing, for ranks that do: ``agree``). Levels holding other checkpoints
-    only are one process's business (a caller may pick on one process and broadcast)."""
+    """Whether ``latest()`` runs collectively: ``collective`` if given; else in a multi-rank job
+    whose levels, as this rank lists them, hold a DCP folder (``is_dcp``) or nothing at all."""
     if collective is not None:
         return collective
     try:
@@ -58,15 +43,14 @@ class StoreExchange:
 
     @staticmethod
     def default_store() -> Any:
-        """The default process group's key-value store (torch keeps it privately); the distributed
-        checkpointer's commit protocol uses it too."""
+        """The default process group's key-value store (a private torch API)."""
         import torch.distributed as dist
 
         return dist.distributed_c10d._get_default_store()
 
     @classmethod
     def default(cls, timeout: float) -> StoreExchange:
-        """Over the default process group's ranks and store (torch.distributed initialized)."""
+        """Over the default process group's ranks and store."""
         import torch.distributed as dist
 
         store = cls.default_store()
@@ -78,7 +62,7 @@ class StoreExchange:
         return f"{self.prefix}/{round_no}/r{rank}"
 
     def post(self, value: Any) -> int:
-        """Post this rank's ``value`` for the next round without waiting for the others'; its round."""
+        """Post this rank's ``value`` for the next round without waiting; returns the round."""
         round_no, self._round = self._round, self._round + 1
         self.store.set(self._key(round_no, self.rank), json.dumps(value))
         return round_no
@@ -115,9 +99,8 @@ def agree(
     check: Callable[[int, int, str], bool],
     exchange: StoreExchange,
 ) -> tuple[int, int, str] | None:
-    """(step, level, path) agreed by every rank (the step is the same everywhere; level and path
-    are this rank's fastest usable copy), or None. ``listings``: this rank's {level: {step: path}};
-    ``check(level, step, path)``: whether this rank can load that copy (it warns if not)."""
+    """(step, level, path) agreed by every rank, or None; level and path are this rank's fastest
+    usable copy. ``listings``: {level: {step: path}}; ``check(level, step, path)``: loadable here."""
     mine = {str(level): sorted(steps) for level, steps in listings.items()}
     if not any(listings.values()):  # no step is held by every rank: None, without waiting for them
         exchange.post({"value": mine})
@@ -140,8 +123,8 @@ def _usable(listings: dict[int, dict[int, str]], step: int, check: Callable[[int
 
 
 def _gather(exchange: StoreExchange, compute: Callable[[], Any]) -> list[Any]:
-    """Every rank's ``compute()``; a rank whose ``compute`` raised posts that it failed (then
-    raises), so the others raise at once instead of waiting for it until their timeout."""
+    """Every rank's ``compute()``; a rank whose ``compute`` raises posts the failure first, so the
+    others raise ``RuntimeError`` at once instead of timing out."""
     try:
         value = compute()
     except BaseException as exc:

@@ -1,14 +1,6 @@
-"""Feeding a slower level from a faster level's committed file, and the memory statement.
-
-``copy_file`` is the local promotion: the committed source file is read through one open
-descriptor (retention cannot take it away meanwhile: it is pinned, and an unlinked inode stays
-readable anyway) into a temporary name in the destination folder, fsynced, renamed over the
-final name, and the folder fsynced: the single-level save's commit protocol, through ``lazyckpt.storage.fs``
-so fault injection reaches it. A failure unlinks the temporary file; the final name never holds
-a partial file. ``copy_tree`` does the same for a folder checkpoint: every file into a hidden
-temporary folder beside the destination, each fsynced, then one rename of the folder.
-``upload_folder`` feeds a URL level from a folder: every file, then the manifest last
-(``commit/remote_folder.py``).
+"""Feeding a slower level from a faster level's committed checkpoint (on the level threads), and
+the memory check. Copies commit as single-level saves do, through ``lazyckpt.storage.fs`` (so fault
+injection reaches them): a final name never holds a partial copy.
 """
 
 from __future__ import annotations
@@ -44,7 +36,7 @@ MEMORY_FRACTION = 0.5  # a memory level may hold up to this fraction of MemTotal
 
 
 def copy_file(src: str, dst: str, fsync: bool) -> None:
-    """Copy the committed file ``src`` to ``dst`` atomically (see the module docstring)."""
+    """Copy the committed file ``src`` to ``dst`` atomically; a failure leaves no temporary file."""
     os.makedirs(os.path.dirname(dst), exist_ok=True)
     tmp = _fs.temporary_path(dst)
     try:
@@ -56,7 +48,7 @@ def copy_file(src: str, dst: str, fsync: bool) -> None:
 
 
 def _write_copy(src: str, new: str, fsync: bool) -> None:
-    """Create ``new`` (it must not exist) with the bytes of ``src``, fsynced (``fsync``)."""
+    """Create ``new`` (it must not exist) with the bytes of ``src``, fsynced with ``fsync``."""
     fd_in = os.open(src, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
         size = os.fstat(fd_in).st_size
@@ -74,12 +66,8 @@ def _write_copy(src: str, new: str, fsync: bool) -> None:
 
 
 def copy_tree(src: str, dst: str, fsync: bool) -> None:
-    """Copy the complete folder ``src`` to ``dst`` atomically: its files and subfolders (pending
-    markers and lazyckpt temporaries left out) into a hidden temporary folder beside ``dst``, every
-    file and folder fsynced, then renamed to ``dst`` and the parent fsynced. A ``dst`` already
-    there (the same step saved again) is renamed away first and deleted after. On failure the
-    temporary folder is removed (a killed process's is removed by ``cleanup_temporaries``, as the
-    levels do when they open) and ``dst`` is what it was."""
+    """Copy the complete folder ``src`` to ``dst`` atomically (pending markers and temporaries left
+    out); on failure ``dst`` is unchanged and no temporary is left."""
     os.makedirs(os.path.dirname(dst), exist_ok=True)
     tmp = _fs.temporary_path(dst)
     os.mkdir(tmp)
@@ -105,24 +93,16 @@ def _is_protocol_file(name: str) -> bool:
 
 
 def upload_folder(tier: RemoteTier, src: str, url: str) -> None:
-    """Upload the complete folder ``src`` to the prefix ``url``: every file, the manifest last (its
-    local copy in a scratch folder: ``src`` is a level's checkpoint and stays untouched).
-    ``UploadError`` on failure, with nothing left that reads as a checkpoint at ``url``."""
+    """Upload the complete folder ``src`` to the prefix ``url``, the manifest last; ``src`` is not
+    changed. ``UploadError`` on failure, with nothing at ``url`` that reads as a checkpoint."""
     with tempfile.TemporaryDirectory(prefix="lazyckpt-manifest-") as scratch:
         _remote_folder.upload_folder(tier, src, url, scratch=scratch)
 
 
 def _copy_data(fd_in: int, fd_out: int, size: int, new: str) -> None:
     """The bytes of ``fd_in`` into ``fd_out`` (the file ``new``), written straight from a read-only
-    mapping of the source, ``COPY_CHUNK`` at a time (``_source_chunks``): no bounce buffer, so the
-    source's bytes cross the memory bus once (the kernel or the device reads them for the write),
-    not three times (read, written into a buffer, read again). A 1.17 GB tmpfs file to ext4 with
-    O_DIRECT: 0.07 CPU s and 0.61-0.71 s, against 0.25-0.32 CPU s and 0.73-1.08 s through a bounce
-    buffer (4 rounds); MAP_POPULATE measured no better (0.08 CPU s). Whole pages go
-    through a second, O_DIRECT descriptor where the destination takes one (not tmpfs) and the copy
-    is big: a buffered copy of the same file cost the copying process 1.5-3.1 CPU s here (the page
-    cache's copy and its writeback); the CPU is what a copy in the background takes from the
-    training. The last partial page is written buffered (the file's fsync covers both)."""
+    mapping of the source (no bounce buffer). For a big file, whole pages go through an O_DIRECT
+    descriptor where the filesystem accepts one (to spare the training's CPU); the tail is buffered."""
     dfd = _fs.open_direct(new) if size >= DIRECT_MIN else -1
     try:
         with contextlib.closing(_source_chunks(fd_in, size)) as chunks:
@@ -141,8 +121,7 @@ def _copy_data(fd_in: int, fd_out: int, size: int, new: str) -> None:
                     if whole < n:
                         _fs.pwrite_all(fd_out, view[whole:n], offset + whole)
             except BaseException as exc:
-                # the failed write's frames (kept by the traceback) hold views of the chunk: cleared,
-                # so that the chunk's mapping can close and this error is the one that propagates
+                # the traceback's frames hold views of the chunk: cleared so its mapping can close
                 traceback.clear_frames(exc.__traceback__)
                 raise
     finally:
@@ -151,12 +130,10 @@ def _copy_data(fd_in: int, fd_out: int, size: int, new: str) -> None:
 
 
 def _source_chunks(fd_in: int, size: int) -> Generator[tuple[int, memoryview], None, None]:
-    """``(offset, view)`` for each ``COPY_CHUNK`` of the source ``fd_in``: a view of a read-only
-    mapping of that chunk or, where the source cannot be mapped (ENODEV: some FUSE and network
-    filesystems), of a page-aligned buffer it was read into. A view is released, and its mapping
-    closed, when the next one is asked for or the generator is closed. Only the kernel reads a
-    mapping (inside the consumer's ``pwrite``): a source cut short under the copy fails that write
-    (EFAULT), never the process (SIGBUS)."""
+    """``(offset, view)`` for each ``COPY_CHUNK`` of ``fd_in``: a read-only mapping of the chunk, or
+    a page-aligned buffer read into where the source cannot be mapped. Each view is released when
+    the next is asked for or the generator closes. The consumer must hand a view only to the kernel
+    (``pwrite``): a source truncated meanwhile then fails the write (EFAULT), never SIGBUS."""
     buf: mmap.mmap | None = None
     mapped, offset = True, 0
     try:
@@ -204,8 +181,7 @@ def memory_total() -> int:
 
 
 def tensor_bytes(obj: Any) -> int:
-    """Bytes of the distinct tensor storages in ``obj`` (dicts, lists, tuples, objects' __dict__):
-    the checkpoint's size to within its pickle and headers."""
+    """Bytes of the distinct tensor storages reachable in ``obj`` (containers, objects' __dict__)."""
     seen: set[tuple[str, int]] = set()
     total = 0
     stack, visited = [obj], set()
@@ -228,10 +204,9 @@ def tensor_bytes(obj: Any) -> int:
 
 
 def check_memory(levels: tuple[Level, ...], size: int) -> None:
-    """First save: the memory levels (tmpfs) hold ``keep`` checkpoints plus the files pinned by
-    slower levels' backlogs (a level with ``replicas=k``: also ``k x keep`` of its peers' and up to
-    its ``backlog`` of its own still open for sending); warn with the numbers when that exceeds
-    MEMORY_FRACTION of RAM."""
+    """At the first save: ``MemoryLevelWarning`` when the memory levels' worst-case holding (``keep``
+    plus slower levels' backlogs, plus replicas) of ``size``-byte checkpoints exceeds
+    ``MEMORY_FRACTION`` of RAM, or a memory level has ``keep=None``."""
     total = memory_total()
     held, unbounded, parts = 0, [], []
     for i, level in enumerate(levels):
@@ -241,7 +216,7 @@ def check_memory(levels: tuple[Level, ...], size: int) -> None:
             unbounded.append(f"level {i} ({level.path})")
             continue
         backlogs = sum(lv.backlog for lv in levels[i + 1 :])
-        k = int(getattr(level, "replicas", 0))  # peers' steps held here: k x keep, + their files in flight
+        k = int(getattr(level, "replicas", 0))  # peers' steps held here, and own steps in flight
         held += (level.keep * (1 + k) + backlogs + (level.backlog if k else 0)) * size
         parts.append(f"level {i} ({level.path}): keep={level.keep}" + (f" x (1 + {k} replicas)" if k else "")
                      + f" + {backlogs + (level.backlog if k else 0)} backlog")  # fmt: skip
@@ -263,7 +238,6 @@ def check_memory(levels: tuple[Level, ...], size: int) -> None:
 
 
 def _size(n: float) -> str:
-    """``1.17 GB``, ``20.5 MB``, ``4.1 kB``: enough digits to be read at any size."""
     for scale, unit in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
         if n >= scale:
             return f"{n / scale:.2f} {unit}"

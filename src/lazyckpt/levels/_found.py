@@ -14,13 +14,9 @@ from lazyckpt.recovery import FileIdentity
 
 
 class Preread:
-    """The storages of the file at ``path`` that ``latest()`` read into memory while checking its
-    CRCs, keyed by each storage record's data offset, for the file of ``identity``. ``load()``
-    takes them once (``take``): a second ``load()`` reads the file again, and a ``Found`` dropped
-    unused frees them. Owned by the ``Found``; also findable by the file's real path while that
-    ``Found`` lives (``registered``: ``load(found.path)`` takes them too, and ``release`` drops them,
-    as the Lightning plugin does before a stock load of that path). The lock makes ``take`` one-shot
-    across threads."""
+    """Storages of the file ``identity`` that ``latest()`` read while checking it, keyed by data
+    offset. Owned by a ``Found``; findable by real path (``registered``) while it lives. ``take`` is
+    one-shot across threads; a ``Found`` dropped unused frees them."""
 
     def __init__(self, path: str, identity: FileIdentity, storages: dict[int, torch.UntypedStorage]) -> None:
         self.identity = identity
@@ -40,14 +36,12 @@ class Preread:
             return sum(s.nbytes() for s in (self._storages or {}).values())
 
     def __reduce__(self) -> tuple[Any, tuple[()]]:
-        """Pickled (a ``Found`` broadcast to the other ranks, a deepcopy) as nothing: the storages
-        are this process's memory, never sent."""
+        """Pickled as nothing: the storages are this process's memory, never sent."""
         return _nothing, ()
 
     def moved(self, path: str) -> None:
-        """The file read was renamed to ``path`` since (a received copy, read under its temporary
-        name): findable there, with the renamed file's identity when only its ctime changed (a
-        rename's); else not findable there."""
+        """The file read was renamed to ``path``: findable there if it is the same file (only its
+        ctime changed)."""
         try:
             now = FileIdentity.at(path)
         except OSError:
@@ -64,7 +58,7 @@ class Preread:
 
     @classmethod
     def release(cls, path: str) -> None:
-        """Free what was read ahead for ``path`` (its ``Found`` then holds nothing)."""
+        """Free what was read ahead for ``path``."""
         held = cls.registered(path)
         if held is not None:
             held.drop()
@@ -84,14 +78,13 @@ def _nothing() -> None:
 
 @dataclass(frozen=True)
 class Found:
-    """What ``latest()`` found: the file or folder (or URL) ``path``, its ``step``, and ``level``,
-    the index of its level in the list given to ``latest()``.
+    """What ``latest()`` found: the file, folder or URL ``path``, its ``step``, and ``level``, the
+    index of its level in the list given to ``latest()``.
 
-    ``verified``: the identity of the local file whose every CRC ``latest()`` checked (None when
-    it checked none: a folder, a URL, ``verify=False``, or a ``Found`` made by hand). ``load()``
-    skips its own CRC pass only for a file it opens with that same identity. ``preread``: that
-    file's storages, read into memory by the same pass (``latest(preload=True)``, the default),
-    which ``load(found)`` unpickles instead of reading the file again."""
+    ``verified``: the identity of the local file whose every CRC ``latest()`` checked, else None;
+    ``load()`` skips its own CRC pass only for a file with that same identity. ``preread``: that
+    file's storages read by the same pass (``latest(preload=True)``), which ``load(found)`` takes
+    instead of reading the file again."""
 
     path: str
     step: int

@@ -1,10 +1,7 @@
-"""``LevelsHandle``: the one handle ``save(obj, step=)`` returns, done when every due level has its copy.
+"""``LevelsHandle``: the handle ``save(obj, step=)`` returns, done when every due level has its copy.
 
-Parts: the source save (the fastest due level's file, or a staging file when that level is a URL)
-and one copy per slower due level that was admitted. The handle is done once every part is; its
-``wait()`` raises the source save's error (the same report as the core's: reported once) or else
-the first ``LevelError`` (the other levels' errors as notes), published to the multi-level
-ledger before the handle is visible as done, so a later ``save()`` / ``close()`` finds it.
+``wait()`` raises the source save's error, else the first ``LevelError`` (the others as notes); the
+report is published to the saver's ledger before the handle reads as done.
 """
 
 from __future__ import annotations
@@ -32,9 +29,9 @@ SOURCE = -1  # the part key of a staging file that is no level's copy
 
 
 class LevelsHandle(SaveHandle):
-    """A multi-level save. ``step``: its step; ``levels_done``: the level indices holding a complete
-    copy once done; ``levels_skipped``: due levels whose copy was skipped (``on_backpressure="skip"``).
-    ``staged()`` / ``wait_staged()`` / ``local()`` / ``wait_local()`` are the fastest level's save's."""
+    """A multi-level save. ``step``; ``levels_done``: level indices holding a complete copy once
+    done; ``levels_skipped``: due levels whose copy was skipped. ``staged`` / ``wait_staged`` /
+    ``local`` / ``wait_local`` report the fastest level's save."""
 
     def __init__(self, path: str, outcome: Outcome | None = None, *, step: int, source: SaveHandle) -> None:
         super().__init__(path, outcome)
@@ -56,8 +53,8 @@ class LevelsHandle(SaveHandle):
         return self._source.wait(timeout)
 
     def wait_done(self, timeout: float | None = None) -> bool:
-        """The source save commits only once a thread calling into lazyckpt confirmed it after its
-        copies: confirm it here (its ``wait_staged``), then wait for every level."""
+        """Confirm the source save (it commits only once a caller's thread confirms it), then wait
+        for every level."""
         deadline = None if timeout is None else time.monotonic() + timeout
         if not self.done():
             try:
@@ -68,8 +65,8 @@ class LevelsHandle(SaveHandle):
 
 
 class Parts:
-    """The producer's side of one ``LevelsHandle``: its parts (the source save, one copy per
-    admitted slower level); the last part to end finishes the handle through its ``Completion``."""
+    """The producer's side of one ``LevelsHandle``: one part per admitted level (or ``SOURCE``); the
+    last part to end finishes the handle."""
 
     def __init__(self, path: str, step: int, source: SaveHandle, parts: list[int], owner: Owner, t0: float):
         self.completion = Completion(path, LevelsHandle, step=step, source=source)
@@ -82,8 +79,8 @@ class Parts:
         self._lock = reentry.Lock()
 
     def part_done(self, part: int, error: BaseException | None = None, written: bool = True) -> None:
-        """A part ended (any lazyckpt thread): ``error`` a LevelError, ``written`` False when no copy
-        was made because the source save failed or was skipped."""
+        """A part ended (any lazyckpt thread): ``error`` a LevelError; ``written`` False when no copy
+        was made (source failed or skipped)."""
         with self._lock:
             self._parts.discard(part)
             if error is not None:
@@ -96,7 +93,7 @@ class Parts:
 
     def _finish_all(self) -> None:
         if self._source.exception() is not None:
-            self.completion.adopt(self._source)  # the core published that report: claimed once, by either
+            self.completion.adopt(self._source)  # the core published that report: claimed once
         else:
             stats = self._source.stats
             if stats is not None:
@@ -117,7 +114,7 @@ class Parts:
 
 
 class NotDue(SaveHandle):
-    """No level is due at ``step``: a finished handle whose stats say skipped."""
+    """No level is due at ``step``: a finished, skipped handle."""
 
     def __init__(self, path: str, outcome: Outcome | None = None, *, step: int) -> None:
         super().__init__(path, outcome)
@@ -125,7 +122,7 @@ class NotDue(SaveHandle):
 
 
 def not_due(step: int, t0: float) -> SaveHandle:
-    """The handle of ``save(obj, step=n)`` when no level is due at ``step`` (every multi-level saver's)."""
+    """The handle of ``save(obj, step=n)`` when no level is due at ``step``."""
     completion = Completion(f"step {step}: no level due", NotDue, step=step)
     skipped = SaveStats(completion.handle.path, 0, 0, time.perf_counter() - t0, 0.0, 0.0, 0.0, 0.0, 0.0, skipped=True)
     completion.finish(skipped, None)

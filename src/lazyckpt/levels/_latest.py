@@ -1,8 +1,7 @@
-"""``latest(levels)``: the newest step complete at some level, verified; the fastest level holding it.
+"""``latest(levels)``: the newest complete, verified step; the fastest level holding it.
 
-Works on names and files only (``_level.list_steps``, ``lazyckpt.verify`` for files,
-``recovery.check.folder_problems`` for folder checkpoints), not on who wrote them: a restarted
-process, another node, or a distributed saver's folders are read the same way.
+Works on names and files only, not on who wrote them. Runs on the caller's thread; collective in a
+job with DCP folders or replicated levels (see ``_collective.py``, ``_restore.py``, ``_single.py``).
 """
 
 from __future__ import annotations
@@ -44,46 +43,23 @@ def latest(
     threads: int = READ_THREADS,
     preload: bool = True,
 ) -> Found | None:
-    """The newest step that is complete at some level and passes verification (every CRC; a URL
-    by ranged reads); among the levels holding that step, the first one given (the fastest).
+    """The newest step complete at some level that passes verification, at the first (fastest)
+    level holding it; ``None`` when there is none.
 
-    A copy that fails verification (torn, corrupt, truncated) is skipped with an
-    ``IncompleteCheckpointWarning`` naming it, and the next candidate is tried: the same step at a
-    slower level, then older steps. ``None`` when no level holds a complete checkpoint. A level
-    that cannot be listed (a missing bucket, no credentials) is skipped with a warning.
-    ``verify=False`` trusts the names of files (each is made by an atomic rename or object
-    creation) and checks only the completeness of folders (no pending marker; at a URL, its last
-    key), not their CRCs.
+    A copy failing verification is skipped with an ``IncompleteCheckpointWarning`` (then the same
+    step at a slower level, then older steps); so is a level that cannot be listed. A file wins
+    over a folder of the same step.
 
-    Folder checkpoints (``step-<8 digits>``: Accelerate folders, DCP folders) are candidates as
-    files are; a folder is complete and intact when ``recovery.check.folder_problems`` says so.
-    When a level holds a step as both a file and a folder, the file is the candidate.
-
-    Distributed checkpoints (``lazyckpt.distributed.DistributedCheckpointer(levels=...)``): in a
-    job (torch.distributed initialized with more than one rank) whose levels hold DCP folders of
-    ``lazyckpt.distributed``, it is collective: call it on every rank (each with its own levels: a
-    node-local level's folder is its node's), and every rank gets the same step, the newest that
-    every rank can load from some level (see ``_collective.py``): such a folder is checked for what
-    this rank reads (its own items, when the job has the layout that saved it; else the whole
-    folder, which then must be a whole checkpoint, loadable with resharding), anything else whole.
-    ``found.path`` and ``found.level`` are this rank's fastest usable copy. A rank that does not
-    answer within ``timeout`` seconds makes the others raise ``TimeoutError`` naming it; a rank
-    whose levels hold nothing posts so and returns None at once (no step is held by every rank).
-    Levels holding other checkpoints only (files, Accelerate folders) are this process's own view,
-    as outside a job (callers that pick on one process and broadcast keep working).
-    ``collective=True`` / ``False`` forces either. With a level with ``replicas`` whose folders hold
-    one writer's files (``LazyCheckpointer(levels=)`` saved by rank 0), it is collective too: the
-    newest step any node holds whole is first copied into every node's folder that lacks it
-    (``_single.restore_files``), and the ranks must end on one step (else ``RuntimeError``).
-
-    ``threads``: readers of a local file, whose CRCs are computed as it is read (see
-    ``recovery/_read.py``); the ``Found`` names the file so checked (``Found.verified``), and
-    ``load()`` does not check it again. ``preload`` (default True, with ``verify``): that one pass
-    reads a torch.save file's storages into memory of their own, as ``load()`` would, and the
-    ``Found`` holds them (``Found.preread``) until ``lazyckpt.load(found)`` takes them: a resume
-    reads the file once (``latest()`` costs the allocation, ``load()`` only the unpickling).
-    ``preload=False`` for a caller that only wants the name (``found.path`` read by another loader);
-    a ``Found`` dropped unused frees them."""
+    ``levels``: ``Level`` objects or paths, fastest first. ``storage_options``: passed to fsspec.
+    ``verify``: check every CRC; ``False`` trusts file names and checks folders' completeness only.
+    ``collective``: in a multi-rank job whose levels hold DCP folders, or with a level with
+    ``replicas``, the call is collective: call it on every rank; all get the same step (each its own
+    fastest usable copy), after replicated steps are restored to nodes lacking them. ``True`` /
+    ``False`` forces either. ``timeout``: seconds to wait for other ranks (then ``TimeoutError``);
+    ranks that end on different steps raise ``RuntimeError``. ``threads``: readers of a local file.
+    ``preload`` (with ``verify``): the check also reads a torch.save file's storages, held by the
+    ``Found`` until ``lazyckpt.load(found)`` takes them (one read per resume); pass ``False`` when
+    another loader reads ``found.path``."""
     listings = _listings(levels, storage_options)
     is_dcp = lambda path: is_dcp_folder(path, storage_options)  # noqa: E731
     single = collective is None and _replicated(levels) and _single.files_of_one_writer(listings, is_dcp, timeout)
@@ -93,7 +69,7 @@ def latest(
         entries = [as_level(entry) for entry in levels]
         index = replicated_index(entries)
         assert index is not None
-        # read ahead by the restore's check (a node's first rank): _newest takes them, not a second read
+        # storages read ahead by the restore's check: _newest takes them instead of reading again
         checked = _single.restore_files(entries, index, min(timeout, 60.0), fsync=False, threads=threads,
                                         preload=preload and verify)  # fmt: skip
         listings = _listings(levels, storage_options)  # a node's folder may have gained the newest step
@@ -132,11 +108,9 @@ def latest_agreed(
     scopes: Sequence[Scope] | None = None,
     replication_group: Any = None,
 ) -> Found | None:
-    """``latest()`` agreed among ``exchange``'s ranks (every one of them calls it); ``listings``:
-    this rank's levels as already listed. Levels with ``replicas``: first, each node's folder gets
-    back the replicated steps newer than its own from its partners (``_restore.restore``), over
-    ``replication_group`` (a distributed checkpointer's) or a gloo group made for it; ``scopes``:
-    who shares each level's folder, probed here when not given."""
+    """``latest()`` agreed among ``exchange``'s ranks (collective). ``listings``: this rank's levels
+    as already listed. Replicated levels are restored first (``_restore.restore``) over
+    ``replication_group`` or a gloo group made for it; ``scopes`` are probed when not given."""
     rank, world = exchange.rank, exchange.world
     if _replicated(levels) and _restore_replicas(levels, exchange, scopes, replication_group):
         listings = None  # a node's folder gained the steps restored from its partners' replicas
@@ -166,8 +140,7 @@ def _restore_replicas(
     scopes: Sequence[Scope] | None,
     group: Any,
 ) -> bool:
-    """Collective: ``_restore.restore`` with the levels' scopes (probed now when not given) and a
-    gloo group (``group``, else one made for it and destroyed after: the default group's ranks)."""
+    """Collective ``_restore.restore``; ``group``, else a gloo group made and destroyed here."""
     levels = [as_level(entry) for entry in entries]
     if scopes is None:
         token = hashlib.sha1(exchange.prefix.encode()).hexdigest()
@@ -218,11 +191,8 @@ def _problem(
     threads: int = READ_THREADS,
     preload: bool = False,
 ) -> tuple[str | None, FileIdentity | None, Preread | None]:
-    """(why ``path`` is not a complete checkpoint, or None when it is; the identity of the file
-    whose every CRC was checked, when one was; with ``preload``, its storages read by that check).
-    With ``rank``: whether that rank (of ``world``) can load its own items from a DCP folder saved
-    by a job of that layout (``recovery.dcp.rank_problems``); other paths, and such folders without
-    a list for that rank, are checked whole."""
+    """(why ``path`` is not a complete checkpoint or None, the verified file's identity, its preread
+    storages). With ``rank``: a DCP folder is checked for that rank's own items where it can be."""
     if rank is not None and step_of(path.rstrip("/").rsplit("/", 1)[-1], folder=True) is not None:
         try:
             problems = rank_problems(path, rank, world, storage_options, verify)
@@ -236,8 +206,7 @@ def _problem(
 def _whole_problem(
     path: str, storage_options: dict[str, Any] | None, verify: bool, threads: int, preload: bool
 ) -> tuple[str | None, FileIdentity | None, Preread | None]:
-    """(why ``path`` is not a complete checkpoint, or None when it is; the verified file's identity;
-    its storages, read into memory by the check, with ``preload`` and a local torch.save file)."""
+    """As ``_problem``, checking ``path`` whole."""
     name = path.rstrip("/").rsplit("/", 1)[-1]
     held = None
     try:
@@ -260,9 +229,8 @@ def _whole_problem(
 
 
 def _read_ahead(path: str) -> Preread | None:
-    """The storages of the very file at ``path`` (same identity) that a check in this process has
-    read and verified already and nobody took (the one writer's restore reads each node's newest
-    file ahead so): the same bytes, verified, so not read again."""
+    """Storages of this very file (same identity) already read and verified in this process and not
+    yet taken, else None."""
     held = Preread.registered(path)
     if held is None or held.nbytes == 0:
         return None

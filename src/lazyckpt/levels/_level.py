@@ -1,12 +1,7 @@
-"""``Level``: one place checkpoints go to, how often, how many are kept; and its file names.
+"""``Level``: where checkpoints go, how often, how many are kept; and its entry names.
 
-Names: ``<level>/step-<step, 8 digits>.pt`` for a file checkpoint (one ``torch.save`` file), and
-``<level>/step-<step, 8 digits>`` for a folder checkpoint (an Accelerate ``save_state`` folder, a
-DCP folder of ``lazyckpt.distributed``). Only names that match exactly count (temporaries start
-with a dot and never match), so a listing shows committed checkpoints only: a final file name is
-made by an atomic rename (local) or an atomic object creation (S3); a folder is complete once its
-pending markers are gone (written in place) or by a rename of the whole folder (a copy), and at a
-URL once its last key exists (a manifest, or DCP's ``.metadata``). ``latest()`` checks which.
+Names: ``step-<8+ digits>.pt`` (a committed file) or ``step-<8+ digits>`` (a folder, possibly
+incomplete: ``latest()`` checks). Only exact matches count; temporaries start with a dot.
 """
 
 from __future__ import annotations
@@ -35,28 +30,21 @@ class Level:
         path: a folder (``/dev/shm/run1``, ``/local/ckpt/run1``) or a URL prefix the remote tier
             takes (``s3://bucket/run1``).
         every: the level is due at steps with ``step % every == 0``.
-        keep: the newest ``keep`` complete checkpoints of this level are kept (older ones are
-            removed in the background); ``None`` keeps all.
-        backlog: copies to this level that may wait (queued or running) before ``save()`` waits
-            for it (``on_backpressure="block"``) or skips this level's copy (``"skip"``). A faster
-            level's file that feeds a waiting copy is kept until that copy is done, so a memory
-            level holds at most ``keep`` plus the slower levels' backlogs of checkpoints.
-        reuse_pages: opt-in, for a memory filesystem (tmpfs): the next save into this level
-            overwrites the file retention drops instead of deleting it (no allocation and zeroing of
-            new pages). Files a lazyckpt reader holds (``lazyckpt.load``, ``verify``, ``latest``) are
-            never reused, but a reader outside lazyckpt (plain ``torch.load`` in another process) may
-            see an old file rewritten under it: leave it off when anything else reads this level.
-        replicas: ``k`` >= 1: every committed step of this level is also held in the memory of
-            ``k`` other nodes (the level must be node-local: a folder the construction's probe
-            finds shared by one node's ranks only). ``DistributedCheckpointer`` levels: ring order
-            over nodes, node ``g`` sends to nodes ``g+1 .. g+k``, each rank its own files to the
-            same local rank there (``<level>/replicas/node-<g>/step-<n>``), in the background, on
-            a gloo group of its own; ``latest()`` restores a node's copy from a peer's replica
-            (CRC-checked against the primary's CRCs) when its own is gone. ``LazyCheckpointer``
-            levels in a torch.distributed job (built on every rank, global rank 0 saving: DDP):
-            rank 0's files are copied into the next ``k`` nodes' folders under their own names,
-            and ``latest()`` gives every node the newest step any node holds. ``keep`` applies to
-            the copies too. See docs/ARCHITECTURE.md, "Node loss".
+        keep: how many of the newest complete checkpoints to keep (older ones are removed in the
+            background); ``None`` keeps all.
+        backlog: copies to this level that may be pending before ``save()`` waits
+            (``on_backpressure="block"``) or skips this level's copy (``"skip"``).
+        reuse_pages: opt-in, for tmpfs: the next save overwrites a file retention drops instead of
+            deleting it. A reader outside lazyckpt may see a file rewritten under it: leave it off
+            when anything else reads this level.
+        replicas: ``k`` >= 1: every committed step is also held in the memory of ``k`` other nodes,
+            in the background; ``latest()`` restores a node's missing steps from them. The level
+            must be node-local (not a URL, not shared across nodes); ``keep`` applies to the copies.
+
+    Raises:
+        TypeError: ``path`` is not a str or os.PathLike.
+        ValueError: ``every``, ``keep``, ``backlog`` or ``replicas`` not an int in range, or
+            ``replicas`` on a URL level.
     """
 
     path: str
@@ -91,11 +79,11 @@ class Level:
         return step % self.every == 0
 
     def file(self, step: int) -> str:
-        """Where this level's file checkpoint of ``step`` lives (``step-<8 digits>.pt``)."""
+        """The path of this level's file checkpoint of ``step``."""
         return self.join(step_name(step))
 
     def folder(self, step: int) -> str:
-        """Where this level's folder checkpoint of ``step`` lives (``step-<8 digits>``)."""
+        """The path of this level's folder checkpoint of ``step``."""
         return self.join(step_name(step, folder=True))
 
     def join(self, name: str) -> str:
@@ -103,8 +91,7 @@ class Level:
 
 
 def _whole(value: Any) -> int | None:
-    """``value`` as an int when it is an integer (``operator.index``: numpy integers too), else None
-    (a float, a string, a bool)."""
+    """``value`` as an int when it is an integer (numpy integers too, not bool), else None."""
     if isinstance(value, bool):
         return None
     try:
@@ -114,8 +101,7 @@ def _whole(value: Any) -> int | None:
 
 
 def check_step(step: Any) -> int:
-    """``step`` as an ``int`` >= 0 (any integer type: ``numpy.int64``, a 0-dim integer tensor), else
-    ``SaveRefusedError`` (a ``ValueError``); ``bool`` is refused."""
+    """``step`` as an ``int`` >= 0 (any integer type, not bool); else ``SaveRefusedError``."""
     value = _whole(step)
     if value is None or value < 0:
         raise SaveRefusedError(f"step must be an int >= 0, got {step!r}")
@@ -129,8 +115,8 @@ def step_name(step: int, folder: bool = False) -> str:
 
 
 def step_of(name: str, folder: bool | None = None) -> int | None:
-    """The step a level entry's name stands for (``folder``: only folder names; False: only file
-    names; None: either), or None for any other name."""
+    """The step a level entry's name stands for, or None (``folder``: True folders only, False
+    files only, None either)."""
     for pattern, is_folder in ((STEP_RE, False), (FOLDER_RE, True)):
         if folder in (None, is_folder) and (m := pattern.match(name)):
             return int(m.group(1))
@@ -144,10 +130,8 @@ def as_level(entry: Level | str | os.PathLike[str]) -> Level:
 def list_steps(
     level: Level, storage_options: dict[str, Any] | None = None, folder: bool | None = None
 ) -> dict[int, str]:
-    """{step: path} of the checkpoints named at ``level`` (an empty dict when it has none or its
-    folder does not exist): file checkpoints (``folder=False``), folder checkpoints (True) or both
-    (None; where a step has both, the file). A URL level is listed through fsspec. A folder's name
-    says nothing of its completeness: ``latest()`` checks it."""
+    """{step: path} of the checkpoints named at ``level`` ({} when its folder does not exist);
+    ``folder`` as for ``step_of`` (a step with both: the file). Folders may be incomplete."""
     if not level.is_url:
         try:
             names = os.listdir(level.path)

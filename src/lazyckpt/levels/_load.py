@@ -1,33 +1,8 @@
-"""``load()``: read a torch.save zip file (lazyckpt's or torch's) with parallel reads, check every
-record's CRC32 while reading, return what ``torch.load`` returns.
+"""``load()``: a torch.save file read in parallel, every record's CRC32 checked, unpickled by torch.
 
-Data flow: the zip's central directory and local headers are read first (``zipfile``, a few small
-reads); then the whole file is read by ``threads`` threads (``recovery/_read.py``: pieces of
-``piece_bytes``, read in cache-sized chunks, each chunk folded into the CRC32 of the records it
-holds; ISA-L when installed; the reads and the CRC release the GIL), and a mismatch raises
-``VerificationError`` naming the record before anything is unpickled. A local file is read into
-memory of its own per storage, as ``torch.load`` allocates them (``_load_private``: the threads read
-each storage's record straight into its allocation, CRC as the bytes land), and torch's unpickler
-then takes those storages as they are (no second copy). Nothing is left to copy later: the
-optimizer's first step after a resume writes memory the process owns (with the file mapped instead,
-``mmap=True``, that step copied every page it wrote, copy-on-write: measured 1.5-2 s for a 1.17 GB
-GPT + AdamW on this VM, which made a resume from memory only ~2x torch.load from disk when counted
-to the end of that step). A ``Found`` from ``latest()`` whose file was verified there
-(``Found.verified``) is not checked again when the file opened here has the same identity (device,
-inode, size, mtime, ctime): one CRC pass per resume; any other file, or a changed one, is checked
-here. That pass was also the read (``latest(preload=True)``, the default: ``_preread.preread``
-read the storages into memory of their own while checking them, and the ``Found`` holds them):
-``load(found)`` takes them (``Preread.take``, once, for that same identity) and only unpickles,
-so a resume reads the file once (measured on this VM, GPT + AdamW, 1.17 GB from the memory level,
-to the end of the first step: 4.5x torch.load from disk, was 2.7x with a check pass and a read);
-``load(found.path)`` finds them too while that ``Found`` lives (``Preread.registered``). A URL is
-read by ranged reads into ONE host buffer, which ``torch.load`` unpickles (one memory copy per
-storage). ``weights_only`` (default True, as torch's) and ``map_location`` are passed
-through. The buffers, the threads and the file descriptor belong to the call. A checkpoint file is
-never changed after its commit (lazyckpt and torch.save rename complete files into place), so the
-bytes checked are the bytes read or mapped. On a memory filesystem the descriptor is share-locked
-(``storage/spare.py``): a memory level never reuses the pages of a file being read here, nor of one
-whose tensors a ``load(mmap=True)`` in this or another process still maps.
+A local zip's storages are read straight into their own allocations; a URL into one host buffer. A
+``Found`` verified or preread by ``latest()`` is not checked or read again for the same file. The
+threads, buffers and (share-locked) descriptor belong to the call.
 """
 
 from __future__ import annotations
@@ -60,20 +35,19 @@ def load(
     **torch_load_kwargs: Any,
 ) -> Any:
     """What ``torch.load(path, map_location=..., weights_only=...)`` returns, read in parallel and,
-    with ``verify=True``, with every CRC checked (``VerificationError`` on a mismatch).
+    with ``verify=True``, with every CRC checked.
 
     ``path_or_found``: a ``latest()`` result, a file path, or a URL (``storage_options`` go to
-    fsspec). ``map_location="cuda"`` (or a CUDA device) copies each storage through pinned host
-    memory to the device as ``torch.load`` hands it over (non-blocking copies; one synchronize at
-    the end). A file that is not a zip (torch's legacy format) is handed to ``torch.load`` as is.
+    fsspec). ``map_location``: as for ``torch.load``; a CUDA device copies each storage through
+    pinned host memory. ``weights_only``: as for ``torch.load`` (default True). ``threads`` and
+    ``piece_bytes``: parallel readers and their read size. ``mmap``: ``True`` maps the file as
+    ``torch.load(mmap=True)`` does (not for a URL); default reads each storage into memory of its
+    own. A file that is not a zip is handed to ``torch.load`` as is. Other keyword arguments go to
+    ``torch.load``.
 
-    ``mmap``: ``None`` or ``False`` (default) reads each storage into memory of its own, as
-    ``torch.load`` does by default (in parallel, straight into the storage's allocation): the first
-    optimizer step after the resume pays nothing more; ``True`` maps the file as
-    ``torch.load(mmap=True)`` (no copy while loading, but a step that writes the tensors copies
-    their pages then; the file stays share-locked while they are mapped, so a memory level does
-    not reuse its pages; a URL's object is read into memory first, so it cannot be mapped).
-    Other keyword arguments go to ``torch.load``."""
+    Raises:
+        VerificationError: a CRC mismatch or a malformed file.
+        ValueError: ``mmap=True`` with a URL."""
     found = path_or_found if isinstance(path_or_found, Found) else None
     path = path_or_found.path if isinstance(path_or_found, Found) else os.fspath(path_or_found)
     location, finish = _device_mapper(map_location)
@@ -94,7 +68,7 @@ def load(
             identity = source.identity()
             verified = found is not None and found.verified is not None and found.verified == identity
             check = verify and not verified
-            # what latest() read into memory while checking this very file (once: then it is the caller's)
+            # storages latest() read while checking this very file (taken once)
             ahead = found.preread if found is not None else Preread.registered(path)
             preread = ahead.take(identity) if ahead is not None else None
             if zipped and not mmap:  # each storage read into memory of its own: what torch.load gives
@@ -150,8 +124,7 @@ def _read_checked(
     piece: int,
     into: memoryview | None = None,
 ) -> None:
-    """Read the whole file in parallel (into ``into``, or through scratch buffers for the page
-    cache's sake) and check the CRCs of ``records`` (None: read only)."""
+    """Read the whole file in parallel (into ``into``, else the page cache); check ``checked_records``."""
     checked = [r for r in checked_records or [] if r.stored and r.stop > r.start]
     crcs = _read.read_with_crcs(
         source.read_into, source.size, [(r.start, r.stop) for r in checked], threads=threads, piece=piece,
@@ -165,8 +138,7 @@ def _read_checked(
 
 
 class _BufferFile(Seekable):
-    """The file's bytes in memory as a seekable file for ``torch.load`` (``readinto`` copies each
-    record straight into its storage)."""
+    """The file's bytes in memory as a seekable file for ``torch.load``."""
 
     def __init__(self, view: memoryview) -> None:
         self.view, self.pos = view, 0
@@ -189,10 +161,7 @@ def _load_private(
     source: FileSource, path: str, check: bool, threads: int, piece: int, location: Any,
     weights_only: bool, kwargs: dict[str, Any], preread: dict[int, torch.UntypedStorage] | None = None,
 ) -> Any:  # fmt: skip
-    """``torch.load`` of a local zip whose storages are read here, in parallel, each into an allocation
-    of its own (or were, by ``latest()``: ``preread``), and handed to torch's unpickler as they are
-    (``overall_storage``, the hook that ``torch.load(mmap=True)`` fills with the mapped file: here a
-    lookup of the storages by offset)."""
+    """``torch.load`` of a local zip, its storages read here (or ``preread``) via ``overall_storage``."""
     unpickle = _private_unpickler(weights_only, kwargs)
     if unpickle is None:  # a torch without the hook, or options it cannot take: CRCs here, torch.load reads
         if check:
@@ -213,9 +182,7 @@ def _load_private(
 
 
 def _private_unpickler(weights_only: bool, kwargs: dict[str, Any]) -> Any:
-    """``(name, map_location, storages) -> object`` through ``torch.serialization._load`` as
-    ``torch.load`` calls it, or None where this torch's ``_load`` lacks ``overall_storage`` or the
-    caller passed ``torch.load`` options beyond ``pickle_module`` and the unpickler's own."""
+    """An unpickler over ``torch.serialization._load``, or None where ``torch.load`` must do it."""
     import inspect
     import pickle
 
@@ -249,8 +216,7 @@ def _private_unpickler(weights_only: bool, kwargs: dict[str, Any]) -> Any:
 
 
 class _Storages:
-    """What ``torch.serialization._load`` slices for each storage (``overall[offset:offset + n]``):
-    here the storage read for the record whose data starts at ``offset``."""
+    """``overall[offset:offset + n]`` for ``torch.serialization._load``: the storage read at ``offset``."""
 
     def __init__(self, by_offset: dict[int, torch.UntypedStorage], path: str) -> None:
         self.by_offset, self.path = by_offset, path
@@ -266,7 +232,7 @@ class _Storages:
 
 
 def _device_mapper(map_location: Any) -> tuple[Any, Any]:
-    """(map_location for torch.load, what to run after it). CUDA: through pinned host buffers."""
+    """(map_location for torch.load, what to run after it); CUDA goes through pinned host buffers."""
     target = map_location
     if isinstance(target, str) and target.startswith("cuda"):
         target = torch.device(target)

@@ -1,24 +1,8 @@
-"""``MultiLevel``: the multi-level saver behind ``LazyCheckpointer(levels=...).save(obj, step=)``.
+"""``MultiLevel``: the multi-level saver behind ``LazyCheckpointer(levels=...)`` and Accelerate's folders.
 
-Data flow of one ``save(obj, step=s)`` (see docs/ARCHITECTURE.md, "Multi-level checkpoints"); a
-folder saver (``MultiLevel(..., folder=True).save_with(step, produce)``: Accelerate's ``save_state``
-folders) goes the same way, ``produce(path)`` making the fastest level's folder checkpoint:
-
-    caller thread: due levels = those with s % every == 0; admit each slower due level (its backlog
-        bound: wait, or skip that level's copy with on_backpressure="skip"); pin the source;
-        ONE core save ``LazyCheckpointer.save(obj, <fastest due level>/step-s.pt)`` (the only
-        device-to-host staging; a URL fastest level saves to a local staging file instead)
-    lazyckpt-level-<i> (one thread per slower level, FIFO): waits for the source save's handle,
-        copies the committed file or folder (``_copy.copy_file`` / ``copy_tree``; a URL level:
-        ``RemoteTier.transfer`` / ``_copy.upload_folder``),
-        unpins the source, applies level i's retention, ends its part of the handle
-    core callback thread (the source save's done-callback): the source level's retention
-
-Ownership: the schedule, the level threads, the pins and the handles are its ``Runner``'s
-(``_runner.py``); this object is that runner's producer of files and folders: it owns the
-multi-level error ledger, its remote tier (URL levels) and its staging folder. The core
-checkpointer is used through its public methods only (``save``, ``remove``, ``wait_staged``,
-``raise_errors``).
+It is the ``Runner``'s producer of files and folders (``_runner.py``): one core save on the caller's
+thread, copies on the level threads. It owns the error ledger, the remote tier and the staging
+folder, and uses the core checkpointer through its public methods only.
 """
 
 from __future__ import annotations
@@ -56,8 +40,8 @@ def check_levels(levels: tuple[Any, ...]) -> None:
 
 
 def refuse_replicas(levels: tuple[Any, ...], who: str) -> None:
-    """``ValueError`` for a level with ``replicas`` given to a saver that cannot replicate (a saver
-    made on one process only: peers' memory needs a checkpointer on every rank)."""
+    """``ValueError`` for a level with ``replicas`` given to a saver ``who`` that saves from one
+    process only."""
     for i, level in enumerate(levels):
         if getattr(level, "replicas", 0):
             raise ValueError(
@@ -82,9 +66,9 @@ logger = logging.getLogger(__name__)
 
 
 class MultiLevel:
-    """The multi-level saver of one checkpointer: file checkpoints (``folder=False``,
-    ``step-<n>.pt``) or folder checkpoints (``folder=True``, ``step-<n>``). ``reuse``: the
-    checkpointer's page reuse for a memory level's dropped steps (``Producer.reuse``), None for none."""
+    """The multi-level saver of one checkpointer: file checkpoints (``folder=False``) or folder
+    checkpoints (``folder=True``). ``reuse``: the checkpointer's page reuse for dropped files, or None.
+    ``replicate``: allow a level with ``replicas`` (collective: built on every rank)."""
 
     def __init__(
         self,
@@ -103,7 +87,7 @@ class MultiLevel:
         from ._single import SingleWriter
 
         replicated = replicated_index(levels)
-        # collective (every rank builds the checkpointer): rank 0 writes, the next nodes hold copies
+        # collective: rank 0 writes, the next nodes hold copies
         self._single = None if replicated is None else SingleWriter(levels, replicated, options.fsync)
         self._replicated = replicated
         if len({lv.path for lv in levels}) != len(levels):
@@ -120,7 +104,7 @@ class MultiLevel:
         self._staging: str | None = None
         self._counter = itertools.count()
         self._memory_checked = False
-        self._sourced: set[int] = set()  # levels the core saver has written into (their files may be reused)
+        self._sourced: set[int] = set()  # levels the core saver wrote into (their files may be reused)
         self._closed = False
         for i, level in enumerate(levels):
             if not level.is_url:
@@ -136,8 +120,8 @@ class MultiLevel:
     # -- caller side ------------------------------------------------------------------------------
 
     def save(self, obj: Any, step: int, due: Sequence[int] | None = None) -> SaveHandle:
-        """``obj`` to every level due at ``step``: one core save of ``obj`` (file checkpoints).
-        ``due``: the indices of the levels to save to (default: those with ``step % every == 0``)."""
+        """Save ``obj`` to every level due at ``step`` (caller's thread). ``due``: level indices to
+        save to (default: those with ``step % every == 0``)."""
 
         def produce(path: str) -> SaveHandle:
             return self.ckpt.save(obj, path)
@@ -151,11 +135,9 @@ class MultiLevel:
         nbytes: Callable[[], int] | None = None,
         due: Sequence[int] | None = None,
     ) -> SaveHandle:
-        """Save ``step`` to every level due at it: ``produce(path)`` saves the checkpoint (a file,
-        or with ``folder=True`` a folder) at the fastest due level's ``path`` (or a local staging
-        path when that level is a URL) and returns its handle, done once it is complete there;
-        slower levels copy it from there. ``nbytes()``: the checkpoint's size, for the memory
-        statement at the first save (None: not checked). ``due``: as for ``save``."""
+        """Save ``step`` to every due level: ``produce(path)`` saves at the fastest due level's path
+        (staging for a URL) and returns its handle. ``nbytes()``: size for the memory check. With a
+        replicated level only global rank 0 may save (else ``SaveRefusedError``)."""
         step = check_step(step)
         t0 = time.perf_counter()
         if self._single is not None and self._single.rank != 0:
@@ -163,14 +145,14 @@ class MultiLevel:
                 f"rank {self._single.rank}: with a level with replicas, global rank 0 alone saves (the job's one "
                 "writer; this rank's checkpointer holds copies or nothing)"
             )
-        self.ckpt.raise_errors()  # an unseen error of an earlier save (any level) first, as save() does
+        self.ckpt.raise_errors()  # an earlier save's unseen error first, as save() does
         runner = self.runner
         due = runner.due(step, due)
         if not due:
             return not_due(step, t0)
         if not self._memory_checked and nbytes is not None:
             self._memory_checked = True
-            # one writer: its node holds its own steps only (the copies are in other nodes' memory)
+            # the writer's node holds its own steps only
             own = tuple(dataclasses.replace(lv, replicas=0) for lv in self.levels)
             _copy.check_memory(own, nbytes())
         first = due[0] if not self.levels[due[0]].is_url else None
@@ -181,8 +163,7 @@ class MultiLevel:
         if first is not None:
             self._sourced.add(first)
         feed = runner.begin(step, first, src, admitted, pin_save=True)
-        # a failed write into the fastest level (a URL level's: into its staging file) is that level's
-        # LevelError, whether the core raises it in save() or reports it through the handle
+        # a failed write into the fastest level (or its staging file) becomes that level's LevelError
         token = error_context.set(self._level_failure(due[0], step))
         try:
             runner.sweep_once()
@@ -193,7 +174,7 @@ class MultiLevel:
         finally:
             error_context.reset(token)
         if self._single is not None and first is not None and first == self._replicated:
-            single = self._single  # before the runner's callback: queued before the handle is done
+            single = self._single  # added before the runner's callback: queued before the handle is done
 
             def replicate_source(h: SaveHandle, single: Any = single, path: str = src) -> None:
                 if written(h):
@@ -207,10 +188,8 @@ class MultiLevel:
         return handle
 
     def claim(self, step: int) -> None:
-        """``step`` is this saver's at its fastest due level from now on, though ``save_with`` comes
-        later: other processes may write into that folder first (Accelerate's, once they agreed on the step), and a
-        retention pass meanwhile (the previous step's commit) must not take it for a step an earlier
-        run left (``_schedule.retention_victims``: after the start, not saved by this run)."""
+        """Mark ``step`` as this saver's at its fastest due level before ``save_with``, so retention
+        does not take a folder other processes write into first for an earlier run's step."""
         self.runner.claim(step)
 
     def path(self, index: int, step: int) -> str:
@@ -222,8 +201,7 @@ class MultiLevel:
         return self._ledger.take()
 
     def drain(self, timeout: float | None = None) -> None:
-        """Wait for every multi-level save (confirming their source saves on this thread);
-        ``TimeoutError`` when they are not all done within ``timeout`` seconds."""
+        """Wait for every save and replication (confirming on this thread); else ``TimeoutError``."""
         deadline = None if timeout is None else time.monotonic() + timeout
         self.runner.drain(timeout)
         if self._single is not None and not self._single.drain(
@@ -232,7 +210,7 @@ class MultiLevel:
             raise TimeoutError(f"the copies to the other nodes' memory not done after {timeout} s")
 
     def close(self) -> None:
-        """Stop the level threads (after ``drain``), the callback thread, the tier; remove staging."""
+        """Stop the level threads, the replication, the tier; remove staging. Call after ``drain``."""
         if self._closed:
             return
         self._closed = True
@@ -246,7 +224,7 @@ class MultiLevel:
 
     @property
     def skipped_copies(self) -> int:
-        """Level copies skipped so far (``on_backpressure="skip"``)."""
+        """Level copies skipped so far."""
         return self.runner.skipped_copies
 
     # -- the runner's producer (``_runner.LevelProducer``) -------------------------------------------
@@ -279,9 +257,7 @@ class MultiLevel:
         self._discard_staging(path)
 
     def _level_failure(self, index: int, step: int) -> Callable[[BaseException], BaseException]:
-        """How a failed save into level ``index`` at ``step`` reaches the caller: a ``WriteError``
-        becomes that level's ``LevelError`` (the cause chained); other errors (a tensor changed
-        before its copy, an interrupt, a refusal) stay as they are."""
+        """Maps a ``WriteError`` into level ``index`` to its ``LevelError``; other errors pass."""
         level, dst = self.levels[index], self.path(index, step)
 
         def describe(exc: BaseException) -> BaseException:

@@ -1,13 +1,6 @@
-"""A local torch.save zip read into memory: its records (``records``), its storages read in
-parallel into allocations of their own with their CRC32s computed as the bytes land
-(``read_storages``), and ``preread``, which is ``lazyckpt.verify`` of a file whose storages are
-read that way, so that ``latest()``'s check and ``load()``'s read are one pass over the file.
-
-Shared by ``latest()`` (``preread``) and ``load()`` (``_load.py``). The descriptor (``FileSource``)
-belongs to the call that opened it and is share-locked on a memory filesystem
-(``storage/spare.py``: a memory level never reuses the pages of a file being read). The storages
-belong to the caller: ``load()`` hands them to torch's unpickler, ``preread`` to a ``Preread``
-that a ``Found`` holds until ``load()`` takes it.
+"""A local torch.save zip read into memory: records, storages read in parallel with their CRC32s,
+and ``preread`` (a ``verify`` that keeps the storages for ``load()``). A ``FileSource`` belongs to
+the call that opened it and is share-locked (``storage/spare.py``).
 """
 
 from __future__ import annotations
@@ -150,7 +143,7 @@ def check_crc(path: str, record: Record, value: int) -> None:
 
 
 def check_compressed(source: FileSource, path: str) -> None:
-    """Compressed records (not written by torch.save, but a zip may hold them): zipfile checks them."""
+    """Check compressed records' CRCs through ``zipfile``."""
     with zipfile.ZipFile(ZipReader(source)) as zf:
         bad = zf.testzip()
     if bad is not None:
@@ -158,16 +151,15 @@ def check_compressed(source: FileSource, path: str) -> None:
 
 
 def data_records(all_records: list[Record]) -> list[Record]:
-    """The storage records (``<archive>/data/<key>``), stored (torch.save never compresses them)."""
+    """The stored storage records (``<archive>/data/<key>``)."""
     return [r for r in all_records if r.stored and "/data/" in f"/{r.name}"]
 
 
 def read_storages(
     source: FileSource, data: list[Record], threads: int, piece: int, crc: bool
 ) -> tuple[dict[int, torch.UntypedStorage], list[int] | None]:
-    """Each record of ``data`` into a host allocation of its own ({data offset: storage}), by
-    ``threads`` threads in pieces of ``piece`` bytes (the pages are touched by the reading threads,
-    in parallel); with ``crc``, each record's CRC32 (each piece's as it lands, joined per record)."""
+    """Each record of ``data`` into a host allocation of its own ({data offset: storage}), read by
+    ``threads`` threads in ``piece``-byte pieces; with ``crc``, each record's CRC32 (else None)."""
     storages = {r.start: torch.empty(r.stop - r.start, dtype=torch.uint8).untyped_storage() for r in data}
     views = {r.start: writable(storages[r.start]) for r in data}
     tasks = [(i, a, min(r.stop, a + piece)) for i, r in enumerate(data) for a in range(r.start, r.stop, piece)]
@@ -193,9 +185,8 @@ def read_storages(
 
 
 def preread(path: str, threads: int, piece: int = _read.PIECE_BYTES) -> tuple[VerifyReport, Preread | None]:
-    """``lazyckpt.verify(path)`` (every CRC, every structure byte) of a local file, whose storages,
-    when it is a torch zip, are read into memory by that check: (the report, those storages when
-    the file passed and did not change meanwhile, else None)."""
+    """``lazyckpt.verify(path)`` of a local file, reading a torch zip's storages on the way: (the
+    report, a ``Preread`` of them when the file passed, else None)."""
     with FileSource(path) as source:
         held: dict[int, torch.UntypedStorage] = {}
 

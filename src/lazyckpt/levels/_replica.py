@@ -1,42 +1,10 @@
-"""Replicas of a node-local level in peers' memory (``Level(replicas=k)``), and their restore.
+"""Replicas of a node-local level in peers' memory (``Level(replicas=k)``) where every rank saves
+every step (DCP folders); one writer's files: ``_single.py``; restore: ``_restore.py``.
 
-Written once for any producer whose committed step folder can say which files each rank owns and
-their CRC32s as written (the primary's): the distributed checkpointer's DCP folders today.
-
-Ring (``Ring``): the nodes are the groups of ranks sharing the level's folder (``Scope.groups``, in
-rank order), all of one size; node ``g`` sends to nodes ``g+1 .. g+k`` (mod the node count), each
-rank its own files to the rank of the same local index there, so every link carries one rank's
-files and any node count >= k+1 works (no pairs). A node's replicas live in its partners' level
-folders, ``<level>/replicas/node-<g>/step-<n>/``, each sender's part completed by an index written
-last (``.lazyckpt-replica-from-<rank>.json``: names, sizes, the primary's CRC32s).
-
-Save side (``Replicator``, one ``lazyckpt-replica`` thread per checkpointer): after a step is
-committed at the level (on every rank alike, in commit order), the producer's level thread opens
-this rank's files of the committed folder (so retention may unlink them meanwhile: the open file
-keeps its bytes) and queues them, waiting only for a place among the level's ``backlog``: never
-``save()`` or the training step. For each ``j`` in ``1..k`` the thread sends its files to
-``peer(+j)`` and receives ``peer(-j)``'s, chunk by chunk (``Link``: sizes, a JSON header, chunks,
-an acknowledgment), on a gloo group of its own (host buffers; never the training's group). The
-receiver writes each file under a temporary name, checks its CRC32 against the primary's one in
-the header, renames it, then writes the index: a torn transfer leaves no index, a corrupt one no
-file. A failure (a dead partner: gloo's timeout or a closed pair; ENOSPC; a CRC mismatch at the
-receiver, acknowledged back) records the step as not replicated (``ReplicationError``), warns once
-per partner until a step succeeds again, and never fails the save; a pair that failed is not used
-again (gloo closes it). ``keep`` applies to replicas: each holder node's first rank removes the
-older steps (and an abandoned timeline's) of each node it holds.
-
-Restore (``restore``, collective, at ``latest()``): every rank posts its node's own steps and the
-replicas it holds; the same plan is computed everywhere: for each node, the replicated steps newer
-than anything its own folder holds (the newest ``keep``), each from the first partner holding it.
-The holder's rank of each local index sends back the part its index lists; the receiver checks
-every CRC32 against the primary's and writes into a staging folder of the step; once every rank of
-the node has its part, the node's first rank renames it to ``step-<n>``. Then ``latest()`` goes on
-as before: every rank checks what it would load (CRCs again) and the ranks agree on a step.
-GPU clusters: the same protocol runs on host buffers (the level is node memory), so gloo over the
-cluster's TCP network is what carries it; a NCCL group would need the files staged back to device
-memory and would share the training's streams and NICs with no gain for a background copy of a few
-GB. A side channel (RDMA to a peer's pinned host buffers, as NVRx and Gemini do) is the faster
-transport; it would replace ``Link`` only.
+Ring: node ``g`` sends to nodes ``g+1 .. g+k``, each rank its own files to the same local rank, into
+``<level>/replicas/node-<g>/step-<n>/`` with a per-sender index written last. ``Replicator`` runs one
+``lazyckpt-replica`` thread; it never blocks ``save()`` beyond the backlog, and a failure never fails
+a save (``ReplicationError``, warned once per partner; a failed pair is not used again).
 """
 
 from __future__ import annotations
@@ -75,7 +43,7 @@ def replica_folder(level: Level, node: int, step: int) -> str:
 
 
 def replica_steps(level: Level, node: int) -> list[int]:
-    """The steps of node ``node`` held here (folder names; each part's index says if it is whole)."""
+    """The steps of node ``node`` held here, by folder name (a part is whole only with its index)."""
     try:
         names = os.listdir(node_folder(level, node))
     except (FileNotFoundError, NotADirectoryError):
@@ -93,7 +61,7 @@ def replicated_index(levels: Sequence[Level]) -> int | None:
 
 @dataclass(frozen=True)
 class Ring:
-    """Who sends one replicated level's files to whom (see the module docstring)."""
+    """Who sends one replicated level's files to whom."""
 
     groups: tuple[tuple[int, ...], ...]
     rank: int
@@ -101,8 +69,8 @@ class Ring:
 
     @classmethod
     def of(cls, index: int, level: Level, scope: Scope, rank: int) -> Ring:
-        """The ring of level ``index``; ``ValueError`` (alike on every rank: the scopes are) when it
-        cannot be one: a level every rank shares, fewer than ``k + 1`` nodes, unequal nodes."""
+        """The ring of level ``index``; ``ValueError`` (on every rank alike) for a shared level,
+        fewer than ``k + 1`` nodes, or nodes of unequal size."""
         k = int(level.replicas)
         if not scope.node_local:
             raise ValueError(
@@ -147,8 +115,8 @@ class _Item:
 
 @dataclass
 class ReplicationStats:
-    """What the replicator did so far (this rank): steps sent whole to every partner, bytes sent
-    and received, and the steps recorded as not replicated (step -> the last ``ReplicationError``)."""
+    """This rank's replication so far: steps sent to every partner, bytes sent and received, and
+    the steps not replicated (step -> the last ``ReplicationError``)."""
 
     steps_replicated: int = 0
     bytes_sent: int = 0
@@ -157,9 +125,8 @@ class ReplicationStats:
 
 
 def warn_once(warned: set[int], partner: int, err: ReplicationError) -> None:
-    """A ``ReplicationWarning`` for ``err``, once per ``partner`` until a step reaches it again
-    (the caller discards it from ``warned`` then); logged otherwise. Called on a replication
-    thread: under ``-W error`` the warning must not end the round."""
+    """A ``ReplicationWarning`` for ``err`` once per ``partner`` (until the caller discards it from
+    ``warned``), logged otherwise. Replication thread: never raises, even under ``-W error``."""
     if partner in warned:
         logger.info("%s", err)
         return
@@ -171,7 +138,7 @@ def warn_once(warned: set[int], partner: int, err: ReplicationError) -> None:
 
 
 class Replicator:
-    """The save side (see the module docstring): one thread, one gloo group, one replicated level."""
+    """The save side: one thread, one gloo group, one replicated level."""
 
     def __init__(self, levels: Sequence[Level], rings: dict[int, Ring], group: Any, fsync: bool) -> None:
         self.levels, self.rings, self.group, self.fsync = levels, rings, group, fsync
@@ -186,9 +153,8 @@ class Replicator:
         self.stats = ReplicationStats()
 
     def submit(self, index: int, step: int, folder: str, files: Sequence[tuple[str, int | None]]) -> None:
-        """On the level's thread, right after the commit of ``step`` at level ``index`` (every rank
-        alike, in commit order; ``expect``ed at its save): open this rank's ``files`` of the
-        committed ``folder`` and queue them; waits only for a place among the level's backlog."""
+        """Level thread, right after ``step``'s commit (every rank alike, in commit order; ``expect``ed
+        at its save): open this rank's ``files`` of ``folder`` and queue them; waits only for backlog."""
         try:
             opened = open_files(folder, files)
         except OSError as exc:  # nothing to send: the partners still expect this round
@@ -201,13 +167,13 @@ class Replicator:
             self._ended(_Item(index, step, opened))
 
     def expect(self) -> None:
-        """A save due at the replicated level was made (caller's thread): ``drain`` waits for it
-        until its level thread ``submit``s or ``cancel``s it, exactly once."""
+        """Caller's thread, at a save due at the replicated level: ``drain`` waits for it until it is
+        ``submit``ted or ``cancel``led, exactly once."""
         with self._cond:
             self._queued += 1
 
     def cancel(self) -> None:
-        """An expected step will not be replicated: its commit failed (on every rank alike)."""
+        """An expected step will not be replicated (its commit failed on every rank)."""
         with self._cond:
             self._queued -= 1
             self._cond.notify_all()
@@ -300,9 +266,8 @@ class Replicator:
         warn_once(self._warned, partner, err)
 
     def _retain(self, index: int, node: int, step: int) -> None:
-        """``keep`` on the replicas of ``node`` held here (this node's first rank): the steps older
-        than the newest ``keep`` received, and an abandoned timeline's (after this run's first
-        step, never submitted by it)."""
+        """``keep`` on ``node``'s replicas held here (this node's first rank); an abandoned timeline's
+        steps go too."""
         level = self.levels[index]
         with self._cond:
             submitted = set(self._submitted[index])

@@ -34,8 +34,8 @@ def restore(
     fsync: bool = True,
 ) -> bool:
     """Collective (``all_gather`` over every rank): bring back into each node's level folder the
-    replicated steps newer than its own (see the module docstring). ``group()``: the gloo group the
-    parts travel on (made only when some part must). True when a step folder was restored."""
+    replicated steps newer than its own, every CRC checked against the primary's, staged then
+    renamed. ``group()``: the gloo group, made only when needed. True when some step was restored."""
     replicated = [i for i, lv in enumerate(levels) if lv.replicas and scopes[i].node_local]
     if not replicated:
         return False
@@ -73,9 +73,8 @@ def restore(
 
 def _transfer(level: Level, i: int, ring: Ring, node: int, step: int, holder: int, link: Link, rank: int,
               fsync: bool) -> bool:  # fmt: skip
-    """This rank's part of restoring ``node``'s ``step`` from ``holder``: send (a rank of the
-    holder), receive into the staging folder (a rank of the node), or nothing. False when this
-    rank received no whole part."""
+    """This rank's part of restoring ``node``'s ``step`` from ``holder``: send, receive into the
+    staging folder, or nothing. False when this rank received no whole part."""
     if ring.node not in (node, holder):
         return True
     if ring.node == holder:  # send back the part of the rank of my local index on that node
@@ -113,8 +112,7 @@ def _staging(level: Level, step: int) -> str:
 
 
 def _publish(level: Level, step: int, whole: bool, fsync: bool) -> bool:
-    """The node's first rank: the staging folder becomes ``step-<n>`` when every rank of the node
-    received its whole part, else it goes."""
+    """The node's first rank: rename the staging folder to ``step-<n>`` if ``whole``, else remove it."""
     staging = _staging(level, step)
     if whole and not os.path.lexists(level.folder(step)):
         os.rename(staging, level.folder(step))
@@ -127,8 +125,8 @@ def _publish(level: Level, step: int, whole: bool, fsync: bool) -> bool:
 
 
 def _part(level: Level, node: int, step: int, source: int) -> tuple[list[OutFile], dict[str, Any]]:
-    """What this holder sends back for ``source``'s files of ``node``'s step: the part its index
-    lists (the primary's CRC32s), or a header saying there is no whole part."""
+    """The files and header this holder sends back for ``source``'s part of ``node``'s step (a
+    header with ``whole`` False when it holds no whole part)."""
     folder = replica_folder(level, node, step)
     try:
         with open(os.path.join(folder, f"{INDEX_PREFIX}{source}.json")) as stream:
@@ -148,9 +146,8 @@ Plan = dict[tuple[int, int], list[tuple[int, int]]]
 
 
 def _plan(levels: Sequence[Level], rings: dict[int, Ring], everyone: list[Any]) -> Plan:
-    """{(level, node): [(step, holder node), ...]}: each node's replicated steps newer than anything
-    its own folder holds, newest first (at most ``keep``), each from the first partner listing it;
-    the same on every rank."""
+    """{(level, node): [(step, holder node), ...]}: each node's replicated steps newer than its own,
+    newest first (at most ``keep``), each from the first partner holding it; alike on every rank."""
     plan: Plan = {}
     for i, ring in sorted(rings.items()):
         for node, group in enumerate(ring.groups):

@@ -1,29 +1,9 @@
-"""``Runner``: the one owner of multi-level logic, behind a small producer interface.
+"""``Runner``: the one owner of multi-level scheduling, threads and handles, behind ``LevelProducer``.
 
-A multi-level save stages its tensors once, into the fastest due level (the *source*); every slower
-due level gets a copy of the committed source on its own level thread. What differs between
-producers is how the source is staged and committed, and how a copy is made and committed at a
-level; when a save waits for a level, which steps a level keeps, who pins what, the threads and
-the handle are the same, and are here:
-
-- the schedule: which levels are due (``due``), each slower level's backlog bound (``admit``,
-  ``_schedule.Backlog``), the pins (a source step stays while copies read it: ``begin`` /
-  ``release``), retention after each commit and the first save's sweep of an abandoned timeline
-  (``retain``, ``sweep_once``; ``_schedule.Retention``), each by the process that ``owns`` the
-  level's folder;
-- one FIFO thread per level (``<name>-<i>``, started at its first item): ``Copy`` items (wait for
-  the source, the producer's ``promote``, release, retention, the level's part of the handle),
-  ``Sweep`` items (a URL level's sweep), and the producer's own items (``LevelProducer.run``: the
-  distributed source commit);
-- the ``LevelsHandle`` of each save (``start``: its ``Parts``, done once every part ended), the
-  handles still open (``drain``), the callback thread that finishes them, and ``close``.
-
-Producers (``LevelProducer``): ``MultiLevel`` (one process: a ``LazyCheckpointer``'s files, or
-Accelerate's folders; a copy is ``_copy.copy_file`` / ``copy_tree`` / an upload) and the distributed
-levels (``lazyckpt.distributed``: DCP folders; a copy is this rank's file, and its commit the
-two-phase commit of every rank). Stage: the producer starts the one source save and hands its
-handle to ``start``; promote: ``LevelProducer.promote``; commit: inside each (the core's rename,
-the two-phase commit).
+A save stages once into the fastest due level (the source); each slower due level copies it on its
+own FIFO thread (``<name>-<i>``). The runner owns due levels, backlog, pins, retention, the handles
+and their callback thread; producers (``MultiLevel``, ``lazyckpt.distributed``) make and commit the
+source and each copy (``promote``).
 """
 
 from __future__ import annotations
@@ -51,8 +31,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass(eq=False)
 class Feed:
-    """One save's source (the fastest due level's checkpoint of ``step`` at ``path``; ``level``
-    None: a staging file or folder the producer discards after the copies) and what reads it."""
+    """One save's source at ``path`` (``level`` None: a staging path the producer discards after
+    the copies) and the copies reading it."""
 
     level: int | None
     step: int
@@ -66,17 +46,17 @@ class Feed:
 
 @dataclass(eq=False)
 class Copy:
-    """Level ``level``'s copy of a save's source (on that level's thread)."""
+    """Level ``level``'s copy of a save's source, run on that level's thread."""
 
     level: int
     feed: Feed
 
 
 class LevelProducer(Protocol):
-    """What a runner needs of the producer that stages and commits (see the module docstring)."""
+    """What a runner needs of the producer that stages and commits."""
 
     def promote(self, index: int, feed: Feed) -> LevelError | None:
-        """Level ``index``'s copy of ``feed``'s committed source, committed there; its error."""
+        """Level thread: copy ``feed``'s committed source to level ``index`` and commit it; its error."""
 
     def ended(self, index: int, feed: Feed) -> None:
         """Level ``index``'s item of ``feed`` ended (after ``promote``, or without it)."""
@@ -99,10 +79,9 @@ def written(handle: SaveHandle) -> bool:
 
 
 class Runner:
-    """The schedule, threads and handles of one multi-level saver (see the module docstring).
-    ``folder``: what retention lists (``step-<n>`` folders True, files False, either None);
-    ``owns(index)``: whether this process removes at that level (a distributed level: its folder's
-    leader)."""
+    """The schedule, threads and handles of one multi-level saver. ``folder``: what retention lists
+    (folders True, files False, either None); ``owns(index)``: whether this process applies
+    retention at that level."""
 
     def __init__(
         self,
@@ -125,7 +104,7 @@ class Runner:
         self._retention = Retention(self._cond, len(levels))  # steps saved, pinned, being removed
         self._workers = {i: Worker(f"{name}-{i}", self._run, lazy=True) for i in range(len(levels))}
         self._open: set[LevelsHandle] = set()
-        self._swept = False  # the first save removed the steps of a timeline abandoned by a rollback
+        self._swept = False  # the first save's sweep of an abandoned timeline ran
         self._closed = False
 
     # -- the schedule (caller's thread) ------------------------------------------------------------
@@ -152,16 +131,14 @@ class Runner:
     def begin(
         self, step: int, first: int | None, path: str, admitted: list[int], pin_save: bool, context: Any = None
     ) -> Feed:
-        """The save's source and its pins: once per admitted copy (until that copy has read it),
-        and with ``pin_save`` once more for the save itself (until its handle is done: a checkpoint
-        still being written is never a retention victim)."""
+        """The save's source, pinned per admitted copy and, with ``pin_save``, for the save itself
+        until its handle is done."""
         saved = ([] if first is None else [first]) + admitted
         self._retention.saved(saved, step, first, len(admitted) + int(pin_save))
         return Feed(first, step, path, len(admitted), context)
 
     def claim(self, step: int) -> None:
-        """Before other processes may write into step ``step``'s folder at the fastest due level (the
-        one its save writes; ``_schedule.Retention.claim``)."""
+        """Call before other processes may write into ``step``'s folder at the fastest due level."""
         self._retention.claim(self.due(step, None)[:1], step)
 
     def abandon(self, feed: Feed, admitted: list[int], pin_save: bool) -> None:
@@ -172,7 +149,7 @@ class Runner:
             self._retention.unpin(feed.level, feed.step, len(admitted) + int(pin_save))
 
     def sweep_once(self) -> None:
-        """At the first save: an abandoned timeline's steps go now at every level (``_schedule.sweep``)."""
+        """At the first save: remove an abandoned timeline's steps at every level (``_schedule.sweep``)."""
         if self._swept:
             return
         self._swept = True
@@ -187,8 +164,8 @@ class Runner:
         return feed.parts.handle
 
     def start(self, feed: Feed, admitted: list[int], unpin_save: bool) -> None:
-        """Queue the admitted copies (each on its level's thread, FIFO) and follow the source save:
-        once it is done (the core's callback thread), the source level's retention and part."""
+        """Queue the admitted copies on their level threads; when the source save is done (core
+        callback thread), apply the source level's retention and end its part."""
         assert feed.source is not None and feed.parts is not None
         for i in admitted:
             if not self._workers[i].submit(Copy(i, feed)):  # no thread will run it (closed): never a hang
@@ -247,8 +224,7 @@ class Runner:
         feed.parts.part_done(item.level, error, written=ok and error is None)
 
     def release(self, feed: Feed) -> None:
-        """A copy has read the source: unpin it; after the last copy, its retention (it may have
-        skipped the step while pinned) or, for a staging source, its removal."""
+        """A copy has read the source: unpin it; after the last, retention or staging removal."""
         with self._cond:
             feed.readers -= 1
             last = feed.readers == 0
@@ -262,8 +238,7 @@ class Runner:
             self.retain(feed.level)
 
     def retain(self, index: int, sweep: bool = False) -> None:
-        """Level ``index``'s retention (``_schedule.Retention.apply``), where this process owns it:
-        deletions through the producer's ``remove`` (local) or its remote tier (a URL level)."""
+        """Level ``index``'s retention (``_schedule.Retention.apply``) where this process owns it."""
         if not self.owns(index):
             return
         p = self.producer

@@ -1,10 +1,5 @@
-"""What every multi-level saver shares: each slower level's backlog bound, and retention's choice.
-
-``MultiLevel`` (one process: files, Accelerate's folders) and the distributed levels
-(``lazyckpt.distributed``: DCP folders committed by every rank) schedule the same way; they differ
-in how a copy is made and committed, not in when a save waits for a level or which steps a level
-keeps.
-"""
+"""Each slower level's backlog bound and retention's choice, shared by every multi-level saver
+through ``_runner.Runner``."""
 
 from __future__ import annotations
 
@@ -31,8 +26,8 @@ WARN_AFTER_S = 0.5  # a save that waited longer than this for a level's backlog 
 
 
 class Backlog:
-    """Copies to each slower level admitted and not yet ended, bounded by ``Level.backlog``, under
-    the saver's condition (``cond``). ``admit`` runs on the caller's thread, ``done`` on the level's."""
+    """Admitted, unfinished copies per level, bounded by ``Level.backlog``, under the saver's ``cond``.
+    ``admit`` runs on the caller's thread, ``done`` on the level's."""
 
     def __init__(self, cond: threading.Condition) -> None:
         self._cond = cond
@@ -48,11 +43,9 @@ class Backlog:
         confirm: Callable[[], None],
         warn_after: float = WARN_AFTER_S,
     ) -> bool:
-        """Reserve a place in level ``index``'s backlog. At the bound: ``skip`` skips this step's
-        copy (False, warned); otherwise (``skip`` False, or None where skipping is not offered)
-        ``confirm()`` (the saver's pending saves, so that their commits and the copies behind them
-        can proceed: no deadlock), then wait for a place (the level thread ends every copy it
-        holds), warning with the numbers past ``warn_after`` seconds."""
+        """Reserve a place in level ``index``'s backlog. At the bound: with ``skip``, return False
+        (warned); otherwise call ``confirm()`` (lets pending saves commit: no deadlock), then wait
+        for a place, warning when that took over ``warn_after`` seconds."""
         with self._cond:
             if self._pending[index] < level.backlog:
                 self._pending[index] += 1
@@ -94,18 +87,9 @@ class Backlog:
 
 
 class Retention:
-    """Which checkpoints of each level a saver may remove, under its condition: the steps it saved
-    at each level (``saved``), the steps pinned while copies still read them (``pin`` once per
-    copy, ``unpin`` as each ends), and the paths being removed.
-
-    ``apply(index, ...)`` runs right after a commit at level ``index`` (or, the first save's sweep,
-    only where the level holds a step at or before the start; so its newest complete checkpoint is
-    never removed): it lists the level, keeps its ``keep`` newest complete steps (a
-    local folder still being written, by this saver or another process, holds a pending marker:
-    it is not counted, and is removed only when older than every kept one), also removes
-    the steps after the first step this saver saved (at any level) that it did not write (a
-    timeline abandoned by a rollback: after resuming from step 50, an old step 57 would otherwise be
-    "newest"), skips pinned steps (retried when unpinned) and deletes the rest (``remove_copy``)."""
+    """Which checkpoints of each level a saver may remove, under its condition. Invariants: the
+    newest complete checkpoint is never removed; a pinned step is skipped (retried after unpin); a
+    step after this saver's first step that it did not write (an abandoned timeline) is removed."""
 
     def __init__(self, cond: threading.Condition, levels: int) -> None:
         self._cond = cond
@@ -125,9 +109,8 @@ class Retention:
                 self._pins[(source, step)] += copies
 
     def claim(self, levels: list[int], step: int) -> None:
-        """``step`` will be saved to ``levels`` by this saver, and other processes may write into its
-        folders before ``saved`` (Accelerate's: after the collective that agrees on the step): from
-        now on it is never an abandoned timeline's step to a retention pass."""
+        """``step`` will be saved to ``levels`` by this saver (others may write there before
+        ``saved``): never treat it as an abandoned timeline's step."""
         with self._cond:
             for i in levels:
                 self._mine[i].add(step)
@@ -150,22 +133,16 @@ class Retention:
         reuse: Callable[[str], bool] | None = None,
         sweep: bool = False,
     ) -> None:
-        """Remove level ``index``'s checkpoints beyond its ``keep`` newest (and those of an abandoned
-        timeline). ``reuse``: offered first each victim this saver wrote itself (a memory level's
-        file, whose pages the next save there takes over: ``storage/spare.py``); a refused one is
-        removed as any other. ``sweep`` (the first save, before this level has a new copy): only
-        the abandoned timeline's steps, and only when the level holds a complete step at or before
-        this saver's start (the run resumed from there: a run that starts below every step the
-        level holds, a fresh run or a step counter reset by mistake, leaves them to its first
-        commit there, as any other save)."""
+        """Remove level ``index``'s checkpoints beyond its ``keep`` newest complete ones and an
+        abandoned timeline's; runs right after a commit there. ``reuse``: offered first each victim
+        this saver wrote (a refusal removes it). ``sweep`` (first save): only the abandoned
+        timeline's steps, and only if the level holds a complete step at or before the start."""
         try:
             steps = list_steps(level, storage_options, folder=folder)
         except Exception as exc:  # noqa: BLE001 - retention is housekeeping
             logger.warning("lazyckpt: level %d (%s): cannot list it for retention: %s", index, level.path, exc)
             return
-        # A listed file is complete (its temporaries are hidden), and so is a URL level's folder (only
-        # its own level thread uploads there, and it runs this after its upload); a local folder is
-        # created at its final name and holds a pending marker until the last process's save into it ends.
+        # Listed files and URL folders are complete; a local folder may still hold a pending marker.
         complete = {s for s, p in steps.items() if is_complete(p)} if folder and not level.is_url else None
         with self._cond:
             start, mine = self._start, self._mine[index]
@@ -198,7 +175,7 @@ class Retention:
 
 @dataclass(eq=False)
 class Sweep:
-    """The first save's retention pass at a URL level (``sweep``), on that level's thread."""
+    """The first save's sweep of a URL level, on that level's thread."""
 
     level: int
 
@@ -209,15 +186,10 @@ def sweep(
     submit: Callable[[int, Sweep], object],
     owns: Callable[[int], bool] = lambda index: True,
 ) -> None:
-    """At a saver's first save, whose step starts its timeline: every level's steps after it that
-    the saver did not write belong to a timeline abandoned by a rollback (a run resumed from an
-    older step); retention removes them now (``retain(index, sweep=True)``: ``Retention.apply``,
-    only at a level holding a complete step at or before the start) rather than at each level's
-    first commit, which for a level saved every 100 steps could be 100 steps away while ``latest()``
-    would return them. Local levels on the caller's thread (a listing and renames: the files are
-    freed on the remover thread); a URL level as a ``Sweep`` item on its own level thread
-    (``submit``), before its first upload. ``owns``: whether this process removes at that level
-    (the distributed levels: each folder's owner only)."""
+    """At a saver's first save: remove every level's abandoned-timeline steps now, so ``latest()``
+    cannot return them (``retain(index, sweep=True)``). Local levels on the caller's thread; a URL
+    level as a ``Sweep`` on its level thread (``submit``). ``owns``: whether this process removes
+    at that level."""
     for index, level in enumerate(levels):
         if not owns(index):
             continue
@@ -228,8 +200,7 @@ def sweep(
 
 
 def run_sweep(retain: Callable[..., None], index: int) -> None:
-    """Level ``index``'s sweep; an unexpected error is logged: retention is housekeeping, and the
-    level's next commit runs it again (listing and removal failures are handled inside)."""
+    """Level ``index``'s sweep; an unexpected error is logged, never raised."""
     try:
         retain(index, sweep=True)
     except Exception:  # noqa: BLE001 - housekeeping
@@ -239,10 +210,9 @@ def run_sweep(retain: Callable[..., None], index: int) -> None:
 def retention_victims(
     steps: dict[int, str], keep: int | None, first: int | None, mine: set[int], complete: set[int] | None = None
 ) -> list[int]:
-    """The steps of a level (``steps``: {step: path}, as listed) older than its ``keep`` newest
-    complete ones (``complete``: the steps that are; None: all), and those after the ``first``
-    step this saver saved that it did not write there (``mine``). An incomplete step newer than
-    the oldest kept one (a save still running) is not a victim; with no complete step, none is."""
+    """The steps of ``steps`` older than the ``keep`` newest complete ones (``complete``; None:
+    all), plus those after ``first`` not in ``mine``. An incomplete step newer than the oldest kept
+    one is not a victim; with no complete step, no old step is."""
     stale = {s for s in steps if first is not None and s > first and s not in mine}
     live = sorted(s for s in steps if s not in stale)
     done = [s for s in live if complete is None or s in complete]
@@ -259,10 +229,8 @@ def remove_copy(
     remote_tier: Callable[[], RemoteTier],
     publish: Callable[[Report], None],
 ) -> None:
-    """Delete level ``index``'s checkpoint ``path`` for retention: a local one through
-    ``remove_local`` (``LazyCheckpointer.remove``: renamed away now, freed on its remover thread),
-    a URL through the remote tier (on the calling level thread). Gone already is fine; any other
-    failure is published once as a ``LevelError`` naming the level."""
+    """Delete level ``index``'s checkpoint ``path``: local through ``remove_local``, a URL through the
+    remote tier. Already gone is fine; another failure is published once as a ``LevelError``."""
     try:
         if level.is_url:
             tier = remote_tier()

@@ -1,42 +1,10 @@
-"""Copies of ONE writer's files in other nodes' memory: ``Level(replicas=k)`` on a
-``LazyCheckpointer(levels=...)`` built on every rank of a torch.distributed job whose global rank 0
-alone saves (DDP: every rank holds the same state). Every node then ends with a loadable copy.
+"""Copies of ONE writer's checkpoints (``LazyCheckpointer(levels=...)`` on every rank, rank 0 saving)
+in the ``k`` next nodes' memory, under the level's own names in each holder node's folder.
 
-Why not the ring of ``_replica.py``: there every rank saves every step, so a receiver posts its
-gloo receive when it commits the same step itself and both ends are in one round. Here the other
-ranks never save: a receive posted ahead would sit through the steps between saves, and gloo cannot
-cancel it (a timeout breaks the pair for good). So the writer ANNOUNCES each transfer in the job's
-c10d store (``<prefix>/<holder rank>/<n>``: the step, or ``bye``) and only then starts the gloo
-round; the holder's ``lazyckpt-replica-rx`` thread waits on that key in one-second waits, on a store
-connection of its own (``Store.clone``: a wait holds its connection), so its own ``close()`` can end
-it, and joins the round when the key appears.
-
-A checkpoint is a file (``step-<n>.pt``) or a flat folder (``step-<n>``: Accelerate's
-``save_state`` folder, every process's RNG file gathered into it by the main process): a folder
-travels as its files and is received into a staging folder, checked whole (every file against the
-CRC32s its writer put in it), then renamed (``_wire.FolderSink``).
-
-Who: the level's nodes are the probe's groups (``Ring.of``: node-local, >= k+1 nodes of one size);
-the writer's node is followed by the k next nodes (mod the node count), whose first ranks hold the
-copies, each in its node's own level folder under the level's own name (``step-<n>.pt``: a file any
-loader takes; nobody else writes that folder). The writer's ``lazyckpt-replica`` thread sends each
-committed file (opened when queued: retention may unlink it meanwhile) to each holder in turn
-(``_wire.Link``: sizes, header, 32 MiB chunks, acknowledgment) on a gloo group of its own. The
-holder (``_wire.Sink``) writes a temporary name, checks the stream's CRC32 against the one the writer
-read, then checks the zip's records against their CRC32s (the primary's, written by the writer from
-the tensors) before the rename: a torn or corrupt copy is never at a final name. ``keep`` applies.
-A failure records the step as not replicated (``ReplicationError``, one ``ReplicationWarning`` per
-holder) and never fails a save; a holder whose round failed is not used again.
-
-Restore (``restore_files``, collective, from ``latest()``): every node's first rank posts the steps
-its folder holds whole (verified); the newest step any node holds is sent, by the first node holding
-it, to every node that lacks it (the same plan on every rank), so each node's folder holds it before
-``latest()`` reads the folders; the ranks then check that they agree on one step.
-
-Owns: the gloo groups (this object's; the restore's own), the two threads, the open files queued.
-Waits: ``drain`` (ended by the sender's items, each round bounded by the group's timeout),
-``close`` (the writer: its queue then ``bye``; a holder: the writer's ``bye``, at most ``timeout``
-seconds, then it stops waiting).
+The writer (``lazyckpt-replica`` thread) announces each transfer in the c10d store before its gloo
+round, since a gloo receive posted ahead cannot be cancelled; a holder's ``lazyckpt-replica-rx``
+thread waits for that key. A failure never fails a save. ``restore_files`` (collective, from
+``latest()``) gives every node the newest step any node holds whole.
 """
 
 from __future__ import annotations
@@ -70,7 +38,7 @@ POLL = timedelta(seconds=1)
 
 
 def _check_file(path: str) -> None:
-    """The received file's records against the CRC32s the writer put in it (the primary's)."""
+    """``OSError`` unless the file passes ``verify`` (the writer's CRC32s)."""
     from lazyckpt.recovery.verify import verify
 
     report = verify(path)
@@ -79,7 +47,7 @@ def _check_file(path: str) -> None:
 
 
 def _check_folder(path: str) -> None:
-    """A folder checkpoint whole: complete, every file against the CRC32s its writer put in it."""
+    """``OSError`` unless the folder checkpoint is complete and every file passes its CRC32s."""
     from lazyckpt.recovery.check import folder_problems
 
     problems = folder_problems(path)
@@ -88,8 +56,7 @@ def _check_folder(path: str) -> None:
 
 
 def _outgoing(path: str, crc: int | None) -> tuple[list[OutFile], bool]:
-    """The committed checkpoint at ``path`` opened for sending, share-locked (a file, or a folder's
-    files); whether it is a folder. ``crc``: ``LATER`` (read on the sending thread) or None (now)."""
+    """``path``'s files opened share-locked for sending, and whether it is a folder."""
     if os.path.isdir(path):
         return open_files(path, [(n, crc) for n, _ in folder_files(path)], lock=True), True
     return open_files(os.path.dirname(path), [(os.path.basename(path), crc)], lock=True), False
@@ -103,8 +70,7 @@ def _in_job() -> bool:
 
 class _Job:
     """The job's view for one replicated level: the probe and the ring, agreed through the c10d
-    store (``StoreExchange``: no sockets to close under a rank still reading); ``group()``, a gloo
-    group of our own for the transfers (collective: every rank calls it, or none)."""
+    store. ``group()`` makes a gloo group for the transfers (collective: every rank or none)."""
 
     def __init__(self, levels: Sequence[Level], index: int, timeout: float) -> None:
         if not _in_job():
@@ -128,7 +94,7 @@ class _Job:
 
 
 class SingleWriter:
-    """The save side (see the module docstring). Built on every rank (collective)."""
+    """Both sides of one-writer replication; built on every rank (collective)."""
 
     def __init__(self, levels: Sequence[Level], index: int, fsync: bool, timeout: float = 60.0) -> None:
         self.levels, self.index, self.level, self.fsync, self.timeout = levels, index, levels[index], fsync, timeout
@@ -162,14 +128,11 @@ class SingleWriter:
     # -- the writer -------------------------------------------------------------------------------
 
     def submit(self, step: int, path: str) -> None:
-        """``path`` (level ``index``'s committed file or folder of ``step``) to the holders: opened and
-        share-locked now (the memory level never reuses the pages of a file it still has to send),
-        queued; its CRC32 is read on the sending thread. With the level's ``backlog`` of steps
-        already waiting or in flight, the step is recorded as not replicated instead (memory stays
-        bounded: each queued file keeps its pages)."""
+        """Queue ``step``'s committed ``path`` for the holders, opened share-locked now. Never blocks
+        (core callback thread): past ``backlog`` queued steps it is recorded as not replicated."""
         with self._cond:
             behind = self._queued >= self.level.backlog
-        if behind:  # never wait here (the core's callback thread): the step goes without copies
+        if behind:  # never wait here: the step goes without copies
             for holder in self.holders:
                 why = f"the copies are {self.level.backlog} steps behind (the level's backlog): skipped"
                 self._failed(step, holder, None, why)
@@ -195,8 +158,8 @@ class SingleWriter:
             return self._cond.wait_for(lambda: self._queued == 0, timeout)
 
     def close(self) -> None:
-        """The writer: send what is queued, then ``bye``. A holder: wait for the writer's ``bye``
-        (at most ``timeout`` s: a writer that died sends none), then stop."""
+        """The writer: send what is queued, then ``bye``. A holder: wait up to ``timeout`` s for the
+        writer's ``bye``, then stop."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
@@ -278,10 +241,7 @@ class SingleWriter:
     # -- a holder ---------------------------------------------------------------------------------
 
     def _receive_loop(self) -> None:
-        # A connection of this thread's own (``Store.clone``): a blocking ``wait`` holds its connection
-        # for up to ``POLL``, and on the process's shared one every other store call of the process
-        # (``latest()``'s exchanges, ``new_group``) queued behind it (seen: a restart's ``latest()``
-        # took 30-40 s instead of 1-2 s while a holder waited).
+        # a store connection of this thread's own: a blocking wait would stall the process's other store calls
         store = self.store.clone() if hasattr(self.store, "clone") else self.store
         seq = 0
         while True:
@@ -347,11 +307,9 @@ def _remove(path: str) -> None:
 def restore_files(
     levels: Sequence[Level], index: int, timeout: float, fsync: bool, threads: int = 8, preload: bool = False
 ) -> list[Preread]:
-    """Collective (every rank of the job): the newest step any node's folder of level ``index``
-    holds whole, sent to every node lacking it (see the module docstring). Each node's first rank
-    checks its files newest first and posts the first whole one: an older step is never needed.
-    ``preload``: that check reads the file's storages into memory (``preread``); returned, to be
-    kept until ``latest()`` picked its file (it takes them rather than reading the file again)."""
+    """Collective (every rank): the newest step any node's folder of level ``index`` holds whole is
+    sent to every node lacking it. ``preload``: the checks read the files' storages (``preread``);
+    returned, for the caller to keep until ``latest()`` has taken them."""
     job = _Job(levels, index, timeout)
     level, ring = levels[index], job.ring
     mine: int | None = None
@@ -404,9 +362,8 @@ def _destroy(group: Any) -> None:
 
 
 def files_of_one_writer(listings: dict[int, dict[int, str]], is_dcp: Any, timeout: float) -> bool:
-    """Collective in a job (torch.distributed initialized, several ranks), False outside one:
-    whether the levels hold one writer's files (some rank lists a file checkpoint, none a DCP
-    folder), agreed by every rank: a rank whose folders are empty decides as the others do."""
+    """Collective in a multi-rank job (else False): whether some rank lists a file checkpoint and
+    none a DCP folder."""
     if not _in_job():
         return False
     paths = [p for steps in listings.values() for p in steps.values()]
@@ -416,8 +373,7 @@ def files_of_one_writer(listings: dict[int, dict[int, str]], is_dcp: Any, timeou
 
 
 def _read_ahead_check(kept: list[Preread], threads: int) -> Any:
-    """A received file's check (as ``_check_file``) that reads its storages ahead for ``latest()``
-    (appended to ``kept``): the restored node's read is the check's."""
+    """``_check_file`` that also keeps the file's read storages in ``kept`` for ``latest()``."""
 
     def check(path: str) -> None:
         report, ahead = preread(path, threads)
@@ -431,9 +387,7 @@ def _read_ahead_check(kept: list[Preread], threads: int) -> Any:
 def _received(
     link: Link, src: int, level: Level, fsync: bool, check: Any = _check_file
 ) -> tuple[int | None, Sink | None]:
-    """One round receiving ``src``'s checkpoint into ``level``'s folder: a file (``check``ed before
-    its rename) or a folder (checked whole before its rename, ``FolderSink``); a round that fails
-    mid-file leaves no temporary file or folder."""
+    """One round receiving ``src``'s checkpoint into ``level``'s folder; a failure leaves no temporary."""
     made: list[Sink] = []
 
     def sink_for(head: dict[str, Any]) -> Sink:

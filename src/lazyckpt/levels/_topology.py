@@ -1,14 +1,6 @@
-"""Which ranks share each level's folder: found out at construction, never assumed from paths.
-
-A node-local level (``/dev/shm/run1`` on every node) has the same path string on every rank but
-is a different folder on each node; a shared disk or an object store is one folder for all. So
-each rank leaves a probe file in every local level's folder, the ranks exchange what they see
-(by exact names: a ``stat`` of a name never looked up before asks the server, where a listing of a
-network filesystem may be cached), and each level gets its groups: the sets of ranks that see
-each other's files. One group of every rank: a shared level (one DCP folder per step); several:
-a node-local level (one folder per group and step, holding that group's ranks' files). A URL
-level is shared. Views that do not form a partition (rank A sees B's file, B not A's) are
-refused on every rank alike.
+"""Which ranks share each level's folder, found by probe files at construction (never assumed from
+paths: ``/dev/shm/run1`` is a folder per node). Checks use exact names (a listing may be cached); a
+URL level is shared; views that are not a partition are refused on every rank.
 """
 
 from __future__ import annotations
@@ -26,9 +18,8 @@ PROBE_PREFIX = ".lazyckpt-probe-"
 
 @dataclass(frozen=True)
 class Scope:
-    """Who shares one level's folders: ``groups`` (ranks of the checkpointer's group, each sorted,
-    together a partition) and this rank's ``group``; its ``leader`` (lowest rank) owns the
-    folder: makes its ``.metadata``, publishes it, applies retention."""
+    """Who shares one level's folders: ``groups`` (a sorted partition of the ranks) and this rank's
+    ``group``, whose ``leader`` (lowest rank) owns the folder (metadata, publishing, retention)."""
 
     groups: tuple[tuple[int, ...], ...]
     group: tuple[int, ...]
@@ -45,8 +36,8 @@ class Scope:
 def probe(
     levels: Sequence[Level], token: str, rank: int, world: int, all_gather: Callable[[Any], list[Any]]
 ) -> list[Scope]:
-    """Collective (``all_gather`` over the checkpointer's gloo group): every level's scope. A rank
-    that cannot probe (a folder it cannot create) fails the construction on every rank."""
+    """Collective (``all_gather``): every level's scope. A rank that cannot probe makes every rank
+    raise ``ValueError``; so do inconsistent views."""
     everyone = tuple(range(world))
     mine: list[str] = []
     error = ""
@@ -106,9 +97,8 @@ def _scope(level: Level, index: int, seen: list[tuple[int, ...] | None], rank: i
 
 
 def dedup_groups(scopes: Sequence[Scope], world: int) -> list[list[int]]:
-    """The groups within which replicated items are deduplicated: ranks that share the folder of
-    every node-local level (the finest partition refining them all); one group of every rank when
-    no level is node-local."""
+    """The groups within which replicated items are deduplicated: the ranks sharing every node-local
+    level's folder (one group of all ranks when no level is node-local)."""
     node = [s for s in scopes if s.node_local]
     by_key: dict[tuple[int, ...], list[int]] = {}
     for r in range(world):

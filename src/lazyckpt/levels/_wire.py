@@ -1,8 +1,6 @@
-"""The wire of replication (``_replica.py``): one round on a gloo group sends one rank's files to
-a peer while receiving another's (``Link``), the receiving end writing each file under a temporary
-name and renaming it only once its CRC32 matches the primary's (``Sink``), its index last. A folder
-checkpoint (one writer's Accelerate folder, ``_single.py``) travels as its files and is received
-into a staging folder, checked whole, then renamed to its step's name (``FolderSink``)."""
+"""The wire of replication: one gloo round sends one rank's files to a peer while receiving
+another's (``Link``); the receiver renames each file only once its CRC32 matches the primary's
+(``Sink``, index last), or a folder only once it checks whole (``FolderSink``)."""
 
 from __future__ import annotations
 
@@ -40,9 +38,8 @@ class OutFile:
 
 
 def open_files(folder: str, files: Sequence[tuple[str, int | None]], lock: bool = False) -> list[OutFile]:
-    """``folder``'s ``files`` ((name, the primary's CRC32, ``LATER``, or None: computed now, for
-    small files written once such as a manifest)) opened for sending. ``lock``: each share-locked
-    (``storage/spare.py``: a memory level does not reuse its pages while it is open)."""
+    """``folder``'s ``files`` (name, CRC32 | ``LATER`` | None: computed now) opened for sending;
+    ``lock``: share-locked (``storage/spare.py``)."""
     out: list[OutFile] = []
     try:
         for name, want in files:
@@ -61,9 +58,8 @@ def open_files(folder: str, files: Sequence[tuple[str, int | None]], lock: bool 
 
 
 def folder_files(folder: str) -> list[tuple[str, int | None]]:
-    """A complete folder checkpoint's files for ``open_files`` (CRC32s read on the sending thread):
-    its top-level files, hidden names (pending markers, temporaries) left out. A subfolder (a
-    sharded save's) is ``OSError``: only flat folders travel."""
+    """A complete flat folder checkpoint's visible files for ``open_files`` (CRC32s ``LATER``);
+    ``OSError`` for a subfolder."""
     out: list[tuple[str, int | None]] = []
     for name in sorted(os.listdir(folder)):
         if name.startswith("."):
@@ -75,7 +71,6 @@ def folder_files(folder: str) -> list[tuple[str, int | None]]:
 
 
 def crc_of(fd: int, size: int) -> int:
-    """CRC32 of the ``size`` bytes of the open file ``fd``."""
     crc, offset = 0, 0
     while offset < size:
         data = os.pread(fd, min(CHUNK, size - offset), offset)
@@ -95,7 +90,7 @@ class Sink:
         check: Callable[[str], None] | None = None,
     ) -> None:  # fmt: skip
         self.folder, self.header, self.fsync, self.index_name = folder, header, fsync, index_name
-        self.check = check  # of each whole file before its rename (raises OSError: refused as a CRC mismatch)
+        self.check = check  # each whole file before its rename; OSError counts as a CRC mismatch
         self.error: BaseException | None = None
         self.crc_mismatch = False
         self._fd: int | None = None
@@ -181,7 +176,6 @@ class Sink:
         return self._status()
 
     def _status(self) -> int:
-        """The acknowledgment of a failed part."""
         if self.crc_mismatch:
             return CRC_MISMATCH
         code = getattr(self.error, "errno", None)
@@ -189,12 +183,9 @@ class Sink:
 
 
 class FolderSink(Sink):
-    """A folder checkpoint received whole: its files (each CRC-checked as ``Sink`` does) into a
-    staging folder beside ``final``; at ``commit`` the folder is checked whole (``check_folder``:
-    every file against the CRC32s its writer put in it, raises ``OSError``), fsynced, and renamed to
-    ``final`` (a folder already there renamed away first, deleted after). Never a partial folder at
-    ``final``: a failure removes the staging folder (a killed receiver's is a lazyckpt temporary,
-    removed by ``storage.fs.cleanup_temporaries``: a level saver opening, Accelerate's install)."""
+    """A folder checkpoint received into a staging folder beside ``final``; at ``commit`` it is
+    checked whole (``check_folder`` raises ``OSError``) and renamed to ``final``. Never a partial
+    folder at ``final``; a failure removes the staging folder."""
 
     def __init__(self, final: str, header: dict[str, Any], fsync: bool, check_folder: Callable[[str], None]) -> None:
         super().__init__(_fs.temporary_path(final), header, fsync, None)
@@ -224,9 +215,8 @@ class FolderSink(Sink):
 
 
 def replace_folder(tmp: str, dst: str, fsync: bool) -> None:
-    """The complete folder ``tmp`` renamed to ``dst`` (its files and ``tmp`` itself fsynced before,
-    with ``fsync``; the parent after). A ``dst`` already there is renamed away first and deleted
-    after; on failure it is put back."""
+    """Rename the complete folder ``tmp`` to ``dst`` (fsyncing ``tmp`` and the parent with ``fsync``).
+    An existing ``dst`` is renamed away first and deleted after; on failure it is put back."""
     parent = os.path.dirname(dst)
     if fsync:
         _fs.fsync_dir(tmp)
@@ -247,9 +237,9 @@ def replace_folder(tmp: str, dst: str, fsync: bool) -> None:
 
 
 class Link:
-    """The wire protocol of one round on a gloo group: send ``files`` to ``dst`` while receiving
-    ``src``'s part into a ``Sink`` (either side may be None). Sizes, a JSON header, the chunks (in
-    step on both sides), then the receiver's acknowledgment. Raises on a transport failure."""
+    """One round on a gloo group: send ``files`` to ``dst`` while receiving ``src``'s part into a
+    ``Sink`` (either side may be None): sizes, a JSON header, the chunks, then the acknowledgment.
+    ``run`` returns (the peer's ack, the sink) and raises on a transport failure."""
 
     def __init__(self, group: Any) -> None:
         self.group = group
