@@ -86,9 +86,9 @@ def main() -> None:
     handle.uninstall()  # <- lazyckpt (optional: back to stock saving)
     newest = lazyckpt.transformers.latest(out)  # <- lazyckpt (or stock resume_from_checkpoint=True)
     print("folders:", sorted(n for n in os.listdir(out) if n.startswith("checkpoint-")), "newest complete:", newest)
-    print("files:", sorted(os.listdir(newest)) if newest else None)
+    print("files:", sorted(os.listdir(newest.path)) if newest else None)
     resumed = trainer(out, max_steps=8)  # a stock Trainer reads the lazily written folder
-    resumed.train(resume_from_checkpoint=newest)
+    resumed.train(resume_from_checkpoint=newest.path)
     print("resumed to step", resumed.state.global_step)
 
 

@@ -1,4 +1,4 @@
-"""Structure figures of src/lazyckpt (issue 21): private reach, import cycles, module sizes.
+"""Structure figures of src/lazyckpt: private reach, import cycles (modules, packages), class names, module sizes.
 
     python scripts/structure.py            # summary
     python scripts/structure.py --list     # every private access across objects, by file
@@ -219,6 +219,28 @@ def cycles(graph: dict[str, set[str]], nodes: list[str]) -> list[list[str]]:
     return out
 
 
+def package_of(mod: str, trees: dict[str, tuple[Path, ast.Module]]) -> str:
+    """``lazyckpt.core.job`` -> ``lazyckpt.core``; a top-level module (``lazyckpt.errors``) is its own node."""
+    parts = mod.split(".")
+    path = trees[mod][0]
+    if path.name == "__init__.py":
+        return mod
+    return ".".join(parts[:-1]) if path.parent != ROOT else mod
+
+
+def package_graph(graph: dict[str, set[str]], trees: dict[str, tuple[Path, ast.Module]]) -> dict[str, set[str]]:
+    """Imports between packages (a package's ``__init__`` is the package); edges within a package dropped."""
+    out: dict[str, set[str]] = defaultdict(set)
+    for mod, targets in graph.items():
+        src = package_of(mod, trees)
+        out[src]
+        for target in targets:
+            dst = package_of(target, trees)
+            if dst != src:
+                out[src].add(dst)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--list", action="store_true", help="print every private access across objects")
@@ -238,8 +260,21 @@ def main() -> None:
         "  lazyckpt reach by module: "
         + (", ".join(f"{m} {n}" for m, n in sorted(by_file.items(), key=lambda x: -x[1])) or "none")
     )
-    found = cycles(import_graph(trees), list(trees))
-    print(f"import cycles: {len(found)}" + "".join(f"\n  {' <-> '.join(c)}" for c in found))
+    graph = import_graph(trees)
+    found = cycles(graph, list(trees))
+    print(f"import cycles between modules: {len(found)}" + "".join(f"\n  {' <-> '.join(c)}" for c in found))
+    packages = package_graph(graph, trees)
+    found = cycles(packages, sorted(packages))
+    print(f"import cycles between packages: {len(found)}" + "".join(f"\n  {' <-> '.join(c)}" for c in found))
+    classes: dict[str, list[str]] = defaultdict(list)
+    for mod, (_, tree) in trees.items():
+        classes.update({})
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                classes[node.name].append(mod)
+    twice = {name: mods for name, mods in classes.items() if len(mods) > 1}
+    print(f"class names defined in two modules: {len(twice)}" + "".join(f"\n  {n}: {', '.join(m)}" for n, m in twice.items()))
+    print(f"lines: {sum(n for n, _ in sizes)} in src/lazyckpt")
     big = [(n, m) for n, m in sizes if n > 500]
     print(f"modules over 500 lines: {len(big)}" + "".join(f"\n  {m} {n}" for n, m in big))
     print("largest: " + ", ".join(f"{m} {n}" for n, m in sizes[:6]))

@@ -101,9 +101,9 @@ def _no_leaked_threads():
 
 @pytest.fixture(autouse=True)
 def _not_left_inside_lazyckpt(request):
-    """No lazyckpt lock or wait may leave this thread counted as inside lazyckpt (``core/reentry.py``):
+    """No lazyckpt lock or wait may leave this thread counted as inside lazyckpt (``threads/reentry.py``):
     every later save would then be written synchronously."""
-    from lazyckpt.core import reentry
+    from lazyckpt.threads import reentry
 
     before = (reentry.synchronous_saves, reentry.refused_waits)
     yield

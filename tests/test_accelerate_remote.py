@@ -27,9 +27,9 @@ from _launch import run_python  # noqa: E402
 from _s3server import FaultProxy  # noqa: E402
 from accelerate_scripts import acc_common as C  # noqa: E402
 from lazyckpt.commit import remote_folder as _remote_folder  # noqa: E402
+from lazyckpt.core import remote as _remote  # noqa: E402
 from lazyckpt.errors import IncompleteCheckpointError, SaveRefusedError, UploadError  # noqa: E402
 from lazyckpt.storage import objects as _objects  # noqa: E402
-from lazyckpt.storage import remote as _remote  # noqa: E402
 from test_accelerate import STOCK_SAVE, _env, fresh_accelerate_state, make, split, step  # noqa: E402, F401 - the autouse fixture
 
 pytestmark = pytest.mark.integration

@@ -133,7 +133,7 @@ def test_plain_tensors_are_pickled_without_tensor_reduce_ex_and_the_bytes_stay_t
     """The fast pickling path (``capture._Pickler``) reduces plain tensors itself: torch's
     ``Tensor._reduce_ex_internal`` is never called for a model + optimizer state (or the fast path's
     own cases), and the bytes are still torch.save's (made before the patch)."""
-    from lazyckpt.core import capture
+    from lazyckpt.formats import capture
 
     obj = _torch_objects()[case]
     (tmp_path / "stock").mkdir()
@@ -155,7 +155,7 @@ class _Held:  # a tensor tensor_names cannot name: it is an attribute of an obje
 def test_pickling_builds_a_tensor_description_only_for_tensors_without_a_name():
     """reducer_override runs for every tensor on save()'s thread: the fallback text for a tensor that
     tensor_names could not name is built only for such a tensor, not as a default for every lookup."""
-    from lazyckpt.core import capture
+    from lazyckpt.formats import capture
 
     class Names(dict):
         defaults: list[object] = []
@@ -180,7 +180,7 @@ def test_pickling_builds_a_tensor_description_only_for_tensors_without_a_name():
 def test_the_plain_pickling_path_writes_the_same_bytes(tmp_path, monkeypatch, case):
     """Where the interpreter does not let the fast path work (its self-check fails), the plain path is
     torch.save's own pickling: same bytes."""
-    from lazyckpt.core import capture
+    from lazyckpt.formats import capture
 
     obj = _torch_objects()[case]
     (tmp_path / "stock").mkdir()

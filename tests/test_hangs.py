@@ -35,14 +35,14 @@ def test_failed_save_is_published_only_once_its_error_is_set(tmp_path, monkeypat
     ckpt = LazyCheckpointer(host_memory_budget=64 << 20, chunk_bytes=1 << 20)
     try:
         published, proceed = threading.Event(), threading.Event()
-        real = ckpt._engine._on_done
+        real = ckpt._engine.committer._on_done
 
         def held(job):  # the committer, right after it handed the finished job to the checkpointer
             real(job)
             published.set()
             proceed.wait(30)
 
-        monkeypatch.setattr(ckpt._engine, "_on_done", held)
+        monkeypatch.setattr(ckpt._engine.committer, "_on_done", held)
         _failing_pwrite(monkeypatch)
         handle = ckpt.save(_state(), tmp_path / "a.pt")
         assert published.wait(30)

@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lazyckpt.core.capture import Source
 from lazyckpt.core.engine import Engine
 from lazyckpt.core.pool import PAGE, HostBufferPool
+from lazyckpt.formats.capture import Source
 
 CHUNK = 16 * PAGE
 

@@ -22,9 +22,9 @@ import lazyckpt
 from _s3server import FaultProxy, is_part, moto_server, s3_options
 from _util import assert_same
 from lazyckpt import BackpressureWarning, LazyCheckpointer, UploadError
+from lazyckpt.core import remote
 from lazyckpt.lightning import LazyCheckpointIO
 from lazyckpt.storage import objects as _objects
-from lazyckpt.storage import remote
 
 BUCKET = "ckpts"
 PART = 5 << 20

@@ -1,4 +1,4 @@
-"""A save from a signal handler (``core/reentry.py``): forced into every window where the main thread is
+"""A save from a signal handler (``threads/reentry.py``): forced into every window where the main thread is
 inside lazyckpt (holding each lock it takes in a save / step / wait / remove cycle, blocked in
 ``handle.wait()``, ``wait()`` and the step guard), it never deadlocks, is durable when it returns and holds
 the state of that moment; a pending save of the same path is superseded, never renamed over it."""
@@ -15,7 +15,7 @@ import torch
 from tests import _launch
 
 from lazyckpt import LazyCheckpointer
-from lazyckpt.core import reentry
+from lazyckpt.threads import reentry
 
 pytestmark = pytest.mark.reentry
 
@@ -35,7 +35,7 @@ def test_a_save_from_a_signal_handler_in_every_window_is_durable_and_right(tmp_p
     fired = next(ln for ln in run.stdout.splitlines() if ln.startswith("FIRED ")).split()
     sites = fired[2:]
     assert int(fired[1]) >= 50 and len(sites) >= 15, fired  # each lock of the save, commit, guard, ledger, ...
-    for module in ("core/report.py", "core/pending.py", "core/engine.py", "core/job.py", "core/guard.py"):
+    for module in ("core/report.py", "core/pending.py", "core/committer.py", "core/job.py", "core/guard.py"):
         assert any(module in site for site in sites), (module, sites)
     assert run.stdout.count("OK ") == 3
 

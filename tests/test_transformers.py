@@ -119,7 +119,9 @@ def test_resume_from_checkpoint_true_reads_the_lazy_folders(tmp_path: Path) -> N
     handle.uninstall()
     uninterrupted = {k: v.clone() for k, v in tr.model.state_dict().items()}
     shutil.rmtree(out / "checkpoint-6")  # as if killed before step 6 was saved
-    assert lazyckpt.transformers.latest(out) == str(out / "checkpoint-4")
+    found = lazyckpt.transformers.latest(out)
+    assert found.path == str(out / "checkpoint-4") and (found.step, found.level) == (4, 0)
+    assert os.fspath(found) == found.path  # path-like: resume_from_checkpoint=found works too
     again = tiny.trainer(out, max_steps=6, save_steps=2)
     handle = lazyckpt.transformers.install(again)
     again.train(resume_from_checkpoint=True)  # stock get_last_checkpoint: checkpoint-4
@@ -256,11 +258,11 @@ def test_levels_write_checkpoint_folders_by_level_and_latest_finds_the_newest_co
     for level in (fast, slow):  # the tensors and stock files of that step (paths inside differ: not compared)
         for f in ("model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth"):
             assert_same(load_any(level / "checkpoint-4" / f), load_any(stock / "checkpoint-4" / f), f"{level}/{f}")
-    assert lazyckpt.transformers.latest(levels) == str(fast / "checkpoint-4")
+    assert lazyckpt.transformers.latest(levels).path == str(fast / "checkpoint-4")
     shutil.rmtree(fast / "checkpoint-4")
     (slow / "checkpoint-4" / "optimizer.pt").write_bytes(b"torn")
     with pytest.warns(lazyckpt.IncompleteCheckpointWarning):
-        assert lazyckpt.transformers.latest(levels) == str(fast / "checkpoint-3")
+        assert lazyckpt.transformers.latest(levels).path == str(fast / "checkpoint-3")
     assert not list((tmp_path / "unused").glob("*checkpoint-*")), "with levels no checkpoint goes to output_dir"
 
 
@@ -376,7 +378,7 @@ def _kill_rounds(tmp_path: Path, lazy: bool, rounds: int) -> tuple[list[str], in
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         last = transformers.trainer_utils.get_last_checkpoint(str(out))
-        if last is not None and lazyckpt.transformers.latest(out) != last:
+        if last is not None and getattr(lazyckpt.transformers.latest(out), "path", None) != last:
             problems.append(f"{os.path.basename(last)}: {sorted(os.listdir(last))}")
         (out / "started").unlink()
     return problems, mid_save

@@ -13,7 +13,7 @@ import torch
 
 from lazyckpt.core import exit as _exit
 from lazyckpt.core import guard as _guard
-from lazyckpt.core import reentry
+from lazyckpt.core import remote as _remote
 from lazyckpt.core.backpressure import BackpressureGate, skipped_handle
 from lazyckpt.core.engine import Engine
 from lazyckpt.core.handle import SaveHandle, SaveStats, done_handle
@@ -28,7 +28,7 @@ from lazyckpt.formats import base as _format
 from lazyckpt.options import Backpressure, CheckpointerOptions
 from lazyckpt.options import merge as merge_options
 from lazyckpt.storage import fs as _fs
-from lazyckpt.storage import remote as _remote
+from lazyckpt.threads import reentry
 
 from .errors import CheckpointerClosedError, SaveRefusedError
 
@@ -147,7 +147,7 @@ class LazyCheckpointer(_exit.ClosedOnExit):
             return self._save_file(obj, path, t0, format, metadata, before_commit)
 
     def supersede_into(self, folder: str) -> None:
-        """Internal (``core/reentry.py``): pending saves into ``folder`` discard their file instead of committing."""
+        """Internal (``threads/reentry.py``): pending saves into ``folder`` discard their file instead of committing."""
         inside = folder.rstrip(os.sep) + os.sep
         jobs = [j for j in self._pending.jobs_snapshot() if j.path.startswith(inside)]
         for path in {j.path for j in jobs}:
@@ -156,7 +156,7 @@ class LazyCheckpointer(_exit.ClosedOnExit):
     def _save_now(
         self, obj: Any, path: Any, format: Format, metadata: dict[str, str] | None, before_commit: Any, step: Any
     ) -> SaveHandle:
-        """``save()`` from a signal handler that interrupted lazyckpt (``core/reentry.py``): written and
+        """``save()`` from a signal handler that interrupted lazyckpt (``threads/reentry.py``): written and
         durable before returning, taking no lazyckpt lock; a pending save to ``path`` is superseded."""
         t0 = time.perf_counter()
         reentry.count_synchronous()
@@ -167,7 +167,7 @@ class LazyCheckpointer(_exit.ClosedOnExit):
             )
         self._check_open()
         final = _fs.final_path(path)
-        tmp, size = reentry.write_temporary(obj, final, format, metadata, self.fsync)
+        tmp, size = _fs.write_temporary(obj, final, format, metadata, self.fsync)
         try:
             if before_commit is not None:
                 before_commit()
@@ -364,7 +364,7 @@ class LazyCheckpointer(_exit.ClosedOnExit):
             raise CheckpointerClosedError("this LazyCheckpointer is closed; create a new one")
 
     def _save_url(self, obj: Any, url: str, t0: float, **kwargs: Any) -> SaveHandle:
-        """A URL save: a local save into the remote tier, then its upload (``storage/remote.py``)."""
+        """A URL save: a local save into the remote tier, then its upload (``core/remote.py``)."""
         self._check_open()
         tier = self._producer.remote_tier()
         fs, rpath = tier.resolve(url)

@@ -61,7 +61,7 @@ class CheckpointerOptions:
     direct_io: bool | None = None
     zero_copy: bool = True
     capture_in_save: bool = False
-    # remote storage (saves to URLs, storage/remote.py)
+    # remote storage (saves to URLs, core/remote.py)
     local_dir: str | None = None
     keep_local: bool = False
     storage_options: dict[str, Any] | None = None

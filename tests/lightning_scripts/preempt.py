@@ -25,8 +25,8 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCh
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 
-from lazyckpt.core import reentry
 from lazyckpt.lightning import LazyCheckpointIO
+from lazyckpt.threads import reentry
 
 MODE, OUT, AT = sys.argv[1], sys.argv[2], int(sys.argv[3])
 MAIN = threading.main_thread()

@@ -22,7 +22,8 @@ import time
 import torch
 
 from lazyckpt import LazyCheckpointer
-from lazyckpt.core import plan, reentry
+from lazyckpt.core import plan
+from lazyckpt.threads import reentry
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MAIN = threading.main_thread()

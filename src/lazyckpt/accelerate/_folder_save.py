@@ -21,8 +21,8 @@ from lazyckpt.accelerate import _compat
 from lazyckpt.checkpointer import producer_of
 from lazyckpt.commit import remote_folder as _remote_folder
 from lazyckpt.commit.folder import FolderSave
-from lazyckpt.core import reentry
 from lazyckpt.core.handle import Completion
+from lazyckpt.threads import reentry
 
 if TYPE_CHECKING:
     from lazyckpt import LazyCheckpointer, SaveHandle

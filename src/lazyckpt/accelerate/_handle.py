@@ -22,12 +22,12 @@ from lazyckpt.accelerate._sharded import ShardedRoute
 from lazyckpt.checkpointer import producer_of
 from lazyckpt.core import exit as _exit
 from lazyckpt.core import guard as _guard
-from lazyckpt.core import reentry
+from lazyckpt.core import remote as _remote
 from lazyckpt.core.installed import InstalledHandle, drain_at_exit
 from lazyckpt.core.report import raise_first
-from lazyckpt.core.workers import Worker
 from lazyckpt.errors import SaveRefusedError
-from lazyckpt.storage import remote as _remote
+from lazyckpt.threads import reentry
+from lazyckpt.threads.workers import Worker
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -192,7 +192,7 @@ class AccelerateHandle(InstalledHandle):
 
     # -- what the installed save_state / load_state / pre-hook call ----------------------------------
     def _save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> Any:
-        if reentry.reentered():  # a signal handler interrupted lazyckpt on this thread (core/reentry.py)
+        if reentry.reentered():  # a signal handler interrupted lazyckpt on this thread (threads/reentry.py)
             return self._save_state_now(output_dir, safe_serialization, kwargs)
         if output_dir is None and self._levels is not None and not self._removed:
             return self._levels.save(safe_serialization, kwargs)  # by level: folders <level>/step-<n>

@@ -24,7 +24,6 @@ from lazyckpt.accelerate._nodes import Nodes, staging_of
 from lazyckpt.checkpointer import producer_of
 from lazyckpt.commit.folder import marker_is_stale, pending_markers
 from lazyckpt.core.handle import Completion, SaveHandle, SaveStats, confirm
-from lazyckpt.core.workers import Worker
 from lazyckpt.errors import IncompleteCheckpointError, SaveRefusedError
 from lazyckpt.levels import (
     Level,
@@ -36,6 +35,7 @@ from lazyckpt.levels import (
     replicated_index,
     tensor_bytes,
 )
+from lazyckpt.threads.workers import Worker
 
 if TYPE_CHECKING:
     from lazyckpt import LazyCheckpointer

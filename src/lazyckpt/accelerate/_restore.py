@@ -14,8 +14,8 @@ from lazyckpt.accelerate import _compat
 from lazyckpt.accelerate._patch import installed
 from lazyckpt.checkpointer import producer_of
 from lazyckpt.commit import remote_folder as _remote_folder
+from lazyckpt.core.remote import is_url
 from lazyckpt.levels import Found, latest
-from lazyckpt.storage.remote import is_url
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -57,13 +57,13 @@ def load_latest(
     found: Found | None = None
     if accelerator.num_processes > 1 and any(getattr(entry, "replicas", 0) for entry in levels):
         # collective: the newest step is copied to every node lacking it; each process reads its node's copy
-        found = latest(levels, storage_options, verify, preload=False)
+        found = latest(levels, storage_options, verify, preload=False, collective=True)
     elif accelerator.num_processes > 1:
         if accelerator.is_main_process:
-            found = latest(levels, storage_options, verify)
+            found = latest(levels, storage_options, verify, collective=False)
         found = _compat.broadcast(found)
     else:
-        found = latest(levels, storage_options, verify)
+        found = latest(levels, storage_options, verify, collective=False)
     if found is None:
         return None
     if handle is not None or not is_url(found.path):

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from lazyckpt.checkpointer import producer_of
 from lazyckpt.commit import remote_folder as _remote_folder
+from lazyckpt.core.remote import is_url
 from lazyckpt.errors import BackpressureWarning, IncompleteCheckpointError, SaveRefusedError
-from lazyckpt.storage.remote import is_url
 
 if TYPE_CHECKING:
     from lazyckpt import LazyCheckpointer

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from lazyckpt.storage.remote import RemoteTier
+from lazyckpt.core.remote import RemoteTier
 
 logger = logging.getLogger(__name__)
 

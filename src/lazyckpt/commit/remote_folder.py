@@ -11,10 +11,10 @@ import os
 from typing import Any, Protocol
 
 from lazyckpt.commit.prefix import Prefix
+from lazyckpt.core import remote as _remote
+from lazyckpt.core.remote import RemoteTier
 from lazyckpt.errors import IncompleteCheckpointError, UploadError
 from lazyckpt.options import CheckpointerOptions
-from lazyckpt.storage import remote as _remote
-from lazyckpt.storage.remote import RemoteTier
 
 
 class Checkpointer(Protocol):

@@ -11,11 +11,11 @@ import time
 import warnings
 from typing import Any
 
-from lazyckpt.core import reentry
+from lazyckpt.core import remote as _remote
 from lazyckpt.core.handle import SaveHandle, SaveStats, done_handle
 from lazyckpt.core.pool import HostBufferPool
 from lazyckpt.errors import BackpressureWarning
-from lazyckpt.storage import remote as _remote
+from lazyckpt.threads import reentry
 
 logger = logging.getLogger(__name__)
 

@@ -18,16 +18,15 @@ from concurrent.futures import Future
 
 import torch
 
-from lazyckpt.core import reentry
-from lazyckpt.core.capture import Source
-from lazyckpt.core.handle import CallbackRunner
+from lazyckpt.core.committer import Committer, write_error
 from lazyckpt.core.job import FileState, Job, Piece, PieceState, Stage, WriteFrom
 from lazyckpt.core.pool import PAGE, HostBufferPool
-from lazyckpt.core.workers import Worker
 from lazyckpt.errors import WriteError
+from lazyckpt.formats.capture import Source
 from lazyckpt.formats.crc import crc32
 from lazyckpt.storage import fs as _fs
 from lazyckpt.storage.spare import Spares
+from lazyckpt.threads.workers import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -56,14 +55,6 @@ def memory_at(addr: int, nbytes: int) -> memoryview:
     if nbytes == 0:
         return memoryview(b"")
     return memoryview((ctypes.c_char * nbytes).from_address(addr)).cast("B")
-
-
-def write_error(job: Job, what: str, exc: BaseException) -> WriteError:
-    """The typed error for a failed step of ``job``, cause chained, errno kept."""
-    code = exc.errno if isinstance(exc, OSError) else None
-    err = WriteError(f"{what} {job.path} failed: {exc}", path=job.path, errno=code)
-    err.__cause__ = exc
-    return err
 
 
 def _item_failed(item: Job | Piece, exc: BaseException) -> None:
@@ -100,7 +91,6 @@ class Engine:
     def __init__(self, pool: HostBufferPool, writer_threads: int, on_done: Callable[[Job], None]) -> None:
         self.pool = pool
         self.spares = Spares()  # files memory levels' retention dropped, for the next saves there
-        self._on_done = on_done
         self._copy_streams: dict[torch.device, torch.cuda.Stream] = {}
         self._stager: Worker[Job] = Worker("lazyckpt-stager", self._stage, on_error=_item_failed)
         self._writers: Worker[Piece | Job | _Call] = Worker(
@@ -111,31 +101,18 @@ class Engine:
         self._serial_writer: Worker[Piece | Job | _Call] = Worker(
             "lazyckpt-writer-memory", self._write_item, lazy=True, on_error=_item_failed
         )
-        self._committer: Worker[Job] = Worker("lazyckpt-committer", self._commit_one)
-        self._order_lock = reentry.Lock()
-        self._uncommitted: list[Job] = []  # in the committer's order (``ahead``)
+        self.committer = Committer(on_done)
+        self.callbacks = self.committer.callbacks
+        self.supersede = Committer.supersede
         self._stopped = False
-        self.callbacks = CallbackRunner()  # done-callbacks: never on the committer (they may wait)
 
     # -- called from save() -----------------------------------------------------------------------
 
     def submit(self, job: Job) -> None:
         """Queue a job whose file is open and whose eager sources are staged."""
-        job.settle, job.ahead = self.settle, self.ahead
-        with self._order_lock:
-            self._uncommitted.append(job)
-        if not self._committer.submit(job):  # stopped (the checkpointer refuses saves before that)
-            with self._order_lock:
-                self._uncommitted.remove(job)
+        job.settle, job.ahead = self.settle, self.committer.ahead
+        self.committer.submit(job)
         self._stager.submit(job)
-
-    def ahead(self, job: Job) -> list[Job]:
-        """The jobs the committer takes before ``job`` (in submission order) and has not finished."""
-        with self._order_lock:
-            for i, queued in enumerate(self._uncommitted):
-                if queued is job:
-                    return self._uncommitted[:i]
-        return []
 
     def _queue_write(self, item: Piece | Job) -> None:
         """Hand a piece (or a job to finalise) to its writer: a memory filesystem's file to the one
@@ -472,78 +449,10 @@ class Engine:
                     job.fail(write_error(job, "closing", exc))
             job.reach(FileState.WRITTEN)
 
-    # -- commit -----------------------------------------------------------------------------------
-
-    def _commit_one(self, job: Job) -> None:
-        try:
-            self._commit(job)
-        except BaseException as exc:  # noqa: BLE001 - the worker must outlive one job
-            logger.exception("lazyckpt: committing %s failed unexpectedly", job.path)
-            job.fail(write_error(job, "committing", exc))
-        finally:
-            self._complete(job)
-            with self._order_lock:
-                self._uncommitted.remove(job)
-
-    def _commit(self, job: Job) -> None:
-        job.wait_committable()  # written, then confirmed on a thread that mutates the tensors, or failed
-        if not job.failed and job.before_commit is not None:
-            try:
-                job.before_commit()
-            except BaseException as exc:
-                job.fail(write_error(job, "before committing", exc))
-        try:
-            if not job.failed:
-                job.publishing = True
-                if job.superseded:  # a later save of this path is already there: the last save wins
-                    _fs.discard(job.tmp)
-                else:
-                    _fs.commit(job.tmp, job.path, job.sync_parent)
-        except BaseException as exc:
-            job.fail(write_error(job, "committing", exc))
-        finally:
-            job.published = True
-        if job.failed:
-            _fs.discard(job.tmp)
-
-    @staticmethod
-    def supersede(final: str, jobs: list[Job]) -> None:
-        """A re-entered save (``core/reentry.py``) is about to rename its file to ``final``: mark every pending
-        job to ``final`` superseded (it discards its file) and wait out one being renamed now (no lock,
-        bounded). The committer sets ``publishing`` before reading ``superseded``, this the reverse."""
-        mine = [j for j in jobs if j.path == final]
-        for job in mine:
-            job.superseded = True
-        deadline = time.monotonic() + 30.0
-        for job in mine:
-            while job.publishing and not job.published and time.monotonic() < deadline:
-                time.sleep(0.001)
-
-    def _complete(self, job: Job) -> None:
-        """Finish the handle exactly once: resolve its outcome, let the checkpointer publish it (and run
-        removals queued behind it), then make it visible and hand its callbacks to the callback thread."""
-        completion = job.completion
-        if completion.handle.done():
-            return
-        try:
-            error = None if job.error is None else job.described(job.error)
-            completion.resolve(None if job.failed else job.stats(time.perf_counter()), error)
-        except BaseException as exc:  # noqa: BLE001 - stats of a committed file; keep the file, say why
-            logger.exception("lazyckpt: stats of %s failed", job.path)
-            completion.resolve(None, write_error(job, "finishing", exc))
-        try:
-            self._on_done(job)  # the checkpointer publishes the report: before the handle is done
-        except BaseException:  # noqa: BLE001 - the handle must complete regardless
-            logger.exception("lazyckpt: bookkeeping after %s failed", job.path)
-        completion.complete(self.callbacks)
-        job.sources.clear()
-        job.lazy.clear()
-        job.live_pieces.clear()
-
     def owns_current_thread(self) -> bool:
         """True on one of this engine's threads (the callback thread included)."""
-        workers = (self._stager, self._writers, self._serial_writer, self._committer)
-        return any(w.owns_current_thread() for w in workers) or self.callbacks.owns_current_thread()
+        workers = (self._stager, self._writers, self._serial_writer)
+        return any(w.owns_current_thread() for w in workers) or self.committer.owns_current_thread()
 
     # -- shutdown ---------------------------------------------------------------------------------
 
@@ -557,5 +466,4 @@ class Engine:
         self._stager.stop()  # first: it queues pieces for the writers
         self._writers.stop()
         self._serial_writer.stop()
-        self._committer.stop()
-        self.callbacks.stop()
+        self.committer.stop()

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from lazyckpt.core import reentry
+from lazyckpt.threads import reentry
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from lazyckpt.core import reentry
+from lazyckpt.threads import reentry
 
 
 class Pending(Protocol):

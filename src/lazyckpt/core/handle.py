@@ -9,9 +9,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from lazyckpt.core import reentry
 from lazyckpt.core.report import Report
-from lazyckpt.core.workers import Worker
+from lazyckpt.threads import reentry
+from lazyckpt.threads.workers import Worker
 
 logger = logging.getLogger(__name__)
 

@@ -20,13 +20,13 @@ from typing import Any
 import torch
 
 from lazyckpt.core import guard as _guard
-from lazyckpt.core import reentry
-from lazyckpt.core.capture import Source
 from lazyckpt.core.handle import Completion, SaveStats
 from lazyckpt.core.pool import Buffer
 from lazyckpt.errors import StaleTensorError
 from lazyckpt.formats.base import Layout
+from lazyckpt.formats.capture import Source
 from lazyckpt.formats.crc import crc32_combine
+from lazyckpt.threads import reentry
 
 # How a failed save's error is put to its caller (set by ``levels/_multi.py`` around a level's saves); each
 # job takes the value current in ``save()``; the engine applies it before the error is published.

@@ -11,11 +11,11 @@ import os
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from lazyckpt.core import reentry
 from lazyckpt.core.handle import SaveHandle
 from lazyckpt.core.job import Job
 from lazyckpt.core.removal import OrderedRemovals, Remover
 from lazyckpt.core.report import Report
+from lazyckpt.threads import reentry
 
 
 class PendingSaves:
@@ -49,7 +49,7 @@ class PendingSaves:
             return list(self._jobs)
 
     def jobs_snapshot(self) -> list[Job]:
-        """The pending jobs without taking the lock (a re-entered save, ``core/reentry.py``): one copy under the GIL."""
+        """The pending jobs without taking the lock (for a re-entered save): one copy under the GIL."""
         return list(self._jobs)
 
     def nbytes(self) -> int:

@@ -13,10 +13,10 @@ from typing import Any
 import torch
 
 from lazyckpt.core import guard as _guard
-from lazyckpt.core.capture import Source
-from lazyckpt.core.pool import PAGE
+from lazyckpt.formats.capture import Source
 from lazyckpt.options import CheckpointerOptions
 from lazyckpt.storage import fs as _fs
+from lazyckpt.storage.fs import PAGE
 
 ZERO_COPY_MIN = 1 << 20  # below this, a tensor's two partial pages would be most of it
 INLINE_MAX_BYTES = 64 << 20  # a disk file's tensor bytes written in save() when every core trains

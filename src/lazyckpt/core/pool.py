@@ -16,13 +16,12 @@ import time
 
 import torch
 
-from lazyckpt.core import reentry
+from lazyckpt.storage.fs import PAGE
+from lazyckpt.threads import reentry
 
 logger = logging.getLogger(__name__)
 
 _ALIGN = 64
-# O_DIRECT unit: the page-cache page (a buffered head/tail must never share one with an O_DIRECT write).
-PAGE = max(4096, mmap.PAGESIZE)
 
 
 _HUGE = 2 << 20

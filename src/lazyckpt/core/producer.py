@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from lazyckpt.core import guard as _guard
-from lazyckpt.core import reentry
-from lazyckpt.core.capture import Source
-from lazyckpt.core.engine import Engine, write_error
+from lazyckpt.core import remote as _remote
+from lazyckpt.core.committer import write_error
+from lazyckpt.core.engine import Engine
 from lazyckpt.core.handle import CallbackRunner
 from lazyckpt.core.job import Job
 from lazyckpt.core.pending import PendingSaves
@@ -24,8 +24,9 @@ from lazyckpt.core.pool import HostBufferPool
 from lazyckpt.core.removal import Remover
 from lazyckpt.core.report import ErrorLedger, Report
 from lazyckpt.errors import WriteError
+from lazyckpt.formats.capture import Source
 from lazyckpt.storage import fs as _fs
-from lazyckpt.storage import remote as _remote
+from lazyckpt.threads import reentry
 
 if TYPE_CHECKING:
     from lazyckpt.options import CheckpointerOptions

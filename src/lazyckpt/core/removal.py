@@ -19,10 +19,10 @@ from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from lazyckpt.core import reentry
 from lazyckpt.core.report import Report
-from lazyckpt.core.workers import Worker
 from lazyckpt.storage import fs as _fs
+from lazyckpt.threads import reentry
+from lazyckpt.threads.workers import Worker
 
 logger = logging.getLogger(__name__)
 

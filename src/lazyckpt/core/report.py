@@ -7,7 +7,7 @@ whoever reaches it first: the owner (``handle.wait()``, ``future.result()``) or 
 
 from __future__ import annotations
 
-from lazyckpt.core import reentry
+from lazyckpt.threads import reentry
 
 _CLAIM = reentry.Lock()  # claims are rare and tiny: one lock for every report
 

@@ -16,11 +16,11 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.utils import _DistWrapper
 
 from lazyckpt.core import exit as _exit
-from lazyckpt.core import reentry
+from lazyckpt.core import remote as _remote
 from lazyckpt.core.handle import Completion, SaveHandle
-from lazyckpt.core.workers import Worker
 from lazyckpt.levels import Found, Level, ReplicationStats, StoreExchange
-from lazyckpt.storage import remote as _remote
+from lazyckpt.threads import reentry
+from lazyckpt.threads.workers import Worker
 
 from ..checkpointer import LazyCheckpointer, producer_of
 from ..errors import (

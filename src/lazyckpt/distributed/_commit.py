@@ -24,9 +24,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from lazyckpt.core import reentry
 from lazyckpt.formats.dcp import MANIFEST, METADATA
 from lazyckpt.storage.fs import fsync_dir
+from lazyckpt.threads import reentry
 
 logger = logging.getLogger(__name__)
 

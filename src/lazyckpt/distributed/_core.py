@@ -19,13 +19,13 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from lazyckpt.core import guard as _guard
-from lazyckpt.core import reentry
-from lazyckpt.core.capture import Source, flatten_torch
 from lazyckpt.core.handle import Completion, SaveHandle, SaveStats, confirm, finished_report, wait_finished
 from lazyckpt.core.job import Job
 from lazyckpt.core.plan import SavePlan
+from lazyckpt.formats.capture import Source, flatten_torch
 from lazyckpt.formats.torch_zip import storage_alignment
 from lazyckpt.storage import fs as _fs
+from lazyckpt.threads import reentry
 
 from ..checkpointer import LazyCheckpointer, producer_of
 from ..errors import LazyCkptError, SaveRefusedError, WriteError

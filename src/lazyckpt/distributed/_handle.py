@@ -7,9 +7,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from lazyckpt.core import remote as _remote
 from lazyckpt.core.handle import Completion, SaveHandle, SaveStats
 from lazyckpt.core.handle import Outcome as HandleOutcome
-from lazyckpt.storage import remote as _remote
 
 from ..errors import DistributedSaveError, DistributedUploadError, SaveRefusedError
 from ._layout import RankFileLayout

@@ -11,9 +11,9 @@ import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from lazyckpt.core.pool import PAGE
 from lazyckpt.formats.crc import _multmodp, _x2nmodp, crc32
 from lazyckpt.formats.torch_zip import TorchLayout, plan
+from lazyckpt.storage.fs import PAGE
 
 
 @dataclass

@@ -20,6 +20,7 @@ from typing import Any
 from torch.distributed.checkpoint.utils import _DistWrapper
 
 from lazyckpt.core.handle import Completion, SaveHandle
+from lazyckpt.core.remote import RemoteTier
 from lazyckpt.core.report import Report
 from lazyckpt.levels import (
     Feed,
@@ -37,7 +38,6 @@ from lazyckpt.levels import (
     probe,
 )
 from lazyckpt.storage import fs as _fs
-from lazyckpt.storage.remote import RemoteTier
 
 from ..checkpointer import LazyCheckpointer, producer_of
 from ..errors import CheckpointerClosedError, DistributedLevelError, SaveRefusedError, UploadError

@@ -11,8 +11,8 @@ import logging
 import os
 
 from lazyckpt.commit.prefix import Prefix
-from lazyckpt.storage import remote as _remote
-from lazyckpt.storage.remote import RemoteTier
+from lazyckpt.core import remote as _remote
+from lazyckpt.core.remote import RemoteTier
 
 from ._commit import METADATA
 

@@ -1,1 +1,1 @@
-"""Byte layouts only: torch.save's zip, safetensors, CRC32 (what is captured lazily: core/capture.py)."""
+"""Byte layouts only: torch.save's zip, safetensors, CRC32 (what is captured lazily: formats/capture.py)."""

@@ -15,10 +15,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from lazyckpt.core.capture import Source
 from lazyckpt.errors import SaveRefusedError
 from lazyckpt.formats import safetensors_file as _safetensorsfmt
 from lazyckpt.formats import torch_zip as _torchfmt
+from lazyckpt.formats.capture import Source
 
 Write = tuple[int, bytes]  # (file offset, bytes)
 

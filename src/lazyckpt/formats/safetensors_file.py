@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from lazyckpt.core.capture import Source, refuse_unsupported
-from lazyckpt.core.pool import PAGE
 from lazyckpt.errors import SaveRefusedError
+from lazyckpt.formats.capture import Source, refuse_unsupported
 from lazyckpt.formats.crc import crc32, crc32_combine
+from lazyckpt.storage.fs import PAGE
 
 CRC_KEY = "lazyckpt_crc32"
 PREFIX = b'{"__metadata__":{"' + CRC_KEY.encode() + b'":"'  # right after the 8-byte length

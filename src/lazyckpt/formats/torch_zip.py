@@ -14,10 +14,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from lazyckpt.core.capture import Source, flatten_torch
-from lazyckpt.core.pool import PAGE
 from lazyckpt.errors import SaveRefusedError
+from lazyckpt.formats.capture import Source, flatten_torch
 from lazyckpt.formats.crc import crc32
+from lazyckpt.storage.fs import PAGE
 
 _U32 = 0xFFFFFFFF  # the "see zip64 extra" marker
 _ZIP64_LIMIT = _U32  # sizes/offsets from here on need zip64 fields (tests lower it)

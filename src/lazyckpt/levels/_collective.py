@@ -19,19 +19,13 @@ _POLL_MIN_S, _POLL_MAX_S = 0.005, 0.1
 _calls = itertools.count()
 
 
-def active(collective: bool | None, listings: dict[int, dict[int, str]], is_dcp: Callable[[str], bool]) -> bool:
-    """Whether ``latest()`` runs collectively: ``collective`` if given; else in a multi-rank job
-    whose levels, as this rank lists them, hold a DCP folder (``is_dcp``) or nothing at all."""
-    if collective is not None:
-        return collective
+def in_job() -> bool:
+    """torch.distributed initialized with more than one rank."""
     try:
         import torch.distributed as dist
     except ImportError:  # pragma: no cover - torch without distributed
         return False
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return False
-    paths = [path for steps in listings.values() for path in steps.values()]
-    return not paths or any(is_dcp(path) for path in paths)
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 class StoreExchange:

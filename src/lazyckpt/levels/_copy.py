@@ -21,9 +21,9 @@ import torch
 
 from lazyckpt.commit import remote_folder as _remote_folder
 from lazyckpt.commit.folder import MARKER_PREFIX
+from lazyckpt.core.remote import RemoteTier
 from lazyckpt.core.warn import user_stacklevel
 from lazyckpt.storage import fs as _fs
-from lazyckpt.storage.remote import RemoteTier
 
 from ._level import Level, MemoryLevelWarning
 from ._wire import replace_folder

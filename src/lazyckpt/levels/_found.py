@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from lazyckpt.core import reentry
 from lazyckpt.recovery import FileIdentity
+from lazyckpt.threads import reentry
 
 
 class Preread:
@@ -91,3 +91,7 @@ class Found:
     level: int
     verified: FileIdentity | None = field(default=None, repr=False, compare=False, kw_only=True)
     preread: Preread | None = field(default=None, repr=False, compare=False, kw_only=True)
+
+    def __fspath__(self) -> str:
+        """A ``Found`` is a path-like object: ``os.fspath(found) == found.path``."""
+        return self.path

@@ -10,9 +10,9 @@ import dataclasses
 import time
 from typing import Protocol
 
-from lazyckpt.core import reentry
 from lazyckpt.core.handle import CallbackRunner, Completion, Outcome, SaveHandle, SaveStats, wait_finished
 from lazyckpt.core.report import Report
+from lazyckpt.threads import reentry
 
 
 class Owner(Protocol):

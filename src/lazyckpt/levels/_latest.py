@@ -14,12 +14,12 @@ from collections.abc import Iterable, Sequence
 from datetime import timedelta
 from typing import Any
 
+from lazyckpt.core import remote as _remote
 from lazyckpt.core.warn import user_stacklevel
 from lazyckpt.recovery import READ_THREADS, FileIdentity
 from lazyckpt.recovery.check import folder_problems
 from lazyckpt.recovery.dcp import is_dcp_folder, rank_problems
 from lazyckpt.recovery.verify import verify as verify_file
-from lazyckpt.storage import remote as _remote
 
 from ..errors import IncompleteCheckpointWarning
 from . import _collective, _single
@@ -52,31 +52,34 @@ def latest(
 
     ``levels``: ``Level`` objects or paths, fastest first. ``storage_options``: passed to fsspec.
     ``verify``: check every CRC; ``False`` trusts file names and checks folders' completeness only.
-    ``collective``: in a multi-rank job whose levels hold DCP folders, or with a level with
-    ``replicas``, the call is collective: call it on every rank; all get the same step (each its own
-    fastest usable copy), after replicated steps are restored to nodes lacking them. ``True`` /
-    ``False`` forces either. ``timeout``: seconds to wait for other ranks (then ``TimeoutError``);
+    ``collective``: whether the call talks to the other ranks; the caller's choice, never inferred from
+    what the levels hold. ``None`` (default) means ``True`` in a multi-rank job (torch.distributed
+    initialized with more than one rank) and ``False`` otherwise. Collective: call it on every rank;
+    all get the same step, the newest every rank can load (each its own fastest usable copy), after
+    steps of a level with ``replicas`` are restored to nodes lacking them. Not collective: this
+    process's own view, for a caller that asks on one rank (then broadcasts). ``timeout``: seconds
+    to wait for other ranks (then ``TimeoutError``);
     ranks that end on different steps raise ``RuntimeError``. ``threads``: readers of a local file.
     ``preload`` (with ``verify``): the check also reads a torch.save file's storages, held by the
     ``Found`` until ``lazyckpt.load(found)`` takes them (one read per resume); pass ``False`` when
     another loader reads ``found.path``."""
+    levels = list(levels)
     listings = _listings(levels, storage_options)
+    if not (_collective.in_job() if collective is None else collective):
+        return _newest(listings, storage_options, verify, threads, preload)
     is_dcp = lambda path: is_dcp_folder(path, storage_options)  # noqa: E731
-    single = collective is None and _replicated(levels) and _single.files_of_one_writer(listings, is_dcp, timeout)
-    if not single and _collective.active(collective, listings, is_dcp):
+    if not (_replicated(levels) and _single.files_of_one_writer(listings, is_dcp, timeout)):
         return latest_agreed(levels, _collective.StoreExchange.default(timeout), storage_options, verify, listings)
-    if single:
-        entries = [as_level(entry) for entry in levels]
-        index = replicated_index(entries)
-        assert index is not None
-        # storages read ahead by the restore's check: _newest takes them instead of reading again
-        checked = _single.restore_files(entries, index, min(timeout, 60.0), fsync=False, threads=threads,
-                                        preload=preload and verify)  # fmt: skip
-        listings = _listings(levels, storage_options)  # a node's folder may have gained the newest step
-    found = _newest(listings, storage_options, verify, threads, preload)
-    if single:
-        del checked  # what _newest did not take is freed
-        _single.agree(None if found is None else found.step, min(timeout, 60.0))
+    # one writer's files with replicas: restore the newest step to nodes lacking it, then agree on it
+    entries = [as_level(entry) for entry in levels]
+    index = replicated_index(entries)
+    assert index is not None
+    # storages read ahead by the restore's check: _newest takes them instead of reading again
+    checked = _single.restore_files(entries, index, min(timeout, 60.0), fsync=False, threads=threads,
+                                    preload=preload and verify)  # fmt: skip
+    found = _newest(_listings(levels, storage_options), storage_options, verify, threads, preload)
+    del checked  # what _newest did not take is freed
+    _single.agree(None if found is None else found.step, min(timeout, 60.0))
     return found
 
 

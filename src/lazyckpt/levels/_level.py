@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from lazyckpt.storage import remote as _remote
+from lazyckpt.core import remote as _remote
 
 from ..errors import LevelError, MemoryLevelWarning, SaveRefusedError
 

@@ -12,15 +12,15 @@ from typing import Any
 
 import torch
 
+from lazyckpt.core import remote as _remote
 from lazyckpt.recovery import reads as _read
 from lazyckpt.storage import fs as _fs
-from lazyckpt.storage import remote as _remote
 from lazyckpt.storage import spare as _spare
 
 from ..errors import VerificationError
 from . import _preread
 from ._found import Found, Preread
-from ._preread import FileSource, Record, Seekable, check_compressed, check_crc, is_zip, records
+from ._preread import FileSource, Seekable, ZipEntry, check_compressed, check_crc, is_zip, records
 
 
 def load(
@@ -118,7 +118,7 @@ def _open(path: str, storage_options: dict[str, Any] | None) -> FileSource:
 
 def _read_checked(
     source: FileSource,
-    checked_records: list[Record] | None,
+    checked_records: list[ZipEntry] | None,
     path: str,
     threads: int,
     piece: int,

@@ -17,13 +17,13 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from lazyckpt.core import reentry
+from lazyckpt.core import remote as _remote
 from lazyckpt.core.handle import SaveHandle
 from lazyckpt.core.job import error_context
 from lazyckpt.core.report import ErrorLedger, Report
 from lazyckpt.options import CheckpointerOptions
 from lazyckpt.storage import fs as _fs
-from lazyckpt.storage import remote as _remote
+from lazyckpt.threads import reentry
 
 from ..errors import SaveRefusedError, WriteError
 from . import _copy

@@ -104,14 +104,16 @@ def is_zip(source: FileSource) -> bool:
     return bytes(head) == b"PK\x03\x04"
 
 
-class Record:
+class ZipEntry:
+    """One member of a torch.save zip as read back: its data span, CRC, and whether it is stored."""
+
     __slots__ = ("name", "start", "stop", "crc", "stored")
 
     def __init__(self, name: str, start: int, stop: int, crc: int, stored: bool) -> None:
         self.name, self.start, self.stop, self.crc, self.stored = name, start, stop, crc, stored
 
 
-def records(source: FileSource, path: str) -> list[Record]:
+def records(source: FileSource, path: str) -> list[ZipEntry]:
     """Each record's data range and CRC, from the central directory and the local headers."""
     try:
         with zipfile.ZipFile(ZipReader(source)) as zf:
@@ -131,11 +133,11 @@ def records(source: FileSource, path: str) -> list[Record]:
         stop = start + info.compress_size
         if stop > source.size:
             raise VerificationError(f"{path}: record {info.filename}: data runs past the end of the file (truncated)")
-        out.append(Record(info.filename, start, stop, info.CRC, info.compress_type == zipfile.ZIP_STORED))
+        out.append(ZipEntry(info.filename, start, stop, info.CRC, info.compress_type == zipfile.ZIP_STORED))
     return out
 
 
-def check_crc(path: str, record: Record, value: int) -> None:
+def check_crc(path: str, record: ZipEntry, value: int) -> None:
     if value != record.crc:
         raise VerificationError(
             f"{path}: record {record.name}: CRC32 {value:08x}, the zip says {record.crc:08x} (corrupt data)"
@@ -150,13 +152,13 @@ def check_compressed(source: FileSource, path: str) -> None:
         raise VerificationError(f"{path}: record {bad}: CRC mismatch")
 
 
-def data_records(all_records: list[Record]) -> list[Record]:
+def data_records(all_records: list[ZipEntry]) -> list[ZipEntry]:
     """The stored storage records (``<archive>/data/<key>``)."""
     return [r for r in all_records if r.stored and "/data/" in f"/{r.name}"]
 
 
 def read_storages(
-    source: FileSource, data: list[Record], threads: int, piece: int, crc: bool
+    source: FileSource, data: list[ZipEntry], threads: int, piece: int, crc: bool
 ) -> tuple[dict[int, torch.UntypedStorage], list[int] | None]:
     """Each record of ``data`` into a host allocation of its own ({data offset: storage}), read by
     ``threads`` threads in ``piece``-byte pieces; with ``crc``, each record's CRC32 (else None)."""
@@ -205,7 +207,7 @@ def preread(path: str, threads: int, piece: int = _read.PIECE_BYTES) -> tuple[Ve
     return report, None
 
 
-def check_small(source: FileSource, rest: list[Record], path: str) -> None:
+def check_small(source: FileSource, rest: list[ZipEntry], path: str) -> None:
     """The CRCs of the small records (``data.pkl``, ``version``, ``byteorder``), read one by one."""
     for r in rest:
         if not r.stored:

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lazyckpt.core import reentry
-from lazyckpt.core.workers import Worker
+from lazyckpt.threads import reentry
+from lazyckpt.threads.workers import Worker
 
 from ..errors import ReplicationError, ReplicationWarning
 from ._level import FOLDER_RE, Level, step_name

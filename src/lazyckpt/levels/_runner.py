@@ -15,11 +15,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from lazyckpt.core import reentry
 from lazyckpt.core.handle import CallbackRunner, SaveHandle
+from lazyckpt.core.remote import RemoteTier
 from lazyckpt.core.report import Report
-from lazyckpt.core.workers import Worker
-from lazyckpt.storage.remote import RemoteTier
+from lazyckpt.threads import reentry
+from lazyckpt.threads.workers import Worker
 
 from ..errors import SaveRefusedError
 from ._handle import SOURCE, LevelsHandle, Parts

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from lazyckpt.commit.folder import is_complete
+from lazyckpt.core.remote import RemoteTier
 from lazyckpt.core.report import Report
 from lazyckpt.core.warn import user_stacklevel
-from lazyckpt.storage.remote import RemoteTier
 
 from ..errors import BackpressureWarning
 from ._level import Level, LevelError, list_steps

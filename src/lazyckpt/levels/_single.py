@@ -20,11 +20,11 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
-from lazyckpt.core import reentry
 from lazyckpt.storage import fs as _fs
+from lazyckpt.threads import reentry
 
 from ..errors import ReplicationError
-from ._collective import StoreExchange
+from ._collective import StoreExchange, in_job
 from ._found import Preread
 from ._level import Level, list_steps
 from ._preread import preread
@@ -62,18 +62,12 @@ def _outgoing(path: str, crc: int | None) -> tuple[list[OutFile], bool]:
     return open_files(os.path.dirname(path), [(os.path.basename(path), crc)], lock=True), False
 
 
-def _in_job() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
 class _Job:
     """The job's view for one replicated level: the probe and the ring, agreed through the c10d
     store. ``group()`` makes a gloo group for the transfers (collective: every rank or none)."""
 
     def __init__(self, levels: Sequence[Level], index: int, timeout: float) -> None:
-        if not _in_job():
+        if not in_job():
             raise ValueError(
                 f"level {index} ({levels[index].path}): replicas={levels[index].replicas} needs torch.distributed: "
                 "a job of several nodes (init_process_group before the checkpointer is built, on every rank)"
@@ -364,7 +358,7 @@ def _destroy(group: Any) -> None:
 def files_of_one_writer(listings: dict[int, dict[int, str]], is_dcp: Any, timeout: float) -> bool:
     """Collective in a multi-rank job (else False): whether some rank lists a file checkpoint and
     none a DCP folder."""
-    if not _in_job():
+    if not in_job():
         return False
     paths = [p for steps in listings.values() for p in steps.values()]
     mine = "dcp" if any(is_dcp(p) for p in paths) else "files" if paths else "none"

@@ -13,12 +13,12 @@ import warnings
 from typing import Any
 
 from lazyckpt import CheckpointerOptions, LazyCheckpointer, SaveStats
-from lazyckpt.core import reentry
 from lazyckpt.errors import CheckpointerClosedError
 from lazyckpt.levels import Preread
 from lazyckpt.lightning import _compat, _runtime
 from lazyckpt.lightning._levels import MultiLevelCheckpoint
 from lazyckpt.options import merge as _merge_options
+from lazyckpt.threads import reentry
 
 __all__ = ["LazyCheckpointIO", "MultiLevelCheckpoint"]
 
@@ -88,7 +88,7 @@ class LazyCheckpointIO(_CheckpointIO):
         """Start a background save of ``checkpoint`` to ``path``; returns once the state is captured."""
         if storage_options is not None:
             raise TypeError(f"`storage_options` is not supported by {type(self).__name__}.")
-        if reentry.reentered():  # a signal handler interrupted lazyckpt (core/reentry.py)
+        if reentry.reentered():  # a signal handler interrupted lazyckpt (threads/reentry.py)
             self._save_now(checkpoint, path)
             return
         rt = self._runtime
@@ -104,7 +104,7 @@ class LazyCheckpointIO(_CheckpointIO):
 
     def _save_now(self, checkpoint: dict[str, Any], path: Any) -> None:
         """``save_checkpoint`` from a signal handler that interrupted lazyckpt on this thread: durable on
-        return, touching none of the plugin's state (``core/reentry.py``)."""
+        return, touching none of the plugin's state (``threads/reentry.py``)."""
         key, is_url = _compat.split_path(path)
         ckpt = self._runtime.ckpt
         if is_url or ckpt is None or ckpt.closed:

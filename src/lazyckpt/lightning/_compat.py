@@ -22,8 +22,8 @@ from typing import Any, Protocol
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from lazyckpt.core import reentry
-from lazyckpt.storage.remote import remove_prefix
+from lazyckpt.core.remote import remove_prefix
+from lazyckpt.threads import reentry
 
 
 class Plugin(Protocol):

@@ -14,13 +14,13 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from lazyckpt.checkpointer import LazyCheckpointer, producer_of
-from lazyckpt.core import reentry
 from lazyckpt.core.handle import SaveHandle
 from lazyckpt.core.report import raise_first
 from lazyckpt.errors import LazyCkptError, LevelError, SaveRefusedError
 from lazyckpt.levels import Found, Level, MultiLevel, check_levels, latest
 from lazyckpt.lightning import _compat, _sharded
 from lazyckpt.options import CheckpointerOptions
+from lazyckpt.threads import reentry
 
 if TYPE_CHECKING:
     from lazyckpt.distributed import DistributedCheckpointer
@@ -219,9 +219,7 @@ class MultiLevelCheckpoint(_Callback):
                 "into the set-up model, after this callback's setup; pass "
                 "fit(ckpt_path=lazyckpt.latest(levels).path) instead (called on every rank)"
             )
-        # a level with replicas agrees by itself; file levels must be told to (else each rank picks its own)
-        several = int(getattr(trainer, "world_size", 1)) > 1
-        collective = True if several and not any(lv.replicas for lv in self.levels) else None
+        collective = int(getattr(trainer, "world_size", 1)) > 1  # every rank runs setup: all agree on one step
         found = latest(list(self.levels), preload=False, collective=collective)
         self.resumed_from = found
         if found is not None:

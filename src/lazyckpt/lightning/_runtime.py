@@ -22,10 +22,10 @@ from typing import Any
 from lazyckpt import CheckpointerOptions, LazyCheckpointer, SaveHandle, SaveStats
 from lazyckpt.core import exit as _exit
 from lazyckpt.core import guard as _guard
-from lazyckpt.core import reentry
 from lazyckpt.errors import LazyCkptError, StaleTensorError
 from lazyckpt.levels import Level, MultiLevel
 from lazyckpt.lightning import _compat, _levels, _sharded
+from lazyckpt.threads import reentry
 
 log = logging.getLogger("lazyckpt.lightning")
 

@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lazyckpt.core import reentry
+from lazyckpt.core import remote as _remote
 from lazyckpt.errors import CheckpointerClosedError, LazyCkptError
 from lazyckpt.lightning import _compat
 from lazyckpt.options import CheckpointerOptions
-from lazyckpt.storage import remote as _remote
+from lazyckpt.threads import reentry
 
 if TYPE_CHECKING:
     from lazyckpt.distributed import DistributedCheckpointer, DistributedSaveHandle

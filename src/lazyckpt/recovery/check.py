@@ -11,8 +11,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from lazyckpt.commit import remote_folder as _remote_folder
+from lazyckpt.core.remote import filesystem
 from lazyckpt.formats.dcp import DATA_SUFFIX, MANIFEST, METADATA
-from lazyckpt.storage.remote import filesystem
 
 from . import files as _files
 from .dcp import partial_problem, read_manifest, verify_checkpoint

@@ -11,10 +11,10 @@ import mmap
 import os
 from typing import Any
 
+from lazyckpt.core import remote as _remote
 from lazyckpt.formats.crc import crc32
 from lazyckpt.formats.dcp import MANIFEST, METADATA
 from lazyckpt.recovery.verify import VerifyReport
-from lazyckpt.storage import remote as _remote
 
 _BLOCK = 64 << 20
 _URL_BLOCK = 8 << 20  # one ranged read per block

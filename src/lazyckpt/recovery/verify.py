@@ -17,11 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from lazyckpt.core import remote as _remote
 from lazyckpt.errors import VerificationError
 from lazyckpt.formats import safetensors_file as _safetensorsfmt
 from lazyckpt.formats.crc import crc32
 from lazyckpt.formats.torch_zip import Record, central_directory, padded_local_header, record_at, zip64_extra
-from lazyckpt.storage import remote as _remote
 from lazyckpt.storage import spare as _spare
 
 from ._read import READ_THREADS, FileIdentity, read_with_crcs, readers

@@ -12,6 +12,7 @@ import ctypes.util
 import errno
 import itertools
 import logging
+import mmap
 import os
 import re
 import shutil
@@ -20,6 +21,9 @@ import time
 from typing import Any
 
 logger = logging.getLogger(__name__)
+
+# O_DIRECT unit: the page-cache page (a buffered head/tail must never share one with an O_DIRECT write).
+PAGE = max(4096, mmap.PAGESIZE)
 
 _TMP_RE = re.compile(r"^\..+\.lazyckpt-(?P<host>[A-Za-z0-9._]+(?:-[A-Za-z0-9._]+)*)-(?P<pid>\d+)-\d+\.tmp$")
 _OLD_TMP_RE = re.compile(r"^\..+\.lazyckpt-(?P<pid>\d+)-\d+\.tmp$")  # names without a host
@@ -256,3 +260,34 @@ def final_path(path: Any) -> str:
     except OSError as exc:
         raise SaveRefusedError(f"cannot create directory {directory}: {exc}") from exc
     return final
+
+
+def write_temporary(
+    obj: Any, final: str, format: str, metadata: dict[str, str] | None, durable: bool
+) -> tuple[str, int]:
+    """A re-entered save's bytes (``torch.save`` or ``safetensors.torch.save``), written on this thread to a
+    fresh temporary beside ``final`` and fsynced; returns (path, size) for the caller to rename. Takes no
+    lazyckpt lock and calls the unpatched writers."""
+    import torch.serialization
+
+    tmp = temporary_path(final)
+    try:
+        if format == "safetensors":
+            import safetensors.torch
+
+            data = safetensors.torch.save(obj, metadata)
+            with open(tmp, "wb") as fh:
+                fh.write(data)
+                if durable:
+                    fh.flush()
+                    fsync(fh.fileno())
+        else:
+            with open(tmp, "wb") as fh:
+                torch.serialization.save(obj, fh)
+                if durable:
+                    fh.flush()
+                    fsync(fh.fileno())
+        return tmp, os.path.getsize(tmp)
+    except BaseException:
+        discard(tmp)
+        raise

@@ -1,6 +1,6 @@
 """Object-store transfers on the calling thread: S3 uploads (PutObject or parallel multipart, aborted on
 failure), other fsspec backends (hidden key, then a move), retries and error classification.
-``storage/remote.py`` decides what is uploaded when.
+``core/remote.py`` decides what is uploaded when.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from lazyckpt.core import reentry
-from lazyckpt.core.workers import Worker
 from lazyckpt.errors import UploadError
 from lazyckpt.options import CheckpointerOptions
+from lazyckpt.threads import reentry
+from lazyckpt.threads.workers import Worker
 
 logger = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ import logging
 import os
 import stat
 
-from lazyckpt.core import reentry
 from lazyckpt.storage import fs as _fs
+from lazyckpt.threads import reentry
 
 logger = logging.getLogger(__name__)
 

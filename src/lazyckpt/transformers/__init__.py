@@ -14,7 +14,7 @@ import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from lazyckpt import CheckpointerOptions, IncompleteCheckpointWarning, LazyCheckpointer, Level, verify
+from lazyckpt import CheckpointerOptions, Found, IncompleteCheckpointWarning, LazyCheckpointer, Level, verify
 from lazyckpt.errors import UnsupportedTrainerError
 from lazyckpt.transformers import _compat
 from lazyckpt.transformers._handle import TransformersHandle
@@ -76,11 +76,13 @@ def install(
         raise
 
 
-def latest(where: str | os.PathLike[str] | Sequence[Level], *, verify_files: bool = True) -> str | None:
+def latest(where: str | os.PathLike[str] | Sequence[Level], *, verify_files: bool = True) -> Found | None:
     """The newest complete ``checkpoint-N`` folder in ``where`` (a run folder, or the levels given to
-    ``install``; for the same N, the fastest level), or None.
+    ``install``; for the same N, the fastest level) as a :class:`lazyckpt.Found` (``path``, ``step`` = N,
+    ``level``: the index in ``where``, 0 for a run folder), or None. This process's own view: it talks to
+    no other rank.
 
-    Pass it to ``trainer.train(resume_from_checkpoint=...)``. Complete: the folder holds
+    Pass ``found.path`` to ``trainer.train(resume_from_checkpoint=...)``. Complete: the folder holds
     ``trainer_state.json`` and the model weights, and (``verify_files``) every ``.safetensors`` /
     ``.pt`` / ``.pth`` / ``.bin`` file in it passes :func:`lazyckpt.verify`. A folder that fails is
     skipped with an :class:`lazyckpt.IncompleteCheckpointWarning` naming it.
@@ -89,10 +91,10 @@ def latest(where: str | os.PathLike[str] | Sequence[Level], *, verify_files: boo
         candidates = [(n, 0, p) for n, p in checkpoints(os.fspath(where))]
     else:
         candidates = [(n, i, p) for i, level in enumerate(where) for n, p in checkpoints(level.path)]
-    for _n, _i, path in sorted(candidates, key=lambda c: (-c[0], c[1])):
+    for step, index, path in sorted(candidates, key=lambda c: (-c[0], c[1])):
         problem = _problem(path, verify_files)
         if problem is None:
-            return path
+            return Found(path, step, index)
         warnings.warn(f"lazyckpt.transformers: skipping {path}: {problem}", IncompleteCheckpointWarning, stacklevel=2)
     return None
 

@@ -16,14 +16,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
-from lazyckpt.core import reentry
 from lazyckpt.core.handle import CallbackRunner, Completion, Outcome, SaveHandle, SaveStats, wait_finished
 from lazyckpt.core.removal import RemovalFuture
 from lazyckpt.core.report import Report
-from lazyckpt.core.workers import Worker
 from lazyckpt.errors import SaveRefusedError, UploadError
 from lazyckpt.options import CheckpointerOptions
 from lazyckpt.storage.objects import PartPool, S3Upload, generic_upload, retry, transient
+from lazyckpt.threads import reentry
+from lazyckpt.threads.workers import Worker
 
 __all__ = ["RemoteSaveHandle", "RemoteTier", "retry", "transient"]  # retry, transient: re-exported
 

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
-from lazyckpt.core import reentry
+from lazyckpt.threads import reentry
 
 logger = logging.getLogger(__name__)
 

@@ -11,10 +11,9 @@ from __future__ import annotations
 import _thread
 import contextlib
 import functools
-import os
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any, ParamSpec, TypeVar
+from typing import ParamSpec, TypeVar
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -139,34 +138,3 @@ def region(fn: Callable[P, R]) -> Callable[P, R]:
             _leave()
 
     return in_region
-
-
-def write_temporary(obj: Any, final: str, format: str, metadata: dict[str, str] | None, fsync: bool) -> tuple[str, int]:
-    """A re-entered save's bytes (``torch.save`` or ``safetensors.torch.save``), written on this thread to a
-    fresh temporary beside ``final`` and fsynced; returns (path, size) for the caller to rename. Takes no
-    lazyckpt lock and calls the unpatched writers."""
-    import torch.serialization
-
-    from lazyckpt.storage import fs as _fs
-
-    tmp = _fs.temporary_path(final)
-    try:
-        if format == "safetensors":
-            import safetensors.torch
-
-            data = safetensors.torch.save(obj, metadata)
-            with open(tmp, "wb") as fh:
-                fh.write(data)
-                if fsync:
-                    fh.flush()
-                    _fs.fsync(fh.fileno())
-        else:
-            with open(tmp, "wb") as fh:
-                torch.serialization.save(obj, fh)
-                if fsync:
-                    fh.flush()
-                    _fs.fsync(fh.fileno())
-        return tmp, os.path.getsize(tmp)
-    except BaseException:
-        _fs.discard(tmp)
-        raise
