@@ -163,7 +163,7 @@ class Levels(Mode):
         self._blocked(t, t1, "save")
 
     def _copy_inline(self, handle: Any) -> None:
-        from lazyckpt.levels import _copy
+        from lazyckpt.schedule import _copy
 
         assert self.inline_dir is not None
         handle.wait()

@@ -9,7 +9,7 @@ round); a copying block starts one copy at its first step, as the disk level doe
 steps. Per mode and round: the block's extra time per step against the same round's no-copy block,
 the copy's wall and CPU seconds (its thread's), and the host's iowait/steal during the block.
 
-Modes: ``none``; ``lazyckpt`` (``levels._copy.copy_file``: a read-only mapping of the source written
+Modes: ``none``; ``lazyckpt`` (``schedule._copy.copy_file``: a read-only mapping of the source written
 with O_DIRECT, what the disk level runs); ``bounce`` (``preadv`` into an aligned buffer, O_DIRECT);
 ``sendfile`` (the kernel copies through the page cache; fsync); ``populate`` (the whole source mapped
 with MAP_POPULATE, O_DIRECT).
@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from lazyckpt.levels import _copy
+from lazyckpt.schedule import _copy
 from lazyckpt.storage import fs as _fs
 
 from . import gpt as _gpt

@@ -273,7 +273,10 @@ def main() -> None:
             if isinstance(node, ast.ClassDef):
                 classes[node.name].append(mod)
     twice = {name: mods for name, mods in classes.items() if len(mods) > 1}
-    print(f"class names defined in two modules: {len(twice)}" + "".join(f"\n  {n}: {', '.join(m)}" for n, m in twice.items()))
+    print(
+        f"class names defined in two modules: {len(twice)}"
+        + "".join(f"\n  {n}: {', '.join(m)}" for n, m in twice.items())
+    )
     print(f"lines: {sum(n for n, _ in sizes)} in src/lazyckpt")
     big = [(n, m) for n, m in sizes if n > 500]
     print(f"modules over 500 lines: {len(big)}" + "".join(f"\n  {m} {n}" for n, m in big))

@@ -10,7 +10,7 @@ reached), then SIGKILLs the process: the window is forced, not hoped for.
 - ``before-fsync``: a file's data written, before its fsync (``fs.fsync`` of a regular file);
 - ``before-rename``: a slower level's copy complete and fsynced, before its rename (``fs.commit`` into ``disk``);
 - ``after-rename``: a file or folder renamed to its final name, before its folder's fsync (``fs.fsync_dir``);
-- ``mid-copy``: half of a file copied to a slower level (``levels._copy._copy_data``);
+- ``mid-copy``: half of a file copied to a slower level (``schedule._copy._copy_data``);
 - ``retention``: before retention removes an older step's file (``fs.unlink`` under ``mem`` or ``disk``).
 """
 
@@ -41,7 +41,7 @@ def _half_copy(real: Callable[..., Any], fd_in: int, fd_out: int, size: int, new
 
 def arm(point: str, nth: int, on_kill: Callable[[], None], mem: str | None = None, disk: str | None = None) -> None:
     """SIGKILL this process the ``nth`` time a save reaches ``point`` (``on_kill()`` just before)."""
-    from lazyckpt.levels import _copy
+    from lazyckpt.schedule import _copy
     from lazyckpt.storage import fs as _fs
 
     points: dict[str, tuple[Any, str, Callable[..., bool], Callable[..., None] | None]] = {

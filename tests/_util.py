@@ -299,7 +299,7 @@ def run_then_exit(main: Callable[[], object]) -> NoReturn:
 
 
 class DiesOnRead:
-    """Stands for a ``levels._wire.OutFile`` about to be sent: the process SIGKILLs itself when the
+    """Stands for a ``cluster._wire.OutFile`` about to be sent: the process SIGKILLs itself when the
     sender reads its descriptor (a kill forced at that exact point of a transfer)."""
 
     def __init__(self, real: Any) -> None:

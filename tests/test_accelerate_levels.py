@@ -30,7 +30,7 @@ from _launch import free_port, run_python  # noqa: E402
 from accelerate_scripts import acc_common as C  # noqa: E402
 from lazyckpt import Level, LevelError, SaveRefusedError  # noqa: E402
 from lazyckpt.errors import IncompleteCheckpointWarning  # noqa: E402
-from lazyckpt.levels import _copy  # noqa: E402
+from lazyckpt.schedule import _copy  # noqa: E402
 from lazyckpt.storage import fs as _fs  # noqa: E402
 from test_accelerate import (  # noqa: E402 - the Accelerate tests' helpers
     _env,

@@ -23,9 +23,9 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 import _launch  # noqa: E402
 import lazyckpt  # noqa: E402
 from lazyckpt import BackpressureWarning, Level, SaveRefusedError  # noqa: E402
+from lazyckpt.cluster._collective import StoreExchange  # noqa: E402
 from lazyckpt.distributed import DistributedCheckpointer, DistributedLevelError, _levels  # noqa: E402
-from lazyckpt.levels import _runner  # noqa: E402
-from lazyckpt.levels._collective import StoreExchange  # noqa: E402
+from lazyckpt.schedule import _runner  # noqa: E402
 from lazyckpt.storage import fs as _fs  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -245,7 +245,7 @@ def test_refusals(mem, tmp_path):
 def test_a_rank_whose_check_fails_makes_the_others_fail_at_once_not_at_their_timeout():
     """Two ranks in two threads over one store: rank 1's check raises; rank 0 raises RuntimeError
     naming rank 1 right away (its timeout is 60 s), rank 1 its own error."""
-    from lazyckpt.levels._collective import agree
+    from lazyckpt.cluster._collective import agree
 
     store = dist.HashStore()
     outcome: dict[int, BaseException | None] = {}
@@ -275,7 +275,7 @@ def test_a_rank_whose_check_fails_makes_the_others_fail_at_once_not_at_their_tim
 def test_a_rank_that_holds_nothing_answers_none_at_once_and_so_do_the_others():
     """Rank 1's levels are empty (a replaced node, nothing shared yet): it posts that and returns
     None without waiting; rank 0, which holds step 5, reads it and returns None too."""
-    from lazyckpt.levels._collective import agree
+    from lazyckpt.cluster._collective import agree
 
     store = dist.HashStore()
     empty = StoreExchange(store, "t", rank=1, world=2, timeout=60)

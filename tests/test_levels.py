@@ -21,7 +21,7 @@ from _util import assert_same
 from lazyckpt import BackpressureWarning, LazyCheckpointer, Level, LevelError, SaveRefusedError
 from lazyckpt.core import plan as _plan
 from lazyckpt.errors import IncompleteCheckpointWarning
-from lazyckpt.levels import _copy
+from lazyckpt.schedule import _copy
 from lazyckpt.storage import fs as _fs
 
 SCRIPTS = os.path.join(os.path.dirname(__file__), "levels_scripts")
@@ -248,8 +248,8 @@ def test_sigkilled_at_random_moments_restarts_from_the_newest_complete_step(mem,
 def test_latest_warnings_name_the_callers_line_on_the_agreed_path_too(tmp_path):
     """latest()'s warnings (a level that cannot be listed, a step skipped) name the line of the code
     that asked, also on the path the ranks agree on (the distributed checkpointer's latest())."""
-    from lazyckpt.levels._collective import StoreExchange
-    from lazyckpt.levels._latest import latest_agreed
+    from lazyckpt.cluster._collective import StoreExchange
+    from lazyckpt.resume._latest import latest_agreed
 
     levels = [Level(tmp_path / "a", every=1), Level("nosuchprotocol://bucket/b", every=1)]
     os.makedirs(tmp_path / "a")
@@ -461,7 +461,7 @@ def test_s3_level_against_the_test_s3_server(mem, tmp_path, s3):
 
 
 def test_block_backpressure_waits_for_the_slow_level_and_warns(mem, tmp_path, monkeypatch):
-    from lazyckpt.levels import _multi
+    from lazyckpt.schedule import _multi
 
     monkeypatch.setattr(_multi, "WARN_AFTER_S", 0.0)  # any wait warns
     entered, release = _hold_copies(monkeypatch)
@@ -503,7 +503,7 @@ def test_block_backpressure_waits_for_the_slow_level_and_warns(mem, tmp_path, mo
 
 _CUT_SHORT = """
 import errno, os, sys
-from lazyckpt.levels import _copy
+from lazyckpt.schedule import _copy
 from lazyckpt.storage import fs as _fs
 src, out = sys.argv[1], sys.argv[2]
 real, calls = _fs.pwrite_all, []

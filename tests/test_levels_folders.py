@@ -20,8 +20,8 @@ from lazyckpt import LazyCheckpointer, Level, LevelError
 from lazyckpt.commit.folder import FolderSave, marker_name
 from lazyckpt.core.handle import Completion, SaveStats
 from lazyckpt.errors import IncompleteCheckpointWarning
-from lazyckpt.levels import _copy
-from lazyckpt.levels._multi import MultiLevel
+from lazyckpt.schedule import _copy
+from lazyckpt.schedule._multi import MultiLevel
 from lazyckpt.storage import fs as _fs
 
 

@@ -10,7 +10,7 @@ import threading
 import torch
 
 from lazyckpt import LazyCheckpointer, Level
-from lazyckpt.levels import _copy, _runner
+from lazyckpt.schedule import _copy, _runner
 
 
 def _state(step: int) -> dict:

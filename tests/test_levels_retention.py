@@ -21,7 +21,7 @@ from lazyckpt import LazyCheckpointer, Level
 from lazyckpt.commit.folder import FolderSave
 from lazyckpt.core.handle import Completion, SaveStats
 from lazyckpt.errors import IncompleteCheckpointWarning
-from lazyckpt.levels._multi import MultiLevel
+from lazyckpt.schedule._multi import MultiLevel
 
 
 class Folders:

@@ -314,8 +314,8 @@ class _TeardownSignal(LazyCheckpointIO):
 def test_teardown_drains_a_level_copy_still_running_and_raises_its_error(mem, tmp_path, monkeypatch):
     """The last disk copy is held until teardown has begun, then fails: fit() must raise it (the
     plugin drains its level savers before closing them; without that the error is lost)."""
-    from lazyckpt.levels import _copy
     from lazyckpt.lightning import _levels as _plugin_levels
+    from lazyckpt.schedule import _copy
 
     io = _TeardownSignal()
     entered, draining = threading.Event(), threading.Event()

@@ -141,8 +141,7 @@ def _flip_middle_byte(path) -> None:
 def crc_passes(monkeypatch):
     """How many CRC passes (``read_with_crcs`` calls that check at least one range, and load()'s
     reads of the storages into memory with their CRCs checked) ran."""
-    from lazyckpt.levels import _preread
-    from lazyckpt.recovery import _read
+    from lazyckpt.recovery import _preread, _read
     from lazyckpt.recovery import verify as _verify
 
     count = [0]
@@ -185,7 +184,7 @@ def test_a_resume_checks_every_crc_once(tmp_path, crc_passes):
 def test_a_resume_reads_the_file_once(tmp_path, monkeypatch):
     """latest() reads the storages while checking them; load(found) unpickles those, once; the
     next load of the same Found reads the file again, into memory of its own."""
-    from lazyckpt.levels import _preread
+    from lazyckpt.recovery import _preread
 
     folder, _ = _level_with_one_step(tmp_path)
     reads = []
@@ -209,7 +208,7 @@ def test_a_resume_reads_the_file_once(tmp_path, monkeypatch):
 
 
 def test_a_path_load_takes_what_latest_read_ahead_while_its_found_lives(tmp_path, monkeypatch):
-    from lazyckpt.levels import _preread
+    from lazyckpt.recovery import _preread
 
     folder, path = _level_with_one_step(tmp_path)
     reads = []
@@ -219,7 +218,7 @@ def test_a_path_load_takes_what_latest_read_ahead_while_its_found_lives(tmp_path
     assert_same(lazyckpt.load(str(path)), {"w": torch.full((4096,), 1.0)})
     assert reads == [True] and found.preread.nbytes == 0  # the path's load took them
     found = lazyckpt.latest([folder])
-    lazyckpt.levels.Preread.release(str(path))  # a loader reading the path itself frees them
+    lazyckpt.recovery.Preread.release(str(path))  # a loader reading the path itself frees them
     assert found.preread.nbytes == 0
     assert_same(lazyckpt.load(found), {"w": torch.full((4096,), 1.0)})
     assert reads == [True, True, False]
@@ -271,7 +270,7 @@ def test_a_file_renamed_over_the_name_after_latest_is_checked_again(tmp_path):
 def test_load_maps_the_file_it_checked_not_what_was_renamed_onto_its_name(tmp_path, monkeypatch, mmap):
     """The window between load()'s CRC pass and torch.load's open: a new file renamed onto the
     name there must not be what is returned (it was never checked)."""
-    from lazyckpt.levels import _load, _preread
+    from lazyckpt.recovery import _load, _preread
 
     _, path = _level_with_one_step(tmp_path, 1.0)
     _, replacement = _level_with_one_step(tmp_path / "b", 2.0)
@@ -370,8 +369,8 @@ def test_load_without_torchs_storage_hook_falls_back_to_torch_load(tmp_path, mon
     with pytest.raises(VerificationError, match="CRC32"):
         lazyckpt.load(path)
     reads = []
-    real_read = lazyckpt.levels._preread.read_storages
-    monkeypatch.setattr(lazyckpt.levels._preread, "read_storages", lambda *a: reads.append(a) or real_read(*a))
+    real_read = lazyckpt.recovery._preread.read_storages
+    monkeypatch.setattr(lazyckpt.recovery._preread, "read_storages", lambda *a: reads.append(a) or real_read(*a))
     monkeypatch.setattr(ser, "_load", lambda zip_file, map_location, pickle_module, **kw: real(
         zip_file, map_location, pickle_module, **kw))  # fmt: skip
     with pytest.raises(VerificationError, match="CRC32"):  # the fallback checks too, reading the file once

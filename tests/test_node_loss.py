@@ -257,7 +257,7 @@ def test_the_memory_statement_counts_the_replicas_a_node_holds(mem, monkeypatch)
     import warnings
 
     from lazyckpt import Level, MemoryLevelWarning
-    from lazyckpt.levels import _copy
+    from lazyckpt.schedule import _copy
 
     monkeypatch.setattr(_copy, "memory_total", lambda: 1 << 20)
     os.makedirs(mem)  # a tmpfs folder: only memory filesystems are counted

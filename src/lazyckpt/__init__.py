@@ -25,7 +25,8 @@ from .errors import (
     VerificationError,
     WriteError,
 )
-from .levels import Found, Level, LevelError, MemoryLevelWarning, latest, load
+from .levels import Level, LevelError, MemoryLevelWarning
+from .resume import Found, latest, load
 
 __version__ = "0.1.0"
 

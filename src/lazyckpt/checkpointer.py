@@ -33,7 +33,8 @@ from lazyckpt.threads import reentry
 from .errors import CheckpointerClosedError, SaveRefusedError
 
 __all__ = ["LazyCheckpointer"]
-from .levels import Level, MultiLevel, check_levels
+from .levels import Level
+from .schedule import MultiLevel, check_levels
 
 logger = logging.getLogger(__name__)
 

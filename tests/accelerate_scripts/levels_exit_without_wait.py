@@ -20,7 +20,7 @@ from accelerate import Accelerator
 
 import lazyckpt.accelerate
 from lazyckpt import Level
-from lazyckpt.levels import _copy
+from lazyckpt.schedule import _copy
 
 exiting = threading.Event()
 atexit.register(exiting.set)  # registered after lazyckpt's exit registry: runs before its drain

@@ -100,7 +100,7 @@ def ahead(mem, disk, out):
     handle is done). The step-2 folder must not be taken for one an earlier run left (it was:
     removed as "after step 1, where this run started", and step 2 failed at ``load_timeout``)."""
     from lazyckpt.accelerate import _levels
-    from lazyckpt.levels import _multi
+    from lazyckpt.schedule import _multi
 
     acc, model, opt, sched = setup(0)
     rank = acc.process_index
@@ -147,7 +147,7 @@ def main_fails(mem, disk, out):
     that after step 3 ``keep=2`` keeps steps 1 and 3, not step 2 (only process 1's RNG file in it)
     and step 3. OUT/summary.json (main process)."""
     from lazyckpt.commit.folder import is_complete
-    from lazyckpt.levels import _multi
+    from lazyckpt.schedule import _multi
 
     acc, model, opt, sched = setup(0)
     rank = acc.process_index

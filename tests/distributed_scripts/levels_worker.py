@@ -324,7 +324,7 @@ def scenario_replicate_corrupt_source() -> None:
     """Rank 0's committed memory file of step 2 gets a flipped byte before it is replicated (node
     memory corrupted after the commit): the partner refuses it (not the primary's CRC32), rank 0
     records step 2 as not replicated; the other steps replicate."""
-    from lazyckpt.levels import _replica
+    from lazyckpt.cluster import _replica
 
     if RANK == 0:
         real = _replica.Replicator.submit
@@ -349,7 +349,7 @@ def scenario_replicate_partner_silent() -> None:
     the replication group's timeout, that pair is not used again, every later step is recorded as
     not replicated with one warning; training and the other links go on. RESULT["rounds_with_silent"]:
     this rank's rounds that named the silent rank (its broken pair must not be used again)."""
-    from lazyckpt.levels import _replica, _wire
+    from lazyckpt.cluster import _replica, _wire
 
     silent = CONFIG["silent_rank"]
     if silent == RANK:
@@ -372,7 +372,7 @@ def scenario_replicate_kill() -> None:
     ranks first, then itself), as a lost machine would; the survivors stop with a typed error in
     bounded time. (Each rank killing only itself left a race in the test: a rank whose partner died
     first could stop with a typed error, its training's collective failing, before its own kill.)"""
-    from lazyckpt.levels import _wire
+    from lazyckpt.cluster import _wire
 
     if node() == CONFIG["kill_node"]:
         pids = os.path.join(WORKDIR, f"pids-node-{node()}")
@@ -392,7 +392,7 @@ def scenario_replicate_kill_sending() -> None:
     """Rank 2 (node 1's first rank) SIGKILLs itself as it reads the second file of its part of step
     CONFIG["kill_step"] to send (its rank file sent and renamed at rank 0, the index never written):
     the window where a half part lies in node 0's replica folder. The others stop with a typed error."""
-    from lazyckpt.levels import _wire
+    from lazyckpt.cluster import _wire
 
     if RANK == 2:
         real_run = _wire.Link.run

@@ -50,7 +50,7 @@ def state_at(step: int) -> dict:
 def scenario_train() -> None:
     """Every rank builds the checkpointer; rank 0 saves steps 1..steps; a corrupt_step's file is
     damaged on rank 0 right after its commit, before its copy is sent (the window forced)."""
-    from lazyckpt.levels import _single
+    from lazyckpt.cluster import _single
 
     if RANK == 0 and CONFIG.get("corrupt_step"):
         real = _single.SingleWriter.submit
@@ -98,7 +98,7 @@ def scenario_train() -> None:
 def scenario_train_kill() -> None:
     """Rank 0 SIGKILLs itself as it reads its file of step kill_step to send it (the holder has
     announced the round and made its temporary file); the others stop with a typed error."""
-    from lazyckpt.levels import _wire
+    from lazyckpt.cluster import _wire
 
     if RANK == 0:
         real_run = _wire.Link.run
@@ -120,7 +120,7 @@ def scenario_train_slow() -> None:
     wait (one in flight, one queued), steps 3..5 go without copies; then it is released."""
     import threading
 
-    from lazyckpt.levels import _wire
+    from lazyckpt.cluster import _wire
 
     gate = threading.Event()
     if RANK == 0:
@@ -213,7 +213,7 @@ def scenario_restart() -> None:
     RESULT["storage_reads"]: how many times this rank read a checkpoint's data, reading its storages
     or checking it (the restore's check of a node's newest file or of the copy it received, and
     ``latest()``'s own read, are one read)."""
-    from lazyckpt.levels import _preread
+    from lazyckpt.recovery import _preread
     from lazyckpt.recovery import verify as _verify
 
     RESULT["storage_reads"] = 0

@@ -191,8 +191,8 @@ def _hold_first_level_error_until_settled() -> None:
     Bounded (a rank that never settles gets it later)."""
     import threading
 
-    from lazyckpt.levels import _handle, _schedule
     from lazyckpt.lightning import _levels
+    from lazyckpt.schedule import _handle, _schedule
 
     settled = threading.Event()
     part_done, drain = _handle.Parts.part_done, _levels.PluginLevels.drain

@@ -22,19 +22,12 @@ from lazyckpt.accelerate import _compat
 from lazyckpt.accelerate._folder_save import SaveStateCall
 from lazyckpt.accelerate._nodes import Nodes, staging_of
 from lazyckpt.checkpointer import producer_of
+from lazyckpt.cluster import SingleWriter, replicated_index
 from lazyckpt.commit.folder import marker_is_stale, pending_markers
 from lazyckpt.core.handle import Completion, SaveHandle, SaveStats, confirm
 from lazyckpt.errors import IncompleteCheckpointError, SaveRefusedError
-from lazyckpt.levels import (
-    Level,
-    MultiLevel,
-    SingleWriter,
-    check_levels,
-    check_step,
-    refuse_replicas,
-    replicated_index,
-    tensor_bytes,
-)
+from lazyckpt.levels import Level, check_step
+from lazyckpt.schedule import MultiLevel, check_levels, refuse_replicas, tensor_bytes
 from lazyckpt.threads.workers import Worker
 
 if TYPE_CHECKING:

@@ -13,9 +13,10 @@ from collections.abc import Sequence
 
 from accelerate.utils.constants import RNG_STATE_NAME
 
+from lazyckpt.cluster import Scope, StoreExchange, probe
 from lazyckpt.commit.folder import marker_name
 from lazyckpt.distributed import DEAD_AFTER_S, Liveness
-from lazyckpt.levels import Level, Scope, StoreExchange, probe
+from lazyckpt.levels import Level
 from lazyckpt.storage import fs as _fs
 
 _OK, _ERR = b"\x00", b"\x01"

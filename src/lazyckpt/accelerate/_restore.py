@@ -15,7 +15,7 @@ from lazyckpt.accelerate._patch import installed
 from lazyckpt.checkpointer import producer_of
 from lazyckpt.commit import remote_folder as _remote_folder
 from lazyckpt.core.remote import is_url
-from lazyckpt.levels import Found, latest
+from lazyckpt.resume import Found, latest
 
 if TYPE_CHECKING:
     from accelerate import Accelerator

@@ -28,7 +28,7 @@ from lazyckpt.formats.capture import Source
 from lazyckpt.formats.crc import crc32_combine
 from lazyckpt.threads import reentry
 
-# How a failed save's error is put to its caller (set by ``levels/_multi.py`` around a level's saves); each
+# How a failed save's error is put to its caller (set by ``schedule/_multi.py`` around a level's saves); each
 # job takes the value current in ``save()``; the engine applies it before the error is published.
 error_context: ContextVar[Callable[[BaseException], BaseException] | None] = ContextVar(
     "lazyckpt_error_context", default=None

@@ -15,10 +15,12 @@ from typing import Any, overload
 import torch.distributed as dist
 from torch.distributed.checkpoint.utils import _DistWrapper
 
+from lazyckpt.cluster import ReplicationStats, StoreExchange
 from lazyckpt.core import exit as _exit
 from lazyckpt.core import remote as _remote
 from lazyckpt.core.handle import Completion, SaveHandle
-from lazyckpt.levels import Found, Level, ReplicationStats, StoreExchange
+from lazyckpt.levels import Level
+from lazyckpt.resume import Found
 from lazyckpt.threads import reentry
 from lazyckpt.threads.workers import Worker
 

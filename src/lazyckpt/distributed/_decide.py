@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from lazyckpt.levels import Scope
+from lazyckpt.cluster import Scope
 
 from ..errors import UploadError
 from . import _commit

@@ -19,24 +19,13 @@ from typing import Any
 
 from torch.distributed.checkpoint.utils import _DistWrapper
 
+from lazyckpt.cluster import Scope, StoreExchange, dedup_groups, probe
 from lazyckpt.core.handle import Completion, SaveHandle
 from lazyckpt.core.remote import RemoteTier
 from lazyckpt.core.report import Report
-from lazyckpt.levels import (
-    Feed,
-    Found,
-    Level,
-    Runner,
-    Scope,
-    StoreExchange,
-    check_levels,
-    check_memory,
-    check_step,
-    dedup_groups,
-    latest_agreed,
-    not_due,
-    probe,
-)
+from lazyckpt.levels import Level, check_step
+from lazyckpt.resume import Found, latest_agreed
+from lazyckpt.schedule import Feed, Runner, check_levels, check_memory, not_due
 from lazyckpt.storage import fs as _fs
 
 from ..checkpointer import LazyCheckpointer, producer_of

@@ -12,8 +12,9 @@ from typing import Any
 
 import torch.distributed as dist
 
+from lazyckpt.cluster import Replicator, Ring, Scope, replicated_index
 from lazyckpt.formats.dcp import MANIFEST, METADATA
-from lazyckpt.levels import Level, Replicator, Ring, Scope, replicated_index
+from lazyckpt.levels import Level
 
 logger = logging.getLogger(__name__)
 

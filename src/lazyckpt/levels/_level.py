@@ -13,8 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lazyckpt.core import remote as _remote
-
-from ..errors import LevelError, MemoryLevelWarning, SaveRefusedError
+from lazyckpt.errors import LevelError, MemoryLevelWarning, SaveRefusedError
 
 __all__ = ["Level", "LevelError", "MemoryLevelWarning", "as_level", "check_step", "list_steps", "step_name", "step_of"]
 

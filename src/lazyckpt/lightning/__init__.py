@@ -14,10 +14,10 @@ from typing import Any
 
 from lazyckpt import CheckpointerOptions, LazyCheckpointer, SaveStats
 from lazyckpt.errors import CheckpointerClosedError
-from lazyckpt.levels import Preread
 from lazyckpt.lightning import _compat, _runtime
 from lazyckpt.lightning._levels import MultiLevelCheckpoint
 from lazyckpt.options import merge as _merge_options
+from lazyckpt.recovery import Preread
 from lazyckpt.threads import reentry
 
 __all__ = ["LazyCheckpointIO", "MultiLevelCheckpoint"]

@@ -17,9 +17,11 @@ from lazyckpt.checkpointer import LazyCheckpointer, producer_of
 from lazyckpt.core.handle import SaveHandle
 from lazyckpt.core.report import raise_first
 from lazyckpt.errors import LazyCkptError, LevelError, SaveRefusedError
-from lazyckpt.levels import Found, Level, MultiLevel, check_levels, latest
+from lazyckpt.levels import Level
 from lazyckpt.lightning import _compat, _sharded
 from lazyckpt.options import CheckpointerOptions
+from lazyckpt.resume import Found, latest
+from lazyckpt.schedule import MultiLevel, check_levels
 from lazyckpt.threads import reentry
 
 if TYPE_CHECKING:

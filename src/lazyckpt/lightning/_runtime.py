@@ -23,8 +23,9 @@ from lazyckpt import CheckpointerOptions, LazyCheckpointer, SaveHandle, SaveStat
 from lazyckpt.core import exit as _exit
 from lazyckpt.core import guard as _guard
 from lazyckpt.errors import LazyCkptError, StaleTensorError
-from lazyckpt.levels import Level, MultiLevel
+from lazyckpt.levels import Level
 from lazyckpt.lightning import _compat, _levels, _sharded
+from lazyckpt.schedule import MultiLevel
 from lazyckpt.threads import reentry
 
 log = logging.getLogger("lazyckpt.lightning")

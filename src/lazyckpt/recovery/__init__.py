@@ -1,9 +1,42 @@
-"""Reading checkpoints back: verification of files, folders and URLs.
+"""Checking and reading checkpoints: CRC verification of files, folders and URLs (``verify``, ``check``,
+``dcp``), parallel reads with CRCs (``reads``), and a torch.save file read ahead with its check
+(``preread``, ``Preread``: what ``latest()`` hands to ``load()``); ``load()`` of a file or a ``Found``."""
 
-``reads`` (``_read.py``), ``READ_THREADS`` and ``FileIdentity`` are shared with ``lazyckpt.levels``
-(``latest()``, ``load()``); not public API.
-"""
+from . import _read as reads
+from ._found import Found
+from ._load import load
+from ._preread import (
+    FileSource,
+    Preread,
+    Seekable,
+    ZipEntry,
+    check_compressed,
+    check_crc,
+    check_small,
+    data_records,
+    is_zip,
+    preread,
+    read_storages,
+    records,
+)
+from ._read import READ_THREADS, FileIdentity
 
-from . import _read as reads  # noqa: F401 - shared with lazyckpt.levels
-from ._read import READ_THREADS as READ_THREADS
-from ._read import FileIdentity as FileIdentity
+__all__ = [
+    "Found",
+    "load",
+    "READ_THREADS",
+    "FileIdentity",
+    "FileSource",
+    "Preread",
+    "Seekable",
+    "ZipEntry",
+    "check_compressed",
+    "check_crc",
+    "check_small",
+    "data_records",
+    "is_zip",
+    "preread",
+    "read_storages",
+    "reads",
+    "records",
+]

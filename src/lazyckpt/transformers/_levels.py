@@ -12,7 +12,7 @@ import shutil
 from collections.abc import Sequence
 
 from lazyckpt import Level, LevelError, SaveRefusedError
-from lazyckpt.levels import refuse_replicas
+from lazyckpt.schedule import refuse_replicas
 from lazyckpt.storage import fs as _fs
 from lazyckpt.transformers._folder import publish, staging_name
 

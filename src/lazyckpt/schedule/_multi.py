@@ -21,14 +21,14 @@ from lazyckpt.core import remote as _remote
 from lazyckpt.core.handle import SaveHandle
 from lazyckpt.core.job import error_context
 from lazyckpt.core.report import ErrorLedger, Report
+from lazyckpt.errors import SaveRefusedError, WriteError
+from lazyckpt.levels import Level, LevelError, check_step
 from lazyckpt.options import CheckpointerOptions
 from lazyckpt.storage import fs as _fs
 from lazyckpt.threads import reentry
 
-from ..errors import SaveRefusedError, WriteError
 from . import _copy
 from ._handle import SOURCE, not_due
-from ._level import Level, LevelError, check_step
 from ._runner import Feed, Runner, written
 from ._schedule import WARN_AFTER_S
 
@@ -83,8 +83,7 @@ class MultiLevel:
         check_levels(levels)
         if not replicate:
             refuse_replicas(levels, "this saver")
-        from ._replica import replicated_index
-        from ._single import SingleWriter
+        from lazyckpt.cluster import SingleWriter, replicated_index
 
         replicated = replicated_index(levels)
         # collective: rank 0 writes, the next nodes hold copies

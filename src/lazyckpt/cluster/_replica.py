@@ -18,11 +18,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from lazyckpt.errors import ReplicationError, ReplicationWarning
+from lazyckpt.levels import FOLDER_RE, Level, step_name
 from lazyckpt.threads import reentry
 from lazyckpt.threads.workers import Worker
 
-from ..errors import ReplicationError, ReplicationWarning
-from ._level import FOLDER_RE, Level, step_name
 from ._topology import Scope
 from ._wire import CRC_MISMATCH as _CRC
 from ._wire import OK as _OK

@@ -13,14 +13,13 @@ from typing import Any
 import torch
 
 from lazyckpt.core import remote as _remote
-from lazyckpt.recovery import reads as _read
+from lazyckpt.errors import VerificationError
 from lazyckpt.storage import fs as _fs
 from lazyckpt.storage import spare as _spare
 
-from ..errors import VerificationError
-from . import _preread
-from ._found import Found, Preread
-from ._preread import FileSource, Seekable, ZipEntry, check_compressed, check_crc, is_zip, records
+from . import _preread, _read
+from ._found import Found
+from ._preread import FileSource, Preread, Seekable, ZipEntry, check_compressed, check_crc, is_zip, records
 
 
 def load(

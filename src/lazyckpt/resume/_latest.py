@@ -14,21 +14,26 @@ from collections.abc import Iterable, Sequence
 from datetime import timedelta
 from typing import Any
 
+from lazyckpt.cluster import (
+    Scope,
+    StoreExchange,
+    agree,
+    agree_one_writer,
+    files_of_one_writer,
+    in_job,
+    probe,
+    replicated_index,
+    restore,
+    restore_files,
+)
 from lazyckpt.core import remote as _remote
 from lazyckpt.core.warn import user_stacklevel
-from lazyckpt.recovery import READ_THREADS, FileIdentity
+from lazyckpt.errors import IncompleteCheckpointWarning
+from lazyckpt.levels import Level, as_level, list_steps, step_of
+from lazyckpt.recovery import READ_THREADS, FileIdentity, Found, Preread, preread
 from lazyckpt.recovery.check import folder_problems
 from lazyckpt.recovery.dcp import is_dcp_folder, rank_problems
 from lazyckpt.recovery.verify import verify as verify_file
-
-from ..errors import IncompleteCheckpointWarning
-from . import _collective, _single
-from ._found import Found, Preread
-from ._level import Level, as_level, list_steps, step_of
-from ._preread import preread
-from ._replica import replicated_index
-from ._restore import restore
-from ._topology import Scope, probe
 
 logger = logging.getLogger(__name__)
 
@@ -65,21 +70,21 @@ def latest(
     another loader reads ``found.path``."""
     levels = list(levels)
     listings = _listings(levels, storage_options)
-    if not (_collective.in_job() if collective is None else collective):
+    if not (in_job() if collective is None else collective):
         return _newest(listings, storage_options, verify, threads, preload)
     is_dcp = lambda path: is_dcp_folder(path, storage_options)  # noqa: E731
-    if not (_replicated(levels) and _single.files_of_one_writer(listings, is_dcp, timeout)):
-        return latest_agreed(levels, _collective.StoreExchange.default(timeout), storage_options, verify, listings)
+    if not (_replicated(levels) and files_of_one_writer(listings, is_dcp, timeout)):
+        return latest_agreed(levels, StoreExchange.default(timeout), storage_options, verify, listings)
     # one writer's files with replicas: restore the newest step to nodes lacking it, then agree on it
     entries = [as_level(entry) for entry in levels]
     index = replicated_index(entries)
     assert index is not None
     # storages read ahead by the restore's check: _newest takes them instead of reading again
-    checked = _single.restore_files(entries, index, min(timeout, 60.0), fsync=False, threads=threads,
+    checked = restore_files(entries, index, min(timeout, 60.0), fsync=False, threads=threads,
                                     preload=preload and verify)  # fmt: skip
     found = _newest(_listings(levels, storage_options), storage_options, verify, threads, preload)
     del checked  # what _newest did not take is freed
-    _single.agree(None if found is None else found.step, min(timeout, 60.0))
+    agree_one_writer(None if found is None else found.step, min(timeout, 60.0))
     return found
 
 
@@ -104,7 +109,7 @@ def _newest(
 
 def latest_agreed(
     levels: Iterable[Level | str | os.PathLike[str]],
-    exchange: _collective.StoreExchange,
+    exchange: StoreExchange,
     storage_options: dict[str, Any] | None = None,
     verify: bool = True,
     listings: dict[int, dict[int, str]] | None = None,
@@ -129,7 +134,7 @@ def latest_agreed(
         return problem is None
 
     mine = _listings(levels, storage_options) if listings is None else listings
-    agreed = _collective.agree(mine, usable, exchange)
+    agreed = agree(mine, usable, exchange)
     return None if agreed is None else Found(agreed[2], agreed[0], agreed[1])
 
 
@@ -139,7 +144,7 @@ def _replicated(levels: Iterable[Level | str | os.PathLike[str]]) -> bool:
 
 def _restore_replicas(
     entries: Iterable[Level | str | os.PathLike[str]],
-    exchange: _collective.StoreExchange,
+    exchange: StoreExchange,
     scopes: Sequence[Scope] | None,
     group: Any,
 ) -> bool:

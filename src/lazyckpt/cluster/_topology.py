@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ._level import Level
+from lazyckpt.levels import Level
 
 PROBE_PREFIX = ".lazyckpt-probe-"
 

@@ -20,14 +20,13 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
+from lazyckpt.errors import ReplicationError
+from lazyckpt.levels import Level, list_steps
+from lazyckpt.recovery import Preread, preread
 from lazyckpt.storage import fs as _fs
 from lazyckpt.threads import reentry
 
-from ..errors import ReplicationError
 from ._collective import StoreExchange, in_job
-from ._found import Preread
-from ._level import Level, list_steps
-from ._preread import preread
 from ._replica import ReplicationStats, Ring, warn_once
 from ._topology import probe
 from ._wire import CRC_MISMATCH, LATER, OK, FolderSink, Link, OutFile, Sink, crc_of, folder_files, header_of, open_files

@@ -18,12 +18,12 @@ from typing import Any, Protocol
 from lazyckpt.core.handle import CallbackRunner, SaveHandle
 from lazyckpt.core.remote import RemoteTier
 from lazyckpt.core.report import Report
+from lazyckpt.errors import SaveRefusedError
+from lazyckpt.levels import Level, LevelError
 from lazyckpt.threads import reentry
 from lazyckpt.threads.workers import Worker
 
-from ..errors import SaveRefusedError
 from ._handle import SOURCE, LevelsHandle, Parts
-from ._level import Level, LevelError
 from ._schedule import WARN_AFTER_S, Backlog, Retention, Sweep, run_sweep, sweep
 
 logger = logging.getLogger(__name__)

@@ -19,14 +19,13 @@ from typing import Any
 
 import torch
 
+from lazyckpt.cluster import replace_folder
 from lazyckpt.commit import remote_folder as _remote_folder
 from lazyckpt.commit.folder import MARKER_PREFIX
 from lazyckpt.core.remote import RemoteTier
 from lazyckpt.core.warn import user_stacklevel
+from lazyckpt.levels import Level, MemoryLevelWarning
 from lazyckpt.storage import fs as _fs
-
-from ._level import Level, MemoryLevelWarning
-from ._wire import replace_folder
 
 logger = logging.getLogger(__name__)
 

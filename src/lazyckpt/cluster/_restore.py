@@ -12,10 +12,10 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from lazyckpt.errors import ReplicationWarning
+from lazyckpt.levels import Level, list_steps, step_name
 from lazyckpt.storage import fs as _fs
 
-from ..errors import ReplicationWarning
-from ._level import Level, list_steps, step_name
 from ._replica import INDEX_PREFIX, Ring, replica_folder, replica_steps
 from ._topology import Scope
 from ._wire import Link, OutFile, Sink, header_of, open_files

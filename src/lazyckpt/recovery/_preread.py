@@ -8,21 +8,86 @@ from __future__ import annotations
 import io
 import os
 import struct
+import weakref
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
+from lazyckpt.errors import VerificationError
 from lazyckpt.formats.crc import crc32, crc32_combine
-from lazyckpt.recovery import reads as _read
 from lazyckpt.recovery.verify import VerifyReport, verify_fd
 from lazyckpt.storage import spare as _spare
+from lazyckpt.threads import reentry
 
-from ..errors import VerificationError
-from ._found import Preread
+from . import _read
+from ._read import FileIdentity
 
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # zip local file header, 30 bytes
+
+
+class Preread:
+    """Storages of the file ``identity`` that ``latest()`` read while checking it, keyed by data
+    offset. Owned by a ``Found``; findable by real path (``registered``) while it lives. ``take`` is
+    one-shot across threads; a ``Found`` dropped unused frees them."""
+
+    def __init__(self, path: str, identity: FileIdentity, storages: dict[int, torch.UntypedStorage]) -> None:
+        self.identity = identity
+        self._storages: dict[int, torch.UntypedStorage] | None = storages
+        self._lock = reentry.Lock()
+        _LIVE[os.path.realpath(path)] = self
+
+    def take(self, identity: FileIdentity) -> dict[int, torch.UntypedStorage] | None:
+        """The storages, once, when ``identity`` is the file they were read from; else None."""
+        with self._lock:
+            storages, self._storages = self._storages, None
+        return storages if identity == self.identity else None
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(s.nbytes() for s in (self._storages or {}).values())
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        """Pickled as nothing: the storages are this process's memory, never sent."""
+        return _nothing, ()
+
+    def moved(self, path: str) -> None:
+        """The file read was renamed to ``path``: findable there if it is the same file (only its
+        ctime changed)."""
+        try:
+            now = FileIdentity.at(path)
+        except OSError:
+            return
+        was = self.identity
+        if (now.dev, now.ino, now.size, now.mtime_ns) == (was.dev, was.ino, was.size, was.mtime_ns):
+            self.identity = now
+            _LIVE[os.path.realpath(path)] = self
+
+    @classmethod
+    def registered(cls, path: str) -> Preread | None:
+        """The live ``Preread`` of the file at ``path`` (by real path), if any."""
+        return _LIVE.get(os.path.realpath(path))
+
+    @classmethod
+    def release(cls, path: str) -> None:
+        """Free what was read ahead for ``path``."""
+        held = cls.registered(path)
+        if held is not None:
+            held.drop()
+
+    def drop(self) -> None:
+        """Free the storages (a ``take`` after this gets None)."""
+        with self._lock:
+            self._storages = None
+
+
+_LIVE: weakref.WeakValueDictionary[str, Preread] = weakref.WeakValueDictionary()  # by real path
+
+
+def _nothing() -> None:
+    return None
 
 
 class FileSource:

@@ -16,9 +16,8 @@ from lazyckpt.commit.folder import is_complete
 from lazyckpt.core.remote import RemoteTier
 from lazyckpt.core.report import Report
 from lazyckpt.core.warn import user_stacklevel
-
-from ..errors import BackpressureWarning
-from ._level import Level, LevelError, list_steps
+from lazyckpt.errors import BackpressureWarning
+from lazyckpt.levels import Level, LevelError, list_steps
 
 logger = logging.getLogger(__name__)
 

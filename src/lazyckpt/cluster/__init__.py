@@ -1,0 +1,30 @@
+"""Ranks and nodes: who shares each level's folder (``_topology``), agreement through the c10d store
+(``_collective``), the point-to-point transfers (``_wire``), node-loss replicas in peers' memory (``_replica``:
+the ring; ``_single``: one writer's files) and their restore (``_restore``)."""
+
+from ._collective import StoreExchange, agree, in_job
+from ._replica import ReplicationStats, Replicator, Ring, replicated_index
+from ._restore import restore
+from ._single import SingleWriter, files_of_one_writer, restore_files
+from ._single import agree as agree_one_writer
+from ._topology import Scope, dedup_groups, probe
+from ._wire import replace_folder
+
+__all__ = [
+    "ReplicationStats",
+    "Replicator",
+    "Ring",
+    "Scope",
+    "SingleWriter",
+    "StoreExchange",
+    "agree",
+    "agree_one_writer",
+    "dedup_groups",
+    "files_of_one_writer",
+    "in_job",
+    "probe",
+    "replace_folder",
+    "replicated_index",
+    "restore",
+    "restore_files",
+]
