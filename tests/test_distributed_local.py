@@ -314,7 +314,7 @@ def test_zero_copy_writes_large_optimizer_tensors_from_their_memory(tmp_path, mo
 
 
 def test_publish_without_exchange_puts_the_old_checkpoint_back_when_the_rename_fails(tmp_path, monkeypatch):
-    from lazyckpt.distributed import _commit
+    from lazyckpt.storage import fs as _fs
 
     (tmp_path / "final").mkdir()
     (tmp_path / "final" / ".metadata").write_text("old")
@@ -326,16 +326,17 @@ def test_publish_without_exchange_puts_the_old_checkpoint_back_when_the_rename_f
             raise OSError(5, "EIO (injected)")
         real_rename(a, b)
 
-    monkeypatch.setattr(_commit, "_exchange", lambda a, b: False)
-    monkeypatch.setattr(_commit.os, "rename", rename)
+    monkeypatch.setattr(_fs, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(_fs, "rename", rename)
     with pytest.raises(OSError, match="injected"):
-        _commit.swap_in(str(tmp_path / "staging"), str(tmp_path / "final"), str(tmp_path / "old"), fsync=True)
+        _fs.swap_in(str(tmp_path / "staging"), str(tmp_path / "final"), str(tmp_path / "old"), fsync=True)
     assert (tmp_path / "final" / ".metadata").read_text() == "old"
     assert sorted(os.listdir(tmp_path)) == ["final", "staging"]
 
 
 def test_publish_says_when_the_new_checkpoint_is_in_place_but_not_durable(tmp_path, monkeypatch):
-    from lazyckpt.distributed import _commit
+    from lazyckpt.errors import NotDurableError
+    from lazyckpt.storage import fs as _fs
 
     (tmp_path / "final").mkdir()
     (tmp_path / "final" / ".metadata").write_text("old")
@@ -345,9 +346,9 @@ def test_publish_says_when_the_new_checkpoint_is_in_place_but_not_durable(tmp_pa
     def fsync_dir(path):
         raise OSError(5, "EIO (injected)")
 
-    monkeypatch.setattr(_commit, "fsync_dir", fsync_dir)
-    with pytest.raises(_commit.NotDurableError):
-        _commit.swap_in(str(tmp_path / "staging"), str(tmp_path / "final"), str(tmp_path / "old"), fsync=True)
+    monkeypatch.setattr(_fs, "fsync_dir", fsync_dir)
+    with pytest.raises(NotDurableError):
+        _fs.swap_in(str(tmp_path / "staging"), str(tmp_path / "final"), str(tmp_path / "old"), fsync=True)
     assert (tmp_path / "final" / ".metadata").read_text() == "new"
     assert sorted(os.listdir(tmp_path)) == ["final"]  # the old one deleted all the same
 

@@ -188,3 +188,7 @@ class ReplicationError(LevelError):
 
 class ReplicationWarning(UserWarning):
     """Steps of a replicated level were not replicated, or a corrupt replica was skipped at restore."""
+
+
+class NotDurableError(OSError):
+    """Internal: a checkpoint is at its final name, but making the rename durable (the parent's fsync) failed."""

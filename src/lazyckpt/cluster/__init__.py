@@ -8,7 +8,6 @@ from ._restore import restore
 from ._single import SingleWriter, files_of_one_writer, restore_files
 from ._single import agree as agree_one_writer
 from ._topology import Scope, dedup_groups, probe
-from ._wire import replace_folder
 
 __all__ = [
     "ReplicationStats",
@@ -23,7 +22,6 @@ __all__ = [
     "files_of_one_writer",
     "in_job",
     "probe",
-    "replace_folder",
     "replicated_index",
     "restore",
     "restore_files",

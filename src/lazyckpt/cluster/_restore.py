@@ -115,9 +115,7 @@ def _publish(level: Level, step: int, whole: bool, fsync: bool) -> bool:
     """The node's first rank: rename the staging folder to ``step-<n>`` if ``whole``, else remove it."""
     staging = _staging(level, step)
     if whole and not os.path.lexists(level.folder(step)):
-        os.rename(staging, level.folder(step))
-        if fsync:
-            _fs.fsync_dir(level.path)
+        _fs.publish_folder(staging, level.folder(step), fsync)
         logger.warning("lazyckpt.latest: restored %s from a peer's replica", level.folder(step))
         return True
     shutil.rmtree(staging, ignore_errors=True)

@@ -201,7 +201,7 @@ class FolderSink(Sink):
                 except OSError:
                     self.crc_mismatch = True
                     raise
-                replace_folder(self.folder, self.final, self.fsync)
+                _fs.publish_folder(self.folder, self.final, self.fsync)
             except BaseException as exc:  # noqa: BLE001 - acknowledged to the sender
                 self.error = exc
         if self.error is None:
@@ -212,28 +212,6 @@ class FolderSink(Sink):
     def abandon(self) -> None:
         super().abandon()
         shutil.rmtree(self.folder, ignore_errors=True)
-
-
-def replace_folder(tmp: str, dst: str, fsync: bool) -> None:
-    """Rename the complete folder ``tmp`` to ``dst`` (fsyncing ``tmp`` and the parent with ``fsync``).
-    An existing ``dst`` is renamed away first and deleted after; on failure it is put back."""
-    parent = os.path.dirname(dst)
-    if fsync:
-        _fs.fsync_dir(tmp)
-    old = None
-    try:
-        if os.path.lexists(dst):
-            old = _fs.temporary_path(dst)
-            _fs.rename(dst, old)
-        _fs.rename(tmp, dst)
-        if fsync:
-            _fs.fsync_dir(parent)
-    except BaseException:
-        if old is not None and not os.path.lexists(dst):
-            os.rename(old, dst)  # put the previous copy back
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 class Link:

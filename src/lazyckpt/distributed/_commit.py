@@ -9,9 +9,6 @@ thread, and with nccl training. The decisions themselves: ``_decide.py``.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import errno
 import json
 import logging
 import os
@@ -394,53 +391,3 @@ def _write_file(path: str, data: bytes, fsync: bool) -> None:
         fh.flush()
         if fsync:
             os.fsync(fh.fileno())
-
-
-class NotDurableError(OSError):
-    """The new checkpoint is at its final name, but making the rename durable failed."""
-
-
-def swap_in(staging: str, final: str, old: str, fsync: bool) -> None:
-    """Make ``staging`` visible as ``final``; an existing ``final`` is swapped out atomically
-    (``RENAME_EXCHANGE``, else two renames via ``old``) and deleted. Raises ``OSError`` with nothing
-    changed at ``final``, or ``NotDurableError`` once the new checkpoint is visible there."""
-    replaced = None
-    if os.path.lexists(final):
-        if _exchange(staging, final):
-            replaced = staging
-        else:
-            os.rename(final, old)  # no exchange: a moment with nothing at ``final``
-            try:
-                os.rename(staging, final)
-            except OSError:
-                os.rename(old, final)  # put the previous checkpoint back
-                raise
-            replaced = old
-    else:
-        os.rename(staging, final)
-    try:
-        if fsync:
-            fsync_dir(os.path.dirname(final))
-    except OSError as exc:
-        raise NotDurableError(exc.errno, f"{final} is in place but fsync of its folder failed: {exc}") from exc
-    finally:
-        if replaced is not None:
-            shutil.rmtree(replaced, ignore_errors=True)
-
-
-_RENAME_EXCHANGE = 2
-_AT_FDCWD = -100
-
-
-def _exchange(a: str, b: str) -> bool:
-    try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).renameat2
-    except (OSError, AttributeError):  # pragma: no cover - old glibc, non-Linux
-        return False
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-        return False
-    raise OSError(err, f"renameat2({a!r}, {b!r}, RENAME_EXCHANGE): {os.strerror(err)}")

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from lazyckpt.cluster import Scope
+from lazyckpt.storage import fs as _fs
 
-from ..errors import UploadError
+from ..errors import NotDurableError, UploadError
 from . import _commit
 from ._commit import COMMIT, CommitResult, Decision, Liveness, RankReport, StoreProtocol
 from ._handle import Failure
@@ -104,9 +105,9 @@ class Decider:
         else:
             try:
                 old = _commit.staging_path(entry.final, self.token, entry.n, old=True)
-                _commit.swap_in(entry.staging, entry.final, old, self.fsync)
+                _fs.swap_in(entry.staging, entry.final, old, self.fsync)
             except OSError as exc:
-                if isinstance(exc, _commit.NotDurableError):
+                if isinstance(exc, NotDurableError):
                     why = f"rank {self.rank} (coordinator): {exc}"
                 else:
                     shutil.rmtree(entry.staging, ignore_errors=True)
@@ -239,9 +240,9 @@ class Decider:
                 world_size=self.world_size,
             )  # fmt: skip
             old = _commit.staging_path(entry.final, self.token, entry.n, old=True)
-            _commit.swap_in(entry.staging, entry.final, old, self.fsync)
+            _fs.swap_in(entry.staging, entry.final, old, self.fsync)
         except Exception as exc:  # noqa: BLE001 - every rank must learn it
-            if not isinstance(exc, _commit.NotDurableError):
+            if not isinstance(exc, NotDurableError):
                 shutil.rmtree(entry.staging, ignore_errors=True)
             return CommitResult(False, f"rank {self.rank} could not publish its node's folder {entry.final}: {exc}")
         return CommitResult(True)

@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-from lazyckpt.cluster import replace_folder
 from lazyckpt.commit import remote_folder as _remote_folder
 from lazyckpt.commit.folder import MARKER_PREFIX
 from lazyckpt.core.remote import RemoteTier
@@ -80,7 +79,7 @@ def copy_tree(src: str, dst: str, fsync: bool) -> None:
                 _write_copy(os.path.join(root, name), os.path.join(out, name), fsync)
             if fsync and out != os.path.normpath(tmp):
                 _fs.fsync_dir(out)
-        replace_folder(tmp, dst, fsync)  # tmp fsynced there
+        _fs.publish_folder(tmp, dst, fsync)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

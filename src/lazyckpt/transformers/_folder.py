@@ -22,7 +22,6 @@ import torch
 from lazyckpt.checkpointer import producer_of
 from lazyckpt.core import plan as _plan
 from lazyckpt.core.job import sync_parent
-from lazyckpt.distributed._commit import swap_in
 from lazyckpt.storage import fs as _fs
 from lazyckpt.threads import reentry
 from lazyckpt.transformers import _compat
@@ -36,14 +35,6 @@ logger = logging.getLogger("lazyckpt.transformers")
 def staging_name(final: str) -> str:
     """A fresh staging folder name for ``final``, unique to this save."""
     return _fs.temporary_path(final)
-
-
-def publish(staging: str, final: str, *, fsync: bool) -> None:
-    """Make the complete ``staging`` folder visible as ``final`` in one rename (an existing ``final`` swapped
-    out atomically); entries fsynced before, the parent after. ``fsync=False``: the renames only."""
-    if fsync:
-        _fs.fsync_dir(staging)
-    swap_in(staging, final, _fs.temporary_path(final), fsync)
 
 
 class CheckpointSave:
@@ -164,7 +155,7 @@ class CheckpointSave:
             if self.superseded or self.checkpoints.published.get(self.final, -1) > self.seq:
                 self.superseded = True  # a later save of this name is already there: the last write wins
                 return
-            publish(self.staging, self.final, fsync=self.checkpointer.fsync)
+            _fs.publish_folder(self.staging, self.final, fsync=self.checkpointer.fsync)
             self.checkpoints.published[self.final] = self.seq
             self.t_committed = time.perf_counter()
             for step in self.after_commit:

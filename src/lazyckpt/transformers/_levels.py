@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from lazyckpt import Level, LevelError, SaveRefusedError
 from lazyckpt.schedule import refuse_replicas
 from lazyckpt.storage import fs as _fs
-from lazyckpt.transformers._folder import publish, staging_name
+from lazyckpt.transformers._folder import staging_name
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 
@@ -75,7 +75,7 @@ def copy_folder(src: str, dst: str, fsync: bool = True) -> None:
             for entry in os.scandir(staging):
                 if entry.is_file(follow_symlinks=False):
                     _fs.fsync_file(entry.path)
-        publish(staging, dst, fsync=fsync)
+        _fs.publish_folder(staging, dst, fsync)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
