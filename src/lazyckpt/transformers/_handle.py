@@ -129,6 +129,10 @@ class Checkpoints:
         if not self._committer.submit(job):  # after uninstall() (or no thread to be had): inline
             job()
 
+    def in_flight(self) -> list[CheckpointSave]:
+        """The saves not done yet, read without the lock (safe from a signal handler that interrupted it)."""
+        return [s for s in list(self._saves) if not s.done.is_set()]
+
     def pending(self) -> list[CheckpointSave]:
         with self._lock:
             return [s for s in self._saves if not s.done.is_set()]
@@ -168,12 +172,12 @@ class SaveCheckpointMirror:
         if reentry.reentered():  # a signal handler interrupted lazyckpt on this thread: stock, at once
             reentry.count_synchronous()
             name = _compat.checkpoint_name(self.state.global_step)
-            for save in list(checkpoints._saves):
-                if os.path.basename(save.final) == name and not save.done.is_set():
+            for save in checkpoints.in_flight():
+                if os.path.basename(save.final) == name:
                     save.supersede()
             token = _compat.active.set(None)
             try:
-                return self._lazyckpt_handle._stock["_save_checkpoint"](model, trial)
+                return self._lazyckpt_handle.stock["_save_checkpoint"](model, trial)
             finally:
                 _compat.active.reset(token)
         t0 = time.perf_counter()
@@ -238,7 +242,7 @@ class TransformersHandle(InstalledHandle):
         self._levels = levels
         self._checkpoints = Checkpoints(trainer, checkpointer, levels)
         self._removed = False
-        self._stock = {name: getattr(trainer, name) for name in _PATCHED}
+        self.stock = {name: getattr(trainer, name) for name in _PATCHED}
         self._previous = {name: vars(trainer)[name] for name in _PATCHED if name in vars(trainer)}
         _compat.acquire_gate()
         mirror = functools.partial(SaveCheckpointMirror.save_checkpoint, checkpoints=self._checkpoints)
@@ -334,7 +338,7 @@ class TransformersHandle(InstalledHandle):
     # -- what the trainer calls ----------------------------------------------------------------------
     def _best_model(self) -> None:
         self.wait()  # the best checkpoint is committed before it is read
-        self._stock["_load_best_model"]()
+        self.stock["_load_best_model"]()
 
     def _finalize(self, *args: Any, **kwargs: Any) -> Any:
         # Stock reads and deletes checkpoint folders here: commit and rotate pending ones first.
@@ -343,7 +347,7 @@ class TransformersHandle(InstalledHandle):
 
         if self.trainer.args.parallel_mode == ParallelMode.DISTRIBUTED:
             torch.distributed.barrier()  # the main process's folders are committed before others read them
-        return self._stock["_finalize_training"](*args, **kwargs)
+        return self.stock["_finalize_training"](*args, **kwargs)
 
 
 def _durable(checkpoints: Checkpoints, call: Callable[[], Any]) -> Any:
