@@ -181,6 +181,24 @@ def test_a_resume_checks_every_crc_once(tmp_path, crc_passes):
     assert crc_passes[0] == 2  # a path says nothing about what was checked: checked again
 
 
+def test_an_agreed_latest_also_reads_the_file_once(tmp_path, crc_passes):
+    """latest() collective (agreed through the store) checks this rank's copy with the same one pass
+    and hands its storages to load(), as the local latest() does."""
+    import torch.distributed as dist
+
+    from lazyckpt.cluster import StoreExchange
+    from lazyckpt.resume import latest_agreed
+
+    folder, path = _level_with_one_step(tmp_path)
+    exchange = StoreExchange(dist.HashStore(), "t", rank=0, world=1, timeout=5)
+    found = latest_agreed([folder], exchange, preload=True)
+    assert found.path == str(path) and found.verified is not None and found.preread is not None
+    assert crc_passes[0] == 1
+    assert_same(lazyckpt.load(found), {"w": torch.full((4096,), 1.0)})
+    assert crc_passes[0] == 1  # load() took latest()'s storages: no second pass
+    assert str(found) == os.fspath(found) == found.path
+
+
 def test_a_resume_reads_the_file_once(tmp_path, monkeypatch):
     """latest() reads the storages while checking them; load(found) unpickles those, once; the
     next load of the same Found reads the file again, into memory of its own."""

@@ -3,7 +3,7 @@
 The training thread agrees on the step (one collective with several processes) and saves lazily into the
 fastest due level's ``step-<n>`` folder; the finisher thread ends this process's part; on the main process,
 the ``lazyckpt-accelerate-levels`` thread waits for the other processes' parts (bounded by ``load_timeout``);
-then ``levels.MultiLevel`` copies the complete folder to the slower levels. Several nodes: ``_nodes.py``.
+then ``schedule.MultiLevel`` copies the complete folder to the slower levels. Several nodes: ``_nodes.py``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``MultiLevelCheckpoint``: the Trainer's full state by level, through ``LazyCheckpointIO``.
 
-Rank 0 saves ``<level>/step-<8 digits>.pt`` through a ``levels.MultiLevel``; with a strategy that saves with
+Rank 0 saves ``<level>/step-<8 digits>.pt`` through a ``schedule.MultiLevel``; with a strategy that saves with
 DCP, every rank saves ``<level>/step-<8 digits>/`` folders through a ``DistributedCheckpointer``. The callback
 holds the levels and runs on the training thread; the plugin's ``PluginLevels`` owns the savers, whose threads
 never touch the Trainer.

@@ -24,6 +24,9 @@ class Found:
     verified: FileIdentity | None = field(default=None, repr=False, compare=False, kw_only=True)
     preread: Preread | None = field(default=None, repr=False, compare=False, kw_only=True)
 
+    def __str__(self) -> str:
+        return self.path
+
     def __fspath__(self) -> str:
         """A ``Found`` is a path-like object: ``os.fspath(found) == found.path``."""
         return self.path

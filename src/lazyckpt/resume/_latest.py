@@ -1,7 +1,7 @@
 """``latest(levels)``: the newest complete, verified step; the fastest level holding it.
 
-Works on names and files only, not on who wrote them. Runs on the caller's thread; collective in a
-job with DCP folders or replicated levels (see ``_collective.py``, ``_restore.py``, ``_single.py``).
+Works on names and files only, not on who wrote them. Runs on the caller's thread; collective when the
+caller says so (the agreement, the restores of replicated steps: ``lazyckpt.cluster``).
 """
 
 from __future__ import annotations
@@ -74,7 +74,8 @@ def latest(
         return _newest(listings, storage_options, verify, threads, preload)
     is_dcp = lambda path: is_dcp_folder(path, storage_options)  # noqa: E731
     if not (_replicated(levels) and files_of_one_writer(listings, is_dcp, timeout)):
-        return latest_agreed(levels, StoreExchange.default(timeout), storage_options, verify, listings)
+        exchange = StoreExchange.default(timeout)
+        return latest_agreed(levels, exchange, storage_options, verify, listings, threads=threads, preload=preload)
     # one writer's files with replicas: restore the newest step to nodes lacking it, then agree on it
     entries = [as_level(entry) for entry in levels]
     index = replicated_index(entries)
@@ -115,17 +116,27 @@ def latest_agreed(
     listings: dict[int, dict[int, str]] | None = None,
     scopes: Sequence[Scope] | None = None,
     replication_group: Any = None,
+    *,
+    threads: int = READ_THREADS,
+    preload: bool = False,
 ) -> Found | None:
     """``latest()`` agreed among ``exchange``'s ranks (collective). ``listings``: this rank's levels
     as already listed. Replicated levels are restored first (``_restore.restore``) over
-    ``replication_group`` or a gloo group made for it; ``scopes`` are probed when not given."""
+    ``replication_group`` or a gloo group made for it; ``scopes`` are probed when not given.
+    ``threads``, ``preload``: as ``latest()``'s, for the files this rank checks."""
     rank, world = exchange.rank, exchange.world
     if _replicated(levels) and _restore_replicas(levels, exchange, scopes, replication_group):
         listings = None  # a node's folder gained the steps restored from its partners' replicas
 
+    checked: dict[str, tuple[FileIdentity | None, Preread | None]] = {}
+
     def usable(index: int, step: int, path: str) -> bool:
-        problem, _, _ = _problem(path, storage_options, verify, rank=rank, world=world)
-        if problem is not None:
+        problem, identity, held = _problem(
+            path, storage_options, verify, rank=rank, world=world, threads=threads, preload=preload and verify
+        )
+        if problem is None:
+            checked[path] = (identity, held)
+        else:
             warnings.warn(
                 f"lazyckpt.latest: skipping {path} (level {index}, step {step}) on rank {rank}: {problem}",
                 IncompleteCheckpointWarning,
@@ -135,7 +146,10 @@ def latest_agreed(
 
     mine = _listings(levels, storage_options) if listings is None else listings
     agreed = agree(mine, usable, exchange)
-    return None if agreed is None else Found(agreed[2], agreed[0], agreed[1])
+    if agreed is None:
+        return None
+    identity, held = checked.get(agreed[2], (None, None))  # the other candidates' storages are dropped
+    return Found(agreed[2], agreed[0], agreed[1], verified=identity, preread=held)
 
 
 def _replicated(levels: Iterable[Level | str | os.PathLike[str]]) -> bool:

@@ -315,7 +315,7 @@ def swap_in(staging: str, final: str, old: str, fsync: bool) -> None:
             rename(final, old)  # no exchange: a moment with nothing at ``final``
             try:
                 rename(staging, final)
-            except OSError:
+            except BaseException:
                 rename(old, final)  # put the previous checkpoint back
                 raise
             replaced = old
@@ -344,6 +344,6 @@ def _exchange(a: str, b: str) -> bool:
     if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
         return True
     err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM):  # EPERM: a seccomp filter
         return False
     raise OSError(err, f"renameat2({a!r}, {b!r}, RENAME_EXCHANGE): {os.strerror(err)}")
