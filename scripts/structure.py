@@ -219,6 +219,21 @@ def cycles(graph: dict[str, set[str]], nodes: list[str]) -> list[list[str]]:
     return out
 
 
+def docstring_lines(trees: dict[str, tuple[Path, ast.Module]]) -> int:
+    """Lines of string statements (module, class and function docstrings, attribute docstrings)."""
+    total = 0
+    for _, tree in trees.values():
+        for node in ast.walk(tree):
+            for stmt in getattr(node, "body", []) if isinstance(getattr(node, "body", None), list) else []:
+                if (
+                    isinstance(stmt, ast.Expr)
+                    and isinstance(stmt.value, ast.Constant)
+                    and isinstance(stmt.value.value, str)
+                ):
+                    total += (stmt.end_lineno or stmt.lineno) - stmt.lineno + 1
+    return total
+
+
 def package_of(mod: str, trees: dict[str, tuple[Path, ast.Module]]) -> str:
     """``lazyckpt.core.job`` -> ``lazyckpt.core``; a top-level module (``lazyckpt.errors``) is its own node."""
     parts = mod.split(".")
@@ -277,7 +292,7 @@ def main() -> None:
         f"class names defined in two modules: {len(twice)}"
         + "".join(f"\n  {n}: {', '.join(m)}" for n, m in twice.items())
     )
-    print(f"lines: {sum(n for n, _ in sizes)} in src/lazyckpt")
+    print(f"lines: {sum(n for n, _ in sizes)} in src/lazyckpt, {docstring_lines(trees)} of them docstrings")
     big = [(n, m) for n, m in sizes if n > 500]
     print(f"modules over 500 lines: {len(big)}" + "".join(f"\n  {m} {n}" for n, m in big))
     print("largest: " + ", ".join(f"{m} {n}" for n, m in sizes[:6]))

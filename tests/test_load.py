@@ -199,6 +199,23 @@ def test_an_agreed_latest_also_reads_the_file_once(tmp_path, crc_passes):
     assert str(found) == os.fspath(found) == found.path
 
 
+def test_an_agreed_latest_checks_a_folder_that_is_no_dcp_checkpoint_whole(tmp_path):
+    """An Accelerate-style ``step-<n>`` folder (no lazyckpt DCP manifest) is a candidate of a collective
+    latest() as of a local one: checked whole, not refused for lacking a DCP manifest."""
+    import torch.distributed as dist
+
+    from lazyckpt.cluster import StoreExchange
+    from lazyckpt.resume import latest_agreed
+
+    folder = tmp_path / "level" / "step-00000003"
+    folder.mkdir(parents=True)
+    torch.save({"w": torch.ones(8)}, folder / "model.bin")
+    torch.save({"step": 3}, folder / "random_states_0.pkl")  # what Accelerate's every process writes
+    exchange = StoreExchange(dist.HashStore(), "t", rank=0, world=1, timeout=5)
+    found = latest_agreed([tmp_path / "level"], exchange)
+    assert found is not None and found.path == str(folder) and found.step == 3
+
+
 def test_a_resume_reads_the_file_once(tmp_path, monkeypatch):
     """latest() reads the storages while checking them; load(found) unpickles those, once; the
     next load of the same Found reads the file again, into memory of its own."""

@@ -215,7 +215,8 @@ def _problem(
 ) -> tuple[str | None, FileIdentity | None, Preread | None]:
     """(why ``path`` is not a complete checkpoint or None, the verified file's identity, its preread
     storages). With ``rank``: a DCP folder is checked for that rank's own items where it can be."""
-    if rank is not None and step_of(path.rstrip("/").rsplit("/", 1)[-1], folder=True) is not None:
+    folder = step_of(path.rstrip("/").rsplit("/", 1)[-1], folder=True) is not None
+    if rank is not None and folder and is_dcp_folder(path, storage_options):  # others: checked whole
         try:
             problems = rank_problems(path, rank, world, storage_options, verify)
         except Exception as exc:  # unreadable: not a checkpoint to resume from
