@@ -152,7 +152,7 @@ class LazyCheckpointer(_exit.ClosedOnExit):
         inside = folder.rstrip(os.sep) + os.sep
         jobs = [j for j in self._pending.jobs_snapshot() if j.path.startswith(inside)]
         for path in {j.path for j in jobs}:
-            self._engine.supersede(path, jobs)
+            self._engine.committer.supersede(path, jobs)
 
     def _save_now(
         self, obj: Any, path: Any, format: Format, metadata: dict[str, str] | None, before_commit: Any, step: Any
@@ -172,7 +172,7 @@ class LazyCheckpointer(_exit.ClosedOnExit):
         try:
             if before_commit is not None:
                 before_commit()
-            self._engine.supersede(final, self._pending.jobs_snapshot())
+            self._engine.committer.supersede(final, self._pending.jobs_snapshot())
             _fs.commit(tmp, final, self.fsync)
         except BaseException:
             _fs.discard(tmp)

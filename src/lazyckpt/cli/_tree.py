@@ -10,8 +10,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from lazyckpt.formats.capture import storage_key
-
 from ._format import human_bytes
 
 _MAX_DEPTH = 64  # deeper structures are summarised, not walked
@@ -51,7 +49,7 @@ class _Walk:
         nbytes = t.numel() * t.element_size()
         try:
             storage = t.untyped_storage()
-            ident, size = storage_key(storage), storage.nbytes()
+            ident, size = storage._cdata, storage.nbytes()
         except (RuntimeError, NotImplementedError):  # sparse, nested, subclasses without one storage
             ident, size = id(t), nbytes
         if ident in self.storages:

@@ -102,8 +102,6 @@ class Engine:
             "lazyckpt-writer-memory", self._write_item, lazy=True, on_error=_item_failed
         )
         self.committer = Committer(on_done)
-        self.callbacks = self.committer.callbacks
-        self.supersede = Committer.supersede
         self._stopped = False
 
     # -- called from save() -----------------------------------------------------------------------
@@ -460,7 +458,7 @@ class Engine:
         """Stop every thread (after the queues drain) and join them (not the callback thread when
         called from a callback: it ends after that callback)."""
         if self._stopped:
-            self.callbacks.stop()
+            self.committer.callbacks.stop()
             return
         self._stopped = True
         self._stager.stop()  # first: it queues pieces for the writers

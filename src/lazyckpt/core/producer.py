@@ -59,7 +59,7 @@ class Producer:
     @property
     def callbacks(self) -> CallbackRunner:
         """The thread that runs the checkpointer's done-callbacks."""
-        return self.engine.callbacks
+        return self.engine.committer.callbacks
 
     def publish(self, report: Report) -> None:
         """Put a failed save's report (one made on the checkpointer's behalf: the distributed commit,
@@ -70,7 +70,7 @@ class Producer:
         """The remote tier (local folder, upload threads), made at the first use."""
         with self._lock:
             if self.remote is None:
-                self.remote = _remote.RemoteTier(self.options, self.errors.publish, self.engine.callbacks)
+                self.remote = _remote.RemoteTier(self.options, self.errors.publish, self.engine.committer.callbacks)
                 self._on_remote()
             return self.remote
 

@@ -115,11 +115,6 @@ def _version(t: torch.Tensor) -> int:
     return t._version
 
 
-def storage_key(storage: torch.UntypedStorage) -> int:
-    """The identity ``torch.save`` gives a storage (views of one storage share it)."""
-    return storage._cdata
-
-
 def _flat_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
@@ -167,7 +162,7 @@ class _Pickler(pickle.Pickler):
             name = f"<tensor inside an object, shape {tuple(obj.shape)}>"
         refuse_unsupported(obj, name)
         storage = obj.untyped_storage()
-        self._tensors_by_storage.setdefault(storage_key(storage), []).append((name, obj, _version(obj)))
+        self._tensors_by_storage.setdefault(storage._cdata, []).append((name, obj, obj._version))  # hot: inline
         if not (self._fast and _has_fast_reduce(obj)):
             return NotImplemented
         dtype = obj.dtype
@@ -217,7 +212,7 @@ class _Pickler(pickle.Pickler):
                 "Cannot save multiple tensors or storages that view the same data as different types "
                 "(torch.save refuses this too)"
             )
-        cdata = storage_key(storage)
+        cdata = storage._cdata
         key = self._keys.setdefault(cdata, str(len(self._keys)))
         if key not in self.sources:
             self.sources[key] = Source(key, storage, storage.nbytes(), self._tensors_by_storage.get(cdata, []))

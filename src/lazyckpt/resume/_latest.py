@@ -132,7 +132,7 @@ def latest_agreed(
 
     def usable(index: int, step: int, path: str) -> bool:
         problem, identity, held = _problem(
-            path, storage_options, verify, rank=rank, world=world, threads=threads, preload=preload and verify
+            path, storage_options, verify, rank=rank, world=world, threads=threads, preload=preload
         )
         if problem is None:
             checked[path] = (identity, held)

@@ -129,13 +129,10 @@ class Checkpoints:
         if not self._committer.submit(job):  # after uninstall() (or no thread to be had): inline
             job()
 
-    def in_flight(self) -> list[CheckpointSave]:
-        """The saves not done yet, read without the lock (safe from a signal handler that interrupted it)."""
-        return [s for s in list(self._saves) if not s.done.is_set()]
-
     def pending(self) -> list[CheckpointSave]:
-        with self._lock:
-            return [s for s in self._saves if not s.done.is_set()]
+        """The saves not done yet. Takes no lock (``list()`` copies ``_saves`` in one step under the GIL, whatever
+        the lock's holder is doing to it), so a signal handler that interrupted this thread may call it."""
+        return [s for s in list(self._saves) if not s.done.is_set()]
 
     def prune(self) -> None:
         with self._lock:
@@ -172,7 +169,7 @@ class SaveCheckpointMirror:
         if reentry.reentered():  # a signal handler interrupted lazyckpt on this thread: stock, at once
             reentry.count_synchronous()
             name = _compat.checkpoint_name(self.state.global_step)
-            for save in checkpoints.in_flight():
+            for save in checkpoints.pending():
                 if os.path.basename(save.final) == name:
                     save.supersede()
             token = _compat.active.set(None)
