@@ -200,6 +200,12 @@ def test_the_coordinator_exiting_right_after_its_wait_does_not_fail_the_others(t
     assert verify_checkpoint(tmp_path / "ckpt" / "fast").ok
 
 
+def test_a_peer_gone_before_the_save_raises_the_channels_error_not_a_refusal(tmp_path):
+    (r0, _) = launch("peer_gone_before_save", 2, tmp_path, expect_dead=(1,))
+    assert r0["runtime"] and r0["raised"] != "SaveRefusedError", r0
+    assert not r0["exists"]
+
+
 def test_refusals_reach_every_rank_and_the_checkpointer_stays_usable(tmp_path):
     r0, r1 = launch("refusals", 2, tmp_path)
     assert r1["a"].startswith("refused: rank 1"), r1["a"]

@@ -372,6 +372,22 @@ def scenario_coordinator_exits_at_once() -> None:
         store.set("test/coordinator-progressed", "1")  # returned; main() exits with os._exit right after
 
 
+def scenario_peer_gone_before_save() -> None:
+    """Rank 1 exits before the save: rank 0's planning collective fails, and save() raises the
+    channel's own RuntimeError (a dead peer), not SaveRefusedError (a refusal of the state or path)."""
+    ckpt = DistributedCheckpointer(**OPTS)
+    dist.barrier()
+    if RANK == 1:
+        os._exit(0)
+    try:
+        ckpt.save({"w": torch.ones(8)}, ckpt_path("gone")).wait()
+        RESULT["raised"] = None
+    except Exception as exc:
+        RESULT["raised"] = type(exc).__name__
+        RESULT["runtime"] = isinstance(exc, RuntimeError)
+    RESULT["exists"] = os.path.exists(ckpt_path("gone"))
+
+
 def scenario_refusals() -> None:
     """(a) rank 1 cannot serialize a value: SaveRefusedError there, DistributedSaveError naming rank 1
     on rank 0; (b) the coordinator refuses the path (a file): planning fails on every rank;

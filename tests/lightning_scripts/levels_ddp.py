@@ -81,7 +81,7 @@ def enospc(out: str) -> None:
     except BaseException as exc:
         result["raised"] = type(exc).__name__
         result["level"] = getattr(exc, "level", None)
-        result["message"] = str(exc)[:300]
+        result["message"] = str(exc)
         raise
     finally:
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:

@@ -227,7 +227,7 @@ def main() -> None:
     try:
         phases[phase](out, report)
     except BaseException as exc:
-        report.update(raised=type(exc).__name__, message=str(exc)[:600], level=getattr(exc, "level", None),
+        report.update(raised=type(exc).__name__, message=str(exc), level=getattr(exc, "level", None),
                       ranks=list(getattr(exc, "ranks", ()) or ()), errno=getattr(exc, "errno", None))  # fmt: skip
         raise
     finally:

@@ -119,7 +119,9 @@ def plan_save(
                 return RankPlan(planner, cache.items, staging, meta, cached=True, needs=local[1])
         central = wrapper.reduce_scatter("plan", local_step, global_step)
     except BaseException as exc:  # CheckpointException derives from BaseException
-        if isinstance(exc, Exception) and not isinstance(exc, SaveRefusedError):  # the collective itself
+        if isinstance(exc, RuntimeError):  # the channel itself (a peer died, a timeout): as stock DCP raises it
+            raise
+        if isinstance(exc, Exception) and not isinstance(exc, SaveRefusedError):  # the collective's payloads
             raise SaveRefusedError(
                 f"planning the save to {final} failed (did every rank call save() with the same path?): {exc}"
             ) from exc
