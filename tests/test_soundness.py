@@ -409,6 +409,25 @@ def test_declared_frozen_tensors_are_not_copied_inside_save(tmp_path, monkeypatc
     assert_same(got["lora"].detach(), want["lora"])
 
 
+def test_declaring_a_tensor_frozen_twice_keeps_one_entry_that_goes_with_the_tensor():
+    """Declared again (each save of an integration declares what it saves): once a WeakSet compared the
+    tensor with itself by ``==`` and raised "Boolean value of Tensor ... is ambiguous"."""
+    import gc
+
+    from lazyckpt.core import guard
+
+    t = torch.ones(16)
+    before = len(guard._frozen)
+    with LazyCheckpointer() as c:
+        c.declare_frozen(t)
+        c.declare_frozen(t, t)
+        assert len(guard._frozen) == before + 1
+        assert t.untyped_storage().data_ptr() in guard.guarded_storages()
+    del t
+    gc.collect()
+    assert len(guard._frozen) == before
+
+
 def test_declared_frozen_tensor_changed_during_save_fails_loudly(tmp_path, monkeypatch):
     read_may_run = threading.Event()
     _hold_readers(monkeypatch, read_may_run)

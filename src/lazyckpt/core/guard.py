@@ -34,8 +34,9 @@ class Pending(Protocol):
 _lock = reentry.Lock()
 _pending: list[Pending] = []
 _tracked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-# Tensors declared frozen (LazyCheckpointer.declare_frozen): copied lazily like an optimizer's.
-_frozen: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
+# Tensors declared frozen (LazyCheckpointer.declare_frozen): copied lazily like an optimizer's. By id (a
+# WeakSet compares tensors with ``==`` when one is added twice); an entry goes when its tensor does.
+_frozen: dict[int, weakref.ref[torch.Tensor]] = {}
 
 
 def track(optimizer: torch.optim.Optimizer) -> None:
@@ -56,7 +57,14 @@ def freeze(*tensors: torch.Tensor | torch.nn.Module) -> None:
             raise TypeError(f"declare_frozen takes tensors or modules, got {type(t).__name__}")
     with _lock:
         for t in flat:
-            _frozen.add(t)
+            old = _frozen.get(id(t))
+            if old is None or old() is not t:
+                _frozen[id(t)] = weakref.ref(t, functools.partial(_forget_frozen, id(t)))
+
+
+def _forget_frozen(key: int, ref: weakref.ref[torch.Tensor]) -> None:
+    if _frozen.get(key) is ref:  # GC callback: no lock (it may run inside a locked region); one dict op
+        _frozen.pop(key, None)
 
 
 def add(job: Pending) -> None:
@@ -106,7 +114,7 @@ def guarded_storages() -> set[int]:
     counts by its local shard's storage."""
     with _lock:
         optimizers = list(_tracked)
-        ptrs = {_storage_ptr(t) for t in _frozen}
+        ptrs = {_storage_ptr(t) for ref in list(_frozen.values()) if (t := ref()) is not None}
     for opt in optimizers:
         for group in opt.param_groups:
             for p in group["params"]:
