@@ -80,10 +80,11 @@ class Decider:
             decided = self.proto.decide(entry.n, abort)
         else:
             try:
-                save_id = f"{self.token}-{entry.n}"
-                _commit.write_metadata(
-                    entry.staging, entry.final, save_id, entry.metadata, reports, self.fsync, entry.extra_files
-                )
+                if entry.metadata is not None:  # a DCP folder (a folder of plain rank files has none)
+                    save_id = f"{self.token}-{entry.n}"
+                    _commit.write_metadata(
+                        entry.staging, entry.final, save_id, entry.metadata, reports, self.fsync, entry.extra_files
+                    )
                 if entry.remote is not None:
                     self.upload_metadata_files(entry)
             except Exception as exc:
@@ -115,7 +116,10 @@ class Decider:
                 self.proto.set_result(entry.n, CommitResult(False, why))
                 outcome = Failure(why, (self.rank,), cause=exc)
             else:
-                self.proto.set_result(entry.n, CommitResult(True))
+                outcome = self._after_publish(entry)
+                self.proto.set_result(
+                    entry.n, CommitResult(True) if outcome is None else CommitResult(False, outcome.message)
+                )
         # Ranks that never reported may be slow and still need the outcome: keys stay unless all acked.
         others = [r for r in range(self.world_size) if r != self.rank and r not in missing]
         acked = self.proto.wait_acks(entry.n, others, time.monotonic() + self.commit_timeout, self.liveness)
@@ -124,6 +128,17 @@ class Decider:
         elif not acked:
             logger.warning("lazyckpt: not every rank acknowledged the end of the save to %s", entry.final)
         return outcome
+
+    def _after_publish(self, entry: _Save) -> Failure | None:
+        """Coordinator, the folder in place: ``entry.after_publish`` (DeepSpeed's ``latest``)."""
+        if entry.after_publish is None:
+            return None
+        try:
+            entry.after_publish()
+        except Exception as exc:
+            why = f"rank {self.rank} (coordinator): {entry.final} is in place, but what follows failed: {exc}"
+            return Failure(why, (self.rank,), undo=False, cause=exc)
+        return None
 
     def _abort_for(self, reports: dict[int, RankReport], missing: list[int], dead: list[int]) -> Decision | None:
         """The coordinator's abort when a rank failed, died or never reported; None: commit."""

@@ -4,6 +4,7 @@ record of it (``Save``), how it failed (``Failure``), and its path and extra fil
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,6 +90,9 @@ class Save:
     remote: RemoteFolder | None = None  # a save to a URL: its objects and this rank's local folder
     completion: Completion | None = None  # of ``handle``: the commit thread finishes it
     part: LocalPart | None = None  # shared with ``handle``: ``local`` once started
+    # Coordinator, a folder of plain rank files (no DCP metadata, e.g. DeepSpeed's): run right after the
+    # folder is in place (DeepSpeed's ``latest``); raising fails the save with the folder already visible.
+    after_publish: Callable[[], None] | None = None
 
 
 @dataclass

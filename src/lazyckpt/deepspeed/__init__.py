@@ -1,0 +1,111 @@
+"""Lazy checkpoints for DeepSpeed engines (ZeRO 0-3), in DeepSpeed's own tag folders.
+
+``install(engine)`` puts a :class:`LazyCheckpointEngine` on the engine: ``save_checkpoint`` returns once the
+non-tensor state is pickled, the tensors are copied in the background, the next ``step()`` waits only for
+those copies, and the tag folder appears whole (every rank's files durable) before ``latest`` names it.
+Modules: ``_engine`` (the engine and its commit thread). The core never imports DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import types
+from collections.abc import Sequence
+from typing import Any
+
+from lazyckpt.core import exit as _exit
+from lazyckpt.core.installed import InstalledHandle, drain_at_exit
+from lazyckpt.deepspeed._engine import LazyCheckpointEngine
+from lazyckpt.errors import SaveRefusedError
+from lazyckpt.levels import Level
+from lazyckpt.options import CheckpointerOptions
+from lazyckpt.recovery import Found
+
+__all__ = ["DeepSpeedHandle", "LazyCheckpointEngine", "install", "latest"]
+
+_STEP = re.compile(r"global_step(\d+)$")
+
+
+class DeepSpeedHandle(InstalledHandle):
+    """What :func:`install` returns: ``wait()`` publishes every pending tag (raising a failed one's error once),
+    ``uninstall()`` waits, then gives the engine back its previous checkpoint engine. A context manager."""
+
+    def __init__(self, engine: Any, lazy: LazyCheckpointEngine, previous: Any) -> None:
+        self.engine = engine
+        self.checkpoint_engine = lazy
+        self._previous = previous
+        stock_load = type(engine).load_checkpoint
+
+        def load_checkpoint(this: Any, *args: Any, **kwargs: Any) -> Any:
+            lazy.wait()  # DeepSpeed reads ``latest`` before it reads any file: publish pending tags first
+            return stock_load(this, *args, **kwargs)
+
+        engine.load_checkpoint = types.MethodType(load_checkpoint, engine)
+        engine.checkpoint_engine = lazy
+        _exit.register(self, drain_at_exit, layer=_exit.INTEGRATION)
+
+    def wait(self, timeout: float | None = None) -> None:
+        self.checkpoint_engine.wait(timeout)
+
+    def uninstall(self) -> None:
+        if self._removed:
+            return
+        try:
+            self.checkpoint_engine.close()
+        finally:
+            self._removed = True
+            vars(self.engine).pop("load_checkpoint", None)
+            self.engine.checkpoint_engine = self._previous
+            _exit.unregister(self)
+
+    def __enter__(self) -> DeepSpeedHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.uninstall()
+
+
+def install(
+    engine: Any,
+    levels: Sequence[Level] | None = None,
+    options: CheckpointerOptions | None = None,
+    *,
+    commit_timeout: float = 600.0,
+    **core_options: Any,
+) -> DeepSpeedHandle:
+    """Make ``engine.save_checkpoint`` lazy on this rank; call it on every rank, after ``deepspeed.initialize``.
+
+    Same tag folders, file names and tensors as stock; ``latest`` is written by lazyckpt once the tag folder
+    is in place on every rank's behalf. ``options`` / ``core_options``: the core's; ``commit_timeout``: as for
+    :class:`LazyCheckpointEngine`. A config-made decoupled engine in place is flushed first.
+
+    Raises ``SaveRefusedError`` for a second install on the same engine, and for ``levels`` (not built yet
+    for DeepSpeed: save to one folder).
+    """
+    if levels is not None:
+        raise SaveRefusedError(
+            "lazyckpt.deepspeed: levels are not supported yet; save_checkpoint to one folder (a shared disk)"
+        )
+    previous = engine.checkpoint_engine
+    if isinstance(previous, LazyCheckpointEngine):
+        raise SaveRefusedError("lazyckpt.deepspeed is already installed on this engine; call handle.uninstall() first")
+    if previous.is_decoupled():  # its pending checkpoint written before it goes
+        previous.cleanup()
+    lazy = LazyCheckpointEngine(options=options, commit_timeout=commit_timeout, **core_options)
+    return DeepSpeedHandle(engine, lazy, previous)
+
+
+def latest(save_dir: str | os.PathLike[str]) -> Found | None:
+    """The tag ``<save_dir>/latest`` names, if its folder is there: a ``Found`` whose ``path`` is ``save_dir``
+    (what ``engine.load_checkpoint`` takes) and ``step`` the N of ``global_stepN`` (-1 for another tag)."""
+    folder = os.fspath(save_dir)
+    try:
+        with open(os.path.join(folder, "latest")) as fh:
+            tag = fh.read().strip()
+    except FileNotFoundError:
+        return None
+    if not tag or not os.path.isdir(os.path.join(folder, tag)):
+        return None
+    m = _STEP.search(tag)
+    return Found(folder, int(m.group(1)) if m else -1, 0)

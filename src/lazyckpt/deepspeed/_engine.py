@@ -1,0 +1,330 @@
+"""``LazyCheckpointEngine``: DeepSpeed's pluggable checkpoint engine, lazy, publishing whole tag folders.
+
+One ``engine.save_checkpoint`` on every rank: ``create`` opens the tag; ``makedirs(<save_dir>/<tag>)`` makes a
+hidden staging folder beside it instead; every ``save`` is a core lazy save into that folder (every tensor
+copied in the background: DeepSpeed changes them only in ``step()``). The engine is decoupled: DeepSpeed
+calls ``commit`` inside the next ``step()`` at the accumulation boundary, before the optimizer update; it
+waits only for this rank's copies and hands the tag to the commit thread. That thread waits for this rank's
+files to be durable, then takes part in the two-phase decision of ``distributed/_decide.py``: rank 0 renames
+the folder into place once every rank's files are durable (all ranks or none) and only then writes
+``latest``. DeepSpeed's own ``latest`` write is switched off (``get_commit_info`` says ``save_latest=False``).
+
+Threads: the training thread (every DeepSpeed call), one commit thread and one heartbeat thread per engine,
+and the core checkpointer's. Errors of a tag are raised once, on the training thread, at the next ``create``
+(``save_checkpoint``), ``load``, ``cleanup`` (``engine.destroy()``) or ``wait()``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
+
+from lazyckpt.checkpointer import LazyCheckpointer
+from lazyckpt.cluster._collective import StoreExchange
+from lazyckpt.core import exit as _exit
+from lazyckpt.core.handle import SaveHandle
+from lazyckpt.distributed import _commit
+from lazyckpt.distributed._decide import Decider
+from lazyckpt.distributed._handle import Save, save_error
+from lazyckpt.errors import CheckpointerClosedError
+from lazyckpt.options import CheckpointerOptions
+from lazyckpt.storage import fs as _fs
+from lazyckpt.threads import reentry
+from lazyckpt.threads.workers import Worker
+
+logger = logging.getLogger("lazyckpt.deepspeed")
+
+_engines = itertools.count()  # engines made in this process: every rank makes them in the same order
+
+
+@dataclass(eq=False)
+class _Tag:
+    """One ``create`` .. ``commit`` of DeepSpeed: a tag folder (``folder``) and/or files saved elsewhere."""
+
+    info: CheckpointCommitInfo
+    entry: Save
+    folder: bool = False  # DeepSpeed made the tag folder: every rank takes part in its decision
+    handles: list[SaveHandle] = field(default_factory=list)  # saves into the staging folder
+    direct: list[SaveHandle] = field(default_factory=list)  # saves elsewhere (save_16bit_model)
+    finished: threading.Event = field(default_factory=threading.Event)
+
+
+class LazyCheckpointEngine(CheckpointEngine):
+    """A DeepSpeed ``CheckpointEngine`` that makes ``save_checkpoint`` return before the disk is touched.
+
+    Set it on every rank after ``deepspeed.initialize`` (``engine.checkpoint_engine = LazyCheckpointEngine()``),
+    or let :func:`lazyckpt.deepspeed.install` do it. ``options`` / ``core_options``: the core's
+    (:class:`lazyckpt.CheckpointerOptions`); ``commit_timeout``: seconds the ranks wait for each other's files
+    once their own are durable. The tag folder appears whole, and ``latest`` names it only after that.
+    ``wait()`` blocks until every tag handed over is published or failed, and raises the first unseen error.
+    """
+
+    def __init__(
+        self,
+        config_params: Any = None,
+        *,
+        options: CheckpointerOptions | None = None,
+        commit_timeout: float = 600.0,
+        **core_options: Any,
+    ) -> None:
+        super().__init__(config_params)
+        self.name = "LazyCheckpointEngine"
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("LazyCheckpointEngine needs torch.distributed initialized (deepspeed.initialize does)")
+        if commit_timeout <= 0:
+            raise ValueError("commit_timeout must be positive")
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.commit_timeout = float(commit_timeout)
+        store = StoreExchange.default_store()
+        self._token = _agree_token(store, self.rank)
+        _commit.add_live(self._token)
+        self._proto = _commit.StoreProtocol(store, self._token, self.rank, self.world_size)
+        self._liveness = _commit.Liveness(store, self._token, self.rank, self.world_size)
+        self._liveness.beat()
+        self._stop = threading.Event()
+        self._heartbeat = threading.Thread(
+            target=self._liveness.run, args=(self._stop,), name="lazyckpt-deepspeed-heartbeat", daemon=True
+        )
+        self._heartbeat.start()
+        self.checkpointer = LazyCheckpointer(options, **core_options)
+        self._decider = Decider(
+            self._proto, self._liveness, self.rank, self.world_size, self.commit_timeout, self._token,
+            self.checkpointer.fsync,
+        )  # fmt: skip
+        self._lock = reentry.Lock()
+        self._open: _Tag | None = None  # created, not yet handed to the commit thread
+        self._queued: list[_Tag] = []  # handed over, not yet finished
+        self._errors: list[BaseException] = []  # failed tags nobody has seen yet
+        self._count = 0
+        self._cleaned: set[str] = set()
+        self._closed = False
+        self._worker: Worker[_Tag] = Worker("lazyckpt-deepspeed-commit", self._commit_tag)
+        _exit.register(self, _drain_at_exit, layer=_exit.INTEGRATION)
+
+    # -- DeepSpeed's calls, all on the training thread ---------------------------------------------
+
+    def create(self, info: CheckpointCommitInfo) -> None:
+        self.raise_errors()
+        if self._closed:
+            raise CheckpointerClosedError("this LazyCheckpointEngine is closed")
+        if self._open is not None:  # saved again with no step between: nothing changed since
+            self._hand_over(self._open)
+        save_dir = os.path.abspath(info.save_dir)
+        final = os.path.join(save_dir, str(info.tag))
+        n, self._count = self._count, self._count + 1
+        if self.rank == 0 and save_dir not in self._cleaned:  # staging folders of dead jobs (not ours: live)
+            _commit.cleanup_leftovers(save_dir)
+            self._cleaned.add(save_dir)
+        entry = Save(n, final, _commit.staging_path(final, self._token, n), None, time.perf_counter())
+        if self.rank == 0 and info.save_latest:
+            entry.after_publish = lambda: self._write_latest(save_dir, str(info.tag))
+        self._open = _Tag(info, entry)
+
+    def makedirs(self, path: str, exist_ok: bool = False) -> None:
+        tag = self._open
+        if tag is not None and os.path.abspath(path) == tag.entry.final:
+            tag.folder = True
+            os.makedirs(tag.entry.staging, exist_ok=True)
+            return
+        os.makedirs(path, exist_ok=exist_ok)
+
+    def save(self, state_dict: Any, path: str) -> None:
+        tag = self._open
+        inside = tag is not None and os.path.dirname(os.path.abspath(path)) == tag.entry.final
+        if inside:
+            assert tag is not None
+            tag.folder = True
+            os.makedirs(tag.entry.staging, exist_ok=True)
+            target = os.path.join(tag.entry.staging, os.path.basename(path))
+        else:
+            target = path
+        # DeepSpeed changes what it hands over only in step(), after commit() waited for the copies.
+        self.checkpointer.declare_frozen(*_tensors(state_dict))
+        handle = self.checkpointer.save(state_dict, target)
+        if tag is None:
+            handle.wait()  # no create() before: as stock, the file is complete when save() returns
+        elif inside:
+            tag.handles.append(handle)
+        else:
+            tag.direct.append(handle)
+
+    def commit(self, info: CheckpointCommitInfo) -> bool:
+        tag = self._open
+        if tag is None or (tag.info.tag, os.path.abspath(tag.info.save_dir)) != (
+            info.tag,
+            os.path.abspath(info.save_dir),
+        ):
+            return True  # not the open tag's: nothing of ours to commit
+        self._hand_over(tag)
+        for handle in tag.direct:  # save_16bit_model commits directly: its file complete on return, as stock
+            handle.wait()
+        return True
+
+    def get_commit_info(self) -> CheckpointCommitInfo | None:
+        tag = self._open
+        if tag is None or not tag.folder:
+            return None
+        return CheckpointCommitInfo(tag=tag.info.tag, save_dir=tag.info.save_dir, save_latest=False)
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        self.wait()
+        return torch.load(path, map_location=map_location, weights_only=False)
+
+    def is_decoupled(self) -> bool:
+        return True
+
+    def preserves_storage_sharing(self) -> bool:
+        return False  # no clone before save(): the copies are lazyckpt's
+
+    def cleanup(self) -> None:
+        self.wait()
+
+    # -- the caller's ------------------------------------------------------------------------------
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Hand over an open tag, wait until every tag is published or failed; raise the first unseen error.
+        ``TimeoutError`` if ``timeout`` seconds pass first."""
+        if self._open is not None:
+            self._hand_over(self._open)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            queued = list(self._queued)
+        for tag in queued:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not tag.finished.wait(left):
+                raise TimeoutError(f"lazyckpt: the DeepSpeed checkpoint {tag.entry.final} is still being committed")
+        self.raise_errors()
+
+    def raise_errors(self) -> None:
+        """Raise the first failed tag's error not raised yet (each is raised once)."""
+        with self._lock:
+            errors, self._errors = self._errors, []
+        if errors:
+            for extra in errors[1:]:
+                logger.error("lazyckpt: another DeepSpeed checkpoint failed too: %s", extra)
+            raise errors[0]
+
+    def close(self) -> None:
+        """``wait()``, then stop the threads (and the checkpointer); the engine saves no more."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self._worker.stop()
+            self._stop.set()
+            _commit.discard_live(self._token)
+            self.checkpointer.close()
+            _exit.unregister(self)
+
+    # -- internals ---------------------------------------------------------------------------------
+
+    def _hand_over(self, tag: _Tag) -> None:
+        """The tag's copies done (the optimizer may change its tensors), its folder to the commit thread."""
+        with self._lock:
+            if self._open is tag:
+                self._open = None
+        for handle in tag.handles + tag.direct:
+            try:
+                handle.wait_staged()
+            except BaseException:  # noqa: BLE001 - the commit thread reports it, on every rank alike
+                pass
+        if not tag.folder:
+            tag.finished.set()
+            return
+        with self._lock:
+            self._queued.append(tag)
+        if not self._worker.submit(tag):
+            self._finish(tag, CheckpointerClosedError(f"lazyckpt: {tag.entry.final} was not committed (closed)"))
+
+    def _commit_tag(self, tag: _Tag) -> None:
+        """The commit thread: this rank's files durable, then the decision; rank 0 publishes."""
+        entry = tag.entry
+        error: BaseException | None = None
+        try:
+            own: BaseException | None = None
+            for handle in tag.handles:
+                try:
+                    handle.wait()
+                except BaseException as exc:  # noqa: BLE001 - reported to every rank
+                    own = own or exc
+            why = "" if own is None else f"{type(own).__name__}: {own}"
+            self._proto.post(entry.n, _commit.RankReport(self.rank, own is None, error=why))
+            deadline = time.monotonic() + self.commit_timeout
+            if self.rank == 0:
+                outcome = self._decider.coordinate(entry, deadline)
+            else:
+                outcome = self._decider.follow(entry, deadline)
+                self._proto.ack(entry.n)
+            if outcome is not None:
+                error = save_error(entry.final, outcome.message, own or outcome.cause, outcome.ranks)
+        except BaseException as exc:  # noqa: BLE001 - a lost store: fail this tag, go on
+            error = save_error(entry.final, f"coordinating the save failed on rank {self.rank}: {exc}", exc)
+        self._finish(tag, error)
+
+    def _finish(self, tag: _Tag, error: BaseException | None) -> None:
+        with self._lock:
+            if error is not None:
+                self._errors.append(error)
+            if tag in self._queued:
+                self._queued.remove(tag)
+        if error is None:
+            logger.info("lazyckpt: DeepSpeed checkpoint %s committed", tag.entry.final)
+        tag.finished.set()
+
+    def _write_latest(self, save_dir: str, tag: str) -> None:
+        """Rank 0, the tag folder in place: ``latest`` names it (written aside, fsynced, renamed over)."""
+        final = os.path.join(save_dir, "latest")
+        tmp = _fs.temporary_path(final)
+        try:
+            with open(tmp, "w") as fh:
+                fh.write(tag)
+                if self.checkpointer.fsync:
+                    fh.flush()
+                    _fs.fsync(fh.fileno())
+            _fs.commit(tmp, final, self.checkpointer.fsync)
+        except BaseException:
+            _fs.discard(tmp)
+            raise
+
+
+def _agree_token(store: Any, rank: int) -> str:
+    """One token for this engine on every rank (rank 0 makes it; the others read it from the store)."""
+    key = f"lazyckpt/deepspeed/token/{next(_engines)}"
+    if rank == 0:
+        store.set(key, uuid.uuid4().hex)
+    store.wait([key])
+    return bytes(store.get(key)).decode()
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            found.append(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return found
+
+
+def _drain_at_exit(engine: LazyCheckpointEngine) -> None:
+    """Exit hook: the last tags published (an open one too: no step changed its tensors since)."""
+    try:
+        engine.wait()
+    except BaseException as exc:  # noqa: BLE001 - nobody left to raise to
+        logger.error("lazyckpt: a DeepSpeed checkpoint failed: %r", exc)

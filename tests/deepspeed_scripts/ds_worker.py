@@ -1,0 +1,290 @@
+"""One rank of a DeepSpeed test (CPU, gloo, ``DS_ACCELERATOR=cpu``): a small MLP under ZeRO ``stage``, trained
+with a fixed seed, saving with the stock engine or lazyckpt's.
+
+Usage: ds_worker.py SCENARIO RANK WORLD PORT WORKDIR (``tests/_worker.py``); the run comes from the env var
+LAZYCKPT_TEST_DS (JSON: ``stage``, ``mode`` "stock" or "lazy", ``out`` the save folder, ``accum`` gradient
+accumulation steps, ``bf16``). Writes WORKDIR/result-<rank>.json.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import threading
+import time
+from datetime import timedelta
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import _worker  # noqa: E402
+
+ARGS = _worker.parse_argv()
+SCENARIO, RANK, WORLD, PORT, WORKDIR = ARGS
+RESULT: dict = {"ok": True}
+CONFIG = json.loads(os.environ.get("LAZYCKPT_TEST_DS", "{}"))
+OUT = CONFIG.get("out", os.path.join(WORKDIR, "ckpt"))
+
+
+def make_engine(seed: int = 0):
+    import deepspeed
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    cfg = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": CONFIG.get("accum", 1),
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
+        "zero_optimization": {"stage": CONFIG.get("stage", 2)},
+        "steps_per_print": 10**9,
+        "bf16": {"enabled": bool(CONFIG.get("bf16", False))},
+    }
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    return engine
+
+
+def install(engine):
+    if CONFIG.get("mode", "lazy") == "stock":
+        return None
+    import lazyckpt.deepspeed
+
+    return lazyckpt.deepspeed.install(engine, commit_timeout=CONFIG.get("commit_timeout", 60))
+
+
+def train(engine, steps: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed * 1000 + RANK)
+    for _ in range(steps * CONFIG.get("accum", 1)):
+        x = torch.randn(4, 32, generator=g)
+        y = torch.randn(4, 8, generator=g)
+        out = engine(x.to(next(engine.module.parameters()).dtype))
+        loss = torch.nn.functional.mse_loss(out.float(), y)
+        engine.backward(loss)
+        engine.step()
+
+
+def probe(engine) -> list[float]:
+    """The model's outputs on a fixed input (every rank: ZeRO-3 gathers the weights in forward)."""
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(123))
+    with torch.no_grad():
+        return engine(x.to(next(engine.module.parameters()).dtype)).float().flatten().tolist()
+
+
+def listing(folder: str) -> list[str]:
+    return sorted(os.path.relpath(os.path.join(d, f), folder) for d, _, fs in os.walk(folder) for f in fs)
+
+
+def scenario_save() -> None:
+    """Train 3 steps, save (default tag, client_state), train 2, save under a custom tag, train 1, save with
+    save_latest=False, train 1; the probes at each save and the final listing."""
+    engine = make_engine()
+    handle = install(engine)
+    train(engine, 3, 1)
+    RESULT["probe3"] = probe(engine)
+    engine.save_checkpoint(OUT, client_state={"my_step": 3})
+    RESULT["latest_after_save_returns"] = _read_latest()
+    train(engine, 2, 2)
+    RESULT["probe5"] = probe(engine)
+    engine.save_checkpoint(OUT, tag="custom", client_state={"my_step": 5})
+    train(engine, 1, 3)
+    engine.save_checkpoint(OUT, save_latest=False)
+    train(engine, 1, 4)
+    if handle is not None:
+        handle.wait()
+    engine.destroy()
+    dist.barrier()
+    RESULT["latest"] = _read_latest()
+    RESULT["listing"] = listing(OUT)
+
+
+def scenario_load() -> None:
+    """A stock engine loads ``latest`` (and then global_step3) of OUT: the probes and client states."""
+    engine = make_engine(seed=7)
+    path, client = engine.load_checkpoint(OUT)
+    RESULT["latest_probe"] = probe(engine)
+    RESULT["latest_client"] = client.get("my_step")
+    path, client = engine.load_checkpoint(OUT, tag="global_step3")
+    RESULT["step3_probe"] = probe(engine)
+    RESULT["step3_client"] = client.get("my_step")
+    RESULT["global_steps"] = engine.global_steps
+
+
+def scenario_load_latest() -> None:
+    """A stock engine loads ``latest`` of OUT (every file read whole, or DeepSpeed raises)."""
+    engine = make_engine(seed=7)
+    path, _ = engine.load_checkpoint(OUT)
+    RESULT["path"] = path
+    RESULT["global_steps"] = engine.global_steps
+    train(engine, 1, 9)  # the loaded optimizer state steps
+
+
+def scenario_resume_same_process() -> None:
+    """Save, then load right away in the same process (before any step): the handle's load waits."""
+    engine = make_engine()
+    handle = install(engine)
+    train(engine, 2, 1)
+    want = probe(engine)
+    engine.save_checkpoint(OUT)
+    train(engine, 1, 2)
+    engine.save_checkpoint(OUT, tag="again")
+    path, _ = engine.load_checkpoint(OUT)
+    RESULT["loaded"] = path
+    RESULT["same"] = probe(engine) != want  # "again" holds the state after the extra step
+    engine.load_checkpoint(OUT, tag="global_step2")
+    RESULT["same"] = probe(engine) == want
+    handle.uninstall()
+
+
+def scenario_enospc() -> None:
+    """One good save; then rank 1's data write of the next fails with ENOSPC: every rank's wait() raises
+    DistributedSaveError naming rank 1, ``latest`` still names the first tag, no second folder."""
+    from lazyckpt.errors import DistributedSaveError
+
+    engine = make_engine()
+    handle = install(engine)
+    train(engine, 2, 1)
+    engine.save_checkpoint(OUT)
+    train(engine, 1, 2)
+    handle.wait()
+    if RANK == 1:
+        _fail_writes(errno.ENOSPC)
+    engine.save_checkpoint(OUT)
+    train(engine, 1, 3)
+    try:
+        handle.wait()
+        RESULT["raised"] = None
+    except DistributedSaveError as exc:
+        RESULT["raised"] = type(exc).__name__
+        RESULT["ranks"] = list(exc.ranks)
+        RESULT["message"] = str(exc)
+    dist.barrier()
+    RESULT["latest"] = _read_latest()
+    RESULT["listing"] = sorted(os.listdir(OUT))
+
+
+def scenario_kill_after_save() -> None:
+    """Save global_step2 and see it published; save global_step3 and SIGKILL this rank right after
+    save_checkpoint returns (rank ``kill`` only; the other is killed by the test or dies with it)."""
+    engine = make_engine()
+    handle = install(engine)
+    train(engine, 2, 1)
+    engine.save_checkpoint(OUT)
+    train(engine, 1, 2)
+    handle.wait()
+    dist.barrier()
+    engine.save_checkpoint(OUT)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def scenario_kill_mid_save() -> None:
+    """As kill_after_save, but the rank dies inside its data write of global_step3 (the others are killed
+    by the test once they have started it)."""
+    engine = make_engine()
+    handle = install(engine)
+    train(engine, 2, 1)
+    engine.save_checkpoint(OUT)
+    train(engine, 1, 2)
+    handle.wait()
+    dist.barrier()
+    if RANK == 1:
+        _fail_writes(None)
+    engine.save_checkpoint(OUT)
+    train(engine, 1, 3)
+    handle.wait()
+    time.sleep(600)  # killed by the test
+
+
+def scenario_stale() -> None:
+    """A saved tensor changed in place before its copy: StaleTensorError on that rank, a typed error on
+    every rank, no folder."""
+    from lazyckpt.errors import DistributedSaveError
+
+    engine = make_engine()
+    handle = install(engine)
+    train(engine, 2, 1)
+    lazy = handle.checkpoint_engine
+    real_save = lazy.checkpointer.save
+    copies_may_run = threading.Event()
+    _hold_copies(copies_may_run)
+
+    def save_then_change(obj, path, *a, **k):
+        h = real_save(obj, path, *a, **k)
+        if RANK == 0 and "optim_states" in path:  # before its copy: the copies are held until now
+            obj["optimizer_state_dict"]["base_optimizer_state"]["state"][0]["exp_avg"].add_(1.0)
+        if "optim_states" in path:
+            copies_may_run.set()
+        return h
+
+    lazy.checkpointer.save = save_then_change
+    engine.save_checkpoint(OUT, tag="stale")
+    try:
+        handle.wait()
+        RESULT["raised"] = None
+    except DistributedSaveError as exc:
+        RESULT["raised"] = type(exc).__name__
+        RESULT["cause"] = type(exc.__cause__).__name__ if exc.__cause__ is not None else None
+        RESULT["message"] = str(exc)
+    dist.barrier()
+    RESULT["listing"] = sorted(os.listdir(OUT))
+
+
+def _hold_copies(until: threading.Event) -> None:
+    """Hold every background copy of a caller's tensor (the stager's memmove) until ``until``."""
+    import ctypes
+
+    from lazyckpt.core import engine as _engine
+
+    real_memmove = ctypes.memmove
+
+    class _Ctypes:
+        def __getattr__(self, name):
+            return getattr(ctypes, name)
+
+        @staticmethod
+        def memmove(dst, src, n):
+            if threading.current_thread().name.startswith("lazyckpt-"):
+                assert until.wait(60)
+            return real_memmove(dst, src, n)
+
+    _engine.ctypes = _Ctypes()
+
+
+def _fail_writes(code: int | None) -> None:
+    """This rank's next data write fails with ``code`` (None: the process is SIGKILLed there)."""
+    from lazyckpt.storage import fs
+
+    real = fs.pwrite_all
+
+    def pwrite_all(fd, data, offset):
+        if code is None:
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise OSError(code, os.strerror(code))
+
+    fs.pwrite_all = pwrite_all
+    del real
+
+
+def _read_latest() -> str | None:
+    try:
+        with open(os.path.join(OUT, "latest")) as fh:
+            return fh.read()
+    except FileNotFoundError:
+        return None
+
+
+def init() -> None:
+    from lazyckpt.core import plan
+
+    # Small files in the background too, as with a spare core (tests/conftest.py does the same in-process).
+    plan.INLINE_MAX_BYTES = plan.TINY_MAX_BYTES = 0
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=PORT, RANK=str(RANK), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(RANK)
+    )
+    dist.init_process_group("gloo", rank=RANK, world_size=WORLD, timeout=timedelta(seconds=60))
+
+
+if __name__ == "__main__":
+    _worker.run(ARGS, globals(), RESULT, init)
