@@ -24,7 +24,7 @@ def _install(session: nox.Session, *extras: str, pins: tuple[str, ...] = ()) -> 
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
     """The whole suite on CPU: core, Lightning, Accelerate, multi-process (gloo). GPU tests skip."""
-    _install(session, "test", "lightning", "accelerate", "transformers")
+    _install(session, "test", "lightning", "accelerate", "transformers", "deepspeed")
     session.run("pytest", *session.posargs)
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv (once) with torch first (a CPU build unless LAZYCKPT_TORCH says otherwise), then
-# lazyckpt with its test, lightning, accelerate, s3 and transformers extras (the test extra has moto[server];
+# lazyckpt with its test, lightning, accelerate, s3, transformers and deepspeed extras (the test extra has moto[server];
 # LAZYCKPT_EXTRAS overrides the list). Safe to run again: it only fills gaps.
 #
 # Installer: torch with pip (pip honours this machine's pip configuration, where a local CPU wheel may
@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${LAZYCKPT_VENV:-.venv}
 TORCH_SPEC=${LAZYCKPT_TORCH:-torch==2.13.0}
-EXTRAS=${LAZYCKPT_EXTRAS:-test,lightning,accelerate,s3,transformers}
+EXTRAS=${LAZYCKPT_EXTRAS:-test,lightning,accelerate,s3,transformers,deepspeed}
 PY=${PYTHON:-python3}
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"

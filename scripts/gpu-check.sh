@@ -25,3 +25,12 @@ echo "tests rc=${PIPESTATUS[0]}" | tee -a "$OUT/tests.txt"
 timeout "${GPU_BENCH_S:-240}" "$PY" -m benchmarks.bench_core $BENCH_ARGS --no-progress --json "$OUT/bench.json" \
   2>&1 | tee "$OUT/bench.txt"
 echo "bench rc=${PIPESTATUS[0]}" | tee -a "$OUT/bench.txt"
+# DeepSpeed on CUDA (where deepspeed is installed there): lazy vs the stock engine, and DeepSpeed's
+# DataStatesCheckpointEngine where the datastates package is installed (the row says why not otherwise).
+if "$PY" -c "import deepspeed" 2>/dev/null; then
+  timeout "${GPU_DS_S:-300}" "$PY" -m benchmarks.bench_deepspeed --device cuda --size 100m --stages 2 3 --threads 0 \
+    --modes none torch lazy datastates --json "$OUT/deepspeed.json" 2>&1 | tee "$OUT/deepspeed.txt"
+  echo "deepspeed rc=${PIPESTATUS[0]}" | tee -a "$OUT/deepspeed.txt"
+else
+  echo "deepspeed not installed: the DeepSpeed benchmark did not run" | tee "$OUT/deepspeed.txt"
+fi

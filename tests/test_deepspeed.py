@@ -105,6 +105,22 @@ def test_a_tensor_changed_before_its_copy_fails_the_save_on_every_rank(tmp_path)
     assert "stale" not in r0["listing"] and not [n for n in r0["listing"] if n.startswith(".")], r0["listing"]
 
 
+@pytest.mark.parametrize("end", ["destroy", "exit"])
+def test_the_last_save_of_a_run_is_published_by_destroy_or_at_exit(tmp_path, end):
+    r0, _ = _run("final_save", tmp_path / "run", stage=3, end=end)
+    assert r0["latest"] == "global_step3"
+    (r,) = {json.dumps(x["latest_probe"]) for x in _run("load", tmp_path / "load", stage=3, mode="stock",
+                                                          out=str(tmp_path / "run" / "ckpt"), tag3=False)}  # fmt: skip
+    assert json.loads(r) == r0["probe3"]
+
+
+def test_a_rank_dead_after_its_save_fails_the_survivor_within_seconds(tmp_path):
+    (r0, _) = _run("peer_dies", tmp_path, stage=2, expect_dead=(1,))
+    assert r0["raised"] == "DistributedSaveError" and r0["ranks"] == [1], r0
+    assert r0["waited_s"] < 30, r0["waited_s"]  # the heartbeat, not commit_timeout (60 s)
+    assert r0["latest"] == "global_step2" and "global_step3" not in r0["listing"], r0
+
+
 def _load_latest_with_stock(tmp_path: Path, out: Path) -> list:
     return _run("load_latest", tmp_path / "load", stage=2, mode="stock", out=str(out))
 

@@ -46,7 +46,10 @@ def test_every_code_example_of_the_page_runs(page: str, tmp_path: Path) -> None:
     assert proc.returncode == 0 and "--- all examples ran" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-6000:]
 
 
-PUBLIC = ["lazyckpt", "lazyckpt.lightning", "lazyckpt.accelerate", "lazyckpt.transformers", "lazyckpt.distributed"]
+PUBLIC = [
+    "lazyckpt", "lazyckpt.lightning", "lazyckpt.accelerate", "lazyckpt.transformers", "lazyckpt.distributed",
+    "lazyckpt.deepspeed",
+]  # fmt: skip
 
 
 def test_every_public_name_is_in_the_api_reference() -> None:

@@ -342,3 +342,56 @@ def test_cuda_save_with_cpu_pieces_step_waits_for_the_cpu_staging(tmp_path, monk
         handle.wait()
     assert writes.live == 0, "a save with CUDA copies took CPU pieces from live memory"
     assert_same(_cpu(torch.load(tmp_path / "mixed.pt")), want)
+
+
+def test_lightning_deepspeed_strategy_with_the_plugin_is_refused(tmp_path):
+    pytest.importorskip("deepspeed")
+    import lightning as L
+    from lightning.pytorch.demos.boring_classes import BoringModel
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    from lazyckpt import SaveRefusedError
+    from lazyckpt.lightning import LazyCheckpointIO
+
+    trainer = L.Trainer(
+        accelerator="cuda", devices=1, strategy=DeepSpeedStrategy(stage=2), plugins=[LazyCheckpointIO()],
+        max_steps=2, logger=False, enable_checkpointing=False, default_root_dir=tmp_path,
+    )  # fmt: skip
+    with pytest.raises(SaveRefusedError, match="DeepSpeed"):
+        trainer.fit(BoringModel())
+
+
+def test_deepspeed_engine_on_cuda_saves_what_stock_saves(tmp_path):
+    """One process, ZeRO-2 on CUDA: the lazy engine's folder (device-to-host copies) equals stock's."""
+    pytest.importorskip("deepspeed")
+    import os
+
+    import deepspeed
+    import torch.distributed as dist
+
+    import lazyckpt.deepspeed
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29517", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", rank=0, world_size=1)
+    cfg = {
+        "train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
+        "zero_optimization": {"stage": 2}, "bf16": {"enabled": True}, "steps_per_print": 10**9,
+    }  # fmt: skip
+    saved = {}
+    for mode in ("stock", "lazy"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        handle = lazyckpt.deepspeed.install(engine) if mode == "lazy" else None
+        g = torch.Generator().manual_seed(1)
+        for step in range(3):
+            x = torch.randn(4, 256, generator=g).cuda().bfloat16()
+            engine.backward(engine(x).float().square().mean())
+            engine.step()
+            if step == 1:
+                engine.save_checkpoint(str(tmp_path / mode))
+        if handle is not None:
+            handle.uninstall()
+        saved[mode] = torch.load(tmp_path / mode / "global_step2" / "mp_rank_00_model_states.pt", weights_only=False)
+    assert_same(_cpu(saved["lazy"]["module"]), _cpu(saved["stock"]["module"]))

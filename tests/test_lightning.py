@@ -31,7 +31,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 
 from lazyckpt import CheckpointerOptions, LazyCheckpointer, SaveHandle  # noqa: E402
 from lazyckpt.core.handle import Completion  # noqa: E402
-from lazyckpt.errors import LazyCkptError, WriteError  # noqa: E402
+from lazyckpt.errors import LazyCkptError, SaveRefusedError, WriteError  # noqa: E402
 from lazyckpt.lightning import LazyCheckpointIO  # noqa: E402
 from lightning_scripts.tiny_gpt import (  # noqa: E402
     DeferredCommitCheckpointer,
@@ -448,6 +448,23 @@ def test_strategy_bypass_is_reported(tmp_path: Any) -> None:
 
     assert "torch.distributed.checkpoint" in (_bypass_reason(FSDPStrategy(state_dict_type="sharded")) or "")
     assert _bypass_reason(FSDPStrategy(state_dict_type="full")) is None
+
+
+def test_deepspeed_strategy_is_refused_never_silently_stock(tmp_path: Any) -> None:
+    """DeepSpeedStrategy saves through its engine, never through CheckpointIO: the plugin's first call from
+    it raises (the real strategy needs CUDA: tests/test_gpu.py runs it)."""
+    io = LazyCheckpointIO()
+
+    class DeepSpeedStrategy:  # the least the plugin looks at: its name and _checkpoint_io
+        def __init__(self) -> None:
+            self._checkpoint_io = io
+
+        def remove_checkpoint(self, path: str) -> None:
+            io.remove_checkpoint(path)
+
+    with pytest.raises(SaveRefusedError, match=r"lazyckpt\.deepspeed\.install"):
+        DeepSpeedStrategy().remove_checkpoint(str(tmp_path / "x"))
+    io.teardown()
 
 
 def test_plugin_pickles_for_spawn(tmp_path: Any) -> None:

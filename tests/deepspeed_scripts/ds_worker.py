@@ -106,6 +106,8 @@ def scenario_load() -> None:
     path, client = engine.load_checkpoint(OUT)
     RESULT["latest_probe"] = probe(engine)
     RESULT["latest_client"] = client.get("my_step")
+    if not CONFIG.get("tag3", True):
+        return
     path, client = engine.load_checkpoint(OUT, tag="global_step3")
     RESULT["step3_probe"] = probe(engine)
     RESULT["step3_client"] = client.get("my_step")
@@ -177,6 +179,52 @@ def scenario_kill_after_save() -> None:
     dist.barrier()
     engine.save_checkpoint(OUT)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def scenario_final_save() -> None:
+    """The last save of a run, no step after it: engine.destroy() (CONFIG "end": "destroy") or the exit
+    drain ("exit") publishes it and writes latest; the listing then."""
+    engine = make_engine()
+    install(engine)
+    train(engine, 3, 1)
+    RESULT["probe3"] = probe(engine)
+    engine.save_checkpoint(OUT)
+    if CONFIG["end"] == "destroy":
+        engine.destroy()
+    else:
+        from lazyckpt.core import exit as _exit
+
+        _exit.drain()  # what the interpreter's exit runs (the worker leaves with os._exit)
+    dist.barrier()
+    RESULT["latest"] = _read_latest()
+
+
+def scenario_peer_dies() -> None:
+    """Rank 1 is SIGKILLed right after its save_checkpoint of global_step3 returns (it never hands the tag
+    over); rank 0's wait() raises DistributedSaveError naming rank 1 within seconds; latest stays."""
+    from lazyckpt.errors import DistributedSaveError
+
+    engine = make_engine()
+    handle = install(engine)
+    train(engine, 2, 1)
+    engine.save_checkpoint(OUT)
+    train(engine, 1, 2)
+    handle.wait()
+    dist.barrier()
+    engine.save_checkpoint(OUT)
+    if RANK == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        handle.wait()
+        RESULT["raised"] = None
+    except DistributedSaveError as exc:
+        RESULT["raised"] = type(exc).__name__
+        RESULT["ranks"] = list(exc.ranks)
+        RESULT["message"] = str(exc)
+    RESULT["waited_s"] = time.monotonic() - t0
+    RESULT["latest"] = _read_latest()
+    RESULT["listing"] = sorted(os.listdir(OUT))
 
 
 def scenario_kill_mid_save() -> None:

@@ -36,7 +36,18 @@ def names(code: str) -> dict[str, Any]:
 
         env["hf_model"] = tiny.model()
         env["train_dataset"] = tiny.Tokens()
-    if any(_uses(code, n) for n in ("DistributedCheckpointer", "init_process_group", "ModelParallelStrategy")):
+    if _uses(code, "deepspeed"):  # a DeepSpeed engine on CPU, in a world of 1 (set up below)
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        import deepspeed
+
+        env["deepspeed"] = deepspeed
+        env["cfg"] = {
+            "train_micro_batch_size_per_gpu": 4, "steps_per_print": 10**9, "zero_optimization": {"stage": 2},
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+        }  # fmt: skip
+    if any(
+        _uses(code, n) for n in ("DistributedCheckpointer", "init_process_group", "ModelParallelStrategy", "deepspeed")
+    ):
         import torch.distributed as dist
 
         with socket.socket() as s:  # one process: a world of 1 over gloo, as torchrun would set it up

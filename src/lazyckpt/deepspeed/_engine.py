@@ -5,8 +5,8 @@ hidden staging folder beside it instead; every ``save`` is a core lazy save into
 copied in the background: DeepSpeed changes them only in ``step()``). The engine is decoupled: DeepSpeed
 calls ``commit`` inside the next ``step()`` at the accumulation boundary, before the optimizer update; it
 waits only for this rank's copies and hands the tag to the commit thread. That thread waits for this rank's
-files to be durable, then takes part in the two-phase decision of ``distributed/_decide.py``: rank 0 renames
-the folder into place once every rank's files are durable (all ranks or none) and only then writes
+files to be durable, then takes part in the folder commit (``lazyckpt.distributed.folder_commit``): rank 0
+renames the folder into place once every rank's files are durable (all ranks or none) and only then writes
 ``latest``. DeepSpeed's own ``latest`` write is switched off (``get_commit_info`` says ``save_latest=False``).
 
 Threads: the training thread (every DeepSpeed call), one commit thread and one heartbeat thread per engine,
@@ -16,12 +16,10 @@ and the core checkpointer's. Errors of a tag are raised once, on the training th
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,12 +28,9 @@ import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
 from lazyckpt.checkpointer import LazyCheckpointer
-from lazyckpt.cluster._collective import StoreExchange
 from lazyckpt.core import exit as _exit
 from lazyckpt.core.handle import SaveHandle
-from lazyckpt.distributed import _commit
-from lazyckpt.distributed._decide import Decider
-from lazyckpt.distributed._handle import Save, save_error
+from lazyckpt.distributed.folder_commit import FolderCommit
 from lazyckpt.errors import CheckpointerClosedError
 from lazyckpt.options import CheckpointerOptions
 from lazyckpt.storage import fs as _fs
@@ -44,15 +39,15 @@ from lazyckpt.threads.workers import Worker
 
 logger = logging.getLogger("lazyckpt.deepspeed")
 
-_engines = itertools.count()  # engines made in this process: every rank makes them in the same order
-
 
 @dataclass(eq=False)
 class _Tag:
     """One ``create`` .. ``commit`` of DeepSpeed: a tag folder (``folder``) and/or files saved elsewhere."""
 
     info: CheckpointCommitInfo
-    entry: Save
+    n: int
+    final: str  # <save_dir>/<tag>
+    staging: str
     folder: bool = False  # DeepSpeed made the tag folder: every rank takes part in its decision
     handles: list[SaveHandle] = field(default_factory=list)  # saves into the staging folder
     direct: list[SaveHandle] = field(default_factory=list)  # saves elsewhere (save_16bit_model)
@@ -85,22 +80,8 @@ class LazyCheckpointEngine(CheckpointEngine):
             raise ValueError("commit_timeout must be positive")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.commit_timeout = float(commit_timeout)
-        store = StoreExchange.default_store()
-        self._token = _agree_token(store, self.rank)
-        _commit.add_live(self._token)
-        self._proto = _commit.StoreProtocol(store, self._token, self.rank, self.world_size)
-        self._liveness = _commit.Liveness(store, self._token, self.rank, self.world_size)
-        self._liveness.beat()
-        self._stop = threading.Event()
-        self._heartbeat = threading.Thread(
-            target=self._liveness.run, args=(self._stop,), name="lazyckpt-deepspeed-heartbeat", daemon=True
-        )
-        self._heartbeat.start()
         self.checkpointer = LazyCheckpointer(options, **core_options)
-        self._decider = Decider(
-            self._proto, self._liveness, self.rank, self.world_size, self.commit_timeout, self._token,
-            self.checkpointer.fsync,
-        )  # fmt: skip
+        self._folders = FolderCommit(self.rank, self.world_size, self.commit_timeout, self.checkpointer.fsync)
         self._lock = reentry.Lock()
         self._open: _Tag | None = None  # created, not yet handed to the commit thread
         self._queued: list[_Tag] = []  # handed over, not yet finished
@@ -123,29 +104,26 @@ class LazyCheckpointEngine(CheckpointEngine):
         final = os.path.join(save_dir, str(info.tag))
         n, self._count = self._count, self._count + 1
         if self.rank == 0 and save_dir not in self._cleaned:  # staging folders of dead jobs (not ours: live)
-            _commit.cleanup_leftovers(save_dir)
+            self._folders.cleanup_leftovers(save_dir)
             self._cleaned.add(save_dir)
-        entry = Save(n, final, _commit.staging_path(final, self._token, n), None, time.perf_counter())
-        if self.rank == 0 and info.save_latest:
-            entry.after_publish = lambda: self._write_latest(save_dir, str(info.tag))
-        self._open = _Tag(info, entry)
+        self._open = _Tag(info, n, final, self._folders.staging(final, n))
 
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
         tag = self._open
-        if tag is not None and os.path.abspath(path) == tag.entry.final:
+        if tag is not None and os.path.abspath(path) == tag.final:
             tag.folder = True
-            os.makedirs(tag.entry.staging, exist_ok=True)
+            os.makedirs(tag.staging, exist_ok=True)
             return
         os.makedirs(path, exist_ok=exist_ok)
 
     def save(self, state_dict: Any, path: str) -> None:
         tag = self._open
-        inside = tag is not None and os.path.dirname(os.path.abspath(path)) == tag.entry.final
+        inside = tag is not None and os.path.dirname(os.path.abspath(path)) == tag.final
         if inside:
             assert tag is not None
             tag.folder = True
-            os.makedirs(tag.entry.staging, exist_ok=True)
-            target = os.path.join(tag.entry.staging, os.path.basename(path))
+            os.makedirs(tag.staging, exist_ok=True)
+            target = os.path.join(tag.staging, os.path.basename(path))
         else:
             target = path
         # DeepSpeed changes what it hands over only in step(), after commit() waited for the copies.
@@ -202,7 +180,7 @@ class LazyCheckpointEngine(CheckpointEngine):
         for tag in queued:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not tag.finished.wait(left):
-                raise TimeoutError(f"lazyckpt: the DeepSpeed checkpoint {tag.entry.final} is still being committed")
+                raise TimeoutError(f"lazyckpt: the DeepSpeed checkpoint {tag.final} is still being committed")
         self.raise_errors()
 
     def raise_errors(self) -> None:
@@ -223,8 +201,7 @@ class LazyCheckpointEngine(CheckpointEngine):
         finally:
             self._closed = True
             self._worker.stop()
-            self._stop.set()
-            _commit.discard_live(self._token)
+            self._folders.close()
             self.checkpointer.close()
             _exit.unregister(self)
 
@@ -246,32 +223,22 @@ class LazyCheckpointEngine(CheckpointEngine):
         with self._lock:
             self._queued.append(tag)
         if not self._worker.submit(tag):
-            self._finish(tag, CheckpointerClosedError(f"lazyckpt: {tag.entry.final} was not committed (closed)"))
+            self._finish(tag, CheckpointerClosedError(f"lazyckpt: {tag.final} was not committed (closed)"))
 
     def _commit_tag(self, tag: _Tag) -> None:
-        """The commit thread: this rank's files durable, then the decision; rank 0 publishes."""
-        entry = tag.entry
-        error: BaseException | None = None
-        try:
-            own: BaseException | None = None
-            for handle in tag.handles:
-                try:
-                    handle.wait()
-                except BaseException as exc:  # noqa: BLE001 - reported to every rank
-                    own = own or exc
-            why = "" if own is None else f"{type(own).__name__}: {own}"
-            self._proto.post(entry.n, _commit.RankReport(self.rank, own is None, error=why))
-            deadline = time.monotonic() + self.commit_timeout
-            if self.rank == 0:
-                outcome = self._decider.coordinate(entry, deadline)
-            else:
-                outcome = self._decider.follow(entry, deadline)
-                self._proto.ack(entry.n)
-            if outcome is not None:
-                error = save_error(entry.final, outcome.message, own or outcome.cause, outcome.ranks)
-        except BaseException as exc:  # noqa: BLE001 - a lost store: fail this tag, go on
-            error = save_error(entry.final, f"coordinating the save failed on rank {self.rank}: {exc}", exc)
-        self._finish(tag, error)
+        """The commit thread: this rank's files durable, then the decision; rank 0 publishes, then ``latest``."""
+        own: BaseException | None = None
+        for handle in tag.handles:
+            try:
+                handle.wait()
+            except BaseException as exc:  # noqa: BLE001 - reported to every rank
+                own = own or exc
+        info = tag.info
+        latest = None
+        if self.rank == 0 and info.save_latest:
+            save_dir = os.path.dirname(tag.final)
+            latest = lambda: self._write_latest(save_dir, str(info.tag))  # noqa: E731
+        self._finish(tag, self._folders.commit(tag.n, tag.final, own, latest))
 
     def _finish(self, tag: _Tag, error: BaseException | None) -> None:
         with self._lock:
@@ -280,7 +247,7 @@ class LazyCheckpointEngine(CheckpointEngine):
             if tag in self._queued:
                 self._queued.remove(tag)
         if error is None:
-            logger.info("lazyckpt: DeepSpeed checkpoint %s committed", tag.entry.final)
+            logger.info("lazyckpt: DeepSpeed checkpoint %s committed", tag.final)
         tag.finished.set()
 
     def _write_latest(self, save_dir: str, tag: str) -> None:
@@ -297,15 +264,6 @@ class LazyCheckpointEngine(CheckpointEngine):
         except BaseException:
             _fs.discard(tmp)
             raise
-
-
-def _agree_token(store: Any, rank: int) -> str:
-    """One token for this engine on every rank (rank 0 makes it; the others read it from the store)."""
-    key = f"lazyckpt/deepspeed/token/{next(_engines)}"
-    if rank == 0:
-        store.set(key, uuid.uuid4().hex)
-    store.wait([key])
-    return bytes(store.get(key)).decode()
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:

@@ -22,7 +22,7 @@ from typing import Any
 from lazyckpt import CheckpointerOptions, LazyCheckpointer, SaveHandle, SaveStats
 from lazyckpt.core import exit as _exit
 from lazyckpt.core import guard as _guard
-from lazyckpt.errors import LazyCkptError, StaleTensorError
+from lazyckpt.errors import LazyCkptError, SaveRefusedError, StaleTensorError
 from lazyckpt.levels import Level
 from lazyckpt.lightning import _compat, _levels, _sharded
 from lazyckpt.schedule import MultiLevel
@@ -300,6 +300,12 @@ class PluginRuntime:
             return known  # (a strategy seen before its module was attached is looked at again)
         self._strategy_ref = weakref.ref(strategy)
         reason = None if _sharded.sharded_state_key(strategy) else _compat.bypass_reason(strategy)
+        if reason and "DeepSpeedStrategy" in _compat.mro_names(strategy):  # never silently stock
+            raise SaveRefusedError(
+                f"LazyCheckpointIO cannot make this strategy's saves lazy: {reason}. Remove the plugin and call "
+                "lazyckpt.deepspeed.install(trainer.strategy.deepspeed_engine) on every rank (e.g. in a "
+                "Callback's on_fit_start) instead"
+            )
         if reason and not self._warned_bypass:
             self._warned_bypass = True
             warnings.warn(
