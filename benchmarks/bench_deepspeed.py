@@ -161,13 +161,21 @@ def _launch(cfg: dict[str, Any], timeout: float) -> dict[str, Any]:
         )  # fmt: skip
         for r in range(cfg["world"])
     ]
-    outputs = [p.communicate(timeout=timeout)[0] for p in procs]
-    for p, o in zip(procs, outputs, strict=True):
-        if p.returncode != 0:
-            raise RuntimeError(f"mode {cfg['mode']} failed (rc {p.returncode}):\n{o[-3000:]}")
-    with open(os.path.join(results, "rank0.json")) as fh:
-        got = json.load(fh)
-    shutil.rmtree(results, ignore_errors=True)
+    try:
+        deadline = time.monotonic() + timeout
+        try:
+            outputs = [p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0] for p in procs]
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"mode {cfg['mode']}: RuntimeError: no result within {timeout:.0f} s (hung)") from None
+        for p, o in zip(procs, outputs, strict=True):
+            if p.returncode != 0:
+                raise RuntimeError(f"mode {cfg['mode']} failed (rc {p.returncode}):\n{o[-3000:]}")
+        with open(os.path.join(results, "rank0.json")) as fh:
+            got = json.load(fh)
+    finally:
+        for p in procs:
+            p.kill()
+        shutil.rmtree(results, ignore_errors=True)
     tag_bytes = 0
     folders = sorted(Path(cfg["out"]).glob("global_step*"))
     if folders:
@@ -263,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--writer", default="python", help="DeepSpeed's writer type for decoupled/fast (python, fast)")
-    p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--timeout", type=float, default=600, help="seconds per mode's run (a hung engine fails)")
     p.add_argument("--dir", default=None, help="where the checkpoints go (default: a temporary folder)")
     add_json_argument(p)
     args = p.parse_args(argv)
