@@ -6,8 +6,9 @@ Usage: levels_kill_driver.py MEM_DIR DISK_DIR EXPECT_DIR RESULTS POINTS SEED
 The fork / SIGKILL / restart loop is the core's (``levels_scripts/kill_driver.py``, same arguments):
 it forks a training child per kill point (each SIGKILLs itself at its point: halfway through a write
 of a memory-level file, halfway through the disk level's copy, between a rename and its folder's
-fsync), or KILLS times killed after a random delay, then a last child that only checks; here the
-child is an Accelerate training. Each child first checks what its predecessor left: ``load_latest``
+fsync), or KILLS times killed after a random delay counted from its first complete step (so every run gets
+somewhere however loaded the machine), then a last child that only checks; here the child is an Accelerate
+training. Each child first checks what its predecessor left: ``load_latest``
 must restore the newest step that some level holds as a folder that looks complete to stock readers
 (no pending marker, every stock file there, each read by safetensors / torch.load and equal to the
 state recorded for that step), and the state it restores must be that step's; then it trains on from there with a bare
@@ -113,7 +114,8 @@ def train(checked: int, point: str | None, nth: int) -> None:
     acc, model, opt, handle = check()
     if point is not None:
         K.arm(point, nth)
-    os.write(checked, b"1")  # the driver's kill timer starts now (K.main)
+        os.write(checked, b"1")  # the driver waits for the child to kill itself at the point (K.main)
+    first = point is None
     while True:
         step = handle.step
         gen = torch.Generator().manual_seed(step)
@@ -127,6 +129,10 @@ def train(checked: int, point: str | None, nth: int) -> None:
             fh.write(digest(acc.unwrap_model(model).state_dict(), opt.state_dict()))
         os.replace(tmp, os.path.join(expect_dir, str(step + 1)))
         acc.save_state()  # training goes on at once: the next step changes the state
+        if first:  # a random kill: its timer starts once this run holds one complete step, so every run
+            handle.wait()  # gets somewhere however slow the machine is (a kill may still hit any later save)
+            os.write(checked, b"1")
+            first = False
 
 
 if __name__ == "__main__":

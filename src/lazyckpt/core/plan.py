@@ -99,10 +99,9 @@ def write_in_save(memory: bool, devices: list[torch.device], nbytes: int = 0) ->
     return memory or 0 < nbytes <= INLINE_MAX_BYTES
 
 
-def small_in_save(options: CheckpointerOptions, obj: Any, folder: str) -> bool:
-    """Whether a file of ``obj`` saved into ``folder`` is tiny (at most ``TINY_MAX_BYTES`` of tensor data)
-    and would be written inside ``save()``, judged before capture from the tensors in plain dicts, lists
-    and tuples (any other object: False). An integration writes such files with the framework's writer."""
+def tensors_in(obj: Any, plain_only: bool = False) -> list[torch.Tensor] | None:
+    """The tensors in ``obj``'s dicts, lists and tuples; ``plain_only``: None once anything else but a
+    str, number, bytes or None turns up (other objects are skipped otherwise)."""
     tensors: list[torch.Tensor] = []
     todo = [obj]
     while todo:
@@ -113,8 +112,18 @@ def small_in_save(options: CheckpointerOptions, obj: Any, folder: str) -> bool:
             todo.extend(item.values())
         elif isinstance(item, (list, tuple)):
             todo.extend(item)
-        elif not isinstance(item, (str, int, float, bool, bytes, type(None))):
-            return False
+        elif plain_only and not isinstance(item, (str, int, float, bool, bytes, type(None))):
+            return None
+    return tensors
+
+
+def small_in_save(options: CheckpointerOptions, obj: Any, folder: str) -> bool:
+    """Whether a file of ``obj`` saved into ``folder`` is tiny (at most ``TINY_MAX_BYTES`` of tensor data)
+    and would be written inside ``save()``, judged before capture from the tensors in plain dicts, lists
+    and tuples (any other object: False). An integration writes such files with the framework's writer."""
+    tensors = tensors_in(obj, plain_only=True)
+    if tensors is None:
+        return False
     nbytes = sum(t.untyped_storage().nbytes() for t in tensors)
     if nbytes > TINY_MAX_BYTES:  # larger: lazyckpt's own write in save() is faster
         return False

@@ -30,6 +30,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 from lazyckpt.checkpointer import LazyCheckpointer
 from lazyckpt.core import exit as _exit
 from lazyckpt.core.handle import SaveHandle
+from lazyckpt.core.plan import tensors_in
 from lazyckpt.distributed.folder_commit import FolderCommit
 from lazyckpt.errors import CheckpointerClosedError
 from lazyckpt.options import CheckpointerOptions
@@ -127,7 +128,7 @@ class LazyCheckpointEngine(CheckpointEngine):
         else:
             target = path
         # DeepSpeed changes what it hands over only in step(), after commit() waited for the copies.
-        self.checkpointer.declare_frozen(*_tensors(state_dict))
+        self.checkpointer.declare_frozen(*(tensors_in(state_dict) or ()))
         handle = self.checkpointer.save(state_dict, target)
         if tag is None:
             handle.wait()  # no create() before: as stock, the file is complete when save() returns
@@ -264,20 +265,6 @@ class LazyCheckpointEngine(CheckpointEngine):
         except BaseException:
             _fs.discard(tmp)
             raise
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-    stack = [obj]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, torch.Tensor):
-            found.append(item)
-        elif isinstance(item, dict):
-            stack.extend(item.values())
-        elif isinstance(item, (list, tuple)):
-            stack.extend(item)
-    return found
 
 
 def _drain_at_exit(engine: LazyCheckpointEngine) -> None:
