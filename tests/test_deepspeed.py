@@ -114,6 +114,12 @@ def test_the_last_save_of_a_run_is_published_by_destroy_or_at_exit(tmp_path, end
     assert json.loads(r) == r0["probe3"]
 
 
+def test_save_16bit_model_between_a_save_and_its_commit(tmp_path):
+    r0, r1 = _run("sixteen_bit", tmp_path, stage=2)
+    assert r0["same"], r0
+    assert r0["latest"] == r1["latest"] == "global_step2"
+
+
 def test_a_rank_dead_after_its_save_fails_the_survivor_within_seconds(tmp_path):
     (r0, _) = _run("peer_dies", tmp_path, stage=2, expect_dead=(1,))
     assert r0["raised"] == "DistributedSaveError" and r0["ranks"] == [1], r0

@@ -199,6 +199,26 @@ def scenario_final_save() -> None:
     RESULT["latest"] = _read_latest()
 
 
+def scenario_sixteen_bit() -> None:
+    """save_16bit_model between a save_checkpoint and the next step (DeepSpeed calls create and commit
+    itself): its file is complete when the call returns and holds the weights; the open tag is still
+    committed at the next step and named by latest."""
+    engine = make_engine()
+    handle = install(engine)
+    train(engine, 2, 1)
+    engine.save_checkpoint(OUT)
+    want = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    path = os.path.join(WORKDIR, "weights")
+    engine.save_16bit_model(path, "model.bin")
+    if RANK == 0:
+        got = torch.load(os.path.join(path, "model.bin"), weights_only=False)  # there on return
+        RESULT["same"] = list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
+    train(engine, 1, 2)
+    handle.wait()
+    dist.barrier()
+    RESULT["latest"] = _read_latest()
+
+
 def scenario_peer_dies() -> None:
     """Rank 1 is SIGKILLed right after its save_checkpoint of global_step3 returns (it never hands the tag
     over); rank 0's wait() raises DistributedSaveError naming rank 1 within seconds; latest stays."""

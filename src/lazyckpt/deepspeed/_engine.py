@@ -46,10 +46,10 @@ class _Tag:
     """One ``create`` .. ``commit`` of DeepSpeed: a tag folder (``folder``) and/or files saved elsewhere."""
 
     info: CheckpointCommitInfo
-    n: int
     final: str  # <save_dir>/<tag>
-    staging: str
     folder: bool = False  # DeepSpeed made the tag folder: every rank takes part in its decision
+    n: int = -1  # the folder's commit number (the same on every rank: every rank makes the tag folder)
+    staging: str = ""
     handles: list[SaveHandle] = field(default_factory=list)  # saves into the staging folder
     direct: list[SaveHandle] = field(default_factory=list)  # saves elsewhere (save_16bit_model)
     finished: threading.Event = field(default_factory=threading.Event)
@@ -101,19 +101,12 @@ class LazyCheckpointEngine(CheckpointEngine):
             raise CheckpointerClosedError("this LazyCheckpointEngine is closed")
         if self._open is not None:  # saved again with no step between: nothing changed since
             self._hand_over(self._open)
-        save_dir = os.path.abspath(info.save_dir)
-        final = os.path.join(save_dir, str(info.tag))
-        n, self._count = self._count, self._count + 1
-        if self.rank == 0 and save_dir not in self._cleaned:  # staging folders of dead jobs (not ours: live)
-            self._folders.cleanup_leftovers(save_dir)
-            self._cleaned.add(save_dir)
-        self._open = _Tag(info, n, final, self._folders.staging(final, n))
+        self._open = _Tag(info, os.path.join(os.path.abspath(info.save_dir), str(info.tag)))
 
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
         tag = self._open
         if tag is not None and os.path.abspath(path) == tag.final:
-            tag.folder = True
-            os.makedirs(tag.staging, exist_ok=True)
+            self._make_folder(tag)
             return
         os.makedirs(path, exist_ok=exist_ok)
 
@@ -122,8 +115,7 @@ class LazyCheckpointEngine(CheckpointEngine):
         inside = tag is not None and os.path.dirname(os.path.abspath(path)) == tag.final
         if inside:
             assert tag is not None
-            tag.folder = True
-            os.makedirs(tag.staging, exist_ok=True)
+            self._make_folder(tag)
             target = os.path.join(tag.staging, os.path.basename(path))
         else:
             target = path
@@ -207,6 +199,19 @@ class LazyCheckpointEngine(CheckpointEngine):
             _exit.unregister(self)
 
     # -- internals ---------------------------------------------------------------------------------
+
+    def _make_folder(self, tag: _Tag) -> None:
+        """The tag's staging folder (once): numbered here, not in ``create``, so that a ``create`` on one rank
+        only (``save_16bit_model``) never shifts the numbers the ranks agree on."""
+        if not tag.folder:
+            tag.folder = True
+            tag.n, self._count = self._count, self._count + 1
+            tag.staging = self._folders.staging(tag.final, tag.n)
+            save_dir = os.path.dirname(tag.final)
+            if self.rank == 0 and save_dir not in self._cleaned:  # dead jobs' staging folders (ours are live)
+                self._folders.cleanup_leftovers(save_dir)
+                self._cleaned.add(save_dir)
+        os.makedirs(tag.staging, exist_ok=True)
 
     def _hand_over(self, tag: _Tag) -> None:
         """The tag's copies done (the optimizer may change its tensors), its folder to the commit thread."""
