@@ -154,3 +154,52 @@ def test_enospc_in_the_holders_memory_is_a_typed_error_and_the_local_copy_stands
     assert os.path.exists(os.path.join(run.disk, "step-00000003.pt"))  # the writer's own levels had it
     names = os.listdir(run.mem / "node1")
     assert _steps(run.mem / "node1") == [4, 5] and not [n for n in names if n.endswith(".tmp")], names
+
+
+def test_a_holder_whose_store_vanishes_between_the_announcement_and_its_read_stops_at_once(tmp_path):
+    """The writer (rank 0, the store's host) announces its last word and exits; the holder's receiver is
+    between its wait for that key and its read of it, so the read fails on a closed connection. The receiver
+    must end with ``bye`` set: ``close()`` then returns at once instead of waiting its timeout (60 s; CI
+    met that wait). The window is forced: the store server is SIGKILLed inside the holder's read."""
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from lazyckpt.cluster import _single
+
+    port = _launch.free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time, torch.distributed as d; "
+         f"s = d.TCPStore('127.0.0.1', {port}, 1, True, wait_for_workers=False); "
+         "s.set('p/2/0', '{\"bye\": true}'); print('up', flush=True); time.sleep(600)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert server.stdout is not None and server.stdout.readline().strip() == "up"
+        client = dist.TCPStore("127.0.0.1", port, 1, False, timeout=__import__("datetime").timedelta(seconds=5))
+
+        class KilledInsideRead:  # the clone the receiver uses: its read finds the server gone
+            def __getattr__(self, name):
+                return getattr(client, name)
+
+            def get(self, key):
+                server.send_signal(signal.SIGKILL)
+                server.wait()
+                return client.get(key)
+
+        holder = object.__new__(_single.SingleWriter)
+        holder.rank, holder.prefix, holder.timeout = 2, "p", 60.0
+        holder.store = type("Store", (), {"clone": lambda self: KilledInsideRead()})()
+        holder._bye, holder._stop = threading.Event(), threading.Event()
+        holder._cond, holder._closed = threading.Condition(), False
+        holder._thread = threading.Thread(target=holder._receive_loop, daemon=True)
+        holder._thread.start()
+        t0 = time.monotonic()
+        holder.close()
+        assert time.monotonic() - t0 < 10, "close() waited for a receiver that had died"
+        assert holder._bye.is_set() and not holder._thread.is_alive()
+    finally:
+        server.kill()
+        server.wait()

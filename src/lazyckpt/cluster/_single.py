@@ -234,6 +234,15 @@ class SingleWriter:
     # -- a holder ---------------------------------------------------------------------------------
 
     def _receive_loop(self) -> None:
+        """A holder's thread. However it ends, ``_bye`` is set: ``close()`` never waits for a thread gone."""
+        try:
+            self._receive_all()
+        except Exception:  # noqa: BLE001 - a bug: no more copies here, the training goes on
+            logger.exception("lazyckpt: the replica receiver of rank %d failed; no more copies here", self.rank)
+        finally:
+            self._bye.set()
+
+    def _receive_all(self) -> None:
         # a store connection of this thread's own: a blocking wait would stall the process's other store calls
         store = self.store.clone() if hasattr(self.store, "clone") else self.store
         seq = 0
@@ -241,25 +250,20 @@ class SingleWriter:
             key = f"{self.prefix}/{self.rank}/{seq}"
             try:
                 store.wait([key], POLL)
+                what = json.loads(store.get(key))
             except Exception as exc:  # noqa: BLE001 - not yet: look again, unless closed
-                if _unreachable(exc):  # the store (on the writer's host) is gone: nothing more comes
-                    self._bye.set()
-                    return
-                if self._stop.is_set():
+                # The store (on the writer's host) is gone, even between the wait and the read: the writer
+                # announced its last word and exited. Nothing more comes.
+                if _unreachable(exc) or self._stop.is_set():
                     return
                 continue
             seq += 1
-            what = json.loads(store.get(key))
             try:
                 store.delete_key(key)  # one key per step per holder for the whole run otherwise
             except Exception:  # noqa: BLE001 - some stores cannot delete; the keys are small
                 pass
-            if what.get("bye"):
-                self._bye.set()
-                return
-            if not self._receive(int(what["step"])):
-                self._bye.set()  # the writer's side of the pair is gone: nothing more comes
-                return
+            if what.get("bye") or not self._receive(int(what["step"])):
+                return  # the writer is done, or its side of the pair is gone: nothing more comes
 
     def _receive(self, step: int) -> bool:
         try:
