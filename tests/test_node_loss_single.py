@@ -203,3 +203,4 @@ def test_a_holder_whose_store_vanishes_between_the_announcement_and_its_read_sto
     finally:
         server.kill()
         server.wait()
+        server.stdout.close()
