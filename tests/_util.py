@@ -342,3 +342,25 @@ def kill_node(pids: str) -> NoReturn:
                 pass
     os.kill(os.getpid(), signal.SIGKILL)
     raise AssertionError("unreachable: SIGKILLed")
+
+
+def hold_copies(until: threading.Event, setattr: Callable[[Any, str, Any], None] = setattr) -> None:
+    """Hold every copy of a caller's tensor that a lazyckpt thread makes (the stager's ``memmove``) until
+    ``until`` is set (bounded: 60 s). ``setattr``: pytest's ``monkeypatch.setattr`` to undo it after the test."""
+    import ctypes
+
+    from lazyckpt.core import engine as _engine
+
+    real_memmove = ctypes.memmove
+
+    class _Ctypes:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(ctypes, name)
+
+        @staticmethod
+        def memmove(dst: Any, src: Any, n: int) -> Any:
+            if threading.current_thread().name.startswith("lazyckpt-"):
+                assert until.wait(60)
+            return real_memmove(dst, src, n)
+
+    setattr(_engine, "ctypes", _Ctypes())

@@ -105,6 +105,7 @@ def test_a_tensor_changed_before_its_copy_fails_the_save_on_every_rank(tmp_path)
     assert "stale" not in r0["listing"] and not [n for n in r0["listing"] if n.startswith(".")], r0["listing"]
 
 
+@pytest.mark.slow(reason="a 2-process DeepSpeed run, then a stock load")
 @pytest.mark.parametrize("end", ["destroy", "exit"])
 def test_the_last_save_of_a_run_is_published_by_destroy_or_at_exit(tmp_path, end):
     r0, _ = _run("final_save", tmp_path / "run", stage=3, end=end)

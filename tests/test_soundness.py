@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import threading
 
 import pytest
 import torch
 
-from _util import assert_same
+from _util import assert_same, hold_copies
 from lazyckpt import LazyCheckpointer, StaleTensorError
 from lazyckpt.core import engine as _engine
 from lazyckpt.storage import fs as _fs
@@ -33,24 +32,14 @@ def _straddling_mul_(t: torch.Tensor, inside_kernel: threading.Event, finish: th
 
 def _hold_readers(monkeypatch, until: threading.Event) -> None:
     """Hold every lazyckpt read of a caller's tensor (stager memmove, live write) until ``until``."""
-    real_memmove, real_write = _engine.ctypes.memmove, _engine.Engine._write_data
-
-    class _Ctypes:
-        def __getattr__(self, name):
-            return getattr(ctypes, name)
-
-        @staticmethod
-        def memmove(dst, src, n):
-            if threading.current_thread().name.startswith("lazyckpt-"):
-                assert until.wait(30)
-            return real_memmove(dst, src, n)
+    real_write = _engine.Engine._write_data
 
     def write(job, piece, data, addr):
         if piece.live:
             assert until.wait(30)
         return real_write(job, piece, data, addr)
 
-    monkeypatch.setattr(_engine, "ctypes", _Ctypes())
+    hold_copies(until, monkeypatch.setattr)
     monkeypatch.setattr(_engine.Engine, "_write_data", staticmethod(write))
 
 

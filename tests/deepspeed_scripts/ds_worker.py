@@ -22,6 +22,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import _worker  # noqa: E402
+from _util import hold_copies  # noqa: E402
 
 ARGS = _worker.parse_argv()
 SCENARIO, RANK, WORLD, PORT, WORKDIR = ARGS
@@ -75,6 +76,19 @@ def probe(engine) -> list[float]:
 
 def listing(folder: str) -> list[str]:
     return sorted(os.path.relpath(os.path.join(d, f), folder) for d, _, fs in os.walk(folder) for f in fs)
+
+
+def published_step2():
+    """A lazy engine that trained 2 steps, saved global_step2, stepped once (its commit) and waited: the
+    tag is published and ``latest`` names it on every rank; (engine, handle)."""
+    engine = make_engine()
+    handle = install(engine)
+    train(engine, 2, 1)
+    engine.save_checkpoint(OUT)
+    train(engine, 1, 2)
+    handle.wait()
+    dist.barrier()
+    return engine, handle
 
 
 def scenario_save() -> None:
@@ -145,12 +159,7 @@ def scenario_enospc() -> None:
     DistributedSaveError naming rank 1, ``latest`` still names the first tag, no second folder."""
     from lazyckpt.errors import DistributedSaveError
 
-    engine = make_engine()
-    handle = install(engine)
-    train(engine, 2, 1)
-    engine.save_checkpoint(OUT)
-    train(engine, 1, 2)
-    handle.wait()
+    engine, handle = published_step2()
     if RANK == 1:
         _fail_writes(errno.ENOSPC)
     engine.save_checkpoint(OUT)
@@ -170,13 +179,7 @@ def scenario_enospc() -> None:
 def scenario_kill_after_save() -> None:
     """Save global_step2 and see it published; save global_step3 and SIGKILL this rank right after
     save_checkpoint returns (rank ``kill`` only; the other is killed by the test or dies with it)."""
-    engine = make_engine()
-    handle = install(engine)
-    train(engine, 2, 1)
-    engine.save_checkpoint(OUT)
-    train(engine, 1, 2)
-    handle.wait()
-    dist.barrier()
+    engine, handle = published_step2()
     engine.save_checkpoint(OUT)
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -224,13 +227,7 @@ def scenario_peer_dies() -> None:
     over); rank 0's wait() raises DistributedSaveError naming rank 1 within seconds; latest stays."""
     from lazyckpt.errors import DistributedSaveError
 
-    engine = make_engine()
-    handle = install(engine)
-    train(engine, 2, 1)
-    engine.save_checkpoint(OUT)
-    train(engine, 1, 2)
-    handle.wait()
-    dist.barrier()
+    engine, handle = published_step2()
     engine.save_checkpoint(OUT)
     if RANK == 1:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -250,13 +247,7 @@ def scenario_peer_dies() -> None:
 def scenario_kill_mid_save() -> None:
     """As kill_after_save, but the rank dies inside its data write of global_step3 (the others are killed
     by the test once they have started it)."""
-    engine = make_engine()
-    handle = install(engine)
-    train(engine, 2, 1)
-    engine.save_checkpoint(OUT)
-    train(engine, 1, 2)
-    handle.wait()
-    dist.barrier()
+    engine, handle = published_step2()
     if RANK == 1:
         _fail_writes(None)
     engine.save_checkpoint(OUT)
@@ -276,7 +267,7 @@ def scenario_stale() -> None:
     lazy = handle.checkpoint_engine
     real_save = lazy.checkpointer.save
     copies_may_run = threading.Event()
-    _hold_copies(copies_may_run)
+    hold_copies(copies_may_run)
 
     def save_then_change(obj, path, *a, **k):
         h = real_save(obj, path, *a, **k)
@@ -299,32 +290,9 @@ def scenario_stale() -> None:
     RESULT["listing"] = sorted(os.listdir(OUT))
 
 
-def _hold_copies(until: threading.Event) -> None:
-    """Hold every background copy of a caller's tensor (the stager's memmove) until ``until``."""
-    import ctypes
-
-    from lazyckpt.core import engine as _engine
-
-    real_memmove = ctypes.memmove
-
-    class _Ctypes:
-        def __getattr__(self, name):
-            return getattr(ctypes, name)
-
-        @staticmethod
-        def memmove(dst, src, n):
-            if threading.current_thread().name.startswith("lazyckpt-"):
-                assert until.wait(60)
-            return real_memmove(dst, src, n)
-
-    _engine.ctypes = _Ctypes()
-
-
 def _fail_writes(code: int | None) -> None:
     """This rank's next data write fails with ``code`` (None: the process is SIGKILLed there)."""
     from lazyckpt.storage import fs
-
-    real = fs.pwrite_all
 
     def pwrite_all(fd, data, offset):
         if code is None:
@@ -332,7 +300,6 @@ def _fail_writes(code: int | None) -> None:
         raise OSError(code, os.strerror(code))
 
     fs.pwrite_all = pwrite_all
-    del real
 
 
 def _read_latest() -> str | None:

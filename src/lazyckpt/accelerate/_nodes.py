@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import threading
 import uuid
 from collections.abc import Sequence
 
@@ -50,15 +49,11 @@ class Nodes:
         self._seq = 0
         self._read: dict[int, int] = {}  # save -> answers read so far (the main process)
         # another node's dead process leaves no marker the main process can see: heartbeats instead
-        self._stop = threading.Event()
         self._liveness: Liveness | None = None
         if any(scope.node_local for scope in self.scopes):
             self._liveness = Liveness(self.store, f"accelerate-{token[:16]}", rank, world)
             if rank != 0:
-                self._liveness.beat()
-                threading.Thread(
-                    target=self._liveness.run, args=(self._stop,), name="lazyckpt-heartbeat", daemon=True
-                ).start()
+                self._liveness.start("lazyckpt-heartbeat")
 
     def next_seq(self) -> int:
         """The number of this bare save with a due level (alike on every process)."""
@@ -76,7 +71,8 @@ class Nodes:
         return self._liveness.dead(ranks) if self._liveness is not None else []
 
     def close(self) -> None:
-        self._stop.set()
+        if self._liveness is not None:
+            self._liveness.stop()
 
     def _key(self, seq: int, rank: int) -> str:
         return f"{self.prefix}/{seq}/{rank}"
@@ -151,20 +147,7 @@ class Nodes:
             if value[:1] != _OK:
                 errors.append(f"process {r}: {value[1:].decode(errors='replace')}")
                 continue
-            final = os.path.join(folder, f"{RNG_STATE_NAME}_{r}.pkl")
-            tmp = _fs.temporary_path(final)
-            try:
-                fd = _fs.open_temporary(tmp, len(value) - 1)
-                try:
-                    _fs.pwrite_all(fd, memoryview(value)[1:], 0)
-                    if fsync:
-                        _fs.fsync(fd)
-                finally:
-                    _fs.close(fd)
-                _fs.commit(tmp, final, fsync)
-            except BaseException:
-                _fs.discard(tmp)
-                raise
+            _fs.write_bytes(os.path.join(folder, f"{RNG_STATE_NAME}_{r}.pkl"), memoryview(value)[1:], fsync)
         self._read[seq] = self._read.get(seq, 0) + len(ranks) - len(waiting)
         if not waiting:
             self.forget(seq, [])

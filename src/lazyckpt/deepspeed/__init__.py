@@ -14,8 +14,7 @@ import types
 from collections.abc import Sequence
 from typing import Any
 
-from lazyckpt.core import exit as _exit
-from lazyckpt.core.installed import InstalledHandle, drain_at_exit
+from lazyckpt.core.installed import InstalledHandle
 from lazyckpt.deepspeed._engine import LazyCheckpointEngine
 from lazyckpt.errors import SaveRefusedError
 from lazyckpt.levels import Level
@@ -42,8 +41,7 @@ class DeepSpeedHandle(InstalledHandle):
             return stock_load(this, *args, **kwargs)
 
         engine.load_checkpoint = types.MethodType(load_checkpoint, engine)
-        engine.checkpoint_engine = lazy
-        _exit.register(self, drain_at_exit, layer=_exit.INTEGRATION)
+        engine.checkpoint_engine = lazy  # the engine drains itself at exit (``_engine._drain_at_exit``)
 
     def wait(self, timeout: float | None = None) -> None:
         self.checkpoint_engine.wait(timeout)
@@ -57,7 +55,6 @@ class DeepSpeedHandle(InstalledHandle):
             self._removed = True
             vars(self.engine).pop("load_checkpoint", None)
             self.engine.checkpoint_engine = self._previous
-            _exit.unregister(self)
 
     def __enter__(self) -> DeepSpeedHandle:
         return self

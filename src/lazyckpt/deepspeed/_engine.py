@@ -258,18 +258,7 @@ class LazyCheckpointEngine(CheckpointEngine):
 
     def _write_latest(self, save_dir: str, tag: str) -> None:
         """Rank 0, the tag folder in place: ``latest`` names it (written aside, fsynced, renamed over)."""
-        final = os.path.join(save_dir, "latest")
-        tmp = _fs.temporary_path(final)
-        try:
-            with open(tmp, "w") as fh:
-                fh.write(tag)
-                if self.checkpointer.fsync:
-                    fh.flush()
-                    _fs.fsync(fh.fileno())
-            _fs.commit(tmp, final, self.checkpointer.fsync)
-        except BaseException:
-            _fs.discard(tmp)
-            raise
+        _fs.write_bytes(os.path.join(save_dir, "latest"), tag.encode(), self.checkpointer.fsync)
 
 
 def _drain_at_exit(engine: LazyCheckpointEngine) -> None:

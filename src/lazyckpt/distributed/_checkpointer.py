@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -131,13 +130,8 @@ class DistributedCheckpointer(_exit.ClosedOnExit):
         self._proto = _commit.StoreProtocol(store, self._token, self.rank, self.world_size)
         # A thread of its own (the commit thread may wait long): a dead rank fails saves within seconds.
         self._liveness = _commit.Liveness(store, self._token, self.rank, self.world_size)
-        self._liveness.beat()
+        self._liveness.start("lazyckpt-dist-heartbeat")
         self._store_host = store_host_rank(self._group, self.rank)
-        self._stop_heartbeat = threading.Event()
-        self._heartbeat = threading.Thread(
-            target=self._liveness.run, args=(self._stop_heartbeat,), name="lazyckpt-dist-heartbeat", daemon=True
-        )
-        self._heartbeat.start()
         self._inner = LazyCheckpointer(dataclasses.replace(options, levels=None))  # the levels are ours
         self._decider = Decider(
             self._proto, self._liveness, self.rank, self.world_size, self.commit_timeout, self._token, self._inner.fsync
@@ -326,9 +320,7 @@ class DistributedCheckpointer(_exit.ClosedOnExit):
             self._committer.stop()
             if self._levels is not None:
                 self._levels.close()
-            # Bounded: a beat to a dead store host may block for the store's timeout (a daemon thread).
-            self._stop_heartbeat.set()
-            self._heartbeat.join(timeout=5.0)
+            self._liveness.stop()
             _exit.unregister(self)
             _commit.discard_live(self._token)
             try:

@@ -56,12 +56,27 @@ class Liveness:
         self.store, self.token, self.rank, self.world_size = store, token, rank, world_size
         self._seen: dict[int, tuple[int, float, float]] = {}  # rank -> (counter, when it moved, looked up)
         self._lock = reentry.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
     def key(self, rank: int) -> str:
         return f"lazyckpt/{self.token}/alive/r{rank}"
 
     def beat(self) -> None:
         self.store.add(self.key(self.rank), 1)
+
+    def start(self, name: str) -> None:
+        """Beat now, then every ``HEARTBEAT_S`` on a daemon thread ``name`` until ``stop()``."""
+        self.beat()
+        self._thread = threading.Thread(target=self.run, args=(self._stop,), name=name, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """End the heartbeat thread (if started); bounded: a beat to a dead store host may block for the
+        store's timeout, so the join gives up after 5 s (a daemon thread)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
 
     def run(self, stop: threading.Event) -> None:
         """Beat every ``HEARTBEAT_S`` until ``stop``; a failed beat is logged and retried at the next."""

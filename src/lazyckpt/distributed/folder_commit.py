@@ -10,7 +10,6 @@ durable, then runs ``after_publish``; a failure, a dead rank or ``commit_timeout
 from __future__ import annotations
 
 import itertools
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -39,12 +38,7 @@ class FolderCommit:
         _commit.add_live(self.token)
         self._proto = _commit.StoreProtocol(store, self.token, rank, world_size)
         self._liveness = _commit.Liveness(store, self.token, rank, world_size)
-        self._liveness.beat()
-        self._stop = threading.Event()
-        self._heartbeat = threading.Thread(
-            target=self._liveness.run, args=(self._stop,), name="lazyckpt-folder-heartbeat", daemon=True
-        )
-        self._heartbeat.start()
+        self._liveness.start("lazyckpt-folder-heartbeat")
         self._decider = Decider(self._proto, self._liveness, rank, world_size, self.commit_timeout, self.token, fsync)
 
     def staging(self, final: str, n: int) -> str:
@@ -77,5 +71,5 @@ class FolderCommit:
         return save_error(final, outcome.message, own_error or outcome.cause, outcome.ranks)
 
     def close(self) -> None:
-        self._stop.set()
+        self._liveness.stop()
         _commit.discard_live(self.token)

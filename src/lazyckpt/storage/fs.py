@@ -295,6 +295,24 @@ def write_temporary(
         raise
 
 
+def write_bytes(final: str, data: bytes | memoryview, durable: bool) -> None:
+    """``data`` at ``final`` whole or not at all: written to a temporary beside it, fsynced (``durable``),
+    renamed over. Caller's thread."""
+    tmp = temporary_path(final)
+    try:
+        fd = open_temporary(tmp, len(data))
+        try:
+            pwrite_all(fd, data, 0)
+            if durable:
+                fsync(fd)
+        finally:
+            close(fd)
+        commit(tmp, final, durable)
+    except BaseException:
+        discard(tmp)
+        raise
+
+
 def publish_folder(staging: str, final: str, fsync: bool) -> None:
     """The one way a complete folder becomes visible at ``final``: its entries fsynced, then ``swap_in``
     (an existing ``final`` exchanged atomically where the kernel can). Caller's thread; raises as ``swap_in``."""
