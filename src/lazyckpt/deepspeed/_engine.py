@@ -244,7 +244,11 @@ class LazyCheckpointEngine(CheckpointEngine):
         if self.rank == 0 and info.save_latest:
             save_dir = os.path.dirname(tag.final)
             latest = lambda: self._write_latest(save_dir, str(info.tag))  # noqa: E731
-        self._finish(tag, self._folders.commit(tag.n, tag.final, own, latest))
+        error: BaseException | None = RuntimeError(f"lazyckpt: committing {tag.final} was interrupted")
+        try:
+            error = self._folders.commit(tag.n, tag.final, own, latest)
+        finally:  # whatever escapes, wait() is never left waiting for this tag
+            self._finish(tag, error)
 
     def _finish(self, tag: _Tag, error: BaseException | None) -> None:
         with self._lock:
