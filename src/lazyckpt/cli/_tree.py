@@ -49,7 +49,8 @@ class _Walk:
         nbytes = t.numel() * t.element_size()
         try:
             storage = t.untyped_storage()
-            ident, size = storage._cdata, storage.nbytes()
+            ptr, size = storage.data_ptr(), storage.nbytes()
+            ident = (storage.device, ptr) if ptr else id(t)
         except (RuntimeError, NotImplementedError):  # sparse, nested, subclasses without one storage
             ident, size = id(t), nbytes
         if ident in self.storages:

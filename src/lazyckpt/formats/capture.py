@@ -107,7 +107,7 @@ def refuse_unsupported(t: torch.Tensor, name: str) -> None:
         raise SaveRefusedError(f"{name}: meta tensors have no data to save; materialize it (e.g. .to_empty()) first")
     if t.is_quantized:
         raise SaveRefusedError(f"{name}: quantized tensors are not supported; dequantize() or use torch.save")
-    if t.device.type not in ("cpu", "cuda") and not torch._C._has_storage(t):
+    if t.device.type not in ("cpu", "cuda") and not _has_storage(t):
         raise SaveRefusedError(f"{name}: tensors on {t.device.type} have no storage to stage; move them to CPU first")
 
 
@@ -259,6 +259,14 @@ def _location(device: torch.device) -> str:
     if tag is None:
         tag = _LOCATIONS[device] = location_tag(torch.UntypedStorage(0, device=device))
     return tag
+
+
+def _has_storage(t: torch.Tensor) -> bool:
+    try:
+        t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
 
 
 def _has_fast_reduce(t: torch.Tensor) -> bool:

@@ -80,7 +80,7 @@ def forget_loaded(trainer: Any, path: str) -> None:
     """Forget what ``load_before_restore(trainer, path)`` loaded, as ``resume_end`` does but without its
     barrier (called on an exception path). No-op once a restore ended or when the connector holds another path."""
     connector = _connector(trainer)
-    if not connector._loaded_checkpoint or connector._ckpt_path not in (None, path):
+    if not connector._loaded_checkpoint or trainer.ckpt_path not in (None, path):
         return
     if getattr(connector, "_user_managed", False):
         return

@@ -118,7 +118,7 @@ class Lock:
         _local.depth -= 1
 
     def _at_fork_reinit(self) -> None:
-        self._lock._at_fork_reinit()
+        self._lock = _thread.allocate_lock()  # in a forked child: a fresh, unlocked lock
 
 
 def condition() -> threading.Condition:
