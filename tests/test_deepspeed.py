@@ -144,6 +144,18 @@ def test_sigkill_right_after_save_returns_leaves_a_latest_that_loads_whole(tmp_p
         assert r["global_steps"] == int(tag.removeprefix("global_step")), r
 
 
+@pytest.mark.slow(reason="a killed 2-process DeepSpeed run, then a stock load")
+def test_sigkill_between_the_step_and_the_publish_leaves_latest_on_the_previous_tag(tmp_path):
+    work = tmp_path / "run"
+    _run("kill_before_publish", work, stage=2, expect_dead=(0, 1))
+    out = work / "ckpt"
+    # read while the tag was handed over (a step ran) and its folder not yet in place: latest is not ahead
+    assert [(work / f"latest-before-publish-{r}.txt").read_text() for r in range(2)] == ["global_step2"] * 2
+    assert (out / "latest").read_text() == "global_step2" and not (out / "global_step3").exists()
+    r0, _ = _load_latest_with_stock(tmp_path, out)
+    assert r0["global_steps"] == 2
+
+
 @pytest.mark.slow(reason="a 2-process DeepSpeed run killed inside a write, then a stock load")
 def test_sigkill_inside_a_write_leaves_latest_on_the_previous_whole_tag(tmp_path):
     work = tmp_path / "run"
@@ -165,3 +177,101 @@ def test_sigkill_inside_a_write_leaves_latest_on_the_previous_whole_tag(tmp_path
     assert not (out / "global_step3").exists()
     r0, _ = _load_latest_with_stock(tmp_path, out)
     assert r0["global_steps"] == 2
+
+
+# -- Accelerate with a DeepSpeedPlugin: lazyckpt.accelerate.install(accelerator) -----------------------------
+
+
+def _engine_files(folder: Path) -> dict[str, Path]:
+    return {str(p.relative_to(folder)): p for p in folder.rglob("*") if p.is_file() and "pytorch_model" in p.parts}
+
+
+@pytest.mark.slow(reason="two 2-process Accelerate + DeepSpeed runs, then stock loads")
+def test_accelerate_save_state_with_deepspeed_equals_stock_and_loads_with_stock(tmp_path):
+    from lazyckpt.commit.folder import is_complete
+
+    stock = _run("accelerate_save", tmp_path / "stock", stage=2, mode="stock")
+    lazy = _run("accelerate_save", tmp_path / "lazy", stage=2, mode="lazy")
+    for s, z in zip(stock, lazy, strict=True):
+        assert z["probe1"] == s["probe1"] and z["probe2"] == s["probe2"]
+        assert z["listing"] == s["listing"]  # the same files: the engine's tag folder, latest, RNG, scripts
+    assert lazy[0]["s2_latest_on_return"] is False  # the tag is committed at the next step, latest after it
+    for name in ("s1", "s2"):
+        got, want = tmp_path / "lazy" / "ckpt" / name, tmp_path / "stock" / "ckpt" / name
+        assert is_complete(got)
+        assert (got / "latest").read_text() == (want / "latest").read_text() == "pytorch_model"
+        files = _engine_files(want)
+        assert sorted(_engine_files(got)) == sorted(files) and files
+        for rel, path in files.items():
+            assert_same(_plain(torch.load(got / rel, weights_only=False)), _plain(torch.load(path, weights_only=False)))
+    loaded = _run("accelerate_load", tmp_path / "load", stage=2, mode="stock", out=str(tmp_path / "lazy" / "ckpt"),
+                  folder="s2")  # fmt: skip
+    for r, z in zip(loaded, lazy, strict=True):
+        assert r["probe"] == z["probe2"]
+
+
+@pytest.mark.slow(reason="a killed 2-process Accelerate + DeepSpeed run, then a stock load")
+def test_accelerate_with_deepspeed_sigkill_after_save_state_leaves_the_folder_marked_incomplete(tmp_path):
+    from lazyckpt.commit.folder import is_complete, pending_markers
+
+    work = tmp_path / "run"
+    _run("accelerate_kill", work, stage=2, mode="lazy", expect_dead=(0, 1))
+    s1, s2 = work / "ckpt" / "s1", work / "ckpt" / "s2"
+    assert is_complete(s1) and (s1 / "latest").read_text() == "pytorch_model"
+    # the tag was never committed (no step after the save): no latest, no tag folder, the markers stay
+    assert pending_markers(s2) and not is_complete(s2)
+    assert not (s2 / "latest").exists() and not (s2 / "pytorch_model").exists()
+    for r in _run("accelerate_load", tmp_path / "load", stage=2, mode="stock", out=str(work / "ckpt"), folder="s1"):
+        assert r["ok"], r
+
+
+# -- the transformers Trainer with deepspeed=: lazyckpt.transformers.install(trainer) -----------------------
+
+TRAINER = Path(__file__).parent / "transformers_scripts" / "ds_trainer.py"
+
+
+def _trainer(out: Path, mode: str, scenario: str, stage: int, *extra: str, dies: bool = False) -> None:
+    port = str(_launch.free_port())
+    one = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    env = _launch.rank_env({"DS_ACCELERATOR": "cpu", "STAGE": str(stage), **one})
+    proc = _launch.python([str(TRAINER), str(out), mode, scenario, *extra], env)
+    output, _ = proc.communicate(timeout=240)
+    assert proc.returncode == (-signal.SIGKILL if dies else 0), output[-6000:]
+
+
+def _tensors(path: Path):
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(path)
+    return _plain(torch.load(path, weights_only=False))
+
+
+@pytest.mark.slow(reason="stock and lazy Trainer runs with DeepSpeed, then a stock resume of the lazy folder")
+@pytest.mark.parametrize("stage", [2, 3])
+def test_transformers_trainer_with_deepspeed_equals_stock_and_resumes_with_stock(tmp_path, stage):
+    stock, lazy = tmp_path / "stock", tmp_path / "lazy"
+    _trainer(stock, "stock", "run", stage)
+    _trainer(lazy, "lazy", "run", stage)
+    for name in ("checkpoint-2", "checkpoint-4"):
+        want, got = stock / name, lazy / name
+        names = sorted(str(p.relative_to(want)) for p in want.rglob("*") if p.is_file())
+        assert sorted(str(p.relative_to(got)) for p in got.rglob("*") if p.is_file()) == names
+        assert (got / "latest").read_text() == (want / "latest").read_text() == f"global_step{name[11:]}"
+        for rel in names:
+            if rel.endswith((".pt", ".pth", ".safetensors")):
+                assert_same(_tensors(got / rel), _tensors(want / rel), rel)
+    resumed = tmp_path / "resumed"
+    _trainer(resumed, "stock", "resume", stage, str(lazy / "checkpoint-2"))
+    want = stock / "checkpoint-4" / "global_step4"
+    for path in sorted(want.iterdir()):
+        assert_same(_tensors(resumed / "checkpoint-4" / "global_step4" / path.name), _tensors(path), path.name)
+
+
+@pytest.mark.slow(reason="a Trainer run with DeepSpeed SIGKILLed after a save, then a stock resume")
+def test_transformers_trainer_with_deepspeed_sigkill_after_a_save_leaves_only_whole_checkpoints(tmp_path):
+    run = tmp_path / "run"
+    _trainer(run, "lazy", "kill", 2, dies=True)
+    assert sorted(p.name for p in run.iterdir() if not p.name.startswith(".")) == ["checkpoint-2"]
+    assert (run / "checkpoint-2" / "latest").read_text() == "global_step2"
+    _trainer(tmp_path / "resumed", "stock", "resume", 2, str(run / "checkpoint-2"))

@@ -184,6 +184,28 @@ def scenario_kill_after_save() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def scenario_kill_before_publish() -> None:
+    """global_step2 published; global_step3 saved and handed over by a step, its commit thread held before the
+    folder decision; ``latest`` read there, then this rank SIGKILLed (forced window: a ``latest`` written at the
+    step, as DeepSpeed's own write would be, names a tag that is not in place)."""
+    engine, handle = published_step2()
+    lazy = handle.checkpoint_engine
+    reached = threading.Event()
+
+    def held(*args, **kwargs):
+        reached.set()
+        threading.Event().wait()  # until the SIGKILL
+
+    lazy._folders.commit = held
+    engine.save_checkpoint(OUT)
+    train(engine, 1, 3)  # the commit at the boundary: the tag handed to the held thread
+    if not reached.wait(60):
+        raise RuntimeError("the commit thread never reached the folder decision")
+    with open(os.path.join(WORKDIR, f"latest-before-publish-{RANK}.txt"), "w") as fh:
+        fh.write(str(_read_latest()))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def scenario_final_save() -> None:
     """The last save of a run, no step after it: engine.destroy() (CONFIG "end": "destroy") or the exit
     drain ("exit") publishes it and writes latest; the listing then."""
@@ -288,6 +310,72 @@ def scenario_stale() -> None:
         RESULT["message"] = str(exc)
     dist.barrier()
     RESULT["listing"] = sorted(os.listdir(OUT))
+
+
+def make_accelerator():
+    """An Accelerator with a DeepSpeedPlugin (on CPU it counts one process; DeepSpeed's engine has both
+    ranks), its prepared engine and optimizer, and lazyckpt.accelerate installed in mode "lazy"."""
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin, DummyOptim
+
+    ds = {
+        "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "train_batch_size": 4 * WORLD,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
+        "zero_optimization": {"stage": CONFIG.get("stage", 2)}, "steps_per_print": 10**9,
+    }  # fmt: skip
+    acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    engine, opt = acc.prepare(model, DummyOptim(model.parameters()))
+    handle = None
+    if CONFIG.get("mode", "lazy") == "lazy":
+        import lazyckpt.accelerate
+
+        handle = lazyckpt.accelerate.install(acc)
+    return acc, engine, handle
+
+
+def scenario_accelerate_save() -> None:
+    """save_state into s1 and s2 (a step between), a step, wait; the probes at each save, the listing."""
+    acc, engine, handle = make_accelerator()
+    train(engine, 2, 1)
+    RESULT["probe1"] = probe(engine)
+    acc.save_state(os.path.join(OUT, "s1"))
+    train(engine, 1, 2)
+    RESULT["probe2"] = probe(engine)
+    acc.save_state(os.path.join(OUT, "s2"))
+    RESULT["s2_latest_on_return"] = os.path.exists(os.path.join(OUT, "s2", "latest"))
+    train(engine, 1, 3)
+    if handle is not None:
+        handle.wait()
+    dist.barrier()
+    RESULT["listing"] = listing(OUT)
+
+
+def scenario_accelerate_load() -> None:
+    """A stock Accelerator loads OUT/<CONFIG["folder"]>: the probe, then a step."""
+    acc, engine, _ = make_accelerator()
+    acc.load_state(os.path.join(OUT, CONFIG["folder"]))
+    RESULT["probe"] = probe(engine)
+    train(engine, 1, 9)  # the loaded optimizer state steps
+
+
+def scenario_accelerate_kill() -> None:
+    """s1 saved and waited for; s2 saved, then this rank SIGKILLed right after save_state returns."""
+    acc, engine, handle = make_accelerator()
+    train(engine, 2, 1)
+    acc.save_state(os.path.join(OUT, "s1"))
+    train(engine, 1, 2)
+    handle.wait()
+    dist.barrier()
+    acc.save_state(os.path.join(OUT, "s2"))
+    # Forced window: Accelerate's own files of s2 durable, the tag not committed (no step since). Without the
+    # folder waiting for the tag, the finisher would remove the marker now; with it, the call is not done.
+    (call,) = [c for c in handle._saves.all() if c.folder == os.path.realpath(os.path.join(OUT, "s2"))]
+    for h in call.core.handles:
+        h.wait()
+    call.done.wait(3)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _fail_writes(code: int | None) -> None:

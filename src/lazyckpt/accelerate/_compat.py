@@ -31,12 +31,12 @@ class FolderSaveLike(Protocol):
 
 logger = logging.getLogger("lazyckpt.accelerate")
 
-# Distributed types whose save_state bypasses ``accelerate.checkpointing.save``: they stay stock (synchronous).
+# Distributed types whose save_state bypasses ``accelerate.checkpointing.save``: they stay stock (synchronous),
+# but for FSDP's sharded state dicts (``_sharded``). DeepSpeed saves through lazyckpt.deepspeed (``_deepspeed``).
 STOCK_ONLY_TYPES = frozenset(
     t
     for t in (
         getattr(DistributedType, "FSDP", None),
-        getattr(DistributedType, "DEEPSPEED", None),
         getattr(DistributedType, "MEGATRON_LM", None),
         getattr(DistributedType, "XLA", None),
     )
@@ -231,6 +231,17 @@ def is_writer(save_on_each_node: bool) -> bool:
     if save_on_each_node:
         return state.is_local_main_process
     return state.is_main_process
+
+
+def is_deepspeed(accelerator: Any) -> bool:
+    return accelerator.distributed_type == getattr(DistributedType, "DEEPSPEED", None)
+
+
+def deepspeed_tag(index: int) -> str:
+    """The tag stock ``save_state`` gives the ``index``-th DeepSpeed engine's ``save_checkpoint``."""
+    from accelerate.utils.constants import MODEL_NAME
+
+    return MODEL_NAME if index == 0 else f"{MODEL_NAME}_{index}"
 
 
 def is_sharded_fsdp(accelerator: Any) -> bool:

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
     from lazyckpt import LazyCheckpointer, Level, SaveHandle
+    from lazyckpt.deepspeed.installs import EngineInstalls
 
 logger = logging.getLogger("lazyckpt.accelerate")
 
@@ -64,6 +65,7 @@ class AccelerateHandle(InstalledHandle):
         self._saves = SaveStateCalls()
         self._old_folders = OldFolders(checkpointer)
         self._sharded = ShardedRoute(self, checkpointer)
+        self._deepspeed: EngineInstalls | None = None  # DeepSpeed engines, at the first save of one
         self._steps_seen = _guard.steps()  # optimizer steps at install / the last save_state
         self._tracked: set[int] = set()
         self._tracked_refs: list[Any] = []
@@ -106,6 +108,8 @@ class AccelerateHandle(InstalledHandle):
 
         if self._levels is not None:  # first: level copies end with retention removals
             self._levels.drain(left())
+        if self._deepspeed is not None:  # first: it hands over open tags (the calls' markers wait for them)
+            self._deepspeed.wait(left())
         for call in self._saves.all():
             call.wait(left())
         self.checkpointer.wait(left())
@@ -175,10 +179,12 @@ class AccelerateHandle(InstalledHandle):
                 self._levels.close()
             self._tracked_refs.clear()
             _exit.unregister(self)
-            try:
-                self._sharded.close()
-            except BaseException as exc:  # noqa: BLE001 - drained above; reported if nothing else was
-                error = error or exc
+            for route in (self._sharded, self._deepspeed):
+                try:
+                    if route is not None:
+                        route.close()
+                except BaseException as exc:  # noqa: BLE001 - drained above; reported if nothing else was
+                    error = error or exc
             if self._owns:
                 self.checkpointer.close()
         if error is not None:
@@ -199,6 +205,11 @@ class AccelerateHandle(InstalledHandle):
         url = _url.save_target(self.accelerator, output_dir)
         if url is not None:
             self._drain_before_shutdown()
+            if _compat.is_deepspeed(self.accelerator) and not self._removed:
+                raise SaveRefusedError(
+                    f"lazyckpt.accelerate: save_state to a URL ({url}) is not supported with DeepSpeed; "
+                    "save to a folder"
+                )
         stock = self._patch.stock_save_state
         if self._removed or not self._lazy_supported():
             if url is not None:
@@ -254,9 +265,20 @@ class AccelerateHandle(InstalledHandle):
                 f"{self.accelerator.distributed_type} does not take; save to explicit folders "
                 "(save_state(output_dir)) instead"
             )
+        deepspeed = _compat.is_deepspeed(self.accelerator)
+        if deepspeed and prepare is not None:
+            raise SaveRefusedError(
+                "lazyckpt.accelerate: save_state by level is not supported with DeepSpeed yet; save to explicit "
+                "folders (save_state(output_dir)) instead"
+            )
         self._old_folders.make_room(self.accelerator, self._saves)  # before stock's rmtree of old folders
         self._raise_unreported()  # an earlier failure is reported here at the latest
-        self._track_new_optimizers()
+        if deepspeed:  # the engines' optimizers are DeepSpeed's: each engine declares its tensors itself
+            from lazyckpt.accelerate import _deepspeed
+
+            self._deepspeed = _deepspeed.install(self._deepspeed, self.checkpointer.options, self.accelerator)
+        else:
+            self._track_new_optimizers()
         call = SaveStateCall(
             self,
             self.checkpointer,
@@ -275,6 +297,10 @@ class AccelerateHandle(InstalledHandle):
             aborted = False
         finally:
             _compat.active_save.reset(token)
+            if self._deepspeed is not None and not aborted and call.folder is not None:
+                from lazyckpt.accelerate import _deepspeed
+
+                _deepspeed.attach(self._deepspeed, self.accelerator, call, call.folder)
             if call.folder is not None:
                 sync, scan = stock_written_files(self.accelerator, call.folder)
                 self._saves.add(call)

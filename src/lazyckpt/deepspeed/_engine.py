@@ -29,7 +29,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 
 from lazyckpt.checkpointer import LazyCheckpointer
 from lazyckpt.core import exit as _exit
-from lazyckpt.core.handle import SaveHandle
+from lazyckpt.core.handle import Completion, SaveHandle, SaveStats
 from lazyckpt.core.plan import tensors_in
 from lazyckpt.distributed.folder_commit import FolderCommit
 from lazyckpt.errors import CheckpointerClosedError
@@ -53,6 +53,9 @@ class _Tag:
     handles: list[SaveHandle] = field(default_factory=list)  # saves into the staging folder
     direct: list[SaveHandle] = field(default_factory=list)  # saves elsewhere (save_16bit_model)
     finished: threading.Event = field(default_factory=threading.Event)
+    handed: bool = False  # handed over to the commit thread (once)
+    completion: Completion | None = None  # the tag's handle (``handle_of``): done when published or failed
+    t0: float = field(default_factory=time.perf_counter)
 
 
 class LazyCheckpointEngine(CheckpointEngine):
@@ -101,7 +104,10 @@ class LazyCheckpointEngine(CheckpointEngine):
             raise CheckpointerClosedError("this LazyCheckpointEngine is closed")
         if self._open is not None:  # saved again with no step between: nothing changed since
             self._hand_over(self._open)
-        self._open = _Tag(info, os.path.join(os.path.abspath(info.save_dir), str(info.tag)))
+        tag = _Tag(info, os.path.join(os.path.abspath(info.save_dir), str(info.tag)))
+        tag.completion = Completion(tag.final)
+        tag.completion.bind(confirm=lambda _timeout: self._hand_over(tag))  # a wait on it hands it over
+        self._open = tag
 
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
         tag = self._open
@@ -162,6 +168,19 @@ class LazyCheckpointEngine(CheckpointEngine):
 
     # -- the caller's ------------------------------------------------------------------------------
 
+    def handle_of(self, save_dir: str, tag: str | None = None) -> SaveHandle | None:
+        """The handle of the tag ``save_checkpoint(save_dir, tag)`` left open (``tag`` None: the open tag of
+        ``save_dir``, whatever its name; None: no such tag): done once
+        the tag folder is published (and ``latest`` written) or failed. A wait on it hands the tag over
+        first, as the next ``step()`` would; its error is also raised once by this engine."""
+        open_tag = self._open
+        if open_tag is None or open_tag.completion is None:
+            return None
+        want = os.path.join(save_dir, str(tag)) if tag is not None else os.path.join(save_dir, str(open_tag.info.tag))
+        if os.path.realpath(open_tag.final) != os.path.realpath(want):
+            return None
+        return open_tag.completion.handle
+
     def wait(self, timeout: float | None = None) -> None:
         """Hand over an open tag, wait until every tag is published or failed; raise the first unseen error.
         ``TimeoutError`` if ``timeout`` seconds pass first."""
@@ -216,6 +235,9 @@ class LazyCheckpointEngine(CheckpointEngine):
     def _hand_over(self, tag: _Tag) -> None:
         """The tag's copies done (the optimizer may change its tensors), its folder to the commit thread."""
         with self._lock:
+            if tag.handed:
+                return
+            tag.handed = True
             if self._open is tag:
                 self._open = None
         for handle in tag.handles + tag.direct:
@@ -224,7 +246,7 @@ class LazyCheckpointEngine(CheckpointEngine):
             except BaseException:  # noqa: BLE001 - the commit thread reports it, on every rank alike
                 pass
         if not tag.folder:
-            tag.finished.set()
+            self._finish(tag, None)
             return
         with self._lock:
             self._queued.append(tag)
@@ -258,11 +280,26 @@ class LazyCheckpointEngine(CheckpointEngine):
                 self._queued.remove(tag)
         if error is None:
             logger.info("lazyckpt: DeepSpeed checkpoint %s committed", tag.final)
+        if tag.completion is not None:
+            tag.completion.finish(None if error is not None else _stats(tag), error)
         tag.finished.set()
 
     def _write_latest(self, save_dir: str, tag: str) -> None:
         """Rank 0, the tag folder in place: ``latest`` names it (written aside, fsynced, renamed over)."""
         _fs.write_bytes(os.path.join(save_dir, "latest"), tag.encode(), self.checkpointer.fsync)
+
+
+def _stats(tag: _Tag) -> SaveStats:
+    """The tag's stats: its files' bytes summed, its times from ``create``."""
+    files = [h.stats for h in tag.handles + tag.direct if h.stats is not None]
+    written = sum(s.write_s for s in files)
+    nbytes = sum(s.bytes for s in files)
+    return SaveStats(
+        path=tag.final, bytes=nbytes, file_bytes=sum(s.file_bytes for s in files),
+        blocked_s=sum(s.blocked_s for s in files), staged_s=max((s.staged_s for s in files), default=0.0),
+        durable_s=time.perf_counter() - tag.t0, write_s=written, write_gbps=nbytes / written / 1e9 if written else 0.0,
+        guard_wait_s=sum(s.guard_wait_s for s in files),
+    )  # fmt: skip
 
 
 def _drain_at_exit(engine: LazyCheckpointEngine) -> None:

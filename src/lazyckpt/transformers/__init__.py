@@ -49,7 +49,7 @@ def install(
     (``global_step % every == 0``) instead of ``args.output_dir``; ``keep`` replaces ``save_total_limit``.
 
     Raises :class:`UnsupportedTrainerError` (nothing changed) for a second install on the same trainer, a
-    subclass that overrides ``_save_checkpoint``, DeepSpeed, FSDP, XLA, SageMaker MP, ``levels`` beside
+    subclass that overrides ``_save_checkpoint``, FSDP, XLA, SageMaker MP, ``levels`` beside
     ``save_total_limit``, or a transformers version whose ``_save_checkpoint`` is not the one mirrored.
     """
     if checkpointer is not None and (core_options or options is not None):

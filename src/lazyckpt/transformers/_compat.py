@@ -148,7 +148,6 @@ def check_trainer(trainer: Any) -> None:
             "(they still run, into the checkpoint folder), or keep stock saving."
         )
     refused = {
-        "DeepSpeed": getattr(trainer, "is_deepspeed_enabled", False),
         "FSDP": getattr(trainer, "is_fsdp_enabled", False),
         "torch_xla": _xla(),
         "SageMaker model parallel": _smp(),

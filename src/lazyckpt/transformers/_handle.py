@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from transformers import Trainer
 
     from lazyckpt import LazyCheckpointer
+    from lazyckpt.deepspeed.installs import EngineInstalls
     from lazyckpt.transformers._levels import TrainerLevels
 
 logger = logging.getLogger("lazyckpt.transformers")
@@ -56,12 +57,19 @@ class Checkpoints:
         self._warned_unrouted = False
         self._lock = reentry.Lock()
         self._committer: Worker[Callable[[], None]] = Worker("lazyckpt-transformers-commit", _run, lazy=True)
+        self.deepspeed: EngineInstalls | None = None  # DeepSpeed's engine saves through lazyckpt.deepspeed
 
     # -- the mirror's calls, on the training thread --------------------------------------------------
     def before(self) -> None:
         """Raise an earlier checkpoint's failure; track the optimizer (its next ``step()`` waits for copies)."""
         self.prune()
         self.checkpointer.raise_errors()
+        if getattr(self.trainer, "is_deepspeed_enabled", False):  # its engine declares what it saves itself
+            from lazyckpt.deepspeed.installs import EngineInstalls
+
+            self.deepspeed = self.deepspeed or EngineInstalls(self.checkpointer.options)
+            self.deepspeed.ensure(self.trainer.model_wrapped)
+            return
         opt = getattr(self.trainer, "optimizer", None)
         inner = getattr(opt, "optimizer", opt)
         if isinstance(inner, torch.optim.Optimizer):
@@ -97,6 +105,15 @@ class Checkpoints:
     def saved(self, final: str) -> bool:
         """Whether ``final`` was saved here (committed or not: stock's folder would exist by now)."""
         return final in self._saved
+
+    def add_deepspeed_tag(self, save: CheckpointSave) -> None:
+        """The folder's commit also waits for the tag DeepSpeed's engine saved into it (``global_stepN``): its
+        files durable on every rank, then ``latest``. The tag is handed over at the next ``step()``, or by a wait."""
+        if self.deepspeed is None or not save.writer:
+            return
+        handle = self.deepspeed.tag_handle(self.trainer.model_wrapped, save.staging)
+        if handle is not None:
+            save.handles.append(handle)
 
     def abort(self, save: CheckpointSave) -> None:
         save.abort(self.commit)
@@ -218,6 +235,7 @@ class SaveCheckpointMirror:
             raise
         finally:
             _compat.active.reset(token)
+        checkpoints.add_deepspeed_tag(save)
         final = save.final
         push = (lambda: self._push_from_checkpoint(final)) if args.push_to_hub else None
         checkpoints.end(save, push, self.state.best_model_checkpoint, t0)
@@ -278,6 +296,8 @@ class TransformersHandle(InstalledHandle):
             return None if deadline is None else max(0.0, deadline - time.monotonic())
 
         try:
+            if self._checkpoints.deepspeed is not None:  # open tags handed over, then published
+                self._checkpoints.deepspeed.wait(left())
             self.checkpointer.wait(left())  # confirms this thread's copies, waits for the files
         finally:
             for save in self._checkpoints.pending():
@@ -315,6 +335,11 @@ class TransformersHandle(InstalledHandle):
                 vars(self._jit).pop("execute_jit_checkpoint", None)
             _compat.release_gate()
             self._checkpoints.stop()
+            if self._checkpoints.deepspeed is not None:
+                try:
+                    self._checkpoints.deepspeed.close()  # the engines get their previous checkpoint engine back
+                except BaseException as exc:  # noqa: BLE001
+                    error = error or exc
             if self._levels is not None:
                 self._levels.close()
             _exit.unregister(self)
