@@ -89,6 +89,11 @@ def test_a_load_right_after_a_save_in_the_same_process_reads_it(tmp_path):
     assert r0["loaded"].endswith("again/mp_rank_00_model_states.pt")
 
 
+def test_a_second_engine_of_the_process_loads_what_the_first_saved_before_its_step(tmp_path):
+    for r in _run("second_engine_loads", tmp_path, stage=2):
+        assert r["loaded"] == "t1" and r["same"] and r["same_by_tag"], r
+
+
 def test_enospc_on_one_rank_fails_every_rank_and_keeps_latest(tmp_path):
     for r in _run("enospc", tmp_path, stage=2):
         assert r["raised"] == "DistributedSaveError" and r["ranks"] == [1], r

@@ -1,8 +1,10 @@
-"""Run Lightning's and Accelerate's own checkpoint tests stock and with lazyckpt injected; print them side by side.
+"""Run Lightning's, Accelerate's and DeepSpeed's own checkpoint tests stock and with lazyckpt injected; print them
+side by side.
 
-    python scripts/upstream/run.py [--suites accelerate lightning fabric] [--timeout 120] [--out DIR]
+    python scripts/upstream/run.py [--suites accelerate lightning fabric deepspeed] [--timeout 120] [--out DIR]
         [--lightning-src PATH]   # a checkout holding tests/ (env LAZYCKPT_LIGHTNING_SRC); fetched, never shipped
         [--accelerate-src PATH]  # default: the sdist of the installed Accelerate, downloaded into DIR
+        [--deepspeed-src PATH]   # DeepSpeed's tests/ at the installed version's tag (env LAZYCKPT_DEEPSPEED_SRC)
 
 Modes run one after another (no -x, no xdist, -p no:cacheprovider). Each test has a per-test timeout
 (pytest-timeout, signal method: a hang fails that test as "hung" and the run goes on); a run the timeout cannot
@@ -77,7 +79,30 @@ FABRIC = Suite(
     ("tests_fabric/test_fabric.py",),
     "test_save or test_load or fabric_load",
 )
-SUITES = {s.name: s for s in (ACCELERATE, LIGHTNING, FABRIC)}
+# DeepSpeed's checkpoint unit tests that run on CPU (DS_ACCELERATOR=cpu, LOCAL_SIZE=2: two CPU "devices"); the
+# universal-checkpoint (144), AutoTP and pipeline files need more ranks or a GPU and are left out.
+DEEPSPEED = Suite(
+    "deepspeed",
+    "lazyckpt_upstream_deepspeed",
+    ("stock", "lazy"),
+    "stock",
+    tuple(
+        f"unit/checkpoint/test_{name}.py"
+        for name in (
+            "latest_checkpoint",
+            "tag_validation",
+            "zero_optimizer",
+            "lr_scheduler",
+            "other_optimizer",
+            "shared_weights",
+            "sparse",
+            "convert_checkpoint",
+            "moe_checkpoint",
+            "reshape_checkpoint",
+        )
+    ),  # fmt: skip
+)
+SUITES = {s.name: s for s in (ACCELERATE, LIGHTNING, FABRIC, DEEPSPEED)}
 
 
 def log(msg: str) -> None:
@@ -117,6 +142,17 @@ def lightning_tests(given: str | None) -> Path:
     if not (tests / "tests_pytorch").is_dir():
         raise SystemExit(f"{tests}/tests_pytorch not found: --lightning-src must hold Lightning's tests/")
     return tests
+
+
+def deepspeed_tests(given: str | None) -> Path:
+    src = given or os.environ.get("LAZYCKPT_DEEPSPEED_SRC")
+    if not src or not (Path(src) / "tests" / "unit" / "checkpoint").is_dir():
+        raise SystemExit(
+            "DeepSpeed's tests are not in its wheel: pass a folder holding tests/ at the installed version's tag "
+            "(--deepspeed-src or LAZYCKPT_DEEPSPEED_SRC), e.g. `git --git-dir=<clone>/.git archive v0.19.5 tests | "
+            "tar -x -C <dir>`; the tests must match the installed DeepSpeed"
+        )
+    return Path(src) / "tests"
 
 
 # -- one mode --------------------------------------------------------------------------------------
@@ -293,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="build/upstream")
     ap.add_argument("--lightning-src")
     ap.add_argument("--accelerate-src")
+    ap.add_argument("--deepspeed-src")
     ap.add_argument("--paths", nargs="+", help="run only these test paths (globs allowed) instead of the suites' lists")
     args = ap.parse_args(argv)
     out = Path(args.out).resolve()
@@ -303,6 +340,10 @@ def main(argv: list[str] | None = None) -> int:
         if name == "accelerate":
             cwd = accelerate_source(out, args.accelerate_src)
             extra = {"PYTHONPATH": os.pathsep.join(p for p in (str(cwd), os.environ.get("PYTHONPATH", "")) if p)}
+        elif name == "deepspeed":
+            cwd, extra = deepspeed_tests(args.deepspeed_src), {"DS_ACCELERATOR": "cpu", "LOCAL_SIZE": "2"}
+            site = [str(HERE / "deepspeed_site"), os.environ.get("PYTHONPATH", "")]  # sitecustomize: every process
+            extra["PYTHONPATH"] = os.pathsep.join(p for p in site if p)
         else:
             cwd, extra = lightning_tests(args.lightning_src), {}
         modes = [m for m in (args.modes or suite.modes) if m in suite.modes]

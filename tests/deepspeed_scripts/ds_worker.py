@@ -137,6 +137,27 @@ def scenario_load_latest() -> None:
     train(engine, 1, 9)  # the loaded optimizer state steps
 
 
+def scenario_second_engine_loads() -> None:
+    """DeepSpeed's own checkpoint tests: engine A saves (no step after: its tag still open), a second engine B
+    of the same process loads the folder by ``latest`` and by tag: B sees A's checkpoint whole."""
+    a = make_engine()
+    install(a)
+    train(a, 2, 1)
+    want = probe(a)
+    a.save_checkpoint(OUT, tag="t1")
+    b = make_engine(seed=7)
+    install(b)
+    path, _ = b.load_checkpoint(OUT)  # by latest
+    RESULT["loaded"] = os.path.basename(os.path.dirname(path)) if path else None
+    RESULT["same"] = probe(b) == want
+    train(a, 1, 2)
+    a.save_checkpoint(OUT, tag="t2")
+    c = make_engine(seed=8)
+    install(c)
+    c.load_checkpoint(OUT, tag="t2")
+    RESULT["same_by_tag"] = probe(c) == probe(a)
+
+
 def scenario_resume_same_process() -> None:
     """Save, then load right away in the same process (before any step): the handle's load waits."""
     engine = make_engine()

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lazyckpt.core.installed import InstalledHandle
-from lazyckpt.deepspeed._engine import LazyCheckpointEngine
+from lazyckpt.deepspeed._engine import LazyCheckpointEngine, publish_pending
 from lazyckpt.errors import SaveRefusedError
 from lazyckpt.levels import Level
 from lazyckpt.options import CheckpointerOptions
@@ -38,6 +38,9 @@ class DeepSpeedHandle(InstalledHandle):
 
         def load_checkpoint(this: Any, *args: Any, **kwargs: Any) -> Any:
             lazy.wait()  # DeepSpeed reads ``latest`` before it reads any file: publish pending tags first
+            load_dir = args[0] if args else kwargs.get("load_dir")
+            if load_dir is not None:  # and those another engine of this process saves there
+                publish_pending(os.fspath(load_dir))
             return stock_load(this, *args, **kwargs)
 
         engine.load_checkpoint = types.MethodType(load_checkpoint, engine)

@@ -20,6 +20,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +40,8 @@ from lazyckpt.threads import reentry
 from lazyckpt.threads.workers import Worker
 
 logger = logging.getLogger("lazyckpt.deepspeed")
+
+_LIVE: weakref.WeakSet[LazyCheckpointEngine] = weakref.WeakSet()  # every engine not closed, for publish_pending
 
 
 @dataclass(eq=False)
@@ -95,6 +98,7 @@ class LazyCheckpointEngine(CheckpointEngine):
         self._closed = False
         self._worker: Worker[_Tag] = Worker("lazyckpt-deepspeed-commit", self._commit_tag)
         _exit.register(self, _drain_at_exit, layer=_exit.INTEGRATION)
+        _LIVE.add(self)
 
     # -- DeepSpeed's calls, all on the training thread ---------------------------------------------
 
@@ -155,6 +159,7 @@ class LazyCheckpointEngine(CheckpointEngine):
 
     def load(self, path: str, map_location: Any = None) -> Any:
         self.wait()
+        publish_pending(path)
         return torch.load(path, map_location=map_location, weights_only=False)
 
     def is_decoupled(self) -> bool:
@@ -195,6 +200,18 @@ class LazyCheckpointEngine(CheckpointEngine):
                 raise TimeoutError(f"lazyckpt: the DeepSpeed checkpoint {tag.final} is still being committed")
         self.raise_errors()
 
+    def pending_into(self, path: str) -> bool:
+        """Whether a tag not yet published is read by a load of ``path`` (its ``save_dir``, the tag folder or
+        a file in it)."""
+        target = os.path.realpath(path)
+        with self._lock:
+            tags = [*([self._open] if self._open is not None else []), *self._queued]
+        for tag in tags:
+            final = os.path.realpath(tag.final)
+            if target in (final, os.path.dirname(final)) or target.startswith(final + os.sep):
+                return True
+        return False
+
     def raise_errors(self) -> None:
         """Raise the first failed tag's error not raised yet (each is raised once)."""
         with self._lock:
@@ -216,6 +233,7 @@ class LazyCheckpointEngine(CheckpointEngine):
             self._folders.close()
             self.checkpointer.close()
             _exit.unregister(self)
+            _LIVE.discard(self)
 
     # -- internals ---------------------------------------------------------------------------------
 
@@ -287,6 +305,15 @@ class LazyCheckpointEngine(CheckpointEngine):
     def _write_latest(self, save_dir: str, tag: str) -> None:
         """Rank 0, the tag folder in place: ``latest`` names it (written aside, fsynced, renamed over)."""
         _fs.write_bytes(os.path.join(save_dir, "latest"), tag.encode(), self.checkpointer.fsync)
+
+
+def publish_pending(path: str) -> None:
+    """Publish first every tag of this process's engines that a load of ``path`` reads (a ``save_dir``, a tag
+    folder or a file in it), waiting for them: a load sees what any engine here saved, as with stock's files,
+    complete when ``save_checkpoint`` returned. Their errors are raised (once)."""
+    for engine in list(_LIVE):
+        if engine.pending_into(path):
+            engine.wait()
 
 
 def _stats(tag: _Tag) -> SaveStats:
