@@ -8,6 +8,7 @@ Modules: ``_engine`` (the engine and its commit thread). The core never imports 
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import types
@@ -24,6 +25,7 @@ from lazyckpt.recovery import Found
 __all__ = ["DeepSpeedHandle", "LazyCheckpointEngine", "install", "latest"]
 
 _STEP = re.compile(r"global_step(\d+)$")
+_RECOVERY_SCRIPT = "_copy_recovery_script"  # DeepSpeedEngine's method copying zero_to_fp32.py into save_dir
 
 
 class DeepSpeedHandle(InstalledHandle):
@@ -44,6 +46,15 @@ class DeepSpeedHandle(InstalledHandle):
             return stock_load(this, *args, **kwargs)
 
         engine.load_checkpoint = types.MethodType(load_checkpoint, engine)
+        # DeepSpeed copies zero_to_fp32.py into save_dir inside every save (rank 0): on the commit thread instead,
+        # once this rank's files are durable (a truncating copy would wait there for the journal behind them).
+        copy_script = getattr(type(engine), _RECOVERY_SCRIPT, None)  # a private method: absent, stock copies
+        if copy_script is not None:
+
+            def copy_recovery_script(this: Any, save_path: str) -> None:
+                lazy.defer(functools.partial(copy_script, this, save_path))
+
+            setattr(engine, _RECOVERY_SCRIPT, types.MethodType(copy_recovery_script, engine))
         engine.checkpoint_engine = lazy  # the engine drains itself at exit (``_engine._drain_at_exit``)
 
     def wait(self, timeout: float | None = None) -> None:
@@ -57,6 +68,7 @@ class DeepSpeedHandle(InstalledHandle):
         finally:
             self._removed = True
             vars(self.engine).pop("load_checkpoint", None)
+            vars(self.engine).pop(_RECOVERY_SCRIPT, None)
             self.engine.checkpoint_engine = self._previous
 
     def __enter__(self) -> DeepSpeedHandle:

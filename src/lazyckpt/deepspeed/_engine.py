@@ -21,6 +21,7 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +58,7 @@ class _Tag:
     direct: list[SaveHandle] = field(default_factory=list)  # saves elsewhere (save_16bit_model)
     finished: threading.Event = field(default_factory=threading.Event)
     handed: bool = False  # handed over to the commit thread (once)
+    deferred: list[Callable[[], None]] = field(default_factory=list)  # run on the commit thread (``defer``)
     completion: Completion | None = None  # the tag's handle (``handle_of``): done when published or failed
     t0: float = field(default_factory=time.perf_counter)
 
@@ -200,6 +202,15 @@ class LazyCheckpointEngine(CheckpointEngine):
                 raise TimeoutError(f"lazyckpt: the DeepSpeed checkpoint {tag.final} is still being committed")
         self.raise_errors()
 
+    def defer(self, job: Callable[[], None]) -> None:
+        """Run ``job`` on the commit thread once this rank's files of the open tag are durable, before the folder
+        decision (its error fails the tag on every rank); at once when no tag is open."""
+        tag = self._open
+        if tag is None:
+            job()
+        else:
+            tag.deferred.append(job)
+
     def pending_into(self, path: str) -> bool:
         """Whether a tag not yet published is read by a load of ``path`` (its ``save_dir``, the tag folder or
         a file in it)."""
@@ -277,6 +288,11 @@ class LazyCheckpointEngine(CheckpointEngine):
         for handle in tag.handles:
             try:
                 handle.wait()
+            except BaseException as exc:  # noqa: BLE001 - reported to every rank
+                own = own or exc
+        for job in tag.deferred if own is None else ():
+            try:
+                job()
             except BaseException as exc:  # noqa: BLE001 - reported to every rank
                 own = own or exc
         info = tag.info
