@@ -91,7 +91,7 @@ def test_a_load_right_after_a_save_in_the_same_process_reads_it(tmp_path):
 
 def test_a_second_engine_of_the_process_loads_what_the_first_saved_before_its_step(tmp_path):
     for r in _run("second_engine_loads", tmp_path, stage=2):
-        assert r["loaded"] == "t1" and r["same"] and r["same_by_tag"], r
+        assert r["loaded"] == "t1" and r["same"] and r["same_by_tag"] and r["converted"], r
 
 
 def test_enospc_on_one_rank_fails_every_rank_and_keeps_latest(tmp_path):

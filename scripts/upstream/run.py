@@ -331,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--accelerate-src")
     ap.add_argument("--deepspeed-src")
     ap.add_argument("--paths", nargs="+", help="run only these test paths (globs allowed) instead of the suites' lists")
+    ap.add_argument("--report-only", action="store_true", help="no run: the summary of the outcomes already in --out")
     args = ap.parse_args(argv)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -347,6 +348,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             cwd, extra = lightning_tests(args.lightning_src), {}
         modes = [m for m in (args.modes or suite.modes) if m in suite.modes]
+        if args.report_only:  # (modes run apart, e.g. side by side into one --out)
+            results[name] = {m: read_rows(out / f"{name}-{m}.jsonl")[0] for m in modes}
+            continue
         results[name] = {m: run_mode(suite, m, cwd, out, args.timeout, extra, args.stuck_after) for m in modes}
     report = [f"## Upstream suites, per-test timeout {args.timeout:g} s\n", table(results)]
     report += [differences(SUITES[n], by_mode) for n, by_mode in results.items()]

@@ -156,6 +156,16 @@ def scenario_second_engine_loads() -> None:
     install(c)
     c.load_checkpoint(OUT, tag="t2")
     RESULT["same_by_tag"] = probe(c) == probe(a)
+    train(a, 1, 3)
+    a.save_checkpoint(OUT, tag="t3")  # then converted at once, as DeepSpeed's convert test does
+    from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict
+
+    out = os.path.join(WORKDIR, f"fp32-{RANK}")
+    convert_zero_checkpoint_to_fp32_state_dict(OUT, out, safe_serialization=False)
+    got = torch.load(os.path.join(out, "pytorch_model.bin"), weights_only=True)
+    RESULT["converted"] = sorted(got) == sorted(n for n, _ in a.module.named_parameters()) and all(
+        torch.equal(got[n], p.detach()) for n, p in a.module.named_parameters()
+    )
 
 
 def scenario_resume_same_process() -> None:

@@ -105,7 +105,27 @@ def install(
     if previous.is_decoupled():  # its pending checkpoint written before it goes
         previous.cleanup()
     lazy = LazyCheckpointEngine(options=options, commit_timeout=commit_timeout, **core_options)
+    _publish_before_conversion()
     return DeepSpeedHandle(engine, lazy, previous)
+
+
+def _publish_before_conversion() -> None:
+    """DeepSpeed's ``zero_to_fp32`` readers (``get_fp32_state_dict_from_zero_checkpoint``, which its converters
+    call) publish this process's pending tags of the folder first, as a load does (process-wide, once; code that
+    imported the function before the first ``install()`` keeps the unwrapped one)."""
+    from deepspeed.utils import zero_to_fp32
+
+    read = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint
+    if getattr(read, "lazyckpt_publishes", False):
+        return
+
+    @functools.wraps(read)
+    def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: Any, *args: Any, **kwargs: Any) -> Any:
+        publish_pending(os.fspath(checkpoint_dir))
+        return read(checkpoint_dir, *args, **kwargs)
+
+    get_fp32_state_dict_from_zero_checkpoint.lazyckpt_publishes = True  # type: ignore[attr-defined]
+    zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint = get_fp32_state_dict_from_zero_checkpoint
 
 
 def latest(save_dir: str | os.PathLike[str]) -> Found | None:
