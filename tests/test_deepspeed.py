@@ -94,6 +94,19 @@ def test_a_second_engine_of_the_process_loads_what_the_first_saved_before_its_st
         assert r["loaded"] == "t1" and r["same"] and r["same_by_tag"] and r["converted"], r
 
 
+def test_a_save_checkpoint_that_raises_is_never_published_later(tmp_path):
+    for r in _run("save_raises", tmp_path, stage=2):
+        assert r["raised"] == "RuntimeError", r
+        assert r["latest"] == "global_step2" and "global_step3" not in r["listing"], r
+        assert not any(".lazyckpt-dist-" in name for name in r["listing"]), r
+
+
+def test_a_save_from_a_signal_handler_inside_lazyckpt_is_written_at_once_and_keeps_latest(tmp_path):
+    for r in _run("reentered_save", tmp_path, stage=2):
+        assert r["latest_on_return"] == "sync" and "mp_rank_00_model_states.pt" in r["sync_files"], r
+        assert r["latest"] == "sync" and "lazy3" in r["listing"], r  # the older tag published, latest kept
+
+
 def test_enospc_on_one_rank_fails_every_rank_and_keeps_latest(tmp_path):
     for r in _run("enospc", tmp_path, stage=2):
         assert r["raised"] == "DistributedSaveError" and r["ranks"] == [1], r

@@ -168,6 +168,52 @@ def scenario_second_engine_loads() -> None:
     )
 
 
+def scenario_save_raises() -> None:
+    """global_step2 published; a save_checkpoint that raises on every rank at its optimizer file (after rank 0's
+    model file was saved), then steps: its tag is never published, latest stays, and nothing more is raised (the
+    caller saw the error). (Raised on one rank only, DeepSpeed's own barriers would go out of step, as stock.)"""
+    engine, handle = published_step2()
+    lazy = handle.checkpoint_engine
+    save = lazy.checkpointer.save
+
+    def failing(obj, path, *args, **kwargs):
+        if "optim_states" in os.fspath(path):
+            raise RuntimeError("injected: the optimizer file cannot be saved")
+        return save(obj, path, *args, **kwargs)
+
+    lazy.checkpointer.save = failing
+    try:
+        engine.save_checkpoint(OUT)
+        RESULT["raised"] = None
+    except Exception as exc:  # noqa: BLE001
+        RESULT["raised"] = type(exc).__name__
+    train(engine, 2, 3)
+    handle.wait()
+    dist.barrier()
+    RESULT["latest"] = _read_latest()
+    RESULT["listing"] = sorted(os.listdir(OUT))
+
+
+def scenario_reentered_save() -> None:
+    """A tag saved lazily and left open, then a save from inside lazyckpt (as a signal handler that interrupted
+    it would): written at once through the stock engine, latest naming it on return; the older lazy tag, committed
+    at the next step, never moves latest back."""
+    from lazyckpt.threads import reentry
+
+    engine, handle = published_step2()
+    engine.save_checkpoint(OUT, tag="lazy3")
+    with reentry.inside():
+        engine.save_checkpoint(OUT, tag="sync")
+    dist.barrier()
+    RESULT["latest_on_return"] = _read_latest()
+    RESULT["sync_files"] = sorted(os.listdir(os.path.join(OUT, "sync")))
+    train(engine, 1, 3)
+    handle.wait()
+    dist.barrier()
+    RESULT["latest"] = _read_latest()
+    RESULT["listing"] = sorted(os.listdir(OUT))
+
+
 def scenario_resume_same_process() -> None:
     """Save, then load right away in the same process (before any step): the handle's load waits."""
     engine = make_engine()

@@ -19,11 +19,19 @@ from lazyckpt.options import CheckpointerOptions
 def install(engines: EngineInstalls | None, options: CheckpointerOptions, accelerator: Any) -> EngineInstalls:
     """Every prepared DeepSpeed engine saves lazily (training thread, before stock ``save_state``); ``engines``
     made at the first call (this module is imported only for DeepSpeed accelerators)."""
-    engines = engines if engines is not None else EngineInstalls(options)
+    engines = engines if engines is not None else EngineInstalls(options, before_save=_mark_folder)
     for model in _compat.prepared_models(accelerator):
         if isinstance(model, DeepSpeedEngine):
             engines.ensure(model)
     return engines
+
+
+def _mark_folder(save_dir: str) -> None:
+    """An engine's save starts inside an installed ``save_state``: the folder's marker first, so a save that
+    raises before Accelerate's own files leaves it marked incomplete."""
+    call = _compat.active_save.get()
+    if isinstance(call, SaveStateCall):
+        call.begin(save_dir)
 
 
 def attach(engines: EngineInstalls, accelerator: Any, call: SaveStateCall, output_dir: str) -> None:

@@ -108,11 +108,13 @@ class AccelerateHandle(InstalledHandle):
 
         if self._levels is not None:  # first: level copies end with retention removals
             self._levels.drain(left())
-        if self._deepspeed is not None:  # first: it hands over open tags (the calls' markers wait for them)
-            self._deepspeed.wait(left())
-        for call in self._saves.all():
-            call.wait(left())
-        self.checkpointer.wait(left())
+        try:
+            if self._deepspeed is not None:  # first: it hands over open tags (the calls' markers wait for them)
+                self._deepspeed.wait(left())
+        finally:
+            for call in self._saves.all():
+                call.wait(left())
+            self.checkpointer.wait(left())
         self._raise_unreported()
         self._sharded.wait(left())
         self._saves.prune()

@@ -3,7 +3,8 @@
 ``install(engine)`` puts a :class:`LazyCheckpointEngine` on the engine: ``save_checkpoint`` returns once the
 non-tensor state is pickled, the tensors are copied in the background, the next ``step()`` waits only for
 those copies, and the tag folder appears whole (every rank's files durable) before ``latest`` names it.
-Modules: ``_engine`` (the engine and its commit thread). The core never imports DeepSpeed.
+Modules: ``_engine`` (the engine and its commit thread), ``installs`` (``EngineInstalls``: the engines Accelerate's
+and the transformers integrations install). The core never imports DeepSpeed.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import functools
 import os
 import re
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from lazyckpt.core.installed import InstalledHandle
@@ -21,11 +22,14 @@ from lazyckpt.errors import SaveRefusedError
 from lazyckpt.levels import Level
 from lazyckpt.options import CheckpointerOptions
 from lazyckpt.recovery import Found
+from lazyckpt.storage import fs as _fs
+from lazyckpt.threads import reentry
 
 __all__ = ["DeepSpeedHandle", "LazyCheckpointEngine", "install", "latest"]
 
 _STEP = re.compile(r"global_step(\d+)$")
 _RECOVERY_SCRIPT = "_copy_recovery_script"  # DeepSpeedEngine's method copying zero_to_fp32.py into save_dir
+_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")  # what it copies (0.19)
 
 
 class DeepSpeedHandle(InstalledHandle):
@@ -35,24 +39,45 @@ class DeepSpeedHandle(InstalledHandle):
     def __init__(self, engine: Any, lazy: LazyCheckpointEngine, previous: Any) -> None:
         self.engine = engine
         self.checkpoint_engine = lazy
+        #: Called with ``save_dir`` as each ``save_checkpoint`` starts (integrations mark their folder first).
+        self.before_save: list[Callable[[str], None]] = []
         self._previous = previous
-        stock_load = type(engine).load_checkpoint
+        stock_load, stock_save = type(engine).load_checkpoint, type(engine).save_checkpoint
 
         def load_checkpoint(this: Any, *args: Any, **kwargs: Any) -> Any:
+            if reentry.reentered():  # a signal handler that interrupted lazyckpt: stock's, waiting for nothing
+                return stock_load(this, *args, **kwargs)
             lazy.wait()  # DeepSpeed reads ``latest`` before it reads any file: publish pending tags first
             load_dir = args[0] if args else kwargs.get("load_dir")
             if load_dir is not None:  # and those another engine of this process saves there
                 publish_pending(os.fspath(load_dir))
             return stock_load(this, *args, **kwargs)
 
+        def save_checkpoint(this: Any, *args: Any, **kwargs: Any) -> Any:
+            save_dir = os.fspath(args[0] if args else kwargs["save_dir"])
+            if reentry.reentered():  # from a signal handler that interrupted lazyckpt: stock's engine, at once
+                tag = args[1] if len(args) > 1 else kwargs.get("tag")
+                lazy.supersede(os.path.join(os.path.abspath(save_dir), str(tag or f"global_step{this.global_steps}")))
+                reentry.count_synchronous()
+                this.checkpoint_engine = previous
+                try:
+                    return stock_save(this, *args, **kwargs)
+                finally:
+                    this.checkpoint_engine = lazy
+            for hook in list(self.before_save):
+                hook(save_dir)
+            with lazy.saving():  # a save that raises fails its tag on every rank, never published later
+                return stock_save(this, *args, **kwargs)
+
         engine.load_checkpoint = types.MethodType(load_checkpoint, engine)
+        engine.save_checkpoint = types.MethodType(save_checkpoint, engine)
         # DeepSpeed copies zero_to_fp32.py into save_dir inside every save (rank 0): on the commit thread instead,
         # once this rank's files are durable (a truncating copy would wait there for the journal behind them).
         copy_script = getattr(type(engine), _RECOVERY_SCRIPT, None)  # a private method: absent, stock copies
         if copy_script is not None:
 
             def copy_recovery_script(this: Any, save_path: str) -> None:
-                lazy.defer(functools.partial(copy_script, this, save_path))
+                lazy.defer(functools.partial(_copy_durably, copy_script, this, save_path, lazy.checkpointer.fsync))
 
             setattr(engine, _RECOVERY_SCRIPT, types.MethodType(copy_recovery_script, engine))
         engine.checkpoint_engine = lazy  # the engine drains itself at exit (``_engine._drain_at_exit``)
@@ -67,8 +92,8 @@ class DeepSpeedHandle(InstalledHandle):
             self.checkpoint_engine.close()
         finally:
             self._removed = True
-            vars(self.engine).pop("load_checkpoint", None)
-            vars(self.engine).pop(_RECOVERY_SCRIPT, None)
+            for name in ("load_checkpoint", "save_checkpoint", _RECOVERY_SCRIPT):
+                vars(self.engine).pop(name, None)
             self.engine.checkpoint_engine = self._previous
 
     def __enter__(self) -> DeepSpeedHandle:
@@ -107,6 +132,16 @@ def install(
     lazy = LazyCheckpointEngine(options=options, commit_timeout=commit_timeout, **core_options)
     _publish_before_conversion()
     return DeepSpeedHandle(engine, lazy, previous)
+
+
+def _copy_durably(copy: Callable[[Any, str], None], engine: Any, save_path: str, fsync: bool) -> None:
+    """DeepSpeed's copy of its recovery scripts into ``save_path``, each fsynced (a folder renamed into place
+    after it must not hold an empty one)."""
+    copy(engine, save_path)
+    for name in _SCRIPTS if fsync else ():
+        path = os.path.join(save_path, name)
+        if os.path.exists(path):
+            _fs.fsync_file(path)
 
 
 def _publish_before_conversion() -> None:

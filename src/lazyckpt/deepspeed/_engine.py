@@ -9,19 +9,23 @@ files to be durable, then takes part in the folder commit (``lazyckpt.distribute
 renames the folder into place once every rank's files are durable (all ranks or none) and only then writes
 ``latest``. DeepSpeed's own ``latest`` write is switched off (``get_commit_info`` says ``save_latest=False``).
 
-Threads: the training thread (every DeepSpeed call), one commit thread and one heartbeat thread per engine,
-and the core checkpointer's. Errors of a tag are raised once, on the training thread, at the next ``create``
-(``save_checkpoint``), ``load``, ``cleanup`` (``engine.destroy()``) or ``wait()``.
+Threads: the training thread (every DeepSpeed call), one commit thread, one heartbeat thread and one callback
+thread per engine, and the core checkpointer's. Errors of a tag are raised once, on the training thread, at the
+next ``create`` (``save_checkpoint``), ``load``, ``cleanup`` (``engine.destroy()``) or ``wait()`` (also inside a
+load or a ``zero_to_fp32`` conversion that publishes it first); a ``save_checkpoint`` that raises fails its tag
+on every rank, its own error raised there only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +35,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 
 from lazyckpt.checkpointer import LazyCheckpointer
 from lazyckpt.core import exit as _exit
-from lazyckpt.core.handle import Completion, SaveHandle, SaveStats
+from lazyckpt.core.handle import CallbackRunner, Completion, SaveHandle, SaveStats
 from lazyckpt.core.plan import tensors_in
 from lazyckpt.distributed.folder_commit import FolderCommit
 from lazyckpt.errors import CheckpointerClosedError
@@ -58,6 +62,10 @@ class _Tag:
     direct: list[SaveHandle] = field(default_factory=list)  # saves elsewhere (save_16bit_model)
     finished: threading.Event = field(default_factory=threading.Event)
     handed: bool = False  # handed over to the commit thread (once)
+    staged: threading.Event = field(default_factory=threading.Event)  # the hand-over's copies are done
+    error: BaseException | None = None  # this rank's failure before the commit (the decision fails everywhere)
+    seen: bool = False  # that failure was raised to the caller already: not raised again by the engine
+    epoch: int = 0  # a synchronous save from a signal handler since its create: it writes no ``latest``
     deferred: list[Callable[[], None]] = field(default_factory=list)  # run on the commit thread (``defer``)
     completion: Completion | None = None  # the tag's handle (``handle_of``): done when published or failed
     t0: float = field(default_factory=time.perf_counter)
@@ -98,6 +106,10 @@ class LazyCheckpointEngine(CheckpointEngine):
         self._count = 0
         self._cleaned: set[str] = set()
         self._closed = False
+        self._saving: _Tag | None = None  # the tag the save_checkpoint in progress opened (``saving``)
+        self._epoch = 0  # synchronous saves from signal handlers so far (``supersede``)
+        self._recent: deque[_Tag] = deque(maxlen=16)  # finished tags, for ``handle_of``
+        self._callbacks = CallbackRunner()  # the tags' handles' done-callbacks, never on the commit thread
         self._worker: Worker[_Tag] = Worker("lazyckpt-deepspeed-commit", self._commit_tag)
         _exit.register(self, _drain_at_exit, layer=_exit.INTEGRATION)
         _LIVE.add(self)
@@ -110,10 +122,10 @@ class LazyCheckpointEngine(CheckpointEngine):
             raise CheckpointerClosedError("this LazyCheckpointEngine is closed")
         if self._open is not None:  # saved again with no step between: nothing changed since
             self._hand_over(self._open)
-        tag = _Tag(info, os.path.join(os.path.abspath(info.save_dir), str(info.tag)))
+        tag = _Tag(info, os.path.join(os.path.abspath(info.save_dir), str(info.tag)), epoch=self._epoch)
         tag.completion = Completion(tag.final)
         tag.completion.bind(confirm=lambda _timeout: self._hand_over(tag))  # a wait on it hands it over
-        self._open = tag
+        self._open = self._saving = tag
 
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
         tag = self._open
@@ -175,18 +187,54 @@ class LazyCheckpointEngine(CheckpointEngine):
 
     # -- the caller's ------------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def saving(self) -> Iterator[None]:
+        """Around one ``engine.save_checkpoint`` (``install()`` wraps it): if it raises, the tag it opened is
+        handed over failed (its files may be missing), so the decision fails it on every rank instead of a
+        later step publishing it; that error, raised here, is not raised again by this engine."""
+        self._saving = None
+        try:
+            yield
+        except BaseException as exc:
+            tag = self._saving
+            if tag is not None and not tag.handed:
+                tag.error, tag.seen = exc, True
+                self._hand_over(tag)
+            raise
+        finally:
+            self._saving = None
+
+    def abandon(self, save_dir: str, error: BaseException) -> None:
+        """The open tag saved into ``save_dir`` fails with ``error`` (a framework call around it raised; that
+        error was raised to the caller) on every rank, handed over now."""
+        tag = self._open
+        if tag is not None and not tag.handed and _same(os.path.dirname(tag.final), save_dir):
+            tag.error, tag.seen = error, True
+            self._hand_over(tag)
+
+    def supersede(self, final: str) -> None:
+        """A signal handler that interrupted lazyckpt saves synchronously through the stock engine (``install()``
+        swaps it in): the pending tags write no ``latest`` any more, and one of the same folder ``final`` fails
+        (the synchronous save is the newer). Takes no lock (the interrupted frame may hold it)."""
+        self._epoch += 1
+        for tag in [*([self._open] if self._open is not None else []), *list(self._queued)]:
+            if _same(tag.final, final) and tag.error is None:
+                tag.error = RuntimeError(f"lazyckpt: {tag.final} was saved again synchronously from a signal handler")
+                tag.seen = True
+
     def handle_of(self, save_dir: str, tag: str | None = None) -> SaveHandle | None:
-        """The handle of the tag ``save_checkpoint(save_dir, tag)`` left open (``tag`` None: the open tag of
-        ``save_dir``, whatever its name; None: no such tag): done once
-        the tag folder is published (and ``latest`` written) or failed. A wait on it hands the tag over
-        first, as the next ``step()`` would; its error is also raised once by this engine."""
-        open_tag = self._open
-        if open_tag is None or open_tag.completion is None:
-            return None
-        want = os.path.join(save_dir, str(tag)) if tag is not None else os.path.join(save_dir, str(open_tag.info.tag))
-        if os.path.realpath(open_tag.final) != os.path.realpath(want):
-            return None
-        return open_tag.completion.handle
+        """The handle of the tag ``save_checkpoint(save_dir, tag)`` made (``tag`` None: the newest tag of
+        ``save_dir``, whatever its name; None: no such tag): done once the tag folder is published (and
+        ``latest`` written) or failed. A wait on it hands an open tag over first, as the next ``step()`` would;
+        its error is also raised once by this engine."""
+        with self._lock:
+            tags = [*self._recent, *self._queued, *([self._open] if self._open is not None else [])]
+        for candidate in reversed(tags):
+            final, completion = candidate.final, candidate.completion
+            named = tag is None or os.path.basename(final) == str(tag)
+            if completion is not None and named and _same(os.path.dirname(final), save_dir):
+                return completion.handle
+        return None
 
     def wait(self, timeout: float | None = None) -> None:
         """Hand over an open tag, wait until every tag is published or failed; raise the first unseen error.
@@ -204,12 +252,17 @@ class LazyCheckpointEngine(CheckpointEngine):
 
     def defer(self, job: Callable[[], None]) -> None:
         """Run ``job`` on the commit thread once this rank's files of the open tag are durable, before the folder
-        decision (its error fails the tag on every rank); at once when no tag is open."""
-        tag = self._open
-        if tag is None:
+        decision (its error fails the tag on every rank); at once when no tag is open (or from a signal handler
+        that interrupted lazyckpt)."""
+        if reentry.reentered():
             job()
-        else:
-            tag.deferred.append(job)
+            return
+        with self._lock:
+            tag = self._open
+            if tag is not None and not tag.handed:
+                tag.deferred.append(job)
+                return
+        job()
 
     def pending_into(self, path: str) -> bool:
         """Whether a tag not yet published is read by a load of ``path`` (its ``save_dir``, the tag folder or
@@ -241,6 +294,7 @@ class LazyCheckpointEngine(CheckpointEngine):
         finally:
             self._closed = True
             self._worker.stop()
+            self._callbacks.stop()
             self._folders.close()
             self.checkpointer.close()
             _exit.unregister(self)
@@ -264,16 +318,19 @@ class LazyCheckpointEngine(CheckpointEngine):
     def _hand_over(self, tag: _Tag) -> None:
         """The tag's copies done (the optimizer may change its tensors), its folder to the commit thread."""
         with self._lock:
-            if tag.handed:
-                return
+            first = not tag.handed
             tag.handed = True
             if self._open is tag:
                 self._open = None
+        if not first:  # another thread hands it over: its copies are done once that is past them
+            tag.staged.wait()
+            return
         for handle in tag.handles + tag.direct:
             try:
                 handle.wait_staged()
             except BaseException:  # noqa: BLE001 - the commit thread reports it, on every rank alike
                 pass
+        tag.staged.set()
         if not tag.folder:
             self._finish(tag, None)
             return
@@ -290,6 +347,7 @@ class LazyCheckpointEngine(CheckpointEngine):
                 handle.wait()
             except BaseException as exc:  # noqa: BLE001 - reported to every rank
                 own = own or exc
+        own = tag.error or own  # (read after the waits: ``supersede`` may set it meanwhile)
         for job in tag.deferred if own is None else ():
             try:
                 job()
@@ -297,7 +355,7 @@ class LazyCheckpointEngine(CheckpointEngine):
                 own = own or exc
         info = tag.info
         latest = None
-        if self.rank == 0 and info.save_latest:
+        if self.rank == 0 and info.save_latest and tag.epoch == self._epoch:
             save_dir = os.path.dirname(tag.final)
             latest = lambda: self._write_latest(save_dir, str(info.tag))  # noqa: E731
         error: BaseException | None = RuntimeError(f"lazyckpt: committing {tag.final} was interrupted")
@@ -308,14 +366,15 @@ class LazyCheckpointEngine(CheckpointEngine):
 
     def _finish(self, tag: _Tag, error: BaseException | None) -> None:
         with self._lock:
-            if error is not None:
+            if error is not None and not tag.seen:
                 self._errors.append(error)
             if tag in self._queued:
                 self._queued.remove(tag)
+            self._recent.append(tag)
         if error is None:
             logger.info("lazyckpt: DeepSpeed checkpoint %s committed", tag.final)
         if tag.completion is not None:
-            tag.completion.finish(None if error is not None else _stats(tag), error)
+            tag.completion.finish(None if error is not None else _stats(tag), error, runner=self._callbacks)
         tag.finished.set()
 
     def _write_latest(self, save_dir: str, tag: str) -> None:
@@ -330,6 +389,10 @@ def publish_pending(path: str) -> None:
     for engine in list(_LIVE):
         if engine.pending_into(path):
             engine.wait()
+
+
+def _same(a: str, b: str) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
 
 
 def _stats(tag: _Tag) -> SaveStats:

@@ -115,7 +115,12 @@ class Checkpoints:
         if handle is not None:
             save.handles.append(handle)
 
-    def abort(self, save: CheckpointSave) -> None:
+    def abort(self, save: CheckpointSave, error: BaseException) -> None:
+        """Stock's statements raised ``error``: nothing is committed; DeepSpeed's open tag in the staging folder
+        fails too (on every rank), and the folder is removed once it has ended."""
+        if self.deepspeed is not None:
+            self.deepspeed.abandon(self.trainer.model_wrapped, save.staging, error)
+            self.add_deepspeed_tag(save)
         save.abort(self.commit)
 
     def end(self, save: CheckpointSave, push: Callable[[], None] | None, best: str | None, t0: float) -> None:
@@ -230,8 +235,8 @@ class SaveCheckpointMirror:
                     else:
                         self.state.stateful_callbacks[cb_name] = cb_state
                 self.state.save_to_json(os.path.join(save.staging, _compat.TRAINER_STATE_NAME))
-        except BaseException:
-            checkpoints.abort(save)
+        except BaseException as exc:
+            checkpoints.abort(save, exc)
             raise
         finally:
             _compat.active.reset(token)
