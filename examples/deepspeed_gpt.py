@@ -44,6 +44,7 @@ def main() -> None:
     save_dir = str(box[0])
     cfg = _gpt.config_for(args.size)
     model = _gpt.build(cfg, seed=0)
+    n_params = _gpt.num_params(model)  # (ZeRO-3 partitions them away from the module)
     ds_config = {
         "train_micro_batch_size_per_gpu": cfg.batch_size,
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "torch_adam": True}},
@@ -73,7 +74,7 @@ def main() -> None:
         if rank == 0:
             print(msg, flush=True)
 
-    say(f"{_gpt.num_params(model) / 1e6:.1f}M parameters, ZeRO-{args.stage}, {dist.get_world_size()} ranks, {save_dir}")
+    say(f"{n_params / 1e6:.1f}M parameters, ZeRO-{args.stage}, {dist.get_world_size()} ranks, {save_dir}")
     train(1, save=False)
     base = statistics.median(train(args.steps, save=False))
     stock = statistics.median(train(args.steps, save=True))

@@ -8,6 +8,7 @@ one rank, a stale tensor, SIGKILL right after ``save_checkpoint`` returns and in
 from __future__ import annotations
 
 import json
+import os
 import signal
 from pathlib import Path
 
@@ -293,3 +294,19 @@ def test_transformers_trainer_with_deepspeed_sigkill_after_a_save_leaves_only_wh
     assert sorted(p.name for p in run.iterdir() if not p.name.startswith(".")) == ["checkpoint-2"]
     assert (run / "checkpoint-2" / "latest").read_text() == "global_step2"
     _trainer(tmp_path / "resumed", "stock", "resume", 2, str(run / "checkpoint-2"))
+
+
+@pytest.mark.slow(reason="the example under torchrun, 2 CPU ranks")
+def test_the_example_trains_saves_lazily_and_loads_the_newest_tag_back(tmp_path):
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    env = _launch.rank_env({"DS_ACCELERATOR": "cpu"})
+    env["PYTHONPATH"] = f"{root}{os.pathsep}{env['PYTHONPATH']}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(_launch.free_port()), "-m", "examples.deepspeed_gpt", "--size", "tiny", "--steps", "2",
+           "--dir", str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert "loaded back equal to the state at its save: True" in proc.stdout, proc.stdout[-3000:]
