@@ -157,7 +157,9 @@ def test_resume_true_forgets_its_load_when_fit_raises_before_the_restore(mem, tm
     from lazyckpt.lightning import _compat
 
     for held, path in (({"state": 1}, "/given.ckpt"), ({}, None)):
-        other = SimpleNamespace(_checkpoint_connector=SimpleNamespace(_loaded_checkpoint=held, _ckpt_path=path))
+        other = SimpleNamespace(
+            ckpt_path=path, _checkpoint_connector=SimpleNamespace(_loaded_checkpoint=held, _ckpt_path=path)
+        )
         _compat.forget_loaded(other, callback.resumed_from.path)
         assert other._checkpoint_connector._loaded_checkpoint == held and other._checkpoint_connector._ckpt_path == path
 
