@@ -95,6 +95,14 @@ def test_a_second_engine_of_the_process_loads_what_the_first_saved_before_its_st
         assert r["loaded"] == "t1" and r["same"] and r["same_by_tag"] and r["converted"], r
 
 
+def test_a_save_before_the_first_step_is_written_when_it_returns_as_stock(tmp_path):
+    """No step() would commit it (an export, a conversion, DeepSpeed's frozen- and shared-weights tests)."""
+    for r in _run("save_before_step", tmp_path, stage=2):
+        assert r["raised_None"] == r["raised_"] == "ValueError", r
+        assert r["model_keys"] == ["0.bias", "0.weight", "2.bias", "2.weight"] and r["size"] > 0, r
+        assert r["fp32_equal"] and r["lazy_after_step"] and r["published"], r
+
+
 def test_a_save_checkpoint_that_raises_is_never_published_later(tmp_path):
     for r in _run("save_raises", tmp_path, stage=2):
         assert r["raised"] == "RuntimeError", r

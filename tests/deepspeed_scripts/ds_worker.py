@@ -168,6 +168,36 @@ def scenario_second_engine_loads() -> None:
     )
 
 
+def scenario_save_before_step() -> None:
+    """DeepSpeed's own checkpoint tests (frozen / shared weights): saves before any step() read back at once,
+    the files by torch.load and os.path, the folder by a zero_to_fp32 function imported before install; an empty
+    save_dir raises stock's ValueError. After the first step a save is lazy again (its folder not there yet)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    engine = make_engine()
+    install(engine)
+    for bad in (None, ""):
+        try:
+            engine.save_checkpoint(bad)
+            RESULT[f"raised_{bad}"] = None
+        except Exception as exc:  # noqa: BLE001
+            RESULT[f"raised_{bad}"] = type(exc).__name__
+    want = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    engine.save_checkpoint(os.path.join(OUT, "all"))
+    model_file = os.path.join(OUT, "all", "global_step0", "mp_rank_00_model_states.pt")
+    RESULT["model_keys"] = sorted(torch.load(model_file, weights_only=False)["module"])
+    engine.save_checkpoint(os.path.join(OUT, "tagged"), tag="checkpoint")
+    RESULT["size"] = os.path.getsize(os.path.join(OUT, "tagged", "checkpoint", "mp_rank_00_model_states.pt"))
+    got = get_fp32_state_dict_from_zero_checkpoint(os.path.join(OUT, "tagged"), tag="checkpoint")
+    RESULT["fp32_equal"] = sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
+    train(engine, 1, 1)
+    engine.save_checkpoint(OUT)
+    RESULT["lazy_after_step"] = not os.path.exists(os.path.join(OUT, "global_step1"))
+    train(engine, 1, 2)  # commits it
+    engine.checkpoint_engine.wait()
+    RESULT["published"] = os.path.isdir(os.path.join(OUT, "global_step1")) and _read_latest() == "global_step1"
+
+
 def scenario_save_raises() -> None:
     """global_step2 published; a save_checkpoint that raises on every rank at its optimizer file (after rank 0's
     model file was saved), then steps: its tag is never published, latest stays, and nothing more is raised (the

@@ -54,7 +54,10 @@ class DeepSpeedHandle(InstalledHandle):
             return stock_load(this, *args, **kwargs)
 
         def save_checkpoint(this: Any, *args: Any, **kwargs: Any) -> Any:
-            save_dir = os.fspath(args[0] if args else kwargs["save_dir"])
+            save_dir = args[0] if args else kwargs.get("save_dir")
+            if not save_dir:  # stock's ValueError
+                return stock_save(this, *args, **kwargs)
+            save_dir = os.fspath(save_dir)
             if reentry.reentered():  # from a signal handler that interrupted lazyckpt: stock's engine, at once
                 tag = args[1] if len(args) > 1 else kwargs.get("tag")
                 lazy.supersede(os.path.join(os.path.abspath(save_dir), str(tag or f"global_step{this.global_steps}")))
@@ -67,7 +70,10 @@ class DeepSpeedHandle(InstalledHandle):
             for hook in list(self.before_save):
                 hook(save_dir)
             with lazy.saving():  # a save that raises fails its tag on every rank, never published later
-                return stock_save(this, *args, **kwargs)
+                saved = stock_save(this, *args, **kwargs)
+            if not lazy.stepped:  # no step() yet would commit it (an export, a conversion): written now, as stock
+                lazy.wait()
+            return saved
 
         engine.load_checkpoint = types.MethodType(load_checkpoint, engine)
         engine.save_checkpoint = types.MethodType(save_checkpoint, engine)
@@ -115,7 +121,8 @@ def install(
 
     Same tag folders, file names and tensors as stock; ``latest`` is written by lazyckpt once the tag folder
     is in place on every rank's behalf. ``options`` / ``core_options``: the core's; ``commit_timeout``: as for
-    :class:`LazyCheckpointEngine`. A config-made decoupled engine in place is flushed first.
+    :class:`LazyCheckpointEngine`. A config-made decoupled engine in place is flushed first. A save before the
+    engine's first ``step()`` since install (an export, a conversion) is published before it returns, as stock.
 
     Raises ``SaveRefusedError`` for a second install on the same engine, and for ``levels`` (not built yet
     for DeepSpeed: save to one folder).

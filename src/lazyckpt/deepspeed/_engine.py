@@ -108,6 +108,7 @@ class LazyCheckpointEngine(CheckpointEngine):
         self._closed = False
         self._saving: _Tag | None = None  # the tag the save_checkpoint in progress opened (``saving``)
         self._epoch = 0  # synchronous saves from signal handlers so far (``supersede``)
+        self.stepped = False  # an optimizer step (accumulation boundary) ran since this engine was set
         self._recent: deque[_Tag] = deque(maxlen=16)  # finished tags, for ``handle_of``
         self._callbacks = CallbackRunner()  # the tags' handles' done-callbacks, never on the commit thread
         self._worker: Worker[_Tag] = Worker("lazyckpt-deepspeed-commit", self._commit_tag)
@@ -166,6 +167,7 @@ class LazyCheckpointEngine(CheckpointEngine):
         return True
 
     def get_commit_info(self) -> CheckpointCommitInfo | None:
+        self.stepped = True  # DeepSpeed asks at every accumulation boundary, before the optimizer step
         tag = self._open
         if tag is None or not tag.folder:
             return None
