@@ -61,7 +61,8 @@ UPSTREAM_TEST_DEPS = ("parameterized", "cloudpickle>=1.3,<3.2", "tensorboardX", 
 
 @nox.session(python=PYTHON)
 def upstream(session: nox.Session) -> None:
-    """Lightning's and Accelerate's own checkpoint tests: stock, with lazyckpt injected, and with the control.
+    """Lightning's, Accelerate's (and DeepSpeed's) own checkpoint tests: stock, with lazyckpt injected, and with
+    the control. DeepSpeed's: with LAZYCKPT_DEEPSPEED_SRC pointing at its repository's tests/ at the installed tag.
 
     Accelerate's tests come from the sdist of the installed version (downloaded here). Lightning's sdist has no
     tests: check the repository out at the installed tag and point LAZYCKPT_LIGHTNING_SRC at it (its tests/ is
@@ -72,6 +73,9 @@ def upstream(session: nox.Session) -> None:
     suites = ["accelerate", "lightning", "fabric"] if os.environ.get("LAZYCKPT_LIGHTNING_SRC") else ["accelerate"]
     if suites == ["accelerate"]:
         session.warn("LAZYCKPT_LIGHTNING_SRC unset: Lightning's and Fabric's suites skipped")
+    if os.environ.get("LAZYCKPT_DEEPSPEED_SRC"):
+        _install(session, "deepspeed")
+        suites.append("deepspeed")
     session.run("python", "scripts/upstream/run.py", "--suites", *suites, *session.posargs)
 
 

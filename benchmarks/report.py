@@ -250,8 +250,9 @@ def upstream_section() -> str:
     out = [
         "## The frameworks' own tests",
         "",
-        "Lightning's and Accelerate's own checkpoint, restore, loop and callback tests, run stock and with",
-        "lazyckpt injected into every Trainer / Fabric / Accelerator (`scripts/upstream/run.py`; `nox -s upstream`).",
+        "Lightning's and Accelerate's own checkpoint, restore, loop and callback tests, and DeepSpeed's checkpoint",
+        "tests, run stock and with lazyckpt injected into every Trainer / Fabric / Accelerator / DeepSpeed engine",
+        "(`scripts/upstream/run.py`; `nox -s upstream`).",
         "The tests that pass with stock but not with lazyckpt are listed with the reason; the per-file table",
         "compares wall times.",
     ]
