@@ -20,8 +20,9 @@ Each run starts 2 rank processes that train the repository's GPT (``benchmarks/g
 * ``lazy``        ``lazyckpt.deepspeed.install(engine)`` (fsync, atomic tag folders, ``latest`` after)
 
 ``W`` is ``--writer`` (``python``: DeepSpeed's buffered Python writer; ``fast`` needs the async_io op built).
-Stall per checkpoint = median step interval (step + its save_checkpoint) of the mode - that of ``none``
-in the same round; the final drain (lazy: ``wait()``; decoupled: ``destroy()``) is reported apart. Regimes:
+Stall per checkpoint = median step interval (step + its save_checkpoint) - median step interval of the same
+processes' ``steps`` steps without a checkpoint just before (``none``: the noise of that difference); the final
+drain (lazy: ``wait()``; decoupled: ``destroy()``) is reported apart. Regimes:
 ``--threads 1`` (one torch thread per rank) and the default threads (``--threads 0``: torch's choice). The
 disk's floor: the time to write and fsync one checkpoint's bytes (the ``torch`` mode's folder) sequentially.
 """
@@ -29,10 +30,12 @@ disk's floor: the time to write and fsync one checkpoint's bytes (the ``torch`` 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -114,6 +117,7 @@ def _rank_main() -> None:
 
     for _ in range(cfg["warmup"]):
         step(False)
+    baseline = [step(False) for _ in range(cfg["steps"])]  # this process's own step time, no checkpoint
     intervals = [step(mode != "none") for _ in range(cfg["steps"])]
     t = time.perf_counter()
     if handle is not None:
@@ -122,7 +126,7 @@ def _rank_main() -> None:
     dist.barrier()
     drain = time.perf_counter() - t
     with open(os.path.join(cfg["results"], f"rank{rank}.json"), "w") as fh:
-        json.dump({"intervals": intervals, "drain": drain}, fh)
+        json.dump({"intervals": intervals, "baseline": baseline, "drain": drain}, fh)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -155,6 +159,7 @@ def _launch(cfg: dict[str, Any], timeout: float) -> dict[str, Any]:
             ],
             cwd=ROOT,
             env=env,
+            start_new_session=True,  # its writer processes too are killed with it (a hung peer engine's)
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -174,7 +179,9 @@ def _launch(cfg: dict[str, Any], timeout: float) -> dict[str, Any]:
             got = json.load(fh)
     finally:
         for p in procs:
-            p.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
         shutil.rmtree(results, ignore_errors=True)
     tag_bytes = 0
     folders = sorted(Path(cfg["out"]).glob("global_step*"))
@@ -208,13 +215,13 @@ def run(args: argparse.Namespace) -> int:
                         failed[mode] = (lines or str(exc).strip().splitlines())[-1].removeprefix("[rank0]: ")[:300]
                         shutil.rmtree(out, ignore_errors=True)
                         continue
-                    medians[mode] = statistics.median(got["intervals"])
+                    medians[mode] = statistics.median(got["intervals"]) - statistics.median(got["baseline"])
                     drains[mode].append(got["drain"])
                     if mode == "torch":
                         tag_bytes = got["tag_bytes"]
                     shutil.rmtree(out, ignore_errors=True)
                 for mode in medians:
-                    per_round[mode].append(medians[mode] - medians.get("none", 0.0))
+                    per_round[mode].append(medians[mode])
             if floor is None and tag_bytes:
                 floor = disk_write_s(base, tag_bytes)
             stall = {m: statistics.median(v) for m, v in per_round.items() if v}
