@@ -178,12 +178,18 @@ def test_a_node_killed_before_sending_its_rng_files_ends_the_main_process_wait_w
     # the wait ends at the first awaited process whose heartbeat stopped: process 2 or 3 or both, as
     # their last beats fell (they die together, their beats are 0.5 s apart at most). The step-3 save's
     # error is reported once: by h.wait(), or already by the next save_state (step 4) when the wait
-    # ended before it
+    # ended before it. Or the step-3 save_state itself failed, in its agreement on the step (a collective
+    # node 1 had just left: it was killed as soon as its part was written): no step-3 save was made, nothing
+    # else to report (seen once under CI load)
     reported = [e for e in (main.get("wait_error"), main.get("train_error")) if e and e.startswith("Incomplete")]
-    assert len(reported) == 1, main
-    named = re.search(r"processes \[([0-9, ]+)\] died or vanished", reported[0])
-    assert named, main
-    assert set(map(int, named.group(1).split(","))) <= {2, 3}, main
+    if not reported:
+        assert main.get("train_phase") == "save_state 3" and "_agree" in main.get("train_trace", ""), main
+        assert "wait_error" not in main, main
+    else:
+        assert len(reported) == 1, main
+        named = re.search(r"processes \[([0-9, ]+)\] died or vanished", reported[0])
+        assert named, main
+        assert set(map(int, named.group(1).split(","))) <= {2, 3}, main
     assert main["wait_s"] < 30 and main["uninstall_s"] < 90, main
     node0 = run.mem / "node0"
     assert [n for n in os.listdir(_step(node0, 3)) if n.startswith(".lazyckpt-pending-gather-")], "no marker"

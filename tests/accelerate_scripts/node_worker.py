@@ -26,6 +26,7 @@ import json
 import os
 import random
 import time
+import traceback
 import warnings
 
 import acc_common as C  # this script's folder is first on the path
@@ -133,14 +134,19 @@ def scenario_train_node_killed() -> None:
     acc, model, opt, sched = setup(0)
     h = lazyckpt.accelerate.install(acc, levels=levels(), load_timeout=120)
     gen = torch.Generator().manual_seed(100 + RANK)
+    phase = ""
     try:
         for _ in range(CONFIG["steps"]):
+            phase = f"train {h.step + 1}"
             C.train_step(acc, model, opt, sched, gen, vocab=MODEL["vocab"])
             snap = C.snapshot(acc, [model], [opt], [sched])
+            phase = f"save_state {h.step}"
             acc.save_state()
             torch.save(snap, os.path.join(WORKDIR, f"expected-{h.step}-rank{RANK}.pt"))
     except Exception as exc:  # noqa: BLE001 - the training's collective fails once node 1 is gone, or the
         RESULT["train_error"] = f"{type(exc).__name__}: {exc}"  # next save_state reports the step-3 save's error
+        RESULT["train_phase"] = phase  # where it was raised
+        RESULT["train_trace"] = traceback.format_exc()
     t0 = time.monotonic()
     try:
         h.wait()
