@@ -95,6 +95,7 @@ def test_a_second_engine_of_the_process_loads_what_the_first_saved_before_its_st
         assert r["loaded"] == "t1" and r["same"] and r["same_by_tag"] and r["converted"], r
 
 
+@pytest.mark.slow(reason="a 2-process DeepSpeed run, then stock loads")
 def test_a_save_before_the_first_step_is_written_when_it_returns_as_stock(tmp_path):
     """No step() would commit it (an export, a conversion, DeepSpeed's frozen- and shared-weights tests)."""
     for r in _run("save_before_step", tmp_path, stage=2):
