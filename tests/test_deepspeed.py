@@ -207,6 +207,85 @@ def test_sigkill_inside_a_write_leaves_latest_on_the_previous_whole_tag(tmp_path
     assert r0["global_steps"] == 2
 
 
+# -- levels: install(engine, levels=[...]) -------------------------------------------------------------------
+
+
+def _tags(listing: list[str]) -> list[str]:
+    """A save_dir's listing without the recovery scripts but zero_to_fp32.py (which DeepSpeed copies varies)."""
+    return [n for n in listing if not n.endswith(".py") or n == "zero_to_fp32.py"]
+
+
+@pytest.mark.slow(reason="a 2-process DeepSpeed run with levels, then stock loads of each level")
+@pytest.mark.parametrize("stage", [2, 3])
+def test_levels_each_hold_their_due_tags_and_load_with_stock(tmp_path, stage):
+    """fast (every=1, keep=2) and slow (every=2, keep=2), a save every step for 5 steps: fast holds steps 4-5,
+    slow 2 and 4, each with its own ``latest`` and DeepSpeed's recovery script; the slow level's files are the
+    fast level's bytes; stock engines load each level's newest tag with the state it had; latest(levels) is
+    the fast level's step 5. The save_dir given to save_checkpoint is not used."""
+    base = tmp_path / "levels"
+    r0, r1 = _run("levels", tmp_path / "run", stage=stage, levels_base=str(base))
+    fast, slow = base / "fast", base / "slow"
+    for r in (r0, r1):
+        assert _tags(r["listings"][0]) == ["global_step4", "global_step5", "latest", "zero_to_fp32.py"], r
+        assert _tags(r["listings"][1]) == ["global_step2", "global_step4", "latest", "zero_to_fp32.py"], r
+        assert r["found"] == [str(fast), 5, 0] and not r["unused"], r
+    assert (fast / "latest").read_text() == "global_step5" and (slow / "latest").read_text() == "global_step4"
+    names = sorted(p.name for p in (fast / "global_step4").iterdir())
+    assert names == sorted(p.name for p in (slow / "global_step4").iterdir()) and len(names) >= 3, names
+    for name in names:
+        assert (fast / "global_step4" / name).read_bytes() == (slow / "global_step4" / name).read_bytes(), name
+    for script in (n for n in r0["listings"][0] if n.endswith(".py")):  # DeepSpeed's recovery scripts
+        assert (fast / script).read_bytes() == (slow / script).read_bytes(), script
+    loaded, _ = _run("levels_load", tmp_path / "load", stage=stage, levels_base=str(base))
+    assert loaded["loaded"] == {"5": [r0["probes"]["5"], 5], "4": [r0["probes"]["4"], 4]}
+    assert loaded["found"] == [str(fast), 5, 0]
+
+
+@pytest.mark.slow(reason="a 2-process DeepSpeed run with levels")
+def test_a_slower_levels_failed_copy_is_one_level_error_on_every_rank_and_the_fast_level_goes_on(tmp_path):
+    """Rank 1's copy of step 2 into the slow level fails (ENOSPC, injected): every rank's wait() raises one
+    DistributedLevelError naming level 1 and rank 1; the slow level never shows step 2 (no ``latest`` then),
+    step 4 reaches it; the fast level has every step as without the fault."""
+    base = tmp_path / "levels"
+    for r in _run("levels", tmp_path / "run", stage=2, levels_base=str(base), fail_copy=True):
+        raised = r["raised"]
+        assert raised is not None and raised["type"] == "DistributedLevelError", r
+        assert raised["level"] == 1 and raised["ranks"] == [1] and "No space left" in raised["message"], raised
+        assert _tags(r["listings"][0]) == ["global_step4", "global_step5", "latest", "zero_to_fp32.py"], r
+        assert _tags(r["listings"][1]) == ["global_step4", "latest", "zero_to_fp32.py"], r
+    assert (base / "slow" / "latest").read_text() == "global_step4"
+
+
+@pytest.mark.slow(reason="a 2-process DeepSpeed run with levels, one rank SIGKILLed, then stock loads")
+def test_sigkill_inside_a_slower_levels_copy_leaves_its_latest_on_the_previous_whole_tag(tmp_path):
+    """Rank 1 dies inside its copy of global_step4 into the slow level, after the fast level published it: the
+    survivor's wait() raises DistributedLevelError for level 1 within seconds (the heartbeat), the slow level's
+    ``latest`` still names global_step2 and no global_step4 folder is there; stock engines load both levels'
+    newest tags whole (fast: step 4, slow: step 2)."""
+    base = tmp_path / "levels"
+    r0, _ = _run("levels_killed", tmp_path / "run", stage=2, levels_base=str(base), expect_dead=(1,))
+    assert r0["raised"] and r0["raised"]["type"] == "DistributedLevelError" and r0["raised"]["level"] == 1, r0
+    assert r0["wait_s"] < 30, r0
+    fast, slow = base / "fast", base / "slow"
+    assert (fast / "latest").read_text() == "global_step4" and (slow / "latest").read_text() == "global_step2"
+    assert _tags(sorted(n for n in os.listdir(slow) if not n.startswith("."))) == [
+        "global_step2", "latest", "zero_to_fp32.py",
+    ]  # fmt: skip
+    loaded, _ = _run("levels_load", tmp_path / "load", stage=2, levels_base=str(base))
+    assert loaded["loaded"] == {"4": [r0["probes"]["4"], 4], "2": [r0["probes"]["2"], 2]}
+    assert loaded["found"] == [str(fast), 4, 0]
+
+
+@pytest.mark.parametrize("why", ["node_local", "replicas"])
+def test_levels_deepspeed_cannot_serve_are_refused_on_every_rank(tmp_path, why):
+    """A level folder not every rank sees (each rank its own: node-local), or replicas: SaveRefusedError on
+    every rank at install, the stock engine left in place."""
+    config = {"node_local": True} if why == "node_local" else {"replicas": 1}
+    for r in _run("levels_refused", tmp_path / "run", stage=2, levels_base=str(tmp_path / "levels"), **config):
+        assert r["refused"] and ("node-local" in r["refused"] or "replicas" in r["refused"]), r
+        assert _tags(r["stock"]) == ["global_step0", "latest", "zero_to_fp32.py"], r
+
+
 # -- Accelerate with a DeepSpeedPlugin: lazyckpt.accelerate.install(accelerator) -----------------------------
 
 

@@ -485,6 +485,124 @@ def scenario_accelerate_kill() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _levels():
+    from lazyckpt import Level
+
+    base = CONFIG["levels_base"]
+    fast = os.path.join(base, f"rank{RANK}") if CONFIG.get("node_local") else os.path.join(base, "fast")
+    return [
+        Level(fast, every=1, keep=2, replicas=CONFIG.get("replicas", 0)),
+        Level(os.path.join(base, "slow"), every=2, keep=2),
+    ]
+
+
+def scenario_levels() -> None:
+    """install(engine, levels=[fast every=1 keep=2, slow every=2 keep=2]); a save every step for 5 steps
+    (save_dir "unused"), the probe at each; with ``fail_copy``: rank 1's copy of step 2 into the slow level
+    fails with ENOSPC (RESULT["raised"]: what handle.wait() raised then; the training goes on)."""
+    import lazyckpt.deepspeed
+    from lazyckpt.deepspeed import _engine
+
+    levels = _levels()
+    engine = make_engine()
+    handle = lazyckpt.deepspeed.install(engine, levels=levels, commit_timeout=60)
+    if CONFIG.get("fail_copy") and RANK == 1:
+        real = _engine.copy_own_files
+
+        def failing(source, names, staging, fsync):
+            if os.path.basename(source) == "global_step2":
+                raise OSError(errno.ENOSPC, "No space left on device (injected)")
+            return real(source, names, staging, fsync)
+
+        _engine.copy_own_files = failing
+    RESULT["probes"] = {}
+    for step in range(1, 6):
+        train(engine, 1, step)
+        RESULT["probes"][str(engine.global_steps)] = probe(engine)
+        engine.save_checkpoint("unused", client_state={"my_step": step})
+        if step == 3 and CONFIG.get("fail_copy"):
+            try:
+                handle.wait()
+                RESULT["raised"] = None
+            except Exception as exc:  # noqa: BLE001 - reported to the test
+                RESULT["raised"] = {"type": type(exc).__name__, "level": getattr(exc, "level", None),
+                                    "ranks": list(getattr(exc, "ranks", ())), "message": str(exc)}  # fmt: skip
+    train(engine, 1, 6)
+    handle.wait()
+    handle.uninstall()
+    dist.barrier()
+    found = lazyckpt.deepspeed.latest(levels)
+    RESULT["found"] = None if found is None else [found.path, found.step, found.level]
+    RESULT["listings"] = [sorted(os.listdir(lv.path)) for lv in levels]
+    RESULT["unused"] = os.path.exists("unused")
+
+
+def scenario_levels_killed() -> None:
+    """Levels as ``levels``; steps 1-3 saved and waited for (the slow level holds global_step2); at step 4
+    rank 1 is SIGKILLed inside its copy into the slow level (the fast level has published global_step4):
+    rank 0's wait() raises (RESULT["raised"]) within seconds, not at commit_timeout."""
+    import lazyckpt.deepspeed
+    from lazyckpt.deepspeed import _engine
+
+    levels = _levels()
+    engine = make_engine()
+    handle = lazyckpt.deepspeed.install(engine, levels=levels, commit_timeout=120)
+    if RANK == 1:
+        real = _engine.copy_own_files
+
+        def killed(source, names, staging, fsync):
+            if os.path.basename(source) == "global_step4":
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(source, names, staging, fsync)
+
+        _engine.copy_own_files = killed
+    RESULT["probes"] = {}
+    for step in range(1, 5):
+        train(engine, 1, step)
+        RESULT["probes"][str(engine.global_steps)] = probe(engine)
+        engine.save_checkpoint("unused", client_state={"my_step": step})
+        if step == 3:
+            handle.wait()
+    t0 = time.monotonic()
+    try:
+        handle.wait()
+        RESULT["raised"] = None
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        RESULT["raised"] = {"type": type(exc).__name__, "level": getattr(exc, "level", None), "message": str(exc)}
+    RESULT["wait_s"] = time.monotonic() - t0
+    RESULT["listings"] = [sorted(os.listdir(lv.path)) for lv in levels]
+
+
+def scenario_levels_load() -> None:
+    """Stock engines (no install) load each level's newest tag; their probes (RESULT["loaded"])."""
+    import lazyckpt.deepspeed
+
+    levels = _levels()
+    RESULT["loaded"] = {}
+    for level in levels:
+        engine = make_engine(seed=7)
+        _, client = engine.load_checkpoint(level.path)
+        RESULT["loaded"][str(engine.global_steps)] = [probe(engine), client["my_step"]]
+    found = lazyckpt.deepspeed.latest(levels)
+    RESULT["found"] = [found.path, found.step, found.level]
+
+
+def scenario_levels_refused() -> None:
+    """install(engine, levels=...) refused on every rank (node-local levels, or replicas)."""
+    import lazyckpt.deepspeed
+    from lazyckpt.errors import SaveRefusedError
+
+    engine = make_engine()
+    try:
+        lazyckpt.deepspeed.install(engine, levels=_levels())
+        RESULT["refused"] = None
+    except SaveRefusedError as exc:
+        RESULT["refused"] = str(exc)
+    engine.save_checkpoint(OUT)  # the stock engine stays
+    dist.barrier()
+    RESULT["stock"] = sorted(os.listdir(OUT))
+
+
 def _fail_writes(code: int | None) -> None:
     """This rank's next data write fails with ``code`` (None: the process is SIGKILLed there)."""
     from lazyckpt.storage import fs

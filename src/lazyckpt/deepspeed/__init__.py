@@ -3,7 +3,8 @@
 ``install(engine)`` puts a :class:`LazyCheckpointEngine` on the engine: ``save_checkpoint`` returns once the
 non-tensor state is pickled, the tensors are copied in the background, the next ``step()`` waits only for
 those copies, and the tag folder appears whole (every rank's files durable) before ``latest`` names it.
-Modules: ``_engine`` (the engine and its commit thread), ``installs`` (``EngineInstalls``: the engines Accelerate's
+Modules: ``_engine`` (the engine and its commit thread), ``_levels`` (levels: routing, copies to slower levels,
+retention, ``latest``), ``installs`` (``EngineInstalls``: the engines Accelerate's
 and the transformers integrations install). The core never imports DeepSpeed.
 """
 
@@ -11,13 +12,15 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from lazyckpt.cluster import StoreExchange
 from lazyckpt.core.installed import InstalledHandle
-from lazyckpt.deepspeed._engine import LazyCheckpointEngine, publish_pending
+from lazyckpt.deepspeed import _levels
+from lazyckpt.deepspeed._engine import SCRIPTS, LazyCheckpointEngine, publish_pending
+from lazyckpt.deepspeed._levels import DeepSpeedLevels
 from lazyckpt.errors import SaveRefusedError
 from lazyckpt.levels import Level
 from lazyckpt.options import CheckpointerOptions
@@ -27,9 +30,7 @@ from lazyckpt.threads import reentry
 
 __all__ = ["DeepSpeedHandle", "LazyCheckpointEngine", "install", "latest"]
 
-_STEP = re.compile(r"global_step(\d+)$")
 _RECOVERY_SCRIPT = "_copy_recovery_script"  # DeepSpeedEngine's method copying zero_to_fp32.py into save_dir
-_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")  # what it copies (0.19)
 
 
 class DeepSpeedHandle(InstalledHandle):
@@ -58,6 +59,16 @@ class DeepSpeedHandle(InstalledHandle):
             if not save_dir:  # stock's ValueError
                 return stock_save(this, *args, **kwargs)
             save_dir = os.fspath(save_dir)
+            due: list[int] = []
+            if lazy.levels is not None and not reentry.reentered():  # into the fastest level due, if any
+                due = lazy.levels.due(int(this.global_steps))
+                if not due:
+                    return True
+                save_dir = os.path.abspath(lazy.levels.levels[due[0]].path)
+                if args:
+                    args = (save_dir, *args[1:])
+                else:
+                    kwargs = {**kwargs, "save_dir": save_dir}
             if reentry.reentered():  # from a signal handler that interrupted lazyckpt: stock's engine, at once
                 tag = args[1] if len(args) > 1 else kwargs.get("tag")
                 lazy.supersede(os.path.join(os.path.abspath(save_dir), str(tag or f"global_step{this.global_steps}")))
@@ -70,6 +81,8 @@ class DeepSpeedHandle(InstalledHandle):
             for hook in list(self.before_save):
                 hook(save_dir)
             with lazy.saving():  # a save that raises fails its tag on every rank, never published later
+                if due:
+                    lazy.route(due[0], int(this.global_steps), due[1:])
                 saved = stock_save(this, *args, **kwargs)
             if not lazy.stepped:  # no step() yet would commit it (an export, a conversion): written now, as stock
                 lazy.wait()
@@ -124,19 +137,32 @@ def install(
     :class:`LazyCheckpointEngine`. A config-made decoupled engine in place is flushed first. A save before the
     engine's first ``step()`` since install (an export, a conversion) is published before it returns, as stock.
 
-    Raises ``SaveRefusedError`` for a second install on the same engine, and for ``levels`` (not built yet
-    for DeepSpeed: save to one folder).
+    ``levels``: each a DeepSpeed ``save_dir`` every rank shares; a ``save_checkpoint`` at step
+    ``engine.global_steps`` goes to the fastest level due (its ``save_dir`` argument is then not used; none
+    due: nothing is saved), each slower level due gets a copy of the tag once it is published there, then its
+    own ``latest``; each level keeps its newest ``keep`` tags. A slower level's failure raises
+    ``DistributedLevelError`` once on every rank, the faster levels unaffected. ``install`` is then a
+    collective (it probes the folders).
+
+    Raises ``SaveRefusedError`` for a second install on the same engine, and (on every rank) for a URL
+    level, ``replicas``, or a level folder that not every rank sees (not built for DeepSpeed yet).
     """
-    if levels is not None:
-        raise SaveRefusedError(
-            "lazyckpt.deepspeed: levels are not supported yet; save_checkpoint to one folder (a shared disk)"
-        )
     previous = engine.checkpoint_engine
     if isinstance(previous, LazyCheckpointEngine):
         raise SaveRefusedError("lazyckpt.deepspeed is already installed on this engine; call handle.uninstall() first")
     if previous.is_decoupled():  # its pending checkpoint written before it goes
         previous.cleanup()
     lazy = LazyCheckpointEngine(options=options, commit_timeout=commit_timeout, **core_options)
+    if levels is not None:
+        try:
+            exchange = StoreExchange(
+                StoreExchange.default_store(), f"lazyckpt/deepspeed-levels/{lazy.token}", lazy.rank, lazy.world_size,
+                commit_timeout,
+            )  # fmt: skip
+            lazy.levels = DeepSpeedLevels.check(levels, lazy.rank, lazy.world_size, lazy.token, exchange.all_gather)
+        except BaseException:
+            lazy.close()
+            raise
     _publish_before_conversion()
     return DeepSpeedHandle(engine, lazy, previous)
 
@@ -145,7 +171,7 @@ def _copy_durably(copy: Callable[[Any, str], None], engine: Any, save_path: str,
     """DeepSpeed's copy of its recovery scripts into ``save_path``, each fsynced (a folder renamed into place
     after it must not hold an empty one)."""
     copy(engine, save_path)
-    for name in _SCRIPTS if fsync else ():
+    for name in SCRIPTS if fsync else ():
         path = os.path.join(save_path, name)
         if os.path.exists(path):
             _fs.fsync_file(path)
@@ -170,16 +196,11 @@ def _publish_before_conversion() -> None:
     zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint = get_fp32_state_dict_from_zero_checkpoint
 
 
-def latest(save_dir: str | os.PathLike[str]) -> Found | None:
-    """The tag ``<save_dir>/latest`` names, if its folder is there: a ``Found`` whose ``path`` is ``save_dir``
-    (what ``engine.load_checkpoint`` takes) and ``step`` the N of ``global_stepN`` (-1 for another tag)."""
-    folder = os.fspath(save_dir)
-    try:
-        with open(os.path.join(folder, "latest")) as fh:
-            tag = fh.read().strip()
-    except FileNotFoundError:
-        return None
-    if not tag or not os.path.isdir(os.path.join(folder, tag)):
-        return None
-    m = _STEP.search(tag)
-    return Found(folder, int(m.group(1)) if m else -1, 0)
+def latest(where: str | os.PathLike[str] | Sequence[Level]) -> Found | None:
+    """The tag a ``latest`` file names, if its folder is there: a ``Found`` whose ``path`` is the ``save_dir``
+    (what ``engine.load_checkpoint`` takes), ``step`` the N of ``global_stepN`` (-1 for another tag) and
+    ``level`` the index of its level. ``where``: one ``save_dir``, or the levels given to ``install`` (the
+    newest tag of any level; the fastest level on a tie). Reads the files only: no collective."""
+    if isinstance(where, (str, os.PathLike)):
+        return _levels.latest_in(os.fspath(where))
+    return _levels.latest(tuple(where))

@@ -25,7 +25,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +37,7 @@ from lazyckpt.checkpointer import LazyCheckpointer
 from lazyckpt.core import exit as _exit
 from lazyckpt.core.handle import CallbackRunner, Completion, SaveHandle, SaveStats
 from lazyckpt.core.plan import tensors_in
+from lazyckpt.deepspeed._levels import DeepSpeedLevels, LevelCopy, copy_own_files, level_error
 from lazyckpt.distributed.folder_commit import FolderCommit
 from lazyckpt.errors import CheckpointerClosedError
 from lazyckpt.options import CheckpointerOptions
@@ -45,6 +46,8 @@ from lazyckpt.threads import reentry
 from lazyckpt.threads.workers import Worker
 
 logger = logging.getLogger("lazyckpt.deepspeed")
+
+SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")  # what DeepSpeed copies beside its tags (0.19)
 
 _LIVE: weakref.WeakSet[LazyCheckpointEngine] = weakref.WeakSet()  # every engine not closed, for publish_pending
 
@@ -68,6 +71,10 @@ class _Tag:
     epoch: int = 0  # a synchronous save from a signal handler since its create: it writes no ``latest``
     deferred: list[Callable[[], None]] = field(default_factory=list)  # run on the commit thread (``defer``)
     completion: Completion | None = None  # the tag's handle (``handle_of``): done when published or failed
+    names: list[str] = field(default_factory=list)  # this rank's files in the tag folder
+    level: int = 0  # with levels: the level ``final`` is in
+    step: int = -1  # with levels: the engine's global step it was saved at
+    copies: tuple[LevelCopy, ...] = ()  # with levels: the slower levels due, each numbered in ``_make_folder``
     t0: float = field(default_factory=time.perf_counter)
 
 
@@ -99,6 +106,7 @@ class LazyCheckpointEngine(CheckpointEngine):
         self.commit_timeout = float(commit_timeout)
         self.checkpointer = LazyCheckpointer(options, **core_options)
         self._folders = FolderCommit(self.rank, self.world_size, self.commit_timeout, self.checkpointer.fsync)
+        self.token = self._folders.token  # the same on every rank
         self._lock = reentry.Lock()
         self._open: _Tag | None = None  # created, not yet handed to the commit thread
         self._queued: list[_Tag] = []  # handed over, not yet finished
@@ -110,6 +118,8 @@ class LazyCheckpointEngine(CheckpointEngine):
         self._epoch = 0  # synchronous saves from signal handlers so far (``supersede``)
         self.stepped = False  # an optimizer step (accumulation boundary) ran since this engine was set
         self._recent: deque[_Tag] = deque(maxlen=16)  # finished tags, for ``handle_of``
+        self.levels: DeepSpeedLevels | None = None  # set by ``install(engine, levels=...)`` (``route``)
+        self._route: tuple[int, int, tuple[LevelCopy, ...]] | None = None  # the next create's (level, step, copies)
         self._callbacks = CallbackRunner()  # the tags' handles' done-callbacks, never on the commit thread
         self._worker: Worker[_Tag] = Worker("lazyckpt-deepspeed-commit", self._commit_tag)
         _exit.register(self, _drain_at_exit, layer=_exit.INTEGRATION)
@@ -124,6 +134,8 @@ class LazyCheckpointEngine(CheckpointEngine):
         if self._open is not None:  # saved again with no step between: nothing changed since
             self._hand_over(self._open)
         tag = _Tag(info, os.path.join(os.path.abspath(info.save_dir), str(info.tag)), epoch=self._epoch)
+        if self._route is not None:
+            (tag.level, tag.step, tag.copies), self._route = self._route, None
         tag.completion = Completion(tag.final)
         tag.completion.bind(confirm=lambda _timeout: self._hand_over(tag))  # a wait on it hands it over
         self._open = self._saving = tag
@@ -142,6 +154,7 @@ class LazyCheckpointEngine(CheckpointEngine):
             assert tag is not None
             self._make_folder(tag)
             target = os.path.join(tag.staging, os.path.basename(path))
+            tag.names.append(os.path.basename(path))
         else:
             target = path
         # DeepSpeed changes what it hands over only in step(), after commit() waited for the copies.
@@ -205,6 +218,7 @@ class LazyCheckpointEngine(CheckpointEngine):
             raise
         finally:
             self._saving = None
+            self._route = None  # a save that never reached create() routes no later one
 
     def abandon(self, save_dir: str, error: BaseException) -> None:
         """The open tag saved into ``save_dir`` fails with ``error`` (a framework call around it raised; that
@@ -251,6 +265,12 @@ class LazyCheckpointEngine(CheckpointEngine):
             if not tag.finished.wait(left):
                 raise TimeoutError(f"lazyckpt: the DeepSpeed checkpoint {tag.final} is still being committed")
         self.raise_errors()
+
+    def route(self, level: int, step: int, copies: Sequence[int]) -> None:
+        """With levels (``install``, training thread): the next ``save_checkpoint`` writes into level ``level``
+        at ``step``, and the slower levels ``copies`` get a copy of its tag once it is published."""
+        assert self.levels is not None
+        self._route = (level, step, tuple(LevelCopy(i, os.path.abspath(self.levels.levels[i].path)) for i in copies))
 
     def defer(self, job: Callable[[], None]) -> None:
         """Run ``job`` on the commit thread once this rank's files of the open tag are durable, before the folder
@@ -309,7 +329,8 @@ class LazyCheckpointEngine(CheckpointEngine):
         only (``save_16bit_model``) never shifts the numbers the ranks agree on."""
         if not tag.folder:
             tag.folder = True
-            tag.n, self._count = self._count, self._count + 1
+            tag.n, self._count = self._count, self._count + 1 + len(tag.copies)
+            tag.copies = tuple(LevelCopy(c.index, c.save_dir, tag.n + 1 + k) for k, c in enumerate(tag.copies))
             tag.staging = self._folders.staging(tag.final, tag.n)
             save_dir = os.path.dirname(tag.final)
             if self.rank == 0 and save_dir not in self._cleaned:  # dead jobs' staging folders (ours are live)
@@ -355,16 +376,58 @@ class LazyCheckpointEngine(CheckpointEngine):
                 job()
             except BaseException as exc:  # noqa: BLE001 - reported to every rank
                 own = own or exc
-        info = tag.info
-        latest = None
-        if self.rank == 0 and info.save_latest and tag.epoch == self._epoch:
-            save_dir = os.path.dirname(tag.final)
-            latest = lambda: self._write_latest(save_dir, str(info.tag))  # noqa: E731
         error: BaseException | None = RuntimeError(f"lazyckpt: committing {tag.final} was interrupted")
         try:
-            error = self._folders.commit(tag.n, tag.final, own, latest)
+            error = self._folders.commit(tag.n, tag.final, own, self._after_publish(tag, tag.level, tag.final))
+            for copy in tag.copies if error is None else ():
+                self._copy_to_level(tag, copy)
         finally:  # whatever escapes, wait() is never left waiting for this tag
             self._finish(tag, error)
+
+    def _after_publish(self, tag: _Tag, level: int, final: str) -> Callable[[], None] | None:
+        """Rank 0's job once ``final`` is in place: ``latest`` names it (unless ``save_latest=False`` or a
+        synchronous save from a signal handler came since), then the level's retention."""
+        if self.rank != 0:
+            return None
+        save_dir, name = os.path.dirname(final), os.path.basename(final)
+
+        def after() -> None:
+            if tag.info.save_latest and tag.epoch == self._epoch:
+                self._write_latest(save_dir, name)
+            if self.levels is not None:
+                try:
+                    self.levels.published(level, name, self.checkpointer.remove)
+                except OSError as exc:  # the tag stands; an old one stays
+                    logger.warning("lazyckpt.deepspeed: removing old tags of %s failed: %s", save_dir, exc)
+
+        return after
+
+    def _copy_to_level(self, tag: _Tag, copy: LevelCopy) -> None:
+        """The commit thread, ``tag`` published: this rank's files of it into a slower level's staging folder,
+        then that folder's commit (every rank or none); a failure is that level's error, raised once."""
+        assert self.levels is not None
+        final = os.path.join(copy.save_dir, os.path.basename(tag.final))
+        if self.rank == 0 and copy.save_dir not in self._cleaned:  # dead jobs' staging folders
+            self._folders.cleanup_leftovers(copy.save_dir)
+            self._cleaned.add(copy.save_dir)
+        own: BaseException | None = None
+        try:
+            copy_own_files(tag.final, tag.names, self._folders.staging(final, copy.n), self.checkpointer.fsync)
+            if self.rank == 0:  # DeepSpeed's recovery scripts, beside the tags as stock copies them
+                self._copy_scripts(os.path.dirname(tag.final), copy.save_dir)
+        except BaseException as exc:  # noqa: BLE001 - reported to every rank by the decision
+            own = exc
+        error = self._folders.commit(copy.n, final, own, self._after_publish(tag, copy.index, final))
+        if error is not None:
+            failed = level_error(copy, self.levels.levels[copy.index], tag.step, error)
+            with self._lock:
+                self._errors.append(failed)
+
+    def _copy_scripts(self, source: str, target: str) -> None:
+        for name in SCRIPTS:
+            path = os.path.join(source, name)
+            if os.path.exists(path):
+                _fs.write_bytes(os.path.join(target, name), _read(path), self.checkpointer.fsync)
 
     def _finish(self, tag: _Tag, error: BaseException | None) -> None:
         with self._lock:
@@ -391,6 +454,11 @@ def publish_pending(path: str) -> None:
     for engine in list(_LIVE):
         if engine.pending_into(path):
             engine.wait()
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as fh:
+        return fh.read()
 
 
 def _same(a: str, b: str) -> bool:

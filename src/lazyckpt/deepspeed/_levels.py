@@ -1,0 +1,146 @@
+"""Levels for DeepSpeed (``install(engine, levels=[...])``): each level is a DeepSpeed ``save_dir``.
+
+A ``save_checkpoint`` at step ``engine.global_steps`` goes to the fastest level due at that step (the engine
+writes the tag there, published by the folder commit, then ``latest``); each slower due level gets, on the
+commit thread once that tag is published, a copy of every rank's own files of it (each rank copies what it
+wrote), committed with the same folder commit (all ranks or none), then its own ``latest``. Rank 0 keeps the
+newest ``keep`` tags of each level. Every level must be one folder every rank shares (``cluster.probe``):
+node-local levels and their replicas are not built for DeepSpeed. ``latest(levels)`` reads no other rank.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from lazyckpt.cluster import probe
+from lazyckpt.errors import DistributedLevelError, DistributedSaveError, SaveRefusedError
+from lazyckpt.levels import Level
+from lazyckpt.recovery import Found
+from lazyckpt.schedule import check_levels
+from lazyckpt.storage import fs as _fs
+
+_STEP = re.compile(r"global_step(\d+)$")
+
+
+@dataclass(frozen=True)
+class LevelCopy:
+    """One slower level's copy of a tag: the level's index, its ``save_dir`` and its commit number."""
+
+    index: int
+    save_dir: str
+    n: int = -1
+
+
+@dataclass(eq=False)
+class DeepSpeedLevels:
+    """The levels of one installed engine: which are due at a step, and rank 0's retention per level."""
+
+    levels: tuple[Level, ...]
+    kept: dict[int, list[str]] = field(default_factory=dict)  # level index -> its tags, oldest first
+
+    @classmethod
+    def check(cls, levels: Sequence[Level], rank: int, world: int, token: str, all_gather: Any) -> DeepSpeedLevels:
+        """Collective (``all_gather``, every rank): ``SaveRefusedError`` on every rank alike for a URL level,
+        replicas, or a level folder not shared by every rank."""
+        levels = tuple(levels)
+        check_levels(levels)
+        if len({os.path.abspath(lv.path) for lv in levels}) != len(levels):
+            raise ValueError("lazyckpt.deepspeed: two levels have the same path")
+        for i, level in enumerate(levels):
+            if level.is_url or level.replicas:
+                raise SaveRefusedError(
+                    f"lazyckpt.deepspeed: level {i} ({level.path}): "
+                    + ("URL levels" if level.is_url else "replicas")
+                    + " are not supported with DeepSpeed yet; use folders every rank shares"
+                )
+        try:
+            scopes = probe(list(levels), token, rank, world, all_gather)
+        except ValueError as exc:
+            raise SaveRefusedError(f"lazyckpt.deepspeed: cannot probe the levels' folders: {exc}") from exc
+        for i, scope in enumerate(scopes):
+            if scope.node_local:
+                raise SaveRefusedError(
+                    f"lazyckpt.deepspeed: level {i} ({levels[i].path}) is not one folder every rank shares "
+                    f"(ranks {list(scope.groups)} see different folders): node-local levels are not supported "
+                    "with DeepSpeed yet"
+                )
+        return cls(levels)
+
+    def due(self, step: int) -> list[int]:
+        return [i for i, lv in enumerate(self.levels) if lv.due(step)]
+
+    def published(self, index: int, tag: str, remove: Callable[[str], Any]) -> None:
+        """Rank 0, once ``tag`` is in place in level ``index`` (and its ``latest`` written): the level's tags
+        beyond its ``keep`` go, oldest first (the tags of earlier runs too: ``global_stepN`` by N)."""
+        level = self.levels[index]
+        if index not in self.kept:
+            self.kept[index] = _existing_tags(level.path)
+        tags = [t for t in self.kept[index] if t != tag] + [tag]
+        if level.keep is not None:
+            for old in tags[: max(0, len(tags) - level.keep)]:
+                folder = os.path.join(level.path, old)
+                if os.path.isdir(folder):
+                    remove(folder)
+            tags = tags[-level.keep :]
+        self.kept[index] = tags
+
+
+def copy_own_files(source: str, names: Sequence[str], staging: str, fsync: bool) -> None:
+    """Copy this rank's files ``names`` of the published tag ``source`` into ``staging`` (made here), each
+    fsynced, then the folder."""
+    os.makedirs(staging, exist_ok=True)
+    for name in names:
+        target = os.path.join(staging, name)
+        shutil.copyfile(os.path.join(source, name), target)
+        if fsync:
+            _fs.fsync_file(target)
+    if fsync:
+        _fs.fsync_dir(staging)
+
+
+def level_error(copy: LevelCopy, level: Level, step: int, error: DistributedSaveError) -> DistributedLevelError:
+    """A slower level's failed copy (``error``: its folder commit's, alike on every rank), raised once."""
+    err = DistributedLevelError(
+        f"lazyckpt.deepspeed: level {copy.index} ({level.path}) did not get step {step}: {error}",
+        copy.index, level.path, step, error.path or copy.save_dir, error.errno, ranks=tuple(error.ranks),
+    )  # fmt: skip
+    err.__cause__ = error.__cause__ or error
+    return err
+
+
+def latest(levels: Sequence[Level]) -> Found | None:
+    """The newest tag any level's ``latest`` names whose folder is there (the fastest level on a tie)."""
+    best: Found | None = None
+    for i, level in enumerate(levels):
+        found = latest_in(level.path, i)
+        if found is not None and (best is None or found.step > best.step):
+            best = found
+    return best
+
+
+def latest_in(save_dir: str, index: int = 0) -> Found | None:
+    """The tag ``<save_dir>/latest`` names, if its folder is there."""
+    try:
+        with open(os.path.join(save_dir, "latest")) as fh:
+            tag = fh.read().strip()
+    except FileNotFoundError:
+        return None
+    if not tag or not os.path.isdir(os.path.join(save_dir, tag)):
+        return None
+    m = _STEP.search(tag)
+    return Found(save_dir, int(m.group(1)) if m else -1, index)
+
+
+def _existing_tags(save_dir: str) -> list[str]:
+    """The ``global_stepN`` folders already in ``save_dir``, oldest first."""
+    try:
+        names = os.listdir(save_dir)
+    except FileNotFoundError:
+        return []
+    steps = [(int(m.group(1)), n) for n in names if (m := _STEP.fullmatch(n))]
+    return [n for _, n in sorted(steps) if os.path.isdir(os.path.join(save_dir, n))]
