@@ -22,7 +22,10 @@ Each run starts 2 rank processes that train the repository's GPT (``benchmarks/g
 ``W`` is ``--writer`` (``python``: DeepSpeed's buffered Python writer; ``fast`` needs the async_io op built).
 Stall per checkpoint = median step interval (step + its save_checkpoint) - median step interval of the same
 processes' ``steps`` steps without a checkpoint just before (``none``: the noise of that difference); the final
-drain (lazy: ``wait()``; decoupled: ``destroy()``) is reported apart. Regimes:
+drain (lazy: ``wait()``; decoupled: ``destroy()``) is reported apart. Blocked per checkpoint = rank 0's time in
+``save_checkpoint`` plus in the engine's ``commit`` inside the next ``step()`` (a decoupled engine's wait), median:
+the training thread's wait itself, without the step's noise, but also without the slowdown background work
+causes in training on shared cores (which the stall includes). Regimes:
 ``--threads 1`` (one torch thread per rank) and the default threads (``--threads 0``: torch's choice). The
 disk's floor: the time to write and fsync one checkpoint's bytes (the ``torch`` mode's folder) sequentially.
 """
@@ -100,9 +103,25 @@ def _rank_main() -> None:
         handle = lazyckpt.deepspeed.install(engine)
     batches = gpt.BatchStream(model_cfg, seed=rank)
     out = cfg["out"]
+    # the time the training thread spends in the checkpoint engine's calls: save_checkpoint, and the commit
+    # DeepSpeed calls inside step() (a decoupled engine's wait); a synchronous engine commits inside the save
+    ce, saving, in_commit = engine.checkpoint_engine, [False], [0.0]
+    real_commit = ce.commit
+
+    def commit(info: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return real_commit(info)
+        finally:
+            if not saving[0]:
+                in_commit[0] += time.perf_counter() - t
+
+    ce.commit = commit
+    blocked: list[float] = []
 
     def step(save: bool) -> float:
         t = time.perf_counter()
+        in_commit[0] = 0.0
         x, y = batches.next()
         if cuda:
             x, y = x.cuda(), y.cuda()
@@ -110,7 +129,12 @@ def _rank_main() -> None:
         engine.backward(loss)
         engine.step()
         if save:
+            saving[0], ts = True, time.perf_counter()
             engine.save_checkpoint(out)
+            saving[0] = False
+            if cuda:
+                torch.cuda.synchronize()
+            blocked.append(in_commit[0] + time.perf_counter() - ts)
         if cuda:
             torch.cuda.synchronize()
         return time.perf_counter() - t
@@ -126,7 +150,7 @@ def _rank_main() -> None:
     dist.barrier()
     drain = time.perf_counter() - t
     with open(os.path.join(cfg["results"], f"rank{rank}.json"), "w") as fh:
-        json.dump({"intervals": intervals, "baseline": baseline, "drain": drain}, fh)
+        json.dump({"intervals": intervals, "baseline": baseline, "drain": drain, "blocked": blocked}, fh)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -199,6 +223,7 @@ def run(args: argparse.Namespace) -> int:
         for stage in args.stages:
             per_round: dict[str, list[float]] = {m: [] for m in args.modes}
             drains: dict[str, list[float]] = {m: [] for m in args.modes}
+            blocked: dict[str, list[float]] = {m: [] for m in args.modes}
             tag_bytes = 0
             for _ in range(args.rounds):
                 medians = {}
@@ -217,6 +242,8 @@ def run(args: argparse.Namespace) -> int:
                         continue
                     medians[mode] = statistics.median(got["intervals"]) - statistics.median(got["baseline"])
                     drains[mode].append(got["drain"])
+                    if got.get("blocked"):
+                        blocked[mode].append(statistics.median(got["blocked"]))
                     if mode == "torch":
                         tag_bytes = got["tag_bytes"]
                     shutil.rmtree(out, ignore_errors=True)
@@ -225,6 +252,7 @@ def run(args: argparse.Namespace) -> int:
             if floor is None and tag_bytes:
                 floor = disk_write_s(base, tag_bytes)
             stall = {m: statistics.median(v) for m, v in per_round.items() if v}
+            held = {m: statistics.median(v) for m, v in blocked.items() if v}
             for mode in args.modes:
                 if mode not in stall:
                     rows.append({"threads": threads or "default", "stage": stage, "mode": mode, "failed": failed[mode]})
@@ -232,6 +260,8 @@ def run(args: argparse.Namespace) -> int:
                 rows.append({
                     "threads": threads or "default", "stage": stage, "mode": mode, "stall_s": stall[mode],
                     "x_torch": stall[mode] / stall["torch"] if stall.get("torch") else None,
+                    "blocked_s": held.get(mode),
+                    "blocked_x_torch": held[mode] / held["torch"] if mode in held and held.get("torch") else None,
                     "drain_s": statistics.median(drains[mode]), "rounds": per_round[mode], "tag_bytes": tag_bytes,
                 })  # fmt: skip
     shutil.rmtree(base, ignore_errors=True)
@@ -251,13 +281,21 @@ def run(args: argparse.Namespace) -> int:
     print(f"{head}, median of {args.rounds} round(s) of {args.steps} steps")
     if floor:
         print(f"disk floor: {floor['bytes'] / 1e9:.2f} GB written + fsynced in {floor['s']:.3f} s")
-    print(f"{'threads':>8} {'ZeRO':>4} {'mode':>10} {'stall/ckpt s':>13} {'x torch':>8} {'drain s':>8}")
+    print(
+        f"{'threads':>8} {'ZeRO':>4} {'mode':>10} {'stall/ckpt s':>13} {'x torch':>8} {'blocked s':>10} "
+        f"{'x torch':>8} {'drain s':>8}"
+    )
     for r in rows:
         if "failed" in r:
             print(f"{r['threads']!s:>8} {r['stage']:>4} {r['mode']:>10}  does not run here: {r['failed']}")
             continue
         x = "" if r["x_torch"] is None else f"{r['x_torch']:.2f}"
-        print(f"{r['threads']!s:>8} {r['stage']:>4} {r['mode']:>10} {r['stall_s']:>13.3f} {x:>8} {r['drain_s']:>8.2f}")
+        b = "" if r["blocked_s"] is None else f"{r['blocked_s']:.3f}"
+        bx = "" if r["blocked_x_torch"] is None else f"{r['blocked_x_torch']:.2f}"
+        print(
+            f"{r['threads']!s:>8} {r['stage']:>4} {r['mode']:>10} {r['stall_s']:>13.3f} {x:>8} {b:>10} {bx:>8} "
+            f"{r['drain_s']:>8.2f}"
+        )
     return 0
 
 

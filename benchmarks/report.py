@@ -281,14 +281,18 @@ def deepspeed_tables(doc: dict[str, Any]) -> str:
     for threads in regimes:
         rows = [r for r in doc["rows"] if str(r["threads"]) == threads]
         what = "1 torch thread per rank" if threads == "1" else "torch's default threads per rank"
-        out += [f"{what}:", "", "| ZeRO | engine | stall per checkpoint (s) | x torch engine | final drain (s) |",
-                "| ---: | --- | ---: | ---: | ---: |"]  # fmt: skip
+        out += [f"{what}:", "", "| ZeRO | engine | stall per checkpoint (s) | x torch engine | blocked in calls (s) "
+                "| x torch engine | final drain (s) |",
+                "| ---: | --- | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
         for r in rows:
             name = DEEPSPEED_MODES.get(r["mode"], r["mode"])
             if "failed" in r:
-                out.append(f"| {r['stage']} | {name} | does not run here: {r['failed'][:90]} | | |")
+                out.append(f"| {r['stage']} | {name} | does not run here: {r['failed'][:90]} | | | | |")
                 continue
-            out.append(f"| {r['stage']} | {name} | {r['stall_s']:.3f} | {r['x_torch']:.2f}x | {r['drain_s']:.2f} |")
+            held = "" if r.get("blocked_s") is None else f"{r['blocked_s']:.3f}"
+            held_x = "" if r.get("blocked_x_torch") is None else f"{r['blocked_x_torch']:.2f}x"
+            out.append(f"| {r['stage']} | {name} | {r['stall_s']:.3f} | {r['x_torch']:.2f}x | {held} | {held_x} "
+                       f"| {r['drain_s']:.2f} |")  # fmt: skip
         out.append("")
     if floor:
         out.append(f"The disk's floor for one checkpoint ({floor['bytes'] / 1e9:.2f} GB written and fsynced, "
@@ -303,8 +307,10 @@ def deepspeed_section() -> str:
         "`python -m benchmarks.bench_deepspeed`: the repository's GPT under ZeRO-2 and ZeRO-3, 2 rank processes,",
         "a checkpoint every step with each engine; the stall per checkpoint is the median step (with its save)",
         "minus the median step of the same processes just before, without checkpoints (`none`: the noise of that",
-        "difference). On this 2-core machine the 2 ranks use both cores in either regime:",
-        "no core is spare for background copies and writes, unlike a GPU machine.",
+        "difference). Blocked in calls: rank 0's time in `save_checkpoint` and in the engine's commit inside the",
+        "next `step()` (the training thread's own wait, without the step's noise, but without the slowdown that",
+        "background work on shared cores causes either). On this 2-core machine the 2 ranks use both cores in",
+        "either regime: no core is spare for background copies and writes, unlike a GPU machine.",
     ]
     for name, where in (("deepspeed.json", "CPU"), ("deepspeed-gpu.json", "GPU")):
         doc = _load(name)
@@ -324,15 +330,21 @@ def readme_deepspeed_block() -> str:
         return "(no results yet)"
     rows = [r for r in doc["rows"] if str(r["threads"]) == "1"]
     stages = sorted({r["stage"] for r in rows})
-    out = [f"`{doc['command']}` (GPT {doc['size']}, 2 CPU ranks, 1 torch thread each), stall per checkpoint:", "",
+    out = [f"`{doc['command']}` (GPT {doc['size']}, 2 CPU ranks, 1 torch thread each), stall per checkpoint "
+           "(blocked in the engine's calls):", "",
            "| engine | " + " | ".join(f"ZeRO-{z} (s)" for z in stages) + " |",
            "| --- | " + " | ".join("---:" for _ in stages) + " |"]  # fmt: skip
     for mode in dict.fromkeys(r["mode"] for r in rows):
         cells = []
         for z in stages:
             r = next((r for r in rows if r["mode"] == mode and r["stage"] == z), None)
+            held = (
+                ""
+                if r is None or r.get("blocked_s") is None
+                else (f"; {r['blocked_s']:.3f} ({r['blocked_x_torch']:.2f}x)")
+            )
             cells.append("" if r is None else "does not run" if "failed" in r
-                         else f"{r['stall_s']:.3f} ({r['x_torch']:.2f}x)")  # fmt: skip
+                         else f"{r['stall_s']:.3f} ({r['x_torch']:.2f}x){held}")  # fmt: skip
         out.append(f"| {DEEPSPEED_MODES.get(mode, mode)} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 

@@ -242,6 +242,18 @@ def test_levels_each_hold_their_due_tags_and_load_with_stock(tmp_path, stage):
 
 
 @pytest.mark.slow(reason="a 2-process DeepSpeed run with levels")
+def test_retention_never_removes_the_tag_latest_names(tmp_path):
+    """Steps 4 and 5 saved with save_latest=False: the fast level (keep=2) keeps global_step3 beside them, since
+    its ``latest`` still names it; latest(levels) finds it."""
+    base = tmp_path / "levels"
+    for r in _run("levels", tmp_path / "run", stage=2, levels_base=str(base), no_latest_from=4):
+        assert _tags(r["listings"][0]) == ["global_step3", "global_step4", "global_step5", "latest", "zero_to_fp32.py"]
+        assert _tags(r["listings"][1]) == ["global_step2", "global_step4", "latest", "zero_to_fp32.py"], r
+        assert r["found"] == [str(base / "fast"), 3, 0], r
+    assert (base / "slow" / "latest").read_text() == "global_step2"
+
+
+@pytest.mark.slow(reason="a 2-process DeepSpeed run with levels")
 def test_a_slower_levels_failed_copy_is_one_level_error_on_every_rank_and_the_fast_level_goes_on(tmp_path):
     """Rank 1's copy of step 2 into the slow level fails (ENOSPC, injected): every rank's wait() raises one
     DistributedLevelError naming level 1 and rank 1; the slow level never shows step 2 (no ``latest`` then),
@@ -254,6 +266,17 @@ def test_a_slower_levels_failed_copy_is_one_level_error_on_every_rank_and_the_fa
         assert _tags(r["listings"][0]) == ["global_step4", "global_step5", "latest", "zero_to_fp32.py"], r
         assert _tags(r["listings"][1]) == ["global_step4", "latest", "zero_to_fp32.py"], r
     assert (base / "slow" / "latest").read_text() == "global_step4"
+
+
+@pytest.mark.slow(reason="a 2-process DeepSpeed run with levels")
+def test_a_failed_fast_level_is_one_error_and_the_slower_levels_skip_that_step_alike(tmp_path):
+    """Rank 1's write of step 4 fails (ENOSPC) in the fast level: every rank raises that one error (not a
+    level error of the slow level, whose copy every rank skips alike); step 5 goes on in the fast level."""
+    base = tmp_path / "levels"
+    for r in _run("levels_fast_fails", tmp_path / "run", stage=2, levels_base=str(base)):
+        assert r["errors"] == [[4, "DistributedSaveError", None]], r
+        assert _tags(r["listings"][0]) == ["global_step3", "global_step5", "latest", "zero_to_fp32.py"], r
+        assert _tags(r["listings"][1]) == ["global_step2", "latest", "zero_to_fp32.py"], r
 
 
 @pytest.mark.slow(reason="a 2-process DeepSpeed run with levels, one rank SIGKILLed, then stock loads")

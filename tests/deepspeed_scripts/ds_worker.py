@@ -498,8 +498,9 @@ def _levels():
 
 def scenario_levels() -> None:
     """install(engine, levels=[fast every=1 keep=2, slow every=2 keep=2]); a save every step for 5 steps
-    (save_dir "unused"), the probe at each; with ``fail_copy``: rank 1's copy of step 2 into the slow level
-    fails with ENOSPC (RESULT["raised"]: what handle.wait() raised then; the training goes on)."""
+    (save_dir "unused"), the probe at each (from step ``no_latest_from`` on with save_latest=False); with
+    ``fail_copy``: rank 1's copy of step 2 into the slow level fails with ENOSPC (RESULT["raised"]: what
+    handle.wait() raised then; the training goes on)."""
     import lazyckpt.deepspeed
     from lazyckpt.deepspeed import _engine
 
@@ -519,7 +520,8 @@ def scenario_levels() -> None:
     for step in range(1, 6):
         train(engine, 1, step)
         RESULT["probes"][str(engine.global_steps)] = probe(engine)
-        engine.save_checkpoint("unused", client_state={"my_step": step})
+        latest = step < CONFIG.get("no_latest_from", 99)
+        engine.save_checkpoint("unused", client_state={"my_step": step}, save_latest=latest)
         if step == 3 and CONFIG.get("fail_copy"):
             try:
                 handle.wait()
@@ -535,6 +537,33 @@ def scenario_levels() -> None:
     RESULT["found"] = None if found is None else [found.path, found.step, found.level]
     RESULT["listings"] = [sorted(os.listdir(lv.path)) for lv in levels]
     RESULT["unused"] = os.path.exists("unused")
+
+
+def scenario_levels_fast_fails() -> None:
+    """Levels as ``levels``; steps 1-3 saved; rank 1's data write of step 4 (due at both levels) fails with
+    ENOSPC: every rank's wait() raises the fast level's DistributedSaveError once (RESULT["errors"]), no level
+    error for the slow level's skipped copy; step 5 is saved as usual."""
+    import lazyckpt.deepspeed
+    from lazyckpt.storage import fs
+
+    levels = _levels()
+    engine = make_engine()
+    handle = lazyckpt.deepspeed.install(engine, levels=levels, commit_timeout=60)
+    RESULT["errors"] = []
+    real = fs.pwrite_all
+    for step in range(1, 6):
+        train(engine, 1, step)
+        if step == 4 and RANK == 1:
+            _fail_writes(errno.ENOSPC)
+        engine.save_checkpoint("unused")
+        try:
+            handle.wait()
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            RESULT["errors"].append([step, type(exc).__name__, getattr(exc, "level", None)])
+        fs.pwrite_all = real
+    handle.uninstall()
+    dist.barrier()
+    RESULT["listings"] = [sorted(os.listdir(lv.path)) for lv in levels]
 
 
 def scenario_levels_killed() -> None:

@@ -11,6 +11,7 @@ and the transformers integrations install). The core never imports DeepSpeed.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import types
 from collections.abc import Callable, Sequence
@@ -27,6 +28,8 @@ from lazyckpt.options import CheckpointerOptions
 from lazyckpt.recovery import Found
 from lazyckpt.storage import fs as _fs
 from lazyckpt.threads import reentry
+
+logger = logging.getLogger("lazyckpt.deepspeed")
 
 __all__ = ["DeepSpeedHandle", "LazyCheckpointEngine", "install", "latest"]
 
@@ -60,9 +63,11 @@ class DeepSpeedHandle(InstalledHandle):
                 return stock_save(this, *args, **kwargs)
             save_dir = os.fspath(save_dir)
             due: list[int] = []
-            if lazy.levels is not None and not reentry.reentered():  # into the fastest level due, if any
-                due = lazy.levels.due(int(this.global_steps))
-                if not due:
+            if lazy.levels is not None:  # into the fastest level due (from a signal handler: the fastest level)
+                due = [0] if reentry.reentered() else lazy.levels.due(int(this.global_steps))
+                if not due:  # as a bare save_state with levels: nothing is saved at this step
+                    lazy.raise_errors()
+                    logger.debug("lazyckpt.deepspeed: no level is due at step %d: nothing saved", this.global_steps)
                     return True
                 save_dir = os.path.abspath(lazy.levels.levels[due[0]].path)
                 if args:
@@ -203,4 +208,4 @@ def latest(where: str | os.PathLike[str] | Sequence[Level]) -> Found | None:
     newest tag of any level; the fastest level on a tie). Reads the files only: no collective."""
     if isinstance(where, (str, os.PathLike)):
         return _levels.latest_in(os.fspath(where))
-    return _levels.latest(tuple(where))
+    return _levels.latest((where,) if isinstance(where, Level) else tuple(where))

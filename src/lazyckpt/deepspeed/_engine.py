@@ -293,9 +293,10 @@ class LazyCheckpointEngine(CheckpointEngine):
         with self._lock:
             tags = [*([self._open] if self._open is not None else []), *self._queued]
         for tag in tags:
-            final = os.path.realpath(tag.final)
-            if target in (final, os.path.dirname(final)) or target.startswith(final + os.sep):
-                return True
+            for where in (tag.final, *(os.path.join(c.save_dir, os.path.basename(tag.final)) for c in tag.copies)):
+                final = os.path.realpath(where)
+                if target in (final, os.path.dirname(final)) or target.startswith(final + os.sep):
+                    return True
         return False
 
     def raise_errors(self) -> None:
@@ -379,8 +380,8 @@ class LazyCheckpointEngine(CheckpointEngine):
         error: BaseException | None = RuntimeError(f"lazyckpt: committing {tag.final} was interrupted")
         try:
             error = self._folders.commit(tag.n, tag.final, own, self._after_publish(tag, tag.level, tag.final))
-            for copy in tag.copies if error is None else ():
-                self._copy_to_level(tag, copy)
+            for copy in tag.copies:  # every rank takes part in each, whatever its own outcome
+                self._copy_to_level(tag, copy, error)
         finally:  # whatever escapes, wait() is never left waiting for this tag
             self._finish(tag, error)
 
@@ -402,23 +403,27 @@ class LazyCheckpointEngine(CheckpointEngine):
 
         return after
 
-    def _copy_to_level(self, tag: _Tag, copy: LevelCopy) -> None:
-        """The commit thread, ``tag`` published: this rank's files of it into a slower level's staging folder,
-        then that folder's commit (every rank or none); a failure is that level's error, raised once."""
+    def _copy_to_level(self, tag: _Tag, copy: LevelCopy, failed: BaseException | None) -> None:
+        """The commit thread, after ``tag``'s decision (``failed``: this rank's outcome of it): this rank's files
+        of it into a slower level's staging folder, then that folder's commit (every rank or none, every rank
+        taking part: a rank whose fast level failed fails it at once). A failed copy of a published tag is that
+        level's error, raised once."""
         assert self.levels is not None
         final = os.path.join(copy.save_dir, os.path.basename(tag.final))
-        if self.rank == 0 and copy.save_dir not in self._cleaned:  # dead jobs' staging folders
-            self._folders.cleanup_leftovers(copy.save_dir)
-            self._cleaned.add(copy.save_dir)
-        own: BaseException | None = None
-        try:
-            copy_own_files(tag.final, tag.names, self._folders.staging(final, copy.n), self.checkpointer.fsync)
-            if self.rank == 0:  # DeepSpeed's recovery scripts, beside the tags as stock copies them
-                self._copy_scripts(os.path.dirname(tag.final), copy.save_dir)
-        except BaseException as exc:  # noqa: BLE001 - reported to every rank by the decision
-            own = exc
-        error = self._folders.commit(copy.n, final, own, self._after_publish(tag, copy.index, final))
-        if error is not None:
+        own: BaseException | None = failed
+        if own is None:
+            try:
+                if self.rank == 0 and copy.save_dir not in self._cleaned:  # dead jobs' staging folders
+                    self._folders.cleanup_leftovers(copy.save_dir)
+                    self._cleaned.add(copy.save_dir)
+                copy_own_files(tag.final, tag.names, self._folders.staging(final, copy.n), self.checkpointer.fsync)
+                if self.rank == 0:  # DeepSpeed's recovery scripts, beside the tags as stock copies them
+                    self._copy_scripts(os.path.dirname(tag.final), copy.save_dir)
+            except BaseException as exc:  # noqa: BLE001 - reported to every rank by the decision
+                own = exc
+        after = self._after_publish(tag, copy.index, final) if own is None else None
+        error = self._folders.commit(copy.n, final, own, after)
+        if error is not None and failed is None:  # (a failed fast level is reported as itself)
             failed = level_error(copy, self.levels.levels[copy.index], tag.step, error)
             with self._lock:
                 self._errors.append(failed)
@@ -428,6 +433,7 @@ class LazyCheckpointEngine(CheckpointEngine):
             path = os.path.join(source, name)
             if os.path.exists(path):
                 _fs.write_bytes(os.path.join(target, name), _read(path), self.checkpointer.fsync)
+                os.chmod(os.path.join(target, name), os.stat(path).st_mode & 0o777)
 
     def _finish(self, tag: _Tag, error: BaseException | None) -> None:
         with self._lock:

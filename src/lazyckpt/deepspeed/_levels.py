@@ -81,13 +81,16 @@ class DeepSpeedLevels:
         if index not in self.kept:
             self.kept[index] = _existing_tags(level.path)
         tags = [t for t in self.kept[index] if t != tag] + [tag]
-        if level.keep is not None:
-            for old in tags[: max(0, len(tags) - level.keep)]:
-                folder = os.path.join(level.path, old)
-                if os.path.isdir(folder):
-                    remove(folder)
-            tags = tags[-level.keep :]
-        self.kept[index] = tags
+        if level.keep is None or len(tags) <= level.keep:
+            self.kept[index] = tags
+            return
+        named = _latest_tag(level.path)  # never the tag ``latest`` names (``save_latest=False`` saves came since)
+        old = [t for t in tags[: len(tags) - level.keep] if t != named]
+        self.kept[index] = [t for t in tags if t not in old]
+        for name in old:
+            folder = os.path.join(level.path, name)
+            if os.path.isdir(folder):
+                remove(folder)
 
 
 def copy_own_files(source: str, names: Sequence[str], staging: str, fsync: bool) -> None:
@@ -114,7 +117,8 @@ def level_error(copy: LevelCopy, level: Level, step: int, error: DistributedSave
 
 
 def latest(levels: Sequence[Level]) -> Found | None:
-    """The newest tag any level's ``latest`` names whose folder is there (the fastest level on a tie)."""
+    """The newest tag any level's ``latest`` names whose folder is there (the fastest level on a tie; a custom
+    tag counts as step -1)."""
     best: Found | None = None
     for i, level in enumerate(levels):
         found = latest_in(level.path, i)
@@ -125,15 +129,19 @@ def latest(levels: Sequence[Level]) -> Found | None:
 
 def latest_in(save_dir: str, index: int = 0) -> Found | None:
     """The tag ``<save_dir>/latest`` names, if its folder is there."""
-    try:
-        with open(os.path.join(save_dir, "latest")) as fh:
-            tag = fh.read().strip()
-    except FileNotFoundError:
-        return None
+    tag = _latest_tag(save_dir)
     if not tag or not os.path.isdir(os.path.join(save_dir, tag)):
         return None
     m = _STEP.search(tag)
     return Found(save_dir, int(m.group(1)) if m else -1, index)
+
+
+def _latest_tag(save_dir: str) -> str | None:
+    try:
+        with open(os.path.join(save_dir, "latest")) as fh:
+            return fh.read().strip() or None
+    except FileNotFoundError:
+        return None
 
 
 def _existing_tags(save_dir: str) -> list[str]:
