@@ -502,20 +502,16 @@ def scenario_levels() -> None:
     ``fail_copy``: rank 1's copy of step 2 into the slow level fails with ENOSPC (RESULT["raised"]: what
     handle.wait() raised then; the training goes on)."""
     import lazyckpt.deepspeed
-    from lazyckpt.deepspeed import _engine
 
     levels = _levels()
     engine = make_engine()
     handle = lazyckpt.deepspeed.install(engine, levels=levels, commit_timeout=60)
     if CONFIG.get("fail_copy") and RANK == 1:
-        real = _engine.copy_own_files
 
-        def failing(source, names, staging, fsync):
-            if os.path.basename(source) == "global_step2":
-                raise OSError(errno.ENOSPC, "No space left on device (injected)")
-            return real(source, names, staging, fsync)
+        def enospc():
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
 
-        _engine.copy_own_files = failing
+        _before_copy_of("global_step2", enospc)
     RESULT["probes"] = {}
     for step in range(1, 6):
         train(engine, 1, step)
@@ -571,20 +567,12 @@ def scenario_levels_killed() -> None:
     rank 1 is SIGKILLed inside its copy into the slow level (the fast level has published global_step4):
     rank 0's wait() raises (RESULT["raised"]) within seconds, not at commit_timeout."""
     import lazyckpt.deepspeed
-    from lazyckpt.deepspeed import _engine
 
     levels = _levels()
     engine = make_engine()
     handle = lazyckpt.deepspeed.install(engine, levels=levels, commit_timeout=120)
     if RANK == 1:
-        real = _engine.copy_own_files
-
-        def killed(source, names, staging, fsync):
-            if os.path.basename(source) == "global_step4":
-                os.kill(os.getpid(), signal.SIGKILL)
-            return real(source, names, staging, fsync)
-
-        _engine.copy_own_files = killed
+        _before_copy_of("global_step4", lambda: os.kill(os.getpid(), signal.SIGKILL))
     RESULT["probes"] = {}
     for step in range(1, 5):
         train(engine, 1, step)
@@ -630,6 +618,20 @@ def scenario_levels_refused() -> None:
     engine.save_checkpoint(OUT)  # the stock engine stays
     dist.barrier()
     RESULT["stock"] = sorted(os.listdir(OUT))
+
+
+def _before_copy_of(tag: str, action) -> None:
+    """``action()`` runs on this rank's commit thread as it would copy its files of ``tag`` to a slower level."""
+    from lazyckpt.deepspeed import _engine
+
+    real = _engine.copy_own_files
+
+    def copy(source, names, staging, fsync):
+        if os.path.basename(source) == tag:
+            action()
+        return real(source, names, staging, fsync)
+
+    _engine.copy_own_files = copy
 
 
 def _fail_writes(code: int | None) -> None:

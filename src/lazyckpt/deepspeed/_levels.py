@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from lazyckpt.cluster import probe
+from lazyckpt.distributed._promote import copy_checked
 from lazyckpt.errors import DistributedLevelError, DistributedSaveError, SaveRefusedError
 from lazyckpt.levels import Level
 from lazyckpt.recovery import Found
@@ -95,13 +95,10 @@ class DeepSpeedLevels:
 
 def copy_own_files(source: str, names: Sequence[str], staging: str, fsync: bool) -> None:
     """Copy this rank's files ``names`` of the published tag ``source`` into ``staging`` (made here), each
-    fsynced, then the folder."""
-    os.makedirs(staging, exist_ok=True)
+    fsynced (space reserved first: a full disk fails before any byte), then the folder."""
     for name in names:
-        target = os.path.join(staging, name)
-        shutil.copyfile(os.path.join(source, name), target)
-        if fsync:
-            _fs.fsync_file(target)
+        copy_checked(os.path.join(source, name), staging, name, None, fsync)
+    os.makedirs(staging, exist_ok=True)
     if fsync:
         _fs.fsync_dir(staging)
 
