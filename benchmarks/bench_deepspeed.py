@@ -207,6 +207,8 @@ def _launch(cfg: dict[str, Any], timeout: float) -> dict[str, Any]:
                 os.killpg(p.pid, signal.SIGKILL)
             p.wait()
         shutil.rmtree(results, ignore_errors=True)
+        for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"):
+            path.unlink(missing_ok=True)  # DeepSpeed's CPU all-reduce buffers, never unlinked by its ranks
     tag_bytes = 0
     folders = sorted(Path(cfg["out"]).glob("global_step*"))
     if folders:

@@ -41,6 +41,29 @@ def free_port() -> int:
     raise RuntimeError(f"no free port in {low}-{low + 4999}")
 
 
+def release_shm(port: str | int | None = None) -> None:
+    """Unlink DeepSpeed's CPU all-reduce buffers (``/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>``,
+    ~70 MB per rank, never unlinked when a rank exits): those of the group at ``port`` once its ranks ended;
+    with no port, every one of this user's that no live process maps, at least 10 s old (a rank creates and
+    maps its buffer at once; its peers wait for it by name)."""
+    import glob
+
+    root = "/dev/shm/deepspeed_allreduce_buffer_"
+    if port is not None:
+        for path in glob.glob(f"{root}{os.getuid()}_*_{port}_*"):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        return
+    mapped: set[str] = set()
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        with contextlib.suppress(OSError), open(maps) as fh:
+            mapped.update(line.split(None, 5)[-1].strip() for line in fh if root in line)
+    for path in glob.glob(f"{root}{os.getuid()}_*"):
+        with contextlib.suppress(OSError):
+            if path not in mapped and time.time() - os.stat(path).st_mtime > 10:
+                os.unlink(path)
+
+
 def rank_env(extra: dict[str, str] | None = None, drop: Sequence[str] = ()) -> dict[str, str]:
     """This process's env for a rank process: one OMP thread, gloo on loopback, quiet c10d logs,
     ``src/`` and ``tests/`` importable; ``extra`` added, ``drop`` removed."""
@@ -251,7 +274,10 @@ def launch(
         for r in range(world)
     ]
     stuck = "ranks" if who == "rank" else "processes"
-    outputs = wait_all(procs, timeout, f"{scenario}: {stuck} still running")
+    try:
+        outputs = wait_all(procs, timeout, f"{scenario}: {stuck} still running")
+    finally:
+        release_shm(port)
     results: list[dict | None] = []
     for r in range(world):
         path = workdir / f"result-{r}.json"

@@ -27,6 +27,13 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
 
 
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """DeepSpeed's CPU all-reduce buffers in /dev/shm that ended ranks left (docs examples, Trainer runs)."""
+    from _launch import release_shm
+
+    release_shm()
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
     """Name the tests that took longer than SLOW_S without the slow marker (xdist workers' reports
     reach the controller's hook too)."""

@@ -198,7 +198,8 @@ def test_sigkill_inside_a_write_leaves_latest_on_the_previous_whole_tag(tmp_path
         out1, _ = procs[1].communicate(timeout=120)  # rank 1 dies in its first data write of global_step3
     finally:
         procs[0].kill()
-    procs[0].communicate(timeout=60)
+        procs[0].communicate(timeout=60)
+        _launch.release_shm(port)
     assert procs[1].returncode == -signal.SIGKILL, out1[-4000:]
     out = work / "ckpt"
     assert (out / "latest").read_text() == "global_step2"
@@ -365,7 +366,10 @@ def _trainer(out: Path, mode: str, scenario: str, stage: int, *extra: str, dies:
     one = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
     env = _launch.rank_env({"DS_ACCELERATOR": "cpu", "STAGE": str(stage), **one})
     proc = _launch.python([str(TRAINER), str(out), mode, scenario, *extra], env)
-    output, _ = proc.communicate(timeout=240)
+    try:
+        output, _ = proc.communicate(timeout=240)
+    finally:
+        _launch.release_shm(port)
     assert proc.returncode == (-signal.SIGKILL if dies else 0), output[-6000:]
 
 
@@ -415,9 +419,13 @@ def test_the_example_trains_saves_lazily_and_loads_the_newest_tag_back(tmp_path)
     root = Path(__file__).resolve().parent.parent
     env = _launch.rank_env({"DS_ACCELERATOR": "cpu"})
     env["PYTHONPATH"] = f"{root}{os.pathsep}{env['PYTHONPATH']}"
+    port = _launch.free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(_launch.free_port()), "-m", "examples.deepspeed_gpt", "--size", "tiny", "--steps", "2",
+           str(port), "-m", "examples.deepspeed_gpt", "--size", "tiny", "--steps", "2",
            "--dir", str(tmp_path)]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    try:
+        proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    finally:
+        _launch.release_shm(port)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert "loaded back equal to the state at its save: True" in proc.stdout, proc.stdout[-3000:]

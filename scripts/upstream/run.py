@@ -32,6 +32,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent.parent / "tests"))
+from _launch import release_shm  # noqa: E402 - the tests' launcher, stdlib only
+
 OUTCOMES = ("passed", "failed", "error", "hung", "skipped", "xfailed", "xpassed")
 
 
@@ -214,6 +217,7 @@ def run_mode(
             break  # killed after the last test (teardown or exit hung): nothing left to resume
         hung_by_kill[running[-1]] = {"nodeid": running[-1], "outcome": "hung", "message": "killed: run stopped"}
         log(f"{suite.name}/{mode}: killed a stuck run at {running[-1]}; resuming")
+    release_shm()  # DeepSpeed's CPU all-reduce buffers its ended ranks left in /dev/shm
     done, _ = read_rows(record)
     done.update(hung_by_kill)
     log(f"{suite.name}/{mode}: {len(done)} tests in {time.monotonic() - t0:.0f} s")
