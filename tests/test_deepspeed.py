@@ -76,6 +76,35 @@ def test_lazy_folders_equal_stock_and_load_with_stock_deepspeed(tmp_path, stage)
             assert_same(dict(got), dict(want), tag)
 
 
+@pytest.mark.slow(reason="two 2-process DeepSpeed runs with an MoE layer, then a stock load")
+@pytest.mark.parametrize(("stage", "ep"), [(0, 2), (2, 1)])
+def test_moe_expert_files_equal_stock_and_load_with_stock(tmp_path, stage, ep):
+    """DeepSpeed's MoE files (``layer_L_expert_E_...``, ``expp_rank_R_...`` optimizer states): experts split over
+    both ranks (``ep`` 2), or each rank holding both (``ep`` 1, ZeRO-2)."""
+    stock = _run("save", tmp_path / "stock", stage=stage, mode="stock", moe=ep)
+    lazy = _run("save", tmp_path / "lazy", stage=stage, mode="lazy", moe=ep)
+    assert any("expert" in n for n in stock[0]["listing"]), stock[0]["listing"]
+    for s, z in zip(stock, lazy, strict=True):
+        assert z["listing"] == s["listing"] and z["probe5"] == s["probe5"]
+    _same_folders(tmp_path / "lazy" / "ckpt", tmp_path / "stock" / "ckpt")
+    loaded = _run("load", tmp_path / "load", stage=stage, mode="stock", moe=ep, out=str(tmp_path / "lazy" / "ckpt"))
+    for r, z in zip(loaded, lazy, strict=True):
+        assert r["latest_probe"] == z["probe5"] and r["step3_probe"] == z["probe3"]
+
+
+@pytest.mark.slow(reason="two 2-process DeepSpeed runs per stage")
+@pytest.mark.parametrize("stage", [2, 3])
+def test_exclude_frozen_parameters_saves_what_stock_saves(tmp_path, stage):
+    stock = _run("save", tmp_path / "stock", stage=stage, mode="stock", frozen=True)
+    lazy = _run("save", tmp_path / "lazy", stage=stage, mode="lazy", frozen=True)
+    for s, z in zip(stock, lazy, strict=True):
+        assert z["listing"] == s["listing"] and z["probe5"] == s["probe5"]
+    _same_folders(tmp_path / "lazy" / "ckpt", tmp_path / "stock" / "ckpt")
+    name = "mp_rank_00_model_states.pt" if stage < 3 else "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    module = torch.load(tmp_path / "lazy" / "ckpt" / "global_step3" / name, weights_only=False)["module"]
+    assert not any(k.startswith("0.") for k in module or {}), sorted(module or {})  # the frozen layer left out
+
+
 @pytest.mark.slow(reason="two 2-process DeepSpeed runs with gradient accumulation")
 def test_gradient_accumulation_commits_at_the_boundary_with_the_state_at_save(tmp_path):
     stock = _run("save", tmp_path / "stock", stage=2, mode="stock", accum=3)

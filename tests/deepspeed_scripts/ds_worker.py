@@ -3,7 +3,8 @@ with a fixed seed, saving with the stock engine or lazyckpt's.
 
 Usage: ds_worker.py SCENARIO RANK WORLD PORT WORKDIR (``tests/_worker.py``); the run comes from the env var
 LAZYCKPT_TEST_DS (JSON: ``stage``, ``mode`` "stock" or "lazy", ``out`` the save folder, ``accum`` gradient
-accumulation steps, ``bf16``). Writes WORKDIR/result-<rank>.json.
+accumulation steps, ``bf16``, ``moe`` an MoE layer's expert-parallel size, ``frozen`` the first layer frozen
+and saved with ``exclude_frozen_parameters``). Writes WORKDIR/result-<rank>.json.
 """
 
 from __future__ import annotations
@@ -31,11 +32,35 @@ CONFIG = json.loads(os.environ.get("LAZYCKPT_TEST_DS", "{}"))
 OUT = CONFIG.get("out", os.path.join(WORKDIR, "ckpt"))
 
 
+class MoEModel(torch.nn.Module):
+    """An MLP whose hidden layer is a DeepSpeed MoE layer of 2 experts (``ep`` ranks per expert group)."""
+
+    def __init__(self, ep: int) -> None:
+        from deepspeed.moe.layer import MoE
+
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(32, 64), torch.nn.Linear(64, 8)
+        self.moe = MoE(64, torch.nn.Linear(64, 64), num_experts=2, ep_size=ep, k=1, min_capacity=4, use_rts=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, _, _ = self.moe(torch.relu(self.fc1(x)))
+        return self.fc2(h)
+
+
 def make_engine(seed: int = 0):
     import deepspeed
 
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    if CONFIG.get("moe"):  # DeepSpeed's MoE files: layer_L_expert_E_mp_rank_XX_model_states.pt, expp_rank_R_...
+        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+        model = MoEModel(CONFIG["moe"])
+        params = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()),
+                                                                       "name": "params"})  # fmt: skip
+    else:
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+        model[0].requires_grad_(not CONFIG.get("frozen", False))
+        params = model.parameters()
     cfg = {
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": CONFIG.get("accum", 1),
@@ -44,7 +69,7 @@ def make_engine(seed: int = 0):
         "steps_per_print": 10**9,
         "bf16": {"enabled": bool(CONFIG.get("bf16", False))},
     }
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=cfg)
     return engine
 
 
@@ -96,15 +121,16 @@ def scenario_save() -> None:
     save_latest=False, train 1; the probes at each save and the final listing."""
     engine = make_engine()
     handle = install(engine)
+    frozen = {"exclude_frozen_parameters": True} if CONFIG.get("frozen") else {}
     train(engine, 3, 1)
     RESULT["probe3"] = probe(engine)
-    engine.save_checkpoint(OUT, client_state={"my_step": 3})
+    engine.save_checkpoint(OUT, client_state={"my_step": 3}, **frozen)
     RESULT["latest_after_save_returns"] = _read_latest()
     train(engine, 2, 2)
     RESULT["probe5"] = probe(engine)
-    engine.save_checkpoint(OUT, tag="custom", client_state={"my_step": 5})
+    engine.save_checkpoint(OUT, tag="custom", client_state={"my_step": 5}, **frozen)
     train(engine, 1, 3)
-    engine.save_checkpoint(OUT, save_latest=False)
+    engine.save_checkpoint(OUT, save_latest=False, **frozen)
     train(engine, 1, 4)
     if handle is not None:
         handle.wait()

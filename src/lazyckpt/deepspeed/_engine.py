@@ -21,12 +21,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import threading
 import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -157,6 +159,8 @@ class LazyCheckpointEngine(CheckpointEngine):
             tag.names.append(os.path.basename(path))
         else:
             target = path
+        if sys._getframe(1).f_code.co_name == "_save_moe_checkpoint":  # stock clones these: keep its containers
+            state_dict = _as_cloned(state_dict)
         # DeepSpeed changes what it hands over only in step(), after commit() waited for the copies.
         self.checkpointer.declare_frozen(*(tensors_in(state_dict) or ()))
         handle = self.checkpointer.save(state_dict, target)
@@ -168,11 +172,8 @@ class LazyCheckpointEngine(CheckpointEngine):
             tag.direct.append(handle)
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
-        tag = self._open
-        if tag is None or (tag.info.tag, os.path.abspath(tag.info.save_dir)) != (
-            info.tag,
-            os.path.abspath(info.save_dir),
-        ):
+        tag, key = self._open, (info.tag, os.path.abspath(info.save_dir))
+        if tag is None or (tag.info.tag, os.path.abspath(tag.info.save_dir)) != key:
             return True  # not the open tag's: nothing of ours to commit
         self._hand_over(tag)
         for handle in tag.direct:  # save_16bit_model commits directly: its file complete on return, as stock
@@ -432,7 +433,7 @@ class LazyCheckpointEngine(CheckpointEngine):
         for name in SCRIPTS:
             path = os.path.join(source, name)
             if os.path.exists(path):
-                _fs.write_bytes(os.path.join(target, name), _read(path), self.checkpointer.fsync)
+                _fs.write_bytes(os.path.join(target, name), Path(path).read_bytes(), self.checkpointer.fsync)
                 os.chmod(os.path.join(target, name), os.stat(path).st_mode & 0o777)
 
     def _finish(self, tag: _Tag, error: BaseException | None) -> None:
@@ -462,9 +463,16 @@ def publish_pending(path: str) -> None:
             engine.wait()
 
 
-def _read(path: str) -> bytes:
-    with open(path, "rb") as fh:
-        return fh.read()
+def _as_cloned(item: Any) -> Any:
+    """``item``'s containers as DeepSpeed's ``clone_tensors_for_torch_save`` rebuilds them (a tuple subclass such as
+    ``torch.Size`` becomes a tuple), its tensors themselves: the MoE save's files equal to stock's, with no copy."""
+    if isinstance(item, list):
+        return [_as_cloned(v) for v in item]
+    if isinstance(item, tuple):
+        return tuple(_as_cloned(v) for v in item)
+    if isinstance(item, dict):
+        return type(item)({k: _as_cloned(v) for k, v in item.items()})
+    return item
 
 
 def _same(a: str, b: str) -> bool:
