@@ -92,6 +92,19 @@ def test_moe_expert_files_equal_stock_and_load_with_stock(tmp_path, stage, ep):
         assert r["latest_probe"] == z["probe5"] and r["step3_probe"] == z["probe3"]
 
 
+@pytest.mark.slow(reason="two 2-process pipeline runs, then a stock load of each")
+def test_pipeline_layer_files_equal_stock_and_load_with_stock(tmp_path):
+    stock = _run("pipe_save", tmp_path / "stock", mode="stock")
+    lazy = _run("pipe_save", tmp_path / "lazy", mode="lazy")
+    assert "global_step2/layer_04-model_states.pt" in stock[0]["listing"], stock[0]["listing"]
+    assert [r["listing"] for r in lazy] == [r["listing"] for r in stock]
+    _same_folders(tmp_path / "lazy" / "ckpt", tmp_path / "stock" / "ckpt")
+    got = _run("pipe_load", tmp_path / "load-lazy", mode="stock", out=str(tmp_path / "lazy" / "ckpt"))
+    want = _run("pipe_load", tmp_path / "load-stock", mode="stock", out=str(tmp_path / "stock" / "ckpt"))
+    assert [(r["loss"], r["global_steps"]) for r in got] == [(r["loss"], r["global_steps"]) for r in want]
+    assert got[0]["global_steps"] == 2
+
+
 @pytest.mark.slow(reason="two 2-process DeepSpeed runs per stage")
 @pytest.mark.parametrize("stage", [2, 3])
 def test_exclude_frozen_parameters_saves_what_stock_saves(tmp_path, stage):

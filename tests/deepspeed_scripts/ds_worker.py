@@ -140,6 +140,54 @@ def scenario_save() -> None:
     RESULT["listing"] = listing(OUT)
 
 
+def make_pipe(seed: int = 0):
+    """A 2-stage ``PipelineModule`` (one stage per rank), ZeRO-1: DeepSpeed's ``layer_XX-model_states.pt`` files
+    (``module.save_state_dict``) beside one model and optimizer file per stage."""
+    import deepspeed
+    from deepspeed.pipe import PipelineModule
+
+    deepspeed.init_distributed("gloo")  # DeepSpeed's comm backend over this group, before the module is split
+    torch.manual_seed(seed)
+    lin, relu = torch.nn.Linear, torch.nn.ReLU
+    net = PipelineModule(layers=[lin(32, 64), relu(), lin(64, 64), relu(), lin(64, 8)], num_stages=2,
+                         loss_fn=torch.nn.MSELoss())  # fmt: skip
+    cfg = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, "steps_per_print": 10**9,
+           "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
+           "zero_optimization": {"stage": 1}}  # fmt: skip
+    engine, *_ = deepspeed.initialize(model=net, model_parameters=list(net.parameters()), config=cfg)
+    return engine
+
+
+def _batches(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        yield torch.randn(4, 32, generator=g), torch.randn(4, 8, generator=g)
+
+
+def scenario_pipe_save() -> None:
+    """A pipeline engine trains 2 batches, saves, trains 1 (its commit); the listing of the tag."""
+    engine = make_pipe()
+    handle = install(engine)
+    batches = _batches(1)
+    for _ in range(2):
+        engine.train_batch(batches)
+    engine.save_checkpoint(OUT)
+    engine.train_batch(batches)
+    if handle is not None:
+        handle.wait()
+    dist.barrier()
+    RESULT["listing"] = listing(OUT)
+    engine.destroy()
+
+
+def scenario_pipe_load() -> None:
+    """A stock pipeline engine loads OUT; its loss on fixed batches."""
+    engine = make_pipe(seed=7)
+    engine.load_checkpoint(OUT)
+    RESULT["loss"] = float(engine.eval_batch(_batches(9)))
+    RESULT["global_steps"] = engine.global_steps
+
+
 def scenario_load() -> None:
     """A stock engine loads ``latest`` (and then global_step3) of OUT: the probes and client states."""
     engine = make_engine(seed=7)
