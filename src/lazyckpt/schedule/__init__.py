@@ -2,7 +2,7 @@
 retention and the handles; ``MultiLevel`` is its producer of one process's files and folders; the other
 producers (Accelerate, distributed) implement ``LevelProducer``."""
 
-from ._copy import check_memory, tensor_bytes
+from ._copy import check_memory, copy_tree, tensor_bytes
 from ._handle import LevelsHandle, not_due
 from ._multi import MultiLevel, check_levels, refuse_replicas
 from ._runner import Feed, LevelProducer, Runner
@@ -15,6 +15,7 @@ __all__ = [
     "Runner",
     "check_levels",
     "check_memory",
+    "copy_tree",
     "not_due",
     "refuse_replicas",
     "tensor_bytes",

@@ -1,7 +1,8 @@
 """``install(trainer, levels=[...])``: ``<level>/checkpoint-N`` folders at every level due at a step.
 
 The fastest due level holds the lazy checkpoint; after its commit, the commit thread copies it whole to each
-slower due level and applies each level's ``keep`` (the best checkpoint is kept too).
+slower due level (``schedule.copy_tree``: every file fsynced, nested folders too, one rename) and applies
+each level's ``keep`` (the best checkpoint is kept too).
 """
 
 from __future__ import annotations
@@ -12,9 +13,7 @@ import shutil
 from collections.abc import Sequence
 
 from lazyckpt import Level, LevelError, SaveRefusedError
-from lazyckpt.schedule import refuse_replicas
-from lazyckpt.storage import fs as _fs
-from lazyckpt.transformers._folder import staging_name
+from lazyckpt.schedule import copy_tree, refuse_replicas
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 
@@ -49,7 +48,7 @@ class TrainerLevels:
         due = self.due(step)
         for level in due[1:]:
             try:
-                copy_folder(final, os.path.join(level.path, os.path.basename(final)))
+                copy_tree(final, os.path.join(level.path, os.path.basename(final)), True)
             except OSError as exc:
                 raise LevelError(
                     f"lazyckpt.transformers: copying {final} to level {level.path} failed: {exc}",
@@ -63,22 +62,6 @@ class TrainerLevels:
 
     def close(self) -> None:
         """Nothing to stop (no thread of its own)."""
-
-
-def copy_folder(src: str, dst: str, fsync: bool = True) -> None:
-    """Copy the committed folder ``src`` to ``dst``: staging name, files fsynced, one rename, parent fsynced."""
-    staging = staging_name(dst)
-    os.makedirs(os.path.dirname(dst), exist_ok=True)
-    try:
-        shutil.copytree(src, staging)
-        if fsync:
-            for entry in os.scandir(staging):
-                if entry.is_file(follow_symlinks=False):
-                    _fs.fsync_file(entry.path)
-        _fs.publish_folder(staging, dst, fsync)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
 
 
 def checkpoints(folder: str) -> list[tuple[int, str]]:
