@@ -19,9 +19,9 @@ on every rank, its own error raised there only.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
-import sys
 import threading
 import time
 import weakref
@@ -159,8 +159,8 @@ class LazyCheckpointEngine(CheckpointEngine):
             tag.names.append(os.path.basename(path))
         else:
             target = path
-        if sys._getframe(1).f_code.co_name == "_save_moe_checkpoint":  # stock clones these: keep its containers
-            state_dict = _as_cloned(state_dict)
+        if inspect.currentframe().f_back.f_code.co_name == "_save_moe_checkpoint":  # type: ignore[union-attr]
+            state_dict = _as_cloned(state_dict)  # stock clones what its MoE save hands over: its containers
         # DeepSpeed changes what it hands over only in step(), after commit() waited for the copies.
         self.checkpointer.declare_frozen(*(tensors_in(state_dict) or ()))
         handle = self.checkpointer.save(state_dict, target)
