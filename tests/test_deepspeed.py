@@ -444,6 +444,20 @@ def test_transformers_trainer_with_deepspeed_equals_stock_and_resumes_with_stock
         assert_same(_tensors(resumed / "checkpoint-4" / "global_step4" / path.name), _tensors(path), path.name)
 
 
+@pytest.mark.slow(reason="a Trainer run with DeepSpeed and levels, then a stock resume from the slow level")
+def test_transformers_trainer_with_deepspeed_levels_copies_the_whole_folder_with_its_tag(tmp_path):
+    run = tmp_path / "run"
+    _trainer(run, "lazy", "levels", 2)
+    fast, slow = run / "fast", run / "slow"
+    assert sorted(p.name for p in fast.iterdir()) == sorted(p.name for p in slow.iterdir()) == ["checkpoint-4"]
+    names = sorted(str(p.relative_to(fast)) for p in fast.rglob("*") if p.is_file())
+    assert "checkpoint-4/global_step4/mp_rank_00_model_states.pt" in names, names
+    assert sorted(str(p.relative_to(slow)) for p in slow.rglob("*") if p.is_file()) == names
+    for rel in names:  # the tag folder nested in checkpoint-4 too
+        assert (slow / rel).read_bytes() == (fast / rel).read_bytes(), rel
+    _trainer(tmp_path / "resumed", "stock", "resume", 2, str(slow / "checkpoint-4"))
+
+
 @pytest.mark.slow(reason="a Trainer run with DeepSpeed SIGKILLed after a save, then a stock resume")
 def test_transformers_trainer_with_deepspeed_sigkill_after_a_save_leaves_only_whole_checkpoints(tmp_path):
     run = tmp_path / "run"

@@ -2,8 +2,9 @@
 one rank), stock or with lazyckpt.transformers installed.
 
 argv: OUT MODE SCENARIO [RESUME]. MODE "stock" or "lazy"; SCENARIO "run" (4 steps, a checkpoint every 2),
-"resume" (from RESUME, to step 4) or "kill" (SIGKILLed right after the step-4 checkpoint's _save_checkpoint
-returned, once the step-2 checkpoint is committed and step 4's own files are durable).
+"resume" (from RESUME, to step 4), "levels" (lazy, "run" with levels OUT/fast every 2 keeping 1 and OUT/slow
+every 4) or "kill" (SIGKILLed right after the step-4 checkpoint's _save_checkpoint returned, once the step-2
+checkpoint is committed and step 4's own files are durable).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from tests.transformers_scripts import tiny  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
+import lazyckpt  # noqa: E402
 import lazyckpt.transformers  # noqa: E402
 
 
@@ -52,7 +54,11 @@ def main() -> None:
     kill = KillAfterSave() if scenario == "kill" else None
     if kill is not None:
         tr.add_callback(kill)
-    handle = lazyckpt.transformers.install(tr) if mode == "lazy" else None
+    levels = None
+    if scenario == "levels":
+        fast, slow = os.path.join(out, "fast"), os.path.join(out, "slow")
+        levels = [lazyckpt.Level(fast, every=2, keep=1), lazyckpt.Level(slow, every=4)]
+    handle = lazyckpt.transformers.install(tr, levels=levels) if mode == "lazy" else None
     if kill is not None:
         kill.handle = handle
     tr.train(resume_from_checkpoint=sys.argv[4] if scenario == "resume" else None)
