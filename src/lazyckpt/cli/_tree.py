@@ -28,7 +28,7 @@ class _Walk:
 
     def __init__(self) -> None:
         self.tensors: list[dict[str, Any]] = []  # {"key", "dtype", "shape", "bytes", "elements"}
-        self.storages: dict[int, int] = {}  # storage identity -> nbytes
+        self.storages: dict[object, int] = {}  # storage identity -> nbytes
         self.shared = 0  # tensors whose storage an earlier tensor already uses
 
     def node(self, obj: Any, key: str, depth: int) -> dict[str, Any]:

@@ -57,8 +57,12 @@ def memory_at(addr: int, nbytes: int) -> memoryview:
     return memoryview((ctypes.c_char * nbytes).from_address(addr)).cast("B")
 
 
-def _item_failed(item: Job | Piece, exc: BaseException) -> None:
-    """A worker's unexpected error fails that item's job, never the thread."""
+def _item_failed(item: Job | Piece | _Call, exc: BaseException) -> None:
+    """A worker's unexpected error fails that item's job (a call: its future), never the thread."""
+    if isinstance(item, _Call):
+        if not item.future.done():
+            item.future.set_exception(exc)
+        return
     job = item if isinstance(item, Job) else item.job
     logger.error("lazyckpt: %s failed unexpectedly for %s", threading.current_thread().name, job.path, exc_info=exc)
     job.fail(write_error(job, "processing", exc))

@@ -146,10 +146,10 @@ class Job:
         self.direct = False  # open an O_DIRECT descriptor too
         # One writer at a time for a memory filesystem's file (see ``Engine._queue_write``), also when
         # its pieces fall back to the writer pool.
-        self.serial: threading.Lock | None = None
+        self.serial: reentry.Lock | None = None
         # State, counters, piece states and error: behind ``_lock``; creating the file (slow) has ``open_lock``.
         self._lock = reentry.Lock()
-        self._changed = threading.Condition(self._lock)
+        self._changed = threading.Condition(self._lock)  # type: ignore[arg-type]  # (a Lock by its interface)
         self.open_lock = reentry.Lock()
         self._stage = Stage.STAGING
         self._file = FileState.NEW

@@ -12,7 +12,6 @@ import errno
 import logging
 import os
 import shutil
-import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
@@ -199,7 +198,7 @@ class Kept(Protocol):
 
     path: str
     tmp: str
-    open_lock: threading.Lock
+    open_lock: reentry.Lock
 
 
 def _put_back(trash: str, path: str, temporaries: list[str]) -> None:

@@ -191,9 +191,9 @@ class SaveCheckpointMirror:
         if reentry.reentered():  # a signal handler interrupted lazyckpt on this thread: stock, at once
             reentry.count_synchronous()
             name = _compat.checkpoint_name(self.state.global_step)
-            for save in checkpoints.pending():
-                if os.path.basename(save.final) == name:
-                    save.supersede()
+            for pending in checkpoints.pending():
+                if os.path.basename(pending.final) == name:
+                    pending.supersede()
             token = _compat.active.set(None)
             try:
                 return self._lazyckpt_handle.stock["_save_checkpoint"](model, trial)
