@@ -35,8 +35,8 @@ def _half_write(real: Callable[..., Any], fd: int, data: Any, offset: int) -> No
     real(fd, memoryview(data)[: len(data) // 2], offset)
 
 
-def _half_copy(real: Callable[..., Any], fd_in: int, fd_out: int, size: int, new: str) -> None:
-    real(fd_in, fd_out, size // 2, new)
+def _half_copy(real: Callable[..., Any], fd_in: int, fd_out: int, size: int, new: str, *crc: bool) -> None:
+    real(fd_in, fd_out, size // 2, new, *crc)
 
 
 def arm(point: str, nth: int, on_kill: Callable[[], None], mem: str | None = None, disk: str | None = None) -> None:

@@ -161,6 +161,27 @@ def test_copy_tree_replaces_an_older_copy_of_the_same_step(tmp_path):
     assert os.listdir(tmp_path / "lvl") == ["step-00000001"]
 
 
+@pytest.mark.parametrize("size", [5, (3 << 20) + 123])
+def test_copy_checked_copies_bytes_whose_crc_matches_and_refuses_others(tmp_path, monkeypatch, size):
+    """A rank file's copy to a slower level (DCP, DeepSpeed): the bytes read are CRC-checked against the CRC
+    recorded at their write; a mismatch is EIO and leaves no file (several chunks with a small chunk size)."""
+    from lazyckpt.formats.crc import crc32
+
+    monkeypatch.setattr(_copy, "COPY_CHUNK", 1 << 20)
+    monkeypatch.setattr(_copy, "DIRECT_MIN", 1 << 20)
+    data = os.urandom(size)
+    src = tmp_path / "r0.distcp"
+    src.write_bytes(data)
+    _copy.copy_checked(str(src), str(tmp_path / "a"), "r0.distcp", crc32(data), fsync=True)
+    assert (tmp_path / "a" / "r0.distcp").read_bytes() == data
+    _copy.check_file(str(src), crc32(data))
+    with pytest.raises(OSError, match="changed since it was written") as info:
+        _copy.copy_checked(str(src), str(tmp_path / "b"), "r0.distcp", crc32(data) ^ 1, fsync=True)
+    assert info.value.errno == errno.EIO and os.listdir(tmp_path / "b") == []
+    with pytest.raises(OSError, match="changed since it was written"):
+        _copy.check_file(str(src), crc32(data) ^ 1)
+
+
 def test_a_copy_killed_midway_leaves_only_a_temporary_that_the_next_run_removes(mem, tmp_path):
     """A SIGKILLed copy leaves its hidden temporary folder: never a candidate, removed by the next
     multi-level saver of that level (its writer, of this host, is dead)."""

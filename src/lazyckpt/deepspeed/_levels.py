@@ -17,11 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lazyckpt.cluster import probe
-from lazyckpt.distributed._promote import copy_checked
 from lazyckpt.errors import DistributedLevelError, DistributedSaveError, SaveRefusedError
 from lazyckpt.levels import Level
 from lazyckpt.recovery import Found
-from lazyckpt.schedule import check_levels
+from lazyckpt.schedule import check_levels, copy_checked
 from lazyckpt.storage import fs as _fs
 
 _STEP = re.compile(r"global_step(\d+)$")

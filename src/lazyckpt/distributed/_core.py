@@ -181,3 +181,8 @@ def classify_start_error(exc: BaseException, rank: int, final: str) -> BaseExcep
         err = SaveRefusedError(f"rank {rank}: cannot save this state to {final}: {exc}")
     err.__cause__ = exc
     return err
+
+
+def renamed(storage: dict[Any, Any], name: str) -> dict[Any, Any]:
+    """This rank's storage data with its file called ``name`` (same offsets: the same bytes)."""
+    return {index: _StorageInfo(name, info.offset, info.length) for index, info in storage.items()}

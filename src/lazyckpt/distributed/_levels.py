@@ -1,7 +1,7 @@
 """Multi-level distributed saves (``save(state, step=n)``): the DCP producer of one ``levels.Runner``,
 which owns the schedule, level threads, pins, handles and retention. The caller thread plans and
 starts this rank's one file into the fastest due level; that level's thread commits it on every rank
-or none; each slower level's thread copies or uploads this rank's own file from there (``_promote.py``)
+or none; each slower level's thread copies or uploads this rank's own file from there (``schedule.copy_checked``)
 and commits. A level's failure is one ``DistributedLevelError`` per rank, alike on every rank.
 """
 
@@ -25,18 +25,25 @@ from lazyckpt.core.remote import RemoteTier
 from lazyckpt.core.report import Report
 from lazyckpt.levels import Level, check_step
 from lazyckpt.resume import Found, latest_agreed
-from lazyckpt.schedule import Feed, Runner, check_levels, check_memory, not_due
+from lazyckpt.schedule import Feed, Runner, check_file, check_levels, check_memory, copy_checked, not_due
 from lazyckpt.storage import fs as _fs
 
 from ..checkpointer import LazyCheckpointer, producer_of
 from ..errors import CheckpointerClosedError, DistributedLevelError, SaveRefusedError, UploadError
 from . import _commit
 from ._commit import RankReport
-from ._core import classify_start_error, complete_handle, confirm_ready, local_outcome, resolve_handle, start_rank_file
+from ._core import (
+    classify_start_error,
+    complete_handle,
+    confirm_ready,
+    local_outcome,
+    renamed,
+    resolve_handle,
+    start_rank_file,
+)
 from ._decide import Decider
 from ._handle import DistributedSaveHandle, Failure, LocalPart, Save, extra_name
 from ._plan import PlanCache, plan_save
-from ._promote import check_file, copy_checked, renamed
 from ._replicas import replicate, replicator_of
 from ._upload import RemoteFolder
 

@@ -23,6 +23,7 @@ from lazyckpt.commit import remote_folder as _remote_folder
 from lazyckpt.commit.folder import MARKER_PREFIX
 from lazyckpt.core.remote import RemoteTier
 from lazyckpt.core.warn import user_stacklevel
+from lazyckpt.formats.crc import crc32
 from lazyckpt.levels import Level, MemoryLevelWarning
 from lazyckpt.storage import fs as _fs
 
@@ -45,14 +46,54 @@ def copy_file(src: str, dst: str, fsync: bool) -> None:
         raise
 
 
-def _write_copy(src: str, new: str, fsync: bool) -> None:
-    """Create ``new`` (it must not exist) with the bytes of ``src``, fsynced with ``fsync``."""
+def copy_checked(src: str, staging: str, name: str, expected_crc: int | None, fsync: bool) -> None:
+    """``src`` to the new file ``<staging>/<name>`` (``staging`` made if missing), fsynced with ``fsync``; with
+    ``expected_crc``, the bytes read must have that CRC32 (``OSError`` EIO otherwise). A failure leaves no file."""
+    os.makedirs(staging, exist_ok=True)
+    dst = os.path.join(staging, name)
+    try:
+        _write_copy(src, dst, fsync, expected_crc)
+    except BaseException:
+        _fs.discard(dst)
+        raise
+
+
+def check_file(src: str, expected_crc: int | None) -> None:
+    """Read ``src`` once and compare its CRC32 with ``expected_crc`` (``OSError`` EIO), e.g. before an upload."""
+    if expected_crc is None:
+        return
+    fd = os.open(src, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        crc = 0
+        with contextlib.closing(_source_chunks(fd, os.fstat(fd).st_size, mapped=False)) as chunks:
+            for _, view in chunks:
+                crc = crc32(view, crc)
+    finally:
+        os.close(fd)
+    _check(src, crc, expected_crc)
+
+
+def _check(src: str, crc: int, expected: int) -> None:
+    if crc != expected:
+        raise OSError(
+            errno.EIO,
+            f"{src} changed since it was written (CRC32 {crc:#010x}, written as {expected:#010x}): "
+            "the faster level's copy is corrupt, so it is not copied on",
+        )
+
+
+def _write_copy(src: str, new: str, fsync: bool, expected_crc: int | None = None) -> None:
+    """Create ``new`` (it must not exist) with the bytes of ``src``, CRC-checked against ``expected_crc``
+    (unless None), fsynced with ``fsync``."""
     fd_in = os.open(src, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
         size = os.fstat(fd_in).st_size
         fd = _fs.open_temporary(new, size)  # reserves the space: a full disk fails here
         try:
-            _copy_data(fd_in, fd, size, new)
+            if expected_crc is None:
+                _copy_data(fd_in, fd, size, new)
+            else:
+                _check(src, _copy_data(fd_in, fd, size, new, True), expected_crc)
             if fsync:
                 _fs.fsync(fd)
         except BaseException:
@@ -97,16 +138,20 @@ def upload_folder(tier: RemoteTier, src: str, url: str) -> None:
         _remote_folder.upload_folder(tier, src, url, scratch=scratch)
 
 
-def _copy_data(fd_in: int, fd_out: int, size: int, new: str) -> None:
+def _copy_data(fd_in: int, fd_out: int, size: int, new: str, crc: bool = False) -> int:
     """The bytes of ``fd_in`` into ``fd_out`` (the file ``new``), written straight from a read-only
-    mapping of the source (no bounce buffer). For a big file, whole pages go through an O_DIRECT
-    descriptor where the filesystem accepts one (to spare the training's CPU); the tail is buffered."""
+    mapping of the source (no bounce buffer); with ``crc``, read into a buffer instead and their CRC32
+    returned (0 otherwise). For a big file, whole pages go through an O_DIRECT descriptor where the
+    filesystem accepts one (to spare the training's CPU); the tail is buffered."""
     dfd = _fs.open_direct(new) if size >= DIRECT_MIN else -1
+    value = 0
     try:
-        with contextlib.closing(_source_chunks(fd_in, size)) as chunks:
+        with contextlib.closing(_source_chunks(fd_in, size, mapped=not crc)) as chunks:
             try:
                 for offset, view in chunks:
                     n = len(view)
+                    if crc:  # a buffer of ours: a source truncated meanwhile cannot fault this read
+                        value = crc32(view, value)
                     whole = n - n % mmap.PAGESIZE if dfd >= 0 else 0
                     if whole:
                         try:
@@ -125,15 +170,17 @@ def _copy_data(fd_in: int, fd_out: int, size: int, new: str) -> None:
     finally:
         if dfd >= 0:
             os.close(dfd)
+    return value
 
 
-def _source_chunks(fd_in: int, size: int) -> Generator[tuple[int, memoryview], None, None]:
-    """``(offset, view)`` for each ``COPY_CHUNK`` of ``fd_in``: a read-only mapping of the chunk, or
-    a page-aligned buffer read into where the source cannot be mapped. Each view is released when
-    the next is asked for or the generator closes. The consumer must hand a view only to the kernel
-    (``pwrite``): a source truncated meanwhile then fails the write (EFAULT), never SIGBUS."""
+def _source_chunks(fd_in: int, size: int, mapped: bool = True) -> Generator[tuple[int, memoryview], None, None]:
+    """``(offset, view)`` for each ``COPY_CHUNK`` of ``fd_in``: a read-only mapping of the chunk (with
+    ``mapped``), or a page-aligned buffer read into (without, or where the source cannot be mapped). Each
+    view is released when the next is asked for or the generator closes. The consumer must hand a mapped
+    view only to the kernel (``pwrite``): a source truncated meanwhile then fails the write (EFAULT), never
+    SIGBUS."""
     buf: mmap.mmap | None = None
-    mapped, offset = True, 0
+    offset = 0
     try:
         while offset < size:
             n = min(COPY_CHUNK, size - offset)
