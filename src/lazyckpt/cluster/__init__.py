@@ -6,7 +6,6 @@ from ._collective import StoreExchange, agree, in_job
 from ._replica import ReplicationStats, Replicator, Ring, replicated_index
 from ._restore import restore
 from ._single import SingleWriter, files_of_one_writer, restore_files
-from ._single import agree as agree_one_writer
 from ._topology import Scope, dedup_groups, probe
 
 __all__ = [
@@ -17,7 +16,6 @@ __all__ = [
     "SingleWriter",
     "StoreExchange",
     "agree",
-    "agree_one_writer",
     "dedup_groups",
     "files_of_one_writer",
     "in_job",

@@ -15,12 +15,14 @@ import os
 import shutil
 import threading
 import uuid
+import warnings
 from collections import deque
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
-from lazyckpt.errors import ReplicationError
+from lazyckpt.core.warn import user_stacklevel
+from lazyckpt.errors import IncompleteCheckpointWarning, ReplicationError
 from lazyckpt.levels import Level, list_steps
 from lazyckpt.recovery import Preread, preread
 from lazyckpt.storage import fs as _fs
@@ -318,7 +320,12 @@ def restore_files(
         for s in sorted(steps, reverse=True):
             try:
                 (_check_folder if os.path.isdir(steps[s]) else check)(steps[s])
-            except OSError:
+            except OSError as exc:
+                warnings.warn(
+                    f"lazyckpt.latest: skipping {steps[s]} (level {index}, step {s}): {exc.strerror or exc}",
+                    IncompleteCheckpointWarning,
+                    stacklevel=user_stacklevel(),
+                )
                 continue
             mine = s
             break
@@ -408,13 +415,3 @@ def _unreachable(exc: BaseException) -> bool:
 
     network = getattr(dist, "DistNetworkError", None)
     return network is not None and isinstance(exc, network)
-
-
-def agree(step: int | None, timeout: float) -> None:
-    """``RuntimeError`` unless every rank of the job found the same step (never a silent divergence)."""
-    out = StoreExchange.default(timeout).all_gather(step)
-    if len(set(out)) > 1:
-        raise RuntimeError(
-            f"lazyckpt.latest: the ranks found different steps ({dict(enumerate(out))}) in a level with replicas: "
-            "a copy failed its check after the restore; look at the warnings above"
-        )

@@ -18,7 +18,6 @@ from lazyckpt.cluster import (
     Scope,
     StoreExchange,
     agree,
-    agree_one_writer,
     files_of_one_writer,
     in_job,
     probe,
@@ -76,16 +75,16 @@ def latest(
     if not (_replicated(levels) and files_of_one_writer(listings, is_dcp, timeout)):
         exchange = StoreExchange.default(timeout)
         return latest_agreed(levels, exchange, storage_options, verify, listings, threads=threads, preload=preload)
-    # one writer's files with replicas: restore the newest step to nodes lacking it, then agree on it
+    # one writer's files with replicas: restore the newest step to nodes lacking it, then agree on a step
     entries = [as_level(entry) for entry in levels]
     index = replicated_index(entries)
     assert index is not None
-    # storages read ahead by the restore's check: _newest takes them instead of reading again
+    # storages read ahead by the restore's check: the agreement's checks take them instead of reading again
     checked = restore_files(entries, index, min(timeout, 60.0), fsync=False, threads=threads,
-                                    preload=preload and verify)  # fmt: skip
-    found = _newest(_listings(levels, storage_options), storage_options, verify, threads, preload)
-    del checked  # what _newest did not take is freed
-    agree_one_writer(None if found is None else found.step, min(timeout, 60.0))
+                            preload=preload and verify)  # fmt: skip
+    exchange = StoreExchange.default(timeout)
+    found = latest_agreed(levels, exchange, storage_options, verify, threads=threads, preload=preload, restore=False)
+    del checked  # what the checks did not take is freed
     return found
 
 
@@ -119,13 +118,14 @@ def latest_agreed(
     *,
     threads: int = READ_THREADS,
     preload: bool = False,
+    restore: bool = True,
 ) -> Found | None:
     """``latest()`` agreed among ``exchange``'s ranks (collective). ``listings``: this rank's levels
-    as already listed. Replicated levels are restored first (``_restore.restore``) over
+    as already listed. With ``restore``, replicated levels are restored first (``_restore.restore``) over
     ``replication_group`` or a gloo group made for it; ``scopes`` are probed when not given.
     ``threads``, ``preload``: as ``latest()``'s, for the files this rank checks."""
     rank, world = exchange.rank, exchange.world
-    if _replicated(levels) and _restore_replicas(levels, exchange, scopes, replication_group):
+    if restore and _replicated(levels) and _restore_replicas(levels, exchange, scopes, replication_group):
         listings = None  # a node's folder gained the steps restored from its partners' replicas
 
     checked: dict[str, tuple[FileIdentity | None, Preread | None]] = {}
