@@ -6,7 +6,9 @@
 # Installer: torch with pip (pip honours this machine's pip configuration, where a local CPU wheel may
 # lie; uv does not look there), the rest with uv where it can be installed (parallel downloads and one
 # resolve: ~4x faster on a fresh clone), torch held at the installed version so nothing replaces it.
-# LAZYCKPT_INSTALLER=pip, or no uv to be had, installs the rest with plain pip.
+# LAZYCKPT_INSTALLER=pip, or no uv to be had, installs the rest with plain pip. Both write the packages'
+# bytecode at install (uv only with --compile-bytecode): without it, where PYTHONDONTWRITEBYTECODE is set,
+# every process compiled transformers, Lightning and DeepSpeed from source again (~2 s each).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${LAZYCKPT_VENV:-.venv}
@@ -23,7 +25,7 @@ fi
 if [ "${LAZYCKPT_INSTALLER:-uv}" = uv ] && "$VENV/bin/python" -m pip install -q uv >/dev/null 2>&1; then
   held="$VENV/torch-held.txt"
   "$VENV/bin/python" -c 'import importlib.metadata as m; print("torch==" + m.version("torch"))' >"$held"
-  "$VENV/bin/python" -m uv pip install -q --python "$VENV/bin/python" --constraint "$held" \
+  "$VENV/bin/python" -m uv pip install -q --compile-bytecode --python "$VENV/bin/python" --constraint "$held" \
     -e ".[$EXTRAS]" ${LAZYCKPT_PINS:-}
 else
   "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true

@@ -15,6 +15,10 @@
 # .test-results/ keeps each pass's JUnit XML and wall time. LAZYCKPT_SKIP_OLDEST=1 skips the oldest pass.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# Compiled modules are cached (__pycache__, git-ignored) even where the environment says not to: each test
+# process imports lazyckpt and its tests' helpers, and compiling them from source in each costs CPU the
+# tests share (2 cores).
+unset PYTHONDONTWRITEBYTECODE
 OLDEST_PINS="lightning==2.5.6 accelerate==1.13.0"
 ONE_THREAD_TESTS=(
   tests/test_job_state.py tests/test_lifecycle.py tests/test_pool.py tests/test_promise.py tests/test_remove.py
