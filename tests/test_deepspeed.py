@@ -159,9 +159,13 @@ def test_a_save_from_a_signal_handler_inside_lazyckpt_is_written_at_once_and_kee
         assert r["latest"] == "sync" and "lazy3" in r["listing"], r  # the older tag published, latest kept
 
 
-def test_enospc_on_one_rank_fails_every_rank_and_keeps_latest(tmp_path):
-    for r in _run("enospc", tmp_path, stage=2):
-        assert r["raised"] == "DistributedSaveError" and r["ranks"] == [1], r
+@pytest.mark.parametrize("rank", [1, 0])
+def test_enospc_on_one_rank_fails_every_rank_and_keeps_latest(tmp_path, rank):
+    """Rank 1 writes one file of the tag; rank 0 two (the model states, then its optimizer file), each one's failure
+    known before the next is saved: that earlier file's error fails the tag on every rank at its commit, never
+    raised by rank 0's save_checkpoint alone (DeepSpeed's barrier there would then break on the other rank)."""
+    for r in _run("enospc", tmp_path, stage=2, enospc_rank=rank, settle_each=True):
+        assert r["raised"] == "DistributedSaveError" and r["ranks"] == [rank], r
         assert "No space left" in r["message"], r["message"]
         assert r["latest"] == "global_step2"
         assert [n for n in r["listing"] if n.startswith("global_step")] == ["global_step2"], r["listing"]
@@ -342,10 +346,49 @@ def test_sigkill_inside_a_slower_levels_copy_leaves_its_latest_on_the_previous_w
     assert loaded["found"] == [str(fast), 4, 0]
 
 
+@pytest.mark.slow(reason="a 2-process DeepSpeed run with a node-local level, then stock loads of each level")
+def test_node_local_levels_hold_each_nodes_tags_and_the_shared_level_one_copy_of_each_file(tmp_path):
+    """Each rank a node: its own fast folder, and LOCAL_RANK 0 with DeepSpeed's use_node_local_storage (each node's
+    first rank writes the model states). Each node's fast folder holds steps 4-5, its own files with its model
+    states, and its own ``latest``; the shared slow level holds steps 2 and 4 with each file once (the model
+    states from node 0), the bytes of the fast copies; stock engines on each node load each level's newest tag."""
+    base = tmp_path / "levels"
+    config = {"stage": 2, "levels_base": str(base), "node_local": True, "node_local_storage": True}
+    results = _run("levels", tmp_path / "run", **config)
+    for r, res in enumerate(results):
+        fast = base / f"rank{r}"
+        assert [n for n in res["listings"][0] if not n.endswith(".py")] == ["global_step4", "global_step5", "latest"]
+        assert (fast / "latest").read_text() == "global_step5" and res["found"] == [str(fast), 5, 0], res
+        assert _tags(res["listings"][1]) == ["global_step2", "global_step4", "latest", "zero_to_fp32.py"], res
+    own = [{p.name: p for p in (base / f"rank{r}" / "global_step4").iterdir()} for r in (0, 1)]
+    assert all("mp_rank_00_model_states.pt" in files for files in own), own
+    slow = base / "slow" / "global_step4"
+    assert sorted(p.name for p in slow.iterdir()) == sorted(set(own[0]) | set(own[1]))
+    for p in slow.iterdir():
+        assert p.read_bytes() == (own[0].get(p.name) or own[1][p.name]).read_bytes(), p.name
+    assert (base / "slow" / "latest").read_text() == "global_step4"
+    probes = results[0]["probes"]
+    for res in _run("levels_load", tmp_path / "load", **config):
+        assert res["loaded"] == {"5": [probes["5"], 5], "4": [probes["4"], 4]}, res
+
+
+@pytest.mark.slow(reason="a 2-process DeepSpeed run with a node-local level")
+def test_a_failed_write_on_one_node_publishes_the_tag_on_no_node(tmp_path):
+    """Node-local levels as above; rank 1's write of step 4 fails (ENOSPC): one decision fails the tag on both
+    nodes (node 0's folder never shows global_step4 either), every rank raises that one error, and step 5 goes on."""
+    base = tmp_path / "levels"
+    config = {"stage": 2, "levels_base": str(base), "node_local": True, "node_local_storage": True}
+    for r, res in enumerate(_run("levels_fast_fails", tmp_path / "run", **config)):
+        assert res["errors"] == [[4, "DistributedSaveError", None]], res
+        assert [n for n in res["listings"][0] if not n.endswith(".py")] == ["global_step3", "global_step5", "latest"]
+        assert (base / f"rank{r}" / "latest").read_text() == "global_step5"
+        assert _tags(res["listings"][1]) == ["global_step2", "latest", "zero_to_fp32.py"], res
+
+
 @pytest.mark.parametrize("why", ["node_local", "replicas"])
 def test_levels_deepspeed_cannot_serve_are_refused_on_every_rank(tmp_path, why):
-    """A level folder not every rank sees (each rank its own: node-local), or replicas: SaveRefusedError on
-    every rank at install, the stock engine left in place."""
+    """A level folder not every rank sees (each rank its own: node-local) without DeepSpeed's node-local storage,
+    or replicas: SaveRefusedError on every rank at install, the stock engine left in place."""
     config = {"node_local": True} if why == "node_local" else {"replicas": 1}
     for r in _run("levels_refused", tmp_path / "run", stage=2, levels_base=str(tmp_path / "levels"), **config):
         assert r["refused"] and ("node-local" in r["refused"] or "replicas" in r["refused"]), r

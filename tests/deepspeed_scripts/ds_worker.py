@@ -69,6 +69,8 @@ def make_engine(seed: int = 0):
         "steps_per_print": 10**9,
         "bf16": {"enabled": bool(CONFIG.get("bf16", False))},
     }
+    if CONFIG.get("node_local_storage"):  # each rank a node: its first rank (LOCAL_RANK 0) writes the model states
+        cfg["checkpoint"] = {"use_node_local_storage": True}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=cfg)
     return engine
 
@@ -341,8 +343,18 @@ def scenario_enospc() -> None:
     from lazyckpt.errors import DistributedSaveError
 
     engine, handle = published_step2()
-    if RANK == 1:
+    if CONFIG.get("enospc_rank", 1) == RANK:
         _fail_writes(errno.ENOSPC)
+        if CONFIG.get("settle_each"):  # each file failed before the next is saved: an earlier file's error is there
+            lazy = handle.checkpoint_engine
+            save = lazy.checkpointer.save
+
+            def settled(obj, path, *args, **kwargs):
+                started = save(obj, path, *args, **kwargs)
+                started.exception(timeout=30)
+                return started
+
+            lazy.checkpointer.save = settled
     engine.save_checkpoint(OUT)
     train(engine, 1, 3)
     try:
@@ -696,16 +708,16 @@ def scenario_levels_refused() -> None:
 
 def _before_copy_of(tag: str, action) -> None:
     """``action()`` runs on this rank's commit thread as it would copy its files of ``tag`` to a slower level."""
-    from lazyckpt.deepspeed import _engine
+    from lazyckpt.deepspeed import _levels
 
-    real = _engine.copy_own_files
+    real = _levels.copy_own_files
 
     def copy(source, names, staging, fsync):
         if os.path.basename(source) == tag:
             action()
         return real(source, names, staging, fsync)
 
-    _engine.copy_own_files = copy
+    _levels.copy_own_files = copy
 
 
 def _fail_writes(code: int | None) -> None:
@@ -734,8 +746,9 @@ def init() -> None:
     # Small files in the background too, as with a spare core (tests/conftest.py does the same in-process).
     plan.INLINE_MAX_BYTES = plan.TINY_MAX_BYTES = 0
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=PORT, RANK=str(RANK), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(RANK)
-    )
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=PORT, RANK=str(RANK), WORLD_SIZE=str(WORLD),
+        LOCAL_RANK="0" if CONFIG.get("node_local_storage") else str(RANK),
+    )  # fmt: skip
     dist.init_process_group("gloo", rank=RANK, world_size=WORLD, timeout=timedelta(seconds=60))
 
 

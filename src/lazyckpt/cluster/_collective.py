@@ -61,9 +61,10 @@ class StoreExchange:
         self.store.set(self._key(round_no, self.rank), json.dumps(value))
         return round_no
 
-    def all_gather(self, value: Any) -> list[Any]:
+    def all_gather(self, value: Any, dead: Callable[[list[int]], list[int]] | None = None) -> list[Any]:
         """Every rank's ``value`` (same order on all ranks); ``TimeoutError`` naming the ranks that
-        did not post theirs within ``timeout`` seconds."""
+        did not post theirs within ``timeout`` seconds, or ``RuntimeError`` as soon as ``dead`` (a
+        heartbeat's view) names some of them."""
         round_no = self.post(value)
         keys = [self._key(round_no, r) for r in range(self.world)]
         deadline = time.monotonic() + self.timeout
@@ -72,6 +73,9 @@ class StoreExchange:
             missing = [r for r, key in enumerate(keys) if not self.store.check([key])]
             if not missing:
                 break
+            gone = dead(missing) if dead is not None and delay >= _POLL_MAX_S else []
+            if gone:
+                raise RuntimeError(f"lazyckpt: rank(s) {gone} died or vanished (no heartbeat) before answering")
             if time.monotonic() >= deadline:
                 raise TimeoutError(
                     f"lazyckpt.latest: rank(s) {missing} did not answer within {self.timeout:g} s (latest() is "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -174,6 +174,15 @@ def finished_report(handle: SaveHandle) -> Report | None:
     """The failed save's ``Report`` (claimed once, shared with the ledger), once done; else None."""
     o = _outcome(handle)
     return o.report if o.done.is_set() else None
+
+
+def claim_error_of(handles: Iterable[SaveHandle], error: BaseException) -> bool:
+    """Whether ``error`` is the failure of one of ``handles`` (then claimed: the checkpointer no longer raises it;
+    the handle's ``wait()`` still does). For a caller that reports its handles' errors itself."""
+    reports = [r for r in map(finished_report, handles) if r is not None and r.error is error]
+    for report in reports:
+        report.claim()
+    return bool(reports)
 
 
 class Completion:

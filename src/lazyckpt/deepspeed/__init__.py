@@ -20,8 +20,8 @@ from typing import Any
 from lazyckpt.cluster import StoreExchange
 from lazyckpt.core.installed import InstalledHandle
 from lazyckpt.deepspeed import _levels
-from lazyckpt.deepspeed._engine import SCRIPTS, LazyCheckpointEngine, publish_pending
-from lazyckpt.deepspeed._levels import DeepSpeedLevels
+from lazyckpt.deepspeed._engine import LazyCheckpointEngine, publish_pending
+from lazyckpt.deepspeed._levels import SCRIPTS, DeepSpeedLevels
 from lazyckpt.errors import SaveRefusedError
 from lazyckpt.levels import Level
 from lazyckpt.options import CheckpointerOptions
@@ -142,7 +142,8 @@ def install(
     :class:`LazyCheckpointEngine`. A config-made decoupled engine in place is flushed first. A save before the
     engine's first ``step()`` since install (an export, a conversion) is published before it returns, as stock.
 
-    ``levels``: each a DeepSpeed ``save_dir`` every rank shares; a ``save_checkpoint`` at step
+    ``levels``: each a DeepSpeed ``save_dir``, one folder every rank shares or node-local (each node its own
+    folder: the engine needs ``"checkpoint": {"use_node_local_storage": true}``); a ``save_checkpoint`` at step
     ``engine.global_steps`` goes to the fastest level due (its ``save_dir`` argument is then not used; none
     due: nothing is saved), each slower level due gets a copy of the tag once it is published there, then its
     own ``latest``; each level keeps its newest ``keep`` tags. A slower level's failure raises
@@ -150,7 +151,7 @@ def install(
     collective (it probes the folders).
 
     Raises ``SaveRefusedError`` for a second install on the same engine, and (on every rank) for a URL
-    level, ``replicas``, or a level folder that not every rank sees (not built for DeepSpeed yet).
+    level, ``replicas`` (not built for DeepSpeed yet), or a node-local level without node-local storage.
     """
     previous = engine.checkpoint_engine
     if isinstance(previous, LazyCheckpointEngine):
@@ -164,7 +165,9 @@ def install(
                 StoreExchange.default_store(), f"lazyckpt/deepspeed-levels/{lazy.token}", lazy.rank, lazy.world_size,
                 commit_timeout,
             )  # fmt: skip
-            lazy.levels = DeepSpeedLevels.check(levels, lazy.rank, lazy.world_size, lazy.token, exchange.all_gather)
+            lazy.levels = DeepSpeedLevels.check(
+                levels, lazy.rank, lazy.world_size, lazy.token, exchange.all_gather, engine.use_node_local_storage()
+            )
         except BaseException:
             lazy.close()
             raise

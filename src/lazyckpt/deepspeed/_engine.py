@@ -1,19 +1,16 @@
 """``LazyCheckpointEngine``: DeepSpeed's pluggable checkpoint engine, lazy, publishing whole tag folders.
 
 One ``engine.save_checkpoint`` on every rank: ``create`` opens the tag; ``makedirs(<save_dir>/<tag>)`` makes a
-hidden staging folder beside it instead; every ``save`` is a core lazy save into that folder (every tensor
-copied in the background: DeepSpeed changes them only in ``step()``). The engine is decoupled: DeepSpeed
-calls ``commit`` inside the next ``step()`` at the accumulation boundary, before the optimizer update; it
-waits only for this rank's copies and hands the tag to the commit thread. That thread waits for this rank's
-files to be durable, then takes part in the folder commit (``lazyckpt.distributed.folder_commit``): rank 0
-renames the folder into place once every rank's files are durable (all ranks or none) and only then writes
-``latest``. DeepSpeed's own ``latest`` write is switched off (``get_commit_info`` says ``save_latest=False``).
+hidden staging folder beside it instead; every ``save`` is a core lazy save into it (tensors copied in the
+background: DeepSpeed changes them only in ``step()``). DeepSpeed calls the decoupled engine's ``commit`` in the
+next ``step()`` at the accumulation boundary, before the update: it waits only for this rank's copies and hands
+the tag to the commit thread, which waits for this rank's files, then takes part in the folder commit
+(``lazyckpt.distributed.folder_commit``: all ranks or none) and writes ``latest`` after it (DeepSpeed's is off).
 
 Threads: the training thread (every DeepSpeed call), one commit thread, one heartbeat thread and one callback
-thread per engine, and the core checkpointer's. Errors of a tag are raised once, on the training thread, at the
-next ``create`` (``save_checkpoint``), ``load``, ``cleanup`` (``engine.destroy()``) or ``wait()`` (also inside a
-load or a ``zero_to_fp32`` conversion that publishes it first); a ``save_checkpoint`` that raises fails its tag
-on every rank, its own error raised there only.
+thread per engine, and the core checkpointer's. Errors of a tag are raised once, on every rank, at the next
+``create``, ``load``, ``cleanup`` or ``wait()`` (or a load or conversion that publishes it first); a
+``save_checkpoint`` that raises (not for an earlier file's write) fails its tag on every rank, raised there only.
 """
 
 from __future__ import annotations
@@ -28,7 +25,6 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,20 +32,19 @@ import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
 from lazyckpt.checkpointer import LazyCheckpointer
+from lazyckpt.cluster import Scope
 from lazyckpt.core import exit as _exit
-from lazyckpt.core.handle import CallbackRunner, Completion, SaveHandle, SaveStats
+from lazyckpt.core.handle import CallbackRunner, Completion, SaveHandle, SaveStats, claim_error_of
 from lazyckpt.core.plan import tensors_in
-from lazyckpt.deepspeed._levels import DeepSpeedLevels, LevelCopy, copy_own_files, level_error
+from lazyckpt.deepspeed import _levels
+from lazyckpt.deepspeed._levels import DeepSpeedLevels, LevelCopy
 from lazyckpt.distributed.folder_commit import FolderCommit
 from lazyckpt.errors import CheckpointerClosedError
 from lazyckpt.options import CheckpointerOptions
-from lazyckpt.storage import fs as _fs
 from lazyckpt.threads import reentry
 from lazyckpt.threads.workers import Worker
 
 logger = logging.getLogger("lazyckpt.deepspeed")
-
-SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")  # what DeepSpeed copies beside its tags (0.19)
 
 _LIVE: weakref.WeakSet[LazyCheckpointEngine] = weakref.WeakSet()  # every engine not closed, for publish_pending
 
@@ -163,7 +158,13 @@ class LazyCheckpointEngine(CheckpointEngine):
             state_dict = _as_cloned(state_dict)  # stock clones what its MoE save hands over: its containers
         # DeepSpeed changes what it hands over only in step(), after commit() waited for the copies.
         self.checkpointer.declare_frozen(*(tensors_in(state_dict) or ()))
-        handle = self.checkpointer.save(state_dict, target)
+        while True:  # an earlier file's error is its tag's, reported by its commit on every rank: never raised here
+            try:
+                handle = self.checkpointer.save(state_dict, target)
+                break
+            except Exception as exc:
+                if not claim_error_of([h for t in self._tags() for h in t.handles + t.direct], exc):
+                    raise
         if tag is None:
             handle.wait()  # no create() before: as stock, the file is complete when save() returns
         elif inside:
@@ -234,7 +235,7 @@ class LazyCheckpointEngine(CheckpointEngine):
         swaps it in): the pending tags write no ``latest`` any more, and one of the same folder ``final`` fails
         (the synchronous save is the newer). Takes no lock (the interrupted frame may hold it)."""
         self._epoch += 1
-        for tag in [*([self._open] if self._open is not None else []), *list(self._queued)]:
+        for tag in self._tags():
             if _same(tag.final, final) and tag.error is None:
                 tag.error = RuntimeError(f"lazyckpt: {tag.final} was saved again synchronously from a signal handler")
                 tag.seen = True
@@ -244,9 +245,7 @@ class LazyCheckpointEngine(CheckpointEngine):
         ``save_dir``, whatever its name; None: no such tag): done once the tag folder is published (and
         ``latest`` written) or failed. A wait on it hands an open tag over first, as the next ``step()`` would;
         its error is also raised once by this engine."""
-        with self._lock:
-            tags = [*self._recent, *self._queued, *([self._open] if self._open is not None else [])]
-        for candidate in reversed(tags):
+        for candidate in reversed([*self._recent, *self._tags()]):
             final, completion = candidate.final, candidate.completion
             named = tag is None or os.path.basename(final) == str(tag)
             if completion is not None and named and _same(os.path.dirname(final), save_dir):
@@ -268,8 +267,7 @@ class LazyCheckpointEngine(CheckpointEngine):
         self.raise_errors()
 
     def route(self, level: int, step: int, copies: Sequence[int]) -> None:
-        """With levels (``install``, training thread): the next ``save_checkpoint`` writes into level ``level``
-        at ``step``, and the slower levels ``copies`` get a copy of its tag once it is published."""
+        """Training thread: the next ``save_checkpoint`` goes to level ``level`` at ``step``, then ``copies``."""
         assert self.levels is not None
         self._route = (level, step, tuple(LevelCopy(i, os.path.abspath(self.levels.levels[i].path)) for i in copies))
 
@@ -291,9 +289,7 @@ class LazyCheckpointEngine(CheckpointEngine):
         """Whether a tag not yet published is read by a load of ``path`` (its ``save_dir``, the tag folder or
         a file in it)."""
         target = os.path.realpath(path)
-        with self._lock:
-            tags = [*([self._open] if self._open is not None else []), *self._queued]
-        for tag in tags:
+        for tag in self._tags():
             for where in (tag.final, *(os.path.join(c.save_dir, os.path.basename(tag.final)) for c in tag.copies)):
                 final = os.path.realpath(where)
                 if target in (final, os.path.dirname(final)) or target.startswith(final + os.sep):
@@ -335,7 +331,7 @@ class LazyCheckpointEngine(CheckpointEngine):
             tag.copies = tuple(LevelCopy(c.index, c.save_dir, tag.n + 1 + k) for k, c in enumerate(tag.copies))
             tag.staging = self._folders.staging(tag.final, tag.n)
             save_dir = os.path.dirname(tag.final)
-            if self.rank == 0 and save_dir not in self._cleaned:  # dead jobs' staging folders (ours are live)
+            if self._leads(tag.level) and save_dir not in self._cleaned:  # dead jobs' staging folders (ours live)
                 self._folders.cleanup_leftovers(save_dir)
                 self._cleaned.add(save_dir)
         os.makedirs(tag.staging, exist_ok=True)
@@ -380,22 +376,23 @@ class LazyCheckpointEngine(CheckpointEngine):
                 own = own or exc
         error: BaseException | None = RuntimeError(f"lazyckpt: committing {tag.final} was interrupted")
         try:
-            error = self._folders.commit(tag.n, tag.final, own, self._after_publish(tag, tag.level, tag.final))
+            after = self._after_publish(tag, tag.level, tag.final)
+            error = self._folders.commit(tag.n, tag.final, own, after, self._scope(tag.level))
             for copy in tag.copies:  # every rank takes part in each, whatever its own outcome
                 self._copy_to_level(tag, copy, error)
         finally:  # whatever escapes, wait() is never left waiting for this tag
             self._finish(tag, error)
 
     def _after_publish(self, tag: _Tag, level: int, final: str) -> Callable[[], None] | None:
-        """Rank 0's job once ``final`` is in place: ``latest`` names it (unless ``save_latest=False`` or a
-        synchronous save from a signal handler came since), then the level's retention."""
-        if self.rank != 0:
+        """The folder owner's job once ``final`` is in place: ``latest`` names it (unless ``save_latest=False`` or
+        a synchronous save from a signal handler came since), then the level's retention."""
+        if not self._leads(level):
             return None
         save_dir, name = os.path.dirname(final), os.path.basename(final)
 
         def after() -> None:
             if tag.info.save_latest and tag.epoch == self._epoch:
-                self._write_latest(save_dir, name)
+                _levels.write_latest(save_dir, name, self.checkpointer.fsync)
             if self.levels is not None:
                 try:
                     self.levels.published(level, name, self.checkpointer.remove)
@@ -412,29 +409,36 @@ class LazyCheckpointEngine(CheckpointEngine):
         assert self.levels is not None
         final = os.path.join(copy.save_dir, os.path.basename(tag.final))
         own: BaseException | None = failed
+        try:  # every rank takes part in the names' exchange, whatever its outcome so far
+            names = self.levels.share(copy.index, tag.names if own is None else [], self._folders.all_gather)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank by the decision
+            own = own or exc
         if own is None:
             try:
-                if self.rank == 0 and copy.save_dir not in self._cleaned:  # dead jobs' staging folders
+                if self._leads(copy.index) and copy.save_dir not in self._cleaned:  # dead jobs' staging folders
                     self._folders.cleanup_leftovers(copy.save_dir)
                     self._cleaned.add(copy.save_dir)
-                copy_own_files(tag.final, tag.names, self._folders.staging(final, copy.n), self.checkpointer.fsync)
-                if self.rank == 0:  # DeepSpeed's recovery scripts, beside the tags as stock copies them
-                    self._copy_scripts(os.path.dirname(tag.final), copy.save_dir)
+                _levels.copy_own_files(tag.final, names, self._folders.staging(final, copy.n), self.checkpointer.fsync)
+                if self._leads(copy.index):  # DeepSpeed's recovery scripts, beside the tags as stock copies them
+                    _levels.copy_scripts(os.path.dirname(tag.final), copy.save_dir, self.checkpointer.fsync)
             except BaseException as exc:  # noqa: BLE001 - reported to every rank by the decision
                 own = exc
         after = self._after_publish(tag, copy.index, final) if own is None else None
-        error = self._folders.commit(copy.n, final, own, after)
+        error = self._folders.commit(copy.n, final, own, after, self._scope(copy.index))
         if error is not None and failed is None:  # (a failed fast level is reported as itself)
-            failed = level_error(copy, self.levels.levels[copy.index], tag.step, error)
+            failed = _levels.level_error(copy, self.levels.levels[copy.index], tag.step, error)
             with self._lock:
                 self._errors.append(failed)
 
-    def _copy_scripts(self, source: str, target: str) -> None:
-        for name in SCRIPTS:
-            path = os.path.join(source, name)
-            if os.path.exists(path):
-                _fs.write_bytes(os.path.join(target, name), Path(path).read_bytes(), self.checkpointer.fsync)
-                os.chmod(os.path.join(target, name), os.stat(path).st_mode & 0o777)
+    def _tags(self) -> list[_Tag]:
+        """The tags handed over and not finished, then the open one. Takes no lock (a signal handler may call it)."""
+        return [*list(self._queued), *([self._open] if self._open is not None else [])]
+
+    def _leads(self, level: int) -> bool:
+        return self.rank == 0 if self.levels is None else self.levels.leads(level)
+
+    def _scope(self, level: int) -> Scope | None:
+        return None if self.levels is None else self.levels.scopes[level]
 
     def _finish(self, tag: _Tag, error: BaseException | None) -> None:
         with self._lock:
@@ -448,10 +452,6 @@ class LazyCheckpointEngine(CheckpointEngine):
         if tag.completion is not None:
             tag.completion.finish(None if error is not None else _stats(tag), error, runner=self._callbacks)
         tag.finished.set()
-
-    def _write_latest(self, save_dir: str, tag: str) -> None:
-        """Rank 0, the tag folder in place: ``latest`` names it (written aside, fsynced, renamed over)."""
-        _fs.write_bytes(os.path.join(save_dir, "latest"), tag.encode(), self.checkpointer.fsync)
 
 
 def publish_pending(path: str) -> None:

@@ -3,9 +3,11 @@
 A ``save_checkpoint`` at step ``engine.global_steps`` goes to the fastest level due at that step (the engine
 writes the tag there, published by the folder commit, then ``latest``); each slower due level gets, on the
 commit thread once that tag is published, a copy of every rank's own files of it (each rank copies what it
-wrote), committed with the same folder commit (all ranks or none), then its own ``latest``. Rank 0 keeps the
-newest ``keep`` tags of each level. Every level must be one folder every rank shares (``cluster.probe``):
-node-local levels and their replicas are not built for DeepSpeed. ``latest(levels)`` reads no other rank.
+wrote; a file several ranks wrote, once), committed with the same folder commit (all ranks or none), then its
+own ``latest``. A level is one folder every rank shares, or node-local (each node its own folder, found by
+``cluster.probe``; the engine must then have DeepSpeed's ``use_node_local_storage``, so that each node's first
+rank writes the model states there): each node's leader publishes its node's tag, writes its ``latest`` and
+keeps its newest ``keep`` tags. ``latest(levels)`` reads no other rank.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ import os
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from lazyckpt.cluster import probe
+from lazyckpt.cluster import Scope, probe
 from lazyckpt.errors import DistributedLevelError, DistributedSaveError, SaveRefusedError
 from lazyckpt.levels import Level
 from lazyckpt.recovery import Found
@@ -24,6 +27,7 @@ from lazyckpt.schedule import check_levels, copy_checked
 from lazyckpt.storage import fs as _fs
 
 _STEP = re.compile(r"global_step(\d+)$")
+SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")  # what DeepSpeed copies beside its tags (0.19)
 
 
 @dataclass(frozen=True)
@@ -40,12 +44,17 @@ class DeepSpeedLevels:
     """The levels of one installed engine: which are due at a step, and rank 0's retention per level."""
 
     levels: tuple[Level, ...]
+    scopes: tuple[Scope, ...]  # who shares each level's folder
+    rank: int
+    node_local_storage: bool  # DeepSpeed's: each node's first rank writes the model states (several ranks a name)
     kept: dict[int, list[str]] = field(default_factory=dict)  # level index -> its tags, oldest first
 
     @classmethod
-    def check(cls, levels: Sequence[Level], rank: int, world: int, token: str, all_gather: Any) -> DeepSpeedLevels:
+    def check(
+        cls, levels: Sequence[Level], rank: int, world: int, token: str, all_gather: Any, node_local_storage: bool
+    ) -> DeepSpeedLevels:
         """Collective (``all_gather``, every rank): ``SaveRefusedError`` on every rank alike for a URL level,
-        replicas, or a level folder not shared by every rank."""
+        replicas, or a node-local level without DeepSpeed's ``use_node_local_storage``."""
         levels = tuple(levels)
         check_levels(levels)
         if len({os.path.abspath(lv.path) for lv in levels}) != len(levels):
@@ -62,20 +71,34 @@ class DeepSpeedLevels:
         except ValueError as exc:
             raise SaveRefusedError(f"lazyckpt.deepspeed: cannot probe the levels' folders: {exc}") from exc
         for i, scope in enumerate(scopes):
-            if scope.node_local:
+            if scope.node_local and not node_local_storage:
                 raise SaveRefusedError(
-                    f"lazyckpt.deepspeed: level {i} ({levels[i].path}) is not one folder every rank shares "
-                    f"(ranks {list(scope.groups)} see different folders): node-local levels are not supported "
-                    "with DeepSpeed yet"
+                    f"lazyckpt.deepspeed: level {i} ({levels[i].path}) is node-local (ranks {list(scope.groups)} "
+                    'see different folders): set "checkpoint": {"use_node_local_storage": true} in the DeepSpeed '
+                    "config, so that each node's first rank writes the model states into its node's folder"
                 )
-        return cls(levels)
+        return cls(levels, tuple(scopes), rank, node_local_storage)
 
     def due(self, step: int) -> list[int]:
         return [i for i, lv in enumerate(self.levels) if lv.due(step)]
 
+    def leads(self, index: int) -> bool:
+        """Whether this rank owns level ``index``'s folder: publishes, writes ``latest``, keeps."""
+        return self.scopes[index].leader == self.rank
+
+    def share(self, index: int, names: Sequence[str], all_gather: Callable[[Any], list[Any]]) -> list[str]:
+        """Collective (every rank, ``names`` empty for a rank that copies nothing): which of this rank's ``names``
+        it copies into level ``index``'s folder: a name that several ranks sharing that folder wrote (each node's
+        model states, with node-local storage) is copied by the lowest of them only."""
+        if not self.node_local_storage:  # DeepSpeed's names are then one rank's each: no exchange
+            return list(names)
+        everyone = all_gather(sorted(names))
+        group = self.scopes[index].group
+        return [n for n in names if min(r for r in group if n in everyone[r]) == self.rank]
+
     def published(self, index: int, tag: str, remove: Callable[[str], Any]) -> None:
-        """Rank 0, once ``tag`` is in place in level ``index`` (and its ``latest`` written): the level's tags
-        beyond its ``keep`` go, oldest first (the tags of earlier runs too: ``global_stepN`` by N)."""
+        """The folder's owner (``leads``), once ``tag`` is in place in level ``index`` (``latest`` written): the
+        level's tags beyond its ``keep`` go, oldest first (the tags of earlier runs too: ``global_stepN`` by N)."""
         level = self.levels[index]
         if index not in self.kept:
             self.kept[index] = _existing_tags(level.path)
@@ -100,6 +123,20 @@ def copy_own_files(source: str, names: Sequence[str], staging: str, fsync: bool)
     os.makedirs(staging, exist_ok=True)
     if fsync:
         _fs.fsync_dir(staging)
+
+
+def copy_scripts(source: str, target: str, fsync: bool) -> None:
+    """DeepSpeed's recovery scripts in ``source`` (a ``save_dir``) written into ``target``, modes kept."""
+    for name in SCRIPTS:
+        path = os.path.join(source, name)
+        if os.path.exists(path):
+            _fs.write_bytes(os.path.join(target, name), Path(path).read_bytes(), fsync)
+            os.chmod(os.path.join(target, name), os.stat(path).st_mode & 0o777)
+
+
+def write_latest(save_dir: str, tag: str, fsync: bool) -> None:
+    """The tag folder in place: ``<save_dir>/latest`` names it (written aside, fsynced, renamed over)."""
+    _fs.write_bytes(os.path.join(save_dir, "latest"), tag.encode(), fsync)
 
 
 def level_error(copy: LevelCopy, level: Level, step: int, error: DistributedSaveError) -> DistributedLevelError:

@@ -130,13 +130,14 @@ class Decider:
         return outcome
 
     def _after_publish(self, entry: _Save) -> Failure | None:
-        """Coordinator, the folder in place: ``entry.after_publish`` (DeepSpeed's ``latest``)."""
+        """The folder's owner (the coordinator, a node's leader), the folder in place: ``entry.after_publish``
+        (DeepSpeed's ``latest``)."""
         if entry.after_publish is None:
             return None
         try:
             entry.after_publish()
         except Exception as exc:
-            why = f"rank {self.rank} (coordinator): {entry.final} is in place, but what follows failed: {exc}"
+            why = f"rank {self.rank}: {entry.final} is in place, but what follows failed: {exc}"
             return Failure(why, (self.rank,), undo=False, cause=exc)
         return None
 
@@ -244,23 +245,26 @@ class Decider:
         return outcome
 
     def _publish_node(self, entry: _Save, scope: Scope) -> CommitResult:
-        """A node's leader: its folder's metadata and rank 0's extra files, then the rename."""
+        """A node's leader: a DCP folder's metadata and rank 0's extra files, then the rename, then
+        ``after_publish`` for this node's folder."""
         try:
-            reports = self.proto.reports(entry.n, scope.group)
-            # The extra files are rank 0's: other leaders read them from its report.
-            extra = entry.extra_files if self.rank == 0 else self.proto.reports(entry.n, [0])[0].extra_files
-            save_id = f"{self.token}-{entry.n}"
-            _commit.write_metadata(
-                entry.staging, entry.final, save_id, copy.copy(entry.metadata), reports, self.fsync, extra,
-                world_size=self.world_size,
-            )  # fmt: skip
+            if entry.metadata is not None:  # a DCP folder (a folder of plain rank files has none)
+                reports = self.proto.reports(entry.n, scope.group)
+                # The extra files are rank 0's: other leaders read them from its report.
+                extra = entry.extra_files if self.rank == 0 else self.proto.reports(entry.n, [0])[0].extra_files
+                save_id = f"{self.token}-{entry.n}"
+                _commit.write_metadata(
+                    entry.staging, entry.final, save_id, copy.copy(entry.metadata), reports, self.fsync, extra,
+                    world_size=self.world_size,
+                )  # fmt: skip
             old = _commit.staging_path(entry.final, self.token, entry.n, old=True)
             _fs.swap_in(entry.staging, entry.final, old, self.fsync)
         except Exception as exc:  # noqa: BLE001 - every rank must learn it
             if not isinstance(exc, NotDurableError):
                 shutil.rmtree(entry.staging, ignore_errors=True)
             return CommitResult(False, f"rank {self.rank} could not publish its node's folder {entry.final}: {exc}")
-        return CommitResult(True)
+        failure = self._after_publish(entry)
+        return CommitResult(True) if failure is None else CommitResult(False, failure.message)
 
     def _node_results(self, entry: _Save, scope: Scope) -> Failure | None:
         failures: list[tuple[int, str]] = []

@@ -3,7 +3,8 @@
 ``FolderCommit`` is one job-wide participant per rank (made on every rank in the same order): a token agreed
 through the c10d store, a heartbeat thread, and ``commit()``: post this rank's outcome, then the decision of
 ``_decide.Decider`` (rank 0 renames the staging folder into place once every rank reported its files
-durable, then runs ``after_publish``; a failure, a dead rank or ``commit_timeout`` aborts on every rank).
+durable, then runs ``after_publish``; a failure, a dead rank or ``commit_timeout`` aborts on every rank). A
+node-local folder (``scope``): the same decision, each node's leader renaming its node's folder.
 ``commit()`` blocks (bounded): call it from a background thread, never from one a peer waits on.
 """
 
@@ -13,8 +14,9 @@ import itertools
 import time
 import uuid
 from collections.abc import Callable
+from typing import Any
 
-from lazyckpt.cluster import StoreExchange
+from lazyckpt.cluster import Scope, StoreExchange
 
 from ..errors import DistributedSaveError
 from . import _commit
@@ -40,6 +42,8 @@ class FolderCommit:
         self._liveness = _commit.Liveness(store, self.token, rank, world_size)
         self._liveness.start("lazyckpt-folder-heartbeat")
         self._decider = Decider(self._proto, self._liveness, rank, world_size, self.commit_timeout, self.token, fsync)
+        self._exchange = StoreExchange(store, f"lazyckpt/folder-commit/{self.token}/gather", rank, world_size,
+                                       self.commit_timeout)  # fmt: skip
 
     def staging(self, final: str, n: int) -> str:
         """The hidden staging folder of commit ``n`` beside ``final`` (the same on every rank)."""
@@ -50,16 +54,25 @@ class FolderCommit:
         _commit.cleanup_leftovers(directory)
 
     def commit(
-        self, n: int, final: str, own_error: BaseException | None, after_publish: Callable[[], None] | None = None
+        self,
+        n: int,
+        final: str,
+        own_error: BaseException | None,
+        after_publish: Callable[[], None] | None = None,
+        scope: Scope | None = None,
     ) -> DistributedSaveError | None:
         """This rank's part of commit ``n`` (its files in ``staging(final, n)`` durable, or ``own_error``); None
-        once the folder is at ``final`` (and rank 0's ``after_publish`` ran), else the error every rank gets."""
+        once the folder is at ``final`` (and its owner's ``after_publish`` ran), else the error every rank gets.
+        ``scope`` node-local: one decision by rank 0, then each node's leader renames its node's folder and runs
+        ``after_publish`` (``Decider.commit_node``); else rank 0 owns the one folder."""
         entry = Save(n, final, self.staging(final, n), None, time.perf_counter(), after_publish=after_publish)
         why = "" if own_error is None else f"{type(own_error).__name__}: {own_error}"
         try:
             self._proto.post(n, _commit.RankReport(self.rank, own_error is None, error=why))
             deadline = time.monotonic() + self.commit_timeout
-            if self.rank == 0:
+            if scope is not None and scope.node_local:
+                outcome = self._decider.commit_node(entry, deadline, scope)
+            elif self.rank == 0:
                 outcome = self._decider.coordinate(entry, deadline)
             else:
                 outcome = self._decider.follow(entry, deadline)
@@ -69,6 +82,11 @@ class FolderCommit:
         if outcome is None:
             return None
         return save_error(final, outcome.message, own_error or outcome.cause, outcome.ranks)
+
+    def all_gather(self, value: Any) -> list[Any]:
+        """Collective (every rank, in the same order): every rank's small JSON ``value``; ``RuntimeError`` soon
+        after a rank dies (its heartbeat), ``TimeoutError`` after ``commit_timeout``."""
+        return self._exchange.all_gather(value, dead=self._liveness.dead)
 
     def close(self) -> None:
         self._liveness.stop()
