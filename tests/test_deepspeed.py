@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -370,6 +371,35 @@ def test_node_local_levels_hold_each_nodes_tags_and_the_shared_level_one_copy_of
     probes = results[0]["probes"]
     for res in _run("levels_load", tmp_path / "load", **config):
         assert res["loaded"] == {"5": [probes["5"], 5], "4": [probes["4"], 4]}, res
+
+
+@pytest.mark.slow(reason="2-process DeepSpeed runs with a node-local level with replicas, one node's memory wiped")
+def test_replicas_bring_a_replaced_nodes_tags_back_and_stock_loads_them(tmp_path):
+    """Node-local levels as above, the fast one with replicas=1: each node holds the other's steps 4-5 (keep=2),
+    byte-equal to its files. Node 1's memory wiped (a replaced node): latest(levels) on every rank brings its
+    global_step5 back from node 0's replica, with its ``latest``; both ranks find step 5 at level 0 and stock
+    engines load it with the state it had."""
+    base = tmp_path / "levels"
+    config = {"stage": 2, "levels_base": str(base), "node_local": True, "node_local_storage": True, "replicas": 1}
+    probes = _run("levels", tmp_path / "run", **config)[0]["probes"]
+    for r, other in ((0, 1), (1, 0)):
+        held = base / f"rank{r}" / "replicas" / f"node-{other:04d}"
+        assert sorted(os.listdir(held)) == ["step-00000004", "step-00000005"], os.listdir(held)
+        for step in (4, 5):
+            primary = base / f"rank{other}" / f"global_step{step}"
+            copies = {p.name: p for p in (held / f"step-{step:08d}").iterdir() if not p.name.startswith(".")}
+            assert sorted(copies) == sorted(p.name for p in primary.iterdir()), (copies, step)
+            assert all(copies[p.name].read_bytes() == p.read_bytes() for p in primary.iterdir())
+    wiped = base / "rank1"
+    shutil.rmtree(wiped)
+    for r, res in enumerate(_run("levels_restore", tmp_path / "restore", **config)):
+        assert res["found"] == [str(base / f"rank{r}"), 5, 0], res
+        assert res["loaded"] == [probes["5"], 5], res
+    assert (wiped / "latest").read_text() == "global_step5"
+    held = base / "rank0" / "replicas" / "node-0001" / "step-00000005"
+    assert sorted(p.name for p in (wiped / "global_step5").iterdir()) == sorted(
+        p.name for p in held.iterdir() if not p.name.startswith(".")
+    )
 
 
 @pytest.mark.slow(reason="a 2-process DeepSpeed run with a node-local level")

@@ -690,6 +690,19 @@ def scenario_levels_load() -> None:
     RESULT["found"] = [found.path, found.step, found.level]
 
 
+def scenario_levels_restore() -> None:
+    """A restart after ``levels``: latest(levels) (collective with replicas: a wiped node's tags come back from
+    its peer's replicas), then a stock engine loads what it found (RESULT["loaded"]: its probe and my_step)."""
+    import lazyckpt.deepspeed
+
+    levels = _levels()
+    found = lazyckpt.deepspeed.latest(levels)
+    RESULT["found"] = None if found is None else [found.path, found.step, found.level]
+    engine = make_engine(seed=7)
+    _, client = engine.load_checkpoint(found.path)
+    RESULT["loaded"] = [probe(engine), client["my_step"]]
+
+
 def scenario_levels_refused() -> None:
     """install(engine, levels=...) refused on every rank (node-local levels, or replicas)."""
     import lazyckpt.deepspeed

@@ -4,7 +4,7 @@ the ring; ``_single``: one writer's files) and their restore (``_restore``)."""
 
 from ._collective import StoreExchange, agree, in_job
 from ._replica import ReplicationStats, Replicator, Ring, replicated_index
-from ._restore import restore
+from ._restore import restore, restore_replicas
 from ._single import SingleWriter, files_of_one_writer, restore_files
 from ._topology import Scope, dedup_groups, probe
 
@@ -23,4 +23,5 @@ __all__ = [
     "replicated_index",
     "restore",
     "restore_files",
+    "restore_replicas",
 ]

@@ -4,25 +4,65 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import logging
 import os
 import shutil
 import warnings
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any
 
 from lazyckpt.errors import ReplicationWarning
 from lazyckpt.levels import Level, list_steps, step_name
 from lazyckpt.storage import fs as _fs
 
+from ._collective import StoreExchange
 from ._replica import INDEX_PREFIX, Ring, replica_folder, replica_steps
-from ._topology import Scope
+from ._topology import Scope, probe
 from ._wire import Link, OutFile, Sink, header_of, open_files
 
 logger = logging.getLogger(__name__)
 
 RESTORE_SUFFIX = ".lazyckpt-replica-restore.tmp"
+
+
+def step_folders(level: Level) -> list[int]:
+    """The steps of ``level``'s own ``step-<n>`` folders (the default ``own`` of ``restore``)."""
+    return sorted(list_steps(level, folder=True))
+
+
+def restore_replicas(
+    levels: Sequence[Level],
+    exchange: StoreExchange,
+    scopes: Sequence[Scope] | None = None,
+    group: Any = None,
+    own: Callable[[Level], list[int]] = step_folders,
+    folder: Callable[[Level, int], str] = Level.folder,
+) -> bool:
+    """Collective ``restore`` through ``exchange``: ``scopes`` probed when not given; over ``group``, else a gloo
+    group made (only when needed) and destroyed here."""
+    if scopes is None:
+        token = hashlib.sha1(exchange.prefix.encode()).hexdigest()
+        scopes = probe(levels, token, exchange.rank, exchange.world, exchange.all_gather)
+    made: list[Any] = []
+
+    def the_group() -> Any:
+        if group is not None:
+            return group
+        import torch.distributed as dist
+
+        made.append(dist.new_group(backend="gloo", timeout=timedelta(seconds=max(30.0, min(exchange.timeout, 600.0)))))
+        return made[-1]
+
+    try:
+        return restore(levels, scopes, exchange.all_gather, exchange.rank, the_group, own=own, folder=folder)
+    finally:
+        if made:
+            import torch.distributed as dist
+
+            dist.destroy_process_group(made[0])
 
 
 def restore(
@@ -32,10 +72,13 @@ def restore(
     rank: int,
     group: Callable[[], Any],
     fsync: bool = True,
+    own: Callable[[Level], list[int]] = step_folders,
+    folder: Callable[[Level, int], str] = Level.folder,
 ) -> bool:
     """Collective (``all_gather`` over every rank): bring back into each node's level folder the
-    replicated steps newer than its own, every CRC checked against the primary's, staged then
-    renamed. ``group()``: the gloo group, made only when needed. True when some step was restored."""
+    replicated steps newer than its own (``own(level)``), every CRC checked against the primary's,
+    staged then renamed to ``folder(level, step)``. ``group()``: the gloo group, made only when needed.
+    True when some step was restored."""
     replicated = [i for i, lv in enumerate(levels) if lv.replicas and scopes[i].node_local]
     if not replicated:
         return False
@@ -45,9 +88,9 @@ def restore(
         ring, level = rings[i], levels[i]
         if ring.local == 0:
             _clean_restores(level)
-        own = sorted(list_steps(level, folder=True))
+        own_steps = own(level)
         held = {str(g): replica_steps(level, g) for g in range(len(ring.groups)) if g != ring.node}
-        mine[str(i)] = {"own": own, "held": held}
+        mine[str(i)] = {"own": own_steps, "held": held}
     everyone = all_gather(mine)
     pending = _plan(levels, rings, everyone)  # {(level, node): [(step, holder node), ...] newest first}
     if not pending:
@@ -64,7 +107,7 @@ def restore(
             ring, level = rings[i], levels[i]
             whole = all(answers[r][n] for r in ring.groups[node])
             if ring.node == node and ring.local == 0:
-                restored |= _publish(level, step, whole, fsync)
+                restored |= _publish(level, step, folder(level, step), whole, fsync)
             cands = pending.pop((i, node))[1:]
             if not whole and cands:
                 pending[(i, node)] = cands
@@ -111,12 +154,12 @@ def _staging(level: Level, step: int) -> str:
     return os.path.join(level.path, f".{step_name(step, folder=True)}{RESTORE_SUFFIX}")
 
 
-def _publish(level: Level, step: int, whole: bool, fsync: bool) -> bool:
-    """The node's first rank: rename the staging folder to ``step-<n>`` if ``whole``, else remove it."""
+def _publish(level: Level, step: int, final: str, whole: bool, fsync: bool) -> bool:
+    """The node's first rank: rename the staging folder to ``final`` if ``whole``, else remove it."""
     staging = _staging(level, step)
-    if whole and not os.path.lexists(level.folder(step)):
-        _fs.publish_folder(staging, level.folder(step), fsync)
-        logger.warning("lazyckpt.latest: restored %s from a peer's replica", level.folder(step))
+    if whole and not os.path.lexists(final):
+        _fs.publish_folder(staging, final, fsync)
+        logger.warning("lazyckpt.latest: restored %s from a peer's replica", final)
         return True
     shutil.rmtree(staging, ignore_errors=True)
     return False

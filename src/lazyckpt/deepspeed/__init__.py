@@ -108,6 +108,9 @@ class DeepSpeedHandle(InstalledHandle):
 
     def wait(self, timeout: float | None = None) -> None:
         self.checkpoint_engine.wait(timeout)
+        levels = self.checkpoint_engine.levels
+        if levels is not None and levels.replicator is not None:  # each transfer bounded by its group's timeout
+            levels.replicator.drain(timeout)
 
     def uninstall(self) -> None:
         if self._removed:
@@ -150,8 +153,11 @@ def install(
     ``DistributedLevelError`` once on every rank, the faster levels unaffected. ``install`` is then a
     collective (it probes the folders).
 
+    ``replicas`` on a node-local level: each tag published there is sent to the next nodes' memory, and
+    ``latest(levels)`` brings a replaced node's tags back (see ``latest``).
+
     Raises ``SaveRefusedError`` for a second install on the same engine, and (on every rank) for a URL
-    level, ``replicas`` (not built for DeepSpeed yet), or a node-local level without node-local storage.
+    level, a node-local level without node-local storage, or replicas the ring cannot serve.
     """
     previous = engine.checkpoint_engine
     if isinstance(previous, LazyCheckpointEngine):
@@ -166,8 +172,9 @@ def install(
                 commit_timeout,
             )  # fmt: skip
             lazy.levels = DeepSpeedLevels.check(
-                levels, lazy.rank, lazy.world_size, lazy.token, exchange.all_gather, engine.use_node_local_storage()
-            )
+                levels, lazy.rank, lazy.world_size, lazy.token, exchange.all_gather, engine.use_node_local_storage(),
+                lazy.checkpointer.fsync, commit_timeout,
+            )  # fmt: skip
         except BaseException:
             lazy.close()
             raise
@@ -204,11 +211,21 @@ def _publish_before_conversion() -> None:
     zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint = get_fp32_state_dict_from_zero_checkpoint
 
 
-def latest(where: str | os.PathLike[str] | Sequence[Level]) -> Found | None:
+def latest(
+    where: str | os.PathLike[str] | Sequence[Level], *, collective: bool | None = None, timeout: float = 600.0
+) -> Found | None:
     """The tag a ``latest`` file names, if its folder is there: a ``Found`` whose ``path`` is the ``save_dir``
     (what ``engine.load_checkpoint`` takes), ``step`` the N of ``global_stepN`` (-1 for another tag) and
     ``level`` the index of its level. ``where``: one ``save_dir``, or the levels given to ``install`` (the
-    newest tag of any level; the fastest level on a tie). Reads the files only: no collective."""
+    newest tag of any level; the fastest level on a tie).
+
+    ``collective`` (default: True exactly when a level has ``replicas``): call it on every rank; each node's
+    folder first gets back from its peers' replicas the tags newer than its own (after a node was replaced),
+    its ``latest`` then naming the newest restored, and every rank must find the same tag (``RuntimeError``
+    otherwise; ``timeout``: seconds to wait for the other ranks). Not collective: reads this rank's files only."""
     if isinstance(where, (str, os.PathLike)):
         return _levels.latest_in(os.fspath(where))
-    return _levels.latest((where,) if isinstance(where, Level) else tuple(where))
+    levels = (where,) if isinstance(where, Level) else tuple(where)
+    if collective if collective is not None else any(level.replicas for level in levels):
+        return _levels.latest_restored(levels, timeout)
+    return _levels.latest(levels)

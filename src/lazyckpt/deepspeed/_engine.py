@@ -19,12 +19,10 @@ import contextlib
 import inspect
 import logging
 import os
-import threading
 import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -34,10 +32,11 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 from lazyckpt.checkpointer import LazyCheckpointer
 from lazyckpt.cluster import Scope
 from lazyckpt.core import exit as _exit
-from lazyckpt.core.handle import CallbackRunner, Completion, SaveHandle, SaveStats, claim_error_of
+from lazyckpt.core.handle import CallbackRunner, Completion, SaveHandle, claim_error_of
 from lazyckpt.core.plan import tensors_in
 from lazyckpt.deepspeed import _levels
 from lazyckpt.deepspeed._levels import DeepSpeedLevels, LevelCopy
+from lazyckpt.deepspeed._tag import Tag, same_path, tag_stats
 from lazyckpt.distributed.folder_commit import FolderCommit
 from lazyckpt.errors import CheckpointerClosedError
 from lazyckpt.options import CheckpointerOptions
@@ -47,32 +46,6 @@ from lazyckpt.threads.workers import Worker
 logger = logging.getLogger("lazyckpt.deepspeed")
 
 _LIVE: weakref.WeakSet[LazyCheckpointEngine] = weakref.WeakSet()  # every engine not closed, for publish_pending
-
-
-@dataclass(eq=False)
-class _Tag:
-    """One ``create`` .. ``commit`` of DeepSpeed: a tag folder (``folder``) and/or files saved elsewhere."""
-
-    info: CheckpointCommitInfo
-    final: str  # <save_dir>/<tag>
-    folder: bool = False  # DeepSpeed made the tag folder: every rank takes part in its decision
-    n: int = -1  # the folder's commit number (the same on every rank: every rank makes the tag folder)
-    staging: str = ""
-    handles: list[SaveHandle] = field(default_factory=list)  # saves into the staging folder
-    direct: list[SaveHandle] = field(default_factory=list)  # saves elsewhere (save_16bit_model)
-    finished: threading.Event = field(default_factory=threading.Event)
-    handed: bool = False  # handed over to the commit thread (once)
-    staged: threading.Event = field(default_factory=threading.Event)  # the hand-over's copies are done
-    error: BaseException | None = None  # this rank's failure before the commit (the decision fails everywhere)
-    seen: bool = False  # that failure was raised to the caller already: not raised again by the engine
-    epoch: int = 0  # a synchronous save from a signal handler since its create: it writes no ``latest``
-    deferred: list[Callable[[], None]] = field(default_factory=list)  # run on the commit thread (``defer``)
-    completion: Completion | None = None  # the tag's handle (``handle_of``): done when published or failed
-    names: list[str] = field(default_factory=list)  # this rank's files in the tag folder
-    level: int = 0  # with levels: the level ``final`` is in
-    step: int = -1  # with levels: the engine's global step it was saved at
-    copies: tuple[LevelCopy, ...] = ()  # with levels: the slower levels due, each numbered in ``_make_folder``
-    t0: float = field(default_factory=time.perf_counter)
 
 
 class LazyCheckpointEngine(CheckpointEngine):
@@ -105,20 +78,20 @@ class LazyCheckpointEngine(CheckpointEngine):
         self._folders = FolderCommit(self.rank, self.world_size, self.commit_timeout, self.checkpointer.fsync)
         self.token = self._folders.token  # the same on every rank
         self._lock = reentry.Lock()
-        self._open: _Tag | None = None  # created, not yet handed to the commit thread
-        self._queued: list[_Tag] = []  # handed over, not yet finished
+        self._open: Tag | None = None  # created, not yet handed to the commit thread
+        self._queued: list[Tag] = []  # handed over, not yet finished
         self._errors: list[BaseException] = []  # failed tags nobody has seen yet
         self._count = 0
         self._cleaned: set[str] = set()
         self._closed = False
-        self._saving: _Tag | None = None  # the tag the save_checkpoint in progress opened (``saving``)
+        self._saving: Tag | None = None  # the tag the save_checkpoint in progress opened (``saving``)
         self._epoch = 0  # synchronous saves from signal handlers so far (``supersede``)
         self.stepped = False  # an optimizer step (accumulation boundary) ran since this engine was set
-        self._recent: deque[_Tag] = deque(maxlen=16)  # finished tags, for ``handle_of``
+        self._recent: deque[Tag] = deque(maxlen=16)  # finished tags, for ``handle_of``
         self.levels: DeepSpeedLevels | None = None  # set by ``install(engine, levels=...)`` (``route``)
         self._route: tuple[int, int, tuple[LevelCopy, ...]] | None = None  # the next create's (level, step, copies)
         self._callbacks = CallbackRunner()  # the tags' handles' done-callbacks, never on the commit thread
-        self._worker: Worker[_Tag] = Worker("lazyckpt-deepspeed-commit", self._commit_tag)
+        self._worker: Worker[Tag] = Worker("lazyckpt-deepspeed-commit", self._commit_tag)
         _exit.register(self, _drain_at_exit, layer=_exit.INTEGRATION)
         _LIVE.add(self)
 
@@ -130,7 +103,7 @@ class LazyCheckpointEngine(CheckpointEngine):
             raise CheckpointerClosedError("this LazyCheckpointEngine is closed")
         if self._open is not None:  # saved again with no step between: nothing changed since
             self._hand_over(self._open)
-        tag = _Tag(info, os.path.join(os.path.abspath(info.save_dir), str(info.tag)), epoch=self._epoch)
+        tag = Tag(info, os.path.join(os.path.abspath(info.save_dir), str(info.tag)), epoch=self._epoch)
         if self._route is not None:
             (tag.level, tag.step, tag.copies), self._route = self._route, None
         tag.completion = Completion(tag.final)
@@ -226,7 +199,7 @@ class LazyCheckpointEngine(CheckpointEngine):
         """The open tag saved into ``save_dir`` fails with ``error`` (a framework call around it raised; that
         error was raised to the caller) on every rank, handed over now."""
         tag = self._open
-        if tag is not None and not tag.handed and _same(os.path.dirname(tag.final), save_dir):
+        if tag is not None and not tag.handed and same_path(os.path.dirname(tag.final), save_dir):
             tag.error, tag.seen = error, True
             self._hand_over(tag)
 
@@ -236,7 +209,7 @@ class LazyCheckpointEngine(CheckpointEngine):
         (the synchronous save is the newer). Takes no lock (the interrupted frame may hold it)."""
         self._epoch += 1
         for tag in self._tags():
-            if _same(tag.final, final) and tag.error is None:
+            if same_path(tag.final, final) and tag.error is None:
                 tag.error = RuntimeError(f"lazyckpt: {tag.final} was saved again synchronously from a signal handler")
                 tag.seen = True
 
@@ -248,7 +221,7 @@ class LazyCheckpointEngine(CheckpointEngine):
         for candidate in reversed([*self._recent, *self._tags()]):
             final, completion = candidate.final, candidate.completion
             named = tag is None or os.path.basename(final) == str(tag)
-            if completion is not None and named and _same(os.path.dirname(final), save_dir):
+            if completion is not None and named and same_path(os.path.dirname(final), save_dir):
                 return completion.handle
         return None
 
@@ -316,13 +289,15 @@ class LazyCheckpointEngine(CheckpointEngine):
             self._worker.stop()
             self._callbacks.stop()
             self._folders.close()
+            if self.levels is not None:
+                self.levels.close()
             self.checkpointer.close()
             _exit.unregister(self)
             _LIVE.discard(self)
 
     # -- internals ---------------------------------------------------------------------------------
 
-    def _make_folder(self, tag: _Tag) -> None:
+    def _make_folder(self, tag: Tag) -> None:
         """The tag's staging folder (once): numbered here, not in ``create``, so that a ``create`` on one rank
         only (``save_16bit_model``) never shifts the numbers the ranks agree on."""
         if not tag.folder:
@@ -336,7 +311,7 @@ class LazyCheckpointEngine(CheckpointEngine):
                 self._cleaned.add(save_dir)
         os.makedirs(tag.staging, exist_ok=True)
 
-    def _hand_over(self, tag: _Tag) -> None:
+    def _hand_over(self, tag: Tag) -> None:
         """The tag's copies done (the optimizer may change its tensors), its folder to the commit thread."""
         with self._lock:
             first = not tag.handed
@@ -360,7 +335,7 @@ class LazyCheckpointEngine(CheckpointEngine):
         if not self._worker.submit(tag):
             self._finish(tag, CheckpointerClosedError(f"lazyckpt: {tag.final} was not committed (closed)"))
 
-    def _commit_tag(self, tag: _Tag) -> None:
+    def _commit_tag(self, tag: Tag) -> None:
         """The commit thread: this rank's files durable, then the decision; rank 0 publishes, then ``latest``."""
         own: BaseException | None = None
         for handle in tag.handles:
@@ -378,12 +353,14 @@ class LazyCheckpointEngine(CheckpointEngine):
         try:
             after = self._after_publish(tag, tag.level, tag.final)
             error = self._folders.commit(tag.n, tag.final, own, after, self._scope(tag.level))
+            if self.levels is not None:  # its replicas (a level with replicas), on every rank alike
+                self.levels.committed(tag.level, tag.step, tag.final, tag.names, error is None)
             for copy in tag.copies:  # every rank takes part in each, whatever its own outcome
                 self._copy_to_level(tag, copy, error)
         finally:  # whatever escapes, wait() is never left waiting for this tag
             self._finish(tag, error)
 
-    def _after_publish(self, tag: _Tag, level: int, final: str) -> Callable[[], None] | None:
+    def _after_publish(self, tag: Tag, level: int, final: str) -> Callable[[], None] | None:
         """The folder owner's job once ``final`` is in place: ``latest`` names it (unless ``save_latest=False`` or
         a synchronous save from a signal handler came since), then the level's retention."""
         if not self._leads(level):
@@ -401,7 +378,7 @@ class LazyCheckpointEngine(CheckpointEngine):
 
         return after
 
-    def _copy_to_level(self, tag: _Tag, copy: LevelCopy, failed: BaseException | None) -> None:
+    def _copy_to_level(self, tag: Tag, copy: LevelCopy, failed: BaseException | None) -> None:
         """The commit thread, after ``tag``'s decision (``failed``: this rank's outcome of it): this rank's files
         of it into a slower level's staging folder, then that folder's commit (every rank or none, every rank
         taking part: a rank whose fast level failed fails it at once). A failed copy of a published tag is that
@@ -409,6 +386,7 @@ class LazyCheckpointEngine(CheckpointEngine):
         assert self.levels is not None
         final = os.path.join(copy.save_dir, os.path.basename(tag.final))
         own: BaseException | None = failed
+        names: list[str] = []
         try:  # every rank takes part in the names' exchange, whatever its outcome so far
             names = self.levels.share(copy.index, tag.names if own is None else [], self._folders.all_gather)
         except Exception as exc:  # noqa: BLE001 - reported to every rank by the decision
@@ -425,12 +403,13 @@ class LazyCheckpointEngine(CheckpointEngine):
                 own = exc
         after = self._after_publish(tag, copy.index, final) if own is None else None
         error = self._folders.commit(copy.n, final, own, after, self._scope(copy.index))
+        self.levels.committed(copy.index, tag.step, final, names, error is None)
         if error is not None and failed is None:  # (a failed fast level is reported as itself)
             failed = _levels.level_error(copy, self.levels.levels[copy.index], tag.step, error)
             with self._lock:
                 self._errors.append(failed)
 
-    def _tags(self) -> list[_Tag]:
+    def _tags(self) -> list[Tag]:
         """The tags handed over and not finished, then the open one. Takes no lock (a signal handler may call it)."""
         return [*list(self._queued), *([self._open] if self._open is not None else [])]
 
@@ -440,7 +419,7 @@ class LazyCheckpointEngine(CheckpointEngine):
     def _scope(self, level: int) -> Scope | None:
         return None if self.levels is None else self.levels.scopes[level]
 
-    def _finish(self, tag: _Tag, error: BaseException | None) -> None:
+    def _finish(self, tag: Tag, error: BaseException | None) -> None:
         with self._lock:
             if error is not None and not tag.seen:
                 self._errors.append(error)
@@ -450,7 +429,7 @@ class LazyCheckpointEngine(CheckpointEngine):
         if error is None:
             logger.info("lazyckpt: DeepSpeed checkpoint %s committed", tag.final)
         if tag.completion is not None:
-            tag.completion.finish(None if error is not None else _stats(tag), error, runner=self._callbacks)
+            tag.completion.finish(None if error is not None else tag_stats(tag), error, runner=self._callbacks)
         tag.finished.set()
 
 
@@ -473,23 +452,6 @@ def _as_cloned(item: Any) -> Any:
     if isinstance(item, dict):
         return type(item)({k: _as_cloned(v) for k, v in item.items()})
     return item
-
-
-def _same(a: str, b: str) -> bool:
-    return os.path.realpath(a) == os.path.realpath(b)
-
-
-def _stats(tag: _Tag) -> SaveStats:
-    """The tag's stats: its files' bytes summed, its times from ``create``."""
-    files = [h.stats for h in tag.handles + tag.direct if h.stats is not None]
-    written = sum(s.write_s for s in files)
-    nbytes = sum(s.bytes for s in files)
-    return SaveStats(
-        path=tag.final, bytes=nbytes, file_bytes=sum(s.file_bytes for s in files),
-        blocked_s=sum(s.blocked_s for s in files), staged_s=max((s.staged_s for s in files), default=0.0),
-        durable_s=time.perf_counter() - tag.t0, write_s=written, write_gbps=nbytes / written / 1e9 if written else 0.0,
-        guard_wait_s=sum(s.guard_wait_s for s in files),
-    )  # fmt: skip
 
 
 def _drain_at_exit(engine: LazyCheckpointEngine) -> None:

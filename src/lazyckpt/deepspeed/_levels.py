@@ -12,14 +12,17 @@ keeps its newest ``keep`` tags. ``latest(levels)`` reads no other rank.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from lazyckpt.cluster import Scope, probe
+from lazyckpt.cluster import Replicator, Ring, Scope, StoreExchange, probe, replicated_index, restore_replicas
 from lazyckpt.errors import DistributedLevelError, DistributedSaveError, SaveRefusedError
 from lazyckpt.levels import Level
 from lazyckpt.recovery import Found
@@ -47,24 +50,26 @@ class DeepSpeedLevels:
     scopes: tuple[Scope, ...]  # who shares each level's folder
     rank: int
     node_local_storage: bool  # DeepSpeed's: each node's first rank writes the model states (several ranks a name)
+    replicator: Replicator | None = None  # the node-local level with replicas: its ring to the next nodes' memory
     kept: dict[int, list[str]] = field(default_factory=dict)  # level index -> its tags, oldest first
 
     @classmethod
     def check(
-        cls, levels: Sequence[Level], rank: int, world: int, token: str, all_gather: Any, node_local_storage: bool
-    ) -> DeepSpeedLevels:
-        """Collective (``all_gather``, every rank): ``SaveRefusedError`` on every rank alike for a URL level,
-        replicas, or a node-local level without DeepSpeed's ``use_node_local_storage``."""
+        cls, levels: Sequence[Level], rank: int, world: int, token: str, all_gather: Any, node_local_storage: bool,
+        fsync: bool = True, timeout: float = 60.0,
+    ) -> DeepSpeedLevels:  # fmt: skip
+        """Collective (``all_gather``, every rank): ``SaveRefusedError`` on every rank alike for a URL level, a
+        node-local level without DeepSpeed's ``use_node_local_storage``, or replicas the ring cannot serve (a
+        shared level, too few nodes); with replicas, a gloo group of their own (``timeout``: each transfer's)."""
         levels = tuple(levels)
         check_levels(levels)
         if len({os.path.abspath(lv.path) for lv in levels}) != len(levels):
             raise ValueError("lazyckpt.deepspeed: two levels have the same path")
         for i, level in enumerate(levels):
-            if level.is_url or level.replicas:
+            if level.is_url:
                 raise SaveRefusedError(
-                    f"lazyckpt.deepspeed: level {i} ({level.path}): "
-                    + ("URL levels" if level.is_url else "replicas")
-                    + " are not supported with DeepSpeed yet; use folders every rank shares"
+                    f"lazyckpt.deepspeed: level {i} ({level.path}): URL levels are not supported with DeepSpeed yet; "
+                    "use folders"
                 )
         try:
             scopes = probe(list(levels), token, rank, world, all_gather)
@@ -77,7 +82,35 @@ class DeepSpeedLevels:
                     'see different folders): set "checkpoint": {"use_node_local_storage": true} in the DeepSpeed '
                     "config, so that each node's first rank writes the model states into its node's folder"
                 )
-        return cls(levels, tuple(scopes), rank, node_local_storage)
+        made = cls(levels, tuple(scopes), rank, node_local_storage)
+        try:
+            index = replicated_index(levels)
+            rings = {} if index is None else {index: Ring.of(index, levels[index], scopes[index], rank)}
+        except ValueError as exc:
+            raise SaveRefusedError(f"lazyckpt.deepspeed: {exc}") from exc
+        if rings:
+            import torch.distributed as dist
+
+            group = dist.new_group(backend="gloo", timeout=timedelta(seconds=max(10.0, min(60.0, timeout))))
+            made.replicator = Replicator(levels, rings, group, fsync)
+        return made
+
+    def committed(self, index: int, step: int, final: str, names: Sequence[str], ok: bool) -> None:
+        """Commit thread, after level ``index``'s decision on the tag ``final`` (every rank alike, in order): with
+        replicas there, this rank's files of it go to the same rank of the next nodes (``cluster.Replicator``)."""
+        replicator = self.replicator
+        if replicator is None or index not in replicator.rings or os.path.basename(final) != tag_name(step):
+            return  # (a custom tag is not replicated: a restore names what it brings back global_stepN)
+        replicator.expect()
+        if ok:
+            replicator.submit(index, step, final, [(name, None) for name in names])
+        else:
+            replicator.cancel()
+
+    def close(self) -> None:
+        if self.replicator is not None:
+            self.replicator.drain(60.0)
+            self.replicator.close()
 
     def due(self, step: int) -> list[int]:
         return [i for i, lv in enumerate(self.levels) if lv.due(step)]
@@ -134,6 +167,11 @@ def copy_scripts(source: str, target: str, fsync: bool) -> None:
             os.chmod(os.path.join(target, name), os.stat(path).st_mode & 0o777)
 
 
+def tag_name(step: int) -> str:
+    """DeepSpeed's default tag of ``step``."""
+    return f"global_step{step}"
+
+
 def write_latest(save_dir: str, tag: str, fsync: bool) -> None:
     """The tag folder in place: ``<save_dir>/latest`` names it (written aside, fsynced, renamed over)."""
     _fs.write_bytes(os.path.join(save_dir, "latest"), tag.encode(), fsync)
@@ -158,6 +196,37 @@ def latest(levels: Sequence[Level]) -> Found | None:
         if found is not None and (best is None or found.step > best.step):
             best = found
     return best
+
+
+def latest_restored(levels: Sequence[Level], timeout: float) -> Found | None:
+    """Collective (every rank, through the c10d store): each node's folder of a level with replicas first gets
+    back the tags its peers hold newer than its own (``cluster.restore_replicas``), its ``latest`` then naming
+    the newest restored where that is newer; then ``latest(levels)`` on every rank, which must agree
+    (``RuntimeError`` naming what each rank found otherwise: load with an explicit tag)."""
+    exchange = StoreExchange.default(timeout)
+    token = hashlib.sha1(exchange.prefix.encode()).hexdigest()
+    scopes = probe(list(levels), token, exchange.rank, exchange.world, exchange.all_gather)
+    before = [_steps(lv.path) for lv in levels]
+    restore_replicas(levels, exchange, scopes, own=lambda lv: _steps(lv.path),
+                     folder=lambda lv, step: os.path.join(lv.path, tag_name(step)))  # fmt: skip
+    for level, scope, had in zip(levels, scopes, before, strict=True):
+        restored = set(_steps(level.path)) - set(had)
+        named = latest_in(level.path)
+        if restored and scope.leader == exchange.rank and max(restored) > (-1 if named is None else named.step):
+            write_latest(level.path, tag_name(max(restored)), fsync=True)
+    found = latest(levels)
+    everyone = exchange.all_gather(None if found is None else [found.step, found.level])
+    if len({json.dumps(f) for f in everyone}) > 1:
+        raise RuntimeError(
+            f"lazyckpt.deepspeed.latest: the ranks found different tags ([step, level] by rank: {everyone}); "
+            "load a tag every rank holds explicitly (engine.load_checkpoint(save_dir, tag=...))"
+        )
+    return found
+
+
+def _steps(save_dir: str) -> list[int]:
+    """The N of the ``global_stepN`` folders in ``save_dir``, oldest first."""
+    return [int(m.group(1)) for name in _existing_tags(save_dir) if (m := _STEP.search(name))]
 
 
 def latest_in(save_dir: str, index: int = 0) -> Found | None:

@@ -6,12 +6,10 @@ caller says so (the agreement, the restores of replicated steps: ``lazyckpt.clus
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import warnings
 from collections.abc import Iterable, Sequence
-from datetime import timedelta
 from typing import Any
 
 from lazyckpt.cluster import (
@@ -20,10 +18,9 @@ from lazyckpt.cluster import (
     agree,
     files_of_one_writer,
     in_job,
-    probe,
     replicated_index,
-    restore,
     restore_files,
+    restore_replicas,
 )
 from lazyckpt.core import remote as _remote
 from lazyckpt.core.warn import user_stacklevel
@@ -121,11 +118,12 @@ def latest_agreed(
     restore: bool = True,
 ) -> Found | None:
     """``latest()`` agreed among ``exchange``'s ranks (collective). ``listings``: this rank's levels
-    as already listed. With ``restore``, replicated levels are restored first (``_restore.restore``) over
+    as already listed. With ``restore``, replicated levels are restored first (``cluster.restore_replicas``) over
     ``replication_group`` or a gloo group made for it; ``scopes`` are probed when not given.
     ``threads``, ``preload``: as ``latest()``'s, for the files this rank checks."""
     rank, world = exchange.rank, exchange.world
-    if restore and _replicated(levels) and _restore_replicas(levels, exchange, scopes, replication_group):
+    entries = [as_level(entry) for entry in levels]
+    if restore and _replicated(entries) and restore_replicas(entries, exchange, scopes, replication_group):
         listings = None  # a node's folder gained the steps restored from its partners' replicas
 
     checked: dict[str, tuple[FileIdentity | None, Preread | None]] = {}
@@ -154,36 +152,6 @@ def latest_agreed(
 
 def _replicated(levels: Iterable[Level | str | os.PathLike[str]]) -> bool:
     return any(as_level(entry).replicas for entry in levels)
-
-
-def _restore_replicas(
-    entries: Iterable[Level | str | os.PathLike[str]],
-    exchange: StoreExchange,
-    scopes: Sequence[Scope] | None,
-    group: Any,
-) -> bool:
-    """Collective ``_restore.restore``; ``group``, else a gloo group made and destroyed here."""
-    levels = [as_level(entry) for entry in entries]
-    if scopes is None:
-        token = hashlib.sha1(exchange.prefix.encode()).hexdigest()
-        scopes = probe(levels, token, exchange.rank, exchange.world, exchange.all_gather)
-    made: list[Any] = []
-
-    def the_group() -> Any:
-        if group is not None:
-            return group
-        import torch.distributed as dist
-
-        made.append(dist.new_group(backend="gloo", timeout=timedelta(seconds=max(30.0, min(exchange.timeout, 600.0)))))
-        return made[-1]
-
-    try:
-        return restore(levels, scopes, exchange.all_gather, exchange.rank, the_group)
-    finally:
-        if made:
-            import torch.distributed as dist
-
-            dist.destroy_process_group(made[0])
 
 
 def _listings(
