@@ -312,7 +312,9 @@ def deepspeed_section() -> str:
         "background work on shared cores causes either). On this 2-core machine the 2 ranks use both cores in",
         "either regime: no core is spare for background copies and writes, unlike a GPU machine.",
     ]
-    for name, where in (("deepspeed.json", "CPU"), ("deepspeed-gpu.json", "GPU")):
+    runs = (("deepspeed.json", "CPU"), ("deepspeed-zero3-1thread-rounds3.json", "CPU, ZeRO-3, one thread: 3 rounds"),
+            ("deepspeed-gpu.json", "GPU"))  # fmt: skip
+    for name, where in runs:
         doc = _load(name)
         if doc is None:
             continue
