@@ -616,6 +616,7 @@ def scenario_levels() -> None:
     handle.uninstall()
     dist.barrier()
     found = lazyckpt.deepspeed.latest(levels)
+    dist.barrier()  # (collective with replicas: rank 0, the store's host, exits only once every rank is past it)
     RESULT["found"] = None if found is None else [found.path, found.step, found.level]
     RESULT["listings"] = [sorted(os.listdir(lv.path)) for lv in levels]
     RESULT["unused"] = os.path.exists("unused")
@@ -687,6 +688,7 @@ def scenario_levels_load() -> None:
         _, client = engine.load_checkpoint(level.path)
         RESULT["loaded"][str(engine.global_steps)] = [probe(engine), client["my_step"]]
     found = lazyckpt.deepspeed.latest(levels)
+    dist.barrier()  # (collective with replicas: rank 0, the store's host, exits only once every rank is past it)
     RESULT["found"] = [found.path, found.step, found.level]
 
 
@@ -697,6 +699,7 @@ def scenario_levels_restore() -> None:
 
     levels = _levels()
     found = lazyckpt.deepspeed.latest(levels)
+    dist.barrier()  # (collective with replicas: rank 0, the store's host, exits only once every rank is past it)
     RESULT["found"] = None if found is None else [found.path, found.step, found.level]
     engine = make_engine(seed=7)
     _, client = engine.load_checkpoint(found.path)

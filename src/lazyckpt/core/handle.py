@@ -179,7 +179,8 @@ def finished_report(handle: SaveHandle) -> Report | None:
 def claim_error_of(handles: Iterable[SaveHandle], error: BaseException) -> bool:
     """Whether ``error`` is the failure of one of ``handles`` (then claimed: the checkpointer no longer raises it;
     the handle's ``wait()`` still does). For a caller that reports its handles' errors itself."""
-    reports = [r for r in map(finished_report, handles) if r is not None and r.error is error]
+    # the report is set (``resolve``) before the ledger has it (``finish``): matched before the handle is done too
+    reports = [r for h in handles if (r := _outcome(h).report) is not None and r.error is error]
     for report in reports:
         report.claim()
     return bool(reports)

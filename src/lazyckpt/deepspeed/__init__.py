@@ -109,8 +109,9 @@ class DeepSpeedHandle(InstalledHandle):
     def wait(self, timeout: float | None = None) -> None:
         self.checkpoint_engine.wait(timeout)
         levels = self.checkpoint_engine.levels
-        if levels is not None and levels.replicator is not None:  # each transfer bounded by its group's timeout
-            levels.replicator.drain(timeout)
+        replicator = None if levels is None else levels.replicator
+        if replicator is not None and not replicator.drain(timeout):  # each transfer bounded by its group's timeout
+            raise TimeoutError(f"lazyckpt.deepspeed: the replicas are still being sent after {timeout} s")
 
     def uninstall(self) -> None:
         if self._removed:

@@ -136,7 +136,7 @@ class LazyCheckpointEngine(CheckpointEngine):
                 handle = self.checkpointer.save(state_dict, target)
                 break
             except Exception as exc:
-                if not claim_error_of([h for t in self._tags() for h in t.handles + t.direct], exc):
+                if not claim_error_of([h for t in [*self._tags(), *self._recent] for h in t.handles + t.direct], exc):
                     raise
         if tag is None:
             handle.wait()  # no create() before: as stock, the file is complete when save() returns
@@ -218,7 +218,8 @@ class LazyCheckpointEngine(CheckpointEngine):
         ``save_dir``, whatever its name; None: no such tag): done once the tag folder is published (and
         ``latest`` written) or failed. A wait on it hands an open tag over first, as the next ``step()`` would;
         its error is also raised once by this engine."""
-        for candidate in reversed([*self._recent, *self._tags()]):
+        live = self._tags()  # (before the finished ones: a tag finishing meanwhile is in one of the two)
+        for candidate in reversed([*list(self._recent), *live]):
             final, completion = candidate.final, candidate.completion
             named = tag is None or os.path.basename(final) == str(tag)
             if completion is not None and named and same_path(os.path.dirname(final), save_dir):
@@ -411,7 +412,8 @@ class LazyCheckpointEngine(CheckpointEngine):
 
     def _tags(self) -> list[Tag]:
         """The tags handed over and not finished, then the open one. Takes no lock (a signal handler may call it)."""
-        return [*list(self._queued), *([self._open] if self._open is not None else [])]
+        queued, tag = list(self._queued), self._open
+        return [*queued, *([tag] if tag is not None else [])]
 
     def _leads(self, level: int) -> bool:
         return self.rank == 0 if self.levels is None else self.levels.leads(level)

@@ -214,6 +214,7 @@ def latest_restored(levels: Sequence[Level], timeout: float) -> Found | None:
         named = latest_in(level.path)
         if restored and scope.leader == exchange.rank and max(restored) > (-1 if named is None else named.step):
             write_latest(level.path, tag_name(max(restored)), fsync=True)
+    exchange.all_gather(None)  # every leader's latest written before any rank of its node reads it
     found = latest(levels)
     everyone = exchange.all_gather(None if found is None else [found.step, found.level])
     if len({json.dumps(f) for f in everyone}) > 1:

@@ -11,6 +11,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -217,7 +218,9 @@ class Decider:
         """A node-local level's folder of one step, on every rank. Rank 0 decides for every node at
         once; then each node's leader writes its folder's metadata and rank 0's extra files and
         renames it into place. Every rank waits for every leader's result, so all learn the same
-        outcome; a failed node lacks the folder, the others keep theirs."""
+        outcome; a failed node lacks the folder, the others keep theirs. A folder of rank files (no
+        metadata: DeepSpeed's) has a second round: once every node's folder is in place, each leader
+        runs ``after_publish`` (its ``latest``, its retention), and every rank waits for those too."""
         missing: list[int] = []
         if self.rank == 0:
             reports, missing, dead = self.proto.gather(entry.n, deadline, self.liveness)
@@ -235,18 +238,26 @@ class Decider:
             if self.rank == scope.leader:
                 self.proto.set_value(entry.n, _node_result(scope.leader), self._publish_node(entry, scope).encode())
             outcome = self._node_results(entry, scope)
+            if entry.metadata is None:  # (alike on every rank) never a latest naming a tag some node lacks
+                if self.rank == scope.leader:
+                    failure = self._after_publish(entry) if outcome is None else None
+                    done = CommitResult(True) if failure is None else CommitResult(False, failure.message)
+                    self.proto.set_value(entry.n, _after_result(scope.leader), done.encode())
+                outcome = outcome or self._node_results(entry, scope, _after_result)
         if self.rank != 0:
             self.proto.ack(entry.n)
             return outcome
         others = [r for r in range(1, self.world_size) if r not in missing]
         acked = self.proto.wait_acks(entry.n, others, time.monotonic() + self.commit_timeout, self.liveness)
         if acked and not missing:
-            self.proto.drop(entry.n, tuple(_node_result(g[0]) for g in scope.groups))
+            keys = [_node_result(g[0]) for g in scope.groups]
+            if entry.metadata is None:
+                keys += [_after_result(g[0]) for g in scope.groups]
+            self.proto.drop(entry.n, tuple(keys))
         return outcome
 
     def _publish_node(self, entry: _Save, scope: Scope) -> CommitResult:
-        """A node's leader: a DCP folder's metadata and rank 0's extra files, then the rename, then
-        ``after_publish`` for this node's folder."""
+        """A node's leader: a DCP folder's metadata and rank 0's extra files, then the rename."""
         try:
             if entry.metadata is not None:  # a DCP folder (a folder of plain rank files has none)
                 reports = self.proto.reports(entry.n, scope.group)
@@ -263,14 +274,13 @@ class Decider:
             if not isinstance(exc, NotDurableError):
                 shutil.rmtree(entry.staging, ignore_errors=True)
             return CommitResult(False, f"rank {self.rank} could not publish its node's folder {entry.final}: {exc}")
-        failure = self._after_publish(entry)
-        return CommitResult(True) if failure is None else CommitResult(False, failure.message)
+        return CommitResult(True)
 
-    def _node_results(self, entry: _Save, scope: Scope) -> Failure | None:
+    def _node_results(self, entry: _Save, scope: Scope, key: Callable[[int], str] | None = None) -> Failure | None:
         failures: list[tuple[int, str]] = []
         for leader in sorted(g[0] for g in scope.groups):
             raw = self.proto.wait_value(
-                entry.n, _node_result(leader), time.monotonic() + self.commit_timeout, self.liveness, leader
+                entry.n, (key or _node_result)(leader), time.monotonic() + self.commit_timeout, self.liveness, leader
             )
             if raw is None:
                 died = self.liveness.dead([leader])
@@ -289,6 +299,10 @@ def _abort_reason(decided: Decision) -> Failure:
 
 def _node_result(leader: int) -> str:
     return f"result-g{leader}"
+
+
+def _after_result(leader: int) -> str:
+    return f"after-g{leader}"
 
 
 def store_host_rank(group: dist.ProcessGroup, rank: int) -> int | None:
