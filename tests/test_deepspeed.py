@@ -415,6 +415,18 @@ def test_a_failed_write_on_one_node_publishes_the_tag_on_no_node(tmp_path):
         assert _tags(res["listings"][1]) == ["global_step2", "latest", "zero_to_fp32.py"], res
 
 
+@pytest.mark.slow(reason="a 2-process DeepSpeed run with a node-local level")
+def test_a_node_that_cannot_publish_leaves_every_nodes_latest_on_the_previous_tag(tmp_path):
+    """Node-local levels; node 1's rename of global_step4 fails (ENOSPC): every rank raises one error, and node 0,
+    whose folder of step 4 is in place, keeps its ``latest`` on global_step3 (written only once every node's folder
+    is in place), so no ``latest`` names a tag another node lacks; step 5 goes on everywhere."""
+    base = tmp_path / "levels"
+    config = {"stage": 2, "levels_base": str(base), "node_local": True, "node_local_storage": True, "fail_publish": 1}
+    for res in _run("levels_fast_fails", tmp_path / "run", **config):
+        assert res["errors"] == [[4, "DistributedSaveError", None]], res
+        assert res["latest"] == [1, 2, 3, 3, 5], res
+
+
 @pytest.mark.parametrize("why", ["node_local", "replicas"])
 def test_levels_deepspeed_cannot_serve_are_refused_on_every_rank(tmp_path, why):
     """A level folder not every rank sees (each rank its own: node-local) without DeepSpeed's node-local storage,

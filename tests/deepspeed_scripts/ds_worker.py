@@ -625,25 +625,37 @@ def scenario_levels() -> None:
 def scenario_levels_fast_fails() -> None:
     """Levels as ``levels``; steps 1-3 saved; rank 1's data write of step 4 (due at both levels) fails with
     ENOSPC: every rank's wait() raises the fast level's DistributedSaveError once (RESULT["errors"]), no level
-    error for the slow level's skipped copy; step 5 is saved as usual."""
+    error for the slow level's skipped copy; step 5 is saved as usual. With ``fail_publish``: rank 1's rename
+    of its node's folder of step 4 fails instead (node-local levels). RESULT["latest"]: the fast level's
+    ``latest`` after each step's wait()."""
     import lazyckpt.deepspeed
     from lazyckpt.storage import fs
 
     levels = _levels()
     engine = make_engine()
     handle = lazyckpt.deepspeed.install(engine, levels=levels, commit_timeout=60)
-    RESULT["errors"] = []
-    real = fs.pwrite_all
+    RESULT["errors"], RESULT["latest"] = [], []
+    real, real_swap = fs.pwrite_all, fs.swap_in
+
+    def swap_in(staging, final, *args):
+        if os.path.basename(final) == "global_step4" and os.path.dirname(final) == levels[0].path:
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        return real_swap(staging, final, *args)
+
     for step in range(1, 6):
         train(engine, 1, step)
         if step == 4 and RANK == 1:
-            _fail_writes(errno.ENOSPC)
+            if CONFIG.get("fail_publish"):
+                fs.swap_in = swap_in
+            else:
+                _fail_writes(errno.ENOSPC)
         engine.save_checkpoint("unused")
         try:
             handle.wait()
         except Exception as exc:  # noqa: BLE001 - reported to the test
             RESULT["errors"].append([step, type(exc).__name__, getattr(exc, "level", None)])
-        fs.pwrite_all = real
+        fs.pwrite_all, fs.swap_in = real, real_swap
+        RESULT["latest"].append(lazyckpt.deepspeed.latest(levels[0].path).step)
     handle.uninstall()
     dist.barrier()
     RESULT["listings"] = [sorted(os.listdir(lv.path)) for lv in levels]
