@@ -76,7 +76,7 @@ class DeepSpeedHandle(InstalledHandle):
                     kwargs = {**kwargs, "save_dir": save_dir}
             if reentry.reentered():  # from a signal handler that interrupted lazyckpt: stock's engine, at once
                 tag = args[1] if len(args) > 1 else kwargs.get("tag")
-                lazy.supersede(os.path.join(os.path.abspath(save_dir), str(tag or f"global_step{this.global_steps}")))
+                lazy.supersede(os.path.join(os.path.abspath(save_dir), str(tag or _levels.tag_name(this.global_steps))))
                 reentry.count_synchronous()
                 this.checkpoint_engine = previous
                 try:
