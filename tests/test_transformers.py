@@ -7,12 +7,14 @@ pickled ``TrainingArguments``) are equal too.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -264,6 +266,90 @@ def test_levels_write_checkpoint_folders_by_level_and_latest_finds_the_newest_co
     with pytest.warns(lazyckpt.IncompleteCheckpointWarning):
         assert lazyckpt.transformers.latest(levels).path == str(fast / "checkpoint-3")
     assert not list((tmp_path / "unused").glob("*checkpoint-*")), "with levels no checkpoint goes to output_dir"
+
+
+def test_levels_copy_on_their_own_thread_while_the_fast_level_commits_and_keep_the_source_until_copied(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The slower level's copy of checkpoint-2 is held until the fast level committed checkpoint-4 and applied its
+    keep=2 (which drops checkpoint-2 there): the commit thread is not the copy's, and checkpoint-2 stays at the
+    fast level, pinned, until its copy has read it. Fails with the copies on the commit thread (checkpoint-4 never
+    commits: the copy waits in vain) or without the pin (the copy finds no source)."""
+    from lazyckpt.schedule import _copy, _runner
+
+    fast, slow, stock = tmp_path / "fast", tmp_path / "slow", tmp_path / "stock"
+    run(tmp_path / "out", False, moved_to=stock, save_steps=1, max_steps=4)
+    fast_kept_four = threading.Event()
+    retain, copy_tree = _runner.Runner.retain, _copy.copy_tree
+
+    def retain_then_tell(self: Any, index: int, sweep: bool = False) -> None:
+        retain(self, index, sweep)
+        if index == 0 and not sweep and (fast / "checkpoint-4").is_dir():
+            fast_kept_four.set()
+
+    def held_copy(src: str, dst: str, fsync: bool) -> None:
+        if src.endswith("checkpoint-2"):
+            assert fast_kept_four.wait(60), "checkpoint-4 was not committed while checkpoint-2 was being copied"
+            assert os.path.isdir(src), "the fast level dropped checkpoint-2 before its copy read it"
+        copy_tree(src, dst, fsync)
+
+    monkeypatch.setattr(_runner.Runner, "retain", retain_then_tell)
+    monkeypatch.setattr(_copy, "copy_tree", held_copy)
+    levels = [Level(str(fast), every=1, keep=2), Level(str(slow), every=2)]
+    tr = tiny.trainer(tmp_path / "unused", save_steps=1, max_steps=4)
+    with lazyckpt.transformers.install(tr, levels=levels):
+        tr.train()
+    assert sorted(os.listdir(fast)) == ["checkpoint-3", "checkpoint-4"]
+    assert sorted(os.listdir(slow)) == ["checkpoint-2", "checkpoint-4"]
+    for f in ("model.safetensors", "optimizer.pt", "rng_state.pth"):
+        assert_same(load_any(slow / "checkpoint-2" / f), load_any(stock / "checkpoint-2" / f), f)
+
+
+def test_levels_keep_the_best_checkpoint_beside_the_newest(tmp_path: Path) -> None:
+    fast = tmp_path / "fast"
+    tr = tiny.trainer(
+        tmp_path / "unused", eval_strategy="steps", eval_steps=2, load_best_model_at_end=True,
+        metric_for_best_model="eval_loss", greater_is_better=True, max_steps=8,
+    )  # fmt: skip  # "best" is the highest loss: an early checkpoint stays best
+    with lazyckpt.transformers.install(tr, levels=[Level(str(fast), every=2, keep=1)]):
+        tr.train()
+    best = os.path.basename(tr.state.best_model_checkpoint)
+    assert best != "checkpoint-8"
+    assert sorted(os.listdir(fast)) == sorted([best, "checkpoint-8"])
+
+
+def test_a_failed_copy_to_a_slower_level_is_raised_once_and_the_fast_level_holds_the_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lazyckpt.schedule import _copy
+
+    fast, slow = tmp_path / "fast", tmp_path / "slow"
+
+    def full_disk(src: str, dst: str, fsync: bool) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", dst)
+
+    monkeypatch.setattr(_copy, "copy_tree", full_disk)
+    tr = tiny.trainer(tmp_path / "unused", save_steps=2, max_steps=2)
+    handle = lazyckpt.transformers.install(tr, levels=[Level(str(fast)), Level(str(slow))])
+    with pytest.raises(lazyckpt.LevelError) as info:
+        tr.train()  # (raised by the wait before stock's end of training)
+    assert info.value.errno == errno.ENOSPC and info.value.level == 1
+    handle.uninstall()  # raised once: not again
+    assert os.listdir(fast) == ["checkpoint-2"] and not os.listdir(slow)
+
+
+def test_levels_a_run_resumed_from_an_older_step_drops_the_abandoned_newer_folders(tmp_path: Path) -> None:
+    fast, slow = tmp_path / "fast", tmp_path / "slow"
+    levels = [Level(str(fast), every=1), Level(str(slow), every=2)]
+    tr = tiny.trainer(tmp_path / "unused", save_steps=1, max_steps=4)
+    with lazyckpt.transformers.install(tr, levels=levels):
+        tr.train()
+    tr = tiny.trainer(tmp_path / "unused", save_steps=1, max_steps=3)
+    with lazyckpt.transformers.install(tr, levels=levels):
+        tr.train(resume_from_checkpoint=str(fast / "checkpoint-2"))
+    assert sorted(os.listdir(fast)) == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    assert sorted(os.listdir(slow)) == ["checkpoint-2"]
+    assert lazyckpt.transformers.latest(levels).path == str(fast / "checkpoint-3")
 
 
 # -- bad input: refused at install, nothing changed -----------------------------------------------

@@ -4,13 +4,14 @@ reading them back ``lazyckpt.resume``, node-loss replicas ``lazyckpt.cluster``."
 
 from lazyckpt.errors import LevelError, MemoryLevelWarning
 
-from ._level import FOLDER_RE, Level, as_level, check_step, list_steps, step_name, step_of
+from ._level import FOLDER_RE, Level, Naming, as_level, check_step, list_steps, step_name, step_of
 
 __all__ = [
     "FOLDER_RE",
     "Level",
     "LevelError",
     "MemoryLevelWarning",
+    "Naming",
     "as_level",
     "check_step",
     "list_steps",

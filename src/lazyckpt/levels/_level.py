@@ -15,7 +15,17 @@ from typing import Any
 from lazyckpt.core import remote as _remote
 from lazyckpt.errors import LevelError, MemoryLevelWarning, SaveRefusedError
 
-__all__ = ["Level", "LevelError", "MemoryLevelWarning", "as_level", "check_step", "list_steps", "step_name", "step_of"]
+__all__ = [
+    "Level",
+    "LevelError",
+    "MemoryLevelWarning",
+    "Naming",
+    "as_level",
+    "check_step",
+    "list_steps",
+    "step_name",
+    "step_of",
+]
 
 STEP_RE = re.compile(r"^step-(\d{8,})\.pt$")
 FOLDER_RE = re.compile(r"^step-(\d{8,})$")
@@ -89,6 +99,22 @@ class Level:
         return f"{self.path.rstrip('/')}/{name}" if self.is_url else os.path.join(self.path, name)
 
 
+@dataclass(frozen=True)
+class Naming:
+    """A saver's folder names in a level other than ``step-<8 digits>`` (``checkpoint-N``, ``global_stepN``):
+    ``template`` (``str.format`` with ``step``) and ``pattern``, whose group 1 is the step."""
+
+    template: str
+    pattern: re.Pattern[str]
+
+    def name(self, step: int) -> str:
+        return self.template.format(step=step)
+
+    def step(self, name: str) -> int | None:
+        m = self.pattern.fullmatch(name)
+        return int(m.group(1)) if m else None
+
+
 def _whole(value: Any) -> int | None:
     """``value`` as an int when it is an integer (numpy integers too, not bool), else None."""
     if isinstance(value, bool):
@@ -127,10 +153,13 @@ def as_level(entry: Level | str | os.PathLike[str]) -> Level:
 
 
 def list_steps(
-    level: Level, storage_options: dict[str, Any] | None = None, folder: bool | None = None
+    level: Level,
+    storage_options: dict[str, Any] | None = None,
+    folder: bool | None = None,
+    naming: Naming | None = None,
 ) -> dict[int, str]:
     """{step: path} of the checkpoints named at ``level`` ({} when its folder does not exist);
-    ``folder`` as for ``step_of`` (a step with both: the file). Folders may be incomplete."""
+    ``folder`` as for ``step_of`` (a step with both: the file), or names by ``naming``. Folders may be incomplete."""
     if not level.is_url:
         try:
             names = os.listdir(level.path)
@@ -146,7 +175,7 @@ def list_steps(
             return {}
     out: dict[int, str] = {}
     for name in sorted(names, key=lambda n: n.endswith(".pt")):  # files last: they win a tie
-        step = step_of(name, folder)
+        step = step_of(name, folder) if naming is None else naming.step(name)
         if step is not None:
             out[step] = level.join(name)
     return out

@@ -14,7 +14,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, Protocol
 
 from lazyckpt.core import remote as _remote
@@ -22,7 +22,7 @@ from lazyckpt.core.handle import SaveHandle
 from lazyckpt.core.job import error_context
 from lazyckpt.core.report import ErrorLedger, Report
 from lazyckpt.errors import SaveRefusedError, WriteError
-from lazyckpt.levels import Level, LevelError, check_step
+from lazyckpt.levels import Level, LevelError, Naming, check_step
 from lazyckpt.options import CheckpointerOptions
 from lazyckpt.storage import fs as _fs
 from lazyckpt.threads import reentry
@@ -67,8 +67,9 @@ logger = logging.getLogger(__name__)
 
 class MultiLevel:
     """The multi-level saver of one checkpointer: file checkpoints (``folder=False``) or folder
-    checkpoints (``folder=True``). ``reuse``: the checkpointer's page reuse for dropped files, or None.
-    ``replicate``: allow a level with ``replicas`` (collective: built on every rank)."""
+    checkpoints (``folder=True``; named by ``naming``, default ``step-<8 digits>``). ``reuse``: the
+    checkpointer's page reuse for dropped files, or None. ``replicate``: allow a level with ``replicas``
+    (collective: built on every rank). ``protect``: as for ``Runner``."""
 
     def __init__(
         self,
@@ -79,8 +80,13 @@ class MultiLevel:
         folder: bool = False,
         reuse: Callable[[str], bool] | None = None,
         replicate: bool = False,
+        naming: Naming | None = None,
+        protect: Callable[[int], Collection[str]] = lambda index: (),
     ) -> None:
         check_levels(levels)
+        if naming is not None and not folder:
+            raise ValueError("naming is for folder checkpoints")
+        self.naming = naming
         if not replicate:
             refuse_replicas(levels, "this saver")
         from lazyckpt.cluster import SingleWriter, replicated_index
@@ -98,7 +104,7 @@ class MultiLevel:
         self.folder = folder
         self._cond = reentry.condition()
         self._ledger = ErrorLedger()
-        self.runner = Runner(levels, self, options.storage_options, folder=folder)
+        self.runner = Runner(levels, self, options.storage_options, folder=folder, naming=naming, protect=protect)
         self._tier: _remote.RemoteTier | None = None
         self._staging: str | None = None
         self._counter = itertools.count()
@@ -194,6 +200,8 @@ class MultiLevel:
     def path(self, index: int, step: int) -> str:
         """Level ``index``'s checkpoint of ``step``: its file, or its folder (``folder=True``)."""
         level = self.levels[index]
+        if self.naming is not None:
+            return level.join(self.naming.name(step))
         return level.folder(step) if self.folder else level.file(step)
 
     def take_errors(self) -> list[BaseException]:

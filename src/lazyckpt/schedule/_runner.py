@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -19,7 +19,7 @@ from lazyckpt.core.handle import CallbackRunner, SaveHandle
 from lazyckpt.core.remote import RemoteTier
 from lazyckpt.core.report import Report
 from lazyckpt.errors import SaveRefusedError
-from lazyckpt.levels import Level, LevelError
+from lazyckpt.levels import Level, LevelError, Naming
 from lazyckpt.threads import reentry
 from lazyckpt.threads.workers import Worker
 
@@ -80,8 +80,9 @@ def written(handle: SaveHandle) -> bool:
 
 class Runner:
     """The schedule, threads and handles of one multi-level saver. ``folder``: what retention lists
-    (folders True, files False, either None); ``owns(index)``: whether this process applies
-    retention at that level."""
+    (folders True, files False, either None), ``naming``: by which names (default ``step-<8 digits>``);
+    ``owns(index)``: whether this process applies retention at that level; ``protect(index)``: paths
+    there that retention keeps whatever ``keep`` says (read on the thread that applies it)."""
 
     def __init__(
         self,
@@ -92,8 +93,12 @@ class Runner:
         folder: bool | None,
         name: str = "lazyckpt-level",
         owns: Callable[[int], bool] = lambda index: True,
+        naming: Naming | None = None,
+        protect: Callable[[int], Collection[str]] = lambda index: (),
     ) -> None:
         self.levels = levels
+        self.naming = naming
+        self.protect = protect
         self.producer = producer
         self.storage_options = storage_options
         self.folder = folder
@@ -244,7 +249,7 @@ class Runner:
         p = self.producer
         self._retention.apply(
             index, self.levels[index], self.storage_options, self.folder, p.remove, p.remote_tier, p.publish,
-            p.reuse(index), sweep,
+            p.reuse(index), sweep, self.naming, self.protect(index),
         )  # fmt: skip
 
     # -- the handles' owner (``_handle.Owner``) ----------------------------------------------------

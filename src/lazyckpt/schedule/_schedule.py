@@ -8,7 +8,7 @@ import threading
 import time
 import warnings
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +17,7 @@ from lazyckpt.core.remote import RemoteTier
 from lazyckpt.core.report import Report
 from lazyckpt.core.warn import user_stacklevel
 from lazyckpt.errors import BackpressureWarning
-from lazyckpt.levels import Level, LevelError, list_steps
+from lazyckpt.levels import Level, LevelError, Naming, list_steps
 
 logger = logging.getLogger(__name__)
 
@@ -131,13 +131,16 @@ class Retention:
         publish: Callable[[Report], None],
         reuse: Callable[[str], bool] | None = None,
         sweep: bool = False,
+        naming: Naming | None = None,
+        protected: Collection[str] = (),
     ) -> None:
         """Remove level ``index``'s checkpoints beyond its ``keep`` newest complete ones and an
         abandoned timeline's; runs right after a commit there. ``reuse``: offered first each victim
         this saver wrote (a refusal removes it). ``sweep`` (first save): only the abandoned
-        timeline's steps, and only if the level holds a complete step at or before the start."""
+        timeline's steps, and only if the level holds a complete step at or before the start.
+        ``naming``: the saver's names (``list_steps``); ``protected``: paths never removed."""
         try:
-            steps = list_steps(level, storage_options, folder=folder)
+            steps = list_steps(level, storage_options, folder=folder, naming=naming)
         except Exception as exc:  # noqa: BLE001 - retention is housekeeping
             logger.warning("lazyckpt: level %d (%s): cannot list it for retention: %s", index, level.path, exc)
             return
@@ -152,7 +155,10 @@ class Retention:
                 chosen = sorted(s for s in steps if s > start and s not in mine)
             else:
                 chosen = retention_victims(steps, level.keep, start, mine, complete)
-            victims = [steps[s] for s in chosen if (index, s) not in self._pins and steps[s] not in self._removing]
+            victims = [
+                steps[s] for s in chosen
+                if (index, s) not in self._pins and steps[s] not in self._removing and steps[s] not in protected
+            ]  # fmt: skip
             self._removing.update(victims)
             reusable = {steps[s] for s in chosen if s in mine} if reuse is not None else set()
             stale = [s for s in chosen if start is not None and s > start and s not in mine]

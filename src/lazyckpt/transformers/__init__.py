@@ -64,13 +64,17 @@ def install(
         raise UnsupportedTrainerError(
             "lazyckpt.transformers: with levels, each Level's keep= replaces save_total_limit; unset one of them"
         )
-    trainer_levels = None if levels is None else TrainerLevels(levels)
     owns = checkpointer is None
     if checkpointer is None:
         checkpointer = LazyCheckpointer(options, **core_options)
+    trainer_levels = None
     try:
+        if levels is not None:
+            trainer_levels = TrainerLevels(levels, checkpointer, writer=bool(trainer.args.should_save))
         return TransformersHandle(trainer, checkpointer, owns, trainer_levels)
     except BaseException:
+        if trainer_levels is not None:
+            trainer_levels.close()
         if owns:
             checkpointer.close()
         raise

@@ -21,6 +21,7 @@ import torch
 
 from lazyckpt.checkpointer import producer_of
 from lazyckpt.core import plan as _plan
+from lazyckpt.core.handle import Completion, SaveStats
 from lazyckpt.core.job import sync_parent
 from lazyckpt.storage import fs as _fs
 from lazyckpt.threads import reentry
@@ -58,6 +59,9 @@ class CheckpointSave:
         self.writer = writer
         self.seq = next(checkpointers.seq)
         self.handles: list[SaveHandle] = []
+        # the commit's own handle (the level runner's source): done once published, failed or superseded
+        self.completion = Completion(final)
+        self.completion.bind(confirm=lambda timeout: self.checkpointer.wait_staged(timeout))
         self.routed = 0  # calls the gate routed here (lazy saves, and tiny files written by stock's writer)
         self.synced: list[Future] = []  # fsyncs of the files stock wrote into the staging folder
         self.after_commit: list[Callable[[], None]] = []
@@ -167,7 +171,19 @@ class CheckpointSave:
             self.published = True
             if os.path.lexists(self.staging):  # failed, aborted or superseded: never published
                 shutil.rmtree(self.staging, ignore_errors=True)
+            self._resolve()
             self.done.set()
+
+    def _resolve(self) -> None:
+        """The commit's handle: its error (raised to the caller another way: claimed here), or its stats
+        (skipped when nothing was published under ``final`` by this save)."""
+        if self.error is not None:
+            self.completion.caller_saw_error()
+            self.completion.finish(None, self.error)
+            return
+        elapsed = time.perf_counter() - self.t_call
+        stats = SaveStats(self.final, 0, 0, 0.0, elapsed, elapsed, 0.0, 0.0, 0.0, skipped=self.t_committed is None)
+        self.completion.finish(stats, None)
 
     def supersede(self) -> None:
         """A re-entered save (``threads/reentry.py``) writes this name now: drop this save, or wait out its

@@ -63,6 +63,7 @@ class Checkpoints:
     def before(self) -> None:
         """Raise an earlier checkpoint's failure; track the optimizer (its next ``step()`` waits for copies)."""
         self.prune()
+        self.forward_level_errors()
         self.checkpointer.raise_errors()
         if getattr(self.trainer, "is_deepspeed_enabled", False):  # its engine declares what it saves itself
             from lazyckpt.deepspeed.installs import EngineInstalls
@@ -80,19 +81,21 @@ class Checkpoints:
         in a distributed run."""
         from transformers.trainer import ParallelMode
 
-        if self.levels is not None:
-            level_dir = self.levels.fastest_due(step, run_dir)
-            if level_dir is None:  # no level due at this step: nothing saved
-                return None
-            run_dir = level_dir
         args = self.trainer.args
         final = os.path.join(run_dir, _compat.checkpoint_name(step))
+        if self.levels is not None:
+            final = self.levels.folder(step)
+            if final is None:  # no level due at this step: nothing saved
+                return None
+            run_dir = os.path.dirname(final)
         distributed = args.parallel_mode == ParallelMode.DISTRIBUTED
         writer = bool(args.should_save)
         staging = [staging_name(final) if args.process_index == 0 else None]
         if distributed:  # every process writes into the main process's staging folder
             torch.distributed.broadcast_object_list(staging, src=0)
         save = CheckpointSave(self, final, str(staging[0]), step=step, writer=writer, distributed=distributed)
+        if writer and self.levels is not None:  # copied to the slower levels due once committed
+            self.levels.save(step, final, save.completion.handle)
         if writer and run_dir not in self._cleaned:  # a killed run's staging folders (dead pid, this host)
             self._cleaned.add(run_dir)
             _fs.cleanup_temporaries(run_dir)
@@ -134,9 +137,9 @@ class Checkpoints:
             save.sync_stock_files()
             if push is not None:
                 save.after_commit.append(push)
-            levels, step, final, run_dir = self.levels, save.step, save.final, save.run_dir
-            if levels is not None:
-                save.after_commit.append(lambda: levels.after_commit(step, final, best))
+            run_dir = save.run_dir
+            if self.levels is not None:  # (the level runner copies and keeps, once the commit is done)
+                self.levels.best = best
             else:
                 limit = self.trainer.args.save_total_limit
                 save.after_commit.append(lambda: _rotate(run_dir, limit, best))
@@ -162,6 +165,11 @@ class Checkpoints:
 
     def stop(self) -> None:
         self._committer.stop()
+
+    def forward_level_errors(self) -> None:
+        """The slower levels' failures, raised once by the checkpointer like the checkpoints' own."""
+        for error in [] if self.levels is None else self.levels.take_errors():
+            self.checkpointer.add_error(error)
 
     def _sync_own_files(self, save: CheckpointSave) -> None:
         """A non-writer: fsync its ``rng_state_<i>.pth`` before the barrier after which the folder is renamed."""
@@ -311,6 +319,7 @@ class TransformersHandle(InstalledHandle):
             if self._levels is not None:
                 self._levels.drain(left())
         self._checkpoints.prune()
+        self._checkpoints.forward_level_errors()
         self.checkpointer.raise_errors()
 
     def pending(self) -> int:

@@ -1,27 +1,34 @@
 """``install(trainer, levels=[...])``: ``<level>/checkpoint-N`` folders at every level due at a step.
 
-The fastest due level holds the lazy checkpoint; after its commit, the commit thread copies it whole to each
-slower due level (``schedule.copy_tree``: every file fsynced, nested folders too, one rename) and applies
-each level's ``keep`` (the best checkpoint is kept too).
+The levels run on the one level runner (``schedule.MultiLevel``, in the writing process): the fastest due
+level's ``checkpoint-N`` is the lazy save (its ``CheckpointSave``, the runner's source); once it is
+committed, each slower due level's thread copies it whole (``schedule.copy_tree``), bounded by its
+``backlog``; each level keeps its newest ``keep`` folders, and the best checkpoint too.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import shutil
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from lazyckpt import Level, LevelError, SaveRefusedError
-from lazyckpt.schedule import copy_tree, refuse_replicas
+from lazyckpt import Level, SaveRefusedError
+from lazyckpt.core.handle import SaveHandle
+from lazyckpt.levels import Naming
+from lazyckpt.schedule import MultiLevel, refuse_replicas
 
-_NAME = re.compile(r"^checkpoint-(\d+)$")
+if TYPE_CHECKING:
+    from lazyckpt import LazyCheckpointer
+
+NAMING = Naming("checkpoint-{step}", re.compile(r"checkpoint-(\d+)"))
 
 
 class TrainerLevels:
-    """The levels of one handle: which folder a step saves to, copies and retention after its commit."""
+    """The levels of one handle: which folder a step saves to; in the writing process (``writer``), the
+    runner that copies it to the slower levels and keeps each level's newest (and the best)."""
 
-    def __init__(self, levels: Sequence[Level]) -> None:
+    def __init__(self, levels: Sequence[Level], checkpointer: LazyCheckpointer, writer: bool) -> None:
         if not levels:
             raise SaveRefusedError("lazyckpt.transformers: levels=[] names no level")
         for level in levels:
@@ -31,37 +38,48 @@ class TrainerLevels:
                 raise SaveRefusedError(
                     f"lazyckpt.transformers: URL levels ({level.path}) are not supported; use local folders"
                 )
-            os.makedirs(level.path, exist_ok=True)
         refuse_replicas(tuple(levels), "the transformers Trainer's checkpoints")
         self.levels = tuple(levels)
+        self.best: str | None = None  # the trainer's best checkpoint (training thread): kept at its level
+        self.multi = (
+            MultiLevel(checkpointer, self.levels, checkpointer.options, folder=True, naming=NAMING,
+                       protect=lambda index: () if self.best is None else (os.path.abspath(self.best),))
+            if writer
+            else None
+        )  # fmt: skip
+        if self.multi is None:
+            for level in self.levels:
+                os.makedirs(level.path, exist_ok=True)
 
-    def due(self, step: int) -> list[Level]:
-        return [lv for lv in self.levels if step % lv.every == 0]
+    def folder(self, step: int) -> str | None:
+        """The fastest due level's ``checkpoint-<step>``, or None when none is due."""
+        due = [lv for lv in self.levels if lv.due(step)]
+        return due[0].join(NAMING.name(step)) if due else None
 
-    def fastest_due(self, step: int, run_dir: str) -> str | None:
-        """The fastest due level's folder, or None when none is due."""
-        due = self.due(step)
-        return due[0].path if due else None
+    def save(self, step: int, final: str, source: SaveHandle) -> None:
+        """The writer, before the checkpoint's files: ``final`` (``folder(step)``) to every level due at
+        ``step``, copied once ``source`` (its commit) is done. May wait for a slower level's backlog."""
+        assert self.multi is not None
 
-    def after_commit(self, step: int, final: str, best: str | None) -> None:
-        """On the commit thread, after ``final`` was committed: copies (``LevelError``), then retention."""
-        due = self.due(step)
-        for level in due[1:]:
-            try:
-                copy_tree(final, os.path.join(level.path, os.path.basename(final)), True)
-            except OSError as exc:
-                raise LevelError(
-                    f"lazyckpt.transformers: copying {final} to level {level.path} failed: {exc}",
-                    path=final, errno=exc.errno, level=self.levels.index(level), level_path=level.path, step=step,
-                ) from exc  # fmt: skip
-        for level in due:
-            retain(level, best)
+        def produce(path: str) -> SaveHandle:
+            assert path == final, (path, final)
+            return source
+
+        self.multi.save_with(step, produce)
+
+    def take_errors(self) -> list[BaseException]:
+        """The slower levels' failed copies and removals not raised yet."""
+        return [] if self.multi is None else self.multi.take_errors()
 
     def drain(self, timeout: float | None = None) -> None:
-        """Copies run on the commit thread: nothing of their own to wait for."""
+        """Wait for every level copy (``TimeoutError`` after ``timeout`` seconds)."""
+        if self.multi is not None:
+            self.multi.drain(timeout)
 
     def close(self) -> None:
-        """Nothing to stop (no thread of its own)."""
+        """Stop the level threads (after what they hold)."""
+        if self.multi is not None:
+            self.multi.close()
 
 
 def checkpoints(folder: str) -> list[tuple[int, str]]:
@@ -70,18 +88,5 @@ def checkpoints(folder: str) -> list[tuple[int, str]]:
         names = os.listdir(folder)
     except FileNotFoundError:
         return []
-    found = [(int(m.group(1)), os.path.join(folder, n)) for n in names if (m := _NAME.match(n))]
+    found = [(n, os.path.join(folder, name)) for name in names if (n := NAMING.step(name)) is not None]
     return sorted(p for p in found if os.path.isdir(p[1]))
-
-
-def retain(level: Level, best: str | None) -> None:
-    """Keep the newest ``level.keep`` checkpoint folders of ``level`` (and ``best``, if it is there)."""
-    if level.keep is None:
-        return
-    found = checkpoints(level.path)
-    keep = {p for _, p in found[-level.keep :]}
-    if best is not None:
-        keep.add(os.path.abspath(best))
-    for _, path in found:
-        if path not in keep:
-            shutil.rmtree(path, ignore_errors=True)
