@@ -317,6 +317,21 @@ def test_a_slower_levels_failed_copy_is_one_level_error_on_every_rank_and_the_fa
 
 
 @pytest.mark.slow(reason="a 2-process DeepSpeed run with levels")
+def test_a_slower_levels_copy_runs_on_its_thread_while_the_fast_level_goes_on_and_pins_its_source(tmp_path):
+    """Every rank's copy of global_step2 into the slow level is held until the fast level (keep=1) has published
+    global_step3 and applied its keep: global_step3 comes (the copy is not on the fast level's commit path), and
+    global_step2 is still there for the copy (pinned; without the pin, keep=1 drops it first); it goes after.
+    The slow level then holds steps 2 and 4, the fast level step 4."""
+    base = tmp_path / "levels"
+    for r in _run("levels_held", tmp_path / "run", stage=2, levels_base=str(base)):
+        assert r["held"] and r["source_there"], r
+        assert _tags(r["listings"][0]) == ["global_step4", "latest", "zero_to_fp32.py"], r
+        assert _tags(r["listings"][1]) == ["global_step2", "global_step4", "latest", "zero_to_fp32.py"], r
+    for name in os.listdir(base / "slow" / "global_step2"):
+        assert (base / "slow" / "global_step2" / name).stat().st_size > 0, name
+
+
+@pytest.mark.slow(reason="a 2-process DeepSpeed run with levels")
 def test_a_failed_fast_level_is_one_error_and_the_slower_levels_skip_that_step_alike(tmp_path):
     """Rank 1's write of step 4 fails (ENOSPC) in the fast level: every rank raises that one error (not a
     level error of the slow level, whose copy every rank skips alike); step 5 goes on in the fast level."""

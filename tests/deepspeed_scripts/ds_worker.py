@@ -622,6 +622,46 @@ def scenario_levels() -> None:
     RESULT["unused"] = os.path.exists("unused")
 
 
+def scenario_levels_held() -> None:
+    """fast (every=1, keep=1) and slow (every=2): each rank's copy of global_step2 into the slow level is held
+    until the fast level has published global_step3 and applied its keep (which drops global_step2 there), then
+    checks that global_step2 is still at the fast level (RESULT["source_there"]): the copies run on the slow
+    level's thread while the fast level goes on, and a tag being copied is pinned. RESULT["held"]: whether
+    global_step3 came in time (60 s)."""
+    import threading
+
+    import lazyckpt.deepspeed
+    from lazyckpt import Level
+    from lazyckpt.schedule import _runner
+
+    base = CONFIG["levels_base"]
+    levels = [Level(os.path.join(base, "fast"), every=1, keep=1), Level(os.path.join(base, "slow"), every=2)]
+    kept_three = threading.Event()
+    retain = _runner.Runner.retain
+
+    def retain_then_tell(self, index, sweep=False):
+        retain(self, index, sweep)
+        if index == 0 and not sweep and os.path.isdir(os.path.join(levels[0].path, "global_step3")):
+            kept_three.set()
+
+    def hold():
+        RESULT["held"] = kept_three.wait(60)
+        RESULT["source_there"] = os.path.isdir(os.path.join(levels[0].path, "global_step2"))
+
+    _runner.Runner.retain = retain_then_tell
+    _before_copy_of("global_step2", hold)
+    engine = make_engine()
+    handle = lazyckpt.deepspeed.install(engine, levels=levels, commit_timeout=60)
+    for step in range(1, 5):
+        train(engine, 1, step)
+        engine.save_checkpoint("unused")
+    train(engine, 1, 5)
+    handle.wait()
+    handle.uninstall()
+    dist.barrier()
+    RESULT["listings"] = [sorted(os.listdir(lv.path)) for lv in levels]
+
+
 def scenario_levels_fast_fails() -> None:
     """Levels as ``levels``; steps 1-3 saved; rank 1's data write of step 4 (due at both levels) fails with
     ENOSPC: every rank's wait() raises the fast level's DistributedSaveError once (RESULT["errors"]), no level
@@ -735,7 +775,7 @@ def scenario_levels_refused() -> None:
 
 
 def _before_copy_of(tag: str, action) -> None:
-    """``action()`` runs on this rank's commit thread as it would copy its files of ``tag`` to a slower level."""
+    """``action()`` runs on this rank's level thread as it would copy its files of ``tag`` to a slower level."""
     from lazyckpt.deepspeed import _levels
 
     real = _levels.copy_own_files

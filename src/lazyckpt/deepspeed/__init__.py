@@ -86,8 +86,8 @@ class DeepSpeedHandle(InstalledHandle):
             for hook in list(self.before_save):
                 hook(save_dir)
             with lazy.saving():  # a save that raises fails its tag on every rank, never published later
-                if due:
-                    lazy.route(due[0], int(this.global_steps), due[1:])
+                if due and lazy.levels is not None:  # (places in the slower levels' backlogs first: may wait)
+                    lazy.route(due[0], int(this.global_steps), lazy.levels.admit(int(this.global_steps), due[1:]))
                 saved = stock_save(this, *args, **kwargs)
             if not lazy.stepped:  # no step() yet would commit it (an export, a conversion): written now, as stock
                 lazy.wait()
@@ -176,6 +176,7 @@ def install(
                 levels, lazy.rank, lazy.world_size, lazy.token, exchange.all_gather, engine.use_node_local_storage(),
                 lazy.checkpointer.fsync, commit_timeout,
             )  # fmt: skip
+            lazy.levels.attach(lazy)
         except BaseException:
             lazy.close()
             raise

@@ -16,6 +16,7 @@ thread per engine, and the core checkpointer's. Errors of a tag are raised once,
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import os
@@ -38,7 +39,7 @@ from lazyckpt.deepspeed import _levels
 from lazyckpt.deepspeed._levels import DeepSpeedLevels, LevelCopy
 from lazyckpt.deepspeed._tag import Tag, same_path, tag_stats
 from lazyckpt.distributed.folder_commit import FolderCommit
-from lazyckpt.errors import CheckpointerClosedError
+from lazyckpt.errors import CheckpointerClosedError, DistributedLevelError
 from lazyckpt.options import CheckpointerOptions
 from lazyckpt.threads import reentry
 from lazyckpt.threads.workers import Worker
@@ -91,7 +92,7 @@ class LazyCheckpointEngine(CheckpointEngine):
         self.levels: DeepSpeedLevels | None = None  # set by ``install(engine, levels=...)`` (``route``)
         self._route: tuple[int, int, tuple[LevelCopy, ...]] | None = None  # the next create's (level, step, copies)
         self._callbacks = CallbackRunner()  # the tags' handles' done-callbacks, never on the commit thread
-        self._worker: Worker[Tag] = Worker("lazyckpt-deepspeed-commit", self._commit_tag)
+        self._worker: Worker[Tag] = Worker("lazyckpt-deepspeed-commit", self.commit_tag)
         _exit.register(self, _drain_at_exit, layer=_exit.INTEGRATION)
         _LIVE.add(self)
 
@@ -104,10 +105,11 @@ class LazyCheckpointEngine(CheckpointEngine):
         if self._open is not None:  # saved again with no step between: nothing changed since
             self._hand_over(self._open)
         tag = Tag(info, os.path.join(os.path.abspath(info.save_dir), str(info.tag)), epoch=self._epoch)
-        if self._route is not None:
-            (tag.level, tag.step, tag.copies), self._route = self._route, None
         tag.completion = Completion(tag.final)
         tag.completion.bind(confirm=lambda _timeout: self._hand_over(tag))  # a wait on it hands it over
+        if self._route is not None and self.levels is not None:  # the level runner's source save, copies queued
+            (tag.level, tag.step, tag.copies), self._route, tag.routed = self._route, None, True
+            self.levels.begin(tag)
         self._open = self._saving = tag
 
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
@@ -193,7 +195,9 @@ class LazyCheckpointEngine(CheckpointEngine):
             raise
         finally:
             self._saving = None
-            self._route = None  # a save that never reached create() routes no later one
+            if self._route is not None and self.levels is not None:  # a save that never reached create()
+                self.levels.refund([c.index for c in self._route[2]])
+            self._route = None
 
     def abandon(self, save_dir: str, error: BaseException) -> None:
         """The open tag saved into ``save_dir`` fails with ``error`` (a framework call around it raised; that
@@ -227,8 +231,8 @@ class LazyCheckpointEngine(CheckpointEngine):
         return None
 
     def wait(self, timeout: float | None = None) -> None:
-        """Hand over an open tag, wait until every tag is published or failed; raise the first unseen error.
-        ``TimeoutError`` if ``timeout`` seconds pass first."""
+        """Hand over an open tag, wait until every tag is published or failed (and copied to its slower levels);
+        raise the first unseen error. ``TimeoutError`` if ``timeout`` seconds pass first."""
         if self._open is not None:
             self._hand_over(self._open)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -238,12 +242,26 @@ class LazyCheckpointEngine(CheckpointEngine):
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not tag.finished.wait(left):
                 raise TimeoutError(f"lazyckpt: the DeepSpeed checkpoint {tag.final} is still being committed")
+        if self.levels is not None:
+            self.levels.drain(None if deadline is None else max(0.0, deadline - time.monotonic()))
         self.raise_errors()
 
     def route(self, level: int, step: int, copies: Sequence[int]) -> None:
-        """Training thread: the next ``save_checkpoint`` goes to level ``level`` at ``step``, then ``copies``."""
+        """Training thread: the next ``save_checkpoint`` goes to level ``level`` at ``step``, then ``copies``
+        (admitted to their backlogs: ``DeepSpeedLevels.admit``)."""
         assert self.levels is not None
         self._route = (level, step, tuple(LevelCopy(i, os.path.abspath(self.levels.levels[i].path)) for i in copies))
+
+    def hand_over_open(self) -> None:
+        """The open tag (if any) to its commit: a save waiting for a slower level's backlog lets it go on."""
+        tag = self._open
+        if tag is not None:
+            self._hand_over(tag)
+
+    def report(self, error: BaseException) -> None:
+        """A background error of this engine's (a slower level's copy), raised once like a tag's."""
+        with self._lock:
+            self._errors.append(error)
 
     def defer(self, job: Callable[[], None]) -> None:
         """Run ``job`` on the commit thread once this rank's files of the open tag are durable, before the folder
@@ -263,7 +281,8 @@ class LazyCheckpointEngine(CheckpointEngine):
         """Whether a tag not yet published is read by a load of ``path`` (its ``save_dir``, the tag folder or
         a file in it)."""
         target = os.path.realpath(path)
-        for tag in self._tags():
+        copying = [t for t in list(self._recent) if t.leveled is not None and not t.leveled.done()]
+        for tag in [*self._tags(), *copying]:
             for where in (tag.final, *(os.path.join(c.save_dir, os.path.basename(tag.final)) for c in tag.copies)):
                 final = os.path.realpath(where)
                 if target in (final, os.path.dirname(final)) or target.startswith(final + os.sep):
@@ -289,9 +308,9 @@ class LazyCheckpointEngine(CheckpointEngine):
             self._closed = True
             self._worker.stop()
             self._callbacks.stop()
-            self._folders.close()
             if self.levels is not None:
                 self.levels.close()
+            self._folders.close()
             self.checkpointer.close()
             _exit.unregister(self)
             _LIVE.discard(self)
@@ -328,16 +347,18 @@ class LazyCheckpointEngine(CheckpointEngine):
             except BaseException:  # noqa: BLE001 - the commit thread reports it, on every rank alike
                 pass
         tag.staged.set()
-        if not tag.folder:
-            self._finish(tag, None)
+        if not tag.folder:  # (a routed tag always makes its folder: without one its copies must not run)
+            never = RuntimeError(f"lazyckpt: {tag.final} was never made") if tag.routed else None
+            self._finish(tag, tag.error or never)
             return
         with self._lock:
             self._queued.append(tag)
-        if not self._worker.submit(tag):
+        if not (self.levels.submit(tag) if tag.routed and self.levels is not None else self._worker.submit(tag)):
             self._finish(tag, CheckpointerClosedError(f"lazyckpt: {tag.final} was not committed (closed)"))
 
-    def _commit_tag(self, tag: Tag) -> None:
-        """The commit thread: this rank's files durable, then the decision; rank 0 publishes, then ``latest``."""
+    def commit_tag(self, tag: Tag) -> None:
+        """The commit thread (a routed tag: its level's thread): this rank's files durable, then the decision;
+        rank 0 publishes, then ``latest``."""
         own: BaseException | None = None
         for handle in tag.handles:
             try:
@@ -356,40 +377,34 @@ class LazyCheckpointEngine(CheckpointEngine):
             error = self._folders.commit(tag.n, tag.final, own, after, self._scope(tag.level))
             if self.levels is not None:  # its replicas (a level with replicas), on every rank alike
                 self.levels.committed(tag.level, tag.step, tag.final, tag.names, error is None)
-            for copy in tag.copies:  # every rank takes part in each, whatever its own outcome
-                self._copy_to_level(tag, copy, error)
         finally:  # whatever escapes, wait() is never left waiting for this tag
             self._finish(tag, error)
 
     def _after_publish(self, tag: Tag, level: int, final: str) -> Callable[[], None] | None:
         """The folder owner's job once ``final`` is in place: ``latest`` names it (unless ``save_latest=False`` or
-        a synchronous save from a signal handler came since), then the level's retention."""
-        if not self._leads(level):
+        a synchronous save from a signal handler came since). (A level's retention is the runner's, after.)"""
+        if not self._leads(level) or not tag.info.save_latest:
             return None
         save_dir, name = os.path.dirname(final), os.path.basename(final)
 
         def after() -> None:
-            if tag.info.save_latest and tag.epoch == self._epoch:
+            if tag.epoch == self._epoch:
                 _levels.write_latest(save_dir, name, self.checkpointer.fsync)
-            if self.levels is not None:
-                try:
-                    self.levels.published(level, name, self.checkpointer.remove)
-                except OSError as exc:  # the tag stands; an old one stays
-                    logger.warning("lazyckpt.deepspeed: removing old tags of %s failed: %s", save_dir, exc)
 
         return after
 
-    def _copy_to_level(self, tag: Tag, copy: LevelCopy, failed: BaseException | None) -> None:
-        """The commit thread, after ``tag``'s decision (``failed``: this rank's outcome of it): this rank's files
-        of it into a slower level's staging folder, then that folder's commit (every rank or none, every rank
-        taking part: a rank whose fast level failed fails it at once). A failed copy of a published tag is that
-        level's error, raised once."""
+    def copy_tag(self, tag: Tag, copy: LevelCopy, failed: BaseException | None) -> DistributedLevelError | None:
+        """A slower level's thread, after ``tag``'s decision (``failed``: this rank's outcome of it): this rank's
+        files of it into that level's staging folder, then that folder's commit (every rank or none, every rank
+        taking part: a rank whose fast level failed fails it at once). Returns a published tag's failed copy:
+        that level's error."""
         assert self.levels is not None
         final = os.path.join(copy.save_dir, os.path.basename(tag.final))
         own: BaseException | None = failed
         names: list[str] = []
         try:  # every rank takes part in the names' exchange, whatever its outcome so far
-            names = self.levels.share(copy.index, tag.names if own is None else [], self._folders.all_gather)
+            gather = functools.partial(self._folders.all_gather, channel=str(copy.index))  # the level thread's
+            names = self.levels.share(copy.index, tag.names if own is None else [], gather)
         except Exception as exc:  # noqa: BLE001 - reported to every rank by the decision
             own = own or exc
         if own is None:
@@ -405,10 +420,9 @@ class LazyCheckpointEngine(CheckpointEngine):
         after = self._after_publish(tag, copy.index, final) if own is None else None
         error = self._folders.commit(copy.n, final, own, after, self._scope(copy.index))
         self.levels.committed(copy.index, tag.step, final, names, error is None)
-        if error is not None and failed is None:  # (a failed fast level is reported as itself)
-            failed = _levels.level_error(copy, self.levels.levels[copy.index], tag.step, error)
-            with self._lock:
-                self._errors.append(failed)
+        if error is None or failed is not None:  # (a failed fast level is reported as itself)
+            return None
+        return _levels.level_error(copy, self.levels.levels[copy.index], tag.step, error)
 
     def _tags(self) -> list[Tag]:
         """The tags handed over and not finished, then the open one. Takes no lock (a signal handler may call it)."""

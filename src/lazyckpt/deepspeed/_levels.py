@@ -1,13 +1,16 @@
-"""Levels for DeepSpeed (``install(engine, levels=[...])``): each level is a DeepSpeed ``save_dir``.
+"""Levels for DeepSpeed (``install(engine, levels=[...])``): each level is a DeepSpeed ``save_dir``, on the one
+level runner (``schedule.Runner``; this module is its producer of tags).
 
-A ``save_checkpoint`` at step ``engine.global_steps`` goes to the fastest level due at that step (the engine
-writes the tag there, published by the folder commit, then ``latest``); each slower due level gets, on the
-commit thread once that tag is published, a copy of every rank's own files of it (each rank copies what it
-wrote; a file several ranks wrote, once), committed with the same folder commit (all ranks or none), then its
-own ``latest``. A level is one folder every rank shares, or node-local (each node its own folder, found by
-``cluster.probe``; the engine must then have DeepSpeed's ``use_node_local_storage``, so that each node's first
-rank writes the model states there): each node's leader publishes its node's tag, writes its ``latest`` and
-keeps its newest ``keep`` tags. ``latest(levels)`` reads no other rank.
+A ``save_checkpoint`` at step ``engine.global_steps`` goes to the fastest level due at that step: the engine
+writes the tag there, and its commit (the folder commit, then ``latest``) runs on that level's thread. Each
+slower due level's thread, once that tag is published, copies every rank's own files of it (a file several
+ranks wrote, once) and commits them with the same folder commit (all ranks or none), then its own ``latest``.
+Every commit into a level runs on its thread in save order, on every rank alike. The runner bounds each
+level's pending copies (``backlog``), pins a tag being copied, and keeps each level's newest ``keep`` tags
+(never the one ``latest`` names). A level is one folder every rank shares, or node-local (each node its own
+folder, found by ``cluster.probe``; the engine must then have DeepSpeed's ``use_node_local_storage``, so that
+each node's first rank writes the model states there): each node's leader publishes its node's tag, writes
+its ``latest`` and keeps. ``latest(levels)`` reads no other rank.
 """
 
 from __future__ import annotations
@@ -17,19 +20,20 @@ import json
 import os
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from lazyckpt.cluster import Replicator, Ring, Scope, StoreExchange, probe, replicated_index, restore_replicas
+from lazyckpt.core.report import Report
 from lazyckpt.errors import DistributedLevelError, DistributedSaveError, SaveRefusedError
-from lazyckpt.levels import Level
+from lazyckpt.levels import Level, Naming, list_steps
 from lazyckpt.recovery import Found
-from lazyckpt.schedule import check_levels, copy_checked
+from lazyckpt.schedule import Feed, Runner, check_levels, copy_checked
 from lazyckpt.storage import fs as _fs
 
-_STEP = re.compile(r"global_step(\d+)$")
+NAMING = Naming("global_step{step}", re.compile(r"global_step(\d+)"))
 SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")  # what DeepSpeed copies beside its tags (0.19)
 
 
@@ -42,16 +46,28 @@ class LevelCopy:
     n: int = -1
 
 
+class TagEngine(Protocol):
+    """What the levels need of their ``LazyCheckpointEngine``."""
+
+    checkpointer: Any
+
+    def commit_tag(self, tag: Any) -> None: ...
+    def copy_tag(self, tag: Any, copy: LevelCopy, failed: BaseException | None) -> DistributedLevelError | None: ...
+    def hand_over_open(self) -> None: ...
+    def report(self, error: BaseException) -> None: ...
+
+
 @dataclass(eq=False)
 class DeepSpeedLevels:
-    """The levels of one installed engine: which are due at a step, and rank 0's retention per level."""
+    """The levels of one installed engine: the runner's producer of its tags (``attach``)."""
 
     levels: tuple[Level, ...]
     scopes: tuple[Scope, ...]  # who shares each level's folder
     rank: int
     node_local_storage: bool  # DeepSpeed's: each node's first rank writes the model states (several ranks a name)
     replicator: Replicator | None = None  # the node-local level with replicas: its ring to the next nodes' memory
-    kept: dict[int, list[str]] = field(default_factory=dict)  # level index -> its tags, oldest first
+    engine: TagEngine | None = None
+    runner: Runner | None = None
 
     @classmethod
     def check(
@@ -107,12 +123,106 @@ class DeepSpeedLevels:
         else:
             replicator.cancel()
 
+    def attach(self, engine: TagEngine) -> None:
+        """The engine whose tags these levels hold; the runner starts (its threads on first use)."""
+        self.engine = engine
+        self.runner = Runner(
+            self.levels, self, None, folder=True, name="lazyckpt-deepspeed-level", owns=self.leads, naming=NAMING,
+            protect=self._named,
+        )  # fmt: skip
+
     def close(self) -> None:
-        if self.replicator is not None:  # sends what is queued first, each transfer bounded by its group's timeout
+        """Stop the level threads (after what they hold), then the replicator (it sends what is queued first,
+        each transfer bounded by its group's timeout)."""
+        if self.runner is not None:
+            self.runner.close()
+        if self.replicator is not None:
             self.replicator.close()
+
+    # -- the training thread ---------------------------------------------------------------------------
 
     def due(self, step: int) -> list[int]:
         return [i for i, lv in enumerate(self.levels) if lv.due(step)]
+
+    def admit(self, step: int, copies: Sequence[int]) -> list[int]:
+        """Places in the slower due levels' backlogs for the save of ``step`` (every rank alike: it waits, never
+        skips); at a bound, the open tag is handed over first (its copies may then go on)."""
+        assert self.runner is not None and self.engine is not None
+        engine = self.engine
+        return [i for i in copies if self.runner.admit(i, step, None, engine.hand_over_open)]
+
+    def refund(self, copies: Sequence[int]) -> None:
+        """A save that never reached ``create``: its backlog places go back."""
+        assert self.runner is not None
+        self.runner.refund(copies)
+
+    def begin(self, tag: Any) -> None:
+        """``create``: the routed ``tag`` is the runner's source save at its level (its ``completion``); each
+        admitted copy waits on its level's thread for it to be published."""
+        assert self.runner is not None and tag.completion is not None
+        runner, copies = self.runner, [c.index for c in tag.copies]
+        feed = runner.begin(tag.step, tag.level, tag.final, copies, pin_save=False, context=tag)
+        tag.leveled = runner.parts(feed, tag.completion.handle, tag.final, [tag.level, *copies], tag.t0)
+        runner.sweep_once()
+        runner.start(feed, copies, unpin_save=False)
+
+    def submit(self, tag: Any) -> bool:
+        """A routed tag's commit, on its level's thread (False: closed)."""
+        assert self.runner is not None
+        return self.runner.submit(tag.level, tag)
+
+    def drain(self, timeout: float | None) -> None:
+        """Wait for every copy (``TimeoutError`` after ``timeout`` seconds)."""
+        if self.runner is not None:
+            self.runner.drain(timeout)
+
+    # -- the runner's producer (``schedule.LevelProducer``), on the level threads ------------------------
+
+    def run(self, tag: Any) -> None:
+        assert self.engine is not None
+        self.engine.commit_tag(tag)
+
+    def promote(self, index: int, feed: Feed) -> DistributedLevelError | None:
+        """Level ``index``'s copy of a published tag, then its commit (every rank alike)."""
+        assert self.engine is not None
+        tag = feed.context
+        tag.promoted.add(index)
+        return self.engine.copy_tag(tag, self._copy(tag, index), None)
+
+    def ended(self, index: int, feed: Feed) -> None:
+        """A copy that did not run (its tag failed, alike on every rank): this rank still takes part in its
+        commit, failed, so that a rank that saw the tag otherwise is not left waiting."""
+        tag = feed.context
+        if index not in tag.promoted and tag.folder and self.engine is not None:
+            failed = tag.completion.handle.exception() or RuntimeError(f"lazyckpt: {tag.final} was not published")
+            self.engine.copy_tag(tag, self._copy(tag, index), failed)
+
+    def discard(self, path: str) -> None:  # pragma: no cover - the source is always a level's tag folder
+        pass
+
+    def remove(self, path: str) -> Any:
+        assert self.engine is not None
+        return self.engine.checkpointer.remove(path)
+
+    def remote_tier(self) -> Any:  # pragma: no cover - no URL levels here
+        raise SaveRefusedError("lazyckpt.deepspeed: URL levels are not supported")
+
+    def publish(self, report: Report) -> None:
+        if report.claim() and self.engine is not None:
+            self.engine.report(report.error)
+
+    def reuse(self, index: int) -> None:
+        return None
+
+    @staticmethod
+    def _copy(tag: Any, index: int) -> LevelCopy:
+        return next(c for c in tag.copies if c.index == index)
+
+    def _named(self, index: int) -> tuple[str, ...]:
+        """Level ``index``'s tag that ``latest`` names: never removed (``save_latest=False`` saves came since)."""
+        path = self.levels[index].path
+        named = _latest_tag(path)
+        return () if named is None else (os.path.join(path, named),)
 
     def leads(self, index: int) -> bool:
         """Whether this rank owns level ``index``'s folder: publishes, writes ``latest``, keeps."""
@@ -127,24 +237,6 @@ class DeepSpeedLevels:
         everyone = all_gather(sorted(names))
         group = self.scopes[index].group
         return [n for n in names if min(r for r in group if n in everyone[r]) == self.rank]
-
-    def published(self, index: int, tag: str, remove: Callable[[str], Any]) -> None:
-        """The folder's owner (``leads``), once ``tag`` is in place in level ``index`` (``latest`` written): the
-        level's tags beyond its ``keep`` go, oldest first (the tags of earlier runs too: ``global_stepN`` by N)."""
-        level = self.levels[index]
-        if index not in self.kept:
-            self.kept[index] = _existing_tags(level.path)
-        tags = [t for t in self.kept[index] if t != tag] + [tag]
-        if level.keep is None or len(tags) <= level.keep:
-            self.kept[index] = tags
-            return
-        named = _latest_tag(level.path)  # never the tag ``latest`` names (``save_latest=False`` saves came since)
-        old = [t for t in tags[: len(tags) - level.keep] if t != named]
-        self.kept[index] = [t for t in tags if t not in old]
-        for name in old:
-            folder = os.path.join(level.path, name)
-            if os.path.isdir(folder):
-                remove(folder)
 
 
 def copy_own_files(source: str, names: Sequence[str], staging: str, fsync: bool) -> None:
@@ -168,7 +260,7 @@ def copy_scripts(source: str, target: str, fsync: bool) -> None:
 
 def tag_name(step: int) -> str:
     """DeepSpeed's default tag of ``step``."""
-    return f"global_step{step}"
+    return NAMING.name(step)
 
 
 def write_latest(save_dir: str, tag: str, fsync: bool) -> None:
@@ -226,7 +318,7 @@ def latest_restored(levels: Sequence[Level], timeout: float) -> Found | None:
 
 def _steps(save_dir: str) -> list[int]:
     """The N of the ``global_stepN`` folders in ``save_dir``, oldest first."""
-    return [int(m.group(1)) for name in _existing_tags(save_dir) if (m := _STEP.search(name))]
+    return sorted(list_steps(Level(save_dir), folder=True, naming=NAMING))
 
 
 def latest_in(save_dir: str, index: int = 0) -> Found | None:
@@ -234,8 +326,8 @@ def latest_in(save_dir: str, index: int = 0) -> Found | None:
     tag = _latest_tag(save_dir)
     if not tag or not os.path.isdir(os.path.join(save_dir, tag)):
         return None
-    m = _STEP.search(tag)
-    return Found(save_dir, int(m.group(1)) if m else -1, index)
+    step = NAMING.step(tag)
+    return Found(save_dir, -1 if step is None else step, index)
 
 
 def _latest_tag(save_dir: str) -> str | None:
@@ -244,13 +336,3 @@ def _latest_tag(save_dir: str) -> str | None:
             return fh.read().strip() or None
     except FileNotFoundError:
         return None
-
-
-def _existing_tags(save_dir: str) -> list[str]:
-    """The ``global_stepN`` folders already in ``save_dir``, oldest first."""
-    try:
-        names = os.listdir(save_dir)
-    except FileNotFoundError:
-        return []
-    steps = [(int(m.group(1)), n) for n in names if (m := _STEP.fullmatch(n))]
-    return [n for _, n in sorted(steps) if os.path.isdir(os.path.join(save_dir, n))]

@@ -37,6 +37,9 @@ class Tag:
     level: int = 0  # with levels: the level ``final`` is in
     step: int = -1  # with levels: the engine's global step it was saved at
     copies: tuple[LevelCopy, ...] = ()  # with levels: the slower levels due, each numbered in ``_make_folder``
+    routed: bool = False  # a save to levels: its commits run on the level runner's threads
+    promoted: set[int] = field(default_factory=set)  # levels whose copy ran (``DeepSpeedLevels.promote``)
+    leveled: SaveHandle | None = None  # routed: done once every due level holds it (or failed there)
     t0: float = field(default_factory=time.perf_counter)
 
 

@@ -42,8 +42,8 @@ class FolderCommit:
         self._liveness = _commit.Liveness(store, self.token, rank, world_size)
         self._liveness.start("lazyckpt-folder-heartbeat")
         self._decider = Decider(self._proto, self._liveness, rank, world_size, self.commit_timeout, self.token, fsync)
-        self._exchange = StoreExchange(store, f"lazyckpt/folder-commit/{self.token}/gather", rank, world_size,
-                                       self.commit_timeout)  # fmt: skip
+        self._store = store
+        self._exchanges: dict[str, StoreExchange] = {}
 
     def staging(self, final: str, n: int) -> str:
         """The hidden staging folder of commit ``n`` beside ``final`` (the same on every rank)."""
@@ -83,10 +83,17 @@ class FolderCommit:
             return None
         return save_error(final, outcome.message, own_error or outcome.cause, outcome.ranks)
 
-    def all_gather(self, value: Any) -> list[Any]:
-        """Collective (every rank, in the same order): every rank's small JSON ``value``; ``RuntimeError`` soon
-        after a rank dies (its heartbeat), ``TimeoutError`` after ``commit_timeout``."""
-        return self._exchange.all_gather(value, dead=self._liveness.dead)
+    def all_gather(self, value: Any, channel: str = "") -> list[Any]:
+        """Collective (every rank, in the same order per ``channel``: one thread's calls each): every rank's
+        small JSON ``value``; ``RuntimeError`` soon after a rank dies (its heartbeat), ``TimeoutError`` after
+        ``commit_timeout``."""
+        exchange = self._exchanges.get(channel)
+        if exchange is None:  # (one thread per channel: no race on its entry)
+            exchange = self._exchanges[channel] = StoreExchange(
+                self._store, f"lazyckpt/folder-commit/{self.token}/gather/{channel}", self.rank, self.world_size,
+                self.commit_timeout,
+            )  # fmt: skip
+        return exchange.all_gather(value, dead=self._liveness.dead)
 
     def close(self) -> None:
         self._liveness.stop()

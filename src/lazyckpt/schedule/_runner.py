@@ -146,10 +146,14 @@ class Runner:
         """Call before other processes may write into ``step``'s folder at the fastest due level."""
         self._retention.claim(self.due(step, None)[:1], step)
 
-    def abandon(self, feed: Feed, admitted: list[int], pin_save: bool) -> None:
-        """The source save could not start: the backlog places and pins ``begin`` took go back."""
+    def refund(self, admitted: Sequence[int]) -> None:
+        """Places ``admit`` gave for a save that will not ``begin``."""
         for i in admitted:
             self._backlog.done(i)
+
+    def abandon(self, feed: Feed, admitted: list[int], pin_save: bool) -> None:
+        """The source save could not start: the backlog places and pins ``begin`` took go back."""
+        self.refund(admitted)
         if feed.level is not None:
             self._retention.unpin(feed.level, feed.step, len(admitted) + int(pin_save))
 

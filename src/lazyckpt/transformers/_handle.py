@@ -84,10 +84,10 @@ class Checkpoints:
         args = self.trainer.args
         final = os.path.join(run_dir, _compat.checkpoint_name(step))
         if self.levels is not None:
-            final = self.levels.folder(step)
-            if final is None:  # no level due at this step: nothing saved
+            at_level = self.levels.folder(step)
+            if at_level is None:  # no level due at this step: nothing saved
                 return None
-            run_dir = os.path.dirname(final)
+            final, run_dir = at_level, os.path.dirname(at_level)
         distributed = args.parallel_mode == ParallelMode.DISTRIBUTED
         writer = bool(args.should_save)
         staging = [staging_name(final) if args.process_index == 0 else None]
