@@ -302,6 +302,18 @@ def test_retention_never_removes_the_tag_latest_names(tmp_path):
 
 
 @pytest.mark.slow(reason="a 2-process DeepSpeed run with levels")
+def test_a_failed_removal_of_an_old_tag_fails_no_later_save(tmp_path):
+    """Rank 0 (the owner of both shared levels) cannot delete the tags retention drops (EBUSY, injected): each
+    is renamed away (its name free) and the failure logged; no later save_checkpoint fails on rank 0 alone
+    (which would fail its tag on every rank), every step is saved, and the levels' visible tags are as usual."""
+    base = tmp_path / "levels"
+    for r in _run("levels", tmp_path / "run", stage=2, levels_base=str(base), fail_remove=True):
+        visible = [n for n in _tags(r["listings"][0]) if not n.startswith(".")]
+        assert visible == ["global_step4", "global_step5", "latest", "zero_to_fp32.py"], r
+        assert r["found"] == [str(base / "fast"), 5, 0], r
+
+
+@pytest.mark.slow(reason="a 2-process DeepSpeed run with levels")
 def test_a_slower_levels_failed_copy_is_one_level_error_on_every_rank_and_the_fast_level_goes_on(tmp_path):
     """Rank 1's copy of step 2 into the slow level fails (ENOSPC, injected): every rank's wait() raises one
     DistributedLevelError naming level 1 and rank 1; the slow level never shows step 2 (no ``latest`` then),

@@ -586,12 +586,19 @@ def scenario_levels() -> None:
     """install(engine, levels=[fast every=1 keep=2, slow every=2 keep=2]); a save every step for 5 steps
     (save_dir "unused"), the probe at each (from step ``no_latest_from`` on with save_latest=False); with
     ``fail_copy``: rank 1's copy of step 2 into the slow level fails with ENOSPC (RESULT["raised"]: what
-    handle.wait() raised then; the training goes on)."""
+    handle.wait() raised then; the training goes on); with ``fail_remove``: rank 0's deletions fail."""
     import lazyckpt.deepspeed
 
     levels = _levels()
     engine = make_engine()
     handle = lazyckpt.deepspeed.install(engine, levels=levels, commit_timeout=60)
+    if CONFIG.get("fail_remove") and RANK == 0:  # retention's deletions fail on rank 0, the folders' owner
+        from lazyckpt.core import removal
+
+        def busy(path, keep=()):
+            raise OSError(errno.EBUSY, "Device or resource busy (injected)", path)
+
+        removal._delete = busy
     if CONFIG.get("fail_copy") and RANK == 1:
 
         def enospc():

@@ -13,19 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lazyckpt.core import remote as _remote
-from lazyckpt.errors import LevelError, MemoryLevelWarning, SaveRefusedError
-
-__all__ = [
-    "Level",
-    "LevelError",
-    "MemoryLevelWarning",
-    "Naming",
-    "as_level",
-    "check_step",
-    "list_steps",
-    "step_name",
-    "step_of",
-]
+from lazyckpt.errors import SaveRefusedError
 
 STEP_RE = re.compile(r"^step-(\d{8,})\.pt$")
 FOLDER_RE = re.compile(r"^step-(\d{8,})$")
