@@ -122,6 +122,18 @@ def test_a_node_memory_copy_is_not_taken_for_a_whole_checkpoint(run):
     assert any("node-local copy" in s and "node0/step-00000003" in s for s in said), said
 
 
+def test_a_failed_removal_of_an_old_step_fails_no_save_and_is_raised_once_by_its_owner(run):
+    """Rank 0 cannot delete what retention drops (EBUSY, injected): each step is renamed away (its name free);
+    no save fails (a save raising it on rank 0 alone would fail that step on every rank): every step reaches
+    its levels, the levels' visible steps are as usual, and rank 0's close() raises the failure once."""
+    (r0, r1) = run("train", steps=7, fail_remove=True)
+    assert r0["close_raised"] == 16 and r1["close_raised"] is None  # EBUSY
+    assert r0["levels_done"]["6"] == r1["levels_done"]["6"] == [0, 1]
+    assert r0["levels_done"]["7"] == r1["levels_done"]["7"] == [0]
+    assert _steps(run.mem / "node0") == ["step-00000006", "step-00000007"]
+    assert _steps(run.disk) == ["step-00000003", "step-00000006"]
+
+
 def test_a_rollback_removes_the_abandoned_steps_before_a_crash_could_resurrect_them(run):
     """7 steps (memory per node keep 2: 6, 7; disk every 3: 3, 6), then a rollback to the disk's
     step 3 and one save at step 4: the shared disk level's abandoned step 6 is gone when save()

@@ -134,12 +134,30 @@ def check_restored(found, storage_options: dict | None = None) -> None:
 
 
 def scenario_train() -> None:
-    """Save every step for CONFIG["steps"] steps; wait; report what each step reached."""
-    with DistributedCheckpointer(levels=levels(), **options()) as ckpt:
-        handles = train(ckpt, 1, CONFIG.get("steps", 7))
-        done = {step: h.wait() and h.levels_done for step, h in handles.items()}
-        RESULT["levels_done"] = done
-        RESULT["scopes"] = [s.node_local for s in ckpt_scopes(ckpt)]
+    """Save every step for CONFIG["steps"] steps; wait; report what each step reached. ``fail_remove``: rank 0's
+    deletions (retention: it owns the shared level and its node's) fail with EBUSY (RESULT["close_raised"]: the
+    errno close() raised)."""
+    if CONFIG.get("fail_remove") and RANK == 0:
+        import errno
+
+        from lazyckpt.core import removal
+
+        def busy(path, keep=()):
+            raise OSError(errno.EBUSY, "Device or resource busy (injected)", path)
+
+        removal._delete = busy
+    ckpt = DistributedCheckpointer(levels=levels(), **options())
+    handles = train(ckpt, 1, CONFIG.get("steps", 7))
+    done = {step: h.wait() and h.levels_done for step, h in handles.items()}
+    RESULT["levels_done"] = done
+    RESULT["scopes"] = [s.node_local for s in ckpt_scopes(ckpt)]
+    try:
+        ckpt.close()
+        RESULT["close_raised"] = None
+    except OSError as exc:
+        if not CONFIG.get("fail_remove"):
+            raise
+        RESULT["close_raised"] = exc.errno
     RESULT["listing"] = {lv.path: sorted(os.listdir(lv.path)) for lv in levels() if not lv.is_url}
 
 
