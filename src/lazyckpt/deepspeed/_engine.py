@@ -338,7 +338,7 @@ class LazyCheckpointEngine(CheckpointEngine):
             tag.handed = True
             if self._open is tag:
                 self._open = None
-        if not first:  # another thread hands it over: its copies are done once that is past them
+        if not first:  # another thread hands it over: its copies are done, and it is queued, once that is past
             tag.staged.wait()
             return
         for handle in tag.handles + tag.direct:
@@ -346,15 +346,17 @@ class LazyCheckpointEngine(CheckpointEngine):
                 handle.wait_staged()
             except BaseException:  # noqa: BLE001 - the commit thread reports it, on every rank alike
                 pass
-        tag.staged.set()
-        if not tag.folder:  # (a routed tag always makes its folder: without one its copies must not run)
-            never = RuntimeError(f"lazyckpt: {tag.final} was never made") if tag.routed else None
-            self._finish(tag, tag.error or never)
-            return
-        with self._lock:
-            self._queued.append(tag)
-        if not (self.levels.submit(tag) if tag.routed and self.levels is not None else self._worker.submit(tag)):
-            self._finish(tag, CheckpointerClosedError(f"lazyckpt: {tag.final} was not committed (closed)"))
+        try:  # queued before a create() waiting here queues the next tag's copies: the same order on every rank
+            if not tag.folder:  # (a routed tag always makes its folder: without one its copies must not run)
+                never = RuntimeError(f"lazyckpt: {tag.final} was never made") if tag.routed else None
+                self._finish(tag, tag.error or never)
+                return
+            with self._lock:
+                self._queued.append(tag)
+            if not (self.levels.submit(tag) if tag.routed and self.levels is not None else self._worker.submit(tag)):
+                self._finish(tag, CheckpointerClosedError(f"lazyckpt: {tag.final} was not committed (closed)"))
+        finally:
+            tag.staged.set()
 
     def commit_tag(self, tag: Tag) -> None:
         """The commit thread (a routed tag: its level's thread): this rank's files durable, then the decision;
