@@ -48,3 +48,31 @@ def test_a_file_feeding_two_slower_levels_stays_until_both_copied_it(mem, tmp_pa
     assert sorted(os.listdir(mem)) == ["step-00000003.pt"]
     for folder in (disk, disk2):
         assert torch.load(folder / "step-00000002.pt")["step"] == 2
+
+
+def test_wait_with_a_timeout_raises_while_a_copy_is_still_running(mem, tmp_path, monkeypatch):
+    """A held copy to the slower level: ``wait(timeout)`` raises ``TimeoutError`` once the time is spent, also
+    when it ran out before the last handle was reached (it used to return then), and waits it out without one."""
+    disk = tmp_path / "disk"
+    release, entered = threading.Event(), threading.Event()
+    real_copy = _copy.copy_file
+
+    def held(src, dst, fsync):
+        entered.set()
+        release.wait(10)  # bounded: never a hang
+        return real_copy(src, dst, fsync)
+
+    monkeypatch.setattr(_copy, "copy_file", held)
+    with LazyCheckpointer(levels=[Level(mem, every=1, keep=1), Level(disk, every=1)]) as ckpt:
+        ckpt.save(_state(1), step=1)
+        assert entered.wait(10)
+        for timeout in (0.05, 0.0):
+            try:
+                ckpt.wait(timeout)
+            except TimeoutError:
+                pass
+            else:
+                raise AssertionError(f"wait({timeout}) returned with a copy running")
+        release.set()
+        ckpt.wait()
+    assert torch.load(disk / "step-00000001.pt")["step"] == 1

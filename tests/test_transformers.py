@@ -338,6 +338,35 @@ def test_a_failed_copy_to_a_slower_level_is_raised_once_and_the_fast_level_holds
     assert os.listdir(fast) == ["checkpoint-2"] and not os.listdir(slow)
 
 
+def test_levels_a_save_failing_after_its_files_ends_its_level_copies_and_nothing_waits_for_ever(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """checkpoint-2's fsync of stock's files fails (after it took its place in the slower level's schedule): the
+    save raises, nothing is published at either level, and every wait ends (the level thread's copy waits for the
+    aborted commit, which ends); the next run saves as usual."""
+    from lazyckpt.transformers._folder import CheckpointSave
+
+    fast, slow = tmp_path / "fast", tmp_path / "slow"
+    real = CheckpointSave.sync_stock_files
+
+    def fails_at_two(self: Any) -> None:
+        if self.step == 2:
+            raise OSError(errno.EIO, "Input/output error (injected)")
+        real(self)
+
+    monkeypatch.setattr(CheckpointSave, "sync_stock_files", fails_at_two)
+    levels = [Level(str(fast), every=1), Level(str(slow), every=2)]
+    tr = tiny.trainer(tmp_path / "unused", save_steps=1, max_steps=3)
+    handle = lazyckpt.transformers.install(tr, levels=levels)
+    with pytest.raises(OSError, match="injected"):
+        tr.train()
+    done = threading.Event()
+    waiter = threading.Thread(target=lambda: (handle.uninstall(), done.set()), daemon=True)
+    waiter.start()
+    assert done.wait(60), "uninstall() still waiting for the failed save's copy"
+    assert sorted(os.listdir(fast)) == ["checkpoint-1"] and not os.listdir(slow)
+
+
 def test_levels_a_run_resumed_from_an_older_step_drops_the_abandoned_newer_folders(tmp_path: Path) -> None:
     fast, slow = tmp_path / "fast", tmp_path / "slow"
     levels = [Level(str(fast), every=1), Level(str(slow), every=2)]

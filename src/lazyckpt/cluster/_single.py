@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import threading
 import uuid
 import warnings
@@ -287,20 +286,7 @@ class SingleWriter:
         held = list_steps(self.level)
         steps = sorted(s for s in held if s <= newest)
         for s in steps[:-keep]:
-            _remove(held[s])
-
-
-def _remove(path: str) -> None:
-    """A copy dropped by retention: a file unlinked, a folder renamed away, then deleted."""
-    try:
-        if os.path.isdir(path):
-            gone = _fs.temporary_path(path)
-            os.rename(path, gone)
-            shutil.rmtree(gone, ignore_errors=True)
-        else:
-            os.unlink(path)
-    except OSError:
-        pass
+            _fs.remove_quietly(held[s])
 
 
 def restore_files(

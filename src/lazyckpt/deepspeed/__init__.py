@@ -77,6 +77,8 @@ class DeepSpeedHandle(InstalledHandle):
             if reentry.reentered():  # from a signal handler that interrupted lazyckpt: stock's engine, at once
                 tag = args[1] if len(args) > 1 else kwargs.get("tag")
                 lazy.supersede(os.path.join(os.path.abspath(save_dir), str(tag or _levels.tag_name(this.global_steps))))
+                if lazy.levels is not None:  # this run's step there: retention never takes it for an earlier run's
+                    lazy.levels.saved_synchronously(int(this.global_steps))
                 reentry.count_synchronous()
                 this.checkpoint_engine = previous
                 try:
@@ -107,6 +109,8 @@ class DeepSpeedHandle(InstalledHandle):
         engine.checkpoint_engine = lazy  # the engine drains itself at exit (``_engine._drain_at_exit``)
 
     def wait(self, timeout: float | None = None) -> None:
+        if reentry.wait_refused("DeepSpeedHandle.wait()"):
+            return
         self.checkpoint_engine.wait(timeout)
         levels = self.checkpoint_engine.levels
         replicator = None if levels is None else levels.replicator

@@ -7,10 +7,11 @@ next ``step()`` at the accumulation boundary, before the update: it waits only f
 the tag to the commit thread, which waits for this rank's files, then takes part in the folder commit
 (``lazyckpt.distributed.folder_commit``: all ranks or none) and writes ``latest`` after it (DeepSpeed's is off).
 
-Threads: the training thread (every DeepSpeed call), one commit thread, one heartbeat thread and one callback
-thread per engine, and the core checkpointer's. Errors of a tag are raised once, on every rank, at the next
-``create``, ``load``, ``cleanup`` or ``wait()`` (or a load or conversion that publishes it first); a
-``save_checkpoint`` that raises (not for an earlier file's write) fails its tag on every rank, raised there only.
+Threads: the training thread (every DeepSpeed call), one commit thread (with levels: each level's thread of the
+level runner instead), one heartbeat thread and one callback thread per engine, and the core checkpointer's.
+Errors of a tag are raised once, on every rank, at the next ``create``, ``load``, ``cleanup`` or ``wait()`` (or a
+load or conversion that publishes it first); a ``save_checkpoint`` that raises (not for an earlier file's write)
+fails its tag on every rank, raised there only.
 """
 
 from __future__ import annotations
@@ -89,10 +90,11 @@ class LazyCheckpointEngine(CheckpointEngine):
         self._epoch = 0  # synchronous saves from signal handlers so far (``supersede``)
         self.stepped = False  # an optimizer step (accumulation boundary) ran since this engine was set
         self._recent: deque[Tag] = deque(maxlen=16)  # finished tags, for ``handle_of``
+        self._copying: list[Tag] = []  # routed tags handed over whose copies to slower levels may be running
         self.levels: DeepSpeedLevels | None = None  # set by ``install(engine, levels=...)`` (``route``)
         self._route: tuple[int, int, tuple[LevelCopy, ...]] | None = None  # the next create's (level, step, copies)
         self._callbacks = CallbackRunner()  # the tags' handles' done-callbacks, never on the commit thread
-        self._worker: Worker[Tag] = Worker("lazyckpt-deepspeed-commit", self.commit_tag)
+        self._worker: Worker[Tag] = Worker("lazyckpt-deepspeed-commit", self.commit_tag, lazy=True)
         _exit.register(self, _drain_at_exit, layer=_exit.INTEGRATION)
         _LIVE.add(self)
 
@@ -232,7 +234,10 @@ class LazyCheckpointEngine(CheckpointEngine):
 
     def wait(self, timeout: float | None = None) -> None:
         """Hand over an open tag, wait until every tag is published or failed (and copied to its slower levels);
-        raise the first unseen error. ``TimeoutError`` if ``timeout`` seconds pass first."""
+        raise the first unseen error. ``TimeoutError`` if ``timeout`` seconds pass first. From a signal handler
+        that interrupted lazyckpt: returns at once (``reentry.wait_refused``)."""
+        if reentry.wait_refused("LazyCheckpointEngine.wait()"):
+            return
         if self._open is not None:
             self._hand_over(self._open)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -242,8 +247,10 @@ class LazyCheckpointEngine(CheckpointEngine):
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not tag.finished.wait(left):
                 raise TimeoutError(f"lazyckpt: the DeepSpeed checkpoint {tag.final} is still being committed")
-        if self.levels is not None:
-            self.levels.drain(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        for tag in self._copies_running():
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if tag.leveled is not None and not tag.leveled.wait_done(left):
+                raise TimeoutError(f"lazyckpt: the DeepSpeed checkpoint {tag.final} is still being copied")
         self.raise_errors()
 
     def route(self, level: int, step: int, copies: Sequence[int]) -> None:
@@ -281,8 +288,7 @@ class LazyCheckpointEngine(CheckpointEngine):
         """Whether a tag not yet published is read by a load of ``path`` (its ``save_dir``, the tag folder or
         a file in it)."""
         target = os.path.realpath(path)
-        copying = [t for t in list(self._recent) if t.leveled is not None and not t.leveled.done()]
-        for tag in [*self._tags(), *copying]:
+        for tag in [*self._tags(), *self._copies_running()]:
             for where in (tag.final, *(os.path.join(c.save_dir, os.path.basename(tag.final)) for c in tag.copies)):
                 final = os.path.realpath(where)
                 if target in (final, os.path.dirname(final)) or target.startswith(final + os.sep):
@@ -332,12 +338,12 @@ class LazyCheckpointEngine(CheckpointEngine):
         os.makedirs(tag.staging, exist_ok=True)
 
     def _hand_over(self, tag: Tag) -> None:
-        """The tag's copies done (the optimizer may change its tensors), its folder to the commit thread."""
+        """The tag's copies done (the optimizer may change its tensors), its folder to the commit thread (a routed
+        tag's: its level's thread). It stays the open tag until queued: a ``create`` or ``commit`` meanwhile
+        waits here (the optimizer step after it, the next tag's copies queued after it, on every rank)."""
         with self._lock:
             first = not tag.handed
             tag.handed = True
-            if self._open is tag:
-                self._open = None
         if not first:  # another thread hands it over: its copies are done, and it is queued, once that is past
             tag.staged.wait()
             return
@@ -353,9 +359,14 @@ class LazyCheckpointEngine(CheckpointEngine):
                 return
             with self._lock:
                 self._queued.append(tag)
+                if tag.routed:  # (the done ones dropped here)
+                    self._copying = [*self._copies_running(), tag]
             if not (self.levels.submit(tag) if tag.routed and self.levels is not None else self._worker.submit(tag)):
                 self._finish(tag, CheckpointerClosedError(f"lazyckpt: {tag.final} was not committed (closed)"))
         finally:
+            with self._lock:
+                if self._open is tag:
+                    self._open = None
             tag.staged.set()
 
     def commit_tag(self, tag: Tag) -> None:
@@ -425,6 +436,11 @@ class LazyCheckpointEngine(CheckpointEngine):
         if error is None or failed is not None:  # (a failed fast level is reported as itself)
             return None
         return _levels.level_error(copy, self.levels.levels[copy.index], tag.step, error)
+
+    def _copies_running(self) -> list[Tag]:
+        """The routed tags handed over whose level handle is not done. Takes no lock (a signal handler may call
+        it: ``list()`` copies in one step under the GIL)."""
+        return [t for t in list(self._copying) if t.leveled is None or not t.leveled.done()]
 
     def _tags(self) -> list[Tag]:
         """The tags handed over and not finished, then the open one. Takes no lock (a signal handler may call it)."""

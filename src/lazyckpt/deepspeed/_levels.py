@@ -34,6 +34,7 @@ from lazyckpt.schedule import Feed, Runner, check_levels, copy_checked
 from lazyckpt.storage import fs as _fs
 
 NAMING = Naming("global_step{step}", re.compile(r"global_step(\d+)"))
+_STEP = re.compile(r"global_step(\d+)$")
 SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")  # what DeepSpeed copies beside its tags (0.19)
 
 
@@ -166,15 +167,16 @@ class DeepSpeedLevels:
         runner.sweep_once()
         runner.start(feed, copies, unpin_save=False)
 
+    def saved_synchronously(self, step: int) -> None:
+        """A signal handler saves ``step`` into the fastest level now (the stock engine): this run's step there,
+        never removed as an earlier run's. Takes no lock."""
+        if self.runner is not None:
+            self.runner.saved_synchronously(0, step)
+
     def submit(self, tag: Any) -> bool:
         """A routed tag's commit, on its level's thread (False: closed)."""
         assert self.runner is not None
         return self.runner.submit(tag.level, tag)
-
-    def drain(self, timeout: float | None) -> None:
-        """Wait for every copy (``TimeoutError`` after ``timeout`` seconds)."""
-        if self.runner is not None:
-            self.runner.drain(timeout)
 
     # -- the runner's producer (``schedule.LevelProducer``), on the level threads ------------------------
 
@@ -200,13 +202,10 @@ class DeepSpeedLevels:
     def discard(self, path: str) -> None:  # pragma: no cover - the source is always a level's tag folder
         pass
 
-    def remove(self, path: str) -> Any:
-        """Retention, by the folder's owner alone: a failure is logged (the remover's warning) and claimed here,
-        never raised by this rank's next save alone, which would fail that tag on every rank."""
-        assert self.engine is not None
-        future = self.engine.checkpointer.remove(path)
-        future.add_done_callback(lambda done: done.exception())
-        return future
+    def remove(self, path: str) -> None:
+        """Retention, by the folder's owner alone, here: a failure is logged, never raised by this rank's next save
+        alone (which would fail that tag on every rank)."""
+        _fs.remove_quietly(path)
 
     def remote_tier(self) -> Any:  # pragma: no cover - no URL levels here
         raise SaveRefusedError("lazyckpt.deepspeed: URL levels are not supported")
@@ -322,7 +321,8 @@ def latest_restored(levels: Sequence[Level], timeout: float) -> Found | None:
 
 def _steps(save_dir: str) -> list[int]:
     """The N of the ``global_stepN`` folders in ``save_dir``, oldest first."""
-    return sorted(list_steps(Level(save_dir), folder=True, naming=NAMING))
+    steps = list_steps(Level(save_dir), folder=True, naming=NAMING)
+    return sorted(s for s, path in steps.items() if os.path.isdir(path))
 
 
 def latest_in(save_dir: str, index: int = 0) -> Found | None:
@@ -330,8 +330,8 @@ def latest_in(save_dir: str, index: int = 0) -> Found | None:
     tag = _latest_tag(save_dir)
     if not tag or not os.path.isdir(os.path.join(save_dir, tag)):
         return None
-    step = NAMING.step(tag)
-    return Found(save_dir, -1 if step is None else step, index)
+    m = _STEP.search(tag)  # (a custom tag ending in global_stepN counts as N, as before)
+    return Found(save_dir, int(m.group(1)) if m else -1, index)
 
 
 def _latest_tag(save_dir: str) -> str | None:

@@ -26,7 +26,7 @@ class Tag:
     handles: list[SaveHandle] = field(default_factory=list)  # saves into the staging folder
     direct: list[SaveHandle] = field(default_factory=list)  # saves elsewhere (save_16bit_model)
     finished: threading.Event = field(default_factory=threading.Event)
-    handed: bool = False  # handed over to the commit thread (once)
+    handed: bool = False  # handed over to its commit (once): the commit thread's, or its level's thread
     staged: threading.Event = field(default_factory=threading.Event)  # the hand-over's copies are done
     error: BaseException | None = None  # this rank's failure before the commit (the decision fails everywhere)
     seen: bool = False  # that failure was raised to the caller already: not raised again by the engine

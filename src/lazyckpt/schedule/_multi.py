@@ -69,7 +69,8 @@ class MultiLevel:
     """The multi-level saver of one checkpointer: file checkpoints (``folder=False``) or folder
     checkpoints (``folder=True``; named by ``naming``, default ``step-<8 digits>``). ``reuse``: the
     checkpointer's page reuse for dropped files, or None. ``replicate``: allow a level with ``replicas``
-    (collective: built on every rank). ``protect``: as for ``Runner``."""
+    (collective: built on every rank). ``protect``: as for ``Runner``. ``remove``: how retention deletes
+    (default: the checkpointer's ``remove``, a failure raised once like a failed save's)."""
 
     def __init__(
         self,
@@ -82,8 +83,10 @@ class MultiLevel:
         replicate: bool = False,
         naming: Naming | None = None,
         protect: Callable[[int], Collection[str]] = lambda index: (),
+        remove: Callable[[str], Any] | None = None,
     ) -> None:
         check_levels(levels)
+        self._remove = remove
         if naming is not None and not folder:
             raise ValueError("naming is for folder checkpoints")
         self.naming = naming
@@ -252,7 +255,7 @@ class MultiLevel:
         self._ledger.publish(report)
 
     def remove(self, path: str) -> Any:
-        return self.ckpt.remove(path)
+        return self.ckpt.remove(path) if self._remove is None else self._remove(path)
 
     def remote_tier(self) -> _remote.RemoteTier:
         return self._remote_tier()

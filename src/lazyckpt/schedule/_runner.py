@@ -146,6 +146,11 @@ class Runner:
         """Call before other processes may write into ``step``'s folder at the fastest due level."""
         self._retention.claim(self.due(step, None)[:1], step)
 
+    def saved_synchronously(self, index: int, step: int) -> None:
+        """``step`` is being written into level ``index`` outside the runner (from a signal handler): never an
+        abandoned timeline's step. Takes no lock (the interrupted frame may hold it): one set insertion."""
+        self._retention.mine(index).add(step)
+
     def refund(self, admitted: Sequence[int]) -> None:
         """Places ``admit`` gave for a save that will not ``begin``."""
         for i in admitted:
@@ -277,7 +282,10 @@ class Runner:
         with self._cond:
             handles = list(self._open)
         for handle in handles:
-            handle.exception(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0 and not handle.done():
+                raise TimeoutError(f"lazyckpt: the save of {handle.path} is not done after {timeout} s")
+            handle.exception(timeout=left)  # (TimeoutError once ``left`` runs out)
 
     def close(self) -> None:
         """Stop the level threads (after what they hold) and the callback thread."""

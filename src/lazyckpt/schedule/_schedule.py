@@ -114,6 +114,10 @@ class Retention:
             for i in levels:
                 self._mine[i].add(step)
 
+    def mine(self, level: int) -> set[int]:
+        """The steps of ``level`` this saver wrote (or claimed)."""
+        return self._mine[level]
+
     def unpin(self, level: int, step: int, copies: int = 1) -> None:
         with self._cond:
             self._pins[(level, step)] -= copies

@@ -202,6 +202,22 @@ def _unlink_quietly(path: str) -> None:
         logger.warning("lazyckpt: could not remove temporary file %s: %s", path, exc)
 
 
+def remove_quietly(path: str) -> None:
+    """Delete a checkpoint retention dropped, here: a folder renamed away first (its name free at once), then
+    deleted; a file unlinked. A failure is logged, never raised (retention is housekeeping)."""
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            gone = temporary_path(path)
+            os.rename(path, gone)
+            shutil.rmtree(gone)
+        else:
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        logger.warning("lazyckpt: could not remove %s: %s", path, exc)
+
+
 def discard(tmp: str) -> None:
     """Remove a failed save's temporary file; a missing one is fine, another error is logged."""
     _unlink_quietly(tmp)

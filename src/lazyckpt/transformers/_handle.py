@@ -94,14 +94,18 @@ class Checkpoints:
         if distributed:  # every process writes into the main process's staging folder
             torch.distributed.broadcast_object_list(staging, src=0)
         save = CheckpointSave(self, final, str(staging[0]), step=step, writer=writer, distributed=distributed)
-        if writer and self.levels is not None:  # copied to the slower levels due once committed
-            self.levels.save(step, final, save.completion.handle)
         if writer and run_dir not in self._cleaned:  # a killed run's staging folders (dead pid, this host)
             self._cleaned.add(run_dir)
             _fs.cleanup_temporaries(run_dir)
         save.prepare()
         if distributed:
             torch.distributed.barrier()  # the staging folder exists before any process writes into it
+        if writer and self.levels is not None:  # copied to the slower levels due once committed (from here on
+            try:  # its commit must end, whatever happens: the level threads wait for it)
+                self.levels.save(step, final, save.completion.handle)
+            except BaseException:
+                save.abort(self.commit)
+                raise
         self._saved.add(final)
         return save
 
@@ -127,22 +131,27 @@ class Checkpoints:
         save.abort(self.commit)
 
     def end(self, save: CheckpointSave, push: Callable[[], None] | None, best: str | None, t0: float) -> None:
-        """Stock's statements ran: every process's files durable, then the commit, ``push`` and rotation or
-        level copies queued on the commit thread."""
-        if save.distributed:
-            self._sync_own_files(save)
-            torch.distributed.barrier()  # every process's files are durable in the staging folder
-        if save.writer:
-            self._check_routed(save)
-            save.sync_stock_files()
-            if push is not None:
-                save.after_commit.append(push)
-            run_dir = save.run_dir
-            if self.levels is not None:  # (the level runner copies and keeps, once the commit is done)
-                self.levels.best = best
-            else:
-                limit = self.trainer.args.save_total_limit
-                save.after_commit.append(lambda: _rotate(run_dir, limit, best))
+        """Stock's statements ran: DeepSpeed's tag joins the folder; every process's files durable, then the
+        commit, ``push`` and rotation queued on the commit thread (or the save aborted, if any of this raises)."""
+        try:
+            self.add_deepspeed_tag(save)
+            if save.distributed:
+                self._sync_own_files(save)
+                torch.distributed.barrier()  # every process's files are durable in the staging folder
+            if save.writer:
+                self._check_routed(save)
+                save.sync_stock_files()
+                if push is not None:
+                    save.after_commit.append(push)
+                run_dir = save.run_dir
+                if self.levels is not None:  # (the level runner copies and keeps, once the commit is done)
+                    self.levels.best = best
+                else:
+                    limit = self.trainer.args.save_total_limit
+                    save.after_commit.append(lambda: _rotate(run_dir, limit, best))
+        except BaseException:
+            save.abort(self.commit)
+            raise
         with self._lock:
             self._saves.append(save)
         save.finish(self.commit)
@@ -248,7 +257,6 @@ class SaveCheckpointMirror:
             raise
         finally:
             _compat.active.reset(token)
-        checkpoints.add_deepspeed_tag(save)
         final = save.final
         push = (lambda: self._push_from_checkpoint(final)) if args.push_to_hub else None
         checkpoints.end(save, push, self.state.best_model_checkpoint, t0)

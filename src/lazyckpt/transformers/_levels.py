@@ -3,7 +3,9 @@
 The levels run on the one level runner (``schedule.MultiLevel``, in the writing process): the fastest due
 level's ``checkpoint-N`` is the lazy save (its ``CheckpointSave``, the runner's source); once it is
 committed, each slower due level's thread copies it whole (``schedule.copy_tree``), bounded by its
-``backlog``; each level keeps its newest ``keep`` folders, and the best checkpoint too.
+``backlog``; each level keeps its newest ``keep`` folders, and the best checkpoint too (a failed deletion is
+logged: never raised by the main process alone while the others wait in a collective). A save waiting for a
+slower level's backlog holds the other processes at the checkpoint's barrier meanwhile.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from lazyckpt import Level, SaveRefusedError
 from lazyckpt.core.handle import SaveHandle
 from lazyckpt.levels import Naming
 from lazyckpt.schedule import MultiLevel, refuse_replicas
+from lazyckpt.storage import fs as _fs
 
 if TYPE_CHECKING:
     from lazyckpt import LazyCheckpointer
@@ -43,7 +46,8 @@ class TrainerLevels:
         self.best: str | None = None  # the trainer's best checkpoint (training thread): kept at its level
         self.multi = (
             MultiLevel(checkpointer, self.levels, checkpointer.options, folder=True, naming=NAMING,
-                       protect=lambda index: () if self.best is None else (os.path.abspath(self.best),))
+                       protect=lambda index: () if self.best is None else (os.path.abspath(self.best),),
+                       remove=_fs.remove_quietly)
             if writer
             else None
         )  # fmt: skip
