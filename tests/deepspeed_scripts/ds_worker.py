@@ -593,12 +593,16 @@ def scenario_levels() -> None:
     engine = make_engine()
     handle = lazyckpt.deepspeed.install(engine, levels=levels, commit_timeout=60)
     if CONFIG.get("fail_remove") and RANK == 0:  # retention's deletions fail on rank 0, the folders' owner
-        from lazyckpt.core import removal
+        import shutil
 
-        def busy(path, keep=()):
-            raise OSError(errno.EBUSY, "Device or resource busy (injected)", path)
+        rmtree = shutil.rmtree
 
-        removal._delete = busy
+        def busy(path, *args, **kwargs):  # (a tag renamed away is deleted under a hidden name)
+            if os.path.basename(os.fspath(path)).startswith(".global_step"):
+                raise OSError(errno.EBUSY, "Device or resource busy (injected)", path)
+            return rmtree(path, *args, **kwargs)
+
+        shutil.rmtree = busy
     if CONFIG.get("fail_copy") and RANK == 1:
 
         def enospc():
