@@ -301,6 +301,13 @@ def test_retention_never_removes_the_tag_latest_names(tmp_path):
     assert (base / "slow" / "latest").read_text() == "global_step2"
 
 
+def test_a_signal_handlers_save_inside_the_hand_over_of_the_open_tag_does_not_wait_for_itself(tmp_path):
+    """The hand-over is a reentry region: a save from a handler that interrupted it sees lazyckpt re-entered, and
+    the hand-over it starts of the same tag returns instead of waiting for the interrupted frame (it hung)."""
+    for r in _run("handover_reentered", tmp_path / "run"):
+        assert r["reentered"] and not r["hung"], r
+
+
 @pytest.mark.slow(reason="a 2-process DeepSpeed run with levels")
 def test_a_failed_removal_of_an_old_tag_fails_no_later_save(tmp_path):
     """Rank 0 (the owner of both shared levels) cannot delete the tags retention drops (EBUSY, injected): each

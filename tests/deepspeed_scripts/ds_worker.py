@@ -673,6 +673,37 @@ def scenario_levels_held() -> None:
     RESULT["listings"] = [sorted(os.listdir(lv.path)) for lv in levels]
 
 
+def scenario_handover_reentered() -> None:
+    """A signal handler's save runs inside the hand-over of the open tag (where the hand-over queues it: the
+    handler is called there instead of being sent a signal) and creates the next tag, which hands the open tag
+    over first: it must not wait for that hand-over, its own interrupted frame (RESULT["hung"]: whether commit()
+    was still running after 30 s; RESULT["reentered"]: what the handler saw)."""
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
+
+    from lazyckpt.deepspeed import LazyCheckpointEngine
+    from lazyckpt.threads import reentry
+
+    engine = LazyCheckpointEngine()
+    folder = os.path.join(OUT, "handover")
+    info = CheckpointCommitInfo(tag="global_step1", save_dir=folder, save_latest=True)
+    engine.create(info)
+    engine.makedirs(os.path.join(folder, "global_step1"), exist_ok=True)
+    submit = engine._worker.submit
+
+    def handler_then_submit(tag):
+        RESULT["reentered"] = reentry.reentered()
+        engine.create(CheckpointCommitInfo(tag="global_step2", save_dir=folder, save_latest=True))
+        return submit(tag)
+
+    engine._worker.submit = handler_then_submit
+    committing = threading.Thread(target=engine.commit, args=(info,), daemon=True)
+    committing.start()
+    committing.join(30)
+    RESULT["hung"] = committing.is_alive()
+    if not RESULT["hung"]:
+        engine.close()
+
+
 def scenario_levels_fast_fails() -> None:
     """Levels as ``levels``; steps 1-3 saved; rank 1's data write of step 4 (due at both levels) fails with
     ENOSPC: every rank's wait() raises the fast level's DistributedSaveError once (RESULT["errors"]), no level

@@ -21,6 +21,7 @@ import functools
 import inspect
 import logging
 import os
+import threading
 import time
 import weakref
 from collections import deque
@@ -38,7 +39,7 @@ from lazyckpt.core.handle import CallbackRunner, Completion, SaveHandle, claim_e
 from lazyckpt.core.plan import tensors_in
 from lazyckpt.deepspeed import _levels
 from lazyckpt.deepspeed._levels import DeepSpeedLevels, LevelCopy
-from lazyckpt.deepspeed._tag import Tag, same_path, tag_stats
+from lazyckpt.deepspeed._tag import Tag, as_cloned, same_path, tag_stats
 from lazyckpt.distributed.folder_commit import FolderCommit
 from lazyckpt.errors import CheckpointerClosedError, DistributedLevelError
 from lazyckpt.options import CheckpointerOptions
@@ -87,6 +88,7 @@ class LazyCheckpointEngine(CheckpointEngine):
         self._cleaned: set[str] = set()
         self._closed = False
         self._saving: Tag | None = None  # the tag the save_checkpoint in progress opened (``saving``)
+        self._saving_thread: int | None = None  # the thread running that save_checkpoint
         self._epoch = 0  # synchronous saves from signal handlers so far (``supersede``)
         self.stepped = False  # an optimizer step (accumulation boundary) ran since this engine was set
         self._recent: deque[Tag] = deque(maxlen=16)  # finished tags, for ``handle_of``
@@ -104,8 +106,9 @@ class LazyCheckpointEngine(CheckpointEngine):
         self.raise_errors()
         if self._closed:
             raise CheckpointerClosedError("this LazyCheckpointEngine is closed")
-        if self._open is not None:  # saved again with no step between: nothing changed since
-            self._hand_over(self._open)
+        open_tag = self._open
+        if open_tag is not None:  # saved again with no step between: nothing changed since
+            self._hand_over(open_tag)
         tag = Tag(info, os.path.join(os.path.abspath(info.save_dir), str(info.tag)), epoch=self._epoch)
         tag.completion = Completion(tag.final)
         tag.completion.bind(confirm=lambda _timeout: self._hand_over(tag))  # a wait on it hands it over
@@ -132,7 +135,7 @@ class LazyCheckpointEngine(CheckpointEngine):
         else:
             target = path
         if inspect.currentframe().f_back.f_code.co_name == "_save_moe_checkpoint":  # type: ignore[union-attr]
-            state_dict = _as_cloned(state_dict)  # stock clones what its MoE save hands over: its containers
+            state_dict = as_cloned(state_dict)  # stock clones what its MoE save hands over: its containers
         # DeepSpeed changes what it hands over only in step(), after commit() waited for the copies.
         self.checkpointer.declare_frozen(*(tensors_in(state_dict) or ()))
         while True:  # an earlier file's error is its tag's, reported by its commit on every rank: never raised here
@@ -186,7 +189,7 @@ class LazyCheckpointEngine(CheckpointEngine):
         """Around one ``engine.save_checkpoint`` (``install()`` wraps it): if it raises, the tag it opened is
         handed over failed (its files may be missing), so the decision fails it on every rank instead of a
         later step publishing it; that error, raised here, is not raised again by this engine."""
-        self._saving = None
+        self._saving, self._saving_thread = None, threading.get_ident()
         try:
             yield
         except BaseException as exc:
@@ -196,7 +199,7 @@ class LazyCheckpointEngine(CheckpointEngine):
                 self._hand_over(tag)
             raise
         finally:
-            self._saving = None
+            self._saving = self._saving_thread = None
             if self._route is not None and self.levels is not None:  # a save that never reached create()
                 self.levels.refund([c.index for c in self._route[2]])
             self._route = None
@@ -238,8 +241,9 @@ class LazyCheckpointEngine(CheckpointEngine):
         that interrupted lazyckpt: returns at once (``reentry.wait_refused``)."""
         if reentry.wait_refused("LazyCheckpointEngine.wait()"):
             return
-        if self._open is not None:
-            self._hand_over(self._open)
+        open_tag = self._open
+        if open_tag is not None:
+            self._hand_over(open_tag)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             queued = list(self._queued)
@@ -340,12 +344,21 @@ class LazyCheckpointEngine(CheckpointEngine):
     def _hand_over(self, tag: Tag) -> None:
         """The tag's copies done (the optimizer may change its tensors), its folder to the commit thread (a routed
         tag's: its level's thread). It stays the open tag until queued: a ``create`` or ``commit`` meanwhile
-        waits here (the optimizer step after it, the next tag's copies queued after it, on every rank)."""
+        waits here (the optimizer step after it, the next tag's copies queued after it, on every rank). Not while
+        its ``save_checkpoint`` runs on another thread (that save's step or wait hands it over). A region of
+        ``reentry``: a signal handler interrupting it saves synchronously, never waiting for it here."""
+        if tag is self._saving and self._saving_thread not in (None, threading.get_ident()):
+            return
+        with reentry.inside():
+            self._hand_over_now(tag)
+
+    def _hand_over_now(self, tag: Tag) -> None:
         with self._lock:
             first = not tag.handed
             tag.handed = True
         if not first:  # another thread hands it over: its copies are done, and it is queued, once that is past
-            tag.staged.wait()
+            if reentry.depth() <= 1:  # (deeper: this thread interrupted its own hand-over: never wait for itself)
+                tag.staged.wait()
             return
         for handle in tag.handles + tag.direct:
             try:
@@ -474,18 +487,6 @@ def publish_pending(path: str) -> None:
     for engine in list(_LIVE):
         if engine.pending_into(path):
             engine.wait()
-
-
-def _as_cloned(item: Any) -> Any:
-    """``item``'s containers as DeepSpeed's ``clone_tensors_for_torch_save`` rebuilds them (a tuple subclass such as
-    ``torch.Size`` becomes a tuple), its tensors themselves: the MoE save's files equal to stock's, with no copy."""
-    if isinstance(item, list):
-        return [_as_cloned(v) for v in item]
-    if isinstance(item, tuple):
-        return tuple(_as_cloned(v) for v in item)
-    if isinstance(item, dict):
-        return type(item)({k: _as_cloned(v) for k, v in item.items()})
-    return item
 
 
 def _drain_at_exit(engine: LazyCheckpointEngine) -> None:

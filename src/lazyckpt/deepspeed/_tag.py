@@ -1,4 +1,5 @@
-"""One DeepSpeed ``save_checkpoint`` as the engine tracks it (``Tag``): from ``create`` to its commit."""
+"""One DeepSpeed ``save_checkpoint`` as the engine tracks it (``Tag``): from ``create`` to its commit; ``as_cloned``
+for the MoE save."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
 
@@ -58,3 +60,15 @@ def tag_stats(tag: Tag) -> SaveStats:
 
 def same_path(a: str, b: str) -> bool:
     return os.path.realpath(a) == os.path.realpath(b)
+
+
+def as_cloned(item: Any) -> Any:
+    """``item``'s containers as DeepSpeed's ``clone_tensors_for_torch_save`` rebuilds them (a tuple subclass such as
+    ``torch.Size`` becomes a tuple), its tensors themselves: the MoE save's files equal to stock's, with no copy."""
+    if isinstance(item, list):
+        return [as_cloned(v) for v in item]
+    if isinstance(item, tuple):
+        return tuple(as_cloned(v) for v in item)
+    if isinstance(item, dict):
+        return type(item)({k: as_cloned(v) for k, v in item.items()})
+    return item

@@ -125,10 +125,12 @@ class Checkpoints:
     def abort(self, save: CheckpointSave, error: BaseException) -> None:
         """Stock's statements raised ``error``: nothing is committed; DeepSpeed's open tag in the staging folder
         fails too (on every rank), and the folder is removed once it has ended."""
-        if self.deepspeed is not None:
-            self.deepspeed.abandon(self.trainer.model_wrapped, save.staging, error)
-            self.add_deepspeed_tag(save)
-        save.abort(self.commit)
+        try:
+            if self.deepspeed is not None:
+                self.deepspeed.abandon(self.trainer.model_wrapped, save.staging, error)
+                self.add_deepspeed_tag(save)
+        finally:  # (its commit must end whatever happens: a level thread may wait for it)
+            save.abort(self.commit)
 
     def end(self, save: CheckpointSave, push: Callable[[], None] | None, best: str | None, t0: float) -> None:
         """Stock's statements ran: DeepSpeed's tag joins the folder; every process's files durable, then the
@@ -149,8 +151,8 @@ class Checkpoints:
                 else:
                     limit = self.trainer.args.save_total_limit
                     save.after_commit.append(lambda: _rotate(run_dir, limit, best))
-        except BaseException:
-            save.abort(self.commit)
+        except BaseException as exc:
+            self.abort(save, exc)
             raise
         with self._lock:
             self._saves.append(save)
