@@ -106,14 +106,12 @@ class LazyCheckpointEngine(CheckpointEngine):
         self.raise_errors()
         if self._closed:
             raise CheckpointerClosedError("this LazyCheckpointEngine is closed")
-        open_tag = self._open
-        if open_tag is not None:  # saved again with no step between: nothing changed since
-            self._hand_over(open_tag)
+        self.hand_over_open()  # saved again with no step between: nothing changed since
         tag = Tag(info, os.path.join(os.path.abspath(info.save_dir), str(info.tag)), epoch=self._epoch)
         tag.completion = Completion(tag.final)
         tag.completion.bind(confirm=lambda _timeout: self._hand_over(tag))  # a wait on it hands it over
         if self._route is not None and self.levels is not None:  # the level runner's source save, copies queued
-            (tag.level, tag.step, tag.copies), self._route, tag.routed = self._route, None, True
+            (tag.level, tag.step, tag.copies), self._route = self._route, None
             self.levels.begin(tag)
         self._open = self._saving = tag
 
@@ -241,9 +239,7 @@ class LazyCheckpointEngine(CheckpointEngine):
         that interrupted lazyckpt: returns at once (``reentry.wait_refused``)."""
         if reentry.wait_refused("LazyCheckpointEngine.wait()"):
             return
-        open_tag = self._open
-        if open_tag is not None:
-            self._hand_over(open_tag)
+        self.hand_over_open()
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             queued = list(self._queued)
@@ -264,7 +260,7 @@ class LazyCheckpointEngine(CheckpointEngine):
         self._route = (level, step, tuple(LevelCopy(i, os.path.abspath(self.levels.levels[i].path)) for i in copies))
 
     def hand_over_open(self) -> None:
-        """The open tag (if any) to its commit: a save waiting for a slower level's backlog lets it go on."""
+        """The open tag (if any) to its commit (``_open`` read once: another thread may clear it)."""
         tag = self._open
         if tag is not None:
             self._hand_over(tag)

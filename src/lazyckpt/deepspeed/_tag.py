@@ -39,10 +39,14 @@ class Tag:
     level: int = 0  # with levels: the level ``final`` is in
     step: int = -1  # with levels: the engine's global step it was saved at
     copies: tuple[LevelCopy, ...] = ()  # with levels: the slower levels due, each numbered in ``_make_folder``
-    routed: bool = False  # a save to levels: its commits run on the level runner's threads
     promoted: set[int] = field(default_factory=set)  # levels whose copy ran (``DeepSpeedLevels.promote``)
-    leveled: SaveHandle | None = None  # routed: done once every due level holds it (or failed there)
+    leveled: SaveHandle | None = None  # a save to levels: done once every due level holds it (or failed there)
     t0: float = field(default_factory=time.perf_counter)
+
+    @property
+    def routed(self) -> bool:
+        """A save to levels (``DeepSpeedLevels.begin``): its commits run on the level runner's threads."""
+        return self.leveled is not None
 
 
 def tag_stats(tag: Tag) -> SaveStats:
